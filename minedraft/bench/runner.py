@@ -1,0 +1,213 @@
+"""Side-by-side benchmark: the same prompts through each mode, interleaved, in one process tree.
+
+Each engine runs in a worker process of its own: `psd` and `sd` share one (the same drafter process, switched
+between overlapped and sequential), `ar` and `vllm-sd` each have theirs. Only one workload runs at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import multiprocessing
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from minedraft.bench.workload import Workload
+from minedraft.engine.settings import EngineSettings, Mode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    base: EngineSettings
+    modes: list[Mode]
+    concurrencies: list[int]
+    prompts: list[str]
+    max_tokens: int
+    rounds: int = 2
+    # Cores for the engines without a drafter process of their own (ar, vllm-sd).
+    baseline_cpu_cores: tuple[int, ...] = ()
+    warmup_requests: int = 4
+    labels: dict[str, Any] = field(default_factory=dict)
+
+
+def _engine_kind(mode: Mode) -> str:
+    return "minedraft" if mode in (Mode.PSD, Mode.SD) else mode.value
+
+
+def _kind_settings(config: BenchConfig, kind: str) -> EngineSettings:
+    if kind == "minedraft":
+        return replace(config.base, mode=Mode.PSD)
+    cores = config.baseline_cpu_cores or config.base.target_cpu_cores
+    return replace(config.base, mode=Mode(kind), target_cpu_cores=cores)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def aggregate(mode: Mode, runs: list[tuple[list[dict[str, Any]], float, dict[str, Any]]]) -> dict[str, Any]:
+    """Headline figures of one mode over its rounds."""
+    requests = [r for results, _, _ in runs for r in results]
+    tokens = sum(len(r["token_ids"]) for r in requests)
+    makespan = sum(m for _, m, _ in runs)
+    ttft = [r["ttft_seconds"] for r in requests]
+    tpot = [r["tpot_seconds"] for r in requests]
+    e2e = [r["e2e_seconds"] for r in requests]
+    summaries = [s for _, _, s in runs]
+    if mode in (Mode.PSD, Mode.SD):
+        steps = sum(s["steps"] for s in summaries)
+        weights = [s["steps"] / steps if steps else 0 for s in summaries]
+        acceptance = sum(w * s["acceptance_rate"] for w, s in zip(weights, summaries, strict=True))
+        accepted_length = sum(w * s["mean_accepted_length"] for w, s in zip(weights, summaries, strict=True))
+        overlap = sum(w * s["overlap_fraction"] for w, s in zip(weights, summaries, strict=True))
+        extra = {
+            "verify_seconds_per_step": statistics.fmean(s["verify_seconds_per_step"] for s in summaries),
+            "draft_seconds_per_step": statistics.fmean(s["draft_seconds_per_step"] for s in summaries),
+            "wait_seconds_per_step": statistics.fmean(s["wait_seconds_per_step"] for s in summaries),
+            "steps": steps,
+        }
+    else:
+        drafted = sum(r["num_draft_tokens"] for r in requests)
+        accepted = sum(r["num_accepted_tokens"] for r in requests)
+        acceptance = accepted / drafted if drafted else 0.0
+        # Without per-step records: tokens per verification from drafted/accepted totals and k.
+        accepted_length = 1.0 + (accepted / (drafted / max(1, _k_of(runs)))) if drafted else 1.0
+        overlap = 0.0
+        extra = {}
+    return {
+        "output_tokens_per_s": tokens / makespan if makespan else 0.0,
+        "ttft_p50_s": _percentile(ttft, 50),
+        "ttft_p99_s": _percentile(ttft, 99),
+        "tpot_p50_s": _percentile(tpot, 50),
+        "tpot_p99_s": _percentile(tpot, 99),
+        "e2e_p50_s": _percentile(e2e, 50),
+        "e2e_p99_s": _percentile(e2e, 99),
+        "acceptance_rate": acceptance,
+        "mean_accepted_length": accepted_length,
+        "overlap_fraction": overlap,
+        "num_requests": len(requests),
+        "output_tokens": tokens,
+        "makespan_s": makespan,
+        **extra,
+    }
+
+
+def _k_of(runs: list[tuple[list[dict[str, Any]], float, dict[str, Any]]]) -> int:
+    return int(runs[0][2].get("k", 0)) if runs and runs[0][2].get("k") else 1
+
+
+def run_bench(config: BenchConfig) -> dict[str, Any]:
+    context = multiprocessing.get_context("spawn")
+    from minedraft.bench.worker import worker_main
+
+    kinds = sorted({_engine_kind(m) for m in config.modes})
+    workers: dict[str, tuple[Any, Any]] = {}
+    started = time.perf_counter()
+    try:
+        for kind in kinds:
+            parent, child = context.Pipe()
+            process = context.Process(target=worker_main, args=(_kind_settings(config, kind), child),
+                                      name=f"bench-{kind}")
+            process.start()
+            workers[kind] = (process, parent)
+        for kind, (_, conn) in workers.items():
+            message = conn.recv()
+            log.info("engine %s ready (%.1fs)", kind, message[1])
+        print(f"engines ready after {time.perf_counter() - started:.0f}s", file=sys.stderr)
+
+        def run(mode: Mode, workload: Workload) -> tuple[list[dict[str, Any]], float, dict[str, Any]]:
+            _, conn = workers[_engine_kind(mode)]
+            conn.send(("run", mode.value, workload))
+            message = conn.recv()
+            _, results, makespan, summary, _records = message
+            summary["k"] = config.base.num_speculative_tokens
+            return results, makespan, summary
+
+        for mode in config.modes:
+            run(mode, Workload(config.prompts[: config.warmup_requests], config.warmup_requests, 8))
+
+        per_concurrency = []
+        for concurrency in config.concurrencies:
+            collected: dict[Mode, list[tuple[list[dict[str, Any]], float, dict[str, Any]]]] = {
+                m: [] for m in config.modes
+            }
+            for round_index in range(config.rounds):
+                order = config.modes if round_index % 2 == 0 else list(reversed(config.modes))
+                for mode in order:
+                    workload = Workload(config.prompts, concurrency, config.max_tokens)
+                    t0 = time.perf_counter()
+                    collected[mode].append(run(mode, workload))
+                    print(f"concurrency {concurrency} round {round_index + 1}/{config.rounds} {mode.value}: "
+                          f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
+            modes = {m.value: aggregate(m, runs) for m, runs in collected.items()}
+            identical = _greedy_identical(collected)
+            per_concurrency.append({"concurrency": concurrency, "modes": modes,
+                                    "greedy_outputs_identical": identical})
+    finally:
+        for _, conn in workers.values():
+            with contextlib.suppress(BrokenPipeError, OSError):
+                conn.send(("stop",))
+        for process, _ in workers.values():
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+
+    base = config.base
+    config_out = {
+        "target_model": base.model,
+        "draft_model": base.drafter.model,
+        "modes": [m.value for m in config.modes],
+        "concurrency": config.concurrencies if len(config.concurrencies) > 1 else config.concurrencies[0],
+        "num_prompts": len(config.prompts),
+        "max_tokens": config.max_tokens,
+        "num_speculative_tokens": base.num_speculative_tokens,
+        "num_extra_draft_tokens": base.num_extra_draft_tokens,
+        "rounds": config.rounds,
+        "target_cpu_cores": list(base.target_cpu_cores),
+        "drafter_cpu_cores": list(base.drafter.cpu_cores),
+        "baseline_cpu_cores": list(config.baseline_cpu_cores or base.target_cpu_cores),
+        "greedy": True,
+        "ignore_eos": True,
+        **config.labels,
+    }
+    if len(per_concurrency) == 1:
+        return {"config": config_out, "modes": per_concurrency[0]["modes"],
+                "greedy_outputs_identical": per_concurrency[0]["greedy_outputs_identical"]}
+    return {"config": config_out, "runs": per_concurrency,
+            "greedy_outputs_identical": all(r["greedy_outputs_identical"] for r in per_concurrency)}
+
+
+def _greedy_identical(collected: dict[Mode, list[tuple[list[dict[str, Any]], float, dict[str, Any]]]]) -> bool:
+    reference_mode = Mode.AR if Mode.AR in collected else next(iter(collected))
+    reference = [r["token_ids"] for r in collected[reference_mode][0][0]]
+    for runs in collected.values():
+        for results, _, _ in runs:
+            if [r["token_ids"] for r in results] != reference:
+                return False
+    return True
+
+
+def write_outputs(report: dict[str, Any], json_path: Path) -> None:
+    from minedraft.bench.report import markdown_table, plot
+
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    json_path.with_suffix(".md").write_text(markdown_table(report))
+    plot(report, json_path.with_suffix(".png"))
+
+
+def config_to_dict(config: BenchConfig) -> dict[str, Any]:
+    data = asdict(config)
+    data["prompts"] = len(config.prompts)
+    return data

@@ -1,0 +1,281 @@
+"""The `minedraft` command: one CLI, subcommands. Machine-readable output goes to stdout, logs to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# vLLM logs to stdout unless told otherwise; `--json` output must stay clean. Set before vLLM is imported.
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _pair_dir(value: str | None) -> Path:
+    from minedraft.models.spec import default_pair_dir
+
+    return Path(value) if value else default_pair_dir()
+
+
+def ensure_pair(pair_dir: Path) -> Path:
+    """The local pair, built on demand when neither the committed copy nor the cache has it."""
+    from minedraft.models.spec import is_complete_pair
+
+    if not is_complete_pair(pair_dir):
+        from minedraft.models.build import build_pair
+
+        print(f"building the local model pair into {pair_dir} (one time)", file=sys.stderr)
+        build_pair(pair_dir)
+    return pair_dir
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "psd") -> None:
+    parser.add_argument("--model", help="target model directory or id (default: the local pair's target)")
+    parser.add_argument("--draft", help="draft model directory or id (default: the local pair's draft)")
+    parser.add_argument("--mode", default=default_mode, help="psd | sd | ar | vllm-sd")
+    parser.add_argument("--num-speculative-tokens", "-k", type=int, default=3, help="draft length k")
+    parser.add_argument("--num-extra-draft-tokens", type=int, default=0,
+                        help="extra drafts e (top-C selection by cumulative draft log-probability)")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0)
+    parser.add_argument("--target-cores", help="comma-separated CPU cores for the target (default: first half)")
+    parser.add_argument("--drafter-cores", help="comma-separated CPU cores for the drafter (default: the rest)")
+    parser.add_argument("--drafter-gpu", type=int, help="GPU index for the drafter (GPU machines)")
+    parser.add_argument("--draft-deadline-seconds", type=float, default=5.0)
+    parser.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds are separate)")
+
+
+def _cores(value: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(c) for c in value.split(",")) if value else default
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode, default_core_split
+
+    pair = None if (args.model and args.draft) else ensure_pair(_pair_dir(getattr(args, "pair", None)))
+    target_default, drafter_default = default_core_split()
+    mode = Mode.parse(args.mode)
+    return EngineSettings(
+        model=args.model or str(pair / "target"),  # type: ignore[operator]
+        drafter=DrafterSettings(
+            model=args.draft or str(pair / "draft"),  # type: ignore[operator]
+            cpu_cores=_cores(args.drafter_cores, drafter_default),
+            gpu_index=args.drafter_gpu,
+            deadline_seconds=args.draft_deadline_seconds,
+        ),
+        mode=mode,
+        num_speculative_tokens=args.num_speculative_tokens,
+        num_extra_draft_tokens=args.num_extra_draft_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib,
+        target_cpu_cores=_cores(args.target_cores, target_default),
+        seed=args.seed,
+    )
+
+
+# -- models --------------------------------------------------------------------------------------------------------
+
+
+def cmd_models_build(args: argparse.Namespace) -> int:
+    from minedraft.models.build import build_pair
+    from minedraft.models.spec import PAIR_NAME, cache_root
+
+    out = Path(args.output) if args.output else cache_root() / "models" / PAIR_NAME
+    report = build_pair(out, threads=args.threads)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_models_check(args: argparse.Namespace) -> int:
+    from minedraft.models.check import check_pair
+
+    pair_dir = ensure_pair(_pair_dir(args.pair))
+    report = check_pair(pair_dir, with_vllm=not args.no_vllm)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    acceptance = report["acceptance"]
+    print(f"pair: {pair_dir}")
+    print(f"greedy acceptance at k={acceptance['num_speculative_tokens']} on {acceptance['num_prompts']} "
+          f"held-out prompts: {acceptance['acceptance_rate']:.3f} "
+          f"(mean accepted length {acceptance['mean_accepted_length']:.2f} tokens per verification)")
+    print(f"target/draft cost ratio: {report['cost_ratio']:.2f}x "
+          f"({report['target_forward_seconds'] * 1000:.1f} ms vs {report['draft_forward_seconds'] * 1000:.1f} ms "
+          f"per forward of 8x128 tokens; {report['target_params']:,} vs {report['draft_params']:,} parameters)")
+    for role, result in report.get("vllm", {}).items():
+        print(f"vLLM {role}: loaded in {result['load_seconds']}s, generated {result['num_tokens']} tokens: "
+              f"{result['prompt']!r} -> {result['completion']!r}")
+    ok = 0.5 <= acceptance["acceptance_rate"] <= 0.9
+    print("acceptance within 0.5-0.9: " + ("yes" if ok else "NO"))
+    return 0 if ok else 1
+
+
+# -- generate / run ------------------------------------------------------------------------------------------------
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from minedraft.engine.core import Engine
+    from minedraft.engine.requests import Completion, SamplingSettings
+
+    settings = settings_from_args(args)
+    prompts = [line.rstrip("\n") for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+    sampling_base = SamplingSettings(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed_request)
+    sampling_base.validate()
+    engine = Engine(settings)
+    try:
+        engine.wait_for_drafter()
+        completions: dict[str, Completion] = {}
+        for index, prompt in enumerate(prompts):
+            request_id = f"prompt-{index}"
+            seed = None if args.seed_request is None else args.seed_request + index
+            sampling = SamplingSettings(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed)
+            engine.add_request(request_id, engine.encode_prompt(prompt), sampling)
+            completions[request_id] = Completion(request_id)
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                completions[delta.request_id].add(delta)
+        for index in range(len(prompts)):
+            c = completions[f"prompt-{index}"]
+            print(json.dumps({"index": index, "token_ids": c.token_ids, "text": c.text,
+                              "finish_reason": c.finish_reason}), flush=True)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Stream one completion from the local pair to the terminal (the README's quick start)."""
+    import asyncio
+
+    from minedraft.engine.async_engine import AsyncEngine
+    from minedraft.engine.requests import SamplingSettings
+
+    settings = settings_from_args(args)
+
+    async def main() -> None:
+        print(f"starting the {settings.mode.value} engine (target {settings.model}) ...", file=sys.stderr)
+        engine = await AsyncEngine.create(settings)
+        try:
+            started = time.perf_counter()
+            print(args.prompt, end="", flush=True)
+            final = None
+            async for delta in engine.generate(args.prompt, SamplingSettings(max_tokens=args.max_tokens)):
+                print(delta.text, end="", flush=True)
+                final = delta
+            elapsed = time.perf_counter() - started
+            print()
+            if final is not None:
+                rate = final.num_accepted_tokens / final.num_draft_tokens if final.num_draft_tokens else 0.0
+                print(f"[{final.num_output_tokens} tokens in {elapsed:.2f}s, finish: {final.finish_reason}, "
+                      f"drafted {final.num_draft_tokens}, accepted {final.num_accepted_tokens} ({rate:.0%})]",
+                      file=sys.stderr)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+    return 0
+
+
+# -- bench ---------------------------------------------------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from minedraft.bench.runner import BenchConfig, run_bench, write_outputs
+    from minedraft.bench.workload import bench_prompts
+    from minedraft.engine.settings import Mode
+
+    settings = settings_from_args(args)
+    pair_dir = ensure_pair(_pair_dir(args.pair))
+    modes = [Mode.parse(m.strip()) for m in args.modes.split(",") if m.strip()]
+    concurrencies = [int(c) for c in str(args.concurrency).split(",")]
+    config = BenchConfig(
+        base=settings.with_changes(max_num_seqs=max(max(concurrencies), settings.max_num_seqs)),
+        modes=modes,
+        concurrencies=concurrencies,
+        prompts=bench_prompts(pair_dir, args.num_prompts),
+        max_tokens=args.max_tokens,
+        rounds=args.rounds,
+        baseline_cpu_cores=_cores(args.baseline_cores, tuple(sorted(os.sched_getaffinity(0)))),
+        labels={"regime": args.regime, "acceptance_source": "real (trained pair)",
+                "command": "minedraft " + " ".join(sys.argv[1:])},
+    )
+    report = run_bench(config)
+    write_outputs(report, Path(args.json))
+    print(Path(args.json).with_suffix(".md").read_text(), file=sys.stderr)
+    return 0 if report["greedy_outputs_identical"] else 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minedraft", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("MINEDRAFT_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    models = sub.add_parser("models", help="the local target/draft model pair").add_subparsers(
+        dest="models_command", required=True)
+    build = models.add_parser("build", help="train the tokenizer, target and distilled draft")
+    build.add_argument("--output", help="directory (default: the user cache)")
+    build.add_argument("--threads", type=int)
+    build.set_defaults(func=cmd_models_build)
+    check = models.add_parser("check", help="measure acceptance and cost ratio; load both in vLLM")
+    check.add_argument("--pair")
+    check.add_argument("--no-vllm", action="store_true")
+    check.add_argument("--json", action="store_true")
+    check.set_defaults(func=cmd_models_check)
+
+    gen = sub.add_parser("generate", help="one JSON line per prompt of a file")
+    add_engine_arguments(gen)
+    gen.add_argument("--pair")
+    gen.add_argument("--prompts-file", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed-request", type=int, dest="seed_request",
+                     help="per-request sampling seed (request i uses seed + i)")
+    gen.add_argument("--json", action="store_true", help="JSON lines on stdout (the only output format)")
+    gen.set_defaults(func=cmd_generate)
+
+    run = sub.add_parser("run", help="stream a completion from the local pair")
+    add_engine_arguments(run)
+    run.add_argument("--pair")
+    run.add_argument("--prompt", default="def parse_args(argv):\n")
+    run.add_argument("--max-tokens", type=int, default=96)
+    run.set_defaults(func=cmd_run)
+
+    bench = sub.add_parser("bench", help="modes side by side on the same prompts")
+    add_engine_arguments(bench)
+    bench.add_argument("--pair")
+    bench.add_argument("--modes", default="ar,vllm-sd,sd,psd")
+    bench.add_argument("--concurrency", default="16", help="one value or a comma-separated list")
+    bench.add_argument("--num-prompts", type=int, default=64)
+    bench.add_argument("--max-tokens", type=int, default=64)
+    bench.add_argument("--rounds", type=int, default=2)
+    bench.add_argument("--baseline-cores", help="cores for ar and vllm-sd (default: all this process may use)")
+    bench.add_argument("--regime", default="local trained pair")
+    bench.add_argument("--json", required=True, help="output JSON path (.md and .png written beside it)")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from minedraft.engine.requests import RequestError
+    from minedraft.engine.settings import SettingsError
+
+    try:
+        return int(args.func(args))
+    except (SettingsError, RequestError) as exc:
+        print(f"minedraft: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

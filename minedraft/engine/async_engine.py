@@ -1,0 +1,180 @@
+"""Asyncio face of the engine: `generate()` streams deltas, `abort()` cancels; one thread runs the step loop.
+
+vLLM releases the GIL inside its kernels, so a dedicated thread keeps the event loop (gRPC, metrics) responsive
+while the engine steps. All engine calls happen on that thread; the event loop only enqueues commands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from minedraft.engine.core import Engine
+from minedraft.engine.requests import EngineDeadError, OutputDelta, RequestError, SamplingSettings
+from minedraft.engine.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSettings
+    sink: Callable[[OutputDelta | BaseException], None]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Engine], Any]
+    future: Future[Any]
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.settings = engine.settings
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
+        self._sinks: dict[str, Callable[[OutputDelta | BaseException], None]] = {}
+        self._ids = itertools.count()
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="minedraft-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    async def create(cls, settings: EngineSettings, wait_for_drafter: bool = True) -> AsyncEngine:
+        engine = await asyncio.to_thread(Engine, settings)
+        if wait_for_drafter:
+            await asyncio.to_thread(engine.wait_for_drafter)
+        return cls(engine)
+
+    # -- public API --------------------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingSettings,
+        request_id: str | None = None,
+    ) -> AsyncIterator[OutputDelta]:
+        """Stream a request's output. Closing the iterator (or cancelling its task) aborts the request."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is not running: {self._dead}")
+        sampling.validate()
+        token_ids = self.engine.encode_prompt(prompt)
+        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        if request_id in self._sinks:
+            raise RequestError("request_id", f"{request_id!r} is already in flight")
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[OutputDelta | BaseException] = asyncio.Queue()
+
+        def sink(item: OutputDelta | BaseException) -> None:
+            loop.call_soon_threadsafe(deltas.put_nowait, item)
+
+        self._sinks[request_id] = sink
+        self._commands.put(_Add(request_id, token_ids, sampling, sink))
+        finished = False
+        try:
+            while True:
+                item = await deltas.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._sinks.pop(request_id, None)
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run fn(engine) on the engine thread between steps (mode switches, consistent reads)."""
+        future: Future[T] = Future()
+        self._commands.put(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sinks)
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    async def shutdown(self, shutdown_engine: bool = True) -> None:
+        """Stop the step loop (requests in flight end with EngineDeadError) and, by default, the engine."""
+        self._stopping = True
+        self._commands.put(None)
+        await asyncio.to_thread(self._thread.join, 60)
+        if shutdown_engine:
+            await asyncio.to_thread(self.engine.shutdown)
+
+    # -- engine thread -----------------------------------------------------------------------------------------
+
+    def _handle(self, command: _Add | _Abort | _Call) -> None:
+        if isinstance(command, _Add):
+            try:
+                self.engine.add_request(command.request_id, command.prompt_token_ids, command.sampling)
+            except Exception as exc:  # vLLM's own validation: fail this request, not the engine
+                command.sink(exc if isinstance(exc, RequestError) else RequestError("request", str(exc)))
+                self._sinks.pop(command.request_id, None)
+        elif isinstance(command, _Abort):
+            self.engine.abort([command.request_id])
+        else:
+            try:
+                command.future.set_result(command.fn(self.engine))
+            except Exception as exc:
+                command.future.set_exception(exc)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                busy = self.engine.has_unfinished_requests()
+                try:
+                    command = self._commands.get(block=not busy, timeout=None if busy else 0.1)
+                except queue.Empty:
+                    command = None
+                    if not busy:
+                        continue
+                while command is not None:
+                    self._handle(command)
+                    try:
+                        command = self._commands.get_nowait()
+                    except queue.Empty:
+                        command = None
+                if self._stopping:
+                    break
+                if self.engine.has_unfinished_requests():
+                    for delta in self.engine.step():
+                        sink = self._sinks.get(delta.request_id)
+                        if sink is not None:
+                            sink(delta)
+        except BaseException as exc:
+            log.exception("engine loop died")
+            self._dead = exc
+        finally:
+            error = EngineDeadError(f"engine stopped: {self._dead or 'shutdown'}")
+            for sink in list(self._sinks.values()):
+                sink(error)
+            self._sinks.clear()

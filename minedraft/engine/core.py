@@ -1,0 +1,265 @@
+"""One engine replica: vLLM's V1 engine with our scheduler in this process, the drafter in its own.
+
+The engine core runs in-process (vLLM's InprocClient) so the scheduler's per-step statistics are plain objects the
+rest of the product reads directly. The target worker is bound to its own cores, the drafter to others.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from minedraft.engine.requests import OutputDelta, RequestError, SamplingSettings
+from minedraft.engine.settings import EngineSettings, Mode
+from minedraft.engine.stats import EngineTotals, StepRecord
+
+log = logging.getLogger(__name__)
+
+SCHEDULER_CLASS = "minedraft.engine.scheduler.PSDScheduler"
+PROPOSER_CLASS = "minedraft.engine.proposer.NullProposer"
+
+
+def _configure_process(settings: EngineSettings) -> None:
+    # The engine core must live in this process (statistics, invariants); vLLM reads these lazily.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(settings.kv_cache_gib)))
+    if settings.target_cpu_cores:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in settings.target_cpu_cores)
+
+
+def drafter_process_settings(settings: EngineSettings) -> dict[str, Any]:
+    drafter = settings.drafter
+    return {
+        "model": drafter.model,
+        "cpu_cores": list(drafter.cpu_cores),
+        "gpu_index": drafter.gpu_index,
+        "kv_cache_gib": drafter.kv_cache_gib,
+        "max_model_len": settings.max_model_len,
+        "max_num_seqs": settings.max_num_seqs,
+        "dtype": settings.dtype,
+        "seed": settings.seed,
+    }
+
+
+def engine_args(settings: EngineSettings) -> Any:
+    """vLLM engine arguments for a mode (pure apart from vLLM's own argument object)."""
+    from vllm import EngineArgs
+
+    common: dict[str, Any] = {
+        "model": settings.model,
+        "dtype": settings.dtype,
+        "max_model_len": settings.max_model_len,
+        "max_num_seqs": settings.max_num_seqs,
+        "seed": settings.seed,
+        "disable_log_stats": False,
+    }
+    common.update(settings.extra_vllm_args)
+    if settings.mode is Mode.AR:
+        return EngineArgs(**common)
+    if settings.mode is Mode.VLLM_SD:
+        return EngineArgs(
+            **common,
+            speculative_config={
+                "method": "draft_model",
+                "model": settings.drafter.model,
+                "num_speculative_tokens": settings.num_speculative_tokens,
+            },
+            per_request_spec_decode_metrics="summary",
+        )
+    return EngineArgs(
+        **common,
+        scheduler_cls=SCHEDULER_CLASS,
+        speculative_config={
+            "method": "custom_class",
+            "model": PROPOSER_CLASS,
+            "num_speculative_tokens": settings.max_draft_tokens_per_request,
+        },
+        per_request_spec_decode_metrics="summary",
+        additional_config={
+            "minedraft": {
+                "mode": settings.mode.value,
+                "num_speculative_tokens": settings.num_speculative_tokens,
+                "num_extra_draft_tokens": settings.num_extra_draft_tokens,
+                "draft_token_budget": settings.draft_token_budget,
+                "deadline_seconds": settings.drafter.deadline_seconds,
+                "max_missed_deadlines": settings.drafter.max_missed_deadlines,
+                "drafter_restart": settings.drafter.restart,
+                "drafter_startup_timeout_seconds": settings.drafter.startup_timeout_seconds,
+                "check_invariants": settings.check_invariants,
+                "stats_history": settings.stats_history,
+                "drafter": drafter_process_settings(settings),
+                "drafter_prestarted": True,
+            }
+        },
+    )
+
+
+class Engine:
+    """Synchronous engine: add requests, step, read deltas. Not thread-safe; AsyncEngine drives it from a thread."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.settings = settings
+        started = time.perf_counter()
+        _configure_process(settings)
+        drafter = None
+        if settings.mode in (Mode.PSD, Mode.SD):
+            from minedraft.engine.drafter_client import DrafterClient
+
+            # Start the drafter first so its model loads while the target's does.
+            drafter = DrafterClient(
+                drafter_process_settings(settings),
+                restart=settings.drafter.restart,
+                startup_timeout_seconds=settings.drafter.startup_timeout_seconds,
+            )
+            drafter.start()
+        try:
+            self._llm = LLMEngine.from_engine_args(engine_args(settings))
+        except BaseException:
+            if drafter is not None:
+                drafter.shutdown()
+            raise
+        if drafter is not None:
+            scheduler = self.psd_scheduler
+            assert scheduler is not None
+            scheduler.attach_drafter(drafter)
+        self.tokenizer = self._llm.get_tokenizer()
+        self.startup_seconds = time.perf_counter() - started
+        self._prompt_lengths: dict[str, int] = {}
+        self._output_counts: dict[str, int] = {}
+        log.info("engine (%s) ready in %.1fs", settings.mode.value, self.startup_seconds)
+
+    # -- plumbing into vLLM's internals (pinned version) -------------------------------------------------------
+
+    @property
+    def scheduler(self) -> Any:
+        """Our PSDScheduler (or vLLM's own scheduler for ar and vllm-sd)."""
+        return self._llm.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
+
+    @property
+    def psd_scheduler(self) -> Any | None:
+        from minedraft.engine.scheduler import PSDScheduler
+
+        scheduler = self.scheduler
+        return scheduler if isinstance(scheduler, PSDScheduler) else None
+
+    def wait_for_drafter(self, timeout_seconds: float = 300.0) -> bool:
+        scheduler = self.psd_scheduler
+        if scheduler is None or scheduler.drafter is None:
+            return True
+        return bool(scheduler.drafter.wait_ready(timeout_seconds))
+
+    # -- requests ----------------------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        token_ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise RequestError("prompt", "is empty")
+        vocab_size = self._llm.model_config.get_vocab_size()
+        if any(not 0 <= t < vocab_size for t in token_ids):
+            raise RequestError("prompt_token_ids", f"token ids must be in [0, {vocab_size})")
+        if len(token_ids) >= self.settings.max_model_len:
+            raise RequestError(
+                "prompt",
+                f"is {len(token_ids)} tokens; the context holds {self.settings.max_model_len} "
+                "including at least one generated token",
+            )
+        return token_ids
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSettings) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        sampling.validate()
+        room = self.settings.max_model_len - len(prompt_token_ids)
+        params = SamplingParams(
+            max_tokens=min(sampling.max_tokens, room),
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=sampling.seed,
+            stop=list(sampling.stop) or None,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            ignore_eos=sampling.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        self._llm.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_token_ids), params)
+        self._prompt_lengths[request_id] = len(prompt_token_ids)
+        self._output_counts[request_id] = 0
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._llm.abort_request(request_ids)
+        for request_id in request_ids:
+            self._prompt_lengths.pop(request_id, None)
+            self._output_counts.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._llm.has_unfinished_requests())
+
+    def step(self) -> list[OutputDelta]:
+        deltas = []
+        for output in self._llm.step():
+            completion = output.outputs[0] if output.outputs else None  # type: ignore[index]
+            if completion is None:
+                continue
+            request_id = output.request_id
+            count = self._output_counts.get(request_id, 0) + len(completion.token_ids)
+            finished = bool(output.finished)
+            drafted = accepted = 0
+            metrics = getattr(completion, "spec_decode_metrics", None)
+            if finished and metrics is not None:
+                drafted = int(metrics.num_draft_tokens)
+                accepted = sum(j * n for j, n in enumerate(metrics.histogram))
+            deltas.append(
+                OutputDelta(
+                    request_id=request_id,
+                    token_ids=list(completion.token_ids),
+                    text=completion.text or "",
+                    finish_reason=(completion.finish_reason or "stop") if finished else None,
+                    num_prompt_tokens=self._prompt_lengths.get(request_id, 0),
+                    num_output_tokens=count,
+                    num_draft_tokens=drafted,
+                    num_accepted_tokens=accepted,
+                )
+            )
+            if finished:
+                self._prompt_lengths.pop(request_id, None)
+                self._output_counts.pop(request_id, None)
+            else:
+                self._output_counts[request_id] = count
+        return deltas
+
+    # -- statistics and control --------------------------------------------------------------------------------
+
+    def totals(self) -> EngineTotals:
+        scheduler = self.psd_scheduler
+        return scheduler.stats.totals() if scheduler is not None else EngineTotals()
+
+    def step_records(self, since_step: int = -1) -> list[StepRecord]:
+        scheduler = self.psd_scheduler
+        return scheduler.stats.records(since_step) if scheduler is not None else []
+
+    def set_mode(self, mode: Mode, k: int | None = None, num_extra_draft_tokens: int | None = None) -> None:
+        scheduler = self.psd_scheduler
+        if scheduler is None:
+            raise ValueError(f"mode: this engine was built for {self.settings.mode.value} and cannot switch")
+        scheduler.set_mode(mode, k, num_extra_draft_tokens)
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        running, waiting = self.scheduler.get_request_counts()
+        return int(running), int(waiting)
+
+    def kv_cache_usage(self) -> float:
+        return float(self.scheduler.get_kv_cache_usage())
+
+    def shutdown(self) -> None:
+        try:
+            self._llm.engine_core.shutdown()
+        except Exception:  # shutting down: report, do not mask the caller's own error
+            log.exception("engine shutdown failed")

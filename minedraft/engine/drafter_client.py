@@ -1,0 +1,169 @@
+"""The verifier's side of the drafter: start, talk to, watch and restart the drafter process."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+import zmq
+
+from minedraft.engine import protocol
+
+log = logging.getLogger(__name__)
+
+
+class DrafterState(StrEnum):
+    STARTING = "starting"
+    UP = "up"
+    DOWN = "down"
+
+
+@dataclass
+class JobTicket:
+    job_id: int
+    request_ids: frozenset[str]
+    sent_at: float
+
+
+class DrafterClient:
+    """Owns one drafter process and a ZMQ PAIR socket to it; single-threaded (the scheduler's thread)."""
+
+    def __init__(self, process_settings: dict[str, object], restart: bool = True,
+                 startup_timeout_seconds: float = 300.0) -> None:
+        self._process_settings = process_settings
+        self._restart = restart
+        self._startup_timeout_seconds = startup_timeout_seconds
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._socket: zmq.Socket | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._tmpdir = Path(tempfile.mkdtemp(prefix="minedraft-drafter-"))
+        self._next_job_id = 1
+        self._started_at = 0.0
+        self.state = DrafterState.DOWN
+        self.num_restarts = 0
+        self.num_starts = 0
+        self.startup_seconds: float | None = None
+        self.last_error: str | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the process without waiting for it: the engine serves without drafts until it is ready."""
+        self._close_socket()
+        address = f"ipc://{self._tmpdir}/drafter-{self.num_starts}.sock"
+        socket = self._context.socket(zmq.PAIR)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.bind(address)
+        self._socket = socket
+        env = dict(os.environ)
+        env.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "minedraft.engine.drafter_process", address,
+             json.dumps(self._process_settings)],
+            env=env,
+            stdout=sys.stderr.fileno() if hasattr(sys.stderr, "fileno") else None,
+            start_new_session=True,
+        )
+        self.num_starts += 1
+        self._started_at = time.monotonic()
+        self.state = DrafterState.STARTING
+        log.info("drafter process %d starting", self._process.pid)
+
+    def wait_ready(self, timeout_seconds: float) -> bool:
+        deadline = time.monotonic() + timeout_seconds
+        while self.state is DrafterState.STARTING and time.monotonic() < deadline:
+            for message in self.receive(timeout_seconds=0.2):
+                # A reply before Ready cannot happen: nothing was sent yet.
+                log.debug("unexpected drafter message while starting: %r", message)
+        return self.state is DrafterState.UP
+
+    def kill(self) -> None:
+        """Stop the process at once (used for restarts and in fault tests)."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait(timeout=30)
+
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def shutdown(self) -> None:
+        if self._socket is not None and self._process is not None and self._process.poll() is None:
+            try:
+                self._socket.send(protocol.encode(protocol.Shutdown()), zmq.NOBLOCK)
+                self._process.wait(timeout=10)
+            except (zmq.ZMQError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+        self._close_socket()
+        self.state = DrafterState.DOWN
+
+    def _close_socket(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+
+    # -- health ------------------------------------------------------------------------------------------------
+
+    def check_alive(self) -> bool:
+        """Notice a dead or never-ready drafter; restart it if allowed. Returns whether it is up."""
+        dead = self._process is None or self._process.poll() is not None
+        slow_start = (
+            self.state is DrafterState.STARTING
+            and time.monotonic() - self._started_at > self._startup_timeout_seconds
+        )
+        if dead or slow_start:
+            if self.state is not DrafterState.DOWN or slow_start:
+                code = None if self._process is None else self._process.poll()
+                self.last_error = f"drafter process exited with code {code}" if dead else "drafter start timed out"
+                log.error("%s; serving without drafts", self.last_error)
+                self.state = DrafterState.DOWN
+            if self._restart:
+                self.kill()
+                self.num_restarts += 1
+                self.start()
+        return self.state is DrafterState.UP
+
+    def mark_hung(self, reason: str) -> None:
+        self.last_error = reason
+        log.error("drafter hung (%s); restarting", reason)
+        self.kill()
+        self.state = DrafterState.DOWN
+        self.check_alive()
+
+    # -- messages ----------------------------------------------------------------------------------------------
+
+    def submit(self, items: list[protocol.DraftItem], want_logprobs: bool) -> JobTicket | None:
+        if self.state is not DrafterState.UP or self._socket is None or not items:
+            return None
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        self._socket.send(protocol.encode(protocol.DraftJob(job_id, items, want_logprobs)))
+        return JobTicket(job_id, frozenset(i.request_id for i in items), time.monotonic())
+
+    def cancel(self, request_ids: list[str]) -> None:
+        if self.state is DrafterState.UP and self._socket is not None and request_ids:
+            self._socket.send(protocol.encode(protocol.CancelRequests(request_ids)))
+
+    def receive(self, timeout_seconds: float) -> list[protocol.FromDrafter]:
+        """Messages available within the timeout (all that are queued, at least one if any arrives)."""
+        if self._socket is None:
+            return []
+        messages: list[protocol.FromDrafter] = []
+        timeout_ms = max(0, int(timeout_seconds * 1000))
+        while self._socket.poll(timeout_ms if not messages else 0):
+            message = protocol.decode_from_drafter(self._socket.recv())
+            if isinstance(message, protocol.Ready):
+                self.state = DrafterState.UP
+                self.startup_seconds = message.startup_seconds
+                log.info("drafter %d up after %.1fs", message.pid, message.startup_seconds)
+                continue
+            messages.append(message)
+        return messages

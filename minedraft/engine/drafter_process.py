@@ -1,0 +1,175 @@
+"""The drafter: a process of its own, on its own device, drafting greedily with vLLM.
+
+Each job carries the committed context of every request to draft; the drafter is stateless per job and vLLM's
+prefix cache keeps the already-seen context cheap. Greedy drafting makes each proposal deterministic, which is
+what lets the verifier's rejection sampler stay exactly lossless without draft probabilities.
+
+Run as `python -m minedraft.engine.drafter_process ADDRESS SETTINGS_JSON`; the scheduler starts it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+log = logging.getLogger("minedraft.drafter")
+
+
+def _configure_device(settings: dict[str, Any]) -> None:
+    """Bind this process to its own cores (or GPU) before torch or vLLM start any threads."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(settings.get("kv_cache_gib", 1))))
+    cores = settings.get("cpu_cores") or []
+    if cores:
+        os.sched_setaffinity(0, cores)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores)
+        os.environ["OMP_NUM_THREADS"] = str(len(cores))
+    if settings.get("gpu_index") is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(settings["gpu_index"])
+
+
+class Drafter:
+    def __init__(self, settings: dict[str, Any]) -> None:
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        args = EngineArgs(
+            model=settings["model"],
+            dtype=settings.get("dtype", "float32"),
+            max_model_len=settings["max_model_len"],
+            max_num_seqs=settings["max_num_seqs"],
+            enable_prefix_caching=True,
+            seed=settings.get("seed", 0),
+            disable_log_stats=True,
+        )
+        self.engine = LLMEngine.from_engine_args(args)
+        self.max_model_len = settings["max_model_len"]
+        self.cancelled: set[str] = set()
+
+    def draft(self, job: Any, poll_messages: Any) -> tuple[list[Any], float]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        from minedraft.engine.protocol import DraftResult
+
+        started = time.perf_counter()
+        self.cancelled.clear()
+        live: dict[str, Any] = {}
+        for item in job.items:
+            room = self.max_model_len - len(item.token_ids)
+            num = min(item.num_draft_tokens, room)
+            if num <= 0 or not item.token_ids:
+                continue
+            params = SamplingParams(
+                max_tokens=num,
+                temperature=0.0,
+                ignore_eos=True,
+                logprobs=0 if job.want_logprobs else None,
+                detokenize=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            key = f"{job.job_id}:{item.request_id}"
+            self.engine.add_request(key, TokensPrompt(prompt_token_ids=list(item.token_ids)), params)
+            live[key] = item
+        results: list[DraftResult] = []
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if not output.finished or output.request_id not in live:
+                    continue
+                item = live.pop(output.request_id)
+                completion = output.outputs[0]  # type: ignore[index]
+                logprobs = None
+                if job.want_logprobs and completion.logprobs is not None:
+                    logprobs = [
+                        float(step[token].logprob)
+                        for step, token in zip(completion.logprobs, completion.token_ids, strict=True)
+                    ]
+                results.append(
+                    DraftResult(
+                        request_id=item.request_id,
+                        context_num_tokens=len(item.token_ids),
+                        token_ids=list(completion.token_ids),
+                        logprobs=logprobs,
+                    )
+                )
+            # Cancels that arrive mid-job drop those requests here too, not just on the verifier's side.
+            poll_messages()
+            if self.cancelled:
+                doomed = [key for key, item in live.items() if item.request_id in self.cancelled]
+                if doomed:
+                    self.engine.abort_request(doomed)
+                    for key in doomed:
+                        live.pop(key, None)
+        return results, time.perf_counter() - started
+
+
+def main(argv: list[str]) -> int:
+    address, settings_json = argv[1], argv[2]
+    settings = json.loads(settings_json)
+    _configure_device(settings)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s drafter %(message)s")
+    started = time.perf_counter()
+    parent_pid = os.getppid()
+
+    import zmq
+
+    from minedraft.engine import protocol
+
+    context = zmq.Context()
+    socket = context.socket(zmq.PAIR)
+    socket.connect(address)
+    drafter = Drafter(settings)
+    socket.send(protocol.encode(protocol.Ready(os.getpid(), settings["model"], time.perf_counter() - started)))
+    log.info("drafter ready in %.1fs", time.perf_counter() - started)
+
+    queued: list[protocol.DraftJob] = []
+    stop = False
+
+    def handle(message: protocol.ToDrafter) -> None:
+        nonlocal stop
+        if isinstance(message, protocol.DraftJob):
+            queued.append(message)
+        elif isinstance(message, protocol.CancelRequests):
+            drafter.cancelled.update(message.request_ids)
+            for job in queued:
+                job.items[:] = [i for i in job.items if i.request_id not in drafter.cancelled]
+        else:
+            stop = True
+
+    def poll_messages() -> None:
+        while socket.poll(0):
+            handle(protocol.decode_to_drafter(socket.recv()))
+
+    idle_since = time.perf_counter()
+    while not stop:
+        if not queued:
+            if socket.poll(1000) == 0:
+                if os.getppid() != parent_pid:
+                    log.warning("parent process exited; drafter stopping")
+                    break
+                continue
+            handle(protocol.decode_to_drafter(socket.recv()))
+            continue
+        job = queued.pop(0)
+        idle_seconds = time.perf_counter() - idle_since
+        try:
+            results, seconds = drafter.draft(job, poll_messages)
+            reply: protocol.FromDrafter = protocol.DraftReply(job.job_id, results, seconds, idle_seconds)
+        except Exception as exc:  # a bad job must not take the drafter down with it
+            log.exception("draft job %d failed", job.job_id)
+            reply = protocol.DrafterError(job.job_id, f"{type(exc).__name__}: {exc}")
+        socket.send(protocol.encode(reply))
+        idle_since = time.perf_counter()
+    socket.close(linger=0)
+    context.term()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,80 @@
+"""What callers send and get back: sampling settings and output deltas, validated with field-named errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class RequestError(ValueError):
+    """A request the engine will not run; `field_name` names the offending field (for INVALID_ARGUMENT)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field_name = field_name
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped; requests in flight end with this error instead of silently."""
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if self.max_tokens <= 0:
+            raise RequestError("max_tokens", f"must be positive, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise RequestError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
+        if self.seed is not None and self.seed < 0:
+            raise RequestError("seed", f"must be >= 0, got {self.seed}")
+
+
+@dataclass(frozen=True)
+class OutputDelta:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    # Per-request speculation: filled on the final delta.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Completion:
+    """A whole generation, assembled from its deltas."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def add(self, delta: OutputDelta) -> None:
+        self.token_ids.extend(delta.token_ids)
+        self.text += delta.text
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+            self.num_prompt_tokens = delta.num_prompt_tokens
+            self.num_draft_tokens = delta.num_draft_tokens
+            self.num_accepted_tokens = delta.num_accepted_tokens

