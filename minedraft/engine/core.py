@@ -14,6 +14,7 @@ from typing import Any
 from minedraft.engine.requests import OutputDelta, RequestError, SamplingSettings
 from minedraft.engine.settings import EngineSettings, Mode
 from minedraft.engine.stats import EngineTotals, StepRecord
+from minedraft.engine.vllm_fixes import apply_cpu_fixes
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,8 @@ class Engine:
             if drafter is not None:
                 drafter.shutdown()
             raise
+        # After the engine: its in-process worker has just registered the CPU platform's kernels.
+        apply_cpu_fixes()
         if drafter is not None:
             scheduler = self.psd_scheduler
             assert scheduler is not None

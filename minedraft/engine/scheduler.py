@@ -49,6 +49,7 @@ class _StepTiming:
     scheduled_at: float = 0.0
     draft_seconds: float = 0.0
     drafter_idle_seconds: float = 0.0
+    draft_token_budget: int = 0
 
 
 def _is_decoding(request: Request) -> bool:
@@ -142,6 +143,7 @@ class PSDScheduler(Scheduler):
         self._verified_group = verified_group
 
         budget = self._draft_budget(verified_group)
+        timing.draft_token_budget = budget or 0
         drafts_for_step: dict[str, list[int]] = {}
         for request in self.running:
             request.spec_token_ids = []
@@ -318,7 +320,10 @@ class PSDScheduler(Scheduler):
         preferred = verified_group if verified_group is not None else self.turn
         for request in self.running:
             if _is_decoding(request) and request.request_id not in self.subbatches:
-                self.subbatches.admit(request.request_id, 0 if self.mode is Mode.SD else preferred)
+                if self.mode is Mode.SD:
+                    self.subbatches.admit(request.request_id, 0, balance=False)
+                else:
+                    self.subbatches.admit(request.request_id, preferred)
         if self.mode is Mode.PSD:
             self.subbatches.rebalance(receiving_first=preferred)
         if mode in (Mode.PSD, Mode.SD) and verified_group is not None:
@@ -354,6 +359,7 @@ class PSDScheduler(Scheduler):
                 step_seconds=finished - timing.started_at,
                 drafter_up=self.drafter_up,
                 k=self.k,
+                draft_token_budget=timing.draft_token_budget,
             )
         )
         return outputs

@@ -40,6 +40,8 @@ class StepRecord:
     step_seconds: float
     drafter_up: bool
     k: int
+    # Extra drafts: the most draft tokens this step could verify (C); 0 when every request keeps k.
+    draft_token_budget: int = 0
 
 
 @dataclass

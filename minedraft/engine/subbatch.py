@@ -42,8 +42,8 @@ class SubBatches:
     def all_members(self) -> set[str]:
         return set(self.groups[0]) | set(self.groups[1])
 
-    def admit(self, request_id: str, preferred_group: int) -> int:
-        """Place a newcomer in the smaller sub-batch; on a tie, in `preferred_group`.
+    def admit(self, request_id: str, preferred_group: int, balance: bool = True) -> int:
+        """Place a newcomer in the smaller sub-batch; on a tie (or with balance off), in `preferred_group`.
 
         The scheduler prefers the sub-batch that is drafted next, so a newcomer is drafted before it is verified.
         """
@@ -51,7 +51,8 @@ class SubBatches:
         if existing is not None:
             return existing
         size0, size1 = self.sizes()
-        group = preferred_group if size0 == size1 else (0 if size0 < size1 else 1)
+        smaller = 0 if size0 < size1 else 1
+        group = preferred_group if not balance or size0 == size1 else smaller
         self.groups[group][request_id] = None
         return group
 

@@ -11,6 +11,13 @@ def test_newcomers_fill_the_smaller_side_and_ties_go_to_the_preferred_side():
     assert sb.admit("a", preferred_group=0) == 1, "re-admitting keeps the existing side"
 
 
+def test_admission_without_balancing_goes_to_the_preferred_side():
+    sb = SubBatches()
+    for i in range(3):
+        assert sb.admit(f"r{i}", preferred_group=0, balance=False) == 0
+    assert sb.sizes() == (3, 0)
+
+
 def test_rebalance_after_finishes_keeps_sizes_within_one():
     sb = SubBatches()
     for i in range(8):

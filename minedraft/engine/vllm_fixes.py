@@ -1,0 +1,49 @@
+"""Corrections to vLLM 0.32's CPU backend that speculative sampling needs to be lossless.
+
+vLLM's CPU stand-in for the rejection sampler's `expand_kernel` casts its output tensor to int64 before the C++
+kernel fills it. For the float32 per-token temperatures (and top-p values) that cast makes a copy, the kernel
+writes into the copy, and the real output keeps whatever memory `new_empty` returned. Target probabilities are then
+computed at garbage temperatures, so at temperature > 0 speculative decoding on CPU (vLLM's own draft-model mode as
+much as ours) samples from the wrong distribution. Greedy requests never reach this kernel.
+
+We replace it through vLLM's supported override registry (`vllm.triton_utils.dispatcher.register_kernels`) with a
+dtype-preserving version. GPU builds use the Triton kernel, which is correct, so nothing is changed there.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+
+def expand_batch_values(
+    output: Any, input_val: Any, cu_num_tokens: Any, replace_from: Any, replace_to: Any,
+    MAX_NUM_TOKENS: Any = None,  # the Triton kernel's parameter name, passed by keyword
+) -> None:
+    """output[tokens of request i] = input_val[i], with `replace_from` mapped to `replace_to`; any dtype."""
+    import torch
+
+    cumulative = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(cumulative, prepend=cumulative.new_zeros(1))
+    values = torch.where(
+        input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val
+    )
+    expanded = torch.repeat_interleave(values, counts)
+    output[: expanded.numel()].copy_(expanded.to(output.dtype))
+
+
+def apply_cpu_fixes() -> bool:
+    """Install the corrected kernel when vLLM runs on the CPU platform; returns whether it did."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    register_kernels({EXPAND_KERNEL: expand_batch_values})
+    log.info("installed the dtype-preserving expand kernel for CPU speculative sampling")
+    return True
