@@ -48,6 +48,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
     parser.add_argument("--drafter-cores", help="comma-separated CPU cores for the drafter (default: the rest)")
     parser.add_argument("--drafter-gpu", type=int, help="GPU index for the drafter (GPU machines)")
     parser.add_argument("--draft-deadline-seconds", type=float, default=5.0)
+    parser.add_argument("--drafter-backend", default="torch", choices=["torch", "vllm"],
+                        help="torch: plain-torch Llama drafter with per-request KV cache (fast on CPUs); "
+                        "vllm: the draft model in vLLM (any architecture)")
     parser.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds are separate)")
 
 
@@ -68,6 +71,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
             cpu_cores=_cores(args.drafter_cores, drafter_default),
             gpu_index=args.drafter_gpu,
             deadline_seconds=args.draft_deadline_seconds,
+            backend=args.drafter_backend,
         ),
         mode=mode,
         num_speculative_tokens=args.num_speculative_tokens,

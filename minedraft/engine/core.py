@@ -35,6 +35,7 @@ def drafter_process_settings(settings: EngineSettings) -> dict[str, Any]:
     drafter = settings.drafter
     return {
         "model": drafter.model,
+        "backend": drafter.backend,
         "cpu_cores": list(drafter.cpu_cores),
         "gpu_index": drafter.gpu_index,
         "kv_cache_gib": drafter.kv_cache_gib,

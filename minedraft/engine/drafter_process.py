@@ -109,6 +109,40 @@ class Drafter:
         return results, time.perf_counter() - started
 
 
+class TorchDrafter:
+    """The same job interface over the plain-torch drafter (KV cache kept per request between jobs)."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        import torch
+
+        from minedraft.engine.torch_drafter import make_torch_drafter
+
+        torch.set_num_threads(max(1, len(settings.get("cpu_cores") or []) or 1))
+        self.model = make_torch_drafter(settings)
+        self.cancelled: set[str] = set()
+
+    def draft(self, job: Any, poll_messages: Any) -> tuple[list[Any], float]:
+        from minedraft.engine.protocol import DraftResult
+
+        started = time.perf_counter()
+        if self.cancelled:
+            self.model.forget(sorted(self.cancelled))
+            self.cancelled.clear()
+        items = [(i.request_id, list(i.token_ids), i.num_draft_tokens) for i in job.items if i.token_ids]
+        drafts = self.model.draft(items, job.want_logprobs) if items else []
+        results = [
+            DraftResult(request_id=rid, context_num_tokens=len(context), token_ids=tokens, logprobs=logprobs)
+            for (rid, context, _), (tokens, logprobs) in zip(items, drafts, strict=True)
+        ]
+        return results, time.perf_counter() - started
+
+
+def make_drafter(settings: dict[str, Any]) -> Drafter | TorchDrafter:
+    if settings.get("backend", "vllm") == "torch":
+        return TorchDrafter(settings)
+    return Drafter(settings)
+
+
 def main(argv: list[str]) -> int:
     address, settings_json = argv[1], argv[2]
     settings = json.loads(settings_json)
@@ -124,7 +158,7 @@ def main(argv: list[str]) -> int:
     context = zmq.Context()
     socket = context.socket(zmq.PAIR)
     socket.connect(address)
-    drafter = Drafter(settings)
+    drafter = make_drafter(settings)
     socket.send(protocol.encode(protocol.Ready(os.getpid(), settings["model"], time.perf_counter() - started)))
     log.info("drafter ready in %.1fs", time.perf_counter() - started)
 

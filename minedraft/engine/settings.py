@@ -56,6 +56,9 @@ class DrafterSettings:
     max_missed_deadlines: int = 3
     startup_timeout_seconds: float = 300.0
     restart: bool = True
+    # "vllm": the draft model in vLLM (any architecture; GPUs). "torch": a plain-torch Llama drafter that keeps
+    # each request's KV cache between jobs (no per-job admission cost: the faster choice on CPUs).
+    backend: str = "vllm"
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,8 @@ def validate(settings: EngineSettings) -> None:
         raise SettingsError("max_model_len", f"must be at least 16, got {settings.max_model_len}")
     if settings.kv_cache_gib <= 0:
         raise SettingsError("kv_cache_gib", f"must be positive, got {settings.kv_cache_gib}")
+    if settings.drafter.backend not in ("vllm", "torch"):
+        raise SettingsError("drafter.backend", f"expected vllm or torch, got {settings.drafter.backend!r}")
     if settings.drafter.deadline_seconds <= 0:
         raise SettingsError("drafter.deadline_seconds", "must be positive")
     if settings.mode is Mode.VLLM_SD and settings.num_extra_draft_tokens:

@@ -9,12 +9,12 @@ from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode, def
 MAX_MODEL_LEN = 512
 
 
-def engine_settings(pair_dir: Path, mode: Mode, **changes) -> EngineSettings:
+def engine_settings(pair_dir: Path, mode: Mode, backend: str = "torch", **changes) -> EngineSettings:
     target_cores, drafter_cores = default_core_split()
     settings = EngineSettings(
         model=str(pair_dir / "target"),
         drafter=DrafterSettings(model=str(pair_dir / "draft"), cpu_cores=drafter_cores, kv_cache_gib=1,
-                                deadline_seconds=10.0),
+                                deadline_seconds=10.0, backend=backend),
         mode=mode,
         num_speculative_tokens=3,
         max_num_seqs=32,
@@ -59,6 +59,17 @@ def psd(psd_engine):
     while psd_engine.has_unfinished_requests():
         psd_engine.step()
     psd_engine.set_mode(Mode.PSD, 3, 0)
+
+
+@pytest.fixture(scope="session")
+def psd_vllm_drafter_engine(pair_dir):
+    """Our engine with the draft model served by vLLM in the drafter process (the GPU-ready backend)."""
+    from minedraft.engine.core import Engine
+
+    engine = Engine(engine_settings(pair_dir, Mode.PSD, backend="vllm", max_num_speculative_tokens=4))
+    assert engine.wait_for_drafter(300), "drafter did not start"
+    yield engine
+    engine.shutdown()
 
 
 @pytest.fixture(scope="session")

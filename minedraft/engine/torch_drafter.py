@@ -1,0 +1,240 @@
+"""A plain-torch greedy drafter for Llama-architecture draft models, with a KV cache kept per request.
+
+Why next to the vLLM drafter: on CPUs a vLLM draft job pays a fixed ~15 ms (request admission, scheduling, a
+re-prefill of the partial prefix-cache block) whatever the draft length, which dwarfs a one-layer draft model's
+compute. Here each request keeps its KV cache between jobs; a job only feeds the tokens committed since the last
+one (usually the bonus token) and then k single-token steps, batched across the sub-batch.
+
+Correctness does not depend on this code matching vLLM numerically: drafts are proposals, and the verifier keeps
+the output lossless whatever is proposed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# Catch-ups longer than this (new prompts) run one request at a time, so one long prompt does not pad the batch.
+LONG_CATCH_UP = 16
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass
+class _Slot:
+    index: int
+    # Tokens whose keys and values sit in this slot's cache, positions 0..len-1.
+    tokens: list[int] = field(default_factory=list)
+    last_used: float = 0.0
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return x * torch.rsqrt(variance + eps) * weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] holds, a[:hi] == b[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class TorchLlamaDrafter:
+    def __init__(self, model_dir: str, max_slots: int, max_model_len: int, dtype: torch.dtype = torch.float32):
+        from transformers import AutoConfig, LlamaForCausalLM
+
+        config = AutoConfig.from_pretrained(model_dir)
+        if getattr(config, "model_type", "") != "llama":
+            raise ValueError(f"the torch drafter supports Llama models, not {config.model_type!r}")
+        rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError("the torch drafter supports plain RoPE only; use the vllm drafter backend")
+        model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.max_model_len = max_model_len
+        with torch.no_grad():
+            self.embed = model.model.embed_tokens.weight.detach().clone()
+            self.final_norm = model.model.norm.weight.detach().clone()
+            self.lm_head = model.lm_head.weight.detach().clone()
+            self.layers = [
+                _Layer(
+                    input_norm=layer.input_layernorm.weight.detach().clone(),
+                    qkv=torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                                   layer.self_attn.v_proj.weight]).detach().clone(),
+                    o=layer.self_attn.o_proj.weight.detach().clone(),
+                    post_norm=layer.post_attention_layernorm.weight.detach().clone(),
+                    gate_up=torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]).detach().clone(),
+                    down=layer.mlp.down_proj.weight.detach().clone(),
+                )
+                for layer in model.model.layers
+            ]
+        theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), inv_freq)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        shape = (max_slots, self.num_kv_heads, max_model_len, self.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
+        self.slots: dict[str, _Slot] = {}
+        self.free = list(range(max_slots))
+        del model
+
+    # -- slots ---------------------------------------------------------------------------------------------------
+
+    def _slot_for(self, request_id: str) -> _Slot:
+        slot = self.slots.get(request_id)
+        if slot is None:
+            if not self.free:
+                oldest = min(self.slots, key=lambda rid: self.slots[rid].last_used)
+                self.free.append(self.slots.pop(oldest).index)
+            slot = _Slot(self.free.pop())
+            self.slots[request_id] = slot
+        slot.last_used = time.monotonic()
+        return slot
+
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            slot = self.slots.pop(request_id, None)
+            if slot is not None:
+                self.free.append(slot.index)
+
+    # -- model ---------------------------------------------------------------------------------------------------
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+                 valid: torch.Tensor) -> torch.Tensor:
+        """tokens/positions/valid: [B, N]; returns final hidden states [B, N, D]."""
+        batch, num = tokens.shape
+        x = self.embed[tokens]
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        key_len = int(positions.max()) + 1
+        key_positions = torch.arange(key_len)
+        mask = (key_positions.view(1, 1, 1, -1) <= positions.view(batch, 1, num, 1)) & valid.view(batch, 1, num, 1)
+        write_slots = slot_ids.view(batch, 1).expand(batch, num)[valid]
+        write_positions = positions[valid]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
+            h = _rms_norm(x, layer.input_norm, self.eps)
+            qkv = h @ layer.qkv.T
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(batch, num, self.num_heads, self.head_dim).transpose(1, 2)
+            k = k.view(batch, num, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(batch, num, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k_cache[write_slots, :, write_positions] = k.transpose(1, 2)[valid]
+            v_cache[write_slots, :, write_positions] = v.transpose(1, 2)[valid]
+            keys = k_cache[slot_ids, :, :key_len]
+            values = v_cache[slot_ids, :, :key_len]
+            attn = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads
+            )
+            x = x + attn.transpose(1, 2).reshape(batch, num, q_size) @ layer.o.T
+            h = _rms_norm(x, layer.post_norm, self.eps)
+            gate, up = (h @ layer.gate_up.T).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ layer.down.T
+        return _rms_norm(x, self.final_norm, self.eps)
+
+    def _next(self, hidden: torch.Tensor, want_logprobs: bool) -> tuple[list[int], list[float] | None]:
+        logits = hidden @ self.lm_head.T
+        tokens = logits.argmax(dim=-1)
+        logprobs = None
+        if want_logprobs:
+            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
+        return tokens.tolist(), logprobs
+
+    def _catch_up(self, group: list[tuple[_Slot, list[int], int]]) -> torch.Tensor:
+        """Feed each request's new committed tokens; returns the last position's hidden state per request."""
+        num = max(len(new) for _, new, _ in group)
+        batch = len(group)
+        tokens = torch.zeros(batch, num, dtype=torch.long)
+        positions = torch.zeros(batch, num, dtype=torch.long)
+        valid = torch.zeros(batch, num, dtype=torch.bool)
+        for i, (_, new, start) in enumerate(group):
+            tokens[i, : len(new)] = torch.tensor(new)
+            positions[i, : len(new)] = torch.arange(start, start + len(new))
+            positions[i, len(new):] = start + len(new) - 1
+            valid[i, : len(new)] = True
+        slot_ids = torch.tensor([slot.index for slot, _, _ in group])
+        hidden = self._forward(tokens, positions, slot_ids, valid)
+        last = torch.tensor([len(new) - 1 for _, new, _ in group])
+        return hidden[torch.arange(batch), last]
+
+    @torch.no_grad()
+    def draft(self, items: list[tuple[str, list[int], int]], want_logprobs: bool
+              ) -> list[tuple[list[int], list[float] | None]]:
+        """items: (request id, committed context, tokens to draft). Returns drafts in the same order."""
+        prepared: list[tuple[_Slot, list[int], int]] = []
+        for request_id, context, _ in items:
+            slot = self._slot_for(request_id)
+            keep = min(_common_prefix(slot.tokens, context), len(context) - 1)
+            prepared.append((slot, context[keep:], keep))
+            slot.tokens = list(context)
+        last_hidden: list[torch.Tensor | None] = [None] * len(items)
+        short = [i for i, (_, new, _) in enumerate(prepared) if len(new) <= LONG_CATCH_UP]
+        long = [i for i, (_, new, _) in enumerate(prepared) if len(new) > LONG_CATCH_UP]
+        if short:
+            hidden = self._catch_up([prepared[i] for i in short])
+            for row, i in enumerate(short):
+                last_hidden[i] = hidden[row]
+        for i in long:
+            last_hidden[i] = self._catch_up([prepared[i]])[0]
+        stacked = torch.stack([h for h in last_hidden if h is not None])
+        tokens, logprobs = self._next(stacked, want_logprobs)
+        drafts: list[list[int]] = [[t] for t in tokens]
+        draft_logprobs: list[list[float]] = [[lp] for lp in logprobs] if logprobs is not None else []
+        wanted = [min(n, self.max_model_len - len(context)) for _, context, n in items]
+        slot_ids = torch.tensor([slot.index for slot, _, _ in prepared])
+        for step in range(1, max(wanted, default=0)):
+            active = [i for i, n in enumerate(wanted) if n > step]
+            feed = torch.tensor([[drafts[i][-1]] for i in active])
+            positions = torch.tensor([[len(items[i][1]) + step - 1] for i in active])
+            hidden = self._forward(feed, positions, slot_ids[active], torch.ones(len(active), 1, dtype=torch.bool))
+            tokens, logprobs = self._next(hidden[:, 0], want_logprobs)
+            for row, i in enumerate(active):
+                drafts[i].append(tokens[row])
+                prepared[i][0].tokens.append(drafts[i][-2])
+                if logprobs is not None:
+                    draft_logprobs[i].append(logprobs[row])
+        out: list[tuple[list[int], list[float] | None]] = []
+        for i, n in enumerate(wanted):
+            out.append((drafts[i][: max(0, n)], draft_logprobs[i][: max(0, n)] if want_logprobs else None))
+        return out
+
+
+def make_torch_drafter(settings: dict[str, Any]) -> TorchLlamaDrafter:
+    return TorchLlamaDrafter(
+        settings["model"],
+        max_slots=2 * int(settings["max_num_seqs"]) + 8,
+        max_model_len=int(settings["max_model_len"]),
+    )
