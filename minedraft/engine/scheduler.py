@@ -407,6 +407,10 @@ class PSDScheduler(Scheduler):
             if doomed:
                 self.drafter.cancel(doomed)
 
+    def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        super()._preempt_request(request, *args, **kwargs)
+        self.stats.count(preemptions=1)
+
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
         finished = super().finish_requests(request_ids, finished_status)
         if finished:

@@ -61,6 +61,8 @@ class EngineTotals:
     drafter_restarts: int = 0
     deadline_misses: int = 0
     drafter_errors: int = 0
+    # Requests pushed back to waiting when the KV cache ran out (vLLM recomputes them on resume).
+    preemptions: int = 0
 
     @property
     def acceptance_rate(self) -> float:

@@ -260,3 +260,26 @@ async def test_async_generate_streams_and_cancel_aborts(psd, prompts, references
     finally:
         await engine.shutdown(shutdown_engine=False)
     assert_clean(psd)
+
+
+def test_hung_drafter_misses_deadlines_then_is_replaced(psd, prompts, references):
+    import os
+    import signal
+
+    scheduler = psd.psd_scheduler
+    restarts_before = scheduler.drafter.num_restarts
+    misses_before = psd.totals().deadline_misses
+    scheduler.deadline_seconds = 0.3
+    try:
+        os.kill(scheduler.drafter.pid(), signal.SIGSTOP)  # alive but silent: only the deadline can tell
+        run = drive(psd, [Planned(f"hung-{i}", prompts[i], GREEDY) for i in range(6)])
+    finally:
+        scheduler.deadline_seconds = 10.0
+    for i in range(6):
+        assert run.completions[f"hung-{i}"].token_ids == references[i]
+    assert psd.totals().deadline_misses - misses_before >= scheduler.max_missed_deadlines
+    assert scheduler.drafter.num_restarts > restarts_before, "the hung drafter was replaced"
+    assert psd.wait_for_drafter(300)
+    before = psd.totals().draft_tokens
+    drive(psd, [Planned("after-hang", prompts[0], GREEDY)])
+    assert psd.totals().draft_tokens > before, "speculation resumed"
