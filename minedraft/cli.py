@@ -35,6 +35,7 @@ def ensure_pair(pair_dir: Path) -> Path:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "psd") -> None:
+    parser.add_argument("--pair", help="local pair directory (default: the committed pair, else the cache)")
     parser.add_argument("--model", help="target model directory or id (default: the local pair's target)")
     parser.add_argument("--draft", help="draft model directory or id (default: the local pair's draft)")
     parser.add_argument("--mode", default=default_mode, help="psd | sd | ar | vllm-sd")
@@ -235,7 +236,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="one JSON line per prompt of a file")
     add_engine_arguments(gen)
-    gen.add_argument("--pair")
     gen.add_argument("--prompts-file", required=True)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -246,14 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="stream a completion from the local pair")
     add_engine_arguments(run)
-    run.add_argument("--pair")
     run.add_argument("--prompt", default="def parse_args(argv):\n")
     run.add_argument("--max-tokens", type=int, default=96)
     run.set_defaults(func=cmd_run)
 
     bench = sub.add_parser("bench", help="modes side by side on the same prompts")
     add_engine_arguments(bench)
-    bench.add_argument("--pair")
     bench.add_argument("--modes", default="ar,vllm-sd,sd,psd")
     bench.add_argument("--concurrency", default="16", help="one value or a comma-separated list")
     bench.add_argument("--num-prompts", type=int, default=64)

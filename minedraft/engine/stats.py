@@ -88,6 +88,21 @@ def _add_positions(target: list[int], values: tuple[int, ...]) -> None:
         target[i] += value
 
 
+def _accumulate(totals: EngineTotals, record: StepRecord) -> None:
+    totals.steps += 1
+    totals.steps_with_drafts += record.num_requests_with_drafts > 0
+    totals.draft_tokens += record.num_draft_tokens
+    totals.accepted_tokens += record.num_accepted_tokens
+    totals.output_tokens += record.num_output_tokens
+    _add_positions(totals.drafted_per_position, record.drafted_per_position)
+    _add_positions(totals.accepted_per_position, record.accepted_per_position)
+    totals.verify_seconds += record.verify_seconds
+    totals.wait_seconds += record.wait_seconds
+    totals.draft_seconds += record.draft_seconds
+    totals.drafter_idle_seconds += record.drafter_idle_seconds
+    totals.step_seconds += record.step_seconds
+
+
 class StatsRecorder:
     """Written by the engine's step thread, read from others: appends and reads happen under one lock."""
 
@@ -99,19 +114,7 @@ class StatsRecorder:
     def record(self, record: StepRecord) -> None:
         with self._lock:
             self._records.append(record)
-            t = self._totals
-            t.steps += 1
-            t.steps_with_drafts += record.num_requests_with_drafts > 0
-            t.draft_tokens += record.num_draft_tokens
-            t.accepted_tokens += record.num_accepted_tokens
-            t.output_tokens += record.num_output_tokens
-            _add_positions(t.drafted_per_position, record.drafted_per_position)
-            _add_positions(t.accepted_per_position, record.accepted_per_position)
-            t.verify_seconds += record.verify_seconds
-            t.wait_seconds += record.wait_seconds
-            t.draft_seconds += record.draft_seconds
-            t.drafter_idle_seconds += record.drafter_idle_seconds
-            t.step_seconds += record.step_seconds
+            _accumulate(self._totals, record)
 
     def count(self, **increments: int) -> None:
         with self._lock:
@@ -137,16 +140,7 @@ def summarize(records: list[StepRecord]) -> dict[str, Any]:
     """Aggregate a window of steps (a benchmark's, say) into the headline figures."""
     totals = EngineTotals()
     for r in records:
-        totals.steps += 1
-        totals.draft_tokens += r.num_draft_tokens
-        totals.accepted_tokens += r.num_accepted_tokens
-        totals.output_tokens += r.num_output_tokens
-        _add_positions(totals.drafted_per_position, r.drafted_per_position)
-        _add_positions(totals.accepted_per_position, r.accepted_per_position)
-        totals.verify_seconds += r.verify_seconds
-        totals.wait_seconds += r.wait_seconds
-        totals.draft_seconds += r.draft_seconds
-        totals.step_seconds += r.step_seconds
+        _accumulate(totals, r)
     return {
         "steps": totals.steps,
         "acceptance_rate": totals.acceptance_rate,
