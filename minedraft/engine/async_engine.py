@@ -50,7 +50,9 @@ class AsyncEngine:
         self.engine = engine
         self.settings = engine.settings
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
+        # Written by the event loop (generate) and the engine thread (failures, shutdown): guarded.
         self._sinks: dict[str, Callable[[OutputDelta | BaseException], None]] = {}
+        self._sinks_lock = threading.Lock()
         self._ids = itertools.count()
         self._dead: BaseException | None = None
         self._stopping = False
@@ -78,15 +80,16 @@ class AsyncEngine:
         sampling.validate()
         token_ids = self.engine.encode_prompt(prompt)
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        if request_id in self._sinks:
-            raise RequestError("request_id", f"{request_id!r} is already in flight")
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[OutputDelta | BaseException] = asyncio.Queue()
 
         def sink(item: OutputDelta | BaseException) -> None:
             loop.call_soon_threadsafe(deltas.put_nowait, item)
 
-        self._sinks[request_id] = sink
+        with self._sinks_lock:
+            if request_id in self._sinks:
+                raise RequestError("request_id", f"{request_id!r} is already in flight")
+            self._sinks[request_id] = sink
         self._commands.put(_Add(request_id, token_ids, sampling, sink))
         finished = False
         try:
@@ -101,7 +104,8 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._sinks.pop(request_id, None)
+            with self._sinks_lock:
+                self._sinks.pop(request_id, None)
             if not finished:
                 self._commands.put(_Abort(request_id))
 
@@ -138,7 +142,8 @@ class AsyncEngine:
                 self.engine.add_request(command.request_id, command.prompt_token_ids, command.sampling)
             except Exception as exc:  # vLLM's own validation: fail this request, not the engine
                 command.sink(exc if isinstance(exc, RequestError) else RequestError("request", str(exc)))
-                self._sinks.pop(command.request_id, None)
+                with self._sinks_lock:
+                    self._sinks.pop(command.request_id, None)
         elif isinstance(command, _Abort):
             self.engine.abort([command.request_id])
         else:
@@ -167,7 +172,8 @@ class AsyncEngine:
                     break
                 if self.engine.has_unfinished_requests():
                     for delta in self.engine.step():
-                        sink = self._sinks.get(delta.request_id)
+                        with self._sinks_lock:
+                            sink = self._sinks.get(delta.request_id)
                         if sink is not None:
                             sink(delta)
         except BaseException as exc:
@@ -175,6 +181,8 @@ class AsyncEngine:
             self._dead = exc
         finally:
             error = EngineDeadError(f"engine stopped: {self._dead or 'shutdown'}")
-            for sink in list(self._sinks.values()):
+            with self._sinks_lock:
+                sinks = list(self._sinks.values())
+                self._sinks.clear()
+            for sink in sinks:
                 sink(error)
-            self._sinks.clear()
