@@ -10,7 +10,6 @@ import contextlib
 import json
 import logging
 import multiprocessing
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -19,6 +18,7 @@ from typing import Any
 
 from minedraft.bench.workload import Workload
 from minedraft.engine.settings import EngineSettings, Mode
+from minedraft.engine.stats import EngineTotals
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,9 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def aggregate(mode: Mode, runs: list[tuple[list[dict[str, Any]], float, dict[str, Any]]]) -> dict[str, Any]:
+def aggregate(
+    mode: Mode, runs: list[tuple[list[dict[str, Any]], float, dict[str, Any]]], config_k: int
+) -> dict[str, Any]:
     """Headline figures of one mode over its rounds."""
     requests = [r for results, _, _ in runs for r in results]
     tokens = sum(len(r["token_ids"]) for r in requests)
@@ -64,25 +66,21 @@ def aggregate(mode: Mode, runs: list[tuple[list[dict[str, Any]], float, dict[str
     ttft = [r["ttft_seconds"] for r in requests]
     tpot = [r["tpot_seconds"] for r in requests]
     e2e = [r["e2e_seconds"] for r in requests]
-    summaries = [s for _, _, s in runs]
     if mode in (Mode.PSD, Mode.SD):
-        steps = sum(s["steps"] for s in summaries)
-        weights = [s["steps"] / steps if steps else 0 for s in summaries]
-        acceptance = sum(w * s["acceptance_rate"] for w, s in zip(weights, summaries, strict=True))
-        accepted_length = sum(w * s["mean_accepted_length"] for w, s in zip(weights, summaries, strict=True))
-        overlap = sum(w * s["overlap_fraction"] for w, s in zip(weights, summaries, strict=True))
-        extra = {
-            "verify_seconds_per_step": statistics.fmean(s["verify_seconds_per_step"] for s in summaries),
-            "draft_seconds_per_step": statistics.fmean(s["draft_seconds_per_step"] for s in summaries),
-            "wait_seconds_per_step": statistics.fmean(s["wait_seconds_per_step"] for s in summaries),
-            "steps": steps,
-        }
+        pooled = sum((EngineTotals(**totals) for _, _, totals in runs), EngineTotals())
+        summary = pooled.summary()
+        acceptance = summary["acceptance_rate"]
+        accepted_length = summary["mean_accepted_length"]
+        overlap = summary["overlap_fraction"]
+        extra = {key: summary[key] for key in ("verify_seconds_per_step", "draft_seconds_per_step",
+                                               "wait_seconds_per_step", "steps", "acceptance_per_position")}
     else:
         drafted = sum(r["num_draft_tokens"] for r in requests)
         accepted = sum(r["num_accepted_tokens"] for r in requests)
         acceptance = accepted / drafted if drafted else 0.0
-        # Without per-step records: tokens per verification from drafted/accepted totals and k.
-        accepted_length = 1.0 + (accepted / (drafted / max(1, _k_of(runs)))) if drafted else 1.0
+        # vLLM reports per-request totals only: verifications that carried drafts = drafted / k.
+        k = config_k
+        accepted_length = 1.0 + accepted / (drafted / k) if drafted else 1.0
         overlap = 0.0
         extra = {}
     return {
@@ -101,10 +99,6 @@ def aggregate(mode: Mode, runs: list[tuple[list[dict[str, Any]], float, dict[str
         "makespan_s": makespan,
         **extra,
     }
-
-
-def _k_of(runs: list[tuple[list[dict[str, Any]], float, dict[str, Any]]]) -> int:
-    return int(runs[0][2].get("k", 0)) if runs and runs[0][2].get("k") else 1
 
 
 def run_bench(config: BenchConfig) -> dict[str, Any]:
@@ -130,9 +124,8 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             _, conn = workers[_engine_kind(mode)]
             conn.send(("run", mode.value, workload))
             message = conn.recv()
-            _, results, makespan, summary, _records = message
-            summary["k"] = config.base.num_speculative_tokens
-            return results, makespan, summary
+            _, results, makespan, totals = message
+            return results, makespan, totals
 
         for mode in config.modes:
             run(mode, Workload(config.prompts[: config.warmup_requests], config.warmup_requests, 8))
@@ -150,7 +143,8 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
                     collected[mode].append(run(mode, workload))
                     print(f"concurrency {concurrency} round {round_index + 1}/{config.rounds} {mode.value}: "
                           f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
-            modes = {m.value: aggregate(m, runs) for m, runs in collected.items()}
+            k = config.base.num_speculative_tokens
+            modes = {m.value: aggregate(m, runs, k) for m, runs in collected.items()}
             identical = _greedy_identical(collected)
             per_concurrency.append({"concurrency": concurrency, "modes": modes,
                                     "greedy_outputs_identical": identical})

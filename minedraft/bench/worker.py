@@ -22,7 +22,6 @@ def worker_main(settings: EngineSettings, conn: Connection) -> None:
 
 async def _serve(settings: EngineSettings, conn: Connection) -> None:
     from minedraft.engine.async_engine import AsyncEngine
-    from minedraft.engine.stats import summarize
 
     engine = await AsyncEngine.create(settings)
     conn.send(("ready", engine.engine.startup_seconds))
@@ -36,12 +35,11 @@ async def _serve(settings: EngineSettings, conn: Connection) -> None:
             mode = Mode(mode_name)
             if engine.engine.psd_scheduler is not None:
                 await engine.call(partial(_set_mode, mode=mode))
-            records_before = engine.engine.step_records()
-            last_step = records_before[-1].step if records_before else -1
+            before = engine.engine.totals()
             results, makespan = await run_workload(engine, workload)
-            records = engine.engine.step_records(last_step)
-            conn.send(("result", [result_to_dict(r) for r in results], makespan, summarize(records),
-                       [asdict(r) for r in records[-2000:]]))
+            # Counts pooled over the whole run (the step-record ring buffer may hold only its tail).
+            totals = engine.engine.totals() - before
+            conn.send(("result", [result_to_dict(r) for r in results], makespan, asdict(totals)))
     finally:
         await engine.shutdown()
         conn.close()

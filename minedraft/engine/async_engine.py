@@ -37,6 +37,8 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+    # vLLM's synchronous engine emits no output for an aborted request: end the caller's stream ourselves.
+    notify: bool = False
 
 
 @dataclass
@@ -53,6 +55,8 @@ class AsyncEngine:
         # Written by the event loop (generate) and the engine thread (failures, shutdown): guarded.
         self._sinks: dict[str, Callable[[OutputDelta | BaseException], None]] = {}
         self._sinks_lock = threading.Lock()
+        # Set (under the lock) when the engine thread exits: no sink registered after it would ever be served.
+        self._closed = False
         self._ids = itertools.count()
         self._dead: BaseException | None = None
         self._stopping = False
@@ -87,6 +91,8 @@ class AsyncEngine:
             loop.call_soon_threadsafe(deltas.put_nowait, item)
 
         with self._sinks_lock:
+            if self._closed:
+                raise EngineDeadError(f"engine is not running: {self._dead or 'shut down'}")
             if request_id in self._sinks:
                 raise RequestError("request_id", f"{request_id!r} is already in flight")
             self._sinks[request_id] = sink
@@ -110,12 +116,16 @@ class AsyncEngine:
                 self._commands.put(_Abort(request_id))
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        """Abort a request; its stream ends with a final delta whose finish reason is "abort"."""
+        self._commands.put(_Abort(request_id, notify=True))
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run fn(engine) on the engine thread between steps (mode switches, consistent reads)."""
         future: Future[T] = Future()
-        self._commands.put(_Call(fn, future))
+        with self._sinks_lock:
+            if self._closed:
+                raise EngineDeadError(f"engine is not running: {self._dead or 'shut down'}")
+            self._commands.put(_Call(fn, future))
         return await asyncio.wrap_future(future)
 
     @property
@@ -141,11 +151,17 @@ class AsyncEngine:
             try:
                 self.engine.add_request(command.request_id, command.prompt_token_ids, command.sampling)
             except Exception as exc:  # vLLM's own validation: fail this request, not the engine
-                command.sink(exc if isinstance(exc, RequestError) else RequestError("request", str(exc)))
                 with self._sinks_lock:
-                    self._sinks.pop(command.request_id, None)
+                    if self._sinks.get(command.request_id) is command.sink:
+                        del self._sinks[command.request_id]
+                command.sink(exc if isinstance(exc, RequestError) else RequestError("request", str(exc)))
         elif isinstance(command, _Abort):
             self.engine.abort([command.request_id])
+            if command.notify:
+                with self._sinks_lock:
+                    sink = self._sinks.get(command.request_id)
+                if sink is not None:
+                    sink(OutputDelta(command.request_id, [], "", finish_reason="abort"))
         else:
             try:
                 command.future.set_result(command.fn(self.engine))
@@ -182,7 +198,18 @@ class AsyncEngine:
         finally:
             error = EngineDeadError(f"engine stopped: {self._dead or 'shutdown'}")
             with self._sinks_lock:
+                self._closed = True
                 sinks = list(self._sinks.values())
                 self._sinks.clear()
             for sink in sinks:
                 sink(error)
+            # Commands that will never run: fail waiting callers rather than leave them hanging.
+            while True:
+                try:
+                    pending = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(pending, _Call):
+                    pending.future.set_exception(error)
+                elif isinstance(pending, _Add):
+                    pending.sink(error)

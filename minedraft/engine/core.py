@@ -242,7 +242,12 @@ class Engine:
 
     def totals(self) -> EngineTotals:
         scheduler = self.psd_scheduler
-        return scheduler.stats.totals() if scheduler is not None else EngineTotals()
+        if scheduler is None:
+            return EngineTotals()
+        totals: EngineTotals = scheduler.stats.totals()
+        if scheduler.drafter is not None:
+            totals.drafter_restarts = scheduler.drafter.num_restarts
+        return totals
 
     def step_records(self, since_step: int = -1) -> list[StepRecord]:
         scheduler = self.psd_scheduler

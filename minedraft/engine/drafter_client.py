@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,10 @@ class DrafterClient:
         self.num_starts = 0
         self.startup_seconds: float | None = None
         self.last_error: str | None = None
+        # Restarts back off exponentially while the drafter keeps dying, so a drafter that cannot start does not
+        # take the target's CPU with a start-up every step.
+        self._consecutive_failures = 0
+        self._next_start_at = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -78,11 +83,16 @@ class DrafterClient:
         log.info("drafter process %d starting", self._process.pid)
 
     def wait_ready(self, timeout_seconds: float) -> bool:
+        """Wait until the drafter is up, (re)starting it when allowed; for start-up and idle moments only."""
         deadline = time.monotonic() + timeout_seconds
-        while self.state is DrafterState.STARTING and time.monotonic() < deadline:
+        while self.state is not DrafterState.UP and time.monotonic() < deadline:
+            if not self.check_alive() and self._process is None and not self._restart:
+                break
             for message in self.receive(timeout_seconds=0.2):
-                # A reply before Ready cannot happen: nothing was sent yet.
+                # A reply before Ready cannot happen: nothing was sent to this process yet.
                 log.debug("unexpected drafter message while starting: %r", message)
+            if self._socket is None:
+                time.sleep(0.2)
         return self.state is DrafterState.UP
 
     def kill(self) -> None:
@@ -104,6 +114,7 @@ class DrafterClient:
         self.kill()
         self._close_socket()
         self.state = DrafterState.DOWN
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     def _close_socket(self) -> None:
         if self._socket is not None:
@@ -113,8 +124,13 @@ class DrafterClient:
     # -- health ------------------------------------------------------------------------------------------------
 
     def check_alive(self) -> bool:
-        """Notice a dead or never-ready drafter; restart it if allowed. Returns whether it is up."""
-        dead = self._process is None or self._process.poll() is not None
+        """Notice a dead or never-ready drafter; restart it if allowed (with backoff). Returns whether it is up."""
+        if self._process is None:
+            if self._restart and time.monotonic() >= self._next_start_at:
+                self.num_restarts += 1
+                self.start()
+            return False
+        dead = self._process.poll() is not None
         slow_start = (
             self.state is DrafterState.STARTING
             and time.monotonic() - self._started_at > self._startup_timeout_seconds
@@ -127,8 +143,13 @@ class DrafterClient:
                 self.state = DrafterState.DOWN
             if self._restart:
                 self.kill()
-                self.num_restarts += 1
-                self.start()
+                self._close_socket()
+                self._consecutive_failures += 1
+                self._next_start_at = time.monotonic() + min(60.0, 2.0 ** (self._consecutive_failures - 1))
+                self._process = None
+        if self._process is None and self._restart and time.monotonic() >= self._next_start_at:
+            self.num_restarts += 1
+            self.start()
         return self.state is DrafterState.UP
 
     def mark_hung(self, reason: str) -> None:
@@ -145,12 +166,27 @@ class DrafterClient:
             return None
         job_id = self._next_job_id
         self._next_job_id += 1
-        self._socket.send(protocol.encode(protocol.DraftJob(job_id, items, want_logprobs)))
+        if not self._send(protocol.DraftJob(job_id, items, want_logprobs)):
+            return None
         return JobTicket(job_id, frozenset(i.request_id for i in items), time.monotonic())
 
     def cancel(self, request_ids: list[str]) -> None:
         if self.state is DrafterState.UP and self._socket is not None and request_ids:
-            self._socket.send(protocol.encode(protocol.CancelRequests(request_ids)))
+            self._send(protocol.CancelRequests(request_ids))
+
+    def _send(self, message: protocol.ToDrafter) -> bool:
+        """Never block the engine on the drafter: a peer that cannot take a message is treated as down."""
+        assert self._socket is not None
+        try:
+            self._socket.send(protocol.encode(message), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            self.last_error = "drafter not accepting messages"
+            log.error("%s; treating it as down", self.last_error)
+            self.kill()
+            self.state = DrafterState.DOWN
+            self.check_alive()
+            return False
 
     def receive(self, timeout_seconds: float) -> list[protocol.FromDrafter]:
         """Messages available within the timeout (all that are queued, at least one if any arrives)."""
@@ -162,6 +198,7 @@ class DrafterClient:
             message = protocol.decode_from_drafter(self._socket.recv())
             if isinstance(message, protocol.Ready):
                 self.state = DrafterState.UP
+                self._consecutive_failures = 0
                 self.startup_seconds = message.startup_seconds
                 log.info("drafter %d up after %.1fs", message.pid, message.startup_seconds)
                 continue

@@ -49,6 +49,7 @@ class Drafter:
         )
         self.engine = LLMEngine.from_engine_args(args)
         self.max_model_len = settings["max_model_len"]
+        self.vocab_size = self.engine.model_config.get_vocab_size()
         self.cancelled: set[str] = set()
 
     def draft(self, job: Any, poll_messages: Any) -> tuple[list[Any], float]:
@@ -64,8 +65,8 @@ class Drafter:
         for item in job.items:
             room = self.max_model_len - len(item.token_ids)
             num = min(item.num_draft_tokens, room)
-            if num <= 0 or not item.token_ids:
-                continue
+            if num <= 0 or not item.token_ids or max(item.token_ids) >= self.vocab_size or min(item.token_ids) < 0:
+                continue  # skipped alone: that request goes undrafted, the rest of the job proceeds
             params = SamplingParams(
                 max_tokens=num,
                 temperature=0.0,
@@ -128,8 +129,15 @@ class TorchDrafter:
         if self.cancelled:
             self.model.forget(sorted(self.cancelled))
             self.cancelled.clear()
-        items = [(i.request_id, list(i.token_ids), i.num_draft_tokens) for i in job.items if i.token_ids]
-        drafts = self.model.draft(items, job.want_logprobs) if items else []
+        vocab = self.model.vocab_size
+        # A context the draft model cannot read is skipped alone (that request goes undrafted), not the whole job.
+        items = [(i.request_id, list(i.token_ids), i.num_draft_tokens) for i in job.items
+                 if i.token_ids and max(i.token_ids) < vocab and min(i.token_ids) >= 0]
+        try:
+            drafts = self.model.draft(items, job.want_logprobs) if items else []
+        except Exception:
+            self.model.forget([rid for rid, _, _ in items])
+            raise
         results = [
             DraftResult(request_id=rid, context_num_tokens=len(context), token_ids=tokens, logprobs=logprobs)
             for (rid, context, _), (tokens, logprobs) in zip(items, drafts, strict=True)

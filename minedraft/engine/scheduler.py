@@ -213,18 +213,22 @@ class PSDScheduler(Scheduler):
                 break
         timing.wait_seconds = time.perf_counter() - waited_from
         if group in self.tickets:
-            # Late drafts would be stale by the time they arrive (the step goes ahead without them): drop them.
-            del self.tickets[group]
-            self.missed_deadlines += 1
+            # Late drafts would be stale by the time they arrive (the step goes ahead without them): drop them,
+            # and tell the drafter so it does not spend the next step on them.
+            ticket = self.tickets.pop(group)
+            self.drafter.cancel(sorted(ticket.request_ids))
             self.stats.count(deadline_misses=1)
-            log.warning("drafter missed its %.1fs deadline (%d in a row)", self.deadline_seconds,
-                        self.missed_deadlines)
-            if self.missed_deadlines >= self.max_missed_deadlines:
-                self.tickets.clear()
-                self.drafter.mark_hung(f"{self.missed_deadlines} missed deadlines")
-                self.stats.count(drafter_restarts=1)
-                self.missed_deadlines = 0
+            log.warning("drafter missed its %.1fs deadline", self.deadline_seconds)
+            self._note_miss("missed deadlines")
         else:
+            self.missed_deadlines = 0
+
+    def _note_miss(self, reason: str) -> None:
+        assert self.drafter is not None
+        self.missed_deadlines += 1
+        if self.missed_deadlines >= self.max_missed_deadlines:
+            self.tickets.clear()
+            self.drafter.mark_hung(f"{self.missed_deadlines} in a row: {reason}")
             self.missed_deadlines = 0
 
     def _poll_drafter(self, timeout_seconds: float) -> None:
@@ -234,6 +238,8 @@ class PSDScheduler(Scheduler):
                 self.stats.count(drafter_errors=1)
                 log.error("draft job %d failed in the drafter: %s", message.job_id, message.message)
                 self._drop_ticket(message.job_id)
+                # Failing jobs cost as much as late ones: the same escalation applies (restart, then AR meanwhile).
+                self._note_miss(f"draft job failed: {message.message}")
                 continue
             if not isinstance(message, protocol.DraftReply):
                 continue

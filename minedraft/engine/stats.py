@@ -58,11 +58,47 @@ class EngineTotals:
     draft_seconds: float = 0.0
     drafter_idle_seconds: float = 0.0
     step_seconds: float = 0.0
+    # Filled from the drafter client by Engine.totals(): restarts after crashes, hangs and failed jobs.
     drafter_restarts: int = 0
     deadline_misses: int = 0
     drafter_errors: int = 0
     # Requests pushed back to waiting when the KV cache ran out (vLLM recomputes them on resume).
     preemptions: int = 0
+
+    def __add__(self, other: EngineTotals) -> EngineTotals:
+        return self._combine(other, 1)
+
+    def __sub__(self, other: EngineTotals) -> EngineTotals:
+        """What happened between two snapshots (later - earlier): pooled counts, not averaged ratios."""
+        return self._combine(other, -1)
+
+    def _combine(self, other: EngineTotals, sign: int) -> EngineTotals:
+        values: dict[str, Any] = {}
+        for name in self.__dataclass_fields__:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if isinstance(mine, list):
+                width = max(len(mine), len(theirs))
+                mine, theirs = mine + [0] * (width - len(mine)), theirs + [0] * (width - len(theirs))
+                values[name] = [a + sign * b for a, b in zip(mine, theirs, strict=True)]
+            else:
+                values[name] = mine + sign * theirs
+        return EngineTotals(**values)
+
+    def summary(self) -> dict[str, Any]:
+        steps = self.steps
+        return {
+            "steps": steps,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "overlap_fraction": self.overlap_fraction,
+            "verify_seconds_per_step": self.verify_seconds / steps if steps else 0.0,
+            "draft_seconds_per_step": self.draft_seconds / steps if steps else 0.0,
+            "wait_seconds_per_step": self.wait_seconds / steps if steps else 0.0,
+            "acceptance_per_position": [
+                a / d if d else 0.0
+                for a, d in zip(self.accepted_per_position, self.drafted_per_position, strict=False)
+            ],
+        }
 
     @property
     def acceptance_rate(self) -> float:
@@ -137,20 +173,8 @@ class StatsRecorder:
 
 
 def summarize(records: list[StepRecord]) -> dict[str, Any]:
-    """Aggregate a window of steps (a benchmark's, say) into the headline figures."""
+    """Aggregate a window of steps into the headline figures."""
     totals = EngineTotals()
     for r in records:
         _accumulate(totals, r)
-    return {
-        "steps": totals.steps,
-        "acceptance_rate": totals.acceptance_rate,
-        "mean_accepted_length": totals.mean_accepted_length,
-        "overlap_fraction": totals.overlap_fraction,
-        "verify_seconds_per_step": totals.verify_seconds / totals.steps if totals.steps else 0.0,
-        "draft_seconds_per_step": totals.draft_seconds / totals.steps if totals.steps else 0.0,
-        "wait_seconds_per_step": totals.wait_seconds / totals.steps if totals.steps else 0.0,
-        "acceptance_per_position": [
-            a / d if d else 0.0 for a, d in zip(totals.accepted_per_position, totals.drafted_per_position,
-                                                strict=False)
-        ],
-    }
+    return totals.summary()

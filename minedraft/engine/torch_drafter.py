@@ -80,6 +80,7 @@ class TorchLlamaDrafter:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
         self.max_model_len = max_model_len
+        self.vocab_size = config.vocab_size
         with torch.no_grad():
             self.embed = model.model.embed_tokens.weight.detach().clone()
             self.final_norm = model.model.norm.weight.detach().clone()
@@ -199,7 +200,8 @@ class TorchLlamaDrafter:
             slot = self._slot_for(request_id)
             keep = min(_common_prefix(slot.tokens, context), len(context) - 1)
             prepared.append((slot, context[keep:], keep))
-            slot.tokens = list(context)
+            # Until this job's keys and values are written, only the common prefix is trustworthy.
+            slot.tokens = slot.tokens[:keep]
         last_hidden: list[torch.Tensor | None] = [None] * len(items)
         short = [i for i, (_, new, _) in enumerate(prepared) if len(new) <= LONG_CATCH_UP]
         long = [i for i, (_, new, _) in enumerate(prepared) if len(new) > LONG_CATCH_UP]
@@ -209,6 +211,8 @@ class TorchLlamaDrafter:
                 last_hidden[i] = hidden[row]
         for i in long:
             last_hidden[i] = self._catch_up([prepared[i]])[0]
+        for (slot, _, _), (_, context, _) in zip(prepared, items, strict=True):
+            slot.tokens = list(context)
         stacked = torch.stack([h for h in last_hidden if h is not None])
         tokens, logprobs = self._next(stacked, want_logprobs)
         drafts: list[list[int]] = [[t] for t in tokens]

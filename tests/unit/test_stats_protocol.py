@@ -1,3 +1,5 @@
+import pytest
+
 from minedraft.engine import protocol
 from minedraft.engine.stats import EngineTotals, StatsRecorder, StepRecord, summarize
 
@@ -53,3 +55,21 @@ def test_protocol_round_trips_token_ids_only():
     assert protocol.decode_from_drafter(protocol.encode(reply)) == reply
     assert isinstance(protocol.decode_to_drafter(protocol.encode(protocol.CancelRequests(["r1"]))),
                       protocol.CancelRequests)
+
+
+def test_totals_difference_pools_counts_between_snapshots():
+    stats = StatsRecorder(history=2)
+    stats.record(record(1, 6, 3, 0.0, 0.02, (2, 2, 2), (2, 1)))
+    before = stats.totals()
+    stats.record(record(2, 6, 6, 0.01, 0.02, (2, 2, 2), (2, 2, 2)))
+    stats.record(record(3, 3, 0, 0.02, 0.02, (3,), ()))
+    stats.record(record(4, 0, 0, 0.0, 0.0))  # the ring buffer holds 2 records; totals still hold all
+    window = stats.totals() - before
+    assert window.steps == 3
+    assert window.draft_tokens == 9 and window.accepted_tokens == 6
+    assert window.accepted_per_position == [2, 2, 2]
+    assert window.drafted_per_position == [5, 2, 2]
+    summary = window.summary()
+    assert summary["acceptance_rate"] == 6 / 9
+    assert summary["overlap_fraction"] == pytest.approx(1 - 0.03 / 0.04)
+    assert (before + window).draft_tokens == stats.totals().draft_tokens
