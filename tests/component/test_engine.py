@@ -13,7 +13,7 @@ from itertools import pairwise
 
 import pytest
 
-from minedraft.engine.requests import RequestError, SamplingSettings
+from minedraft.engine.requests import EngineDeadError, RequestError, SamplingSettings
 from minedraft.engine.settings import Mode
 
 from .driver import Planned, drive, reference
@@ -258,9 +258,24 @@ async def test_async_generate_streams_and_cancel_aborts(psd, prompts, references
         with pytest.raises(RequestError):
             async for _ in engine.generate("", GREEDY):
                 pass
+
+        # An abort from elsewhere (the server on a client disconnect, say) ends the stream with reason "abort".
+        stream = engine.generate(prompts[2], SamplingSettings(max_tokens=200, ignore_eos=True), request_id="ab-1")
+        last = None
+        async for delta in stream:
+            if last is None:
+                await engine.abort("ab-1")
+            last = delta
+        assert last is not None and last.finish_reason == "abort"
+        assert engine.num_in_flight == 0
     finally:
         await engine.shutdown(shutdown_engine=False)
     assert_clean(psd)
+    with pytest.raises(EngineDeadError):
+        async for _ in engine.generate(prompts[0], GREEDY):
+            pass
+    with pytest.raises(EngineDeadError):
+        await engine.call(lambda e: e.load())
 
 
 def test_hung_drafter_misses_deadlines_then_is_replaced(psd, prompts, references):
