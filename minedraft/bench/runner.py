@@ -12,7 +12,7 @@ import logging
 import multiprocessing
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -200,8 +200,3 @@ def write_outputs(report: dict[str, Any], json_path: Path) -> None:
     json_path.with_suffix(".md").write_text(markdown_table(report))
     plot(report, json_path.with_suffix(".png"))
 
-
-def config_to_dict(config: BenchConfig) -> dict[str, Any]:
-    data = asdict(config)
-    data["prompts"] = len(config.prompts)
-    return data

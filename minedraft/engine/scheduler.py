@@ -117,7 +117,7 @@ class PSDScheduler(Scheduler):
             self.subbatches.merge_into(0)
             self.turn = 0
         elif mode is Mode.PSD and self.mode is not Mode.PSD:
-            self.subbatches.rebalance(receiving_first=1)
+            self.subbatches.rebalance()
         self.mode = mode
 
     def attach_drafter(self, drafter: DrafterClient) -> None:
@@ -315,8 +315,8 @@ class PSDScheduler(Scheduler):
             num_accepted_tokens += accepted
             _bump(drafted_per_position, len(spec))
             _bump(accepted_per_position, accepted)
-        num_decode = sum(1 for rid in scheduler_output.num_scheduled_tokens
-                         if rid not in {r.req_id for r in scheduler_output.scheduled_new_reqs})
+        new_request_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+        num_decode = sum(1 for rid in scheduler_output.num_scheduled_tokens if rid not in new_request_ids)
 
         outputs = super().update_from_output(scheduler_output, model_runner_output)
 
@@ -331,7 +331,7 @@ class PSDScheduler(Scheduler):
                 else:
                     self.subbatches.admit(request.request_id, preferred)
         if self.mode is Mode.PSD:
-            self.subbatches.rebalance(receiving_first=preferred)
+            self.subbatches.rebalance()
         if mode in (Mode.PSD, Mode.SD) and verified_group is not None:
             self._submit_drafts(verified_group)
         if mode is Mode.PSD and verified_group is not None:

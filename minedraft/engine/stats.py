@@ -166,11 +166,6 @@ class StatsRecorder:
         with self._lock:
             return [r for r in self._records if r.step > since_step]
 
-    def reset(self) -> None:
-        with self._lock:
-            self._records.clear()
-            self._totals = EngineTotals()
-
 
 def summarize(records: list[StepRecord]) -> dict[str, Any]:
     """Aggregate a window of steps into the headline figures."""

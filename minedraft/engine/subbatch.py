@@ -69,11 +69,11 @@ class SubBatches:
             del self.groups[other][request_id]
             self.groups[group][request_id] = None
 
-    def rebalance(self, receiving_first: int) -> list[Move]:
+    def rebalance(self) -> list[Move]:
         """Move the newest members of the larger sub-batch until sizes are within one.
 
-        The scheduler passes the sub-batch whose drafts were just consumed as `receiving_first` only to name the
-        cheaper direction; moves in either direction keep every request's tokens and drafts valid.
+        Moves in either direction keep every request's tokens and drafts valid (drafts are keyed by context
+        length, not by sub-batch); a moved request at worst decodes once without drafts.
         """
         moves: list[Move] = []
         while True:

@@ -25,7 +25,7 @@ def test_rebalance_after_finishes_keeps_sizes_within_one():
     for rid in sb.members(1):
         sb.remove(rid)
     assert sb.sizes() == (4, 0)
-    moves = sb.rebalance(receiving_first=1)
+    moves = sb.rebalance()
     assert sb.sizes() == (2, 2)
     assert len(moves) == 2 and all(m.from_group == 0 and m.to_group == 1 for m in moves)
     sb.check_balanced()
@@ -35,7 +35,7 @@ def test_rebalance_is_a_no_op_when_balanced():
     sb = SubBatches()
     for i in range(5):
         sb.admit(f"r{i}", preferred_group=0)
-    assert sb.rebalance(receiving_first=0) == []
+    assert sb.rebalance() == []
 
 
 def test_merge_puts_everyone_in_one_side():
@@ -44,7 +44,7 @@ def test_merge_puts_everyone_in_one_side():
         sb.admit(f"r{i}", preferred_group=0)
     sb.merge_into(0)
     assert sb.sizes() == (5, 0)
-    assert sb.rebalance(receiving_first=1)
+    assert sb.rebalance()
     assert abs(sb.sizes()[0] - sb.sizes()[1]) <= 1
 
 
