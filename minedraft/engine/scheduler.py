@@ -138,8 +138,7 @@ class PSDScheduler(Scheduler):
         verified_group: int | None = None
         if mode in (Mode.PSD, Mode.SD):
             verified_group = self._pick_group(mode)
-            if verified_group is not None:
-                self._await_drafts(verified_group, timing)
+            self._await_drafts(verified_group, timing)
         self._verified_group = verified_group
 
         budget = self._draft_budget(verified_group)
@@ -178,13 +177,12 @@ class PSDScheduler(Scheduler):
             return Mode.AR
         self._poll_drafter(timeout_seconds=0.0)
         if not self.drafter.check_alive():
-            if self.tickets:
-                self.tickets.clear()
+            self.tickets.clear()
             # Without a drafter, verifying half the batch per step would only halve throughput.
             return Mode.AR
         return self.mode
 
-    def _pick_group(self, mode: Mode) -> int | None:
+    def _pick_group(self, mode: Mode) -> int:
         if mode is Mode.SD:
             return 0
         decoding_members = [0, 0]
