@@ -11,6 +11,8 @@ import os
 import time
 from typing import Any
 
+from minedraft.engine.auto import AutoSettings, Decision
+from minedraft.engine.cost_model import Prediction
 from minedraft.engine.requests import OutputDelta, RequestError, SamplingSettings
 from minedraft.engine.settings import EngineSettings, Mode
 from minedraft.engine.stats import EngineTotals, StepRecord
@@ -92,6 +94,7 @@ def engine_args(settings: EngineSettings) -> Any:
                 "drafter_startup_timeout_seconds": settings.drafter.startup_timeout_seconds,
                 "check_invariants": settings.check_invariants,
                 "stats_history": settings.stats_history,
+                "auto": dict(settings.auto),
                 "drafter": drafter_process_settings(settings),
                 "drafter_prestarted": True,
             }
@@ -109,7 +112,7 @@ class Engine:
         started = time.perf_counter()
         _configure_process(settings)
         drafter = None
-        if settings.mode in (Mode.PSD, Mode.SD):
+        if settings.mode.uses_drafter:
             from minedraft.engine.drafter_client import DrafterClient
 
             # Start the drafter first so its model loads while the target's does.
@@ -253,11 +256,46 @@ class Engine:
         scheduler = self.psd_scheduler
         return scheduler.stats.records(since_step) if scheduler is not None else []
 
-    def set_mode(self, mode: Mode, k: int | None = None, num_extra_draft_tokens: int | None = None) -> None:
+    def set_mode(
+        self,
+        mode: Mode,
+        k: int | None = None,
+        num_extra_draft_tokens: int | None = None,
+        auto_settings: AutoSettings | None = None,
+    ) -> None:
+        """Switch between psd, sd, ar and auto at the next step boundary; requests in flight carry on."""
         scheduler = self.psd_scheduler
         if scheduler is None:
             raise ValueError(f"mode: this engine was built for {self.settings.mode.value} and cannot switch")
-        scheduler.set_mode(mode, k, num_extra_draft_tokens)
+        scheduler.set_mode(mode, k, num_extra_draft_tokens, auto_settings)
+
+    @property
+    def configured_mode(self) -> Mode:
+        """The mode asked for (auto included); `current_mode` is what the coming steps run."""
+        scheduler = self.psd_scheduler
+        return scheduler.configured_mode if scheduler is not None else self.settings.mode  # type: ignore[no-any-return]
+
+    @property
+    def current_mode(self) -> tuple[Mode, int]:
+        """(mode, k) of the coming steps; k is 0 without drafts."""
+        scheduler = self.psd_scheduler
+        if scheduler is None:
+            return self.settings.mode, self.settings.num_speculative_tokens if self.settings.mode is Mode.VLLM_SD else 0
+        mode = scheduler.mode
+        return mode, 0 if mode is Mode.AR else int(scheduler.k)
+
+    def auto_decisions(self) -> list[Decision]:
+        """Auto mode's switches, oldest first (the last few hundred)."""
+        scheduler = self.psd_scheduler
+        return scheduler.stats.decisions() if scheduler is not None else []
+
+    def predictions(self, num_running: int, ks: tuple[int, ...] | None = None) -> list[Prediction]:
+        """The cost model's predicted output tokens per second of ar, sd and psd (each k) at `num_running`."""
+        scheduler = self.psd_scheduler
+        if scheduler is None:
+            return []
+        candidates = ks or scheduler.auto_settings.k_candidates
+        return scheduler.cost_model.predict_all(num_running, ("ar", "sd", "psd"), candidates)  # type: ignore[no-any-return]
 
     def load(self) -> tuple[int, int]:
         """(running, waiting) requests."""

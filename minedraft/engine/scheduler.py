@@ -25,6 +25,8 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from minedraft.engine import protocol
+from minedraft.engine.auto import AutoController, AutoSettings, Decision
+from minedraft.engine.cost_model import CostModel
 from minedraft.engine.drafter_client import DrafterClient, DrafterState, JobTicket
 from minedraft.engine.settings import Mode
 from minedraft.engine.stats import StatsRecorder, StepRecord
@@ -66,8 +68,19 @@ class PSDScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         additional: Any = self.vllm_config.additional_config
         config = dict(additional.get(CONFIG_KEY, {}))
-        self.mode = Mode(config.get("mode", Mode.PSD.value))
+        configured_mode = Mode(config.get("mode", Mode.PSD.value))
+        # The concrete mode of the coming steps (psd, sd or ar); auto mode changes it through its controller.
+        self.mode: Mode = Mode.PSD if configured_mode is Mode.AUTO else configured_mode
         self.k = int(config.get("num_speculative_tokens", self.num_spec_tokens))
+        self.auto_settings = AutoSettings(**{
+            "k_candidates": tuple(range(1, self.num_spec_tokens + 1)),
+            **config.get("auto", {}),
+        })
+        # Fed every step in every mode, so predictions are available (and exported) before auto mode is on.
+        self.cost_model = CostModel()
+        self.auto: AutoController | None = None
+        if configured_mode is Mode.AUTO:
+            self.auto = AutoController(self.auto_settings, self.mode.value, self.k, self.cost_model)
         self.num_extra_draft_tokens = int(config.get("num_extra_draft_tokens", 0))
         self.draft_token_budget: int | None = config.get("draft_token_budget")
         self.deadline_seconds = float(config.get("deadline_seconds", 5.0))
@@ -81,7 +94,7 @@ class PSDScheduler(Scheduler):
         self.turn = 0
         self.missed_deadlines = 0
         self._verified_group: int | None = None
-        self._effective_mode = self.mode
+        self._effective_mode: Mode = self.mode
         self._timing = _StepTiming()
         self._num_steps = 0
         self.drafter: DrafterClient | None = None
@@ -100,7 +113,31 @@ class PSDScheduler(Scheduler):
 
     # -- control (called between steps by the engine thread) -------------------------------------------------
 
-    def set_mode(self, mode: Mode, k: int | None = None, num_extra_draft_tokens: int | None = None) -> None:
+    @property
+    def configured_mode(self) -> Mode:
+        return Mode.AUTO if self.auto is not None else self.mode
+
+    def set_mode(
+        self,
+        mode: Mode,
+        k: int | None = None,
+        num_extra_draft_tokens: int | None = None,
+        auto_settings: AutoSettings | None = None,
+    ) -> None:
+        if mode is Mode.AUTO:
+            if auto_settings is not None:
+                if max(auto_settings.k_candidates) > self.num_spec_tokens:
+                    raise ValueError(f"k_candidates: at most {self.num_spec_tokens} (max_num_speculative_tokens)")
+                self.auto_settings = auto_settings
+            self._apply_mode(self.mode, k, num_extra_draft_tokens)
+            self.auto = AutoController(self.auto_settings, self.mode.value, self.k, self.cost_model)
+            return
+        self._apply_mode(mode, k, num_extra_draft_tokens)
+        self.auto = None
+
+    def _apply_mode(self, mode: Mode, k: int | None = None, num_extra_draft_tokens: int | None = None) -> None:
+        """Switch at a step boundary: only sub-batch membership and draft lengths change, never a request's tokens
+        (drafts held for the old setting stay valid: they are keyed by context length and trimmed to k + e)."""
         if mode is Mode.VLLM_SD:
             raise ValueError("mode: vllm-sd needs an engine built for it; it cannot be switched to at run time")
         new_k = self.k if k is None else k
@@ -339,34 +376,49 @@ class PSDScheduler(Scheduler):
 
         finished = time.perf_counter()
         self._num_steps += 1
-        self.stats.record(
-            StepRecord(
-                step=self._num_steps,
-                started_at=timing.started_at,
-                mode=mode.value,
-                verified_group=verified_group,
-                group_sizes=self.subbatches.sizes(),
-                num_decode_requests=num_decode,
-                num_prefill_requests=len(scheduler_output.scheduled_new_reqs),
-                num_requests_with_drafts=len(scheduler_output.scheduled_spec_decode_tokens),
-                num_draft_tokens=num_draft_tokens,
-                num_accepted_tokens=num_accepted_tokens,
-                drafted_per_position=tuple(drafted_per_position),
-                accepted_per_position=tuple(accepted_per_position),
-                num_output_tokens=num_output_tokens,
-                num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
-                verify_seconds=max(0.0, verify_done - timing.scheduled_at),
-                wait_seconds=timing.wait_seconds,
-                draft_seconds=timing.draft_seconds,
-                drafter_idle_seconds=timing.drafter_idle_seconds,
-                schedule_seconds=max(0.0, timing.scheduled_at - timing.started_at - timing.wait_seconds),
-                step_seconds=finished - timing.started_at,
-                drafter_up=self.drafter_up,
-                k=self.k,
-                draft_token_budget=timing.draft_token_budget,
-            )
+        record = StepRecord(
+            step=self._num_steps,
+            started_at=timing.started_at,
+            mode=mode.value,
+            verified_group=verified_group,
+            group_sizes=self.subbatches.sizes(),
+            num_decode_requests=num_decode,
+            num_prefill_requests=len(scheduler_output.scheduled_new_reqs),
+            num_requests_with_drafts=len(scheduler_output.scheduled_spec_decode_tokens),
+            num_draft_tokens=num_draft_tokens,
+            num_accepted_tokens=num_accepted_tokens,
+            drafted_per_position=tuple(drafted_per_position),
+            accepted_per_position=tuple(accepted_per_position),
+            num_output_tokens=num_output_tokens,
+            num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+            verify_seconds=max(0.0, verify_done - timing.scheduled_at),
+            wait_seconds=timing.wait_seconds,
+            draft_seconds=timing.draft_seconds,
+            drafter_idle_seconds=timing.drafter_idle_seconds,
+            schedule_seconds=max(0.0, timing.scheduled_at - timing.started_at - timing.wait_seconds),
+            step_seconds=finished - timing.started_at,
+            drafter_up=self.drafter_up,
+            k=self.k,
+            draft_token_budget=timing.draft_token_budget,
+            auto=self.auto is not None,
         )
+        self.stats.record(record)
+        if self.auto is not None:
+            num_running = sum(1 for r in self.running if _is_decoding(r) or r.num_output_tokens > 0)
+            decision = self.auto.on_step(record, num_running)
+            if decision is not None:
+                self._apply_decision(decision)
+        else:
+            self.cost_model.observe(record)
         return outputs
+
+    def _apply_decision(self, decision: Decision) -> None:
+        mode = Mode(decision.mode)
+        self._apply_mode(mode, decision.k if mode is not Mode.AR else None)
+        self.stats.count(mode_switches=1)
+        self.stats.record_decision(decision)
+        log.info("auto: %s k=%d -> %s k=%d (%s)", decision.previous_mode, decision.previous_k, decision.mode,
+                 decision.k, decision.reason)
 
     def _submit_drafts(self, group: int) -> None:
         if self.drafter is None or group in self.tickets:

@@ -15,12 +15,18 @@ class Mode(StrEnum):
     SD: the same drafter process, draft-then-verify in sequence: the fair control for the overlap.
     AR: the target alone, no drafts.
     VLLM_SD: vLLM's built-in draft-model speculative decoding, the anchor.
+    AUTO: psd, sd or ar and the draft length k, chosen as the engine runs from its measured costs (auto.py).
     """
 
     PSD = "psd"
     SD = "sd"
     AR = "ar"
     VLLM_SD = "vllm-sd"
+    AUTO = "auto"
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self in (Mode.PSD, Mode.SD, Mode.AUTO)
 
     @classmethod
     def parse(cls, value: str) -> Mode:
@@ -40,6 +46,8 @@ class SettingsError(ValueError):
 
 
 MAX_NUM_SPECULATIVE_TOKENS = 16
+# The longest draft `auto` mode considers unless max_num_speculative_tokens says otherwise.
+AUTO_MAX_NUM_SPECULATIVE_TOKENS = 5
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,8 @@ class EngineSettings:
     # Steps of per-step statistics kept in memory for readers (metrics, auto mode, tests).
     stats_history: int = 4096
     extra_vllm_args: dict[str, Any] = field(default_factory=dict)
+    # Overrides of auto mode's policy settings (minedraft.engine.auto.AutoSettings field names).
+    auto: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -94,7 +104,10 @@ class EngineSettings:
 
     @property
     def max_draft_tokens_per_request(self) -> int:
-        return max(self.num_speculative_tokens + self.num_extra_draft_tokens, self.max_num_speculative_tokens or 0)
+        auto = self.mode is Mode.AUTO and not self.max_num_speculative_tokens
+        auto_floor = AUTO_MAX_NUM_SPECULATIVE_TOKENS if auto else 0
+        return max(self.num_speculative_tokens + self.num_extra_draft_tokens, self.max_num_speculative_tokens or 0,
+                   auto_floor)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -141,6 +154,13 @@ def validate(settings: EngineSettings) -> None:
         raise SettingsError("num_extra_draft_tokens", "extra drafts need the minedraft drafter (psd or sd)")
     if not settings.model:
         raise SettingsError("model", "a target model path or id is required")
+    if settings.auto:
+        from minedraft.engine.auto import AutoSettings
+
+        try:
+            AutoSettings(**settings.auto)
+        except (TypeError, ValueError) as exc:
+            raise SettingsError("auto", str(exc)) from None
     if settings.mode is not Mode.AR and not settings.drafter.model:
         raise SettingsError("drafter.model", f"mode {settings.mode.value} needs a draft model")
 

@@ -42,6 +42,8 @@ class StepRecord:
     k: int
     # Extra drafts: the most draft tokens this step could verify (C); 0 when every request keeps k.
     draft_token_budget: int = 0
+    # True when `auto` mode chose this step's mode and k.
+    auto: bool = False
 
 
 @dataclass
@@ -64,6 +66,8 @@ class EngineTotals:
     drafter_errors: int = 0
     # Requests pushed back to waiting when the KV cache ran out (vLLM recomputes them on resume).
     preemptions: int = 0
+    # Switches of mode or k made by auto mode.
+    mode_switches: int = 0
 
     def __add__(self, other: EngineTotals) -> EngineTotals:
         return self._combine(other, 1)
@@ -142,15 +146,25 @@ def _accumulate(totals: EngineTotals, record: StepRecord) -> None:
 class StatsRecorder:
     """Written by the engine's step thread, read from others: appends and reads happen under one lock."""
 
-    def __init__(self, history: int) -> None:
+    def __init__(self, history: int, decision_history: int = 256) -> None:
         self._lock = threading.Lock()
         self._records: deque[StepRecord] = deque(maxlen=history)
+        self._decisions: deque[Any] = deque(maxlen=decision_history)
         self._totals = EngineTotals()
 
     def record(self, record: StepRecord) -> None:
         with self._lock:
             self._records.append(record)
             _accumulate(self._totals, record)
+
+    def record_decision(self, decision: Any) -> None:
+        """Auto mode's switches (minedraft.engine.auto.Decision), newest last."""
+        with self._lock:
+            self._decisions.append(decision)
+
+    def decisions(self) -> list[Any]:
+        with self._lock:
+            return list(self._decisions)
 
     def count(self, **increments: int) -> None:
         with self._lock:

@@ -299,3 +299,30 @@ def test_hung_drafter_misses_deadlines_then_is_replaced(psd, prompts, references
     before = psd.totals().draft_tokens
     drive(psd, [Planned("after-hang", prompts[0], GREEDY)])
     assert psd.totals().draft_tokens > before, "speculation resumed"
+
+
+def test_auto_mode_switches_in_every_direction_and_stays_lossless(psd, prompts, references):
+    from minedraft.engine.auto import AutoSettings
+
+    # A hair-trigger policy: decide every 3 steps, probe any mode unseen for 10 steps. Switches happen between
+    # psd, sd and ar (and k) while requests are mid-stream, arriving and finishing.
+    twitchy = AutoSettings(k_candidates=(1, 2, 3, 4), decision_interval_steps=3, min_dwell_steps=3,
+                           switch_margin=0.0, stale_after_steps=10, probe_steps=4)
+    psd.set_mode(Mode.AUTO, auto_settings=twitchy)
+    assert psd.configured_mode is Mode.AUTO
+    before = psd.totals()
+    decisions_before = len(psd.auto_decisions())
+    plan = [Planned(f"auto-{i}", prompts[i], GREEDY, arrive_at_step=2 * i) for i in range(12)]
+    run = drive(psd, plan)
+    for i in range(12):
+        assert run.completions[f"auto-{i}"].token_ids == references[i], f"request {i} diverged"
+    decisions = psd.auto_decisions()[decisions_before:]
+    transitions = {(d.previous_mode, d.mode) for d in decisions}
+    assert {("psd", "sd"), ("sd", "psd")} & transitions, transitions
+    assert {m for d in decisions for m in (d.previous_mode, d.mode)} == {"psd", "sd", "ar"}, transitions
+    assert psd.totals().mode_switches - before.mode_switches == len(decisions)
+    assert any(r.auto for r in psd.step_records()), "step records say auto chose the mode"
+    assert psd.predictions(8), "the cost model predicts after measuring"
+    assert_clean(psd)
+    psd.set_mode(Mode.PSD, 3, 0)
+    assert psd.configured_mode is Mode.PSD

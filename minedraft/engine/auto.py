@@ -1,0 +1,186 @@
+"""`auto` mode: pick ar / sd / psd and k from the cost model, with hysteresis and cheap probes.
+
+Pure policy over plain data: `AutoController.on_step(record, num_running)` is fed every step record and returns a
+`Decision` when the engine should switch (the scheduler applies it at the step boundary) or None.
+
+- Every `decision_interval_steps` steps it ranks every allowed (mode, k) by predicted output tokens per second at
+  the current number of running requests.
+- A switch needs the best to beat the current choice's prediction by `switch_margin` and the current choice to have
+  run `min_dwell_steps`: steady load does not flap.
+- A mode not run for `stale_after_steps` (or never) is predicted from stale or extrapolated costs (acceptance is
+  not measured while running ar; half-batch verification not while running sd): a short probe (`probe_steps`) of
+  it refreshes them, then the policy decides again against the setting that ran before the probe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minedraft.engine.cost_model import CostModel, Prediction
+from minedraft.engine.stats import StepRecord
+
+
+@dataclass(frozen=True)
+class AutoSettings:
+    allowed_modes: tuple[str, ...] = ("ar", "sd", "psd")
+    k_candidates: tuple[int, ...] = (1, 2, 3, 4, 5)
+    decision_interval_steps: int = 16
+    min_dwell_steps: int = 48
+    switch_margin: float = 0.08
+    stale_after_steps: int = 1500
+    probe_steps: int = 24
+    # Step records older than this many steps are not used to describe the load (running requests).
+    load_window_steps: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.allowed_modes or not set(self.allowed_modes) <= {"ar", "sd", "psd"}:
+            raise ValueError(f"allowed_modes: expected a non-empty subset of ar, sd, psd, got {self.allowed_modes}")
+        if not self.k_candidates or min(self.k_candidates) < 1:
+            raise ValueError(f"k_candidates: expected positive draft lengths, got {self.k_candidates}")
+        if self.decision_interval_steps < 1 or self.min_dwell_steps < 0 or self.probe_steps < 1:
+            raise ValueError("decision_interval_steps and probe_steps must be positive, min_dwell_steps >= 0")
+        if self.switch_margin < 0:
+            raise ValueError(f"switch_margin: must be >= 0, got {self.switch_margin}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    step: int
+    mode: str
+    k: int
+    previous_mode: str
+    previous_k: int
+    reason: str
+    # "switch" (the policy chose it), "probe" (a short visit to refresh a stale mode's costs) or "return" (back
+    # from a probe).
+    kind: str
+    num_running: float
+    # Predicted output tokens per second of the chosen and the previous setting (0 when unknown).
+    predicted_tokens_per_second: float
+    previous_predicted_tokens_per_second: float
+    # Measured output tokens per second over the interval before the decision.
+    measured_tokens_per_second: float
+    predictions: tuple[Prediction, ...] = ()
+
+
+@dataclass
+class AutoController:
+    settings: AutoSettings
+    mode: str
+    k: int
+    cost_model: CostModel = field(default_factory=CostModel)
+    decisions: list[Decision] = field(default_factory=list)
+    max_decisions_kept: int = 256
+    _steps_in_choice: int = 0
+    _steps_since_decision: int = 0
+    _probe_remaining: int = 0
+    _probe_return: tuple[str, int] | None = None
+    _window_running: list[int] = field(default_factory=list)
+    _window_tokens: int = 0
+    _window_seconds: float = 0.0
+    # Step of the last decode step run in each mode (as run: a down drafter shows as ar).
+    _last_run: dict[str, int] = field(default_factory=dict)
+
+    def on_step(self, record: StepRecord, num_running: int) -> Decision | None:
+        self.cost_model.observe(record)
+        if record.num_decode_requests > 0:
+            self._last_run[record.mode] = record.step
+        self._steps_in_choice += 1
+        self._steps_since_decision += 1
+        self._window_running = ([*self._window_running, num_running])[-self.settings.load_window_steps:]
+        self._window_tokens += record.num_output_tokens
+        self._window_seconds += record.step_seconds
+
+        if self._probe_remaining > 0:
+            self._probe_remaining -= 1
+            if self._probe_remaining > 0:
+                return None
+            # Probe over: decide afresh with what it measured, against the setting that ran before it.
+            assert self._probe_return is not None
+            fallback, self._probe_return = self._probe_return, None
+            return self.decide(record.step, after_probe=fallback)
+
+        if self._steps_since_decision < self.settings.decision_interval_steps:
+            return None
+        return self.decide(record.step)
+
+    def decide(self, step: int, after_probe: tuple[str, int] | None = None) -> Decision | None:
+        self._steps_since_decision = 0
+        running = sum(self._window_running) / len(self._window_running) if self._window_running else 0.0
+        measured = self._window_tokens / self._window_seconds if self._window_seconds > 0 else 0.0
+        self._window_tokens, self._window_seconds = 0, 0.0
+        if running <= 0 and after_probe is None:
+            return None
+        num_running = max(1, round(running))
+        predictions = self.cost_model.predict_all(num_running, self.settings.allowed_modes,
+                                                  self.settings.k_candidates)
+        incumbent = after_probe or (self.mode, self.k)
+        incumbent_key = (incumbent[0], 0 if incumbent[0] == "ar" else incumbent[1])
+        current = next((p for p in predictions if (p.mode, p.k) == incumbent_key), None)
+        best = max(predictions, key=lambda p: p.output_tokens_per_second) if predictions else None
+        current_rate = current.output_tokens_per_second if current is not None else 0.0
+
+        if after_probe is None and self._steps_in_choice < self.settings.min_dwell_steps:
+            return None
+        if best is not None and (best.mode, best.k) != incumbent_key and (
+            current is None or best.output_tokens_per_second >= current_rate * (1 + self.settings.switch_margin)
+        ):
+            reason = (f"predicted {best.output_tokens_per_second:.1f} tok/s for {best.mode} k={best.k} vs "
+                      f"{current_rate:.1f} for {incumbent[0]} k={incumbent_key[1]} at {running:.1f} running requests")
+            return self._switch(step, best.mode, best.k, reason, (best, current, tuple(predictions)), measured,
+                                "switch")
+        if after_probe is not None:
+            if (self.mode, self.k) == incumbent:
+                return None
+            return self._switch(step, incumbent[0], incumbent[1], "probe finished: keeping the previous setting",
+                                (current, current, tuple(predictions)) if current else None, measured, "return")
+
+        # Explore cheaply: a mode not run for a while (or ever) is predicted from stale or extrapolated costs.
+        stale = [m for m in self.settings.allowed_modes
+                 if m != self.mode and step - self._last_run.get(m, -1_000_000_000) > self.settings.stale_after_steps]
+        if stale:
+            probe_mode = min(stale, key=lambda m: self._last_run.get(m, -1_000_000_000))
+            self._probe_remaining = self.settings.probe_steps
+            self._probe_return = (self.mode, self.k)
+            return self._switch(step, probe_mode, self._best_k(num_running, probe_mode),
+                                f"probe: {probe_mode} not measured in {self.settings.stale_after_steps} steps",
+                                None, measured, "probe")
+        return None
+
+    def _best_k(self, num_running: int, mode: str) -> int:
+        predictions = [p for p in self.cost_model.predict_all(num_running, (mode,), self.settings.k_candidates)]
+        if predictions:
+            return max(predictions, key=lambda p: p.output_tokens_per_second).k
+        return self.k if self.k in self.settings.k_candidates else self.settings.k_candidates[0]
+
+    def _switch(
+        self,
+        step: int,
+        mode: str,
+        k: int,
+        reason: str,
+        ranked: tuple[Prediction | None, Prediction | None, tuple[Prediction, ...]] | None,
+        measured: float | None,
+        kind: str,
+    ) -> Decision:
+        k = max(1, k) if mode != "ar" else self.k  # ar keeps the last k for the next drafting mode
+        running = sum(self._window_running) / len(self._window_running) if self._window_running else 0.0
+        decision = Decision(
+            step=step,
+            mode=mode,
+            k=k if mode != "ar" else 0,
+            previous_mode=self.mode,
+            previous_k=0 if self.mode == "ar" else self.k,
+            reason=reason,
+            kind=kind,
+            num_running=running,
+            predicted_tokens_per_second=ranked[0].output_tokens_per_second if ranked and ranked[0] else 0.0,
+            previous_predicted_tokens_per_second=ranked[1].output_tokens_per_second if ranked and ranked[1] else 0.0,
+            measured_tokens_per_second=measured or 0.0,
+            predictions=ranked[2] if ranked else (),
+        )
+        self.mode, self.k = mode, k
+        self._steps_in_choice = 0
+        self.decisions.append(decision)
+        del self.decisions[: -self.max_decisions_kept]
+        return decision

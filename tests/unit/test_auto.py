@@ -1,0 +1,141 @@
+"""Auto mode's policy against a simulated engine whose costs follow known curves: it picks the mode the curves
+favour, does not flap on steady load, and refreshes stale drafting estimates with short probes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from minedraft.engine.auto import AutoController, AutoSettings, Decision
+from minedraft.engine.stats import StepRecord
+
+# V(tokens) = A + B * tokens (memory-bound: speculation pays); a draft of length k over n requests costs
+# k * (C + D * n) (drafting 48 requests costs about as much as verifying them: psd pays at high load).
+A, B, C, D = 0.030, 0.0001, 0.0005, 0.0004
+
+
+@dataclass
+class SimulatedEngine:
+    """Produces the step records an engine with the costs above would produce in the controller's mode."""
+
+    num_running: int
+    acceptance: float
+    now: float = 0.0
+    step: int = 0
+    turn: int = 0
+
+    def next_record(self, mode: str, k: int) -> StepRecord:
+        self.step += 1
+        n = self.num_running
+        if mode == "psd" and n > 1:
+            halves = ((n + 1) // 2, n // 2)
+            n, other = halves[self.turn], halves[1 - self.turn]
+            self.turn = 1 - self.turn
+        else:
+            other = n
+        drafting = mode != "ar"
+        length = k if drafting else 0
+        verify = A + B * n * (length + 1)
+        draft = length * (C + D * other) if drafting else 0.0
+        wait = max(0.0, draft - verify) if mode == "psd" else draft
+        drafted = tuple([n] * length)
+        accepted = tuple(round(n * self.acceptance ** (i + 1)) for i in range(length))
+        record = StepRecord(
+            step=self.step, started_at=self.now, mode=mode, verified_group=0, group_sizes=(n, other),
+            num_decode_requests=n, num_prefill_requests=0, num_requests_with_drafts=n if drafting else 0,
+            num_draft_tokens=sum(drafted), num_accepted_tokens=sum(accepted), drafted_per_position=drafted,
+            accepted_per_position=accepted, num_output_tokens=n + sum(accepted),
+            num_scheduled_tokens=n * (length + 1), verify_seconds=verify, wait_seconds=wait,
+            draft_seconds=length * (C + D * n) if drafting else 0.0, drafter_idle_seconds=0.0,
+            schedule_seconds=0.0, step_seconds=verify + wait, drafter_up=True, k=k, auto=True,
+        )
+        self.now += verify + wait
+        return record
+
+
+def run(controller: AutoController, engine: SimulatedEngine, steps: int) -> list[Decision]:
+    decisions = []
+    for _ in range(steps):
+        decision = controller.on_step(engine.next_record(controller.mode, controller.k), engine.num_running)
+        if decision is not None:
+            decisions.append(decision)
+    return decisions
+
+
+def policy_switches(decisions: list[Decision]) -> list[tuple[int, str, int]]:
+    """The switches the policy chose, probes and returns from probes left out."""
+    return [(d.step, d.mode, d.k) for d in decisions if d.kind == "switch"]
+
+
+def assert_probes_return(decisions: list[Decision]) -> None:
+    for i, decision in enumerate(decisions):
+        if decision.kind == "probe":
+            after = decisions[i + 1]
+            assert after.step - decision.step == SETTINGS.probe_steps
+            assert (after.previous_mode, after.previous_k) == (decision.mode, decision.k)
+
+
+SETTINGS = AutoSettings(k_candidates=(1, 2, 3, 4), decision_interval_steps=8, min_dwell_steps=32,
+                        switch_margin=0.05, stale_after_steps=400, probe_steps=12)
+
+
+def test_high_load_moves_sd_to_psd_and_stays() -> None:
+    controller = AutoController(SETTINGS, "sd", 2)
+    decisions = run(controller, SimulatedEngine(num_running=48, acceptance=0.8), 1500)
+    switches = policy_switches(decisions)
+    assert controller.mode == "psd"
+    assert switches and switches[-1][1] == "psd", switches
+    assert switches[-1][0] < 400, f"still switching late on steady load: {switches}"
+    assert len(switches) <= 4, switches
+    assert_probes_return(decisions)
+    # Probes are rare: each other mode about once per stale period.
+    assert sum(d.kind == "probe" for d in decisions) <= 2 * (1500 // SETTINGS.stale_after_steps + 1)
+
+
+def test_low_load_moves_psd_to_sd_and_stays() -> None:
+    controller = AutoController(SETTINGS, "psd", 2)
+    decisions = run(controller, SimulatedEngine(num_running=2, acceptance=0.8), 1500)
+    switches = policy_switches(decisions)
+    assert controller.mode == "sd"
+    assert len(switches) <= 4 and switches[-1][0] < 400, switches
+    assert_probes_return(decisions)
+
+
+def test_low_acceptance_moves_to_ar_and_probes_only_when_stale() -> None:
+    controller = AutoController(SETTINGS, "psd", 3)
+    decisions = run(controller, SimulatedEngine(num_running=8, acceptance=0.05), 2000)
+    assert controller.mode == "ar"
+    switches = policy_switches(decisions)
+    assert switches[-1][1] == "ar" and switches[-1][0] < 400, switches
+    # Settled in ar, it still looks at sd and psd about once per stale period each, and comes back.
+    probes = [d for d in decisions if d.kind == "probe" and d.step > switches[-1][0]]
+    assert {d.mode for d in probes} == {"sd", "psd"}
+    assert 2 <= len(probes) <= 2 * (2000 // SETTINGS.stale_after_steps + 1), [(d.step, d.mode) for d in probes]
+    assert_probes_return(decisions)
+    assert all(d.mode == "ar" for d in decisions if d.kind == "return" and d.step > switches[-1][0])
+
+
+def test_near_the_crossover_there_is_no_flapping() -> None:
+    # Find the load where psd and sd are predicted within the switch margin of each other, then run there.
+    probe = AutoController(SETTINGS, "sd", 2)
+    run(probe, SimulatedEngine(num_running=48, acceptance=0.8), 600)
+    ties = []
+    for running in range(2, 64):
+        sd = probe.cost_model.predict("sd", 2, running)
+        psd = probe.cost_model.predict("psd", 2, running)
+        assert sd is not None and psd is not None
+        if abs(psd.output_tokens_per_second / sd.output_tokens_per_second - 1) < 0.02:
+            ties.append(running)
+    assert ties, "no load where psd and sd tie"
+    for start in ("sd", "psd"):
+        controller = AutoController(AutoSettings(**{**SETTINGS.__dict__, "k_candidates": (2,)}), start, 2)
+        switches = policy_switches(run(controller, SimulatedEngine(num_running=ties[0], acceptance=0.8), 1500))
+        assert len(switches) <= 1, (start, ties[0], switches)
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="allowed_modes"):
+        AutoSettings(allowed_modes=("vllm-sd",))
+    with pytest.raises(ValueError, match="k_candidates"):
+        AutoSettings(k_candidates=(0, 1))

@@ -1,0 +1,132 @@
+"""The cost model on hand-computed cases: accepted length from per-position rates, and the psd/sd crossover."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from minedraft.engine.cost_model import AcceptanceProfile, CostCurve, CostModel
+from minedraft.engine.stats import StepRecord
+
+_clock = itertools.count()
+
+
+def record(
+    step: int,
+    started_at: float,
+    *,
+    mode: str = "sd",
+    num_requests: int,
+    num_tokens: int,
+    verify_seconds: float,
+    draft_seconds: float = 0.0,
+    drafted: tuple[int, ...] = (),
+    accepted: tuple[int, ...] = (),
+    wait_seconds: float = 0.0,
+    num_output_tokens: int = 0,
+) -> StepRecord:
+    return StepRecord(
+        step=step, started_at=started_at, mode=mode, verified_group=0, group_sizes=(num_requests, 0),
+        num_decode_requests=num_requests, num_prefill_requests=0,
+        num_requests_with_drafts=num_requests if drafted else 0,
+        num_draft_tokens=sum(drafted), num_accepted_tokens=sum(accepted),
+        drafted_per_position=drafted, accepted_per_position=accepted,
+        num_output_tokens=num_output_tokens or num_requests, num_scheduled_tokens=num_tokens,
+        verify_seconds=verify_seconds, wait_seconds=wait_seconds, draft_seconds=draft_seconds,
+        drafter_idle_seconds=0.0, schedule_seconds=0.0, step_seconds=verify_seconds + wait_seconds,
+        drafter_up=True, k=len(drafted),
+    )
+
+
+def test_accepted_length_comes_from_per_position_rates() -> None:
+    profile = AcceptanceProfile(decay=1.0)
+    for _ in range(10):
+        profile.observe((10, 10, 10), (8, 4, 2))
+    assert profile.survival(3) == pytest.approx([0.8, 0.4, 0.2])
+    assert profile.expected_accepted_length(1) == pytest.approx(1.8)
+    assert profile.expected_accepted_length(3) == pytest.approx(2.4)
+    # Past the measured positions the last conditional rate (0.2 / 0.4) carries on: 0.1, then 0.05.
+    assert profile.expected_accepted_length(5) == pytest.approx(2.55)
+    # A single overall rate (14/30) would have said 1 + 3 * 0.467 = 2.4 at k=3 but 3.33 at k=5.
+
+
+def test_acceptance_forgets_old_steps() -> None:
+    profile = AcceptanceProfile(decay=0.9)
+    for _ in range(50):
+        profile.observe((10,), (9,))
+    for _ in range(50):
+        profile.observe((10,), (1,))
+    assert profile.survival(1)[0] == pytest.approx(0.1, abs=0.01)
+
+
+def test_cost_curve_interpolates_and_extrapolates_conservatively() -> None:
+    curve = CostCurve()
+    assert curve.predict(4) is None
+    curve.observe(4, 0.010)
+    # One point: cost assumed to grow like sqrt(size) above it, and not to fall below it.
+    assert curve.predict(16) == pytest.approx(0.020)
+    assert curve.predict(2) == pytest.approx(0.010)
+    curve.observe(16, 0.022)
+    assert curve.predict(10) == pytest.approx(0.016)
+    assert curve.predict(28) == pytest.approx(0.034)  # the last segment's slope, 1 ms per unit
+    assert curve.predict(1) >= 0.0025  # never below a quarter of the smallest measured cost
+
+
+def _feed_linear(model: CostModel, a: float, b: float, c: float, d: float, acceptance: float) -> None:
+    """V(tokens) = a + b * tokens, a k=1 draft of n requests costs c + d * n, no other per-step cost."""
+    now = 0.0
+    step = 0
+    for n in (2, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+        for _ in range(3):
+            step += 1
+            verify = a + b * 2 * n
+            model.observe(record(step, now, num_requests=n, num_tokens=2 * n, verify_seconds=verify,
+                                 draft_seconds=c + d * n, drafted=(n,), accepted=(round(n * acceptance),)))
+            now += verify
+
+
+def test_predicted_crossover_of_psd_and_sd_matches_the_hand_computed_one() -> None:
+    # With k=1: sd costs c + dR + a + 2bR per step, psd 2(a + bR) while drafting stays shorter than verifying;
+    # psd wins once a - c < dR, i.e. past R = (a - c) / d = 16 requests.
+    model = CostModel()
+    a, b, c, d = 0.010, 0.001, 0.002, 0.0005
+    _feed_linear(model, a, b, c, d, acceptance=0.5)
+
+    def rate(mode: str, running: int) -> float:
+        prediction = model.predict(mode, 1, running)
+        assert prediction is not None
+        return prediction.output_tokens_per_second
+
+    assert model.predict("sd", 1, 8).cycle_seconds == pytest.approx(0.032, rel=1e-6)  # type: ignore[union-attr]
+    assert model.predict("psd", 1, 8).cycle_seconds == pytest.approx(0.036, rel=1e-6)  # type: ignore[union-attr]
+    assert rate("sd", 8) > rate("psd", 8)
+    assert rate("sd", 12) > rate("psd", 12)
+    assert rate("psd", 20) > rate("sd", 20)
+    assert rate("psd", 32) > rate("sd", 32)
+    assert rate("psd", 16) == pytest.approx(rate("sd", 16))  # the crossover itself: a tie
+    assert rate("sd", 14) > rate("psd", 14) and rate("psd", 18) > rate("sd", 18)
+    # Tokens per cycle use the accepted length: 1.5 per request at acceptance 0.5 and k=1.
+    assert model.predict("sd", 1, 8).tokens_per_cycle == pytest.approx(12.0)  # type: ignore[union-attr]
+
+
+def test_ar_needs_no_drafting_estimates_and_speculation_needs_them() -> None:
+    model = CostModel()
+    now = 0.0
+    for step in range(1, 10):
+        model.observe(record(step, now, mode="ar", num_requests=4, num_tokens=4, verify_seconds=0.01))
+        now += 0.01
+    assert model.predict("ar", 0, 4) is not None
+    assert model.predict("ar", 0, 4).output_tokens_per_second == pytest.approx(400.0)  # type: ignore[union-attr]
+    assert model.predict("sd", 2, 4) is None
+    assert model.predict("psd", 2, 4) is None
+
+
+def test_per_step_overhead_is_measured_from_the_gaps_between_steps() -> None:
+    model = CostModel()
+    now = 0.0
+    for step in range(1, 20):
+        model.observe(record(step, now, mode="ar", num_requests=4, num_tokens=4, verify_seconds=0.01))
+        now += 0.015  # 5 ms outside verification each step
+    assert model.overhead.predict(4) == pytest.approx(0.005)
+    assert model.predict("ar", 0, 4).output_tokens_per_second == pytest.approx(4 / 0.015)  # type: ignore[union-attr]
