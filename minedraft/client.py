@@ -1,0 +1,117 @@
+"""`minedraft client generate`: stream a completion from an engine server or the gateway to the terminal.
+
+Speaks only the generated API. Text goes to stdout as it arrives; a summary line goes to stderr. With --json, stdout
+holds one JSON object per streamed response instead (the last carries finish_reason, usage and speculation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TOKEN_ENV = "MINEDRAFT_TOKEN"
+
+
+def add_subcommands(sub: Any) -> None:
+    client = sub.add_parser("client", help="talk to an engine server or the gateway").add_subparsers(
+        dest="client_command", required=True)
+    gen = client.add_parser("generate", help="stream one completion")
+    gen.add_argument("--target", default="127.0.0.1:50050", help="host:port of the gateway or an engine server")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-token-ids", help="prompt as comma-separated token ids")
+    gen.add_argument("--max-tokens", type=int, help="default: the rest of the context")
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--request-id", default="")
+    gen.add_argument("--timeout-seconds", type=float, help="deadline for the whole stream")
+    gen.add_argument("--json", action="store_true", help="one JSON object per streamed response on stdout")
+    gen.add_argument("--token-file", help=f"bearer token file (default: ${TOKEN_ENV} when set)")
+    gen.add_argument("--tls-ca", help="CA certificate (PEM) to verify the target's TLS certificate: enables TLS")
+    gen.add_argument("--tls-server-name", help="name to verify in the certificate (default: the target's host)")
+    gen.set_defaults(func=cmd_generate)
+
+
+def build_request(args: argparse.Namespace) -> Any:
+    from minedraft.api import pb
+
+    params = pb.SamplingParams(stop=args.stop, ignore_eos=args.ignore_eos)
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(params, name, value)
+    request = pb.GenerateRequest(request_id=args.request_id, sampling_params=params)
+    if args.prompt is not None:
+        request.prompt = args.prompt
+    else:
+        request.prompt_token_ids.extend(int(t) for t in args.prompt_token_ids.split(",") if t.strip())
+    return request
+
+
+def open_channel(target: str, tls_ca: str | None, server_name: str | None = None) -> Any:
+    import grpc
+
+    if tls_ca is None:
+        return grpc.aio.insecure_channel(target)
+    credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+    options = (("grpc.ssl_target_name_override", server_name),) if server_name else ()
+    return grpc.aio.secure_channel(target, credentials, options=options)
+
+
+def bearer_metadata(token_file: str | None) -> tuple[tuple[str, str], ...]:
+    token = Path(token_file).read_text().strip().splitlines()[0].strip() if token_file else os.environ.get(TOKEN_ENV)
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+async def stream_generate(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from minedraft.api import pb_grpc
+
+    request = build_request(args)
+    started = time.perf_counter()
+    first_token_seconds: float | None = None
+    final = None
+    async with open_channel(args.target, args.tls_ca, args.tls_server_name) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        call = stub.Generate(request, timeout=args.timeout_seconds, metadata=bearer_metadata(args.token_file))
+        try:
+            async for response in call:
+                if first_token_seconds is None and response.token_ids:
+                    first_token_seconds = time.perf_counter() - started
+                if args.json:
+                    print(json.dumps(MessageToDict(response, preserving_proto_field_name=True,
+                                                   always_print_fields_with_no_presence=True)), flush=True)
+                else:
+                    print(response.text, end="", flush=True)
+                final = response
+        except grpc.aio.AioRpcError as exc:
+            if not args.json:
+                print(file=sys.stdout)
+            print(f"minedraft client: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    elapsed = time.perf_counter() - started
+    if not args.json:
+        print()
+    if final is not None:
+        drafted, accepted = final.speculation.num_draft_tokens, final.speculation.num_accepted_tokens
+        rate = f" ({accepted / drafted:.0%})" if drafted else ""
+        ttft = f", first token {first_token_seconds * 1000:.0f} ms" if first_token_seconds is not None else ""
+        print(f"[{final.usage.completion_tokens} tokens in {elapsed:.2f}s{ttft}, finish: {final.finish_reason}, "
+              f"drafted {drafted}, accepted {accepted}{rate}]", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    return asyncio.run(stream_generate(args))

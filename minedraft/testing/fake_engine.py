@@ -1,0 +1,174 @@
+"""A fake engine replica: an in-process aio gRPC server speaking minedraft.v1 that streams tokens at a fixed rate.
+
+It lets the gateway be tested and measured without a model: failures can be injected before or after the first
+token, every stream's fate is recorded (completed, cancelled), and each response's `text` can carry the monotonic
+time it was sent (`stamp_text`) so a client on the same machine measures one-way latency per token.
+`python -m minedraft.testing.fake_engine --port P` runs one as a process (the benchmark does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from minedraft import __version__
+from minedraft.api import SERVICE_NAME, pb, pb_grpc
+
+VOCAB_SIZE = 2048
+MAX_MODEL_LEN = 4096
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class FakeBehaviour:
+    """What the fake does; tests change it between calls."""
+
+    token_interval_seconds: float = 0.0
+    # UNAVAILABLE before any token (a replica that is going away) or after this many tokens (one that died).
+    fail_before_first_token: bool = False
+    fail_after_tokens: int | None = None
+    # Put time.perf_counter_ns() at send time into each response's text.
+    stamp_text: bool = False
+
+
+@dataclass
+class FakeRecord:
+    started: list[str] = field(default_factory=list)
+    completed: list[str] = field(default_factory=list)
+    # Streams that ended because the caller went away (cancel, deadline, disconnect): the engine's "abort".
+    cancelled: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    # Every request as received (to check what the gateway forwards: deadlines, sampling params).
+    requests: list[pb.GenerateRequest] = field(default_factory=list)
+    deadlines_seconds: list[float | None] = field(default_factory=list)
+
+
+def fake_token_ids(request: pb.GenerateRequest, count: int) -> list[int]:
+    """Deterministic tokens from the prompt, so a test can tell which stream's tokens it got."""
+    base = sum(request.prompt_token_ids) + sum(request.prompt.encode())
+    return [(base + i) % VOCAB_SIZE for i in range(count)]
+
+
+class FakeGenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
+    def __init__(self, replica_id: str, behaviour: FakeBehaviour, record: FakeRecord) -> None:
+        self.replica_id = replica_id
+        self.behaviour = behaviour
+        self.record = record
+        self.num_active_streams = 0
+        self._ids = itertools.count()
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        params = request.sampling_params
+        if params.HasField("max_tokens") and params.max_tokens <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"sampling_params.max_tokens: must be positive, got {params.max_tokens}",
+                                trailing_metadata=(("minedraft-invalid-field", "sampling_params.max_tokens"),))
+        request_id = request.request_id or f"fake-{self.replica_id}-{next(self._ids)}"
+        self.record.requests.append(request)
+        self.record.deadlines_seconds.append(context.time_remaining())
+        behaviour = self.behaviour
+        if behaviour.fail_before_first_token:
+            self.record.failed.append(request_id)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"fake replica {self.replica_id} is going away")
+        self.record.started.append(request_id)
+        count = params.max_tokens if params.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+        token_ids = fake_token_ids(request, count)
+        self.num_active_streams += 1
+        finished = False
+        try:
+            for index, token_id in enumerate(token_ids):
+                if behaviour.fail_after_tokens is not None and index >= behaviour.fail_after_tokens:
+                    self.record.failed.append(request_id)
+                    finished = True
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"fake replica {self.replica_id} died")
+                if behaviour.token_interval_seconds:
+                    await asyncio.sleep(behaviour.token_interval_seconds)
+                last = index == len(token_ids) - 1
+                text = str(time.perf_counter_ns()) if behaviour.stamp_text else f"<{token_id}>"
+                response = pb.GenerateResponse(request_id=request_id, token_ids=[token_id], text=text)
+                if last:
+                    response.finish_reason = "length"
+                    response.usage.prompt_tokens = len(request.prompt_token_ids) or len(request.prompt.split())
+                    response.usage.completion_tokens = count
+                    finished = True
+                yield response
+            self.record.completed.append(request_id)
+        finally:
+            self.num_active_streams -= 1
+            if not finished:
+                self.record.cancelled.append(request_id)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        return pb.GetModelInfoResponse(model="fake", draft_model="fake-draft", max_model_len=MAX_MODEL_LEN,
+                                       vocab_size=VOCAB_SIZE, mode="psd", num_speculative_tokens=3, max_num_seqs=1024)
+
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
+        return pb.GetServerInfoResponse(version=__version__, replica_id=self.replica_id,
+                                        num_running_requests=self.num_active_streams,
+                                        num_active_streams=self.num_active_streams, state="serving")
+
+
+class FakeEngineServer:
+    """One fake replica on a loopback port, with grpc.health.v1 (SERVING unless told otherwise) and reflection."""
+
+    def __init__(self, replica_id: str = "fake", behaviour: FakeBehaviour | None = None) -> None:
+        self.replica_id = replica_id
+        self.behaviour = behaviour or FakeBehaviour()
+        self.record = FakeRecord()
+        self.servicer = FakeGenerationServicer(replica_id, self.behaviour, self.record)
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
+        pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME),
+                                            self.server)
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self, port: int = 0) -> FakeEngineServer:
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        await self.set_serving(True)
+        await self.server.start()
+        return self
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_seconds: float | None = None) -> None:
+        await self.server.stop(grace_seconds)
+
+
+async def _main(args: argparse.Namespace) -> None:
+    server = FakeEngineServer(args.replica_id, FakeBehaviour(token_interval_seconds=args.token_interval_seconds,
+                                                             stamp_text=args.stamp_text))
+    await server.start(args.port)
+    print(f"fake engine on {server.address}", file=sys.stderr, flush=True)
+    await server.server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--replica-id", default="fake")
+    parser.add_argument("--token-interval-seconds", type=float, default=0.01)
+    parser.add_argument("--stamp-text", action="store_true")
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_main(parser.parse_args()))
