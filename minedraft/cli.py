@@ -53,15 +53,39 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
                         help="torch: plain-torch Llama drafter with per-request KV cache (fast on CPUs); "
                         "vllm: the draft model in vLLM (any architecture)")
     parser.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds are separate)")
+    parser.add_argument("--max-num-speculative-tokens", type=int,
+                        help="the longest draft the engine can switch to at run time (auto mode's k range)")
+    parser.add_argument("--constructed-acceptance", type=float,
+                        help="use the cost-realistic constructed pair with this per-position acceptance "
+                        "(built into the cache on first use; see `minedraft models build-constructed`)")
 
 
 def _cores(value: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(int(c) for c in value.split(",")) if value else default
 
 
+def constructed_pair(acceptance: float) -> Path:
+    """The cost-realistic pair with the given acceptance, built into the cache on first use (about a minute)."""
+    from minedraft.models.constructed import ConstructedRecipe, build_constructed_pair, constructed_pair_dir
+    from minedraft.models.spec import cache_root, is_complete_pair
+
+    if not 0.0 <= acceptance <= 1.0:
+        from minedraft.engine.settings import SettingsError
+
+        raise SettingsError("constructed_acceptance", f"must be within [0, 1], got {acceptance}")
+    out = constructed_pair_dir(cache_root(), acceptance)
+    if not is_complete_pair(out):
+        print(f"building the constructed pair (acceptance {acceptance}) into {out} (one time)", file=sys.stderr)
+        build_constructed_pair(out, ensure_pair(_pair_dir(None)) / "target", ConstructedRecipe(acceptance=acceptance))
+    return out
+
+
 def settings_from_args(args: argparse.Namespace) -> Any:
     from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode, default_core_split
 
+    if getattr(args, "constructed_acceptance", None) is not None:
+        built = constructed_pair(args.constructed_acceptance)
+        args.model, args.draft = args.model or str(built / "target"), args.draft or str(built / "draft")
     pair = None if (args.model and args.draft) else ensure_pair(_pair_dir(getattr(args, "pair", None)))
     target_default, drafter_default = default_core_split()
     mode = Mode.parse(args.mode)
@@ -82,6 +106,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         kv_cache_gib=args.kv_cache_gib,
         target_cpu_cores=_cores(args.target_cores, target_default),
         seed=args.seed,
+        max_num_speculative_tokens=args.max_num_speculative_tokens,
     )
 
 
@@ -95,6 +120,17 @@ def cmd_models_build(args: argparse.Namespace) -> int:
     out = Path(args.output) if args.output else cache_root() / "models" / PAIR_NAME
     report = build_pair(out, threads=args.threads)
     print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_models_build_constructed(args: argparse.Namespace) -> int:
+    from minedraft.models.constructed import ConstructedRecipe, build_constructed_pair, constructed_pair_dir
+    from minedraft.models.spec import cache_root
+
+    out = Path(args.output) if args.output else constructed_pair_dir(cache_root(), args.acceptance)
+    report = build_constructed_pair(out, ensure_pair(_pair_dir(args.pair)) / "target",
+                                    ConstructedRecipe(acceptance=args.acceptance))
+    print(json.dumps({"output": str(out), **report}, indent=2))
     return 0
 
 
@@ -194,21 +230,41 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from minedraft.bench.runner import BenchConfig, run_bench, write_outputs
     from minedraft.bench.workload import bench_prompts
-    from minedraft.engine.settings import Mode
+    from minedraft.engine.settings import Mode, SettingsError
 
     settings = settings_from_args(args)
     pair_dir = ensure_pair(_pair_dir(args.pair))
     modes = [Mode.parse(m.strip()) for m in args.modes.split(",") if m.strip()]
     concurrencies = [int(c) for c in str(args.concurrency).split(",")]
+    if args.trace:
+        from minedraft.bench.workload import Trace
+
+        try:
+            trace = Trace.parse(args.trace, ["x"], args.max_tokens)
+        except ValueError as exc:
+            raise SettingsError("trace", str(exc)) from None
+        concurrencies_needed = [*concurrencies, *(p.concurrency for p in trace.phases)]
+    else:
+        concurrencies_needed = concurrencies
+    needed_prompts = max(args.num_prompts, args.requests_per_concurrency * max(concurrencies))
+    if args.constructed_acceptance is not None:
+        regime = args.regime or "cost-realistic (constructed 12 x 1024 float32 target, 2 x 256 draft)"
+        source = f"constructed weights, per-position acceptance {args.constructed_acceptance} (lossless)"
+    else:
+        regime = args.regime or "local trained pair"
+        source = "real (trained pair)"
     config = BenchConfig(
-        base=settings.with_changes(max_num_seqs=max(max(concurrencies), settings.max_num_seqs)),
+        base=settings.with_changes(max_num_seqs=max(max(concurrencies_needed), settings.max_num_seqs)),
         modes=modes,
         concurrencies=concurrencies,
-        prompts=bench_prompts(pair_dir, args.num_prompts),
+        prompts=bench_prompts(pair_dir, needed_prompts),
         max_tokens=args.max_tokens,
         rounds=args.rounds,
         baseline_cpu_cores=_cores(args.baseline_cores, tuple(sorted(os.sched_getaffinity(0)))),
-        labels={"regime": args.regime, "acceptance_source": "real (trained pair)",
+        requests_per_concurrency=args.requests_per_concurrency,
+        min_requests=args.min_requests,
+        trace=args.trace,
+        labels={"regime": regime, "acceptance_source": source,
                 "command": "minedraft " + " ".join(sys.argv[1:])},
     )
     report = run_bench(config)
@@ -233,6 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--no-vllm", action="store_true")
     check.add_argument("--json", action="store_true")
     check.set_defaults(func=cmd_models_check)
+    constructed = models.add_parser(
+        "build-constructed", help="the cost-realistic pair: a 160M float32 target and a draft whose per-position "
+        "acceptance is fixed by construction (no training)")
+    constructed.add_argument("--acceptance", type=float, default=0.8)
+    constructed.add_argument("--output", help="directory (default: the user cache)")
+    constructed.add_argument("--pair", help="local pair whose tokenizer to use")
+    constructed.set_defaults(func=cmd_models_build_constructed)
 
     gen = sub.add_parser("generate", help="one JSON line per prompt of a file")
     add_engine_arguments(gen)
@@ -258,7 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-tokens", type=int, default=64)
     bench.add_argument("--rounds", type=int, default=2)
     bench.add_argument("--baseline-cores", help="cores for ar and vllm-sd (default: all this process may use)")
-    bench.add_argument("--regime", default="local trained pair")
+    bench.add_argument("--requests-per-concurrency", type=int, default=0,
+                       help="run max(--min-requests, this x concurrency) requests per load instead of --num-prompts")
+    bench.add_argument("--min-requests", type=int, default=4)
+    bench.add_argument("--trace", help="also run a load that changes over time: phases C:N,C:N,... (N requests at "
+                       "concurrency C each, back to back)")
+    bench.add_argument("--regime", help="label for the results (default: from the model pair)")
     bench.add_argument("--json", required=True, help="output JSON path (.md and .png written beside it)")
     bench.set_defaults(func=cmd_bench)
     return parser

@@ -13,6 +13,38 @@ def _runs(report: dict[str, Any]) -> list[dict[str, Any]]:
              "greedy_outputs_identical": report["greedy_outputs_identical"]}]
 
 
+def crossovers(rates: dict[int, dict[str, float]]) -> dict[str, int | None]:
+    """Where psd overtakes sd, and where speculation (the better of sd and psd) stops beating ar, by load.
+
+    Each is the first load from which the condition holds at every higher load measured (or predicted).
+    """
+    loads = sorted(rates)
+
+    def first_from(condition: Any) -> int | None:
+        found: int | None = None
+        for load in reversed(loads):
+            if not condition(rates[load]):
+                break
+            found = load
+        return found
+
+    result: dict[str, int | None] = {}
+    if all({"psd", "sd"} <= set(rates[c]) for c in loads):
+        result["psd_overtakes_sd"] = first_from(lambda r: r["psd"] > r["sd"])
+    if all({"psd", "sd", "ar"} <= set(rates[c]) for c in loads):
+        result["speculation_stops_paying"] = first_from(lambda r: max(r["psd"], r["sd"]) < r["ar"])
+    return result
+
+
+def measured_rates(report: dict[str, Any]) -> dict[int, dict[str, float]]:
+    return {int(r["concurrency"]): {m: v["output_tokens_per_s"] for m, v in r["modes"].items()}
+            for r in _runs(report) if isinstance(r["concurrency"], int)}
+
+
+def predicted_rates(report: dict[str, Any]) -> dict[int, dict[str, float]]:
+    return {int(c): dict(v) for c, v in report.get("predicted_tokens_per_s", {}).items() if v}
+
+
 def markdown_table(report: dict[str, Any]) -> str:
     config = report["config"]
     lines = [
@@ -49,6 +81,28 @@ def markdown_table(report: dict[str, Any]) -> str:
                 f"{m['acceptance_rate']:.2f} | {m['mean_accepted_length']:.2f} | {m['overlap_fraction']:.2f} |"
             )
         lines.append("")
+        if "auto" in modes:
+            fixed = {name: m["output_tokens_per_s"] for name, m in modes.items() if name != "auto"}
+            if fixed:
+                best = max(fixed, key=lambda name: fixed[name])
+                ratio = modes["auto"]["output_tokens_per_s"] / fixed[best] if fixed[best] else 0.0
+                shares = ", ".join(f"{name} {share:.0%}" for name, share in
+                                   modes["auto"].get("output_token_share_by_mode", {}).items())
+                lines.append(f"auto = **{ratio:.2f}x** the best fixed mode ({best}); its output tokens by mode: "
+                             f"{shares}; switches: {modes['auto'].get('mode_switches', 0)}")
+                lines.append("")
+    measured, predicted = measured_rates(report), predicted_rates(report)
+    if len(measured) > 1:
+        lines.append("## Crossovers (concurrency)")
+        lines.append("")
+        lines.append("| crossover | measured | predicted by the cost model |")
+        lines.append("|---|---|---|")
+        measured_x, predicted_x = crossovers(measured), crossovers(predicted) if predicted else {}
+        for key in ("psd_overtakes_sd", "speculation_stops_paying"):
+            if key in measured_x:
+                lines.append(f"| {key.replace('_', ' ')} | {measured_x[key] or 'not within the range'} | "
+                             f"{predicted_x.get(key) or 'not within the range'} |")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -58,25 +112,66 @@ def plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = _runs(report)
-    mode_names = list(runs[0]["modes"])
-    concurrencies = [str(r["concurrency"]) for r in runs]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / max(1, len(mode_names))
-    for i, name in enumerate(mode_names):
-        xs = [j + i * width for j in range(len(runs))]
-        axes[0].bar(xs, [r["modes"][name]["output_tokens_per_s"] for r in runs], width, label=name)
-        axes[1].bar(xs, [r["modes"][name]["tpot_p50_s"] * 1000 for r in runs], width, label=name)
-    for ax, title, unit in ((axes[0], "Throughput", "output tokens/s"), (axes[1], "Time per output token p50",
-                                                                          "ms")):
-        ax.set_xticks([j + width * (len(mode_names) - 1) / 2 for j in range(len(runs))], concurrencies)
-        ax.set_xlabel("concurrency (requests in flight, all modes)")
-        ax.set_ylabel(unit)
-        ax.set_title(title)
-        ax.legend()
     config = report["config"]
-    fig.suptitle(f"k={config['num_speculative_tokens']}, {config['max_tokens']} tokens/request, "
-                 f"{config['num_prompts']} prompts")
+    measured = measured_rates(report)
+    runs = [r for r in _runs(report) if isinstance(r["concurrency"], int)]
+    traces = [r for r in _runs(report) if not isinstance(r["concurrency"], int)]
+    panels = 2 + bool(traces)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2))
+    mode_names = list((runs or traces)[0]["modes"])
+    colors = {name: f"C{i}" for i, name in enumerate(mode_names)}
+    if len(runs) > 1:
+        loads = sorted(measured)
+        for name in mode_names:
+            axes[0].plot(loads, [measured[c][name] for c in loads], "o-", color=colors[name], label=name)
+            axes[1].plot(loads, [next(r for r in runs if r["concurrency"] == c)["modes"][name]["tpot_p50_s"] * 1000
+                                 for c in loads], "o-", color=colors[name], label=name)
+        predicted = predicted_rates(report)
+        if predicted:
+            grid = sorted(predicted)
+            for name in ("ar", "sd", "psd"):
+                if name in colors and all(name in predicted[c] for c in grid):
+                    axes[0].plot(grid, [predicted[c][name] for c in grid], "--", color=colors[name], alpha=0.6,
+                                 label=f"{name} (cost model)")
+            predicted_x = crossovers(predicted)
+            for key, style in (("psd_overtakes_sd", ":"), ("speculation_stops_paying", "-.")):
+                if predicted_x.get(key):
+                    axes[0].axvline(predicted_x[key], color="grey", linestyle=style, alpha=0.7,
+                                    label=f"predicted: {key.replace('_', ' ')}")
+        for ax in axes[:2]:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(loads, [str(c) for c in loads])
+            ax.set_xlabel("concurrency (requests in flight, all modes)")
+        axes[0].set_ylabel("output tokens/s")
+        axes[0].set_title("Throughput (dashed: cost-model prediction)")
+        axes[1].set_ylabel("ms")
+        axes[1].set_title("Time per output token p50")
+    else:
+        width = 0.8 / max(1, len(mode_names))
+        for i, name in enumerate(mode_names):
+            xs = [j + i * width for j in range(len(runs))]
+            axes[0].bar(xs, [r["modes"][name]["output_tokens_per_s"] for r in runs], width, label=name)
+            axes[1].bar(xs, [r["modes"][name]["tpot_p50_s"] * 1000 for r in runs], width, label=name)
+        for ax, title, unit in ((axes[0], "Throughput", "output tokens/s"),
+                                (axes[1], "Time per output token p50", "ms")):
+            ax.set_xticks([j + width * (len(mode_names) - 1) / 2 for j in range(len(runs))],
+                          [str(r["concurrency"]) for r in runs])
+            ax.set_xlabel("concurrency (requests in flight, all modes)")
+            ax.set_ylabel(unit)
+            ax.set_title(title)
+    for ax in axes[:2]:
+        ax.legend(fontsize=7)
+    if traces:
+        trace = traces[0]
+        names = list(trace["modes"])
+        axes[2].bar(names, [trace["modes"][n]["output_tokens_per_s"] for n in names],
+                    color=[colors.get(n, "grey") for n in names])
+        axes[2].set_ylabel("output tokens/s over the whole trace")
+        axes[2].set_title(f"Load trace {trace['concurrency'].removeprefix('trace ')}", fontsize=9)
+    title = f"{config.get('regime', '')}: k={config['num_speculative_tokens']}, {config['max_tokens']} tokens/request"
+    if config.get("acceptance_source"):
+        title += f", acceptance: {config['acceptance_source']}"
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

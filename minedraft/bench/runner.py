@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from minedraft.bench.workload import Workload
+from minedraft.bench.workload import Trace, Workload
 from minedraft.engine.settings import EngineSettings, Mode
 from minedraft.engine.stats import EngineTotals
 
@@ -34,16 +34,30 @@ class BenchConfig:
     # Cores for the engines without a drafter process of their own (ar, vllm-sd).
     baseline_cpu_cores: tuple[int, ...] = ()
     warmup_requests: int = 4
+    # Requests per run = max(len(prompts) if 0 else this * concurrency, min_requests): fewer at low load so
+    # every concurrency takes comparable time.
+    requests_per_concurrency: int = 0
+    min_requests: int = 4
+    trace: str | None = None
     labels: dict[str, Any] = field(default_factory=dict)
+
+    def prompts_for(self, concurrency: int) -> list[str]:
+        if not self.requests_per_concurrency:
+            return self.prompts
+        count = max(self.min_requests, self.requests_per_concurrency * concurrency)
+        return [self.prompts[i % len(self.prompts)] for i in range(count)]
 
 
 def _engine_kind(mode: Mode) -> str:
+    # auto gets an engine (and drafter) of its own: its cost model learns only from its own runs.
     return "minedraft" if mode in (Mode.PSD, Mode.SD) else mode.value
 
 
 def _kind_settings(config: BenchConfig, kind: str) -> EngineSettings:
     if kind == "minedraft":
         return replace(config.base, mode=Mode.PSD)
+    if kind == "auto":
+        return replace(config.base, mode=Mode.AUTO)
     cores = config.baseline_cpu_cores or config.base.target_cpu_cores
     return replace(config.base, mode=Mode(kind), target_cpu_cores=cores)
 
@@ -56,24 +70,33 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def aggregate(
-    mode: Mode, runs: list[tuple[list[dict[str, Any]], float, dict[str, Any]]], config_k: int
-) -> dict[str, Any]:
+Run = tuple[list[dict[str, Any]], float, dict[str, Any], dict[str, int]]
+
+
+def aggregate(mode: Mode, runs: list[Run], config_k: int) -> dict[str, Any]:
     """Headline figures of one mode over its rounds."""
-    requests = [r for results, _, _ in runs for r in results]
+    requests = [r for results, _, _, _ in runs for r in results]
     tokens = sum(len(r["token_ids"]) for r in requests)
-    makespan = sum(m for _, m, _ in runs)
+    makespan = sum(m for _, m, _, _ in runs)
     ttft = [r["ttft_seconds"] for r in requests]
     tpot = [r["tpot_seconds"] for r in requests]
     e2e = [r["e2e_seconds"] for r in requests]
-    if mode in (Mode.PSD, Mode.SD):
-        pooled = sum((EngineTotals(**totals) for _, _, totals in runs), EngineTotals())
+    if mode in (Mode.PSD, Mode.SD, Mode.AUTO):
+        pooled = sum((EngineTotals(**totals) for _, _, totals, _ in runs), EngineTotals())
         summary = pooled.summary()
         acceptance = summary["acceptance_rate"]
         accepted_length = summary["mean_accepted_length"]
         overlap = summary["overlap_fraction"]
         extra = {key: summary[key] for key in ("verify_seconds_per_step", "draft_seconds_per_step",
                                                "wait_seconds_per_step", "steps", "acceptance_per_position")}
+        if mode is Mode.AUTO:
+            shares: dict[str, int] = {}
+            for _, _, _, by_mode in runs:
+                for name, count in by_mode.items():
+                    shares[name] = shares.get(name, 0) + count
+            total = sum(shares.values()) or 1
+            extra["output_token_share_by_mode"] = {name: round(c / total, 3) for name, c in sorted(shares.items())}
+            extra["mode_switches"] = pooled.mode_switches
     else:
         drafted = sum(r["num_draft_tokens"] for r in requests)
         accepted = sum(r["num_accepted_tokens"] for r in requests)
@@ -120,34 +143,46 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             log.info("engine %s ready (%.1fs)", kind, message[1])
         print(f"engines ready after {time.perf_counter() - started:.0f}s", file=sys.stderr)
 
-        def run(mode: Mode, workload: Workload) -> tuple[list[dict[str, Any]], float, dict[str, Any]]:
+        def run(mode: Mode, workload: Workload | Trace) -> Run:
             _, conn = workers[_engine_kind(mode)]
             conn.send(("run", mode.value, workload))
             message = conn.recv()
-            _, results, makespan, totals = message
-            return results, makespan, totals
+            _, results, makespan, totals, by_mode = message
+            return results, makespan, totals, by_mode
 
         for mode in config.modes:
             run(mode, Workload(config.prompts[: config.warmup_requests], config.warmup_requests, 8))
 
+        k = config.base.num_speculative_tokens
+        loads: list[tuple[int | str, Workload | Trace]] = [
+            (c, Workload(config.prompts_for(c), c, config.max_tokens)) for c in config.concurrencies
+        ]
+        if config.trace:
+            trace = Trace.parse(config.trace, config.prompts, config.max_tokens)
+            loads.append((f"trace {trace.label}", trace))
         per_concurrency = []
-        for concurrency in config.concurrencies:
-            collected: dict[Mode, list[tuple[list[dict[str, Any]], float, dict[str, Any]]]] = {
-                m: [] for m in config.modes
-            }
+        for label, workload in loads:
+            collected: dict[Mode, list[Run]] = {m: [] for m in config.modes}
             for round_index in range(config.rounds):
                 order = config.modes if round_index % 2 == 0 else list(reversed(config.modes))
                 for mode in order:
-                    workload = Workload(config.prompts, concurrency, config.max_tokens)
                     t0 = time.perf_counter()
                     collected[mode].append(run(mode, workload))
-                    print(f"concurrency {concurrency} round {round_index + 1}/{config.rounds} {mode.value}: "
+                    print(f"concurrency {label} round {round_index + 1}/{config.rounds} {mode.value}: "
                           f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
-            k = config.base.num_speculative_tokens
             modes = {m.value: aggregate(m, runs, k) for m, runs in collected.items()}
             identical = _greedy_identical(collected)
-            per_concurrency.append({"concurrency": concurrency, "modes": modes,
-                                    "greedy_outputs_identical": identical})
+            per_concurrency.append({"concurrency": label, "modes": modes, "greedy_outputs_identical": identical})
+        if "minedraft" in workers:
+            # The cost model of the psd/sd engine, fed by every step it ran: its predictions beside the measurements.
+            _, conn = workers["minedraft"]
+            predict_at = sorted({*range(1, max(config.concurrencies) + 1), *config.concurrencies})
+            conn.send(("predict", predict_at, k))
+            _, predictions = conn.recv()
+            predicted = {str(c): {p["mode"]: p["output_tokens_per_second"] for p in ps}
+                         for c, ps in predictions.items()}
+        else:
+            predicted = {}
     finally:
         for _, conn in workers.values():
             with contextlib.suppress(BrokenPipeError, OSError):
@@ -163,7 +198,8 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         "draft_model": base.drafter.model,
         "modes": [m.value for m in config.modes],
         "concurrency": config.concurrencies if len(config.concurrencies) > 1 else config.concurrencies[0],
-        "num_prompts": len(config.prompts),
+        "num_prompts": len(config.prompts) if not config.requests_per_concurrency else
+        f"max({config.min_requests}, {config.requests_per_concurrency} x concurrency)",
         "max_tokens": config.max_tokens,
         "num_speculative_tokens": base.num_speculative_tokens,
         "num_extra_draft_tokens": base.num_extra_draft_tokens,
@@ -177,16 +213,18 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     }
     if len(per_concurrency) == 1:
         return {"config": config_out, "modes": per_concurrency[0]["modes"],
-                "greedy_outputs_identical": per_concurrency[0]["greedy_outputs_identical"]}
+                "greedy_outputs_identical": per_concurrency[0]["greedy_outputs_identical"],
+                "predicted_tokens_per_s": predicted}
     return {"config": config_out, "runs": per_concurrency,
-            "greedy_outputs_identical": all(r["greedy_outputs_identical"] for r in per_concurrency)}
+            "greedy_outputs_identical": all(r["greedy_outputs_identical"] for r in per_concurrency),
+            "predicted_tokens_per_s": predicted}
 
 
-def _greedy_identical(collected: dict[Mode, list[tuple[list[dict[str, Any]], float, dict[str, Any]]]]) -> bool:
+def _greedy_identical(collected: dict[Mode, list[Run]]) -> bool:
     reference_mode = Mode.AR if Mode.AR in collected else next(iter(collected))
     reference = [r["token_ids"] for r in collected[reference_mode][0][0]]
     for runs in collected.values():
-        for results, _, _ in runs:
+        for results, _, _, _ in runs:
             if [r["token_ids"] for r in results] != reference:
                 return False
     return True

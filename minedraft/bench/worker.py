@@ -10,7 +10,7 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
-from minedraft.bench.workload import Workload, result_to_dict, run_workload
+from minedraft.bench.workload import Trace, Workload, result_to_dict, run_trace, run_workload
 from minedraft.engine.settings import EngineSettings, Mode
 
 
@@ -30,16 +30,28 @@ async def _serve(settings: EngineSettings, conn: Connection) -> None:
             command: tuple[Any, ...] = await asyncio.to_thread(conn.recv)
             if command[0] == "stop":
                 break
+            if command[0] == "predict":
+                predictions = await engine.call(partial(_predict, concurrencies=command[1], k=command[2]))
+                conn.send(("predictions", predictions))
+                continue
             _, mode_name, workload = command
-            assert isinstance(workload, Workload)
+            assert isinstance(workload, Workload | Trace)
             mode = Mode(mode_name)
-            if engine.engine.psd_scheduler is not None:
+            if engine.engine.psd_scheduler is not None and engine.engine.configured_mode is not mode:
                 await engine.call(partial(_set_mode, mode=mode))
             before = engine.engine.totals()
-            results, makespan = await run_workload(engine, workload)
+            first_step = engine.engine.step_records()[-1].step if engine.engine.step_records() else 0
+            if isinstance(workload, Trace):
+                results, makespan = await run_trace(engine, workload)
+            else:
+                results, makespan = await run_workload(engine, workload)
             # Counts pooled over the whole run (the step-record ring buffer may hold only its tail).
             totals = engine.engine.totals() - before
-            conn.send(("result", [result_to_dict(r) for r in results], makespan, asdict(totals)))
+            tokens_by_mode: dict[str, int] = {}
+            for record in engine.engine.step_records(first_step):
+                key = record.mode if record.mode == "ar" else f"{record.mode} k={record.k}"
+                tokens_by_mode[key] = tokens_by_mode.get(key, 0) + record.num_output_tokens
+            conn.send(("result", [result_to_dict(r) for r in results], makespan, asdict(totals), tokens_by_mode))
     finally:
         await engine.shutdown()
         conn.close()
@@ -47,3 +59,8 @@ async def _serve(settings: EngineSettings, conn: Connection) -> None:
 
 def _set_mode(engine: Any, mode: Mode) -> None:
     engine.set_mode(mode)
+
+
+def _predict(engine: Any, concurrencies: list[int], k: int) -> dict[int, list[dict[str, Any]]]:
+    """The cost model's predicted tokens/s per mode at each load (ar, and sd/psd at draft length k)."""
+    return {c: [asdict(p) for p in engine.predictions(c, (k,))] for c in concurrencies}

@@ -22,6 +22,34 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class Trace:
+    """Load that changes over time: closed-loop phases run back to back (e.g. 1, then 32, then 4 in flight)."""
+
+    phases: list[Workload]
+
+    @classmethod
+    def parse(cls, spec: str, prompts: list[str], max_tokens: int) -> Trace:
+        """`C:N,C:N,...`: N requests at concurrency C per phase, prompts taken in order (wrapping around)."""
+        phases: list[Workload] = []
+        offset = 0
+        for part in spec.split(","):
+            try:
+                concurrency, count = (int(v) for v in part.split(":"))
+            except ValueError:
+                raise ValueError(f"trace: expected C:N pairs separated by commas, got {part!r}") from None
+            if concurrency < 1 or count < 1:
+                raise ValueError(f"trace: concurrency and request count must be positive in {part!r}")
+            chosen = [prompts[(offset + i) % len(prompts)] for i in range(count)]
+            offset += count
+            phases.append(Workload(chosen, concurrency, max_tokens))
+        return cls(phases)
+
+    @property
+    def label(self) -> str:
+        return ",".join(f"{p.concurrency}:{len(p.prompts)}" for p in self.phases)
+
+
+@dataclass(frozen=True)
 class RequestResult:
     index: int
     token_ids: list[int]
@@ -90,6 +118,18 @@ async def run_workload(engine: AsyncEngine, workload: Workload) -> tuple[list[Re
     await asyncio.gather(*(one(i, p) for i, p in enumerate(workload.prompts)))
     makespan = time.perf_counter() - started
     return [r for r in results if r is not None], makespan
+
+
+async def run_trace(engine: AsyncEngine, trace: Trace) -> tuple[list[RequestResult], float]:
+    results: list[RequestResult] = []
+    makespan = 0.0
+    for phase in trace.phases:
+        phase_results, phase_seconds = await run_workload(engine, phase)
+        offset = len(results)
+        results.extend(RequestResult(offset + r.index, r.token_ids, r.ttft_seconds, r.e2e_seconds,
+                                     r.num_draft_tokens, r.num_accepted_tokens) for r in phase_results)
+        makespan += phase_seconds
+    return results, makespan
 
 
 def result_to_dict(result: RequestResult) -> dict[str, Any]:
