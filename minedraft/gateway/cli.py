@@ -1,0 +1,100 @@
+"""`minedraft gateway`: the front door that routes client streams across engine replicas."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+TOKEN_ENV_DEFAULT = "MINEDRAFT_GATEWAY_TOKENS"
+
+
+def add_subcommands(sub: Any) -> None:
+    gateway = sub.add_parser("gateway", help="route client streams across engine replicas")
+    gateway.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
+    gateway.add_argument("--port", type=int, default=50050)
+    engines = gateway.add_mutually_exclusive_group(required=True)
+    engines.add_argument("--engines", help="static engine list: host:port,host:port")
+    engines.add_argument("--kubernetes-service", metavar="NAMESPACE/NAME",
+                         help="watch this Service's EndpointSlices for engines")
+    gateway.add_argument("--kubernetes-port-name", default="grpc",
+                         help="the EndpointSlice port to use (the only port is used when there is just one)")
+    gateway.add_argument("--kubernetes-api", help="API server URL (default: in-cluster service account)")
+    gateway.add_argument("--max-in-flight", type=int, default=4096,
+                         help="streams in flight past which new ones get RESOURCE_EXHAUSTED")
+    gateway.add_argument("--max-attempts", type=int, default=3,
+                         help="engines tried per stream (only before its first token)")
+    gateway.add_argument("--token-file", help="accepted bearer tokens, one per line (enables authentication)")
+    gateway.add_argument("--token-env", default=TOKEN_ENV_DEFAULT,
+                         help="environment variable with accepted bearer tokens, comma-separated "
+                              "(enables authentication when set)")
+    gateway.add_argument("--tls-cert", help="PEM certificate (with --tls-key: serve TLS)")
+    gateway.add_argument("--tls-key", help="PEM private key")
+    gateway.add_argument("--grace-seconds", type=float, default=20.0)
+    gateway.set_defaults(func=cmd_gateway)
+
+    bench = sub.add_parser("bench-gateway", help="the gateway's own cost against a fake engine, and its stream limit")
+    bench.add_argument("--json", default="benchmarks/results/gateway.json", help="output (.md and .png beside it)")
+    bench.add_argument("--quick", action="store_true", help="a smaller run (smoke test)")
+    bench.set_defaults(func=cmd_bench_gateway)
+
+
+def load_tokens(token_file: str | None, token_env: str | None) -> tuple[bytes, ...]:
+    from minedraft.gateway.policy import parse_tokens
+
+    tokens: list[bytes] = []
+    if token_file:
+        tokens.extend(parse_tokens(Path(token_file).read_text()))
+        if not tokens:
+            raise ValueError(f"token-file: {token_file} holds no tokens")
+    if token_env and os.environ.get(token_env):
+        tokens.extend(parse_tokens(os.environ[token_env].replace(",", "\n")))
+    return tuple(tokens)
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    from minedraft.gateway.app import GatewayConfig, TlsFiles
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("tls: --tls-cert and --tls-key go together")
+    tls = TlsFiles(Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None
+    if args.max_in_flight < 1:
+        raise ValueError(f"max-in-flight: must be >= 1, got {args.max_in_flight}")
+    return GatewayConfig(max_in_flight=args.max_in_flight, max_attempts=args.max_attempts,
+                         tokens=load_tokens(args.token_file, args.token_env), tls=tls)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from minedraft.gateway.app import Gateway, run_gateway
+    from minedraft.gateway.discovery import KubernetesApi, parse_engines, parse_service
+
+    try:
+        config = config_from_args(args)
+        engines = parse_engines(args.engines) if args.engines else None
+        service = parse_service(args.kubernetes_service) if args.kubernetes_service else None
+    except (ValueError, OSError) as exc:
+        print(f"minedraft gateway: error: {exc}", file=sys.stderr)
+        return 2
+
+    async def main() -> int:
+        gateway = Gateway(config)
+        if engines is not None:
+            gateway.set_engines(engines)
+        else:
+            assert service is not None
+            api = KubernetesApi(args.kubernetes_api) if args.kubernetes_api else KubernetesApi.in_cluster()
+            gateway.watch_kubernetes(api, service[0], service[1], args.kubernetes_port_name)
+        print(f"minedraft gateway: on {args.host}:{args.port} ({'TLS' if config.tls else 'plaintext'}, "
+              f"auth {'on' if config.tokens else 'off'})", file=sys.stderr, flush=True)
+        return await run_gateway(gateway, f"{args.host}:{args.port}", args.grace_seconds)
+
+    return asyncio.run(main())
+
+
+def cmd_bench_gateway(args: argparse.Namespace) -> int:
+    from minedraft.gateway.bench import main
+
+    return main(["--json", args.json, *(["--quick"] if args.quick else [])])

@@ -1,0 +1,176 @@
+"""The gateway's decisions as pure code over plain data: the endpoint set, power-of-two-choices routing on
+outstanding streams, admission, retry classification, bearer-token checks. No I/O here; tested in tests/unit."""
+
+from __future__ import annotations
+
+import hmac
+import random
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import grpc
+
+
+@dataclass
+class EndpointState:
+    address: str
+    # From the endpoint's grpc.health.v1 status.
+    healthy: bool = False
+    # Streams the gateway has open to it now: the load signal for routing.
+    outstanding: int = 0
+    # After a failed call, not picked again until this time (monotonic seconds), whatever health says: health only
+    # reports changes, and a replica can fail calls while still claiming SERVING.
+    cooldown_until_seconds: float = 0.0
+
+    def ready(self, now_seconds: float) -> bool:
+        return self.healthy and now_seconds >= self.cooldown_until_seconds
+
+
+class EndpointSet:
+    """The engines the gateway knows, keyed by host:port."""
+
+    def __init__(self) -> None:
+        self._endpoints: dict[str, EndpointState] = {}
+
+    def replace(self, addresses: Iterable[str]) -> tuple[set[str], set[str]]:
+        """Make the set exactly `addresses`; returns (added, removed). Known endpoints keep their state."""
+        wanted = set(addresses)
+        current = set(self._endpoints)
+        added, removed = wanted - current, current - wanted
+        for address in removed:
+            del self._endpoints[address]
+        for address in sorted(added):
+            self._endpoints[address] = EndpointState(address)
+        return added, removed
+
+    def get(self, address: str) -> EndpointState | None:
+        return self._endpoints.get(address)
+
+    def __len__(self) -> int:
+        return len(self._endpoints)
+
+    def __iter__(self) -> Iterator[EndpointState]:
+        return iter(list(self._endpoints.values()))
+
+    @property
+    def addresses(self) -> list[str]:
+        return sorted(self._endpoints)
+
+    def set_healthy(self, address: str, healthy: bool) -> bool:
+        """Returns whether the endpoint is known (a removed one's late health report is ignored)."""
+        endpoint = self._endpoints.get(address)
+        if endpoint is None:
+            return False
+        endpoint.healthy = healthy
+        return True
+
+    def ready(self, now_seconds: float, exclude: Iterable[str] = ()) -> list[EndpointState]:
+        excluded = set(exclude)
+        return [e for e in self._endpoints.values() if e.address not in excluded and e.ready(now_seconds)]
+
+    def num_ready(self, now_seconds: float) -> int:
+        return len(self.ready(now_seconds))
+
+    def acquire(self, address: str) -> None:
+        endpoint = self._endpoints.get(address)
+        if endpoint is not None:
+            endpoint.outstanding += 1
+
+    def release(self, address: str) -> None:
+        endpoint = self._endpoints.get(address)
+        if endpoint is not None and endpoint.outstanding > 0:
+            endpoint.outstanding -= 1
+
+    def cool_down(self, address: str, until_seconds: float) -> None:
+        endpoint = self._endpoints.get(address)
+        if endpoint is not None:
+            endpoint.cooldown_until_seconds = until_seconds
+
+
+def choose_two(candidates: Sequence[EndpointState], rng: random.Random) -> EndpointState | None:
+    """Power of two choices: sample two distinct candidates, take the one with fewer outstanding streams.
+
+    Near least-loaded balance without every gateway herding onto the same single least-loaded engine.
+    """
+    if not candidates:
+        return None
+    if len(candidates) == 1:
+        return candidates[0]
+    first, second = rng.sample(list(candidates), 2)
+    return second if second.outstanding < first.outstanding else first
+
+
+def pick(endpoints: EndpointSet, rng: random.Random, now_seconds: float,
+         exclude: Iterable[str] = ()) -> EndpointState | None:
+    return choose_two(endpoints.ready(now_seconds, exclude), rng)
+
+
+class Admission:
+    """Bounded in-flight streams per gateway: past the bound, refuse at once (RESOURCE_EXHAUSTED), never queue."""
+
+    def __init__(self, max_in_flight: int) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight: must be >= 1, got {max_in_flight}")
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0
+
+    def try_acquire(self) -> bool:
+        if self.in_flight >= self.max_in_flight:
+            return False
+        self.in_flight += 1
+        return True
+
+    def release(self) -> None:
+        self.in_flight = max(0, self.in_flight - 1)
+
+
+class FailureAction(Enum):
+    RETRY = "retry"  # no token streamed yet and the engine failed: try another engine
+    PASS_THROUGH = "pass-through"  # the engine's answer stands (bad request, deadline, cancel): forward unchanged
+    UNAVAILABLE_AFTER_TOKENS = "unavailable-after-tokens"  # tokens already out: end with UNAVAILABLE, say how many
+
+
+# Engine failures (as opposed to answers about the request): a replica going away or dying.
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
+# The caller's own deadline or cancellation: never dressed up as an engine failure.
+CALLER_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+
+
+def classify_failure(code: grpc.StatusCode, responses_sent: int) -> FailureAction:
+    if code in CALLER_CODES:
+        return FailureAction.PASS_THROUGH
+    if responses_sent == 0:
+        return FailureAction.RETRY if code in RETRYABLE_CODES else FailureAction.PASS_THROUGH
+    return FailureAction.UNAVAILABLE_AFTER_TOKENS
+
+
+def bearer_token(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
+    """The token of an `authorization: Bearer <token>` header, if any."""
+    for key, value in metadata:
+        if key.lower() == "authorization":
+            text = value.decode() if isinstance(value, bytes) else value
+            scheme, _, token = text.strip().partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
+
+
+def token_accepted(presented: str | None, accepted: Sequence[bytes]) -> bool:
+    """Constant-time comparison against every accepted token (no early exit reveals which one nearly matched)."""
+    if presented is None or not accepted:
+        return False
+    candidate = presented.encode()
+    matched = False
+    for token in accepted:
+        matched |= hmac.compare_digest(candidate, token)
+    return matched
+
+
+def parse_tokens(text: str) -> tuple[bytes, ...]:
+    """Tokens from a file or variable: one per line (or comma-separated); blank lines and # comments ignored."""
+    tokens: list[str] = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0]
+        tokens.extend(part.strip() for part in line.split(",") if part.strip())
+    return tuple(t.encode() for t in tokens)

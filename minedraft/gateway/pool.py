@@ -1,0 +1,114 @@
+"""Channels to the engines and their health: one channel per engine, its grpc.health.v1 status watched."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from minedraft.api import SERVICE_NAME, pb_grpc
+from minedraft.gateway.policy import EndpointSet
+
+log = logging.getLogger(__name__)
+
+# Long-lived streams with idle gaps: keepalive notices a dead engine host; reconnects are quick on loopback/LAN.
+CHANNEL_OPTIONS = (
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+)
+
+
+# A removed engine's channel stays open this long so streams still running on it can finish.
+RETIRED_CHANNEL_GRACE_SECONDS = 120.0
+
+
+async def _close_later(channel: grpc.aio.Channel, delay_seconds: float) -> None:
+    await asyncio.sleep(delay_seconds)
+    await channel.close()
+
+
+class _Engine:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.health_task: asyncio.Task[None] | None = None
+
+
+class EnginePool:
+    def __init__(self, endpoints: EndpointSet, on_health_change: Callable[[], None],
+                 health_retry_seconds: float = 0.5, failure_cooldown_seconds: float = 1.0) -> None:
+        self.endpoints = endpoints
+        self._engines: dict[str, _Engine] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self._on_health_change = on_health_change
+        self.health_retry_seconds = health_retry_seconds
+        self.failure_cooldown_seconds = failure_cooldown_seconds
+
+    def update(self, addresses: Iterable[str]) -> None:
+        """Track exactly these engines: open channels and health watches for new ones, close removed ones."""
+        added, removed = self.endpoints.replace(addresses)
+        for address in removed:
+            engine = self._engines.pop(address)
+            if engine.health_task is not None:
+                engine.health_task.cancel()
+            # Streams still open on it finish (or fail) on their own; close the channel once they had a chance.
+            closing = asyncio.create_task(_close_later(engine.channel, RETIRED_CHANNEL_GRACE_SECONDS))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+        for address in added:
+            engine = _Engine(address)
+            engine.health_task = asyncio.create_task(self._watch_health(engine), name=f"health {address}")
+            self._engines[address] = engine
+        if added or removed:
+            log.info("engines: %s (added %s, removed %s)", self.endpoints.addresses, sorted(added), sorted(removed))
+            self._on_health_change()
+
+    def stub(self, address: str) -> pb_grpc.GenerationStub | None:
+        engine = self._engines.get(address)
+        return engine.stub if engine is not None else None
+
+    def report_failure(self, address: str) -> None:
+        """A call to this engine failed as an engine failure: keep it out of routing for a moment."""
+        self.endpoints.cool_down(address, time.monotonic() + self.failure_cooldown_seconds)
+
+    def _set_healthy(self, address: str, healthy: bool) -> None:
+        endpoint = self.endpoints.get(address)
+        if endpoint is not None and endpoint.healthy != healthy:
+            self.endpoints.set_healthy(address, healthy)
+            log.info("engine %s %s", address, "ready" if healthy else "not ready")
+            self._on_health_change()
+
+    async def _watch_health(self, engine: _Engine) -> None:
+        """Follow Health.Watch (a stream: NOT_SERVING arrives the moment a replica starts draining); reconnect on
+        any break, counting the engine unready meanwhile."""
+        stub = health_pb2_grpc.HealthStub(engine.channel)
+        while True:
+            try:
+                call = stub.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+                async for response in call:
+                    self._set_healthy(engine.address, response.status == health_pb2.HealthCheckResponse.SERVING)
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                log.debug("health watch of %s: %s", engine.address, exc.code())
+            self._set_healthy(engine.address, False)
+            await asyncio.sleep(self.health_retry_seconds)
+
+    async def close(self) -> None:
+        for engine in self._engines.values():
+            if engine.health_task is not None:
+                engine.health_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await engine.health_task
+            await engine.channel.close()
+        self._engines.clear()
+        for closing in list(self._closing):
+            closing.cancel()

@@ -1,0 +1,57 @@
+"""`minedraft serve`: one engine replica behind the gRPC API, with a Prometheus endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def add_subcommands(sub: Any) -> None:
+    from minedraft.cli import add_engine_arguments
+
+    serve = sub.add_parser("serve", help="serve the gRPC API over a PSD engine replica")
+    add_engine_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
+    serve.add_argument("--grpc-port", type=int, default=50051)
+    serve.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics (0: do not serve)")
+    serve.add_argument("--grace-seconds", type=float, default=20.0,
+                       help="on SIGTERM, how long open streams may run before they are cancelled")
+    serve.add_argument("--replica-id", default=os.environ.get("POD_NAME"),
+                       help="reported by GetServerInfo (default: $POD_NAME, else the host name)")
+    serve.set_defaults(func=cmd_serve)
+
+
+def start_metrics(host: str, port: int) -> Any:
+    """Prometheus endpoint with a registry owned by this server (not the process-global one).
+
+    The engine's metric set is registered into this registry by its exporter (a later issue); nothing else is.
+    """
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry()
+    if port:
+        start_http_server(port, addr=host, registry=registry)
+        log.info("metrics on http://%s:%d/metrics", host, port)
+    return registry
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from minedraft.cli import settings_from_args
+    from minedraft.engine.async_engine import AsyncEngine
+    from minedraft.server.app import serve
+
+    settings = settings_from_args(args)
+    start_metrics(args.host, args.metrics_port)
+
+    def on_started(port: int) -> None:
+        print(f"minedraft serve: gRPC on {args.host}:{port}, loading the {settings.mode.value} engine",
+              file=sys.stderr, flush=True)
+
+    return asyncio.run(serve(lambda: AsyncEngine.create(settings), f"{args.host}:{args.grpc_port}",
+                             args.grace_seconds, args.replica_id, on_started=on_started))

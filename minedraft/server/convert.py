@@ -1,0 +1,136 @@
+"""Pure conversions between the API's messages and the engine's types, and the request checks done before any engine
+state is touched. No I/O, no gRPC calls: tested directly in tests/unit."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from minedraft.api import pb
+from minedraft.engine.requests import OutputDelta, RequestError, SamplingSettings
+from minedraft.engine.settings import EngineSettings, Mode
+
+# Request ids become vLLM request ids and log fields: keep them bounded.
+MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request must fit: the target's vocabulary and context (prompt plus generated tokens)."""
+
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request that passed every check: ready for AsyncEngine.generate."""
+
+    request_id: str | None
+    prompt_token_ids: list[int]
+    sampling: SamplingSettings
+
+
+def _check_token_ids(field_name: str, token_ids: list[int], vocab_size: int) -> None:
+    for index, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise RequestError(field_name, f"token id {token_id} at position {index} is outside [0, {vocab_size})")
+
+
+def prompt_token_ids(request: pb.GenerateRequest, limits: ModelLimits,
+                     tokenize: Callable[[str], list[int]]) -> list[int]:
+    """The prompt as token ids: exactly one of text and token ids, non-empty, in the vocabulary, within the context."""
+    has_text = bool(request.prompt)
+    has_ids = len(request.prompt_token_ids) > 0
+    if has_text and has_ids:
+        raise RequestError("prompt", "set either prompt or prompt_token_ids, not both")
+    if not has_text and not has_ids:
+        raise RequestError("prompt", "is empty: set prompt (text) or prompt_token_ids")
+    field_name = "prompt" if has_text else "prompt_token_ids"
+    token_ids = list(tokenize(request.prompt)) if has_text else list(request.prompt_token_ids)
+    if not token_ids:
+        raise RequestError("prompt", "tokenizes to no tokens")
+    _check_token_ids(field_name, token_ids, limits.vocab_size)
+    if len(token_ids) >= limits.max_model_len:
+        raise RequestError(field_name, f"is {len(token_ids)} tokens; the context holds {limits.max_model_len} "
+                                       "including at least one generated token")
+    return token_ids
+
+
+def sampling_from_proto(params: pb.SamplingParams, num_prompt_tokens: int, limits: ModelLimits) -> SamplingSettings:
+    """SamplingParams -> SamplingSettings; unset fields take the documented defaults, set ones are range-checked.
+
+    Field names in errors are the request's own paths (`sampling_params.top_p`), so a client can point at them.
+    """
+    room = limits.max_model_len - num_prompt_tokens
+    max_tokens = params.max_tokens if params.HasField("max_tokens") else room
+    if max_tokens <= 0:
+        raise RequestError("sampling_params.max_tokens", f"must be positive, got {max_tokens}")
+    if max_tokens > room:
+        # vLLM's OpenAI server rejects this too rather than silently truncating the completion.
+        raise RequestError("sampling_params.max_tokens",
+                           f"{max_tokens} tokens do not fit: the context holds {limits.max_model_len} tokens and "
+                           f"the prompt takes {num_prompt_tokens}")
+    temperature = params.temperature if params.HasField("temperature") else 0.0
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise RequestError("sampling_params.temperature", f"must be >= 0, got {temperature}")
+    top_p = params.top_p if params.HasField("top_p") else 1.0
+    if not 0 < top_p <= 1:  # NaN fails this too
+        raise RequestError("sampling_params.top_p", f"must be in (0, 1], got {top_p}")
+    top_k = params.top_k if params.HasField("top_k") else 0
+    if top_k < 0:
+        raise RequestError("sampling_params.top_k", f"must be >= 0 (0 disables it), got {top_k}")
+    seed = params.seed if params.HasField("seed") else None
+    if seed is not None and seed < 0:
+        raise RequestError("sampling_params.seed", f"must be >= 0, got {seed}")
+    _check_token_ids("sampling_params.stop_token_ids", list(params.stop_token_ids), limits.vocab_size)
+    if any(not s for s in params.stop):
+        raise RequestError("sampling_params.stop", "stop strings must be non-empty")
+    sampling = SamplingSettings(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=tuple(params.stop),
+        stop_token_ids=tuple(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+    sampling.validate()  # the engine's own rules, in case they are stricter than the above
+    return sampling
+
+
+def prepare_request(request: pb.GenerateRequest, limits: ModelLimits,
+                    tokenize: Callable[[str], list[int]]) -> PreparedRequest:
+    """Every check a Generate request must pass; raises RequestError naming the first bad field."""
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise RequestError("request_id", f"is longer than {MAX_REQUEST_ID_CHARS} characters")
+    token_ids = prompt_token_ids(request, limits, tokenize)
+    sampling = sampling_from_proto(request.sampling_params, len(token_ids), limits)
+    return PreparedRequest(request.request_id or None, token_ids, sampling)
+
+
+def response_from_delta(delta: OutputDelta) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(request_id=delta.request_id, token_ids=delta.token_ids, text=delta.text)
+    if delta.finished:
+        response.finish_reason = delta.finish_reason or "stop"
+        response.usage.prompt_tokens = delta.num_prompt_tokens
+        response.usage.completion_tokens = delta.num_output_tokens
+        response.speculation.num_draft_tokens = delta.num_draft_tokens
+        response.speculation.num_accepted_tokens = delta.num_accepted_tokens
+    return response
+
+
+def model_info(settings: EngineSettings, vocab_size: int) -> pb.GetModelInfoResponse:
+    uses_draft = settings.mode is not Mode.AR
+    return pb.GetModelInfoResponse(
+        model=settings.model,
+        draft_model=settings.drafter.model if uses_draft else "",
+        max_model_len=settings.max_model_len,
+        vocab_size=vocab_size,
+        mode=settings.mode.value,
+        num_speculative_tokens=settings.num_speculative_tokens if uses_draft else 0,
+        num_extra_draft_tokens=settings.num_extra_draft_tokens if uses_draft else 0,
+        max_num_seqs=settings.max_num_seqs,
+    )

@@ -1,0 +1,101 @@
+"""Proto <-> engine conversions and the request checks done before the engine is touched (pure)."""
+
+import math
+
+import pytest
+
+from minedraft.api import pb
+from minedraft.engine.requests import OutputDelta, RequestError
+from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode
+from minedraft.server.convert import ModelLimits, model_info, prepare_request, response_from_delta
+
+LIMITS = ModelLimits(vocab_size=100, max_model_len=32)
+
+
+def tokenize(text: str) -> list[int]:
+    return [ord(c) % 100 for c in text]
+
+
+def field_of(request: pb.GenerateRequest) -> str:
+    with pytest.raises(RequestError) as info:
+        prepare_request(request, LIMITS, tokenize)
+    return info.value.field_name
+
+
+def test_text_prompt_with_defaults():
+    prepared = prepare_request(pb.GenerateRequest(prompt="abc", request_id="r1"), LIMITS, tokenize)
+    assert prepared.prompt_token_ids == [97, 98, 99 % 100]
+    assert prepared.request_id == "r1"
+    s = prepared.sampling
+    # Unset max_tokens: the rest of the context; greedy; no top-p/top-k truncation.
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (29, 0.0, 1.0, 0, None)
+
+
+def test_token_prompt_and_every_sampling_field_carried():
+    params = pb.SamplingParams(max_tokens=5, temperature=0.5, top_p=0.25, top_k=7, seed=3, stop=["\n"],
+                               stop_token_ids=[9], ignore_eos=True)
+    prepared = prepare_request(pb.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling_params=params), LIMITS,
+                               tokenize)
+    assert prepared.prompt_token_ids == [1, 2, 3] and prepared.request_id is None
+    s = prepared.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (5, 0.5, 0.25, 7, 3)
+    assert s.stop == ("\n",) and s.stop_token_ids == (9,) and s.ignore_eos
+
+
+@pytest.mark.parametrize(("request_", "field"), [
+    (pb.GenerateRequest(), "prompt"),
+    (pb.GenerateRequest(prompt="ab", prompt_token_ids=[1]), "prompt"),
+    (pb.GenerateRequest(prompt_token_ids=[1, 100]), "prompt_token_ids"),
+    (pb.GenerateRequest(prompt_token_ids=[1] * 32), "prompt_token_ids"),
+    (pb.GenerateRequest(prompt="x" * 32), "prompt"),
+    (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(max_tokens=0)), "sampling_params.max_tokens"),
+    (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(max_tokens=-3)), "sampling_params.max_tokens"),
+    (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(max_tokens=32)), "sampling_params.max_tokens"),
+    (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(temperature=-0.1)),
+     "sampling_params.temperature"),
+    (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(temperature=math.nan)),
+     "sampling_params.temperature"),
+    (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(top_p=0.0)), "sampling_params.top_p"),
+    (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(top_p=1.5)), "sampling_params.top_p"),
+    (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(top_k=-1)), "sampling_params.top_k"),
+    (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(seed=-1)), "sampling_params.seed"),
+    (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(stop_token_ids=[100])),
+     "sampling_params.stop_token_ids"),
+    (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(stop=[""])), "sampling_params.stop"),
+    (pb.GenerateRequest(prompt="a", request_id="x" * 300), "request_id"),
+])
+def test_each_invalid_field_is_named(request_, field):
+    assert field_of(request_) == field
+
+
+def test_max_tokens_fitting_exactly_is_accepted():
+    # 3 prompt tokens + 29 generated = the whole 32-token context.
+    request = pb.GenerateRequest(prompt="abc", sampling_params=pb.SamplingParams(max_tokens=29))
+    assert prepare_request(request, LIMITS, tokenize).sampling.max_tokens == 29
+
+
+def test_tokenizer_yielding_nothing_is_an_empty_prompt():
+    with pytest.raises(RequestError) as info:
+        prepare_request(pb.GenerateRequest(prompt=" "), LIMITS, lambda text: [])
+    assert info.value.field_name == "prompt"
+
+
+def test_response_from_deltas():
+    middle = response_from_delta(OutputDelta("r", [1, 2], "ab"))
+    assert list(middle.token_ids) == [1, 2] and middle.text == "ab" and middle.finish_reason == ""
+    assert not middle.HasField("usage") and not middle.HasField("speculation")
+    final = response_from_delta(OutputDelta("r", [3], "c", finish_reason="length", num_prompt_tokens=4,
+                                            num_output_tokens=3, num_draft_tokens=6, num_accepted_tokens=2))
+    assert final.finish_reason == "length" and final.request_id == "r"
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (4, 3)
+    assert (final.speculation.num_draft_tokens, final.speculation.num_accepted_tokens) == (6, 2)
+
+
+def test_model_info_reports_speculation_only_when_drafting():
+    settings = EngineSettings(model="t", drafter=DrafterSettings(model="d"), mode=Mode.PSD, num_speculative_tokens=4,
+                              max_model_len=512)
+    info = model_info(settings, 2048)
+    assert (info.model, info.draft_model, info.mode, info.num_speculative_tokens) == ("t", "d", "psd", 4)
+    assert (info.max_model_len, info.vocab_size) == (512, 2048)
+    ar = model_info(settings.with_changes(mode=Mode.AR), 2048)
+    assert (ar.draft_model, ar.num_speculative_tokens, ar.mode) == ("", 0, "ar")
