@@ -1,0 +1,129 @@
+"""`minedraft operator`: run the operator, print the manifests it would apply (`render`), or print the CRD (`crd`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from minedraft.operator.settings import ENV_PREFIX, MONITORING_CHOICES, OperatorSettings, parse_labels
+
+EXIT_INVALID = 2
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(ENV_PREFIX + name, default)
+
+
+def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
+    return OperatorSettings(
+        namespaces=tuple(n.strip() for n in args.namespaces.split(",") if n.strip()),
+        drift_interval_seconds=args.drift_interval_seconds,
+        health_port=args.health_port,
+        metrics_port=args.metrics_port,
+        monitoring=args.monitoring,
+        network_policy=args.network_policy == "on",
+        prometheus_namespace_selector=parse_labels(args.prometheus_namespace_labels),
+        prometheus_pod_selector=parse_labels(args.prometheus_pod_labels),
+    )
+
+
+def _add_operator_options(parser: argparse.ArgumentParser) -> None:
+    d = OperatorSettings()
+    parser.add_argument("--namespaces", default=_env("NAMESPACES", ""),
+                        help="comma-separated namespaces to watch (default: all) [env MINEDRAFT_OPERATOR_NAMESPACES]")
+    parser.add_argument("--drift-interval-seconds", type=float,
+                        default=float(_env("DRIFT_INTERVAL_SECONDS", str(d.drift_interval_seconds))),
+                        help="re-check every MineDraft this often")
+    parser.add_argument("--health-port", type=int, default=int(_env("HEALTH_PORT", str(d.health_port))),
+                        help="kopf liveness endpoint port (GET /healthz)")
+    parser.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", str(d.metrics_port))),
+                        help="Prometheus metrics port (0: off)")
+    parser.add_argument("--monitoring", choices=MONITORING_CHOICES, default=_env("MONITORING", d.monitoring),
+                        help="render PodMonitors: auto (when the Prometheus operator's CRDs exist), on or off")
+    parser.add_argument("--network-policy", choices=("on", "off"), default=_env("NETWORK_POLICY", "on"),
+                        help="render a NetworkPolicy letting only the gateway and Prometheus reach engine pods")
+    parser.add_argument("--prometheus-namespace-labels", default=_env(
+        "PROMETHEUS_NAMESPACE_LABELS", "kubernetes.io/metadata.name=monitoring"),
+        help="labels of the namespace Prometheus runs in (k=v,... or JSON)")
+    parser.add_argument("--prometheus-pod-labels", default=_env(
+        "PROMETHEUS_POD_LABELS", "app.kubernetes.io/name=prometheus"),
+        help="labels of the Prometheus pods (k=v,... or JSON)")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from minedraft.operator.handlers import run_operator
+
+    asyncio.run(run_operator(settings_from_args(args)))
+    return 0
+
+
+def render_documents(documents: list[Any], settings: OperatorSettings, monitoring_available: bool) -> list[Any]:
+    """Manifests for every MineDraft in a YAML stream; raises SpecError naming the document and field."""
+    from minedraft.operator import spec as s
+    from minedraft.operator.render import render_resource
+
+    manifests: list[Any] = []
+    errors: list[str] = []
+    options = settings.render_options(monitoring_available)
+    for index, doc in enumerate(d for d in documents if d is not None):
+        if doc.get("kind") != s.KIND or doc.get("apiVersion") != f"{s.API_GROUP}/{s.API_VERSION}":
+            errors.append(f"document {index}: not a {s.KIND} ({s.API_GROUP}/{s.API_VERSION})")
+            continue
+        name = (doc.get("metadata") or {}).get("name", "?")
+        try:
+            manifests += render_resource(doc, options)
+        except s.SpecError as exc:
+            errors += [f"{s.KIND} {name}: {e}" for e in exc.errors]
+    if errors:
+        raise s.SpecError(errors)
+    return manifests
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    import yaml
+
+    from minedraft.operator.spec import SpecError
+
+    text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+    try:
+        documents = list(yaml.safe_load_all(text))
+        manifests = render_documents(documents, settings_from_args(args), args.monitoring == "on")
+    except yaml.YAMLError as exc:
+        print(f"{args.file}: invalid YAML: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    except SpecError as exc:
+        for error in exc.errors:
+            print(f"{args.file}: {error}", file=sys.stderr)
+        return EXIT_INVALID
+    sys.stdout.write(yaml.safe_dump_all(manifests, sort_keys=False, width=120))
+    return 0
+
+
+def cmd_crd(args: argparse.Namespace) -> int:
+    from minedraft.operator.crd import crd_yaml
+
+    sys.stdout.write(crd_yaml())
+    return 0
+
+
+def add_subcommands(sub: Any) -> None:
+    """Register `minedraft operator ...` on the top-level subparsers."""
+    operator = sub.add_parser("operator", help="the Kubernetes operator (kopf): run, render, crd")
+    _add_operator_options(operator)
+    operator.set_defaults(func=cmd_run)
+    commands = operator.add_subparsers(dest="operator_command")
+    run = commands.add_parser("run", help="run the operator (the default)")
+    _add_operator_options(run)
+    run.set_defaults(func=cmd_run)
+    render = commands.add_parser("render", help="print the manifests the operator would apply for a MineDraft file "
+                                                "(YAML stream on stdout; validation errors on stderr, exit 2)")
+    _add_operator_options(render)
+    render.add_argument("-f", "--file", required=True, help="MineDraft YAML file ('-' for stdin)")
+    render.set_defaults(func=cmd_render)
+    crd = commands.add_parser("crd", help="print the MineDraft CustomResourceDefinition")
+    crd.set_defaults(func=cmd_crd)

@@ -1,0 +1,276 @@
+"""The MineDraft CustomResourceDefinition, built here and written to the chart's crds/ (the one source of truth).
+
+`minedraft operator crd` prints it; a test checks that charts/minedraft/crds/ holds exactly this. Defaults and
+bounds come from the dataclasses in spec.py so the API server and the offline parser agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from minedraft.operator import spec as s
+
+CRD_NAME = f"{s.PLURAL}.{s.API_GROUP}"
+CRD_FILE = "charts/minedraft/crds/minedrafts.minedraft.io.yaml"
+
+Schema = dict[str, Any]
+
+
+def _str(description: str, **extra: Any) -> Schema:
+    return {"type": "string", "description": description, **extra}
+
+
+def _int(description: str, **extra: Any) -> Schema:
+    return {"type": "integer", "format": "int32", "description": description, **extra}
+
+
+def _num(description: str, **extra: Any) -> Schema:
+    return {"type": "number", "description": description, **extra}
+
+
+def _obj(description: str, properties: dict[str, Schema], **extra: Any) -> Schema:
+    return {"type": "object", "description": description, "properties": properties, **extra}
+
+
+def _quantity(description: str, default: str) -> Schema:
+    # A string rather than int-or-string: quantities in this spec are always written as strings ("8", "64Gi").
+    return _str(description, default=default, pattern=r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+
+
+def _rule(rule: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"rule": rule, "message": message, **extra}
+
+
+def _secret_key_ref(description: str) -> Schema:
+    return _obj(description, {
+        "name": _str("Name of the Secret, in the MineDraft's namespace.", minLength=1, maxLength=253),
+        "key": _str("Key within the Secret.", default="token", minLength=1),
+    }, required=["name"])
+
+
+def _model(role: str) -> Schema:
+    return _obj(f"The {role} model and where its weights come from.", {
+        "source": _obj("Where the weights come from: exactly one of huggingFace, persistentVolumeClaim or image.", {
+            "huggingFace": _obj("Download from the Hugging Face hub into the model cache at start-up.", {
+                "id": _str("Repository id, e.g. Qwen/Qwen3-32B.", minLength=1),
+                "revision": _str("Branch, tag or commit; the default branch when unset."),
+                "tokenSecretRef": _secret_key_ref(
+                    "Secret holding a hub token (for gated models); passed to the engine as HF_TOKEN."),
+            }, required=["id"]),
+            "persistentVolumeClaim": _obj("Weights already on a PersistentVolumeClaim, mounted read-only.", {
+                "claimName": _str("Name of the PersistentVolumeClaim in the MineDraft's namespace.", minLength=1),
+                "path": _str("Directory of the model relative to the volume's root.", default=""),
+            }, required=["claimName"]),
+            "image": _obj("Weights baked into the engine image.", {
+                "path": _str("Absolute path of the model directory inside the image.", pattern="^/"),
+            }, required=["path"]),
+        }, **{"x-kubernetes-validations": [_rule(
+            "[has(self.huggingFace), has(self.persistentVolumeClaim), has(self.image)]"
+            ".filter(x, x).size() == 1",
+            "exactly one of huggingFace, persistentVolumeClaim or image must be set")]}),
+        "servedModelName": _str("Model name reported to clients; defaults to the source's id or path."),
+    }, required=["source"])
+
+
+def spec_schema() -> Schema:
+    eng = s.EngineSpec()
+    gw = s.GatewaySpec()
+    auto = s.AutoscalingSpec()
+    bounds = s.SpeculationBounds()
+    k_range = {"minimum": s.MIN_SPECULATIVE_TOKENS, "maximum": s.MAX_SPECULATIVE_TOKENS}
+    return _obj("Desired state of a MineDraft deployment: models, speculation, engines, scaling and gateway.", {
+        "target": _model("target (large, verifying)"),
+        "draft": _model("draft (small, drafting)"),
+        "speculation": _obj("How the engines speculate.", {
+            "mode": _str("psd: batch-parallel speculative decoding (drafting overlaps verification); sd: standard "
+                         "speculative decoding; ar: the target alone; vllm-sd: vLLM's built-in draft-model SD.",
+                         enum=list(s.MODES), default=s.SpeculationSpec().mode),
+            "numSpeculativeTokens": _int("Draft length k: tokens drafted per verification step.",
+                                         default=s.SpeculationSpec().num_speculative_tokens, **k_range),
+            "numExtraDraftTokens": _int("Extra drafted tokens e kept for top-C selection by cumulative draft "
+                                        "log-probability (psd and sd only).", default=0, minimum=0,
+                                        maximum=s.MAX_EXTRA_DRAFT_TOKENS),
+        }, default={}, **{"x-kubernetes-validations": [_rule(
+            "self.mode in ['psd', 'sd'] || self.numExtraDraftTokens == 0",
+            "numExtraDraftTokens needs mode psd or sd")]}),
+        "engine": _obj("The engine pods (one target plus one drafter per pod).", {
+            "image": _str("Engine image (vLLM 0.32 CUDA image with minedraft).", default=eng.image),
+            "imagePullPolicy": _str("Image pull policy.", enum=list(s.PULL_POLICIES), default=eng.image_pull_policy),
+            "targetGPUs": _int("GPUs for the target model (its tensor-parallel size); each pod requests "
+                               "targetGPUs + drafterGPUs nvidia.com/gpu.", default=eng.target_gpus, minimum=1,
+                               maximum=s.MAX_TARGET_GPUS),
+            "drafterGPUs": _int("GPUs for the drafter: always 1, a device of its own so drafting overlaps "
+                                "verification.", default=1, minimum=1, maximum=1),
+            "cpu": _quantity("CPU request and limit per engine pod.", eng.cpu),
+            "memory": _quantity("Memory request and limit per engine pod.", eng.memory),
+            "shmSize": _quantity("Size of /dev/shm (memory-backed) for NCCL and worker processes.", eng.shm_size),
+            "maxNumSeqs": _int("Most requests batched at once (vLLM max_num_seqs); vLLM's default when unset.",
+                               minimum=1),
+            "maxModelLen": _int("Longest context in tokens (vLLM max_model_len); the model's when unset.",
+                                minimum=16),
+            "extraArgs": {"type": "array", "description": "Extra arguments appended to the engine command "
+                                                          "(vLLM engine arguments).",
+                          "items": _str("One argument."), "default": []},
+            "nodeSelector": {"type": "object", "description": "Node labels the engine pods must match.",
+                             "additionalProperties": _str("Label value.")},
+            "tolerations": {"type": "array", "description": "Tolerations of the engine pods (core/v1 Toleration).",
+                            "items": {"type": "object", "description": "A core/v1 Toleration.",
+                                      "x-kubernetes-preserve-unknown-fields": True}},
+            "affinity": {"type": "object", "description": "Affinity of the engine pods (core/v1 Affinity).",
+                         "x-kubernetes-preserve-unknown-fields": True},
+            "priorityClassName": _str("PriorityClass of the engine pods."),
+            "modelCache": _obj("Volume for downloaded weights and compile caches.", {
+                "claimName": _str("A PersistentVolumeClaim to keep the cache across restarts; an emptyDir when "
+                                  "unset."),
+                "sizeLimit": _quantity("Size limit of the emptyDir cache.", eng.model_cache.size_limit),
+            }, default={}),
+            "terminationGracePeriodSeconds": _int("Seconds an engine gets to finish streams after SIGTERM.",
+                                                  default=eng.termination_grace_period_seconds, minimum=0,
+                                                  maximum=3600),
+            "startupTimeoutSeconds": _int("Seconds allowed for loading the models before the startup probe fails.",
+                                          default=eng.startup_timeout_seconds, minimum=60, maximum=86400),
+        }, default={}),
+        "replicas": _int("Engine replicas. With autoscaling, leave unset: the autoscaler writes it through the "
+                         "/scale subresource.", minimum=0, maximum=s.MAX_REPLICAS),
+        "autoscaling": _obj("Speculation-aware autoscaling bounds and targets (used by the autoscaler).", {
+            "minReplicas": _int("Fewest engine replicas (0 allows scaling to zero).", default=auto.min_replicas,
+                                minimum=0, maximum=s.MAX_REPLICAS),
+            "maxReplicas": _int("Most engine replicas.", default=auto.max_replicas, minimum=1,
+                                maximum=s.MAX_REPLICAS),
+            "targetUtilization": _num("Share of the estimated capacity per replica to plan for, in (0, 1].",
+                                      default=auto.target_utilization, minimum=0, exclusiveMinimum=True,
+                                      maximum=1),
+            "intervalSeconds": _int("Seconds between autoscaling decisions.", default=auto.interval_seconds,
+                                    minimum=5, maximum=3600),
+            "scaleDownStabilizationSeconds": _int("Seconds a lower replica count must persist before scaling down.",
+                                                  default=auto.scale_down_stabilization_seconds, minimum=0,
+                                                  maximum=86400),
+            "maxScaleUpStep": _int("Most replicas added in one decision.", default=auto.max_scale_up_step,
+                                   minimum=1, maximum=s.MAX_REPLICAS),
+            "speculation": _obj("What each engine may choose between when it adapts its speculation.", {
+                "allowedModes": {"type": "array", "description": "Modes the engines may use.",
+                                 "items": _str("A mode.", enum=list(s.MODES)), "minItems": 1,
+                                 "default": list(bounds.allowed_modes), "x-kubernetes-list-type": "set"},
+                "minSpeculativeTokens": _int("Shortest draft length.", default=bounds.min_speculative_tokens,
+                                             **k_range),
+                "maxSpeculativeTokens": _int("Longest draft length.", default=bounds.max_speculative_tokens,
+                                             **k_range),
+            }, default={}, **{"x-kubernetes-validations": [_rule(
+                "self.minSpeculativeTokens <= self.maxSpeculativeTokens",
+                "minSpeculativeTokens must not exceed maxSpeculativeTokens")]}),
+            "prometheus": _obj("Where the autoscaler reads metrics.", {
+                "address": _str("Prometheus HTTP API base URL, e.g. http://prometheus.monitoring:9090; when "
+                                "unset the engines' metrics endpoints are scraped directly."),
+            }, default={}),
+        }, **{"x-kubernetes-validations": [_rule("self.minReplicas <= self.maxReplicas",
+                                                 "minReplicas must not exceed maxReplicas")]}),
+        "gateway": _obj("The gRPC gateway in front of the engines.", {
+            "replicas": _int("Gateway replicas.", default=gw.replicas, minimum=0, maximum=100),
+            "image": _str("Gateway image.", default=gw.image),
+            "imagePullPolicy": _str("Image pull policy.", enum=list(s.PULL_POLICIES), default=gw.image_pull_policy),
+            "serviceType": _str("Type of the gateway Service.", enum=list(s.SERVICE_TYPES), default=gw.service_type),
+            "port": _int("Port of the gateway Service.", default=gw.port, minimum=1, maximum=65535),
+            "authTokenSecretRef": _secret_key_ref("Secret with the bearer token clients must send; no auth when "
+                                                  "unset."),
+            "tlsSecretRef": _obj("A kubernetes.io/tls Secret (tls.crt, tls.key) to serve TLS; plaintext when unset.",
+                                 {"name": _str("Name of the Secret.", minLength=1, maxLength=253)},
+                                 required=["name"]),
+            "maxInFlight": _int("Admission bound: streams in flight per gateway replica before RESOURCE_EXHAUSTED.",
+                                default=gw.max_in_flight, minimum=1),
+            "cpu": _quantity("CPU request and limit per gateway pod.", gw.cpu),
+            "memory": _quantity("Memory request and limit per gateway pod.", gw.memory),
+        }, default={}),
+    }, required=["target", "draft"], **{"x-kubernetes-validations": [
+        # Creation only (optionalOldSelf: on create oldSelf has no value): afterwards the autoscaler writes
+        # spec.replicas through /scale, which the next rule keeps within bounds.
+        _rule("oldSelf.hasValue() || !(has(self.replicas) && has(self.autoscaling))",
+              "set either replicas or autoscaling, not both (the autoscaler owns replicas)", optionalOldSelf=True),
+        _rule("!has(self.replicas) || !has(self.autoscaling) || "
+              "(self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)",
+              "replicas must lie within autoscaling minReplicas..maxReplicas"),
+    ]})
+
+
+CONDITION_TYPES = ("Ready", "EngineReady", "GatewayReady", "ScalingReady", "MetricsAvailable")
+
+
+def status_schema() -> Schema:
+    condition = _obj("A condition of the MineDraft.", {
+        "type": _str("Ready, EngineReady, GatewayReady, ScalingReady or MetricsAvailable."),
+        "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+        "reason": _str("A CamelCase reason."),
+        "message": _str("What a human needs to know."),
+        "observedGeneration": {"type": "integer", "format": "int64",
+                               "description": "metadata.generation the condition was computed for."},
+        "lastTransitionTime": _str("When status last changed.", format="date-time"),
+    }, required=["type", "status"])
+    return _obj("Observed state, written by the operator.", {
+        "phase": _str("Pending, Progressing, Ready or Failed.", enum=["Pending", "Progressing", "Ready", "Failed"]),
+        "observedGeneration": {"type": "integer", "format": "int64",
+                               "description": "metadata.generation last reconciled."},
+        "conditions": {"type": "array", "description": "Conditions keyed by type.", "items": condition,
+                       "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+        "replicas": _int("Engine replicas desired (the /scale status)."),
+        "readyReplicas": _int("Engine replicas ready."),
+        "ready": _str("readyReplicas/replicas, for printing."),
+        "selector": _str("Label selector of the engine pods (the /scale selector)."),
+        "endpoint": _str("host:port of the gateway Service inside the cluster."),
+        "speculation": _obj("Live speculation figures, when the metrics are known.", {
+            "acceptanceRate": _num("Accepted draft tokens per drafted token."),
+            "overlap": _num("Share of drafting time hidden behind verification (1 = fully hidden)."),
+            "modes": {"type": "array", "description": "Modes the engines use now.", "items": _str("A mode.")},
+        }),
+    })
+
+
+def crd() -> dict[str, Any]:
+    """The CustomResourceDefinition object."""
+    columns = [
+        {"name": "Mode", "type": "string", "jsonPath": ".spec.speculation.mode", "description": "Speculation mode."},
+        {"name": "Ready", "type": "string", "jsonPath": ".status.ready",
+         "description": "Engine replicas ready/desired."},
+        {"name": "Acceptance", "type": "number", "jsonPath": ".status.speculation.acceptanceRate",
+         "description": "Draft acceptance rate."},
+        {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "description": "Gateway endpoint."},
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "priority": 1, "description": "Phase."},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME, "labels": {"app.kubernetes.io/name": "minedraft",
+                                                  "app.kubernetes.io/part-of": "minedraft"}},
+        "spec": {
+            "group": s.API_GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": s.KIND, "listKind": f"{s.KIND}List", "plural": s.PLURAL, "singular": "minedraft",
+                      "shortNames": ["md"], "categories": ["all"]},
+            "versions": [{
+                "name": s.API_VERSION,
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": _obj(
+                    "MineDraft serves a target/draft model pair with batch-parallel speculative decoding.", {
+                        "apiVersion": _str("APIVersion of this object."),
+                        "kind": _str("Kind of this object."),
+                        "metadata": {"type": "object", "description": "Standard object metadata."},
+                        "spec": spec_schema(),
+                        "status": status_schema(),
+                    }, required=["spec"])},
+                "subresources": {
+                    "status": {},
+                    "scale": {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+                              "labelSelectorPath": ".status.selector"},
+                },
+                "additionalPrinterColumns": columns,
+            }],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    import yaml
+
+    header = ("# Generated by `minedraft operator crd` from minedraft/operator/crd.py; do not edit by hand.\n"
+              "# A test checks that this file matches the code.\n")
+    return header + yaml.safe_dump(crd(), sort_keys=False, width=120)

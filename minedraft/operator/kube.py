@@ -1,0 +1,139 @@
+"""A small async Kubernetes client for what the operator does besides kopf's own watching: get, apply, discover.
+
+It wraps the official client's ApiClient (which owns authentication, token refresh and TLS) and runs its blocking
+calls in threads. Every call the operator makes goes through here, and ``PERMISSIONS`` lists the verbs each method
+needs on each resource: the chart's ClusterRole is checked against that list, and the component test checks that
+the requests the real operator sends stay within it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from minedraft.operator import spec as s
+from minedraft.operator.render import FIELD_MANAGER
+
+
+@dataclass(frozen=True)
+class Resource:
+    group: str  # "" for the core API
+    version: str
+    plural: str
+    kind: str
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    def path(self, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+        base = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+        path = f"{base}/namespaces/{namespace}/{self.plural}"
+        if name is not None:
+            path += f"/{name}"
+            if subresource is not None:
+                path += f"/{subresource}"
+        return path
+
+
+RESOURCES = {r.kind: r for r in (
+    Resource("apps", "v1", "deployments", "Deployment"),
+    Resource("", "v1", "services", "Service"),
+    Resource("", "v1", "serviceaccounts", "ServiceAccount"),
+    Resource("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget"),
+    Resource("rbac.authorization.k8s.io", "v1", "roles", "Role"),
+    Resource("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
+    Resource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy"),
+    Resource("monitoring.coreos.com", "v1", "podmonitors", "PodMonitor"),
+)}
+SECRETS = Resource("", "v1", "secrets", "Secret")
+MINEDRAFTS = Resource(s.API_GROUP, s.API_VERSION, s.PLURAL, s.KIND)
+EVENTS = Resource("", "v1", "events", "Event")
+
+# (apiGroup, resource[/subresource]) -> verbs. Server-side apply needs "patch", plus "create" when the object does not
+# exist yet. The gateway's Role grants endpointslices get/list/watch, and Kubernetes only lets the operator create a
+# Role granting what the operator itself holds (no "escalate"/"bind" verbs here), hence that entry.
+PERMISSIONS: dict[tuple[str, str], frozenset[str]] = {
+    **{(r.group, r.plural): frozenset({"get", "create", "patch"}) for r in RESOURCES.values()},
+    ("", "secrets"): frozenset({"get"}),  # existence of referenced Secrets only; values are never read or logged
+    ("discovery.k8s.io", "endpointslices"): frozenset({"get", "list", "watch"}),
+    # kopf: watching MineDrafts, its progress annotations, status writes and Events.
+    (s.API_GROUP, s.PLURAL): frozenset({"list", "watch", "patch"}),
+    (s.API_GROUP, f"{s.PLURAL}/status"): frozenset({"patch"}),
+    ("", "events"): frozenset({"create"}),
+}
+
+
+class KubeError(RuntimeError):
+    def __init__(self, status: int, method: str, path: str, body: str) -> None:
+        reason = body
+        with contextlib.suppress(ValueError, AttributeError):  # not a Status object: keep the raw body
+            reason = json.loads(body).get("message", body)
+        super().__init__(f"{method} {path}: HTTP {status}: {reason}"[:500])
+        self.status = status
+
+
+class KubeClient:
+    """Thin async wrapper over kubernetes.client.ApiClient; construct with a Configuration (cluster or test)."""
+
+    def __init__(self, configuration: Any | None = None) -> None:
+        from kubernetes import client
+
+        self._api = client.ApiClient(configuration)
+
+    @classmethod
+    def from_environment(cls) -> KubeClient:
+        """In-cluster credentials when running in a pod, else the current kubeconfig context."""
+        from kubernetes import client, config
+
+        configuration = client.Configuration()
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except config.ConfigException:
+            config.load_kube_config(client_configuration=configuration)
+        return cls(configuration)
+
+    def close(self) -> None:
+        self._api.close()
+
+    def _call(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None,
+              content_type: str = "application/json") -> tuple[int, Any]:
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        m, url, h, b, _ = self._api.param_serialize(method=method, resource_path=path, query_params=query or [],
+                                                 header_params=headers, body=body, auth_settings=["BearerToken"])
+        response = self._api.call_api(m, url, header_params=h, body=b)
+        data = response.read()
+        text = data.decode() if isinstance(data, bytes) else str(data)
+        if response.status == 404:
+            return 404, None
+        if response.status >= 400:
+            raise KubeError(response.status, method, path, text)
+        return response.status, json.loads(text) if text else None
+
+    async def get(self, resource: Resource, namespace: str, name: str) -> dict[str, Any] | None:
+        _, obj = await asyncio.to_thread(self._call, "GET", resource.path(namespace, name))
+        return obj
+
+    async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply as the operator's field manager, taking over fields others changed (force)."""
+        resource = RESOURCES[manifest["kind"]]
+        meta = manifest["metadata"]
+        status, obj = await asyncio.to_thread(
+            self._call, "PATCH", resource.path(meta["namespace"], meta["name"]), dict(manifest),
+            [("fieldManager", FIELD_MANAGER), ("force", "true")], "application/apply-patch+yaml")
+        if status == 404:
+            raise KubeError(404, "PATCH", resource.path(meta["namespace"], meta["name"]), "not found")
+        return dict(obj or {})
+
+    async def has_api(self, group: str, version: str, plural: str) -> bool:
+        """Discovery (allowed to every authenticated client): whether the cluster serves group/version/plural."""
+        status, doc = await asyncio.to_thread(self._call, "GET", f"/apis/{group}/{version}")
+        if status == 404 or not doc:
+            return False
+        return any(r.get("name") == plural for r in doc.get("resources", []))

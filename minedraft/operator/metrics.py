@@ -1,0 +1,39 @@
+"""The operator's own Prometheus metrics (``minedraft_operator_*``), in a registry of its own (no global state)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class OperatorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.reconciles = Counter(
+            "minedraft_operator_reconciles", "Reconcile passes by trigger and result.",
+            ["trigger", "result"], registry=self.registry)
+        self.reconcile_seconds = Histogram(
+            "minedraft_operator_reconcile_seconds", "Duration of one reconcile pass.", registry=self.registry,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.applies = Counter(
+            "minedraft_operator_applies", "Objects checked against the render, by kind and action "
+            "(created, updated, unchanged).", ["kind", "action"], registry=self.registry)
+        self.errors = Counter(
+            "minedraft_operator_errors", "Reconcile passes that found a problem, by condition reason.",
+            ["reason"], registry=self.registry)
+        self.ready = Gauge(
+            "minedraft_operator_minedraft_ready", "1 when a MineDraft's Ready condition is True.",
+            ["namespace", "name"], registry=self.registry)
+        self.desired_replicas = Gauge(
+            "minedraft_operator_desired_replicas", "Engine replicas a MineDraft asks for.",
+            ["namespace", "name"], registry=self.registry)
+        self.ready_replicas = Gauge(
+            "minedraft_operator_ready_replicas", "Engine replicas ready.", ["namespace", "name"],
+            registry=self.registry)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop a deleted MineDraft's series so dashboards do not show it forever."""
+        for gauge in (self.ready, self.desired_replicas, self.ready_replicas):
+            with contextlib.suppress(KeyError):  # never reported: nothing to drop
+                gauge.remove(namespace, name)

@@ -1,0 +1,58 @@
+"""The operator's settings: built once from flags (which default to environment variables), then passed down."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from minedraft.operator.render import RenderOptions
+
+ENV_PREFIX = "MINEDRAFT_OPERATOR_"
+MONITORING_CHOICES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    # Namespaces to watch; empty means every namespace (the chart's default, with a ClusterRole).
+    namespaces: tuple[str, ...] = ()
+    # How often each MineDraft is re-checked for drift and its status refreshed, even without changes.
+    drift_interval_seconds: float = 60.0
+    # kopf's liveness endpoint (GET /healthz) and the Prometheus metrics endpoint; 0 disables the latter.
+    health_port: int = 8080
+    metrics_port: int = 9402
+    # "auto": render PodMonitors when the cluster serves monitoring.coreos.com/v1 podmonitors.
+    monitoring: str = "auto"
+    network_policy: bool = True
+    prometheus_namespace_selector: Mapping[str, str] = field(
+        default_factory=lambda: dict(RenderOptions().prometheus_namespace_selector))
+    prometheus_pod_selector: Mapping[str, str] = field(
+        default_factory=lambda: dict(RenderOptions().prometheus_pod_selector))
+
+    def __post_init__(self) -> None:
+        if self.monitoring not in MONITORING_CHOICES:
+            raise ValueError(f"monitoring must be one of {', '.join(MONITORING_CHOICES)} (got {self.monitoring!r})")
+        if self.drift_interval_seconds <= 0:
+            raise ValueError("drift_interval_seconds must be positive")
+
+    def render_options(self, monitoring_available: bool) -> RenderOptions:
+        monitoring = self.monitoring == "on" or (self.monitoring == "auto" and monitoring_available)
+        return RenderOptions(monitoring=monitoring, network_policy=self.network_policy,
+                             prometheus_namespace_selector=dict(self.prometheus_namespace_selector),
+                             prometheus_pod_selector=dict(self.prometheus_pod_selector))
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """Labels from JSON ({"k": "v"}) or k=v,k2=v2."""
+    text = text.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        value = json.loads(text)
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise ValueError(f"labels must map names to strings: {text!r}")
+        return {str(k): v for k, v in value.items()}
+    pairs = [p.split("=", 1) for p in text.split(",") if p.strip()]
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(f"labels must look like k=v,k2=v2: {text!r}")
+    return {k.strip(): v.strip() for k, v in pairs}

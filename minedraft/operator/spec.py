@@ -1,0 +1,464 @@
+"""The MineDraft custom resource's spec as plain dataclasses, parsed and checked without any I/O.
+
+The CRD's structural schema and CEL rules reject most bad input at the API server; this parser repeats the checks
+that matter for rendering (so `minedraft operator render` gives the same answer offline) and names the field of
+every error, e.g. ``spec.speculation.numSpeculativeTokens: must be between 1 and 16``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+API_GROUP = "minedraft.io"
+API_VERSION = "v1alpha1"
+KIND = "MineDraft"
+PLURAL = "minedrafts"
+
+MODES = ("psd", "sd", "ar", "vllm-sd")
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+# Draft length bounds: k=0 is plain decoding (mode ar), and past 16 acceptance of the last positions is negligible
+# for any real pair while the verify cost keeps growing.
+MIN_SPECULATIVE_TOKENS = 1
+MAX_SPECULATIVE_TOKENS = 16
+MAX_EXTRA_DRAFT_TOKENS = 16
+MAX_TARGET_GPUS = 8
+MAX_REPLICAS = 1000
+
+# Kept in step with pyproject.toml's version and the Dockerfiles (a test checks all three).
+IMAGE_REPOSITORY = "ghcr.io/minedraft"
+IMAGE_TAG = "0.1.0"
+DEFAULT_ENGINE_IMAGE = f"{IMAGE_REPOSITORY}/engine:{IMAGE_TAG}"
+DEFAULT_GATEWAY_IMAGE = f"{IMAGE_REPOSITORY}/gateway:{IMAGE_TAG}"
+
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+# Room for the longest suffix we add ("-gateway") within a 63-character DNS label (Services need labels).
+MAX_NAME_LENGTH = 63 - len("-gateway")
+
+
+class SpecError(ValueError):
+    """A spec that cannot be rendered; ``errors`` holds one ``field: message`` line per problem."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("; ".join(errors))
+        self.errors = errors
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    """A key of a Secret in the MineDraft's namespace; only the name travels, never the value."""
+
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: exactly one of a Hugging Face id, a PVC path or a path inside the image."""
+
+    hugging_face_id: str | None = None
+    hugging_face_revision: str | None = None
+    hugging_face_token: SecretKeyRef | None = None
+    pvc_claim_name: str | None = None
+    pvc_path: str = ""
+    image_path: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    source: ModelSource
+    served_model_name: str | None = None
+
+
+@dataclass(frozen=True)
+class SpeculationSpec:
+    mode: str = "psd"
+    num_speculative_tokens: int = 3
+    num_extra_draft_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ModelCacheSpec:
+    """Where vLLM keeps downloaded weights and compile caches: a PVC when set, else an emptyDir of size_limit."""
+
+    size_limit: str = "100Gi"
+    claim_name: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    image: str = DEFAULT_ENGINE_IMAGE
+    image_pull_policy: str = "IfNotPresent"
+    target_gpus: int = 1
+    drafter_gpus: int = 1
+    cpu: str = "8"
+    memory: str = "64Gi"
+    shm_size: str = "16Gi"
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    extra_args: tuple[str, ...] = ()
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] | None = None
+    priority_class_name: str | None = None
+    model_cache: ModelCacheSpec = field(default_factory=ModelCacheSpec)
+    termination_grace_period_seconds: int = 120
+    startup_timeout_seconds: int = 1800
+
+
+@dataclass(frozen=True)
+class SpeculationBounds:
+    """What the autoscaling issue lets each engine choose between (passed down, not decided here)."""
+
+    allowed_modes: tuple[str, ...] = ("psd", "sd", "ar")
+    min_speculative_tokens: int = 1
+    max_speculative_tokens: int = 8
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_utilization: float = 0.8
+    interval_seconds: int = 15
+    scale_down_stabilization_seconds: int = 300
+    max_scale_up_step: int = 2
+    speculation: SpeculationBounds = field(default_factory=SpeculationBounds)
+    prometheus_address: str | None = None
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    replicas: int = 2
+    image: str = DEFAULT_GATEWAY_IMAGE
+    image_pull_policy: str = "IfNotPresent"
+    service_type: str = "ClusterIP"
+    port: int = 50051
+    auth_token: SecretKeyRef | None = None
+    tls_secret_name: str | None = None
+    max_in_flight: int = 1024
+    cpu: str = "1"
+    memory: str = "1Gi"
+
+
+@dataclass(frozen=True)
+class MineDraftSpec:
+    target: ModelSpec
+    draft: ModelSpec
+    speculation: SpeculationSpec = field(default_factory=SpeculationSpec)
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    replicas: int | None = None
+    autoscaling: AutoscalingSpec | None = None
+    gateway: GatewaySpec = field(default_factory=GatewaySpec)
+
+    @property
+    def desired_replicas(self) -> int:
+        """Engine replicas to run now: spec.replicas (the /scale target) else the autoscaling floor else 1."""
+        if self.replicas is not None:
+            return self.replicas
+        if self.autoscaling is not None:
+            return self.autoscaling.min_replicas
+        return 1
+
+    def secret_refs(self) -> list[tuple[str, SecretKeyRef | str]]:
+        """Every Secret the spec names, with the field that names it (for existence checks and their messages)."""
+        refs: list[tuple[str, SecretKeyRef | str]] = []
+        for role, model in (("target", self.target), ("draft", self.draft)):
+            if model.source.hugging_face_token is not None:
+                refs.append((f"spec.{role}.source.huggingFace.tokenSecretRef", model.source.hugging_face_token))
+        if self.gateway.auth_token is not None:
+            refs.append(("spec.gateway.authTokenSecretRef", self.gateway.auth_token))
+        if self.gateway.tls_secret_name is not None:
+            refs.append(("spec.gateway.tlsSecretRef", self.gateway.tls_secret_name))
+        return refs
+
+
+# -- parsing ---------------------------------------------------------------------------------------------------------
+
+
+class _Reader:
+    """Reads typed values out of nested dicts, collecting errors with field paths instead of stopping at the first."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def fail(self, path: str, message: str) -> None:
+        self.errors.append(f"{path}: {message}")
+
+    def obj(self, data: Mapping[str, Any], key: str, path: str, required: bool = False) -> Mapping[str, Any] | None:
+        value = data.get(key)
+        if value is None:
+            if required:
+                self.fail(f"{path}.{key}", "required")
+            return None
+        if not isinstance(value, Mapping):
+            self.fail(f"{path}.{key}", "must be an object")
+            return None
+        return value
+
+    def str_(self, data: Mapping[str, Any], key: str, path: str, default: str | None = None,
+             required: bool = False, choices: tuple[str, ...] | None = None) -> str | None:
+        value = data.get(key)
+        if value is None:
+            if required:
+                self.fail(f"{path}.{key}", "required")
+            return default
+        if not isinstance(value, str) or not value:
+            self.fail(f"{path}.{key}", "must be a non-empty string")
+            return default
+        if choices is not None and value not in choices:
+            self.fail(f"{path}.{key}", f"must be one of {', '.join(choices)} (got {value!r})")
+            return default
+        return value
+
+    def int_(self, data: Mapping[str, Any], key: str, path: str, default: int | None,
+             low: int, high: int) -> int | None:
+        value = data.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(f"{path}.{key}", "must be an integer")
+            return default
+        if not low <= value <= high:
+            self.fail(f"{path}.{key}", f"must be between {low} and {high} (got {value})")
+            return default
+        return value
+
+    def quantity(self, data: Mapping[str, Any], key: str, path: str, default: str) -> str:
+        value = data.get(key, default)
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str) or not _QUANTITY.match(value):
+            self.fail(f"{path}.{key}", f"must be a Kubernetes quantity such as 8, 500m or 64Gi (got {value!r})")
+            return default
+        return value
+
+    def name(self, data: Mapping[str, Any], key: str, path: str, required: bool = True) -> str | None:
+        value = self.str_(data, key, path, required=required)
+        if value is not None and not (_DNS_SUBDOMAIN.match(value) and len(value) <= 253):
+            self.fail(f"{path}.{key}", f"must be a DNS subdomain name (got {value!r})")
+            return None
+        return value
+
+
+def _secret_key_ref(r: _Reader, data: Mapping[str, Any] | None, path: str, default_key: str) -> SecretKeyRef | None:
+    if data is None:
+        return None
+    name = r.name(data, "name", path)
+    key = r.str_(data, "key", path, default=default_key) or default_key
+    return SecretKeyRef(name, key) if name else None
+
+
+def _model(r: _Reader, data: Mapping[str, Any] | None, path: str) -> ModelSpec:
+    source = r.obj(data or {}, "source", path, required=True) if data is not None else None
+    if data is None:
+        r.fail(path, "required")
+    src_path = f"{path}.source"
+    kinds = [k for k in ("huggingFace", "persistentVolumeClaim", "image") if (source or {}).get(k) is not None]
+    if source is not None and len(kinds) != 1:
+        r.fail(src_path, "exactly one of huggingFace, persistentVolumeClaim or image must be set "
+                         f"(got {', '.join(kinds) or 'none'})")
+    model_source = ModelSource()
+    if source is not None and len(kinds) == 1:
+        kind = kinds[0]
+        sub = r.obj(source, kind, src_path) or {}
+        if kind == "huggingFace":
+            model_source = ModelSource(
+                hugging_face_id=r.str_(sub, "id", f"{src_path}.huggingFace", required=True),
+                hugging_face_revision=r.str_(sub, "revision", f"{src_path}.huggingFace"),
+                hugging_face_token=_secret_key_ref(r, r.obj(sub, "tokenSecretRef", f"{src_path}.huggingFace"),
+                                                   f"{src_path}.huggingFace.tokenSecretRef", "token"),
+            )
+        elif kind == "persistentVolumeClaim":
+            model_path = r.str_(sub, "path", f"{src_path}.persistentVolumeClaim", default="") or ""
+            if model_path.startswith("/") or ".." in model_path.split("/"):
+                r.fail(f"{src_path}.persistentVolumeClaim.path", "must be relative to the volume, without '..'")
+            model_source = ModelSource(
+                pvc_claim_name=r.name(sub, "claimName", f"{src_path}.persistentVolumeClaim"),
+                pvc_path=model_path,
+            )
+        else:
+            image_path = r.str_(sub, "path", f"{src_path}.image", required=True)
+            if image_path is not None and not image_path.startswith("/"):
+                r.fail(f"{src_path}.image.path", "must be an absolute path inside the engine image")
+            model_source = ModelSource(image_path=image_path)
+    return ModelSpec(source=model_source,
+                     served_model_name=r.str_(data or {}, "servedModelName", path))
+
+
+def _engine(r: _Reader, data: Mapping[str, Any]) -> EngineSpec:
+    p = "spec.engine"
+    d = EngineSpec()
+    cache = r.obj(data, "modelCache", p) or {}
+    extra = data.get("extraArgs", [])
+    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+        r.fail(f"{p}.extraArgs", "must be a list of strings")
+        extra = []
+    node_selector = data.get("nodeSelector", {})
+    if not isinstance(node_selector, Mapping) or not all(isinstance(v, str) for v in node_selector.values()):
+        r.fail(f"{p}.nodeSelector", "must map label names to strings")
+        node_selector = {}
+    tolerations = data.get("tolerations", [])
+    if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
+        r.fail(f"{p}.tolerations", "must be a list of objects")
+        tolerations = []
+    drafter_gpus = r.int_(data, "drafterGPUs", p, d.drafter_gpus, 1, 1)
+    return EngineSpec(
+        image=r.str_(data, "image", p, default=d.image) or d.image,
+        image_pull_policy=r.str_(data, "imagePullPolicy", p, default=d.image_pull_policy,
+                                 choices=PULL_POLICIES) or d.image_pull_policy,
+        target_gpus=r.int_(data, "targetGPUs", p, d.target_gpus, 1, MAX_TARGET_GPUS) or d.target_gpus,
+        drafter_gpus=drafter_gpus or d.drafter_gpus,
+        cpu=r.quantity(data, "cpu", p, d.cpu),
+        memory=r.quantity(data, "memory", p, d.memory),
+        shm_size=r.quantity(data, "shmSize", p, d.shm_size),
+        max_num_seqs=r.int_(data, "maxNumSeqs", p, None, 1, 65536),
+        max_model_len=r.int_(data, "maxModelLen", p, None, 16, 10_000_000),
+        extra_args=tuple(extra),
+        node_selector=dict(node_selector),
+        tolerations=tuple(dict(t) for t in tolerations),
+        affinity=r.obj(data, "affinity", p),
+        priority_class_name=r.name(data, "priorityClassName", p, required=False),
+        model_cache=ModelCacheSpec(
+            size_limit=r.quantity(cache, "sizeLimit", f"{p}.modelCache", ModelCacheSpec().size_limit),
+            claim_name=r.name(cache, "claimName", f"{p}.modelCache", required=False),
+        ),
+        termination_grace_period_seconds=r.int_(data, "terminationGracePeriodSeconds", p,
+                                                d.termination_grace_period_seconds, 0, 3600)
+        or d.termination_grace_period_seconds,
+        startup_timeout_seconds=r.int_(data, "startupTimeoutSeconds", p, d.startup_timeout_seconds, 60, 86400)
+        or d.startup_timeout_seconds,
+    )
+
+
+def _autoscaling(r: _Reader, data: Mapping[str, Any] | None) -> AutoscalingSpec | None:
+    if data is None:
+        return None
+    p = "spec.autoscaling"
+    d = AutoscalingSpec()
+    min_replicas = r.int_(data, "minReplicas", p, d.min_replicas, 0, MAX_REPLICAS)
+    max_replicas = r.int_(data, "maxReplicas", p, d.max_replicas, 1, MAX_REPLICAS)
+    if min_replicas is not None and max_replicas is not None and min_replicas > max_replicas:
+        r.fail(f"{p}.minReplicas", f"must not exceed maxReplicas ({min_replicas} > {max_replicas})")
+    utilization = data.get("targetUtilization", d.target_utilization)
+    if isinstance(utilization, bool) or not isinstance(utilization, int | float) or not 0 < utilization <= 1:
+        r.fail(f"{p}.targetUtilization", f"must be a number in (0, 1] (got {utilization!r})")
+        utilization = d.target_utilization
+    spec_bounds = r.obj(data, "speculation", p) or {}
+    sp = f"{p}.speculation"
+    modes = spec_bounds.get("allowedModes", list(SpeculationBounds().allowed_modes))
+    if not isinstance(modes, list) or not modes or any(m not in MODES for m in modes):
+        r.fail(f"{sp}.allowedModes", f"must be a non-empty list of {', '.join(MODES)}")
+        modes = list(SpeculationBounds().allowed_modes)
+    k_min = r.int_(spec_bounds, "minSpeculativeTokens", sp, SpeculationBounds().min_speculative_tokens,
+                   MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS)
+    k_max = r.int_(spec_bounds, "maxSpeculativeTokens", sp, SpeculationBounds().max_speculative_tokens,
+                   MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS)
+    if k_min is not None and k_max is not None and k_min > k_max:
+        r.fail(f"{sp}.minSpeculativeTokens", f"must not exceed maxSpeculativeTokens ({k_min} > {k_max})")
+    prometheus = r.obj(data, "prometheus", p) or {}
+    return AutoscalingSpec(
+        min_replicas=min_replicas if min_replicas is not None else d.min_replicas,
+        max_replicas=max_replicas or d.max_replicas,
+        target_utilization=float(utilization),
+        interval_seconds=r.int_(data, "intervalSeconds", p, d.interval_seconds, 5, 3600) or d.interval_seconds,
+        scale_down_stabilization_seconds=r.int_(data, "scaleDownStabilizationSeconds", p,
+                                                d.scale_down_stabilization_seconds, 0, 86400)
+        or 0,
+        max_scale_up_step=r.int_(data, "maxScaleUpStep", p, d.max_scale_up_step, 1, MAX_REPLICAS)
+        or d.max_scale_up_step,
+        speculation=SpeculationBounds(tuple(modes), k_min or 1, k_max or 1),
+        prometheus_address=r.str_(prometheus, "address", f"{p}.prometheus"),
+    )
+
+
+def _or(value: int | None, default: int) -> int:
+    """The value when given (0 included), else the default: `x or default` would turn a 0 into the default."""
+    return default if value is None else value
+
+
+def _gateway(r: _Reader, data: Mapping[str, Any]) -> GatewaySpec:
+    p = "spec.gateway"
+    d = GatewaySpec()
+    tls = r.obj(data, "tlsSecretRef", p)
+    return GatewaySpec(
+        replicas=_or(r.int_(data, "replicas", p, d.replicas, 0, 100), d.replicas),
+        image=r.str_(data, "image", p, default=d.image) or d.image,
+        image_pull_policy=r.str_(data, "imagePullPolicy", p, default=d.image_pull_policy,
+                                 choices=PULL_POLICIES) or d.image_pull_policy,
+        service_type=r.str_(data, "serviceType", p, default=d.service_type, choices=SERVICE_TYPES)
+        or d.service_type,
+        port=r.int_(data, "port", p, d.port, 1, 65535) or d.port,
+        auth_token=_secret_key_ref(r, r.obj(data, "authTokenSecretRef", p), f"{p}.authTokenSecretRef", "token"),
+        tls_secret_name=r.name(tls, "name", f"{p}.tlsSecretRef") if tls is not None else None,
+        max_in_flight=r.int_(data, "maxInFlight", p, d.max_in_flight, 1, 1_000_000) or d.max_in_flight,
+        cpu=r.quantity(data, "cpu", p, d.cpu),
+        memory=r.quantity(data, "memory", p, d.memory),
+    )
+
+
+def parse_spec(spec: Mapping[str, Any] | None) -> MineDraftSpec:
+    """The dataclass form of a MineDraft's ``spec``; raises SpecError listing every problem found."""
+    r = _Reader()
+    if not isinstance(spec, Mapping):
+        raise SpecError(["spec: required"])
+    target = _model(r, r.obj(spec, "target", "spec", required=True), "spec.target")
+    draft = _model(r, r.obj(spec, "draft", "spec", required=True), "spec.draft")
+    speculation_data = r.obj(spec, "speculation", "spec") or {}
+    d = SpeculationSpec()
+    mode = r.str_(speculation_data, "mode", "spec.speculation", default=d.mode, choices=MODES) or d.mode
+    k = r.int_(speculation_data, "numSpeculativeTokens", "spec.speculation", d.num_speculative_tokens,
+               MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS)
+    extra = r.int_(speculation_data, "numExtraDraftTokens", "spec.speculation", d.num_extra_draft_tokens,
+                   0, MAX_EXTRA_DRAFT_TOKENS)
+    if mode in ("ar", "vllm-sd") and extra:
+        r.fail("spec.speculation.numExtraDraftTokens", f"extra drafts need mode psd or sd (mode is {mode})")
+    replicas = r.int_(spec, "replicas", "spec", None, 0, MAX_REPLICAS)
+    autoscaling = _autoscaling(r, r.obj(spec, "autoscaling", "spec"))
+    if replicas is not None and autoscaling is not None and not (
+            autoscaling.min_replicas <= replicas <= autoscaling.max_replicas):
+        # Both may be present once the autoscaler has written spec.replicas through /scale; it stays in bounds.
+        r.fail("spec.replicas", f"must lie within autoscaling bounds {autoscaling.min_replicas}.."
+                                f"{autoscaling.max_replicas} when autoscaling is set (got {replicas})")
+    tokens = {m.source.hugging_face_token for m in (target, draft) if m.source.hugging_face_token is not None}
+    if len(tokens) > 1:
+        # One engine process downloads both models with one HF_TOKEN.
+        r.fail("spec.draft.source.huggingFace.tokenSecretRef", "must equal the target's tokenSecretRef")
+    engine = _engine(r, r.obj(spec, "engine", "spec") or {})
+    gateway = _gateway(r, r.obj(spec, "gateway", "spec") or {})
+    if r.errors:
+        raise SpecError(r.errors)
+    return MineDraftSpec(
+        target=target, draft=draft,
+        speculation=SpeculationSpec(mode, k or d.num_speculative_tokens, extra or 0),
+        engine=engine, replicas=replicas, autoscaling=autoscaling, gateway=gateway,
+    )
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    """The parts of the MineDraft's own metadata that rendering needs (owner references, names, labels)."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int = 1
+
+    def validate(self) -> None:
+        if not _DNS_LABEL.match(self.name) or len(self.name) > MAX_NAME_LENGTH:
+            raise SpecError([f"metadata.name: must be a DNS label of at most {MAX_NAME_LENGTH} characters "
+                             f"(objects named {self.name}-gateway must fit in 63) (got {self.name!r})"])
+
+
+def parse_meta(meta: Mapping[str, Any]) -> ObjectMeta:
+    result = ObjectMeta(name=str(meta.get("name", "")), namespace=str(meta.get("namespace") or "default"),
+                        uid=str(meta.get("uid") or "00000000-0000-0000-0000-000000000000"),
+                        generation=int(meta.get("generation") or 1))
+    result.validate()
+    return result

@@ -1,0 +1,176 @@
+"""Pure status computation: observed objects (as plain data) to the MineDraft's status and conditions.
+
+Conditions keep their lastTransitionTime while their status stays the same, so a status recomputed from the same
+observations equals the previous one and the operator writes nothing (no spurious changes, no event storms).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from minedraft.operator import render
+from minedraft.operator import spec as s
+
+CONDITION_ORDER = ("Ready", "EngineReady", "GatewayReady", "ScalingReady", "MetricsAvailable")
+
+
+@dataclass(frozen=True)
+class DeploymentState:
+    """What a Deployment reports; None in Observed when it does not exist (yet)."""
+
+    replicas: int
+    ready_replicas: int
+    updated_replicas: int
+    generation: int
+    observed_generation: int
+
+    @classmethod
+    def from_object(cls, obj: Mapping[str, Any] | None) -> DeploymentState | None:
+        if obj is None:
+            return None
+        st = obj.get("status") or {}
+        return cls(
+            replicas=int((obj.get("spec") or {}).get("replicas", 1)),
+            ready_replicas=int(st.get("readyReplicas") or 0),
+            updated_replicas=int(st.get("updatedReplicas") or 0),
+            generation=int((obj.get("metadata") or {}).get("generation") or 0),
+            observed_generation=int(st.get("observedGeneration") or 0),
+        )
+
+    @property
+    def rolled_out(self) -> bool:
+        return self.observed_generation >= self.generation and self.updated_replicas >= self.replicas
+
+
+@dataclass(frozen=True)
+class SpeculationFigures:
+    acceptance_rate: float | None = None
+    overlap: float | None = None
+    modes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why the spec cannot be applied: a condition reason and a message naming the field."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Observed:
+    generation: int
+    spec: s.MineDraftSpec | None  # None when the spec does not parse
+    meta: s.ObjectMeta | None
+    problems: tuple[Problem, ...] = ()
+    engine: DeploymentState | None = None
+    gateway: DeploymentState | None = None
+    speculation: SpeculationFigures | None = None
+    previous_conditions: Sequence[Mapping[str, Any]] = field(default_factory=tuple)
+
+
+def _condition(cond_type: str, status: str, reason: str, message: str, generation: int, now: str,
+               previous: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    before = previous.get(cond_type)
+    since = before.get("lastTransitionTime") if before and before.get("status") == status else None
+    return {"type": cond_type, "status": status, "reason": reason, "message": message,
+            "observedGeneration": generation, "lastTransitionTime": since or now}
+
+
+def _deployment_condition(state: DeploymentState | None, desired: int, what: str) -> tuple[str, str, str]:
+    if state is None:
+        return "False", "NotCreated", f"the {what} Deployment does not exist yet"
+    if desired == 0:
+        return "False", "ScaledToZero", f"no {what} replicas requested"
+    if not state.rolled_out:
+        return ("False", "RollingOut",
+                f"{state.updated_replicas}/{desired} {what} replicas updated, {state.ready_replicas} ready")
+    if state.ready_replicas < desired:
+        return "False", "ReplicasNotReady", f"{state.ready_replicas}/{desired} {what} replicas ready"
+    return "True", "AllReplicasReady", f"{state.ready_replicas}/{desired} {what} replicas ready"
+
+
+def compute_status(observed: Observed, now: str) -> dict[str, Any]:
+    """The full status to write; `now` is an RFC 3339 time used only for conditions that change."""
+    previous = {c.get("type", ""): c for c in observed.previous_conditions}
+    gen = observed.generation
+
+    def cond(cond_type: str, status: str, reason: str, message: str) -> dict[str, Any]:
+        return _condition(cond_type, status, reason, message, gen, now, previous)
+
+    spec, meta = observed.spec, observed.meta
+    status: dict[str, Any] = {"observedGeneration": gen}
+    if observed.problems or spec is None or meta is None:
+        problem = observed.problems[0] if observed.problems else Problem("InvalidSpec", "the spec does not parse")
+        message = "; ".join(p.message for p in observed.problems) or problem.message
+        conditions = [
+            cond("Ready", "False", problem.reason, message),
+            cond("EngineReady", "False", problem.reason, message),
+            cond("GatewayReady", "False", problem.reason, message),
+            cond("ScalingReady", "Unknown", problem.reason, "not evaluated while the spec cannot be applied"),
+            cond("MetricsAvailable", "Unknown", problem.reason, "not evaluated while the spec cannot be applied"),
+        ]
+        # The replica figures of an earlier good spec stay as they were: the objects it made keep running.
+        return {**status, "phase": "Failed", "conditions": conditions}
+
+    desired = spec.desired_replicas
+    engine = cond("EngineReady", *_deployment_condition(observed.engine, desired, "engine"))
+    gateway = cond("GatewayReady", *_deployment_condition(observed.gateway, spec.gateway.replicas, "gateway"))
+    if spec.autoscaling is None:
+        scaling = cond("ScalingReady", "True", "FixedReplicas", f"{desired} engine replicas requested")
+    else:
+        a = spec.autoscaling
+        scaling = cond("ScalingReady", "Unknown", "NoDecisionYet",
+                       f"autoscaling within {a.min_replicas}..{a.max_replicas}; no decision yet, {desired} "
+                       "engine replicas requested")
+    figures = observed.speculation
+    if figures is None or figures.acceptance_rate is None:
+        metrics = cond("MetricsAvailable", "Unknown", "NotCollected", "speculation metrics are not collected yet")
+    else:
+        metrics = cond("MetricsAvailable", "True", "Collected", "speculation metrics are current")
+    not_ready = [c for c in (engine, gateway) if c["status"] != "True"]
+    if not_ready:
+        first = not_ready[0]
+        ready = cond("Ready", "False", first["reason"], first["message"])
+    else:
+        ready = cond("Ready", "True", "Serving", "engines and gateway are ready")
+    engine_ready = observed.engine.ready_replicas if observed.engine else 0
+    if ready["status"] == "True":
+        phase = "Ready"
+    elif observed.engine is None and observed.gateway is None:
+        phase = "Pending"
+    else:
+        phase = "Progressing"
+    status.update({
+        "phase": phase,
+        "conditions": [ready, engine, gateway, scaling, metrics],
+        "replicas": desired,
+        "readyReplicas": engine_ready,
+        "ready": f"{engine_ready}/{desired}",
+        "selector": render.engine_selector(meta),
+        "endpoint": render.gateway_endpoint(spec, meta),
+    })
+    if figures is not None and figures.acceptance_rate is not None:
+        status["speculation"] = {"acceptanceRate": round(figures.acceptance_rate, 4),
+                                 **({"overlap": round(figures.overlap, 4)} if figures.overlap is not None else {}),
+                                 **({"modes": list(figures.modes)} if figures.modes else {})}
+    return status
+
+
+def status_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
+    """Whether writing `new` changes anything the operator owns in `old` (kopf's own keys are ignored)."""
+    old = old or {}
+    return any(old.get(key) != value for key, value in new.items())
+
+
+def condition_changes(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Conditions whose status, reason or message differ from before: each becomes one Event."""
+    before = {c.get("type"): c for c in old}
+    changed = []
+    for c in new:
+        b = before.get(c["type"])
+        if b is None or any(b.get(k) != c.get(k) for k in ("status", "reason", "message")):
+            changed.append(dict(c))
+    return changed

@@ -1,0 +1,460 @@
+"""The real kopf operator (minedraft.operator.handlers) against a Kubernetes API emulator (kmock, patched).
+
+What the emulator cannot do is asserted on the requests instead: garbage collection through owner references
+(we assert every object is owned by the MineDraft), server-side apply field ownership (we assert the operator
+PATCHes with apply-patch+yaml and never DELETEs or re-POSTs), and RBAC (we assert every request stays within the
+permissions the chart grants).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import kopf
+import pytest
+import yaml
+from kmock import ResourceInfo, Server
+from kubernetes import client as k8s_client
+
+from minedraft.operator import render
+from minedraft.operator import spec as s
+from minedraft.operator.handlers import run_operator
+from minedraft.operator.kube import PERMISSIONS, KubeClient
+from minedraft.operator.metrics import OperatorMetrics
+from minedraft.operator.settings import OperatorSettings
+from tests.component.kube_emulator import KubeEmulator
+
+ROOT = Path(__file__).resolve().parents[2]
+NS = "serving"
+MD_PATH = f"/apis/{s.API_GROUP}/{s.API_VERSION}/namespaces/{NS}/{s.PLURAL}"
+DRIFT_SECONDS = 0.5
+TIMEOUT_SECONDS = 15.0
+
+pytestmark = pytest.mark.timeout(120)
+
+BUILTIN = {
+    "apps/v1/deployments": ("Deployment", set()),
+    "v1/services": ("Service", set()),
+    "v1/serviceaccounts": ("ServiceAccount", set()),
+    "v1/secrets": ("Secret", set()),
+    "v1/events": ("Event", set()),
+    "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", set()),
+    "rbac.authorization.k8s.io/v1/roles": ("Role", set()),
+    "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", set()),
+    "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", set()),
+    f"{s.API_GROUP}/{s.API_VERSION}/{s.PLURAL}": (s.KIND, {"status", "scale"}),
+}
+VERBS = ["get", "list", "watch", "create", "update", "patch", "delete"]
+
+
+def declare(kmock: KubeEmulator, key: str, kind: str, subresources: set[str]) -> None:
+    kmock.resources[key] = ResourceInfo(kind=kind, namespaced=True, verbs=VERBS, subresources=subresources)
+
+
+async def wait_for(what: str, predicate: Callable[[], Any], timeout: float = TIMEOUT_SECONDS) -> Any:
+    """Poll until predicate() is truthy; fail naming `what` on timeout (never sleep-and-hope)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.05)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+def permission_of(request: Any) -> tuple[str, str, str] | None:
+    """(apiGroup, resource[/subresource], verb) of an API request; None for discovery."""
+    if request.resource is None or request.resource.plural is None:
+        return None
+    method = request.method.upper()
+    if method == "GET":
+        verb = "watch" if request.params.get("watch") == "true" else ("get" if request.name else "list")
+    else:
+        verb = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}[method]
+    plural = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+    return request.resource.group, plural, verb
+
+
+class Cluster:
+    """The emulator plus helpers to drive it like kubectl would."""
+
+    def __init__(self, kmock: KubeEmulator) -> None:
+        self.kmock = kmock
+
+    def obj(self, kind: str, name: str) -> dict[str, Any] | None:
+        for (res, ns, obj_name), obj in list(self.kmock.objects.items()):
+            if ns == NS and obj_name == name and not obj.deleted and obj.raw.get("kind", self._kind(res)) == kind:
+                return copy.deepcopy(obj.raw)
+        return None
+
+    def _kind(self, res: Any) -> str:
+        for key, (kind, _) in BUILTIN.items():
+            if key.endswith("/" + str(res.plural)) and str(res.group) in key:
+                return kind
+        return ""
+
+    def owned(self) -> list[tuple[str, dict[str, Any]]]:
+        return [(str(res.plural), copy.deepcopy(obj.raw)) for (res, ns, _), obj in list(self.kmock.objects.items())
+                if ns == NS and not obj.deleted and res.plural not in ("minedrafts", "events", "secrets")]
+
+    def minedraft(self, name: str) -> dict[str, Any] | None:
+        return self.obj(s.KIND, name)
+
+    def requests(self, since: int = 0) -> list[Any]:
+        return list(self.kmock)[since:]
+
+    def events(self, reason: str | None = None) -> list[dict[str, Any]]:
+        return [o.raw for (res, _, _), o in list(self.kmock.objects.items())
+                if res.plural == "events" and not o.deleted and (reason is None or o.raw.get("reason") == reason)]
+
+    async def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+                   expect: int | tuple[int, ...] = (200, 201)) -> dict[str, Any]:
+        async with aiohttp.ClientSession() as session, session.request(
+                method, str(self.kmock.url).rstrip("/") + path, json=body,
+                headers={"Content-Type": content_type, "X-Test": "1"}) as response:
+            data = await response.json()
+            expected = (expect,) if isinstance(expect, int) else expect
+            assert response.status in expected, (response.status, data)
+            return data
+
+    async def apply_minedraft(self, doc: dict[str, Any]) -> dict[str, Any]:
+        doc = copy.deepcopy(doc)
+        doc["metadata"]["namespace"] = NS
+        return await self.call("POST", MD_PATH, doc)
+
+    async def patch_minedraft(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("PATCH", f"{MD_PATH}/{name}", patch, "application/merge-patch+json")
+
+    async def create_secret(self, name: str, data: dict[str, str]) -> None:
+        await self.call("POST", f"/api/v1/namespaces/{NS}/secrets",
+                        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}, "data": data})
+
+
+def example(name: str) -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class OperatorRun:
+    """The operator in a thread with its own event loop, as in production: kopf treats every task created on its
+    loop after start-up as its own and cancels them when it stops, which would include the test's tasks."""
+
+    def __init__(self, cluster: Cluster, monitoring: str = "auto") -> None:
+        self.cluster = cluster
+        self.metrics = OperatorMetrics()
+        self.health_port = free_port()
+        self.settings = OperatorSettings(drift_interval_seconds=DRIFT_SECONDS, health_port=self.health_port,
+                                         metrics_port=0, monitoring=monitoring)
+        self.stop_flag = threading.Event()
+        self.ready_flag = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def _main(self) -> None:
+        url = str(self.cluster.kmock.url).rstrip("/")
+        client = KubeClient(k8s_client.Configuration(host=url))
+        try:
+            asyncio.run(run_operator(self.settings, client=client, connection=kopf.ConnectionInfo(server=url),
+                                     stop_flag=self.stop_flag, ready_flag=self.ready_flag, metrics=self.metrics))
+        except BaseException as exc:  # reported by stop()
+            self.error = exc
+
+    async def start(self) -> None:
+        self.thread = threading.Thread(target=self._main, name="operator", daemon=True)
+        self.thread.start()
+        await wait_for("the operator to start", self.ready_flag.is_set)
+
+    async def stop(self) -> None:
+        assert self.thread is not None
+        self.stop_flag.set()
+        await asyncio.to_thread(self.thread.join, TIMEOUT_SECONDS)
+        assert not self.thread.is_alive(), "the operator did not stop"
+        if self.error is not None and not isinstance(self.error, asyncio.CancelledError):
+            raise self.error
+
+    def count(self, trigger: str) -> float:
+        total = 0.0
+        for metric in self.metrics.reconciles.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total") and sample.labels.get("trigger") == trigger:
+                    total += sample.value
+        return total
+
+    async def healthy(self) -> bool:
+        async with aiohttp.ClientSession() as session, session.get(
+                f"http://127.0.0.1:{self.health_port}/healthz") as response:
+            return response.status == 200
+
+
+# Served by every real cluster; kopf waits for them in discovery before it watches anything (it neither lists nor
+# watches them here: the operator disables kopf's scanning).
+CLUSTER_SCOPED = {
+    "v1/namespaces": "Namespace",
+    "apiextensions.k8s.io/v1/customresourcedefinitions": "CustomResourceDefinition",
+}
+
+
+@pytest.fixture(scope="module")
+def seen_permissions() -> set[tuple[str, str, str]]:
+    return set()
+
+
+@pytest.fixture
+async def cluster(seen_permissions: set[tuple[str, str, str]]) -> AsyncIterator[Cluster]:
+    async with KubeEmulator() as kmock, Server(kmock):
+        for key, (kind, subresources) in BUILTIN.items():
+            declare(kmock, key, kind, subresources)
+        for key, kind in CLUSTER_SCOPED.items():
+            kmock.resources[key] = ResourceInfo(kind=kind, namespaced=False, verbs=VERBS)
+        yield Cluster(kmock)
+        # RBAC: whatever the real operator sent must be allowed by the permissions the chart grants.
+        for request in list(kmock):
+            if request.headers.get("X-Test"):
+                continue  # the test playing kubectl
+            permission = permission_of(request)
+            if permission is None:
+                continue
+            seen_permissions.add(permission)
+            if request.headers.get("Content-Type", "").startswith("application/apply-patch"):
+                # Server-side apply creates a missing object: Kubernetes then checks "create" too.
+                seen_permissions.add((permission[0], permission[1], "create"))
+
+
+@pytest.fixture
+async def operator(cluster: Cluster) -> AsyncIterator[OperatorRun]:
+    run = OperatorRun(cluster)
+    await run.start()
+    yield run
+    if not run.stop_flag.is_set():
+        await run.stop()
+
+
+def rendered(doc: dict[str, Any], uid: str, options: render.RenderOptions | None = None) -> list[dict[str, Any]]:
+    meta = {**doc["metadata"], "namespace": NS, "uid": uid}
+    return render.render_resource({**doc, "metadata": meta}, options)
+
+
+def contains(observed: Any, desired: Any) -> bool:
+    from minedraft.operator.reconcile import is_subset
+
+    return is_subset(desired, observed)
+
+
+async def test_apply_creates_objects_as_rendered(cluster: Cluster, operator: OperatorRun) -> None:
+    doc = example("minimal")
+    created = await cluster.apply_minedraft(doc)
+    uid = created["metadata"]["uid"]
+    want = rendered(doc, uid)
+    await wait_for("every rendered object", lambda: all(cluster.obj(m["kind"], m["metadata"]["name"]) for m in want))
+    for manifest in want:
+        stored = cluster.obj(manifest["kind"], manifest["metadata"]["name"])
+        assert contains(stored, manifest), manifest["kind"]
+        assert stored is not None and stored["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert len(cluster.owned()) == len(want)  # nothing else (no PodMonitor without the Prometheus operator)
+    md = await wait_for("status", lambda: (cluster.minedraft("qwen3-8b") or {}).get("status", {}).get("conditions")
+                        and cluster.minedraft("qwen3-8b"))
+    st = md["status"]
+    assert st["selector"] == "minedraft.io/instance=qwen3-8b,minedraft.io/component=engine"
+    assert st["endpoint"] == f"qwen3-8b-gateway.{NS}.svc:50051"
+    assert {c["type"] for c in st["conditions"]} == {"Ready", "EngineReady", "GatewayReady", "ScalingReady",
+                                                     "MetricsAvailable"}
+    assert all(c["observedGeneration"] == 1 for c in st["conditions"])
+    # No pods run here, so the Deployments report nothing ready: not Ready, with the reason.
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False" and ready["reason"] in ("ReplicasNotReady", "RollingOut")
+    # Every apply is a server-side apply PATCH; creation happens through it too.
+    applies = [r for r in cluster.requests() if r.method.upper() == "PATCH" and r.resource is not None
+               and r.resource.plural not in ("minedrafts", "events")]
+    assert applies and all(r.headers.get("Content-Type", "").startswith("application/apply-patch+yaml")
+                           and r.params.get("fieldManager") == render.FIELD_MANAGER for r in applies)
+    await wait_for("an Applied event per object", lambda: len(cluster.events("Applied")) >= len(want))
+
+
+async def test_spec_change_patches_objects_in_place(cluster: Cluster, operator: OperatorRun) -> None:
+    doc = example("minimal")
+    created = await cluster.apply_minedraft(doc)
+    count = len(rendered(doc, created["metadata"]["uid"]))
+    await wait_for("all objects and a status", lambda: len(cluster.owned()) == count
+                   and (cluster.minedraft("qwen3-8b") or {}).get("status", {}).get("conditions"))
+    before = cluster.obj("Deployment", "qwen3-8b-engine")
+    assert before is not None
+    mark = len(cluster.requests())
+    await cluster.patch_minedraft("qwen3-8b", {"spec": {"speculation": {"numSpeculativeTokens": 5}}})
+
+    def command() -> list[str]:
+        dep = cluster.obj("Deployment", "qwen3-8b-engine") or {}
+        return dep.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [{}])[0].get("command", [])
+
+    await wait_for("k=5 in the engine command", lambda: "5" in command()[command().index("--num-speculative-tokens")
+                                                                          + 1:][:1])
+    after = cluster.obj("Deployment", "qwen3-8b-engine")
+    assert after is not None and after["metadata"]["uid"] == before["metadata"]["uid"]
+    assert int(after["metadata"]["generation"]) == int(before["metadata"]["generation"]) + 1
+    since = cluster.requests(mark)
+    assert not [r for r in since if r.method.upper() in ("DELETE", "POST") and r.resource is not None
+                and r.resource.plural not in ("events",)]
+    # Only the changed object was re-applied: the Services, RBAC and PDB had nothing to change.
+    patched = {r.resource.plural for r in since if r.method.upper() == "PATCH" and r.resource is not None
+               and r.resource.plural not in ("minedrafts", "events")}
+    assert patched == {"deployments"}
+    md = await wait_for("status for generation 2", lambda: (
+        (cluster.minedraft("qwen3-8b") or {}).get("status", {}).get("observedGeneration") == 2
+        and cluster.minedraft("qwen3-8b")))
+    assert all(c["observedGeneration"] == 2 for c in md["status"]["conditions"])
+
+
+async def test_scale_subresource_changes_engine_replicas(cluster: Cluster, operator: OperatorRun) -> None:
+    await cluster.apply_minedraft(example("minimal"))
+    await wait_for("engine deployment", lambda: cluster.obj("Deployment", "qwen3-8b-engine"))
+    scale = await cluster.call("PATCH", f"{MD_PATH}/qwen3-8b/scale", {"spec": {"replicas": 3}},
+                               "application/merge-patch+json")
+    assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 3
+    await wait_for("3 engine replicas", lambda: (cluster.obj("Deployment", "qwen3-8b-engine") or {})
+                   .get("spec", {}).get("replicas") == 3)
+    await wait_for("status.replicas 3", lambda: (cluster.minedraft("qwen3-8b") or {}).get("status", {})
+                   .get("replicas") == 3)
+    scale = await cluster.call("GET", f"{MD_PATH}/qwen3-8b/scale")
+    assert scale["status"]["replicas"] == 3
+    assert scale["status"]["selector"] == "minedraft.io/instance=qwen3-8b,minedraft.io/component=engine"
+
+
+async def test_delete_leaves_cleanup_to_owner_references(cluster: Cluster, operator: OperatorRun) -> None:
+    created = await cluster.apply_minedraft(example("minimal"))
+    uid = created["metadata"]["uid"]
+    await wait_for("objects", lambda: len(cluster.owned()) == len(rendered(example("minimal"), uid)))
+    # The emulator has no garbage collector: assert what the real one acts on.
+    for plural, obj in cluster.owned():
+        refs = obj["metadata"].get("ownerReferences", [])
+        assert refs == [{"apiVersion": "minedraft.io/v1alpha1", "kind": "MineDraft", "name": "qwen3-8b",
+                         "uid": uid, "controller": True, "blockOwnerDeletion": True}], plural
+    await cluster.call("DELETE", f"{MD_PATH}/qwen3-8b")
+    # kopf's finalizer (it has to stop the drift timer) is removed promptly; the delete handler does no API work.
+    await wait_for("the MineDraft to go", lambda: cluster.minedraft("qwen3-8b") is None)
+    mark = len(cluster.requests())
+    ticks = operator.count("timer")
+    await asyncio.sleep(DRIFT_SECONDS * 3)  # several timer intervals: the operator must not resurrect anything
+    assert operator.count("timer") == ticks
+    writes = [r for r in cluster.requests(mark) if r.method.upper() in ("POST", "PATCH", "PUT")
+              and r.resource is not None and r.resource.plural != "events"]
+    assert writes == []
+    assert await operator.healthy()
+
+
+async def test_restart_makes_no_duplicates_and_no_spurious_changes(cluster: Cluster) -> None:
+    first = OperatorRun(cluster)
+    await first.start()
+    await cluster.apply_minedraft(example("autoscaled"))
+    await wait_for("objects and status", lambda: len(cluster.owned()) == 9
+                   and (cluster.minedraft("qwen3-32b") or {}).get("status", {}).get("conditions"))
+    await wait_for("a drift tick", lambda: first.count("timer") >= 1)
+    await first.stop()
+    snapshot = {(p, o["metadata"]["name"]): o["metadata"]["resourceVersion"] for p, o in cluster.owned()}
+    md_version = (cluster.minedraft("qwen3-32b") or {})["metadata"]["resourceVersion"]
+    mark = len(cluster.requests())
+
+    second = OperatorRun(cluster)
+    await second.start()
+    try:
+        await wait_for("resume and two drift ticks", lambda: second.count("resume") >= 1
+                       and second.count("timer") >= 2)
+    finally:
+        await second.stop()
+    after = {(p, o["metadata"]["name"]): o["metadata"]["resourceVersion"] for p, o in cluster.owned()}
+    assert after == snapshot  # same objects, none rewritten
+    writes = [(r.method, str(r.url.path)) for r in cluster.requests(mark)
+              if r.method.upper() in ("POST", "PATCH", "PUT", "DELETE") and r.resource is not None
+              and r.resource.plural != "events"]
+    assert writes == [] or all("minedrafts" in path for _, path in writes), writes
+    md = cluster.minedraft("qwen3-32b") or {}
+    # kopf may note that it resumed (an annotation), but our status is recomputed identically and not rewritten.
+    status_writes = [w for w in writes if w[1].endswith("/status")]
+    assert status_writes == [], status_writes
+    assert md["metadata"]["resourceVersion"] == md_version or all("/status" not in p for _, p in writes)
+
+
+async def test_missing_secret_sets_condition_and_event_then_recovers(cluster: Cluster, operator: OperatorRun) -> None:
+    doc = example("auth-tls")
+    await cluster.create_secret("hf-token", {"token": "aGZfeHl6"})
+    await cluster.create_secret("minedraft-tls", {"tls.crt": "Y2VydA==", "tls.key": "a2V5"})
+    await cluster.apply_minedraft(doc)  # minedraft-token is missing
+    md = await wait_for("Ready=False SecretNotFound", lambda: any(
+        c["type"] == "Ready" and c["reason"] == "SecretNotFound"
+        for c in (cluster.minedraft("llama-secure") or {}).get("status", {}).get("conditions", []))
+        and cluster.minedraft("llama-secure"))
+    ready = next(c for c in md["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False"
+    assert "spec.gateway.authTokenSecretRef" in ready["message"] and "minedraft-token" in ready["message"]
+    assert md["status"]["phase"] == "Failed"
+    events = await wait_for("a Warning event", lambda: cluster.events("SecretNotFound"))
+    assert events[0]["type"] == "Warning" and "minedraft-token" in events[0]["message"]
+    assert cluster.owned() == []  # nothing half-deployed
+    # Not a crash loop: the operator stays healthy and re-checks only on its drift timer.
+    ticks = operator.count("timer")
+    await wait_for("two more drift ticks", lambda: operator.count("timer") >= ticks + 2)
+    assert await operator.healthy()
+    assert len(cluster.events("SecretNotFound")) == 1  # one Event per change, not one per tick
+    # The Secret appears: the next drift tick deploys.
+    await cluster.create_secret("minedraft-token", {"token": "c2VjcmV0"})
+    await wait_for("objects after the Secret appeared", lambda: len(cluster.owned()) == 9)
+    gateway = cluster.obj("Deployment", "llama-secure-gateway") or {}
+    command = gateway["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert "--auth-token-file" in command and "--tls-cert" in command
+    # Secret values are referenced by name only: they appear in no rendered object.
+    assert "c2VjcmV0" not in str(cluster.owned()) and "c2VjcmV0" not in str(cluster.minedraft("llama-secure"))
+
+
+async def test_invalid_spec_sets_condition_operator_stays_healthy(cluster: Cluster, operator: OperatorRun) -> None:
+    doc = example("minimal")
+    doc["spec"]["speculation"]["numSpeculativeTokens"] = 99  # the CRD schema would reject this; the emulator does not
+    await cluster.apply_minedraft(doc)
+    md = await wait_for("InvalidSpec", lambda: any(
+        c["type"] == "Ready" and c["reason"] == "InvalidSpec"
+        for c in (cluster.minedraft("qwen3-8b") or {}).get("status", {}).get("conditions", []))
+        and cluster.minedraft("qwen3-8b"))
+    ready = next(c for c in md["status"]["conditions"] if c["type"] == "Ready")
+    assert "spec.speculation.numSpeculativeTokens" in ready["message"]
+    await wait_for("a Warning event", lambda: cluster.events("InvalidSpec"))
+    assert cluster.owned() == []
+    assert await operator.healthy()
+    # Fixing the spec deploys.
+    await cluster.patch_minedraft("qwen3-8b", {"spec": {"speculation": {"numSpeculativeTokens": 4}}})
+    await wait_for("objects after the fix", lambda: len(cluster.owned()) == len(rendered(example("minimal"), "x")))
+    await wait_for("Ready no longer InvalidSpec", lambda: all(
+        c["reason"] != "InvalidSpec" for c in (cluster.minedraft("qwen3-8b") or {}).get("status", {})["conditions"]))
+
+
+async def test_podmonitor_rendered_when_prometheus_operator_present(cluster: Cluster) -> None:
+    declare(cluster.kmock, "monitoring.coreos.com/v1/podmonitors", "PodMonitor", set())
+    run = OperatorRun(cluster)
+    await run.start()
+    try:
+        await cluster.apply_minedraft(example("minimal"))
+        monitor = await wait_for("PodMonitor", lambda: cluster.obj("PodMonitor", "qwen3-8b"))
+        assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "interval": "15s"}]
+    finally:
+        await run.stop()
+
+
+def test_every_granted_permission_was_exercised(seen_permissions: set[tuple[str, str, str]]) -> None:
+    """Runs last in this module: the chart grants exactly what the operator was seen to use (and no more)."""
+    if not seen_permissions:
+        pytest.skip("run with the rest of this module")
+    granted = {(g, r, v) for (g, r), verbs in PERMISSIONS.items() for v in verbs}
+    assert seen_permissions <= granted, sorted(seen_permissions - granted)
+    # endpointslices are granted only so the operator may create the gateway's Role (no escalation); kopf's own
+    # Events may be sent as create only; everything else must have been used.
+    unused = granted - seen_permissions - {("discovery.k8s.io", "endpointslices", v) for v in ("get", "list", "watch")}
+    assert unused == set(), sorted(unused)
