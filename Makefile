@@ -7,7 +7,7 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	@$(VENV)/bin/minedraft run
+	@VENV=$(VENV) bash scripts/run_local.sh
 
 test: setup
 	@$(PY) -m pytest

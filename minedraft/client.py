@@ -41,6 +41,14 @@ def add_subcommands(sub: Any) -> None:
     gen.add_argument("--tls-server-name", help="name to verify in the certificate (default: the target's host)")
     gen.set_defaults(func=cmd_generate)
 
+    health = client.add_parser("health", help="grpc.health.v1 status of a server (exit 0 when SERVING)")
+    health.add_argument("--target", default="127.0.0.1:50050")
+    health.add_argument("--service", default="", help="service to ask about (default: the whole server)")
+    health.add_argument("--wait-seconds", type=float, default=0.0, help="keep asking until SERVING or this long")
+    health.add_argument("--tls-ca")
+    health.add_argument("--tls-server-name")
+    health.set_defaults(func=cmd_health)
+
 
 def build_request(args: argparse.Namespace) -> Any:
     from minedraft.api import pb
@@ -97,8 +105,8 @@ async def stream_generate(args: argparse.Namespace) -> int:
                     print(response.text, end="", flush=True)
                 final = response
         except grpc.aio.AioRpcError as exc:
-            if not args.json:
-                print(file=sys.stdout)
+            if final is not None and not args.json:
+                print()  # end the partial line of text
             print(f"minedraft client: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     elapsed = time.perf_counter() - started
@@ -115,3 +123,28 @@ async def stream_generate(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     return asyncio.run(stream_generate(args))
+
+
+async def check_health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + args.wait_seconds
+    status = "UNREACHABLE"
+    async with open_channel(args.target, args.tls_ca, args.tls_server_name) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                response = await stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=2)
+                status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+            except grpc.aio.AioRpcError as exc:
+                status = exc.code().name
+            if status == "SERVING" or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.5)
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    return asyncio.run(check_health(args))

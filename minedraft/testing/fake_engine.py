@@ -27,6 +27,8 @@ from minedraft.api import SERVICE_NAME, pb, pb_grpc
 VOCAB_SIZE = 2048
 MAX_MODEL_LEN = 4096
 DEFAULT_MAX_TOKENS = 16
+# Request metadata that sets this stream's seconds between tokens.
+INTERVAL_METADATA_KEY = "fake-token-interval-seconds"
 
 
 @dataclass
@@ -83,6 +85,10 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"fake replica {self.replica_id} is going away")
         self.record.started.append(request_id)
         count = params.max_tokens if params.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+        interval_seconds = behaviour.token_interval_seconds
+        for key, value in context.invocation_metadata() or ():
+            if key == INTERVAL_METADATA_KEY:  # per-request rate (the benchmark varies it; the gateway forwards it)
+                interval_seconds = float(value)
         token_ids = fake_token_ids(request, count)
         self.num_active_streams += 1
         finished = False
@@ -92,8 +98,8 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
                     self.record.failed.append(request_id)
                     finished = True
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"fake replica {self.replica_id} died")
-                if behaviour.token_interval_seconds:
-                    await asyncio.sleep(behaviour.token_interval_seconds)
+                if interval_seconds:
+                    await asyncio.sleep(interval_seconds)
                 last = index == len(token_ids) - 1
                 text = str(time.perf_counter_ns()) if behaviour.stamp_text else f"<{token_id}>"
                 response = pb.GenerateResponse(request_id=request_id, token_ids=[token_id], text=text)

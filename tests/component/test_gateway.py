@@ -267,3 +267,19 @@ async def test_endpointslice_discovery_is_watched(kmock, stack):  # kmock torn d
     await kmock.delete(f"{collection}/engines-b")
     await wait_for(lambda: addresses() == set(), what="a deleted slice")
     await wait_for_health(target, NOT_SERVING)
+
+
+def test_benchmark_quick_run_writes_its_report(tmp_path: Path):
+    """The gateway benchmark end to end in its small configuration (fake engine and gateway as processes)."""
+    import json
+
+    from minedraft.gateway.bench import main
+
+    out = tmp_path / "gateway.json"
+    assert main(["--quick", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["latency"]["direct"]["errors"] == 0 and report["latency"]["gateway"]["errors"] == 0
+    assert report["latency"]["gateway"]["per_token_ms"]["samples"] > 0
+    assert report["max_concurrent_streams_without_error"] == 100
+    assert out.with_suffix(".md").read_text().startswith("# Gateway overhead")
+    assert out.with_suffix(".png").stat().st_size > 0

@@ -1,0 +1,329 @@
+"""The gateway's own cost: the same streams straight to a fake engine and through the gateway, in one run.
+
+Processes: a fake engine replica (`minedraft.testing.fake_engine`, streaming tokens at a fixed rate and stamping
+each response with its send time), a gateway in front of it (`minedraft gateway`), and this process as the client.
+Both paths hit the same fake, interleaved round by round. Per-token latency is one-way: the fake's send stamp to the
+client's receipt (CLOCK_MONOTONIC is shared by processes on one machine); time to first token is measured from the
+call's start. Added latency = gateway minus direct, at p50 and p99. Then the number of concurrent streams is raised
+until errors appear (or the top level is reached): the most concurrent streams one gateway process sustained.
+
+All three processes share this machine's cores, so the figures include CPU contention between them.
+`python -m minedraft.gateway.bench --json benchmarks/results/gateway.json` (also `minedraft bench-gateway`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from minedraft.api import pb, pb_grpc
+from minedraft.testing.fake_engine import INTERVAL_METADATA_KEY
+
+# Per-token targets of the issue (added latency, milliseconds).
+TARGET_ADDED_P50_MS = 0.5
+TARGET_ADDED_P99_MS = 2.0
+TARGET_STREAMS = 1000
+
+
+@dataclass
+class StreamResult:
+    ttft_seconds: float | None = None
+    token_latencies_seconds: list[float] = field(default_factory=list)
+    num_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class BenchConfig:
+    latency_streams: int = 16
+    latency_tokens: int = 100
+    latency_interval_seconds: float = 0.01
+    latency_rounds: int = 3
+    capacity_levels: tuple[int, ...] = (250, 500, 1000, 1500, 2000)
+    capacity_tokens: int = 10
+    capacity_interval_seconds: float = 0.2
+    capacity_deadline_seconds: float = 60.0
+
+
+QUICK = BenchConfig(latency_streams=4, latency_tokens=20, latency_rounds=1, capacity_levels=(50, 100))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100])."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+async def _wait_serving(target: str, timeout_seconds: float = 30.0) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_seconds
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                response = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{target} did not become SERVING within {timeout_seconds}s")
+            await asyncio.sleep(0.05)
+
+
+async def _one_stream(stub: Any, index: int, tokens: int, interval_seconds: float, deadline_seconds: float,
+                      open_streams: list[int], peak: list[int]) -> StreamResult:
+    result = StreamResult()
+    request = pb.GenerateRequest(prompt_token_ids=[index % 2048 + 1],
+                                 sampling_params=pb.SamplingParams(max_tokens=tokens))
+    started = time.perf_counter()
+    streaming = False
+    try:
+        call = stub.Generate(request, timeout=deadline_seconds,
+                             metadata=((INTERVAL_METADATA_KEY, str(interval_seconds)),))
+        async for response in call:
+            received_ns = time.perf_counter_ns()
+            if result.ttft_seconds is None:
+                result.ttft_seconds = time.perf_counter() - started
+                streaming = True
+                open_streams[0] += 1
+                peak[0] = max(peak[0], open_streams[0])
+            result.token_latencies_seconds.append((received_ns - int(response.text)) / 1e9)
+            result.num_tokens += len(response.token_ids)
+        if result.num_tokens != tokens:
+            result.error = f"short stream: {result.num_tokens} of {tokens} tokens"
+    except grpc.aio.AioRpcError as exc:
+        result.error = f"{exc.code().name}: {exc.details()}"
+    finally:
+        if streaming:
+            open_streams[0] -= 1
+    return result
+
+
+async def _run_streams(target: str, count: int, tokens: int, interval_seconds: float,
+                       deadline_seconds: float) -> tuple[list[StreamResult], int, float]:
+    open_streams, peak = [0], [0]
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        started = time.perf_counter()
+        results = await asyncio.gather(*(
+            _one_stream(stub, i, tokens, interval_seconds, deadline_seconds, open_streams, peak)
+            for i in range(count)))
+        return list(results), peak[0], time.perf_counter() - started
+
+
+def _summary(results: list[StreamResult]) -> dict[str, Any]:
+    ttfts = [r.ttft_seconds * 1000 for r in results if r.ttft_seconds is not None]
+    per_token = [x * 1000 for r in results for x in r.token_latencies_seconds[1:]]  # after the first token
+    errors = [r.error for r in results if r.error]
+    return {
+        "streams": len(results),
+        "errors": len(errors),
+        "error_examples": sorted(set(errors))[:3],
+        "tokens": sum(r.num_tokens for r in results),
+        "ttft_ms": {"p50": percentile(ttfts, 50), "p99": percentile(ttfts, 99)},
+        "per_token_ms": {"p50": percentile(per_token, 50), "p99": percentile(per_token, 99),
+                         "samples": len(per_token)},
+        "_ttft_ms": ttfts,
+        "_per_token_ms": per_token,
+    }
+
+
+async def _bench(config: BenchConfig, direct: str, via_gateway: str) -> dict[str, Any]:
+    await _wait_serving(direct)
+    await _wait_serving(via_gateway)
+    # Warm-up: connections, code paths.
+    for target in (direct, via_gateway):
+        await _run_streams(target, 8, 5, 0.001, 30)
+    pooled: dict[str, list[StreamResult]] = {"direct": [], "gateway": []}
+    for round_index in range(config.latency_rounds):
+        order = [("direct", direct), ("gateway", via_gateway)]
+        for name, target in order if round_index % 2 == 0 else reversed(order):
+            results, _, _ = await _run_streams(target, config.latency_streams, config.latency_tokens,
+                                               config.latency_interval_seconds, 60)
+            pooled[name].extend(results)
+    latency = {name: _summary(results) for name, results in pooled.items()}
+    added = {
+        metric: {q: latency["gateway"][metric][q] - latency["direct"][metric][q] for q in ("p50", "p99")}
+        for metric in ("ttft_ms", "per_token_ms")
+    }
+    capacity = []
+    for level in config.capacity_levels:
+        results, peak, wall_seconds = await _run_streams(via_gateway, level, config.capacity_tokens,
+                                                         config.capacity_interval_seconds,
+                                                         config.capacity_deadline_seconds)
+        summary = _summary(results)
+        summary.update(level=level, peak_concurrent_streams=peak, wall_seconds=wall_seconds)
+        capacity.append(summary)
+        print(f"  {level} streams: {summary['errors']} errors, peak {peak} open at once, "
+              f"per-token p99 {summary['per_token_ms']['p99']:.1f} ms", file=sys.stderr, flush=True)
+        if summary["errors"]:
+            break
+    sustained = max((c["peak_concurrent_streams"] for c in capacity if c["errors"] == 0), default=0)
+    return {"latency": latency, "added": added, "capacity": capacity, "max_concurrent_streams_without_error": sustained}
+
+
+def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def run(config: BenchConfig) -> dict[str, Any]:
+    fake_port, gateway_port = _free_port(), _free_port()
+    fake = _spawn(["-m", "minedraft.testing.fake_engine", "--port", str(fake_port), "--stamp-text",
+                   "--token-interval-seconds", str(config.latency_interval_seconds)])
+    gateway = _spawn(["-m", "minedraft.cli", "--log-level", "WARNING", "gateway", "--port", str(gateway_port),
+                      "--engines", f"127.0.0.1:{fake_port}", "--max-in-flight", "100000", "--grace-seconds", "1"])
+    try:
+        started = time.perf_counter()
+        results = asyncio.run(_bench(config, f"127.0.0.1:{fake_port}", f"127.0.0.1:{gateway_port}"))
+        results["bench_seconds"] = time.perf_counter() - started
+    finally:
+        for process in (gateway, fake):
+            process.terminate()
+        for process in (gateway, fake):
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    results["config"] = asdict(config)
+    results["machine"] = {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+                          "python": platform.python_version(), "grpcio": grpc.__version__,
+                          "note": "fake engine, gateway and client are three processes sharing these cores"}
+    added = results["added"]["per_token_ms"]
+    results["targets"] = {
+        "added_per_token_p50_ms": {"target": TARGET_ADDED_P50_MS, "met": added["p50"] < TARGET_ADDED_P50_MS},
+        "added_per_token_p99_ms": {"target": TARGET_ADDED_P99_MS, "met": added["p99"] < TARGET_ADDED_P99_MS},
+        "concurrent_streams": {"target": TARGET_STREAMS,
+                               "met": results["max_concurrent_streams_without_error"] >= TARGET_STREAMS},
+    }
+    return results
+
+
+def markdown(results: dict[str, Any], command: str) -> str:
+    lat, added, cfg = results["latency"], results["added"], results["config"]
+    lines = [
+        "# Gateway overhead (fake engine, same run)",
+        "",
+        f"`{command}` — {results['machine']['affinity']} CPU cores shared by the fake engine, the gateway and the "
+        f"client; {cfg['latency_rounds']} interleaved rounds of {cfg['latency_streams']} concurrent streams x "
+        f"{cfg['latency_tokens']} tokens, one token every {cfg['latency_interval_seconds'] * 1000:.0f} ms.",
+        "",
+        "| path | TTFT p50 (ms) | TTFT p99 (ms) | per-token p50 (ms) | per-token p99 (ms) | errors |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in ("direct", "gateway"):
+        s = lat[name]
+        lines.append(f"| {name} | {s['ttft_ms']['p50']:.2f} | {s['ttft_ms']['p99']:.2f} | "
+                     f"{s['per_token_ms']['p50']:.3f} | {s['per_token_ms']['p99']:.3f} | {s['errors']} |")
+    lines.append(f"| **added by the gateway** | {added['ttft_ms']['p50']:.2f} | {added['ttft_ms']['p99']:.2f} | "
+                 f"**{added['per_token_ms']['p50']:.3f}** | **{added['per_token_ms']['p99']:.3f}** | |")
+    t = results["targets"]
+    lines += [
+        "",
+        f"Targets: added per-token p50 < {t['added_per_token_p50_ms']['target']} ms: "
+        f"{'met' if t['added_per_token_p50_ms']['met'] else 'NOT met'}; p99 < {t['added_per_token_p99_ms']['target']}"
+        f" ms: {'met' if t['added_per_token_p99_ms']['met'] else 'NOT met'}.",
+        "",
+        f"## Concurrent streams through one gateway ({cfg['capacity_tokens']} tokens each, one every "
+        f"{cfg['capacity_interval_seconds'] * 1000:.0f} ms, all started at once)",
+        "",
+        "| streams started | peak open at once | errors | TTFT p99 (ms) | per-token p50 (ms) | per-token p99 (ms) "
+        "| wall (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in results["capacity"]:
+        lines.append(f"| {c['level']} | {c['peak_concurrent_streams']} | {c['errors']} | {c['ttft_ms']['p99']:.1f} | "
+                     f"{c['per_token_ms']['p50']:.2f} | {c['per_token_ms']['p99']:.2f} | {c['wall_seconds']:.1f} |")
+    lines += [
+        "",
+        f"Most concurrent streams sustained without an error: **{results['max_concurrent_streams_without_error']}** "
+        f"(target >= {t['concurrent_streams']['target']}: {'met' if t['concurrent_streams']['met'] else 'NOT met'}).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in ("direct", "gateway"):
+        values = sorted(results["latency"][name]["_per_token_ms"])
+        if values:
+            left.plot(values, [i / len(values) for i in range(len(values))], label=name)
+    left.set_xscale("log")
+    left.set_xlabel("per-token latency, send to receipt (ms, log)")
+    left.set_ylabel("fraction of tokens")
+    left.set_title("per-token latency: direct vs through the gateway")
+    left.legend()
+    levels = [c["level"] for c in results["capacity"]]
+    right.plot(levels, [c["per_token_ms"]["p50"] for c in results["capacity"]], marker="o", label="p50")
+    right.plot(levels, [c["per_token_ms"]["p99"] for c in results["capacity"]], marker="o", label="p99")
+    for c in results["capacity"]:
+        if c["errors"]:
+            right.annotate(f"{c['errors']} errors", (c["level"], c["per_token_ms"]["p99"]))
+    right.set_xlabel("concurrent streams through one gateway")
+    right.set_ylabel("per-token latency (ms)")
+    right.set_title("load")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(results: dict[str, Any], json_path: Path, command: str) -> None:
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    plot(results, json_path.with_suffix(".png"))
+
+    def strip(value: Any) -> Any:  # raw samples go to the plot, not the committed JSON
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if not k.startswith("_")}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+
+    json_path.write_text(json.dumps({"command": command, **strip(results)}, indent=2) + "\n")
+    json_path.with_suffix(".md").write_text(markdown(results, command))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", default="benchmarks/results/gateway.json")
+    parser.add_argument("--quick", action="store_true", help="a small run (smoke test)")
+    args = parser.parse_args(argv)
+    config = QUICK if args.quick else BenchConfig()
+    command = "python -m minedraft.gateway.bench" + (" --quick" if args.quick else "") + f" --json {args.json}"
+    results = run(config)
+    write_outputs(results, Path(args.json), command)
+    print(Path(args.json).with_suffix(".md").read_text(), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

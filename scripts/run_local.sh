@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# `make run`: an engine server and a gateway on localhost, then one completion streamed through the gateway with
+# `minedraft client generate`. Both servers are stopped (SIGTERM: graceful drain) when this script exits.
+# Extra arguments go to `minedraft serve` (engine flags such as --mode sd or -k 5).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BIN="${VENV:-.venv}/bin"
+export GRPC_VERBOSITY="${GRPC_VERBOSITY:-ERROR}"  # C-core info lines (GOAWAY on drain) are noise here
+ENGINE_PORT="${MINEDRAFT_ENGINE_PORT:-50061}"
+GATEWAY_PORT="${MINEDRAFT_GATEWAY_PORT:-50060}"
+PROMPT="${MINEDRAFT_PROMPT:-def parse_args(argv):
+}"
+MAX_TOKENS="${MINEDRAFT_MAX_TOKENS:-96}"
+
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do
+    # The engine drains and shuts vLLM down; give it time, then make sure.
+    for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    kill -KILL "$pid" 2>/dev/null || true
+  done
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+"$BIN/minedraft" --log-level WARNING serve --grpc-port "$ENGINE_PORT" --metrics-port 0 --grace-seconds 5 "$@" &
+pids+=($!)
+"$BIN/minedraft" --log-level WARNING gateway --port "$GATEWAY_PORT" --engines "127.0.0.1:$ENGINE_PORT" \
+  --grace-seconds 5 &
+pids+=($!)
+
+echo "run: engine server on :$ENGINE_PORT, gateway on :$GATEWAY_PORT; waiting for the engine to load ..." >&2
+# The gateway reports SERVING once an engine behind it is ready.
+ready=
+for _ in $(seq 1 300); do
+  for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null || { echo "run: a server exited" >&2; exit 1; }; done
+  if "$BIN/minedraft" client health --target "127.0.0.1:$GATEWAY_PORT" --wait-seconds 2 >/dev/null; then
+    ready=1; break
+  fi
+done
+[[ -n "$ready" ]] || { echo "run: the engine did not become ready" >&2; exit 1; }
+echo "run: streaming through the gateway:" >&2
+printf '%s' "$PROMPT"
+"$BIN/minedraft" client generate --target "127.0.0.1:$GATEWAY_PORT" --prompt "$PROMPT" --max-tokens "$MAX_TOKENS"
