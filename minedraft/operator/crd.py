@@ -53,7 +53,6 @@ def _model(role: str) -> Schema:
         "source": _obj("Where the weights come from: exactly one of huggingFace, persistentVolumeClaim or image.", {
             "huggingFace": _obj("Download from the Hugging Face hub into the model cache at start-up.", {
                 "id": _str("Repository id, e.g. Qwen/Qwen3-32B.", minLength=1),
-                "revision": _str("Branch, tag or commit; the default branch when unset."),
                 "tokenSecretRef": _secret_key_ref(
                     "Secret holding a hub token (for gated models); passed to the engine as HF_TOKEN."),
             }, required=["id"]),
@@ -68,7 +67,6 @@ def _model(role: str) -> Schema:
             "[has(self.huggingFace), has(self.persistentVolumeClaim), has(self.image)]"
             ".filter(x, x).size() == 1",
             "exactly one of huggingFace, persistentVolumeClaim or image must be set")]}),
-        "servedModelName": _str("Model name reported to clients; defaults to the source's id or path."),
     }, required=["source"])
 
 
@@ -83,7 +81,8 @@ def spec_schema() -> Schema:
         "draft": _model("draft (small, drafting)"),
         "speculation": _obj("How the engines speculate.", {
             "mode": _str("psd: batch-parallel speculative decoding (drafting overlaps verification); sd: standard "
-                         "speculative decoding; ar: the target alone; vllm-sd: vLLM's built-in draft-model SD.",
+                         "speculative decoding; ar: the target alone; vllm-sd: vLLM's built-in draft-model SD; "
+                         "auto: the engine picks psd, sd or ar and k from its measured costs.",
                          enum=list(s.MODES), default=s.SpeculationSpec().mode),
             "numSpeculativeTokens": _int("Draft length k: tokens drafted per verification step.",
                                          default=s.SpeculationSpec().num_speculative_tokens, **k_range),
@@ -96,17 +95,19 @@ def spec_schema() -> Schema:
         "engine": _obj("The engine pods (one target plus one drafter per pod).", {
             "image": _str("Engine image (vLLM 0.32 CUDA image with minedraft).", default=eng.image),
             "imagePullPolicy": _str("Image pull policy.", enum=list(s.PULL_POLICIES), default=eng.image_pull_policy),
-            "targetGPUs": _int("GPUs for the target model (its tensor-parallel size); each pod requests "
-                               "targetGPUs + drafterGPUs nvidia.com/gpu.", default=eng.target_gpus, minimum=1,
-                               maximum=s.MAX_TARGET_GPUS),
+            "targetGPUs": _int("GPUs for the target model (its tensor-parallel size; 1 until the engine supports "
+                               "tensor parallelism); each pod requests targetGPUs + drafterGPUs nvidia.com/gpu.",
+                               default=eng.target_gpus, minimum=1, maximum=s.MAX_TARGET_GPUS),
+            "drafterBackend": _str("vllm: the draft model in vLLM (any architecture); torch: the plain-torch Llama "
+                                   "drafter.", enum=list(s.DRAFTER_BACKENDS), default=eng.drafter_backend),
             "drafterGPUs": _int("GPUs for the drafter: always 1, a device of its own so drafting overlaps "
                                 "verification.", default=1, minimum=1, maximum=1),
             "cpu": _quantity("CPU request and limit per engine pod.", eng.cpu),
             "memory": _quantity("Memory request and limit per engine pod.", eng.memory),
             "shmSize": _quantity("Size of /dev/shm (memory-backed) for NCCL and worker processes.", eng.shm_size),
-            "maxNumSeqs": _int("Most requests batched at once (vLLM max_num_seqs); vLLM's default when unset.",
-                               minimum=1),
-            "maxModelLen": _int("Longest context in tokens (vLLM max_model_len); the model's when unset.",
+            "maxNumSeqs": _int("Most requests batched at once per engine (vLLM max_num_seqs).",
+                               default=eng.max_num_seqs, minimum=1, maximum=65536),
+            "maxModelLen": _int("Longest context in tokens (vLLM max_model_len).", default=eng.max_model_len,
                                 minimum=16),
             "extraArgs": {"type": "array", "description": "Extra arguments appended to the engine command "
                                                           "(vLLM engine arguments).",

@@ -16,8 +16,10 @@ Manifest = dict[str, Any]
 
 ENGINE_GRPC_PORT = 50051
 ENGINE_METRICS_PORT = 9400
+# Seconds of the engine's termination grace period kept for its own shutdown after streams are drained.
+ENGINE_SHUTDOWN_SECONDS = 10
 GATEWAY_GRPC_PORT = 50051
-GATEWAY_METRICS_PORT = 9401
+GATEWAY_GRACE_SECONDS = 20
 # Unprivileged ids baked into the images (docker/*.Dockerfile); pods refuse to run as root.
 RUN_AS_USER = 1000
 FIELD_MANAGER = "minedraft-operator"
@@ -103,32 +105,32 @@ def _model_location(role: str, model: s.ModelSpec) -> str:
 
 
 def engine_command(spec: s.MineDraftSpec) -> list[str]:
-    """The engine container's command line: the target on GPUs 0..T-1, the drafter on GPU T (its own device)."""
+    """The engine container's command line: the target on GPU 0, the drafter on GPU 1 (a device of its own)."""
     eng = spec.engine
+    k = spec.speculation.num_speculative_tokens
     cmd = [
         "minedraft", "serve",
+        "--host", "0.0.0.0",
         "--grpc-port", str(ENGINE_GRPC_PORT),
         "--metrics-port", str(ENGINE_METRICS_PORT),
+        # Streams get most of the termination grace period to finish; the rest covers shutdown itself.
+        "--grace-seconds", str(max(1, eng.termination_grace_period_seconds - ENGINE_SHUTDOWN_SECONDS)),
         "--model", _model_location("target", spec.target),
         "--draft", _model_location("draft", spec.draft),
         "--mode", spec.speculation.mode,
-        "--num-speculative-tokens", str(spec.speculation.num_speculative_tokens),
+        "--num-speculative-tokens", str(k),
         "--num-extra-draft-tokens", str(spec.speculation.num_extra_draft_tokens),
-        # The device plugin exposes this pod's GPUs as 0..n-1; the target's tensor-parallel group takes the first
-        # targetGPUs of them, so the last one is the drafter's alone.
+        # The device plugin exposes this pod's GPUs as 0..n-1; the target takes the first targetGPUs of them, so
+        # the last one is the drafter's alone.
         "--drafter-gpu", str(eng.target_gpus),
+        "--drafter-backend", eng.drafter_backend,
+        "--max-num-seqs", str(eng.max_num_seqs),
+        "--max-model-len", str(eng.max_model_len),
     ]
-    if eng.target_gpus > 1:
-        cmd += ["--tensor-parallel-size", str(eng.target_gpus)]
-    if spec.target.served_model_name:
-        cmd += ["--served-model-name", spec.target.served_model_name]
-    for role, model in (("target", spec.target), ("draft", spec.draft)):
-        if model.source.hugging_face_revision:
-            cmd += [f"--{'model' if role == 'target' else 'draft'}-revision", model.source.hugging_face_revision]
-    if eng.max_num_seqs is not None:
-        cmd += ["--max-num-seqs", str(eng.max_num_seqs)]
-    if eng.max_model_len is not None:
-        cmd += ["--max-model-len", str(eng.max_model_len)]
+    if spec.speculation.mode == "auto":
+        # auto mode may lengthen drafts at run time up to this bound (the autoscaling bounds when given).
+        bound = spec.autoscaling.speculation.max_speculative_tokens if spec.autoscaling else k
+        cmd += ["--max-num-speculative-tokens", str(max(k, bound))]
     return cmd + list(eng.extra_args)
 
 
@@ -166,6 +168,8 @@ def _engine_env(spec: s.MineDraftSpec) -> list[dict[str, Any]]:
         {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
         {"name": "HF_HOME", "value": f"{MODEL_CACHE_DIR}/huggingface"},
         {"name": "VLLM_LOGGING_STREAM", "value": "ext://sys.stderr"},
+        # `minedraft serve` reports it as its replica id.
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
     tokens = {m.source.hugging_face_token for m in (spec.target, spec.draft) if m.source.hugging_face_token}
     if tokens:
@@ -291,12 +295,14 @@ def engine_network_policy(meta: s.ObjectMeta, options: RenderOptions) -> Manifes
 def gateway_command(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> list[str]:
     gw = spec.gateway
     cmd = ["minedraft", "gateway",
+           "--host", "0.0.0.0",
            "--port", str(GATEWAY_GRPC_PORT),
-           "--metrics-port", str(GATEWAY_METRICS_PORT),
            "--kubernetes-service", f"{meta.namespace}/{names(meta)['engine']}",
-           "--max-in-flight", str(gw.max_in_flight)]
+           "--kubernetes-port-name", "grpc",
+           "--max-in-flight", str(gw.max_in_flight),
+           "--grace-seconds", str(GATEWAY_GRACE_SECONDS)]
     if gw.auth_token is not None:
-        cmd += ["--auth-token-file", f"{AUTH_DIR}/{gw.auth_token.key}"]
+        cmd += ["--token-file", f"{AUTH_DIR}/{gw.auth_token.key}"]
     if gw.tls_secret_name is not None:
         cmd += ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key"]
     return cmd
@@ -355,8 +361,9 @@ def gateway_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         "image": gw.image,
         "imagePullPolicy": gw.image_pull_policy,
         "command": gateway_command(spec, meta),
-        "ports": [{"name": "grpc", "containerPort": GATEWAY_GRPC_PORT, "protocol": "TCP"},
-                  {"name": "metrics", "containerPort": GATEWAY_METRICS_PORT, "protocol": "TCP"}],
+        # No metrics port yet: `minedraft gateway` does not serve one (the metrics issue adds it, then the
+        # PodMonitor below selects gateways too).
+        "ports": [{"name": "grpc", "containerPort": GATEWAY_GRPC_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": TMP_DIR}],
         "resources": {"requests": {"cpu": gw.cpu, "memory": gw.memory}, "limits": {"memory": gw.memory}},
         "readinessProbe": {**check, "periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 3},
@@ -381,7 +388,7 @@ def gateway_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
                     "containers": [container],
                     "volumes": volumes,
                     "securityContext": _pod_security(),
-                    "terminationGracePeriodSeconds": 30,
+                    "terminationGracePeriodSeconds": GATEWAY_GRACE_SECONDS + 10,
                 },
             },
         },
@@ -407,15 +414,13 @@ def gateway_endpoint(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> str:
 
 
 def pod_monitor(meta: s.ObjectMeta) -> Manifest:
-    """One PodMonitor for the engines and the gateway: both name their metrics port "metrics"."""
+    """A PodMonitor for the engine pods' "metrics" port (the gateway serves no metrics port yet)."""
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
         "metadata": _metadata(meta, names(meta)["monitor"], "monitoring"),
         "spec": {
-            "selector": {"matchLabels": {"minedraft.io/instance": meta.name},
-                         "matchExpressions": [{"key": "minedraft.io/component", "operator": "In",
-                                               "values": ["engine", "gateway"]}]},
+            "selector": {"matchLabels": selector_labels(meta, "engine")},
             "podMetricsEndpoints": [{"port": "metrics", "interval": "15s"}],
         },
     }

@@ -17,7 +17,8 @@ API_VERSION = "v1alpha1"
 KIND = "MineDraft"
 PLURAL = "minedrafts"
 
-MODES = ("psd", "sd", "ar", "vllm-sd")
+MODES = ("psd", "sd", "ar", "vllm-sd", "auto")
+DRAFTER_BACKENDS = ("vllm", "torch")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 
@@ -26,7 +27,8 @@ PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 MIN_SPECULATIVE_TOKENS = 1
 MAX_SPECULATIVE_TOKENS = 16
 MAX_EXTRA_DRAFT_TOKENS = 16
-MAX_TARGET_GPUS = 8
+# `minedraft serve` has no tensor parallelism yet: one target GPU (the CRD says so; raise both together).
+MAX_TARGET_GPUS = 1
 MAX_REPLICAS = 1000
 
 # Kept in step with pyproject.toml's version and the Dockerfiles (a test checks all three).
@@ -63,7 +65,6 @@ class ModelSource:
     """Where a model comes from: exactly one of a Hugging Face id, a PVC path or a path inside the image."""
 
     hugging_face_id: str | None = None
-    hugging_face_revision: str | None = None
     hugging_face_token: SecretKeyRef | None = None
     pvc_claim_name: str | None = None
     pvc_path: str = ""
@@ -73,7 +74,6 @@ class ModelSource:
 @dataclass(frozen=True)
 class ModelSpec:
     source: ModelSource
-    served_model_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,9 @@ class EngineSpec:
     cpu: str = "8"
     memory: str = "64Gi"
     shm_size: str = "16Gi"
-    max_num_seqs: int | None = None
-    max_model_len: int | None = None
+    drafter_backend: str = "vllm"
+    max_num_seqs: int = 256
+    max_model_len: int = 8192
     extra_args: tuple[str, ...] = ()
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
@@ -271,7 +272,6 @@ def _model(r: _Reader, data: Mapping[str, Any] | None, path: str) -> ModelSpec:
         if kind == "huggingFace":
             model_source = ModelSource(
                 hugging_face_id=r.str_(sub, "id", f"{src_path}.huggingFace", required=True),
-                hugging_face_revision=r.str_(sub, "revision", f"{src_path}.huggingFace"),
                 hugging_face_token=_secret_key_ref(r, r.obj(sub, "tokenSecretRef", f"{src_path}.huggingFace"),
                                                    f"{src_path}.huggingFace.tokenSecretRef", "token"),
             )
@@ -288,8 +288,12 @@ def _model(r: _Reader, data: Mapping[str, Any] | None, path: str) -> ModelSpec:
             if image_path is not None and not image_path.startswith("/"):
                 r.fail(f"{src_path}.image.path", "must be an absolute path inside the engine image")
             model_source = ModelSource(image_path=image_path)
-    return ModelSpec(source=model_source,
-                     served_model_name=r.str_(data or {}, "servedModelName", path))
+    return ModelSpec(source=model_source)
+
+
+def _or(value: int | None, default: int) -> int:
+    """The value when given (0 included), else the default: `x or default` would turn a 0 into the default."""
+    return default if value is None else value
 
 
 def _engine(r: _Reader, data: Mapping[str, Any]) -> EngineSpec:
@@ -318,8 +322,10 @@ def _engine(r: _Reader, data: Mapping[str, Any]) -> EngineSpec:
         cpu=r.quantity(data, "cpu", p, d.cpu),
         memory=r.quantity(data, "memory", p, d.memory),
         shm_size=r.quantity(data, "shmSize", p, d.shm_size),
-        max_num_seqs=r.int_(data, "maxNumSeqs", p, None, 1, 65536),
-        max_model_len=r.int_(data, "maxModelLen", p, None, 16, 10_000_000),
+        drafter_backend=r.str_(data, "drafterBackend", p, default=d.drafter_backend, choices=DRAFTER_BACKENDS)
+        or d.drafter_backend,
+        max_num_seqs=_or(r.int_(data, "maxNumSeqs", p, d.max_num_seqs, 1, 65536), d.max_num_seqs),
+        max_model_len=_or(r.int_(data, "maxModelLen", p, d.max_model_len, 16, 10_000_000), d.max_model_len),
         extra_args=tuple(extra),
         node_selector=dict(node_selector),
         tolerations=tuple(dict(t) for t in tolerations),
@@ -376,11 +382,6 @@ def _autoscaling(r: _Reader, data: Mapping[str, Any] | None) -> AutoscalingSpec 
         speculation=SpeculationBounds(tuple(modes), k_min or 1, k_max or 1),
         prometheus_address=r.str_(prometheus, "address", f"{p}.prometheus"),
     )
-
-
-def _or(value: int | None, default: int) -> int:
-    """The value when given (0 included), else the default: `x or default` would turn a 0 into the default."""
-    return default if value is None else value
 
 
 def _gateway(r: _Reader, data: Mapping[str, Any]) -> GatewaySpec:

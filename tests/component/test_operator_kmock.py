@@ -358,11 +358,11 @@ async def test_restart_makes_no_duplicates_and_no_spurious_changes(cluster: Clus
     await first.start()
     await cluster.apply_minedraft(example("autoscaled"))
     await wait_for("objects and status", lambda: len(cluster.owned()) == 9
-                   and (cluster.minedraft("qwen3-32b") or {}).get("status", {}).get("conditions"))
+                   and (cluster.minedraft("qwen3-14b") or {}).get("status", {}).get("conditions"))
     await wait_for("a drift tick", lambda: first.count("timer") >= 1)
     await first.stop()
     snapshot = {(p, o["metadata"]["name"]): o["metadata"]["resourceVersion"] for p, o in cluster.owned()}
-    md_version = (cluster.minedraft("qwen3-32b") or {})["metadata"]["resourceVersion"]
+    md_version = (cluster.minedraft("qwen3-14b") or {})["metadata"]["resourceVersion"]
     mark = len(cluster.requests())
 
     second = OperatorRun(cluster)
@@ -378,7 +378,7 @@ async def test_restart_makes_no_duplicates_and_no_spurious_changes(cluster: Clus
               if r.method.upper() in ("POST", "PATCH", "PUT", "DELETE") and r.resource is not None
               and r.resource.plural != "events"]
     assert writes == [] or all("minedrafts" in path for _, path in writes), writes
-    md = cluster.minedraft("qwen3-32b") or {}
+    md = cluster.minedraft("qwen3-14b") or {}
     # kopf may note that it resumed (an annotation), but our status is recomputed identically and not rewritten.
     status_writes = [w for w in writes if w[1].endswith("/status")]
     assert status_writes == [], status_writes
@@ -411,7 +411,7 @@ async def test_missing_secret_sets_condition_and_event_then_recovers(cluster: Cl
     await wait_for("objects after the Secret appeared", lambda: len(cluster.owned()) == 9)
     gateway = cluster.obj("Deployment", "llama-secure-gateway") or {}
     command = gateway["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert "--auth-token-file" in command and "--tls-cert" in command
+    assert "--token-file" in command and "--tls-cert" in command
     # Secret values are referenced by name only: they appear in no rendered object.
     assert "c2VjcmV0" not in str(cluster.owned()) and "c2VjcmV0" not in str(cluster.minedraft("llama-secure"))
 

