@@ -16,9 +16,12 @@ Manifest = dict[str, Any]
 
 ENGINE_GRPC_PORT = 50051
 ENGINE_METRICS_PORT = 9400
+LIVENESS_PERIOD_SECONDS = 10
 # Seconds of the engine's termination grace period kept for its own shutdown after streams are drained.
 ENGINE_SHUTDOWN_SECONDS = 10
 GATEWAY_GRPC_PORT = 50051
+# `minedraft gateway`'s default --metrics-port (not passed, so the flag is not required of older gateway images).
+GATEWAY_METRICS_PORT = 9401
 GATEWAY_GRACE_SECONDS = 20
 # Unprivileged ids baked into the images (docker/*.Dockerfile); pods refuse to run as root.
 RUN_AS_USER = 1000
@@ -204,7 +207,10 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         # Loading weights takes minutes: the startup probe holds liveness off until the health service says SERVING.
         "startupProbe": _grpc_probe(startup_period, max(1, eng.startup_timeout_seconds // startup_period)),
         "readinessProbe": _grpc_probe(5, 2),
-        "livenessProbe": _grpc_probe(10, 6),
+        # The health service goes NOT_SERVING while draining on SIGTERM; the liveness window outlasts the whole
+        # termination grace period so a long drain is never cut short by a restart (a hang is still caught).
+        "livenessProbe": _grpc_probe(LIVENESS_PERIOD_SECONDS,
+                                     max(6, -(-eng.termination_grace_period_seconds // LIVENESS_PERIOD_SECONDS) + 1)),
         "securityContext": _container_security(),
         "volumeMounts": mounts,
     }
@@ -232,7 +238,9 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         "metadata": _metadata(meta, names(meta)["engine"], "engine"),
         "spec": {
             "replicas": spec.desired_replicas,
-            "selector": {"matchLabels": selector_labels(meta, "engine")},
+            "selector": {"matchLabels": {"minedraft.io/instance": meta.name},
+                         "matchExpressions": [{"key": "minedraft.io/component", "operator": "In",
+                                               "values": ["engine", "gateway"]}]},
             # A new pod must be ready before an old one goes: rollouts never drop capacity. Without spare GPUs the
             # new pod waits Pending while the old ones keep serving.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
@@ -361,9 +369,8 @@ def gateway_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         "image": gw.image,
         "imagePullPolicy": gw.image_pull_policy,
         "command": gateway_command(spec, meta),
-        # No metrics port yet: `minedraft gateway` does not serve one (the metrics issue adds it, then the
-        # PodMonitor below selects gateways too).
-        "ports": [{"name": "grpc", "containerPort": GATEWAY_GRPC_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "grpc", "containerPort": GATEWAY_GRPC_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": GATEWAY_METRICS_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": TMP_DIR}],
         "resources": {"requests": {"cpu": gw.cpu, "memory": gw.memory}, "limits": {"memory": gw.memory}},
         "readinessProbe": {**check, "periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 3},
@@ -414,13 +421,15 @@ def gateway_endpoint(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> str:
 
 
 def pod_monitor(meta: s.ObjectMeta) -> Manifest:
-    """A PodMonitor for the engine pods' "metrics" port (the gateway serves no metrics port yet)."""
+    """One PodMonitor for the engines and the gateway: both name their metrics port "metrics"."""
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
         "metadata": _metadata(meta, names(meta)["monitor"], "monitoring"),
         "spec": {
-            "selector": {"matchLabels": selector_labels(meta, "engine")},
+            "selector": {"matchLabels": {"minedraft.io/instance": meta.name},
+                         "matchExpressions": [{"key": "minedraft.io/component", "operator": "In",
+                                               "values": ["engine", "gateway"]}]},
             "podMetricsEndpoints": [{"port": "metrics", "interval": "15s"}],
         },
     }

@@ -114,3 +114,38 @@ def test_cli_render_reports_errors_with_exit_2(tmp_path: Path, capsys: pytest.Ca
 def test_cli_crd_prints_the_chart_crd(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["operator", "crd"]) == 0
     assert capsys.readouterr().out == (ROOT / "charts/minedraft/crds/minedrafts.minedraft.io.yaml").read_text()
+
+
+def test_operator_cli_runs_without_vllm_or_torch() -> None:
+    """The operator image has neither: `minedraft operator render` must not import them (nor grpc or numpy)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in {'vllm', 'torch', 'transformers', 'numpy', 'grpc', 'zmq'}:\n"
+        "            raise ImportError('not in the operator image: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from minedraft.cli import main\n"
+        f"sys.exit(main(['operator', 'render', '-f', {str(ROOT / 'examples' / 'autoscaled.yaml')!r}]))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "kind: Deployment" in result.stdout
+
+
+def test_operator_metrics_are_named_minedraft_operator() -> None:
+    from prometheus_client import generate_latest
+
+    from minedraft.operator.metrics import OperatorMetrics
+
+    metrics = OperatorMetrics()
+    metrics.reconciles.labels(trigger="create", result="ok").inc()
+    metrics.ready.labels("ns", "md").set(1)
+    text = generate_latest(metrics.registry).decode()
+    names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+    assert names and all(n.startswith("minedraft_operator_") for n in names), names
+    metrics.forget("ns", "md")
+    assert 'name="md"' not in generate_latest(metrics.registry).decode()

@@ -96,6 +96,8 @@ def test_engine_pod_minimal() -> None:
     assert pod["automountServiceAccountToken"] is False
     assert pod["terminationGracePeriodSeconds"] == s.EngineSpec().termination_grace_period_seconds
     assert int(flag(c["command"], "--grace-seconds") or 0) < pod["terminationGracePeriodSeconds"]
+    liveness = c["livenessProbe"]
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] > pod["terminationGracePeriodSeconds"]
     # Rollouts never drop capacity.
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     assert dep["spec"]["replicas"] == 1
@@ -121,6 +123,11 @@ def test_services_pdb_and_gateway_rbac() -> None:
     assert flag(command, "--kubernetes-service") == "serving/qwen3-8b-engine"
     assert gw["spec"]["template"]["spec"]["serviceAccountName"] == "qwen3-8b-gateway"
     assert "--token-file" not in command and "--tls-cert" not in command
+    ports = gw["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert {p["name"]: p["containerPort"] for p in ports} == {"grpc": 50051, "metrics": render.GATEWAY_METRICS_PORT}
+    monitor = render.pod_monitor(s.parse_meta(load("minimal")["metadata"]))
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert monitor["spec"]["selector"]["matchExpressions"][0]["values"] == ["engine", "gateway"]
 
 
 def test_network_policy_admits_only_gateway_and_prometheus() -> None:
