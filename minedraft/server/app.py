@@ -18,9 +18,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from minedraft.api import SERVICE_NAME, pb_grpc
 from minedraft.engine.async_engine import AsyncEngine
+from minedraft.server.metrics import EngineExporter
 from minedraft.server.servicer import EngineService, GenerationServicer, ServerState
 
 log = logging.getLogger(__name__)
@@ -30,12 +32,22 @@ SERVER_OPTIONS = (
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.so_reuseport", 0),
+    # gRPC core cancels calls that arrive while more than 1000 wait for the application (a burst through the
+    # gateway); the engine's own queue (vLLM's waiting list) is the place where requests wait.
+    ("grpc.server.max_pending_requests", 8192),
+    ("grpc.server.max_pending_requests_hard_limit", 8192),
 )
 
 
 class EngineServer:
-    def __init__(self, replica_id: str | None = None) -> None:
+    def __init__(self, replica_id: str | None = None, registry: CollectorRegistry | None = None,
+                 metrics_interval_seconds: float = 1.0) -> None:
         self.service = EngineService(replica_id)
+        # The engine's metrics go into `registry` (the metrics endpoint's) once an engine is attached.
+        self.registry = registry
+        self.metrics_interval_seconds = metrics_interval_seconds
+        self.exporter: EngineExporter | None = None
+        self._metrics_task: asyncio.Task[None] | None = None
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.service), self.server)
@@ -62,6 +74,13 @@ class EngineServer:
     async def attach(self, engine: AsyncEngine) -> None:
         """The engine is ready: start admitting requests."""
         self.service.attach(engine)
+        if self.registry is not None and self.exporter is None:
+            settings = engine.settings
+            self.exporter = EngineExporter(self.registry, settings.model, settings.max_draft_tokens_per_request,
+                                           self.metrics_interval_seconds)
+            await self.exporter.start(engine)
+            self.service.request_metrics = self.exporter.requests
+            self._metrics_task = asyncio.create_task(self.exporter.run(engine), name="engine metrics")
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s (%s)", engine.settings.model, engine.settings.mode.value)
 
@@ -80,6 +99,10 @@ class EngineServer:
 
     async def stop(self) -> None:
         await self.server.stop(0)
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._metrics_task
 
 
 async def serve(
@@ -89,9 +112,10 @@ async def serve(
     replica_id: str | None = None,
     stop_event: asyncio.Event | None = None,
     on_started: Callable[[int], None] | None = None,
+    registry: CollectorRegistry | None = None,
 ) -> int:
     """Run a replica until SIGTERM/SIGINT (or stop_event): bind, load the engine, serve, drain, shut the engine down."""
-    server = EngineServer(replica_id)
+    server = EngineServer(replica_id, registry)
     port = await server.start(grpc_address)
     if on_started is not None:
         on_started(port)

@@ -136,7 +136,10 @@ class FakeEngineServer:
         self.record = FakeRecord()
         self.servicer = FakeGenerationServicer(replica_id, self.behaviour, self.record)
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
+        # Bursts of thousands of new streams (the benchmark): past core's default of 1000 calls waiting to be
+        # accepted, it cancels the rest.
+        self.server = grpc.aio.server(options=(("grpc.so_reuseport", 0), ("grpc.server.max_pending_requests", 100_000),
+                                               ("grpc.server.max_pending_requests_hard_limit", 100_000)))
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME),

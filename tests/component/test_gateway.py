@@ -278,8 +278,9 @@ def test_benchmark_quick_run_writes_its_report(tmp_path: Path):
     out = tmp_path / "gateway.json"
     assert main(["--quick", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["latency"]["direct"]["errors"] == 0 and report["latency"]["gateway"]["errors"] == 0
-    assert report["latency"]["gateway"]["per_token_ms"]["samples"] > 0
+    (level,) = report["latency"]
+    assert level["streams"] == 4 and level["direct"]["errors"] == 0 and level["gateway"]["errors"] == 0
+    assert level["gateway"]["per_token_ms"]["samples"] > 0 and "p50" in level["added"]["per_token_ms"]
     assert report["max_concurrent_streams_without_error"] == 100
     assert out.with_suffix(".md").read_text().startswith("# Gateway overhead")
     assert out.with_suffix(".png").stat().st_size > 0
