@@ -448,6 +448,56 @@ async def test_podmonitor_rendered_when_prometheus_operator_present(cluster: Clu
         await run.stop()
 
 
+async def test_operator_command_end_to_end(cluster: Cluster, tmp_path: Path) -> None:
+    """`minedraft operator` as a process: kubeconfig login (kopf and our client), /healthz, /metrics, SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+        "clusters": [{"name": "emulator", "cluster": {"server": str(cluster.kmock.url).rstrip("/")}}],
+        "users": [{"name": "test", "user": {"token": "test"}}],
+        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test"}}]}))
+    health, metrics = free_port(), free_port()
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "MINEDRAFT_OPERATOR_DRIFT_INTERVAL_SECONDS": "0.5"}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    log = tmp_path / "operator.log"  # a file, not a pipe: nobody drains a pipe while the test waits
+    process = subprocess.Popen(
+        [sys.executable, "-m", "minedraft.cli", "operator", f"--health-port={health}", f"--metrics-port={metrics}"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True)
+    try:
+        async def get(port: int, path: str) -> tuple[int, str]:
+            try:
+                async with aiohttp.ClientSession() as session, session.get(
+                        f"http://127.0.0.1:{port}{path}") as response:
+                    return response.status, await response.text()
+            except aiohttp.ClientError:
+                return 0, ""
+
+        deadline = time.monotonic() + 30
+        while (await get(health, "/healthz"))[0] != 200:
+            assert process.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the operator's liveness endpoint never answered"
+            await asyncio.sleep(0.1)
+        await cluster.apply_minedraft(example("minimal"))
+        await wait_for("objects from the operator process", lambda: len(cluster.owned()) == 9, timeout=30)
+        status, text = await get(metrics, "/metrics")
+        assert status == 200
+        assert 'minedraft_operator_applies_total{action="created",kind="Deployment"} 2.0' in text
+        assert "minedraft_operator_reconciles_total" in text
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = await asyncio.to_thread(process.wait, 30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert code == 0, log.read_text()[-3000:]
+
+
 def test_every_granted_permission_was_exercised(seen_permissions: set[tuple[str, str, str]]) -> None:
     """Runs last in this module: the chart grants exactly what the operator was seen to use (and no more)."""
     if not seen_permissions:
