@@ -13,6 +13,7 @@ import contextlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from minedraft.operator import spec as s
@@ -40,7 +41,8 @@ class Resource:
         return path
 
 
-RESOURCES = {r.kind: r for r in (
+# Read-only tables (MappingProxyType): module-level, but never state.
+RESOURCES = MappingProxyType({r.kind: r for r in (
     Resource("apps", "v1", "deployments", "Deployment"),
     Resource("", "v1", "services", "Service"),
     Resource("", "v1", "serviceaccounts", "ServiceAccount"),
@@ -49,7 +51,7 @@ RESOURCES = {r.kind: r for r in (
     Resource("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
     Resource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy"),
     Resource("monitoring.coreos.com", "v1", "podmonitors", "PodMonitor"),
-)}
+)})
 SECRETS = Resource("", "v1", "secrets", "Secret")
 MINEDRAFTS = Resource(s.API_GROUP, s.API_VERSION, s.PLURAL, s.KIND)
 EVENTS = Resource("", "v1", "events", "Event")
@@ -57,7 +59,7 @@ EVENTS = Resource("", "v1", "events", "Event")
 # (apiGroup, resource[/subresource]) -> verbs. Server-side apply needs "patch", plus "create" when the object does not
 # exist yet. The gateway's Role grants endpointslices get/list/watch, and Kubernetes only lets the operator create a
 # Role granting what the operator itself holds (no "escalate"/"bind" verbs here), hence that entry.
-PERMISSIONS: dict[tuple[str, str], frozenset[str]] = {
+PERMISSIONS: Mapping[tuple[str, str], frozenset[str]] = MappingProxyType({
     **{(r.group, r.plural): frozenset({"get", "create", "patch"}) for r in RESOURCES.values()},
     ("", "secrets"): frozenset({"get"}),  # existence of referenced Secrets only; values are never read or logged
     ("discovery.k8s.io", "endpointslices"): frozenset({"get", "list", "watch"}),
@@ -65,7 +67,7 @@ PERMISSIONS: dict[tuple[str, str], frozenset[str]] = {
     (s.API_GROUP, s.PLURAL): frozenset({"list", "watch", "patch"}),
     (s.API_GROUP, f"{s.PLURAL}/status"): frozenset({"patch"}),
     ("", "events"): frozenset({"create"}),
-}
+})
 
 
 class KubeError(RuntimeError):

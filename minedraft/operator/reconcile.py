@@ -6,6 +6,7 @@ status to write and the Events to post) instead of talking to kopf, so the handl
 
 from __future__ import annotations
 
+import datetime
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,8 +69,6 @@ class Outcome:
 
 
 def _now() -> str:
-    import datetime
-
     return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 

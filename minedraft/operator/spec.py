@@ -257,9 +257,8 @@ def _secret_key_ref(r: _Reader, data: Mapping[str, Any] | None, path: str, defau
 
 
 def _model(r: _Reader, data: Mapping[str, Any] | None, path: str) -> ModelSpec:
-    source = r.obj(data or {}, "source", path, required=True) if data is not None else None
-    if data is None:
-        r.fail(path, "required")
+    """`data` is None when the caller already reported the model missing."""
+    source = r.obj(data, "source", path, required=True) if data is not None else None
     src_path = f"{path}.source"
     kinds = [k for k in ("huggingFace", "persistentVolumeClaim", "image") if (source or {}).get(k) is not None]
     if source is not None and len(kinds) != 1:

@@ -68,7 +68,9 @@ def test_errors_name_the_field(data: Any, expected: str) -> None:
     assert any(e.startswith(expected) for e in found), found
 
 
-def test_every_problem_reported_at_once() -> None:
+def test_every_problem_reported_once() -> None:
+    assert errors({"draft": HF}) == ["spec.target: required"]
+    assert errors(minimal(target={})) == ["spec.target.source: required"]
     found = errors(minimal(speculation={"numSpeculativeTokens": 99}, engine={"cpu": "x"}, gateway={"port": 0}))
     assert len(found) == 3
 
