@@ -316,6 +316,18 @@ async def test_spec_change_patches_objects_in_place(cluster: Cluster, operator: 
     assert all(c["observedGeneration"] == 2 for c in md["status"]["conditions"])
 
 
+async def test_drift_timer_restores_edited_and_deleted_objects(cluster: Cluster, operator: OperatorRun) -> None:
+    created = await cluster.apply_minedraft(example("minimal"))
+    count = len(rendered(example("minimal"), created["metadata"]["uid"]))
+    await wait_for("all objects", lambda: len(cluster.owned()) == count)
+    await cluster.call("DELETE", f"/api/v1/namespaces/{NS}/services/qwen3-8b-gateway")
+    await cluster.call("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/qwen3-8b-engine",
+                       {"spec": {"replicas": 7}}, "application/merge-patch+json")
+    await wait_for("the drift timer to restore both", lambda: cluster.obj("Service", "qwen3-8b-gateway")
+                   and (cluster.obj("Deployment", "qwen3-8b-engine") or {}).get("spec", {}).get("replicas") == 1)
+    assert operator.count("timer") >= 1
+
+
 async def test_scale_subresource_changes_engine_replicas(cluster: Cluster, operator: OperatorRun) -> None:
     await cluster.apply_minedraft(example("minimal"))
     await wait_for("engine deployment", lambda: cluster.obj("Deployment", "qwen3-8b-engine"))
