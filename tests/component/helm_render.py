@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from typing import Any
 
@@ -41,7 +42,8 @@ async def render(chart: str, values: dict[str, Any], namespace: str) -> dict[str
     from helm_sdkpy import Configuration
     from helm_sdkpy.actions import Install
 
-    async with KubeEmulator() as kmock, Server(kmock):
+    minor = int(os.environ.get("EMULATOR_KUBERNETES_MINOR", "34"))
+    async with KubeEmulator(server_minor=minor) as kmock, Server(kmock):
         for key, (kind, namespaced) in RESOURCES.items():
             kmock.resources[key] = ResourceInfo(kind=kind, namespaced=namespaced, verbs=VERBS)
         url = str(kmock.url).rstrip("/")

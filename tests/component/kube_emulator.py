@@ -35,6 +35,8 @@ def _without(obj: dict[str, Any], *keys: str) -> dict[str, Any]:
 @attrs.define(kw_only=True)
 class KubeEmulator(KubernetesEmulator):
     _versions: Any = attrs.field(factory=lambda: itertools.count(1000), init=False)
+    # kmock says 1.26; by default report the version the manifests are validated against (the chart needs >= 1.30).
+    server_minor: int = 34
 
     # -- plumbing ------------------------------------------------------------------------------------------------
 
@@ -209,6 +211,10 @@ class KubeEmulator(KubernetesEmulator):
         return await super()._handle(request)
 
     # -- reads: fix what Go clients and kopf need ---------------------------------------------------------------
+
+    async def _serve_server_version(self, request: rendering.Request) -> rendering.Payload:
+        return {"major": "1", "minor": str(self.server_minor), "gitVersion": f"v1.{self.server_minor}.0",
+                "platform": "linux/amd64"}
 
     async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
         result = await super()._serve_list(request)

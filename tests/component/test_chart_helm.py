@@ -158,3 +158,10 @@ def test_values_schema_rejects_unknown_and_bad_values() -> None:
                              json.dumps({"operator": {"metricsPort": -1}}), NAMESPACE], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "metricsPort" in result.stderr
+
+
+def test_chart_refuses_clusters_older_than_its_crd_needs() -> None:
+    env = {**os.environ, "HELM_DRIVER": "memory", "EMULATOR_KUBERNETES_MINOR": "29"}
+    result = subprocess.run([sys.executable, "-m", "tests.component.helm_render", str(CHART), "{}", NAMESPACE],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "kubeVersion" in result.stderr, result.stderr[-2000:]
