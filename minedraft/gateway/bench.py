@@ -68,6 +68,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc): the gateway's own work, however busy the machine is."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100])."""
     if not values:
@@ -153,7 +159,7 @@ def _summary(results: list[StreamResult]) -> dict[str, Any]:
     }
 
 
-async def _bench(config: BenchConfig, direct: str, via_gateway: str) -> dict[str, Any]:
+async def _bench(config: BenchConfig, direct: str, via_gateway: str, gateway_pid: int) -> dict[str, Any]:
     await _wait_serving(direct)
     await _wait_serving(via_gateway)
     # Warm-up: connections, code paths.
@@ -162,13 +168,20 @@ async def _bench(config: BenchConfig, direct: str, via_gateway: str) -> dict[str
     latency = []
     for streams in config.latency_streams:
         pooled: dict[str, list[StreamResult]] = {"direct": [], "gateway": []}
+        gateway_cpu_seconds = 0.0
         for round_index in range(config.latency_rounds):
             order = [("direct", direct), ("gateway", via_gateway)]
             for name, target in order if round_index % 2 == 0 else reversed(order):
+                cpu_before = process_cpu_seconds(gateway_pid)
                 results, _, _ = await _run_streams(target, streams, config.latency_tokens,
                                                    config.latency_interval_seconds, 60)
+                if name == "gateway":
+                    gateway_cpu_seconds += process_cpu_seconds(gateway_pid) - cpu_before
                 pooled[name].extend(results)
         level: dict[str, Any] = {"streams": streams, **{name: _summary(r) for name, r in pooled.items()}}
+        forwarded = level["gateway"]["tokens"]
+        # The gateway's CPU per forwarded token (one response per token here), idle overhead included.
+        level["gateway_cpu_us_per_token"] = gateway_cpu_seconds / forwarded * 1e6 if forwarded else float("nan")
         level["added"] = {
             metric: {q: level["gateway"][metric][q] - level["direct"][metric][q] for q in ("p50", "p99")}
             for metric in ("ttft_ms", "per_token_ms")
@@ -201,9 +214,10 @@ def run(config: BenchConfig) -> dict[str, Any]:
                    "--token-interval-seconds", str(config.latency_interval_seconds)])
     gateway = _spawn(["-m", "minedraft.cli", "--log-level", "WARNING", "gateway", "--port", str(gateway_port),
                       "--engines", f"127.0.0.1:{fake_port}", "--max-in-flight", "100000", "--grace-seconds", "1"])
+    load_before = os.getloadavg()[0]
     try:
         started = time.perf_counter()
-        results = asyncio.run(_bench(config, f"127.0.0.1:{fake_port}", f"127.0.0.1:{gateway_port}"))
+        results = asyncio.run(_bench(config, f"127.0.0.1:{fake_port}", f"127.0.0.1:{gateway_port}", gateway.pid))
         results["bench_seconds"] = time.perf_counter() - started
     finally:
         for process in (gateway, fake):
@@ -216,6 +230,9 @@ def run(config: BenchConfig) -> dict[str, Any]:
     results["config"] = asdict(config)
     results["machine"] = {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
                           "python": platform.python_version(), "grpcio": grpc.__version__,
+                          # Other work on a shared machine inflates latencies: record how busy it was.
+                          "load_average_1min_before": round(load_before, 2),
+                          "load_average_1min_after": round(os.getloadavg()[0], 2),
                           "note": "fake engine, gateway and client are three processes sharing these cores"}
     results["targets"] = {
         "added_per_token_p50_ms": {"target": TARGET_ADDED_P50_MS, "met_at_streams": [
@@ -236,8 +253,9 @@ def markdown(results: dict[str, Any], command: str) -> str:
         "# Gateway overhead (fake engine, same run)",
         "",
         f"`{command}` — {results['machine']['affinity']} CPU cores shared by the fake engine, the gateway and the "
-        f"client (and whatever else runs on the machine); per level, {cfg['latency_rounds']} interleaved rounds "
-        f"direct/gateway of N concurrent streams x {cfg['latency_tokens']} tokens, one token every "
+        f"client (1-minute load average {results['machine']['load_average_1min_before']} before the run, "
+        f"{results['machine']['load_average_1min_after']} after); per level, {cfg['latency_rounds']} interleaved "
+        f"rounds direct/gateway of N concurrent streams x {cfg['latency_tokens']} tokens, one token every "
         f"{cfg['latency_interval_seconds'] * 1000:.0f} ms per stream. Per-token latency: the fake's send stamp to the "
         "client's receipt.",
         "",
@@ -253,6 +271,9 @@ def markdown(results: dict[str, Any], command: str) -> str:
         a = level["added"]
         lines.append(f"| {n} | **added by the gateway** | {a['ttft_ms']['p50']:.2f} | {a['ttft_ms']['p99']:.2f} | "
                      f"**{a['per_token_ms']['p50']:.3f}** | **{a['per_token_ms']['p99']:.3f}** | |")
+    lines += ["", "Gateway CPU time per forwarded token (whatever else the machine runs): " + ", ".join(
+        f"{level['gateway_cpu_us_per_token']:.0f} µs at {level['streams']} stream(s)" for level in results["latency"])
+        + "."]
     t = results["targets"]
 
     def met(key: str) -> str:
