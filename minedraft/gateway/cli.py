@@ -34,6 +34,7 @@ def add_subcommands(sub: Any) -> None:
     gateway.add_argument("--tls-cert", help="PEM certificate (with --tls-key: serve TLS)")
     gateway.add_argument("--tls-key", help="PEM private key")
     gateway.add_argument("--grace-seconds", type=float, default=20.0)
+    gateway.add_argument("--metrics-port", type=int, default=9401, help="Prometheus /metrics (0: do not serve)")
     gateway.set_defaults(func=cmd_gateway)
 
     bench = sub.add_parser("bench-gateway", help="the gateway's own cost against a fake engine, and its stream limit")
@@ -79,8 +80,16 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         print(f"minedraft gateway: error: {exc}", file=sys.stderr)
         return 2
 
+    registry = None
+    if args.metrics_port:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        # A registry of its own (not the process-global one): only the gateway's metrics, nothing else's.
+        registry = CollectorRegistry()
+        start_http_server(args.metrics_port, addr=args.host, registry=registry)
+
     async def main() -> int:
-        gateway = Gateway(config)
+        gateway = Gateway(config, registry)
         if engines is not None:
             gateway.set_engines(engines)
         else:

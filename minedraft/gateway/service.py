@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import grpc
 
 from minedraft.api import pb, pb_grpc
+from minedraft.gateway.metrics import GatewayMetrics
 from minedraft.gateway.policy import Admission, FailureAction, bearer_token, classify_failure, pick, token_accepted
 from minedraft.gateway.pool import EnginePool
 
@@ -33,8 +35,10 @@ def trailing_metadata_of(error: grpc.aio.AioRpcError) -> tuple[tuple[str, Any], 
 
 class GatewayServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
     def __init__(self, pool: EnginePool, admission: Admission, tokens: Sequence[bytes] = (),
-                 max_attempts: int = 3, rng: random.Random | None = None) -> None:
+                 max_attempts: int = 3, rng: random.Random | None = None,
+                 metrics: GatewayMetrics | None = None) -> None:
         self.pool = pool
+        self.metrics = metrics or GatewayMetrics()
         self.admission = admission
         self.tokens = tuple(tokens)
         self.max_attempts = max_attempts
@@ -57,10 +61,19 @@ class GatewayServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        # Counted and timed around the whole stream, whatever status it ends with; closing this stream closes both.
+        async with contextlib.aclosing(self.metrics.observe_stream(self._generate(request, context), context)) as s:
+            async for response in s:
+                yield response
+
+    async def _generate(self, request: pb.GenerateRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncGenerator[pb.GenerateResponse, None]:
+        arrived = time.perf_counter()
         await self._authorize(context)
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "gateway is shutting down")
         if not self.admission.try_acquire():
+            self.metrics.admission_rejected()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"gateway at its limit of {self.admission.max_in_flight} streams in flight")
         try:
@@ -77,6 +90,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
                 self.pool.endpoints.acquire(address)
                 # The caller's deadline travels on: the engine stops work the caller can no longer use.
                 call = stub.Generate(request, timeout=context.time_remaining(), metadata=metadata)
+                self.metrics.engine_called(time.perf_counter() - arrived, len(tried))
                 try:
                     async for response in call:
                         responses_sent += 1

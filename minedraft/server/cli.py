@@ -30,7 +30,7 @@ def add_subcommands(sub: Any) -> None:
 def start_metrics(host: str, port: int) -> Any:
     """Prometheus endpoint with a registry owned by this server (not the process-global one).
 
-    The engine's metric set is registered into this registry by its exporter (a later issue); nothing else is.
+    The engine's metric set (minedraft/server/metrics.py) is registered into this registry when the engine attaches.
     """
     from prometheus_client import CollectorRegistry, start_http_server
 
@@ -47,11 +47,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from minedraft.server.app import serve
 
     settings = settings_from_args(args)
-    start_metrics(args.host, args.metrics_port)
+    registry = start_metrics(args.host, args.metrics_port) if args.metrics_port else None
 
     def on_started(port: int) -> None:
         print(f"minedraft serve: gRPC on {args.host}:{port}, loading the {settings.mode.value} engine",
               file=sys.stderr, flush=True)
 
     return asyncio.run(serve(lambda: AsyncEngine.create(settings), f"{args.host}:{args.grpc_port}",
-                             args.grace_seconds, args.replica_id, on_started=on_started))
+                             args.grace_seconds, args.replica_id, on_started=on_started, registry=registry))

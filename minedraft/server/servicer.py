@@ -18,6 +18,7 @@ from minedraft.api import pb, pb_grpc
 from minedraft.engine.async_engine import AsyncEngine
 from minedraft.engine.requests import EngineDeadError, RequestError
 from minedraft.server.convert import ModelLimits, model_info, prepare_request, response_from_delta
+from minedraft.server.metrics import RequestMetrics
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class EngineService:
         # Set whenever no Generate stream is open (drain waits on it).
         self.idle = asyncio.Event()
         self.idle.set()
+        # Set by the server when it exports metrics: times and counts every Generate stream.
+        self.request_metrics: RequestMetrics | None = None
 
     def attach(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -96,6 +99,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
         self._service.stream_opened()
         try:
             stream = engine.generate(prepared.prompt_token_ids, prepared.sampling, prepared.request_id)
+            if self._service.request_metrics is not None:
+                stream = self._service.request_metrics.observe(stream, len(prepared.prompt_token_ids))
             # aclosing: a cancelled RPC (client cancel, disconnect, deadline) closes the stream, which aborts the
             # request in the engine.
             async with contextlib.aclosing(stream):  # type: ignore[type-var]

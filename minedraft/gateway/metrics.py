@@ -1,0 +1,141 @@
+"""Prometheus metrics of the gateway (`minedraft_gateway_*`): streams by status code, retries, admission, engines.
+
+Stream outcomes and latencies are observed by wrapping the servicer's stream (`GatewayMetrics.observe_stream`);
+endpoint and admission state are read at scrape time from the live objects (`GatewayStateCollector`), so they
+cannot drift from what routing sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, Iterable
+from typing import Any, TypeVar
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from minedraft.gateway.policy import Admission, EndpointSet
+
+PREFIX = "minedraft_gateway"
+
+# The gateway's own work before an engine is called is sub-millisecond; first responses include the engine's
+# prefill and queueing (seconds under load).
+ROUTE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+FIRST_RESPONSE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# Status codes the dashboards and alerts expect to see as series (at 0) before they first happen.
+INITIAL_CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "UNAVAILABLE",
+                 "UNAUTHENTICATED", "UNKNOWN", "INTERNAL")
+
+T = TypeVar("T")
+
+
+def outcome_code(error: BaseException | None, context_code: Any) -> str:
+    """The gRPC status a stream ended with (pure): OK, the code it was aborted with, CANCELLED when the caller went
+    away (the task is cancelled or the generator closed), UNKNOWN for anything else raised."""
+    if error is None:
+        return "OK"
+    if isinstance(error, grpc.aio.AbortError):
+        return context_code.name if isinstance(context_code, grpc.StatusCode) else "UNKNOWN"
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):
+        return "CANCELLED"
+    return "UNKNOWN"
+
+
+class GatewayMetrics:
+    """The gateway's counters and histograms. With registry=None they count but are not exported (tests, benches)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.started = Counter(f"{PREFIX}_streams_started", "Generate streams received.", registry=registry)
+        self.finished = Counter(f"{PREFIX}_streams_finished", "Generate streams ended, by gRPC status code.",
+                                ["code"], registry=registry)
+        self.retries = Counter(f"{PREFIX}_retries", "Engine attempts beyond a stream's first (engine failures "
+                                                    "before any token was streamed).", registry=registry)
+        self.rejected = Counter(f"{PREFIX}_admission_rejected", "Streams refused with RESOURCE_EXHAUSTED because the "
+                                                                "gateway was at its in-flight limit.",
+                                registry=registry)
+        self.route_seconds = Histogram(f"{PREFIX}_route_seconds",
+                                       "Latency the gateway adds before an engine is called: from a stream's arrival "
+                                       "(auth, admission, picking) to the call of the engine, per attempt.",
+                                       buckets=ROUTE_BUCKETS, registry=registry)
+        self.first_response_seconds = Histogram(f"{PREFIX}_time_to_first_response_seconds",
+                                                "From a stream's arrival to its first response forwarded (includes "
+                                                "the engine's time to first token).",
+                                                buckets=FIRST_RESPONSE_BUCKETS, registry=registry)
+        self.duration_seconds = Histogram(f"{PREFIX}_stream_duration_seconds", "From a stream's arrival to its end.",
+                                          buckets=DURATION_BUCKETS, registry=registry)
+        for code in INITIAL_CODES:
+            self.finished.labels(code)
+
+    def admission_rejected(self) -> None:
+        self.rejected.inc()
+
+    def engine_called(self, since_arrival_seconds: float, attempt: int) -> None:
+        """An attempt (1 = first) called an engine `since_arrival_seconds` after the stream arrived."""
+        self.route_seconds.observe(since_arrival_seconds)
+        if attempt > 1:
+            self.retries.inc()
+
+    async def observe_stream(self, stream: AsyncGenerator[T, None],
+                             context: grpc.aio.ServicerContext) -> AsyncGenerator[T, None]:
+        """Pass a servicer stream through, counting it and its status code and timing its first response.
+
+        Closing this wrapper closes `stream` at once (not at garbage collection), so its own clean-up runs as before:
+        cancelling the engine call and releasing admission.
+        """
+        arrived = time.perf_counter()
+        self.started.inc()
+        error: BaseException | None = None
+        first = True
+        try:
+            async with contextlib.aclosing(stream):
+                async for response in stream:
+                    if first:
+                        self.first_response_seconds.observe(time.perf_counter() - arrived)
+                        first = False
+                    yield response
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self.finished.labels(outcome_code(error, context.code())).inc()
+            self.duration_seconds.observe(time.perf_counter() - arrived)
+
+
+class GatewayStateCollector(Collector):
+    """Gauges read at scrape time from the routing state: streams in flight, per-engine outstanding, endpoints."""
+
+    def __init__(self, endpoints: EndpointSet, admission: Admission) -> None:
+        self.endpoints = endpoints
+        self.admission = admission
+
+    def collect(self) -> Iterable[Metric]:
+        return gateway_state_families(list(self.endpoints), self.admission, time.monotonic())
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+def gateway_state_families(endpoints: list[Any], admission: Admission, now_seconds: float) -> list[Metric]:
+    """Pure: the gauges of one view of the routing state."""
+    in_flight = GaugeMetricFamily(f"{PREFIX}_streams_in_flight", "Streams the gateway is serving now.")
+    in_flight.add_metric([], admission.in_flight)
+    limit = GaugeMetricFamily(f"{PREFIX}_streams_in_flight_limit", "In-flight streams past which new ones are "
+                                                                   "refused.")
+    limit.add_metric([], admission.max_in_flight)
+    outstanding = GaugeMetricFamily(f"{PREFIX}_engine_outstanding_streams", "Streams open to each engine.",
+                                    labels=["engine"])
+    ready = GaugeMetricFamily(f"{PREFIX}_engine_ready", "1 when an engine is healthy and not cooling down after a "
+                                                        "failure, else 0.", labels=["engine"])
+    for endpoint in endpoints:
+        outstanding.add_metric([endpoint.address], endpoint.outstanding)
+        ready.add_metric([endpoint.address], 1.0 if endpoint.ready(now_seconds) else 0.0)
+    known = GaugeMetricFamily(f"{PREFIX}_endpoints_known", "Engine endpoints discovered.")
+    known.add_metric([], len(endpoints))
+    num_ready = GaugeMetricFamily(f"{PREFIX}_endpoints_ready", "Engine endpoints healthy and routable now.")
+    num_ready.add_metric([], sum(1 for e in endpoints if e.ready(now_seconds)))
+    return [in_flight, limit, outstanding, ready, known, num_ready]
