@@ -15,6 +15,15 @@ if [[ -z "$PYTHON" ]]; then
 fi
 [[ -n "$PYTHON" ]] || { echo "setup: Python 3.11 is required (vLLM 0.32 wheels)" >&2; exit 1; }
 
+# Prometheus and promtool (Debian's package, 2.42): the metrics tests run a real Prometheus. Checked on every run,
+# before the stamp below, because they live outside the virtual environment.
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+  echo "setup: installing Debian's prometheus package (prometheus, promtool)" >&2
+  SUDO=""; [[ "$(id -u)" == 0 ]] || SUDO="sudo"
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
+
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then EXTRA=gpu; else EXTRA=cpu; fi
 STAMP="$VENV/.minedraft-setup"
 WANT="$EXTRA $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
