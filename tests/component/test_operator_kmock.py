@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NS = "serving"
 MD_PATH = f"/apis/{s.API_GROUP}/{s.API_VERSION}/namespaces/{NS}/{s.PLURAL}"
 DRIFT_SECONDS = 0.5
-TIMEOUT_SECONDS = 15.0
+TIMEOUT_SECONDS = 30.0  # generous: CI machines here are shared and busy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -325,7 +325,8 @@ async def test_drift_timer_restores_edited_and_deleted_objects(cluster: Cluster,
                        {"spec": {"replicas": 7}}, "application/merge-patch+json")
     await wait_for("the drift timer to restore both", lambda: cluster.obj("Service", "qwen3-8b-gateway")
                    and (cluster.obj("Deployment", "qwen3-8b-engine") or {}).get("spec", {}).get("replicas") == 1)
-    assert operator.count("timer") >= 1
+    # Only the timer could have done it (nothing changed the MineDraft); its pass is counted once it has finished.
+    await wait_for("the timer's pass to be counted", lambda: operator.count("timer") >= 1)
 
 
 async def test_scale_subresource_changes_engine_replicas(cluster: Cluster, operator: OperatorRun) -> None:
