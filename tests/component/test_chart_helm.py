@@ -76,6 +76,13 @@ def test_chart_renders_valid_kubernetes_objects(values: dict[str, Any]) -> None:
     assert len(out["crds"]) == 1
     assert out["crds"][0]["spec"] == crd()["spec"]
     assert "kubectl get md" in out["notes"]
+    # Whatever dashboards/ holds ships: one ConfigMap per dashboard, one PrometheusRule per rules file.
+    dashboards = sorted(p.name for p in (ROOT / "dashboards").glob("*.json"))
+    shipped = sorted(k for d in out["docs"] if d["kind"] == "ConfigMap" for k in d["data"])
+    assert shipped == dashboards
+    rules = sorted((ROOT / "dashboards").glob("*.rules.yaml"))
+    prometheus_rules = [d for d in out["docs"] if d["kind"] == "PrometheusRule"]
+    assert [r["spec"] for r in prometheus_rules] == [yaml.safe_load(p.read_text()) for p in rules]
 
 
 def _rules(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
