@@ -20,7 +20,6 @@ LIVENESS_PERIOD_SECONDS = 10
 # Seconds of the engine's termination grace period kept for its own shutdown after streams are drained.
 ENGINE_SHUTDOWN_SECONDS = 10
 GATEWAY_GRPC_PORT = 50051
-# `minedraft gateway`'s default --metrics-port (not passed, so the flag is not required of older gateway images).
 GATEWAY_METRICS_PORT = 9401
 GATEWAY_GRACE_SECONDS = 20
 # Unprivileged ids baked into the images (docker/*.Dockerfile); pods refuse to run as root.
@@ -305,6 +304,7 @@ def gateway_command(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> list[str]:
     cmd = ["minedraft", "gateway",
            "--host", "0.0.0.0",
            "--port", str(GATEWAY_GRPC_PORT),
+           "--metrics-port", str(GATEWAY_METRICS_PORT),
            "--kubernetes-service", f"{meta.namespace}/{names(meta)['engine']}",
            "--kubernetes-port-name", "grpc",
            "--max-in-flight", str(gw.max_in_flight),

@@ -215,3 +215,19 @@ def test_render_is_pure_and_deterministic() -> None:
     first = render.render_resource(doc)
     assert render.render_resource(doc) == first
     assert doc == before
+
+
+@pytest.mark.parametrize("name", [p.stem for p in EXAMPLES])
+def test_rendered_commands_parse_with_the_real_cli(name: str) -> None:
+    """The engine and gateway command lines are accepted by `minedraft serve` and `minedraft gateway` themselves."""
+    from minedraft.cli import build_parser
+
+    manifests = render.render_resource(load(name))
+    parser = build_parser()
+    engine = parser.parse_args(engine_container(manifests)["command"][1:])
+    assert engine.grpc_port == render.ENGINE_GRPC_PORT and engine.metrics_port == render.ENGINE_METRICS_PORT
+    assert engine.drafter_gpu == 1 and engine.host == "0.0.0.0"
+    gateway_pod = gateway_deployment(manifests)["spec"]["template"]["spec"]
+    gateway = parser.parse_args(gateway_pod["containers"][0]["command"][1:])
+    assert gateway.port == render.GATEWAY_GRPC_PORT and gateway.metrics_port == render.GATEWAY_METRICS_PORT
+    assert gateway.kubernetes_service == f"serving/{load(name)['metadata']['name']}-engine"
