@@ -50,7 +50,26 @@ async def wait_for_health(target: str, status: int, timeout_seconds: float = 10.
 
 
 def self_signed_cert(directory: Path) -> tuple[Path, Path]:
-    """A certificate for localhost and 127.0.0.1 (and its key), made with the `cryptography` package."""
+    """A certificate for localhost and 127.0.0.1 and its key: with the `cryptography` package when installed (it is
+    no dependency of this project), else with the openssl command."""
+    try:
+        import cryptography  # noqa: F401
+    except ImportError:
+        return _self_signed_cert_openssl(directory)
+    return _self_signed_cert_cryptography(directory)
+
+
+def _self_signed_cert_openssl(directory: Path) -> tuple[Path, Path]:
+    import subprocess
+
+    cert_file, key_file = directory / "tls.crt", directory / "tls.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key_file), "-out", str(cert_file), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+    return cert_file, key_file
+
+
+def _self_signed_cert_cryptography(directory: Path) -> tuple[Path, Path]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec

@@ -14,7 +14,7 @@ from minedraft.gateway.app import Gateway, GatewayConfig, TlsFiles
 from minedraft.gateway.discovery import KubernetesApi
 from minedraft.testing.fake_engine import FakeBehaviour, FakeEngineServer, fake_token_ids
 
-from .grpc_helpers import self_signed_cert, wait_for, wait_for_health
+from .grpc_helpers import _self_signed_cert_cryptography, _self_signed_cert_openssl, wait_for, wait_for_health
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -113,8 +113,11 @@ async def test_bearer_token_required_when_configured(stack):
         assert info_ok.model == "fake"
 
 
-async def test_tls_with_a_test_certificate(stack, tmp_path: Path):
-    cert, key = self_signed_cert(tmp_path)
+@pytest.mark.parametrize("maker", ["openssl", "cryptography"])
+async def test_tls_with_a_test_certificate(stack, tmp_path: Path, maker: str):
+    if maker == "cryptography":
+        pytest.importorskip("cryptography")
+    cert, key = (_self_signed_cert_openssl if maker == "openssl" else _self_signed_cert_cryptography)(tmp_path)
     _, _, target = await stack([FakeBehaviour()], fast_config(tls=TlsFiles(cert, key)))
     credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
     async with grpc.aio.secure_channel(target, credentials) as channel:
