@@ -287,3 +287,42 @@ def test_benchmark_quick_run_writes_its_report(tmp_path: Path):
     assert report["max_concurrent_streams_without_error"] == 100
     assert out.with_suffix(".md").read_text().startswith("# Gateway overhead")
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+async def test_gateway_process_drains_on_sigterm(tmp_path: Path):
+    """`minedraft gateway` as a process: SIGTERM -> NOT_SERVING, new streams refused, the open one finishes, exit 0."""
+    import os
+    import signal
+    import socket
+    import sys
+
+    fake = await FakeEngineServer("fake-sigterm", FakeBehaviour(token_interval_seconds=0.05)).start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "minedraft.cli", "gateway", "--port", str(port), "--engines", fake.address,
+        "--grace-seconds", "30",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env={**os.environ, "GRPC_VERBOSITY": "ERROR"})
+    target = f"127.0.0.1:{port}"
+    try:
+        await wait_for_health(target, SERVING, timeout_seconds=30)
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            open_call = stub.Generate(request(max_tokens=30), timeout=30)
+            await open_call.read()
+            process.send_signal(signal.SIGTERM)
+            await wait_for_health(target, NOT_SERVING)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                [r async for r in stub.Generate(request(), timeout=5)]
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            rest = []
+            while (response := await open_call.read()) is not grpc.aio.EOF:
+                rest.append(response)
+            assert len(rest) == 29 and rest[-1].finish_reason == "length"
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        await fake.stop(0)
