@@ -303,7 +303,8 @@ async def test_gateway_process_drains_on_sigterm(tmp_path: Path):
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "minedraft.cli", "gateway", "--port", str(port), "--engines", fake.address,
         "--grace-seconds", "30",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env={**os.environ, "GRPC_VERBOSITY": "ERROR"})
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ, "GRPC_VERBOSITY": "ERROR"})
     target = f"127.0.0.1:{port}"
     try:
         await wait_for_health(target, SERVING, timeout_seconds=30)
