@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import grpc
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry
 
 from minedraft.engine.requests import OutputDelta
@@ -359,3 +360,17 @@ def test_every_alert_has_a_summary_description_and_runbook_section():
         assert anchor == rule["alert"].lower()
         assert anchor in anchors, f"README has no runbook section for {rule['alert']}"
         assert rule["labels"]["severity"] in ("warning", "critical")
+
+
+RULE_TESTS = ROOT / "tests/unit/rules/minedraft.rules.test.yaml"
+
+
+def test_alert_rules_fire_on_synthetic_series():
+    """promtool's rule unit tests (tests/unit/rules/): each alert fires on the series it is for, with its rendered
+    summary and description, and stays quiet on the near misses beside them."""
+    result = subprocess.run([require_binary("promtool"), "test", "rules", str(RULE_TESTS)], capture_output=True,
+                            text=True, timeout=120, cwd=RULE_TESTS.parent)
+    assert result.returncode == 0, result.stdout + result.stderr
+    cases = yaml.safe_load(RULE_TESTS.read_text())["tests"]
+    fired = {t["alertname"] for case in cases for t in case.get("alert_rule_test", []) if t["exp_alerts"]}
+    assert fired == {rule["alert"] for rule in alert_rules()}, "every alert needs a case where it fires"
