@@ -102,6 +102,9 @@ def engine_args(settings: EngineSettings) -> Any:
                 "check_invariants": settings.check_invariants,
                 "stats_history": settings.stats_history,
                 "auto": dict(settings.auto),
+                "target_cpu_cores": list(settings.target_cpu_cores),
+                "lend_cpu_cores": list(settings.drafter.cpu_cores)
+                if settings.lend_drafter_cores and settings.drafter.gpu_index is None else [],
                 "drafter": drafter_process_settings(settings),
                 "drafter_prestarted": True,
             }

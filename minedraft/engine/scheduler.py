@@ -28,6 +28,7 @@ from minedraft.engine import protocol
 from minedraft.engine.auto import AutoController, AutoSettings, Decision
 from minedraft.engine.cost_model import CostModel
 from minedraft.engine.drafter_client import DrafterClient, DrafterState, JobTicket
+from minedraft.engine.placement import ComputePlacement
 from minedraft.engine.settings import Mode
 from minedraft.engine.stats import StatsRecorder, StepRecord
 from minedraft.engine.subbatch import SubBatches, select_draft_lengths
@@ -98,6 +99,8 @@ class PSDScheduler(Scheduler):
         self._timing = _StepTiming()
         self._num_steps = 0
         self.drafter: DrafterClient | None = None
+        self.placement = ComputePlacement(tuple(config.get("target_cpu_cores", ())),
+                                          tuple(config.get("lend_cpu_cores", ())))
         drafter_settings = config.get("drafter")
         if config.get("drafter_prestarted"):
             pass  # the in-process Engine started it in parallel with model loading and attaches it next
@@ -171,6 +174,8 @@ class PSDScheduler(Scheduler):
         self._timing = timing
         mode = self._current_mode()
         self._effective_mode = mode
+        # Nothing is drafted in ar: the target may compute on the drafter's cores too.
+        self.placement.apply(wide=mode is Mode.AR)
 
         verified_group: int | None = None
         if mode in (Mode.PSD, Mode.SD):

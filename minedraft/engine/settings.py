@@ -93,6 +93,8 @@ class EngineSettings:
     # Steps of per-step statistics kept in memory for readers (metrics, auto mode, tests).
     stats_history: int = 4096
     extra_vllm_args: dict[str, Any] = field(default_factory=dict)
+    # CPU machines: while nothing is drafted (ar, a down drafter) the target also computes on the drafter's cores.
+    lend_drafter_cores: bool = True
     # Overrides of auto mode's policy settings (minedraft.engine.auto.AutoSettings field names).
     auto: dict[str, Any] = field(default_factory=dict)
 

@@ -117,6 +117,13 @@ def test_ar_mode_on_the_psd_engine_drafts_nothing(psd, prompts, references):
     for i in range(4):
         assert run.completions[f"ar-{i}"].token_ids == references[i]
     assert psd.totals().draft_tokens == before.draft_tokens
+    placement = psd.psd_scheduler.placement
+    if placement.can_widen:
+        # Nothing drafted: the target computed on the drafter's cores too, and narrows back for psd.
+        assert placement.wide is True and placement.num_threads == len(placement.wide_cores)
+        psd.set_mode(Mode.PSD)
+        drive(psd, [Planned("narrow", prompts[0], SamplingSettings(max_tokens=4))])
+        assert placement.wide is False and placement.num_threads == len(placement.target_cores)
 
 
 def test_extra_drafts_with_top_c_selection_stay_lossless(psd, prompts, references):
