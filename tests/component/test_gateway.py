@@ -302,7 +302,7 @@ async def test_gateway_process_drains_on_sigterm(tmp_path: Path):
         port = s.getsockname()[1]
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "minedraft.cli", "gateway", "--port", str(port), "--engines", fake.address,
-        "--grace-seconds", "30",
+        "--grace-seconds", "30", "--metrics-port", "0",
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
         env={**os.environ, "GRPC_VERBOSITY": "ERROR"})
     target = f"127.0.0.1:{port}"
