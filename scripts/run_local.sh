@@ -25,10 +25,13 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-"$BIN/minedraft" --log-level WARNING serve --grpc-port "$ENGINE_PORT" --metrics-port 0 --grace-seconds 5 "$@" &
+# Metrics ports off unless asked for (MINEDRAFT_ENGINE_METRICS_PORT, MINEDRAFT_GATEWAY_METRICS_PORT): a busy port
+# must not stop the quick start.
+"$BIN/minedraft" --log-level WARNING serve --grpc-port "$ENGINE_PORT" \
+  --metrics-port "${MINEDRAFT_ENGINE_METRICS_PORT:-0}" --grace-seconds 5 "$@" &
 pids+=($!)
 "$BIN/minedraft" --log-level WARNING gateway --port "$GATEWAY_PORT" --engines "127.0.0.1:$ENGINE_PORT" \
-  --grace-seconds 5 &
+  --metrics-port "${MINEDRAFT_GATEWAY_METRICS_PORT:-0}" --grace-seconds 5 &
 pids+=($!)
 
 echo "run: engine server on :$ENGINE_PORT, gateway on :$GATEWAY_PORT; waiting for the engine to load ..." >&2
