@@ -213,7 +213,8 @@ def run(config: BenchConfig) -> dict[str, Any]:
     fake = _spawn(["-m", "minedraft.testing.fake_engine", "--port", str(fake_port), "--stamp-text",
                    "--token-interval-seconds", str(config.latency_interval_seconds)])
     gateway = _spawn(["-m", "minedraft.cli", "--log-level", "WARNING", "gateway", "--port", str(gateway_port),
-                      "--engines", f"127.0.0.1:{fake_port}", "--max-in-flight", "100000", "--grace-seconds", "1", "--metrics-port", "0"])
+                      "--engines", f"127.0.0.1:{fake_port}", "--max-in-flight", "100000", "--grace-seconds", "1",
+                      "--metrics-port", "0"])
     load_before = os.getloadavg()[0]
     try:
         started = time.perf_counter()
