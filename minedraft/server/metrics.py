@@ -27,12 +27,13 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from minedraft.engine.async_engine import AsyncEngine
+from minedraft.engine.core import Engine
 from minedraft.engine.requests import EngineDeadError, OutputDelta
 from minedraft.engine.stats import EngineTotals, StepRecord
 
@@ -73,7 +74,7 @@ class EngineSnapshot:
     predictions: tuple[tuple[str, int, float], ...] = ()
 
 
-def read_snapshot(engine: Any) -> EngineSnapshot:
+def read_snapshot(engine: Engine) -> EngineSnapshot:
     """Runs on the engine thread (AsyncEngine.call): every read here is consistent with the last completed step."""
     running, waiting = engine.load()
     mode, k = engine.current_mode
@@ -423,19 +424,19 @@ class EngineExporter:
         if self.expose_vllm:
             self.registry.register(VllmMetricsBridge())
 
-    async def start(self, engine: Any) -> None:
+    async def start(self, engine: AsyncEngine) -> None:
         """Count from now on: steps the engine made before this are not this exporter's."""
         records = await engine.call(lambda e: e.step_records())
         self.steps.start_after(max((r.step for r in records), default=0))
         await self.poll(engine)
 
-    async def poll(self, engine: Any) -> None:
+    async def poll(self, engine: AsyncEngine) -> None:
         since = self.steps.last_step if self.steps.last_step is not None else -1
         records, snapshot = await engine.call(lambda e: (e.step_records(since), read_snapshot(e)))
         self.steps.ingest(records)
         self.snapshots.snapshot = snapshot
 
-    async def run(self, engine: Any) -> None:
+    async def run(self, engine: AsyncEngine) -> None:
         while True:
             try:
                 await self.poll(engine)
