@@ -176,7 +176,7 @@ class Engine:
         token_ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise RequestError("prompt", "is empty")
-        vocab_size = self._llm.model_config.get_vocab_size()
+        vocab_size = self.vocab_size
         if any(not 0 <= t < vocab_size for t in token_ids):
             raise RequestError("prompt_token_ids", f"token ids must be in [0, {vocab_size})")
         if len(token_ids) >= self.settings.max_model_len:
@@ -278,6 +278,11 @@ class Engine:
         if scheduler is None:
             raise ValueError(f"mode: this engine was built for {self.settings.mode.value} and cannot switch")
         scheduler.set_mode(mode, k, num_extra_draft_tokens, auto_settings)
+
+    @property
+    def vocab_size(self) -> int:
+        """The target's vocabulary size (token ids must be below it)."""
+        return int(self._llm.model_config.get_vocab_size())
 
     @property
     def configured_mode(self) -> Mode:

@@ -39,9 +39,8 @@ async def abort_invalid(context: grpc.aio.ServicerContext, error: RequestError) 
 
 
 def engine_vocab_size(engine: AsyncEngine) -> int:
-    # The engine exposes no accessor for the model's vocabulary size; encode_prompt reads it from vLLM's model
-    # config the same way, so OOV checks here and there agree.
-    return int(engine.engine._llm.model_config.get_vocab_size())
+    # The same source encode_prompt checks against, so OOV checks here and in the engine agree.
+    return engine.engine.vocab_size
 
 
 class EngineService:
