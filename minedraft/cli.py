@@ -331,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", required=True, help="output JSON path (.md and .png written beside it)")
     bench.set_defaults(func=cmd_bench)
     importlib.import_module("minedraft.operator.cli").add_subcommands(sub)  # operator: run, render, crd
+    importlib.import_module("minedraft.operator.autoscale.cli").add_subcommands(sub)  # autoscale simulate, compare
     importlib.import_module("minedraft.server.cli").add_subcommands(sub)  # serve
     importlib.import_module("minedraft.gateway.cli").add_subcommands(sub)  # gateway, bench-gateway
     importlib.import_module("minedraft.client").add_subcommands(sub)  # client generate

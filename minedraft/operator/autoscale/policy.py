@@ -1,0 +1,285 @@
+"""The speculation-aware scaling policy: pure, over plain dataclasses (no clocks, no I/O).
+
+Capacity of one replica is measured, not configured: the tokens/s one request gets on it now (per-request speed,
+from the engine's own predicted goodput, or from acceptance, accepted length and draft/verify/overlap seconds when
+that gauge is absent) times the requests a replica can hold. Speculation enters through that speed: when
+acceptance falls, each verification yields fewer tokens, the speed and so the capacity fall on the next
+observation, and the policy adds replicas before the queue has had time to grow (a queue-length policy has to
+wait for requests to pile up).
+
+Demand is the output token rate the deployment would produce if every request in the system (running + waiting)
+were being served at the rate the running ones are: observed tokens/s x (running + waiting) / running.
+
+    desired = ceil(demand / (target utilisation x capacity per replica))
+
+where a replica's capacity is the tokens/s its slots give at the batch it would then run: requests slow down as
+batches grow, with a shape learned from recent (batch, speed) observations (`batch_slowdown`), so consolidating
+onto fewer replicas is not judged at the speed of today's lighter batches.
+
+Scale-up: at once, at most ``max_scale_up_step`` replicas per decision. Scale-down: to the highest recommendation
+of the stabilisation window, and at most once per window (so a dip does not remove replicas a rebound needs).
+Replicas still starting count as capacity (current = spec.replicas, not ready replicas), so a slow model load does
+not trigger a cascade of scale-ups. Missing or stale metrics: no decision, ``metrics_available`` False with why.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+# Within this relative band around the current count, no change (as the Kubernetes HPA's tolerance): keeps small
+# fluctuations of measured capacity (the engines' own mode/k switching, acceptance noise) from moving replicas.
+DEFAULT_TOLERANCE = 0.1
+PRIOR_BATCH_SLOWDOWN = 1 / 16
+MAX_SPEED_SAMPLES = 40
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_utilization: float = 0.8
+    interval_seconds: float = 15.0
+    scale_down_stabilization_seconds: float = 300.0
+    max_scale_up_step: int = 2
+    # Requests one replica can hold decoding at once (the engine's --max-num-seqs).
+    requests_per_replica: int = 256
+    # Observations older than this are stale (three missed intervals by default, set by from_spec).
+    max_metrics_age_seconds: float = 45.0
+    tolerance: float = DEFAULT_TOLERANCE
+    # How a request's seconds per token grow with the batch (see batch_slowdown); None: learned from observations.
+    batch_slowdown: float | None = None
+
+
+@dataclass(frozen=True)
+class SpeculationFigures:
+    """Deployment-wide means of what the engines measure (None when not exported)."""
+
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None  # tokens per request per verification (1 + accepted drafts)
+    draft_seconds_per_step: float | None = None
+    verify_seconds_per_step: float | None = None
+    overlap_fraction: float | None = None  # share of drafting hidden behind verification (1 = all hidden)
+    modes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Observations:
+    """One look at the engines; totals are over the replicas that reported."""
+
+    age_seconds: float  # age of the newest sample behind these figures
+    reporting_replicas: int
+    running_requests: float
+    waiting_requests: float
+    output_tokens_per_second: float
+    # The engines' cost-model prediction at their current load, summed over replicas (None: gauge not exported).
+    predicted_tokens_per_second: float | None = None
+    speculation: SpeculationFigures = field(default_factory=SpeculationFigures)
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """What the policy remembers between decisions: recent recommendations and the last scale-down."""
+
+    recommendations: tuple[tuple[float, int], ...] = ()  # (time s, replicas) within the stabilisation window
+    last_scale_down_seconds: float | None = None
+    # When the policy first saw metrics: no scale-down until a whole window has been observed (also after a restart).
+    first_observed_seconds: float | None = None
+    # (requests per replica, seconds per token of one request) seen recently: how decoding slows as batches grow.
+    speed_samples: tuple[tuple[float, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The figures a decision used, recorded with it (status.scaling, the simulator's JSON)."""
+
+    demand_tokens_per_second: float
+    capacity_tokens_per_second_per_replica: float
+    per_request_tokens_per_second: float
+    capacity_source: str  # "predicted" (engine's cost model) or "speculation" (acceptance and step seconds)
+    running_requests: float
+    waiting_requests: float
+    recommended: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    current: int
+    desired: int  # equal to current when nothing changes
+    reason: str
+    metrics_available: bool
+    inputs: Inputs | None = None
+
+    @property
+    def changed(self) -> bool:
+        return self.desired != self.current
+
+
+def per_request_speed(obs: Observations) -> tuple[float, str] | None:
+    """Output tokens/s one running request gets now, and where the figure came from; None if unknown.
+
+    The engines' predicted goodput already reflects their mode and k choice and current acceptance; without it,
+    the speed follows from speculation figures: tokens per verification over seconds per step, where drafting
+    costs only its part not hidden behind verification.
+    """
+    running = obs.running_requests
+    if obs.predicted_tokens_per_second is not None and obs.predicted_tokens_per_second > 0 and running >= 1:
+        return obs.predicted_tokens_per_second / running, "predicted"
+    sp = obs.speculation
+    if sp.verify_seconds_per_step is None or sp.verify_seconds_per_step <= 0:
+        return None
+    length = sp.mean_accepted_length if sp.mean_accepted_length is not None else 1.0
+    hidden = sp.overlap_fraction if sp.overlap_fraction is not None else 0.0
+    step = sp.verify_seconds_per_step + (1.0 - hidden) * (sp.draft_seconds_per_step or 0.0)
+    return length / step, "speculation"
+
+
+def batch_slowdown(samples: tuple[tuple[float, float], ...]) -> float:
+    """Relative growth of a request's seconds per token per extra request in the batch: s(c) ∝ 1 + g c.
+
+    Fitted by least squares to recent samples when they span a wide enough range of batch sizes; before that, the
+    prior g = 1 / 16 (half the cost fixed at a batch of 16): decoding neither free in the batch (memory-bound GPUs
+    are nearly so) nor linear in it (a small model on CPUs nearly is). The curve is rescaled to pass through the
+    current speed, so acceptance and mode changes move it at once; only its shape comes from history.
+    """
+    if len(samples) >= 3:
+        lo = min(c for c, _ in samples)
+        hi = max(c for c, _ in samples)
+        if hi >= 1.5 * lo:
+            n = len(samples)
+            mx = sum(c for c, _ in samples) / n
+            my = sum(y for _, y in samples) / n
+            sxx = sum((c - mx) ** 2 for c, _ in samples)
+            slope = sum((c - mx) * (y - my) for c, y in samples) / sxx
+            intercept = my - slope * mx
+            if intercept > 0 and slope >= 0:
+                return min(slope / intercept, 1.0)
+            if intercept <= 0 < slope:
+                return 1.0  # fully batch-bound (cost proportional to the batch): the steepest we assume
+            return 0.0
+    return PRIOR_BATCH_SLOWDOWN
+
+
+def replicas_needed(demand: float, per_request: float, batch: float, shape: float, config: PolicyConfig) -> float:
+    """Fractional replicas d such that serving `demand` tokens/s leaves each at the target utilisation of its slots.
+
+    With n replicas the per-replica batch is N/n, where N requests are in the system (Little's law: N = demand x
+    seconds per token); seconds per token at batch c is s(c) = s_now (1 + g c) / (1 + g c_now). Solved by bisection
+    on d (N/d is monotone in d).
+    """
+    seconds_now = 1.0 / per_request
+    slots = config.requests_per_replica * config.target_utilization
+
+    def overload(d: float) -> float:
+        # Requests per replica at d replicas: c = demand s(c) / d, a fixed point linear in c.
+        base = demand * seconds_now / (1 + shape * batch)
+        denominator = d - base * shape
+        if denominator <= 0:
+            return math.inf
+        return base / denominator - slots
+
+    low, high = 1e-6, float(max(config.max_replicas, 1))
+    if overload(high) > 0:
+        return high * 2  # beyond max: clamped by the caller
+    for _ in range(60):
+        mid = (low + high) / 2
+        if overload(mid) > 0:
+            low = mid
+        else:
+            high = mid
+    return high
+
+
+def _clamp(value: int, config: PolicyConfig) -> int:
+    return max(config.min_replicas, min(config.max_replicas, value))
+
+
+def _no_decision(current: int, reason: str) -> Decision:
+    return Decision(current=current, desired=current, reason=reason, metrics_available=False)
+
+
+def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observations | None,
+           now_seconds: float) -> tuple[Decision, PolicyState]:
+    """The replica count to run next, why, and the state to pass to the next call.
+
+    `current` is spec.replicas: replicas still starting are included, so they count as capacity.
+    """
+    if current < config.min_replicas or current > config.max_replicas:
+        # Out of bounds (bounds edited, or someone scaled by hand): back within them regardless of metrics.
+        target = _clamp(current, config)
+        return (Decision(current, target, f"outside bounds {config.min_replicas}..{config.max_replicas}",
+                         obs is not None), state)
+    if obs is None:
+        return _no_decision(current, "no engine metrics found"), state
+    if obs.age_seconds > config.max_metrics_age_seconds:
+        return _no_decision(current, f"engine metrics are {obs.age_seconds:.0f}s old "
+                                     f"(more than {config.max_metrics_age_seconds:.0f}s)"), state
+    if obs.reporting_replicas == 0:
+        return _no_decision(current, "no engine replica reports metrics yet"), state
+    speed = per_request_speed(obs)
+    if speed is None:
+        if obs.running_requests + obs.waiting_requests == 0:
+            speed = (0.0, "idle")  # nothing to serve: the demand term is 0 whatever the speed
+        else:
+            return _no_decision(current, "no capacity figure: neither predicted goodput nor step seconds"), state
+    per_request, source = speed
+    in_system = obs.running_requests + obs.waiting_requests
+    # Tokens/s every request in the system would take at today's speed (reacts to a step at once), or the measured
+    # rate scaled up by the queue (smoother, and right when speeds differ between replicas): the larger.
+    demand = per_request * in_system
+    if obs.running_requests >= 1:
+        demand = max(demand, obs.output_tokens_per_second * in_system / obs.running_requests)
+    batch = obs.running_requests / obs.reporting_replicas
+    samples = state.speed_samples
+    if per_request > 0 and batch >= 1:
+        samples = (*samples, (batch, 1.0 / per_request))[-MAX_SPEED_SAMPLES:]
+    # Never flatter than the prior: a fit over light batches extrapolated to full ones must not consolidate too far.
+    shape = (config.batch_slowdown if config.batch_slowdown is not None
+             else max(batch_slowdown(samples), PRIOR_BATCH_SLOWDOWN))
+    # Tokens/s one replica gives with its slots full at the current speed (reported when nothing needs solving).
+    capacity = per_request * config.requests_per_replica
+    if per_request <= 0:
+        recommended = config.max_replicas if demand > 0 else config.min_replicas
+    else:
+        raw = replicas_needed(demand, per_request, max(batch, 1.0), shape, config)
+        # Capacity at the batch each replica would run: demand = desired x utilisation x capacity.
+        capacity = demand / (raw * config.target_utilization) if raw > 0 and demand > 0 else capacity
+        # Tolerance band as the HPA: the ratio to the current count decides whether to move at all.
+        if current > 0 and abs(raw / current - 1.0) <= config.tolerance:
+            recommended = current
+        else:
+            recommended = math.ceil(raw - 1e-9)
+    recommended = _clamp(recommended, config)
+    inputs = Inputs(demand_tokens_per_second=round(demand, 3),
+                    capacity_tokens_per_second_per_replica=round(capacity, 3),
+                    per_request_tokens_per_second=round(per_request, 4), capacity_source=source,
+                    running_requests=obs.running_requests, waiting_requests=obs.waiting_requests,
+                    recommended=recommended)
+    window = config.scale_down_stabilization_seconds
+    history = (*((t, r) for t, r in state.recommendations if t > now_seconds - window), (now_seconds, recommended))
+    first = state.first_observed_seconds if state.first_observed_seconds is not None else now_seconds
+    state = replace(state, recommendations=history, first_observed_seconds=first, speed_samples=samples)
+    figures = f"demand {demand:.0f} tok/s, capacity {capacity:.0f} tok/s per replica ({source})"
+    if recommended > current:
+        desired = min(recommended, current + config.max_scale_up_step)
+        step_note = "" if desired == recommended else f" (step limited to +{config.max_scale_up_step})"
+        return Decision(current, desired, f"scale up: {figures} needs {recommended}{step_note}", True, inputs), state
+    if recommended < current:
+        # The highest recommendation over the window: scale down only as far as the whole window allows.
+        floor = max(r for _, r in history)
+        if now_seconds - first < window:
+            return Decision(current, current, f"hold: {figures} needs {recommended}; observed for "
+                                              f"{now_seconds - first:.0f}s of the {window:.0f}s window", True,
+                            inputs), state
+        if floor >= current:
+            return Decision(current, current, f"hold: {figures} needs {recommended}, but the last "
+                                              f"{window:.0f}s needed up to {floor}", True, inputs), state
+        if state.last_scale_down_seconds is not None and now_seconds - state.last_scale_down_seconds < window:
+            return Decision(current, current, f"hold: {figures} needs {recommended}; one scale-down per "
+                                              f"{window:.0f}s", True, inputs), state
+        state = replace(state, last_scale_down_seconds=now_seconds)
+        # At most half the replicas per step: the capacity at the batches the rest would run is extrapolated.
+        floor = max(floor, current - max(1, current // 2), config.min_replicas)
+        return Decision(current, floor, f"scale down: {figures} needs {recommended} (highest over the last "
+                                        f"{window:.0f}s: {floor})", True, inputs), state
+    return Decision(current, current, f"steady: {figures} needs {current}", True, inputs), state

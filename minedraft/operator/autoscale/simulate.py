@@ -1,0 +1,329 @@
+"""Replay a traffic trace against a model of replicas under a scaling policy (minedraft or hpa-queue).
+
+Deterministic: arrivals are Poisson draws from a seeded generator, everything else follows from the trace and the
+replica model. Time advances in 1 s ticks. Requests arrive into a FIFO queue, are admitted while the replica has a
+free slot (the model's max batch), and decode at the per-request speed the replica model gives for its batch and
+the trace's acceptance. A request's time to first token is its wait plus one step; it violates the SLO when that
+exceeds the trace's `slo_ttft_seconds`.
+
+Both policies see what they would see in a cluster: every interval (15 s), running and waiting requests now; the
+minedraft policy also the output token rate over the last minute (the rate1m recording rule) and the engines'
+predicted goodput (the engine's cost model reacts to acceptance within seconds: modelled as the mean acceptance
+of the last 5 s). New replicas serve `startup_seconds` after the decision and cost replica-seconds from the
+decision on. Scale-down removes starting replicas first, then ready ones, which finish their requests (drain).
+
+Trace format (JSON lines): an optional first line {"config": {...}} (slo_ttft_seconds, min_replicas, max_replicas,
+event_seconds, description), then {"t": s, "arrival_rps": x, "prompt_tokens": n, "output_tokens": n,
+"acceptance_rate": a} rows; each row holds until the next one; the last holds for `duration_seconds` (config) or
+60 s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from minedraft.operator.autoscale.hpa import SYNC_PERIOD_SECONDS, HpaConfig, HpaState, hpa_decide
+from minedraft.operator.autoscale.policy import Observations, PolicyConfig, PolicyState, SpeculationFigures, decide
+from minedraft.operator.autoscale.replica_model import ReplicaModel
+
+POLICIES = ("minedraft", "hpa-queue")
+DEFAULT_SLO_TTFT_SECONDS = 2.5
+RATE_WINDOW_SECONDS = 60  # the recording rules' rate1m
+ACCEPTANCE_WINDOW_SECONDS = 5  # the engine's cost model forgets old steps within seconds
+DEFAULT_SEED = 0
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    t: float
+    arrival_rps: float
+    prompt_tokens: int
+    output_tokens: int
+    acceptance_rate: float
+
+
+@dataclass(frozen=True)
+class Trace:
+    name: str
+    rows: tuple[TraceRow, ...]
+    slo_ttft_seconds: float = DEFAULT_SLO_TTFT_SECONDS
+    min_replicas: int = 1
+    max_replicas: int = 20
+    duration_seconds: float = 0.0
+    event_seconds: float | None = None  # when the trace's event (step, collapse) happens: reaction is timed from it
+    description: str = ""
+
+    def row_at(self, t: float, start_index: int) -> tuple[TraceRow, int]:
+        i = start_index
+        while i + 1 < len(self.rows) and self.rows[i + 1].t <= t:
+            i += 1
+        return self.rows[i], i
+
+
+def parse_trace(text: str, name: str) -> Trace:
+    config: dict[str, Any] = {}
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        data = json.loads(line)
+        if "config" in data:
+            config = dict(data["config"])
+            continue
+        try:
+            rows.append(TraceRow(float(data["t"]), float(data["arrival_rps"]), int(data["prompt_tokens"]),
+                                 int(data["output_tokens"]), float(data["acceptance_rate"])))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{name}:{number}: a trace row needs t, arrival_rps, prompt_tokens, output_tokens, "
+                             f"acceptance_rate ({exc})") from exc
+    if not rows:
+        raise ValueError(f"{name}: no trace rows")
+    rows.sort(key=lambda r: r.t)
+    duration = float(config.get("duration_seconds", rows[-1].t + 60.0))
+    return Trace(name=name, rows=tuple(rows), slo_ttft_seconds=float(config.get("slo_ttft_seconds",
+                                                                                 DEFAULT_SLO_TTFT_SECONDS)),
+                 min_replicas=int(config.get("min_replicas", 1)), max_replicas=int(config.get("max_replicas", 20)),
+                 duration_seconds=duration, event_seconds=config.get("event_seconds"),
+                 description=str(config.get("description", "")))
+
+
+def load_trace(path: Path) -> Trace:
+    return parse_trace(path.read_text(), path.stem)
+
+
+@dataclass
+class _Cohort:
+    """Requests that arrived in the same tick (and were admitted together): count may be fractional after splits."""
+
+    count: float
+    arrived: float
+    remaining_tokens: float
+
+
+@dataclass
+class SimResult:
+    policy: str
+    trace: str
+    replica_seconds: float
+    slo_violation_fraction: float
+    requests: float
+    max_queue: float
+    direction_changes: int
+    first_reaction_seconds: float | None  # seconds from the trace's event to the first scale-up beyond its count
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    timeline: dict[str, list[float]] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        return {"policy": self.policy, "trace": self.trace, "replica_seconds": round(self.replica_seconds, 1),
+                "slo_violation_fraction": round(self.slo_violation_fraction, 6),
+                "requests": round(self.requests, 1), "max_queue": round(self.max_queue, 1),
+                "direction_changes": self.direction_changes, "first_reaction_seconds": self.first_reaction_seconds}
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.summary(), "decisions": self.decisions, "timeline": self.timeline}
+
+
+def _poisson(rng: random.Random, mean: float) -> int:
+    if mean <= 0:
+        return 0
+    if mean > 30:
+        return max(0, round(rng.gauss(mean, math.sqrt(mean))))
+    limit, k, p = math.exp(-mean), 0, 1.0
+    while True:
+        p *= rng.random()
+        if p <= limit:
+            return k
+        k += 1
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    policy: str = "minedraft"
+    interval_seconds: float = SYNC_PERIOD_SECONDS
+    hpa_target_per_pod: float = 16.0
+    target_utilization: float = 0.8
+    scale_down_stabilization_seconds: float = 300.0
+    max_scale_up_step: int = 4
+    seed: int = DEFAULT_SEED
+    initial_replicas: int | None = None  # default: what the trace's first row needs at the target utilisation
+
+
+def initial_replicas(trace: Trace, model: ReplicaModel, target_utilization: float) -> int:
+    row = trace.rows[0]
+    capacity = model.best(model.max_batch, row.acceptance_rate)[0]
+    need = math.ceil(row.arrival_rps * row.output_tokens / (target_utilization * capacity))
+    return max(trace.min_replicas, min(trace.max_replicas, need))
+
+
+def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
+    if config.policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)} (got {config.policy!r})")
+    rng = random.Random(config.seed)
+    start = config.initial_replicas or initial_replicas(trace, model, config.target_utilization)
+    ready_at: list[float] = [0.0] * start  # per replica: when it serves (0: from the start)
+    queue: deque[_Cohort] = deque()
+    running: list[_Cohort] = []
+    policy_config = PolicyConfig(min_replicas=trace.min_replicas, max_replicas=trace.max_replicas,
+                                 target_utilization=config.target_utilization,
+                                 interval_seconds=config.interval_seconds,
+                                 scale_down_stabilization_seconds=config.scale_down_stabilization_seconds,
+                                 max_scale_up_step=config.max_scale_up_step, requests_per_replica=model.max_batch,
+                                 max_metrics_age_seconds=3 * config.interval_seconds)
+    hpa_config = HpaConfig(target_per_pod=config.hpa_target_per_pod, min_replicas=trace.min_replicas,
+                           max_replicas=trace.max_replicas)
+    policy_state, hpa_state = PolicyState(), HpaState()
+    tokens_window: deque[float] = deque(maxlen=RATE_WINDOW_SECONDS)
+    acceptance_window: deque[float] = deque(maxlen=ACCEPTANCE_WINDOW_SECONDS)
+    replica_seconds = violations = total = max_queue = 0.0
+    decisions: list[dict[str, Any]] = []
+    timeline: dict[str, list[float]] = {k: [] for k in ("t", "arrival_rps", "acceptance", "replicas", "ready",
+                                                        "queue", "ttft_p_max")}
+    last_direction = 0
+    direction_changes = 0
+    # Reaction to the trace's event: the first decision after it that asks for more replicas than ran at it.
+    first_reaction: float | None = None
+    replicas_at_event = trace.max_replicas
+    row_index = 0
+    duration = int(trace.duration_seconds)
+    for tick in range(duration):
+        t = float(tick)
+        row, row_index = trace.row_at(t, row_index)
+        acceptance_window.append(row.acceptance_rate)
+        arrivals = _poisson(rng, row.arrival_rps)
+        if arrivals:
+            queue.append(_Cohort(float(arrivals), t, float(row.output_tokens)))
+        ready = sum(1 for r in ready_at if r <= t)
+        in_flight = sum(c.count for c in running)
+        # Admit FIFO into free slots; time to first token = wait + one step at the resulting batch.
+        slots = ready * model.max_batch - in_flight
+        admitted: list[_Cohort] = []
+        while queue and slots > 1e-9:
+            head = queue[0]
+            take = min(head.count, slots)
+            if take >= head.count - 1e-9:
+                queue.popleft()
+                admitted.append(head)
+            else:
+                head.count -= take
+                admitted.append(_Cohort(take, head.arrived, head.remaining_tokens))
+            slots -= take
+        running.extend(admitted)
+        in_flight = sum(c.count for c in running)
+        batch = in_flight / ready if ready else 0.0
+        tps, _, _ = model.best(batch, row.acceptance_rate) if ready else (0.0, "ar", 0)
+        speed = tps / batch if batch > 0 else 0.0
+        step_seconds = (1.0 / speed) if speed > 0 else 0.0
+        worst_ttft = 0.0
+        for cohort in admitted:
+            ttft = t - cohort.arrived + step_seconds
+            worst_ttft = max(worst_ttft, ttft)
+            total += cohort.count
+            if ttft > trace.slo_ttft_seconds:
+                violations += cohort.count
+        produced = 0.0
+        # Requests decoding during this tick, weighted by the share of it they were still running: what a gauge
+        # scraped at a random instant sees on average (requests shorter than a tick would otherwise vanish).
+        busy = 0.0
+        for cohort in running:
+            done = min(cohort.remaining_tokens, speed)
+            busy += cohort.count * (done / speed if speed > 0 else 1.0)
+            cohort.remaining_tokens -= done
+            produced += done * cohort.count
+        running = [c for c in running if c.remaining_tokens > 1e-9]
+        tokens_window.append(produced)
+        waiting = sum(c.count for c in queue)
+        # Requests still queued at the end, and their age, count too.
+        max_queue = max(max_queue, waiting)
+        replica_seconds += len(ready_at)
+        current = len(ready_at)
+        if trace.event_seconds is not None and t == float(int(trace.event_seconds)):
+            replicas_at_event = current
+        if tick > 0 and tick % int(config.interval_seconds) == 0:
+            in_flight = busy
+            if config.policy == "minedraft":
+                recent_acceptance = sum(acceptance_window) / len(acceptance_window)
+                per_replica = in_flight / ready if ready else 0.0
+                best_tps, best_mode, best_k = model.best(per_replica, recent_acceptance)
+                length = 1.0 + best_k * recent_acceptance if best_mode != "ar" else 1.0
+                obs = Observations(age_seconds=0.0, reporting_replicas=ready, running_requests=in_flight,
+                                   waiting_requests=waiting,
+                                   output_tokens_per_second=sum(tokens_window) / len(tokens_window),
+                                   predicted_tokens_per_second=best_tps * ready if ready else None,
+                                   speculation=SpeculationFigures(acceptance_rate=recent_acceptance,
+                                                                  mean_accepted_length=length,
+                                                                  modes=(best_mode,)))
+                decision, policy_state = decide(policy_config, policy_state, current, obs, t)
+                desired, reason = decision.desired, decision.reason
+            else:
+                desired, reason, hpa_state = hpa_decide(hpa_config, hpa_state, current, ready,
+                                                        in_flight + waiting, t)
+            if desired != current:
+                direction = 1 if desired > current else -1
+                if last_direction and direction != last_direction:
+                    direction_changes += 1
+                last_direction = direction
+                decisions.append({"t": t, "from": current, "to": desired, "reason": reason})
+                if (first_reaction is None and trace.event_seconds is not None and t >= trace.event_seconds
+                        and desired > replicas_at_event):
+                    first_reaction = t - trace.event_seconds
+                if desired > current:
+                    ready_at += [t + model.startup_seconds] * (desired - current)
+                else:
+                    # Starting replicas go first (latest ready time first), then ready ones.
+                    ready_at = sorted(ready_at)[: desired]
+        timeline["t"].append(t)
+        timeline["arrival_rps"].append(row.arrival_rps)
+        timeline["acceptance"].append(row.acceptance_rate)
+        timeline["replicas"].append(float(len(ready_at)))
+        timeline["ready"].append(float(ready))
+        timeline["queue"].append(waiting)
+        timeline["ttft_p_max"].append(worst_ttft)
+    # Requests never admitted by the end of the trace: counted as violations if they already waited too long.
+    end = float(duration)
+    for cohort in queue:
+        total += cohort.count
+        if end - cohort.arrived > trace.slo_ttft_seconds:
+            violations += cohort.count
+    return SimResult(policy=config.policy, trace=trace.name, replica_seconds=replica_seconds,
+                     slo_violation_fraction=violations / total if total else 0.0, requests=total,
+                     max_queue=max_queue, direction_changes=direction_changes,
+                     first_reaction_seconds=first_reaction, decisions=decisions, timeline=timeline)
+
+
+def plot(result: SimResult, path: Path, slo_ttft_seconds: float) -> None:
+    """Load, replicas and worst time to first token over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tl = result.timeline
+    minutes = [t / 60 for t in tl["t"]]
+    fig, axes = plt.subplots(3, 1, figsize=(10, 7), sharex=True)
+    axes[0].plot(minutes, tl["arrival_rps"], label="arrivals (req/s)")
+    twin = axes[0].twinx()
+    twin.plot(minutes, tl["acceptance"], color="tab:green", alpha=0.6, label="acceptance")
+    twin.set_ylim(0, 1)
+    twin.set_ylabel("acceptance")
+    axes[0].set_ylabel("req/s")
+    axes[0].legend(loc="upper left")
+    axes[1].step(minutes, tl["replicas"], where="post", label="replicas (incl. starting)")
+    axes[1].step(minutes, tl["ready"], where="post", label="ready", alpha=0.7)
+    axes[1].set_ylabel("replicas")
+    axes[1].legend(loc="upper left")
+    axes[2].plot(minutes, tl["ttft_p_max"], label="worst TTFT admitted (s)")
+    axes[2].axhline(slo_ttft_seconds, color="red", linestyle="--", label="SLO")
+    axes[2].set_ylabel("seconds")
+    axes[2].set_xlabel("minutes")
+    axes[2].legend(loc="upper left")
+    fig.suptitle(f"{result.trace}: {result.policy} — {result.replica_seconds:.0f} replica-s, "
+                 f"{100 * result.slo_violation_fraction:.2f}% SLO violations")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

@@ -1,0 +1,192 @@
+"""The scaling policy as a pure function: bounds, steps, stabilisation, starting pods, stale metrics, speculation."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+from minedraft.operator.autoscale.policy import (
+    Observations,
+    PolicyConfig,
+    PolicyState,
+    SpeculationFigures,
+    decide,
+    per_request_speed,
+)
+
+CONFIG = PolicyConfig(min_replicas=1, max_replicas=10, target_utilization=0.8, interval_seconds=15,
+                      scale_down_stabilization_seconds=300, max_scale_up_step=2, requests_per_replica=32,
+                      batch_slowdown=0.0)  # speed independent of the batch: exact arithmetic below
+
+
+def obs(running: float, waiting: float = 0.0, tokens_per_request: float = 40.0, replicas: int = 2,
+        age: float = 5.0, predicted: bool = True) -> Observations:
+    """Engines serving `running` requests at `tokens_per_request` tok/s each."""
+    return Observations(age_seconds=age, reporting_replicas=replicas, running_requests=running,
+                        waiting_requests=waiting, output_tokens_per_second=running * tokens_per_request,
+                        predicted_tokens_per_second=running * tokens_per_request if predicted else None)
+
+
+def run(config: PolicyConfig, current: int, series: list[Observations], start: float = 0.0,
+        state: PolicyState | None = None) -> tuple[list[int], PolicyState]:
+    """Apply the policy every interval, following its decisions; the replica counts after each one."""
+    state = state or PolicyState()
+    counts = []
+    for i, o in enumerate(series):
+        decision, state = decide(config, state, current, o, start + i * config.interval_seconds)
+        current = decision.desired
+        counts.append(current)
+    return counts, state
+
+
+def test_desired_is_demand_over_utilised_capacity() -> None:
+    # 2 replicas x 32 slots x 40 tok/s = 2560 tok/s of capacity; 60 running = 2400 tok/s demand; at 0.8: 2400 /
+    # (0.8 x 1280) = 2.34 -> 3.
+    decision, _ = decide(CONFIG, PolicyState(), 2, obs(60), 0.0)
+    assert decision.desired == 3 and decision.metrics_available
+    assert decision.inputs is not None and decision.inputs.capacity_tokens_per_second_per_replica == 1280
+    assert decision.reason.startswith("scale up")
+
+
+def test_waiting_requests_raise_demand() -> None:
+    quiet, _ = decide(CONFIG, PolicyState(), 2, obs(40), 0.0)
+    queued, _ = decide(CONFIG, PolicyState(), 2, obs(40, waiting=80), 0.0)
+    assert quiet.desired == 2 and queued.desired == 4
+
+
+def test_never_beyond_max_nor_below_min() -> None:
+    counts, _ = run(CONFIG, 9, [obs(1000, waiting=500)] * 5)
+    assert counts == [10] * 5
+    config = replace(CONFIG, scale_down_stabilization_seconds=0)
+    counts, _ = run(config, 3, [obs(0, tokens_per_request=0)] * 3)
+    assert min(counts) == 1
+
+
+def test_never_to_zero_unless_min_is_zero() -> None:
+    config = replace(CONFIG, scale_down_stabilization_seconds=0)
+    idle = Observations(age_seconds=1, reporting_replicas=1, running_requests=0, waiting_requests=0,
+                        output_tokens_per_second=0)
+    assert decide(config, PolicyState(), 1, idle, 0.0)[0].desired == 1
+    assert decide(replace(config, min_replicas=0), PolicyState(), 1, idle, 0.0)[0].desired == 0
+
+
+def test_out_of_bounds_replicas_come_back_within_bounds() -> None:
+    assert decide(CONFIG, PolicyState(), 12, None, 0.0)[0].desired == 10
+    assert decide(replace(CONFIG, min_replicas=3), PolicyState(), 1, None, 0.0)[0].desired == 3
+
+
+def test_scale_up_is_step_limited_per_decision() -> None:
+    counts, _ = run(CONFIG, 1, [obs(300, waiting=300, replicas=1)] * 4)
+    assert counts == [3, 5, 7, 9]
+    first, _ = decide(CONFIG, PolicyState(), 1, obs(300, waiting=300, replicas=1), 0.0)
+    assert "step limited to +2" in first.reason
+
+
+def test_scale_down_waits_for_the_window_then_one_step_per_window() -> None:
+    high = obs(200, replicas=8)  # needs 8 at 40 tok/s per request
+    low = obs(20, replicas=8)  # needs 1
+    counts, _ = run(CONFIG, 8, [high] * 4 + [low] * 60)
+    # The high recommendations age out of the 300 s window 20 intervals after the last one; then one step down.
+    first_down = counts.index(next(c for c in counts if c < 8))
+    assert 4 + 300 / 15 - 1 <= first_down <= 4 + 300 / 15 + 1, counts
+    changes = [i for i in range(1, len(counts)) if counts[i] != counts[i - 1]]
+    assert all(b - a >= 300 / 15 for a, b in itertools.pairwise(changes)), counts
+    assert counts[-1] < 8
+
+
+def test_no_scale_down_before_a_whole_window_was_observed() -> None:
+    # A restarted operator has no history: it must not shrink on its first look.
+    counts, _ = run(CONFIG, 6, [obs(10, replicas=6)] * 10)
+    assert counts == [6] * 10
+
+
+def test_dip_inside_window_does_not_scale_down() -> None:
+    counts, _ = run(CONFIG, 4, [obs(100, replicas=4)] * 21 + [obs(10, replicas=4)] * 3 + [obs(100, replicas=4)] * 5)
+    assert set(counts) == {4}
+
+
+def test_starting_pods_count_as_capacity() -> None:
+    # spec.replicas is already 5 (3 starting): while only 2 report, the same load must not add more.
+    load = obs(60, waiting=0, replicas=2)
+    decision, _ = decide(CONFIG, PolicyState(), 5, load, 0.0)
+    assert decision.desired == 5
+    # What starting pods will cover is not asked for again: 150 requests need 6 (6000 / 1024), not 5 + 2.
+    decision, _ = decide(CONFIG, PolicyState(), 5, obs(60, waiting=90, replicas=2), 0.0)
+    assert decision.desired == 6
+
+
+def test_missing_or_stale_metrics_make_no_decision() -> None:
+    for observation, why in ((None, "no engine metrics"), (obs(500, age=120), "old"),
+                             (obs(500, replicas=0), "no engine replica")):
+        decision, state = decide(CONFIG, PolicyState(), 3, observation, 0.0)
+        assert decision.desired == 3 and not decision.metrics_available and why in decision.reason
+        assert state == PolicyState()  # nothing learned from nothing
+
+
+def test_acceptance_drop_lowers_capacity_and_scales_up_without_a_queue() -> None:
+    """No predicted-goodput gauge: speed from speculation figures. Same requests, no queue; acceptance halves."""
+    def figures(accepted_length: float) -> Observations:
+        speculation = SpeculationFigures(acceptance_rate=(accepted_length - 1) / 3,
+                                         mean_accepted_length=accepted_length, draft_seconds_per_step=0.02,
+                                         verify_seconds_per_step=0.05,
+                                         overlap_fraction=0.9)
+        speed = accepted_length / (0.05 + 0.1 * 0.02)
+        return Observations(age_seconds=1, reporting_replicas=3, running_requests=64, waiting_requests=0,
+                            output_tokens_per_second=64 * speed, speculation=speculation)
+
+    before, after = figures(3.4), figures(1.6)
+    speed_before, speed_after = per_request_speed(before), per_request_speed(after)
+    assert speed_before is not None and speed_after is not None
+    assert speed_after[0] < speed_before[0] and speed_after[1] == "speculation"
+    # Output tokens/s fall with the speed while arrivals do not: in-system count is what a queue policy would see
+    # next; this one sees the capacity drop. Demand in tokens: the same arrivals need the old token rate.
+    held = replace(after, output_tokens_per_second=before.output_tokens_per_second)
+    steady, _ = decide(CONFIG, PolicyState(), 3, before, 0.0)
+    collapsed, _ = decide(CONFIG, PolicyState(), 3, held, 0.0)
+    assert steady.desired == 3 and collapsed.desired == 5
+    assert collapsed.inputs is not None and steady.inputs is not None
+    before_capacity = steady.inputs.capacity_tokens_per_second_per_replica
+    assert collapsed.inputs.capacity_tokens_per_second_per_replica < before_capacity
+
+
+def test_small_capacity_fluctuations_do_not_move_replicas() -> None:
+    """Engines switch mode and k on their own: a few percent of measured speed must not flap the replica count."""
+    config = replace(CONFIG, scale_down_stabilization_seconds=0)
+    series = [obs(77, tokens_per_request=40 * (1 + 0.05 * (-1) ** i), replicas=3) for i in range(20)]
+    counts, _ = run(config, 3, series)
+    assert set(counts) == {3}
+
+
+def test_predicted_goodput_is_preferred_over_step_figures() -> None:
+    o = replace(obs(10), speculation=SpeculationFigures(verify_seconds_per_step=1.0, mean_accepted_length=1.0))
+    speed = per_request_speed(o)
+    assert speed == (40.0, "predicted")
+    assert per_request_speed(replace(o, predicted_tokens_per_second=None)) == (1.0, "speculation")
+
+
+def test_batch_slowdown_is_learned_and_makes_consolidation_cautious() -> None:
+    """Seconds per token linear in the batch (s = 0.01 + 0.001 c): learned from observations at several batches."""
+    from minedraft.operator.autoscale.policy import batch_slowdown
+
+    samples = tuple((c, 0.01 + 0.001 * c) for c in (4.0, 8.0, 16.0, 24.0))
+    assert abs(batch_slowdown(samples) - 0.1) < 1e-9
+    assert batch_slowdown(samples[:2]) == 1 / 16  # too few samples: the prior
+    # 4 replicas at batch 4 (fast): flat speed would consolidate to 1 replica; with the slowdown, not that far.
+    config = replace(CONFIG, batch_slowdown=None, scale_down_stabilization_seconds=0)
+    state = PolicyState(speed_samples=samples)
+    speed = 1 / (0.01 + 0.001 * 4)
+    light = Observations(age_seconds=1, reporting_replicas=4, running_requests=16, waiting_requests=0,
+                         output_tokens_per_second=16 * speed, predicted_tokens_per_second=16 * speed)
+    flat, _ = decide(replace(config, batch_slowdown=0.0), PolicyState(), 4, light, 0.0)
+    learned, _ = decide(config, state, 4, light, 0.0)
+    assert flat.inputs is not None and flat.inputs.recommended == 1
+    assert flat.desired == 2  # and even then at most half the replicas go in one step
+    # 16 requests at 71 tok/s need 1143 tok/s: one replica's batch would grow without bound (c = 11.4 + 1.14 c).
+    assert learned.desired == 2
+
+
+def test_scale_down_removes_at_most_half_per_step() -> None:
+    config = replace(CONFIG, scale_down_stabilization_seconds=0)
+    decision, _ = decide(config, PolicyState(), 9, obs(10, replicas=9), 0.0)
+    assert decision.inputs is not None and decision.inputs.recommended == 1
+    assert decision.desired == 5

@@ -1,0 +1,86 @@
+"""Simulator properties on the committed traces and replica model (deterministic; ~5 s in all)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from minedraft.operator.autoscale.hpa import HpaConfig, HpaState, hpa_decide
+from minedraft.operator.autoscale.replica_model import ReplicaModel, calibrate
+from minedraft.operator.autoscale.simulate import SimConfig, load_trace, parse_trace, simulate
+from minedraft.operator.autoscale.traces import make_traces
+
+ROOT = Path(__file__).resolve().parents[3]
+MODEL = ReplicaModel.load(ROOT / "benchmarks" / "autoscale" / "replica-model.json")
+TRACES = ROOT / "benchmarks" / "autoscale" / "traces"
+# The diurnal day is 24x longer than the rest: left to `minedraft autoscale compare`.
+SHORT = ("step", "ramp", "burst", "acceptance-collapse")
+
+
+def test_committed_traces_are_what_the_generator_makes() -> None:
+    for name, lines in make_traces().items():
+        committed = (TRACES / f"{name}.jsonl").read_text()
+        assert committed == "".join(json.dumps(line) + "\n" for line in lines), name
+
+
+def test_committed_replica_model_is_the_calibration_of_the_committed_benchmarks() -> None:
+    bench = [ROOT / "benchmarks" / "results" / name for name in MODEL.calibrated_from]
+    assert calibrate(bench, MODEL.startup_seconds) == MODEL
+
+
+@pytest.mark.parametrize("name", SHORT)
+@pytest.mark.parametrize("policy", ["minedraft", "hpa-queue"])
+def test_replicas_never_leave_the_bounds(name: str, policy: str) -> None:
+    trace = load_trace(TRACES / f"{name}.jsonl")
+    result = simulate(trace, MODEL, SimConfig(policy=policy, hpa_target_per_pod=12))
+    replicas = result.timeline["replicas"]
+    assert trace.min_replicas <= min(replicas) and max(replicas) <= trace.max_replicas
+    assert all(trace.min_replicas <= d["to"] <= trace.max_replicas for d in result.decisions)
+
+
+def test_steady_load_changes_direction_at_most_once_per_window() -> None:
+    steady = parse_trace("\n".join(json.dumps(r) for r in [
+        {"config": {"duration_seconds": 3600, "max_replicas": 20}},
+        {"t": 0, "arrival_rps": 45, "prompt_tokens": 256, "output_tokens": 128, "acceptance_rate": 0.6}]), "steady")
+    for seed in range(3):
+        result = simulate(steady, MODEL, SimConfig(seed=seed, initial_replicas=1))
+        directions = [(d["t"], 1 if d["to"] > d["from"] else -1) for d in result.decisions]
+        changes = [t for (t, d), (_, before) in zip(directions[1:], directions, strict=False) if d != before]
+        for i, t in enumerate(changes):
+            assert not any(t < other < t + 300 for other in changes[i + 1:]), (seed, result.decisions)
+
+
+def test_reacts_to_a_step_within_two_intervals() -> None:
+    result = simulate(load_trace(TRACES / "step.jsonl"), MODEL, SimConfig())
+    assert result.first_reaction_seconds is not None and result.first_reaction_seconds <= 2 * 15
+
+
+def test_deterministic_for_a_seed_and_seed_matters() -> None:
+    trace = load_trace(TRACES / "burst.jsonl")
+    a, b = simulate(trace, MODEL, SimConfig(seed=1)), simulate(trace, MODEL, SimConfig(seed=1))
+    assert a.summary() == b.summary() and a.decisions == b.decisions
+    assert simulate(trace, MODEL, SimConfig(seed=2)).requests != a.requests
+
+
+def test_hpa_algorithm_tolerance_missing_pods_and_stabilisation() -> None:
+    config = HpaConfig(target_per_pod=10, min_replicas=1, max_replicas=20)
+    # Within 10%: no change.
+    assert hpa_decide(config, HpaState(), 4, 4, 43, 0)[0] == 4
+    # 4 pods at 20 each: ratio 2 -> 8 (limit: +100% or +4).
+    assert hpa_decide(config, HpaState(), 4, 4, 80, 0)[0] == 8
+    assert hpa_decide(config, HpaState(), 2, 2, 200, 0)[0] == 6  # +4 pods beats +100%
+    # 2 of 4 pods still starting count as 0 when scaling up: 60 / 4 = 15 per pod -> 6.
+    assert hpa_decide(config, HpaState(), 4, 2, 60, 0)[0] == 6
+    # Scale-down takes the highest recommendation of the last 300 s.
+    state = HpaState()
+    _, _, state = hpa_decide(config, state, 8, 8, 80, 0)
+    assert hpa_decide(config, state, 8, 8, 20, 150)[0] == 8
+    assert hpa_decide(config, state, 8, 8, 20, 301)[0] == 2
+
+
+def test_acceptance_collapse_lowers_the_model_capacity() -> None:
+    high = MODEL.best(MODEL.max_batch, 0.9)[0]
+    low = MODEL.best(MODEL.max_batch, 0.1)[0]
+    assert low < high
