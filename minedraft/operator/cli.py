@@ -25,6 +25,8 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         metrics_port=args.metrics_port,
         monitoring=args.monitoring,
         network_policy=args.network_policy == "on",
+        prometheus_url=args.prometheus_url or None,
+        autoscale_tick_seconds=args.autoscale_tick_seconds,
         prometheus_namespace_selector=parse_labels(args.prometheus_namespace_labels),
         prometheus_pod_selector=parse_labels(args.prometheus_pod_labels),
     )
@@ -45,6 +47,13 @@ def _add_operator_options(parser: argparse.ArgumentParser) -> None:
                         help="render PodMonitors: auto (when the Prometheus operator's CRDs exist), on or off")
     parser.add_argument("--network-policy", choices=("on", "off"), default=_env("NETWORK_POLICY", "on"),
                         help="render a NetworkPolicy letting only the gateway and Prometheus reach engine pods")
+    parser.add_argument("--prometheus-url", default=_env("PROMETHEUS_URL", ""),
+                        help="Prometheus HTTP API for the autoscaler when a MineDraft names none (default: scrape "
+                        "engine pods directly)")
+    parser.add_argument("--autoscale-tick-seconds", type=float,
+                        default=float(_env("AUTOSCALE_TICK_SECONDS", str(d.autoscale_tick_seconds))),
+                        help="how often autoscaled MineDrafts are checked (each is evaluated every "
+                        "spec.autoscaling.intervalSeconds)")
     parser.add_argument("--prometheus-namespace-labels", default=_env(
         "PROMETHEUS_NAMESPACE_LABELS", "kubernetes.io/metadata.name=monitoring"),
         help="labels of the namespace Prometheus runs in (k=v,... or JSON)")

@@ -220,6 +220,27 @@ def status_schema() -> Schema:
             "acceptanceRate": _num("Accepted draft tokens per drafted token."),
             "overlap": _num("Share of drafting time hidden behind verification (1 = fully hidden)."),
             "modes": {"type": "array", "description": "Modes the engines use now.", "items": _str("A mode.")},
+            "meanAcceptedLength": _num("Tokens per request per verification (1 + accepted drafts)."),
+        }),
+        "scaling": _obj("What the autoscaler saw and decided (only with spec.autoscaling).", {
+            "metricsAvailable": {"type": "boolean", "description": "Whether the last evaluation had usable metrics."},
+            "reason": _str("CamelCase reason of the last evaluation (the MetricsAvailable/ScalingReady reason)."),
+            "message": _str("The last evaluation's reason in words."),
+            "desiredReplicas": _int("Replicas the last evaluation asked for."),
+            "recommendedReplicas": _int("Replicas the last evaluation's figures needed, before step limits and "
+                                        "stabilisation."),
+            "capacityTokensPerSecondPerReplica": _num("Estimated output tokens/s one replica gives at the batch it "
+                                                      "would run."),
+            "demandTokensPerSecond": _num("Output tokens/s the requests in the system need."),
+            "decisions": {"type": "array", "description": "The last replica changes, oldest first.",
+                          "items": _obj("One replica change.", {
+                              "time": _str("When.", format="date-time"),
+                              "from": _int("Replicas before."),
+                              "to": _int("Replicas after."),
+                              "reason": _str("Why, with the figures."),
+                              "inputs": {"type": "object", "description": "The figures the decision used.",
+                                         "x-kubernetes-preserve-unknown-fields": True},
+                          })},
         }),
     })
 

@@ -7,20 +7,23 @@ operator's memo, built once in `run_operator`.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import kopf
 
 from minedraft.operator import spec as s
+from minedraft.operator.autoscale.loop import Autoscaler
 from minedraft.operator.kube import KubeClient, KubeError
 from minedraft.operator.metrics import OperatorMetrics
 from minedraft.operator.reconcile import Reconciler
 from minedraft.operator.settings import OperatorSettings
-from minedraft.operator.status import status_changed
+from minedraft.operator.status import autoscaling_conditions, status_changed
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 RESOURCE = (s.API_GROUP, s.API_VERSION, s.PLURAL)
@@ -34,6 +37,65 @@ class Memo:
 
     reconciler: Reconciler
     metrics: OperatorMetrics
+    autoscaler: Autoscaler
+
+
+def _rfc3339(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+async def _autoscale(body: kopf.Body, patch: kopf.Patch, memo: Memo, logger: Logger) -> None:
+    """One autoscaler tick: evaluate when the MineDraft's interval has passed, scale through /scale, record."""
+    try:
+        spec = s.parse_spec(body.get("spec"))
+        meta = s.parse_meta(body.get("metadata") or {})
+    except s.SpecError:
+        return  # the reconcile handlers report the spec's problems
+    if spec.autoscaling is None:
+        return
+    now = time.time()
+    if not memo.autoscaler.due(meta.namespace, meta.name, spec.autoscaling.interval_seconds, now):
+        return
+    old_status: Mapping[str, Any] = body.get("status") or {}
+    async with aiohttp.ClientSession() as session:
+        evaluation = await memo.autoscaler.evaluate(session, spec, meta, old_status.get("scaling"), now)
+    decision, metrics, labels = evaluation.decision, memo.metrics, (meta.namespace, meta.name)
+    if decision.changed:
+        try:
+            await memo.reconciler.client.scale(meta.namespace, meta.name, decision.desired)
+        except KubeError as exc:
+            metrics.autoscaler_decisions.labels(*labels, "scale_failed").inc()
+            kopf.warn(body, reason="ScaleFailed", message=str(exc))
+            return  # nothing recorded: the next tick evaluates again
+        kopf.event(body, type="Normal", reason="Scaled",
+                   message=f"engine replicas {decision.current} -> {decision.desired}: {decision.reason}")
+        logger.info("scaled %d -> %d: %s", decision.current, decision.desired, decision.reason)
+    result = ("no_metrics" if not decision.metrics_available else
+              "scale_up" if decision.desired > decision.current else
+              "scale_down" if decision.desired < decision.current else "hold")
+    metrics.autoscaler_decisions.labels(*labels, result).inc()
+    metrics.autoscaler_desired_replicas.labels(*labels).set(decision.desired)
+    metrics.autoscaler_current_replicas.labels(*labels).set(decision.current)
+    metrics.autoscaler_metrics_available.labels(*labels).set(1 if decision.metrics_available else 0)
+    if decision.inputs is not None:
+        metrics.autoscaler_capacity.labels(*labels).set(decision.inputs.capacity_tokens_per_second_per_replica)
+        metrics.autoscaler_demand.labels(*labels).set(decision.inputs.demand_tokens_per_second)
+    previous = list(old_status.get("conditions") or [])
+    scaling_ready, metrics_available = autoscaling_conditions(
+        evaluation.scaling, int(body.metadata.get("generation") or 1), _rfc3339(now), previous)
+    was: Mapping[str, Any] = next((c for c in previous if c.get("type") == "MetricsAvailable"), {})
+    if metrics_available["status"] == "False" and was.get("status") != "False":
+        kopf.event(body, type="Warning", reason=str(metrics_available["reason"]),
+                   message=f"MetricsAvailable=False: {metrics_available['message']}")
+    replaced = {"ScalingReady": scaling_ready, "MetricsAvailable": metrics_available}
+    conditions = [replaced.pop(str(c.get("type")), dict(c)) for c in previous] + list(replaced.values())
+    # Only what changed is written: an evaluation that finds the same is no status write at all.
+    new = {"conditions": conditions, "scaling": evaluation.scaling}
+    if evaluation.speculation is not None:
+        new["speculation"] = evaluation.speculation
+    for key, value in new.items():
+        if old_status.get(key) != value:
+            patch.status[key] = value
 
 
 async def _reconcile(trigger: str, body: kopf.Body, patch: kopf.Patch, memo: Memo, logger: Logger) -> None:
@@ -92,11 +154,19 @@ def build_registry(settings: OperatorSettings, connection: kopf.ConnectionInfo |
     async def drift(body: kopf.Body, patch: kopf.Patch, memo: Any, logger: Logger, **_: Any) -> None:
         await _reconcile("timer", body, patch, memo, logger)
 
+    # The autoscaler: a short tick per autoscaled MineDraft; each is evaluated every spec.autoscaling.intervalSeconds
+    # (kopf's timer interval is fixed at registration, the spec's interval is not).
+    @kopf.on.timer(*RESOURCE, interval=settings.autoscale_tick_seconds, registry=registry,
+                   when=lambda spec, **_: bool(spec.get("autoscaling")))
+    async def autoscale(body: kopf.Body, patch: kopf.Patch, memo: Any, logger: Logger, **_: Any) -> None:
+        await _autoscale(body, patch, memo, logger)
+
     # Owner references do the cleanup, so this handler is optional (it alone would need no finalizer). kopf still
     # puts a finalizer on each MineDraft because of the timer, and removes it once the timer has stopped.
     @kopf.on.delete(*RESOURCE, optional=True, registry=registry)
     async def deleted(body: kopf.Body, memo: Any, logger: Logger, **_: Any) -> None:
         memo.metrics.forget(body.metadata.namespace or "", body.metadata.name or "")
+        memo.autoscaler.forget(body.metadata.namespace or "", body.metadata.name or "")
         logger.info("deleted; its objects go with it through their owner references")
 
     return registry
@@ -129,7 +199,8 @@ async def run_operator(settings: OperatorSettings, client: KubeClient | None = N
         from prometheus_client import start_http_server
 
         start_http_server(settings.metrics_port, registry=metrics.registry)
-    memo = Memo(reconciler=Reconciler(client, settings.render_options(available), metrics), metrics=metrics)
+    memo = Memo(reconciler=Reconciler(client, settings.render_options(available), metrics), metrics=metrics,
+                autoscaler=Autoscaler(settings.prometheus_url, client.ready_addresses))
     try:
         await kopf.operator(
             registry=build_registry(settings, connection),

@@ -58,7 +58,8 @@ EVENTS = Resource("", "v1", "events", "Event")
 
 # (apiGroup, resource[/subresource]) -> verbs. Server-side apply needs "patch", plus "create" when the object does not
 # exist yet. The gateway's Role grants endpointslices get/list/watch, and Kubernetes only lets the operator create a
-# Role granting what the operator itself holds (no "escalate"/"bind" verbs here), hence that entry.
+# Role granting what the operator itself holds (no "escalate"/"bind" verbs here), hence that entry; the autoscaler
+# also lists them to find engine pods to scrape when no Prometheus is configured.
 PERMISSIONS: Mapping[tuple[str, str], frozenset[str]] = MappingProxyType({
     **{(r.group, r.plural): frozenset({"get", "create", "patch"}) for r in RESOURCES.values()},
     ("", "secrets"): frozenset({"get"}),  # existence of referenced Secrets only; values are never read or logged
@@ -66,6 +67,8 @@ PERMISSIONS: Mapping[tuple[str, str], frozenset[str]] = MappingProxyType({
     # kopf: watching MineDrafts, its progress annotations, status writes and Events.
     (s.API_GROUP, s.PLURAL): frozenset({"list", "watch", "patch"}),
     (s.API_GROUP, f"{s.PLURAL}/status"): frozenset({"patch"}),
+    # The autoscaler writes spec.replicas through /scale (as an HPA would), never the whole spec.
+    (s.API_GROUP, f"{s.PLURAL}/scale"): frozenset({"patch"}),
     ("", "events"): frozenset({"create"}),
 })
 
@@ -132,6 +135,27 @@ class KubeClient:
         if status == 404:
             raise KubeError(404, "PATCH", resource.path(meta["namespace"], meta["name"]), "not found")
         return dict(obj or {})
+
+    async def scale(self, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+        """Set a MineDraft's spec.replicas through its /scale subresource (what `kubectl scale` and HPAs use)."""
+        path = MINEDRAFTS.path(namespace, name, "scale")
+        status, obj = await asyncio.to_thread(self._call, "PATCH", path, {"spec": {"replicas": replicas}}, None,
+                                              "application/merge-patch+json")
+        if status == 404:
+            raise KubeError(404, "PATCH", path, "not found")
+        return dict(obj or {})
+
+    async def ready_addresses(self, namespace: str, service: str) -> list[str]:
+        """IP addresses of a Service's ready endpoints, from its EndpointSlices."""
+        path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+        _, doc = await asyncio.to_thread(self._call, "GET", path, None,
+                                         [("labelSelector", f"kubernetes.io/service-name={service}")])
+        addresses: list[str] = []
+        for item in (doc or {}).get("items", []):
+            for endpoint in item.get("endpoints") or []:
+                if (endpoint.get("conditions") or {}).get("ready", True):
+                    addresses += list(endpoint.get("addresses") or [])
+        return addresses
 
     async def has_api(self, group: str, version: str, plural: str) -> bool:
         """Discovery (allowed to every authenticated client): whether the cluster serves group/version/plural."""

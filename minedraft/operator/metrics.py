@@ -32,8 +32,30 @@ class OperatorMetrics:
             "minedraft_operator_ready_replicas", "Engine replicas ready.", ["namespace", "name"],
             registry=self.registry)
 
+        # The autoscaler's view (only MineDrafts with spec.autoscaling).
+        self.autoscaler_desired_replicas = Gauge(
+            "minedraft_operator_autoscaler_desired_replicas", "Engine replicas the autoscaler's last evaluation "
+            "asked for.", ["namespace", "name"], registry=self.registry)
+        self.autoscaler_current_replicas = Gauge(
+            "minedraft_operator_autoscaler_current_replicas", "Engine replicas (spec.replicas, starting ones "
+            "included) at the autoscaler's last evaluation.", ["namespace", "name"], registry=self.registry)
+        self.autoscaler_capacity = Gauge(
+            "minedraft_operator_autoscaler_capacity_tokens_per_second", "Estimated output tokens/s of one replica "
+            "at the batch it would run (the autoscaler's capacity).", ["namespace", "name"], registry=self.registry)
+        self.autoscaler_demand = Gauge(
+            "minedraft_operator_autoscaler_demand_tokens_per_second", "Output tokens/s the requests in the system "
+            "need, as the autoscaler estimates it.", ["namespace", "name"], registry=self.registry)
+        self.autoscaler_metrics_available = Gauge(
+            "minedraft_operator_autoscaler_metrics_available", "1 when the last evaluation had usable engine "
+            "metrics.", ["namespace", "name"], registry=self.registry)
+        self.autoscaler_decisions = Counter(
+            "minedraft_operator_autoscaler_decisions", "Autoscaler evaluations by result (scale_up, scale_down, "
+            "hold, no_metrics, scale_failed).", ["namespace", "name", "result"], registry=self.registry)
+
     def forget(self, namespace: str, name: str) -> None:
         """Drop a deleted MineDraft's series so dashboards do not show it forever."""
-        for gauge in (self.ready, self.desired_replicas, self.ready_replicas):
+        for gauge in (self.ready, self.desired_replicas, self.ready_replicas, self.autoscaler_desired_replicas,
+                      self.autoscaler_current_replicas, self.autoscaler_capacity, self.autoscaler_demand,
+                      self.autoscaler_metrics_available):
             with contextlib.suppress(KeyError):  # never reported: nothing to drop
                 gauge.remove(namespace, name)

@@ -143,7 +143,7 @@ class Reconciler:
                 generation=generation, spec=spec, meta=meta, problems=tuple(problems),
                 engine=status.DeploymentState.from_object(engine),
                 gateway=status.DeploymentState.from_object(gateway),
-                previous_conditions=previous)
+                previous_conditions=previous, scaling=old_status.get("scaling"))
         new_status = status.compute_status(observed, _now())
         events = [Event("Normal", "Applied", change) for change in applied]
         for cond in status.condition_changes(previous, new_status["conditions"]):

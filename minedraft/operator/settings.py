@@ -24,6 +24,11 @@ class OperatorSettings:
     # "auto": render PodMonitors when the cluster serves monitoring.coreos.com/v1 podmonitors.
     monitoring: str = "auto"
     network_policy: bool = True
+    # Prometheus HTTP API the autoscaler queries when a MineDraft names none (None: scrape engine pods directly).
+    prometheus_url: str | None = None
+    # How often each autoscaled MineDraft is checked; it is evaluated when its spec.autoscaling.intervalSeconds
+    # have passed since the last evaluation.
+    autoscale_tick_seconds: float = 5.0
     prometheus_namespace_selector: Mapping[str, str] = field(
         default_factory=lambda: dict(RenderOptions().prometheus_namespace_selector))
     prometheus_pod_selector: Mapping[str, str] = field(
@@ -34,6 +39,8 @@ class OperatorSettings:
             raise ValueError(f"monitoring must be one of {', '.join(MONITORING_CHOICES)} (got {self.monitoring!r})")
         if self.drift_interval_seconds <= 0:
             raise ValueError("drift_interval_seconds must be positive")
+        if self.autoscale_tick_seconds <= 0:
+            raise ValueError("autoscale_tick_seconds must be positive")
 
     def render_options(self, monitoring_available: bool) -> RenderOptions:
         monitoring = self.monitoring == "on" or (self.monitoring == "auto" and monitoring_available)

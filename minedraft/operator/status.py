@@ -69,6 +69,8 @@ class Observed:
     gateway: DeploymentState | None = None
     speculation: SpeculationFigures | None = None
     previous_conditions: Sequence[Mapping[str, Any]] = field(default_factory=tuple)
+    # status.scaling as the autoscaler last wrote it (None before its first evaluation or without autoscaling).
+    scaling: Mapping[str, Any] | None = None
 
 
 def _condition(cond_type: str, status: str, reason: str, message: str, generation: int, now: str,
@@ -90,6 +92,27 @@ def _deployment_condition(state: DeploymentState | None, desired: int, what: str
     if state.ready_replicas < desired:
         return "False", "ReplicasNotReady", f"{state.ready_replicas}/{desired} {what} replicas ready"
     return "True", "AllReplicasReady", f"{state.ready_replicas}/{desired} {what} replicas ready"
+
+
+def autoscaling_conditions(scaling: Mapping[str, Any], generation: int, now: str,
+                           previous_conditions: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """ScalingReady and MetricsAvailable from the autoscaler's last evaluation (status.scaling).
+
+    Both the autoscaler (right after it evaluates) and every reconcile pass derive them from the same record, so
+    the two writers never disagree.
+    """
+    previous = {c.get("type", ""): c for c in previous_conditions}
+    reason = str(scaling.get("reason") or "Unknown")
+    message = str(scaling.get("message") or "")
+    if scaling.get("metricsAvailable"):
+        metrics = _condition("MetricsAvailable", "True", "Collected", "engine metrics are current", generation, now,
+                             previous)
+        ready = _condition("ScalingReady", "True", reason, message, generation, now, previous)
+    else:
+        metrics = _condition("MetricsAvailable", "False", reason, message, generation, now, previous)
+        ready = _condition("ScalingReady", "False", reason, f"no scaling decision: {message}", generation, now,
+                           previous)
+    return ready, metrics
 
 
 def compute_status(observed: Observed, now: str) -> dict[str, Any]:
@@ -130,6 +153,8 @@ def compute_status(observed: Observed, now: str) -> dict[str, Any]:
         metrics = cond("MetricsAvailable", "Unknown", "NotCollected", "speculation metrics are not collected yet")
     else:
         metrics = cond("MetricsAvailable", "True", "Collected", "speculation metrics are current")
+    if spec.autoscaling is not None and observed.scaling:
+        scaling, metrics = autoscaling_conditions(observed.scaling, gen, now, observed.previous_conditions)
     not_ready = [c for c in (engine, gateway) if c["status"] != "True"]
     if not_ready:
         first = not_ready[0]

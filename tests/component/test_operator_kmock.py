@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NS = "serving"
 MD_PATH = f"/apis/{s.API_GROUP}/{s.API_VERSION}/namespaces/{NS}/{s.PLURAL}"
 DRIFT_SECONDS = 0.5
+AUTOSCALE_TICK_SECONDS = 0.5
 TIMEOUT_SECONDS = 30.0  # generous: CI machines here are shared and busy
 
 pytestmark = pytest.mark.timeout(120)
@@ -152,12 +153,13 @@ class OperatorRun:
     """The operator in a thread with its own event loop, as in production: kopf treats every task created on its
     loop after start-up as its own and cancels them when it stops, which would include the test's tasks."""
 
-    def __init__(self, cluster: Cluster, monitoring: str = "auto") -> None:
+    def __init__(self, cluster: Cluster, monitoring: str = "auto", prometheus_url: str | None = None) -> None:
         self.cluster = cluster
         self.metrics = OperatorMetrics()
         self.health_port = free_port()
         self.settings = OperatorSettings(drift_interval_seconds=DRIFT_SECONDS, health_port=self.health_port,
-                                         metrics_port=0, monitoring=monitoring)
+                                         metrics_port=0, monitoring=monitoring, prometheus_url=prometheus_url,
+                                         autoscale_tick_seconds=AUTOSCALE_TICK_SECONDS)
         self.stop_flag = threading.Event()
         self.ready_flag = threading.Event()
         self.thread: threading.Thread | None = None
@@ -373,6 +375,10 @@ async def test_restart_makes_no_duplicates_and_no_spurious_changes(cluster: Clus
     await wait_for("objects and status", lambda: len(cluster.owned()) == 9
                    and (cluster.minedraft("qwen3-14b") or {}).get("status", {}).get("conditions"))
     await wait_for("a drift tick", lambda: first.count("timer") >= 1)
+    # The example names a Prometheus that does not exist here: the autoscaler records that once (MetricsAvailable
+    # False); after the restart the same finding must not be written again.
+    await wait_for("an autoscaler evaluation", lambda: "scaling" in (cluster.minedraft("qwen3-14b") or {}).get(
+        "status", {}))
     await first.stop()
     snapshot = {(p, o["metadata"]["name"]): o["metadata"]["resourceVersion"] for p, o in cluster.owned()}
     md_version = (cluster.minedraft("qwen3-14b") or {})["metadata"]["resourceVersion"]
@@ -509,6 +515,109 @@ async def test_operator_command_end_to_end(cluster: Cluster, tmp_path: Path) -> 
             process.kill()
             raise
     assert code == 0, log.read_text()[-3000:]
+
+
+class FakeEngineMetrics:
+    """The engine series the autoscaler reads, served on loopback for a real Prometheus to scrape (instead of an
+    engine: the load is whatever the test sets). Streamed tokens grow at running x SPEED tokens/s."""
+
+    SPEED = 40.0  # output tokens/s of one running request
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+        self.registry = CollectorRegistry()
+        self.running = Gauge("minedraft_engine_running_requests", "running", ["model"], registry=self.registry)
+        self.waiting = Gauge("minedraft_engine_waiting_requests", "waiting", ["model"], registry=self.registry)
+        self.predicted = Gauge("minedraft_engine_predicted_best_output_tokens_per_second", "predicted", ["model"],
+                               registry=self.registry)
+        self.streamed = Counter("minedraft_engine_streamed_tokens", "streamed", ["model"], registry=self.registry)
+        self.server, self.thread = start_http_server(0, addr="127.0.0.1", registry=self.registry)
+        self.port = self.server.server_port
+        self.load = (0.0, 0.0)
+        self.stopped = threading.Event()
+        self.ticker = threading.Thread(target=self._tick, daemon=True)
+        self.set_load(0, 0)
+        self.ticker.start()
+
+    def set_load(self, running: float, waiting: float) -> None:
+        self.load = (running, waiting)
+        self.running.labels("m").set(running)
+        self.waiting.labels("m").set(waiting)
+        self.predicted.labels("m").set(running * self.SPEED)
+
+    def _tick(self) -> None:
+        while not self.stopped.wait(0.1):
+            self.streamed.labels("m").inc(self.load[0] * self.SPEED * 0.1)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def condition(md: dict[str, Any] | None, cond_type: str) -> dict[str, Any]:
+    return next((c for c in (md or {}).get("status", {}).get("conditions", []) if c["type"] == cond_type), {})
+
+
+async def test_autoscaler_scales_up_from_prometheus_and_holds_when_it_goes(cluster: Cluster, tmp_path: Path) -> None:
+    """A real Prometheus (the recording rules loaded) scrapes engine series; load goes up -> spec.replicas rises
+    through /scale with a recorded reason; Prometheus stopped -> MetricsAvailable=False, replicas unchanged."""
+    from tests.metrics_support import RULES_FILE, Prometheus
+
+    engine = FakeEngineMetrics()
+    engine.set_load(running=4, waiting=0)
+    prometheus = Prometheus(tmp_path, {"auto-engine": f"127.0.0.1:{engine.port}"}, [RULES_FILE])
+    run: OperatorRun | None = None
+    try:
+        await asyncio.to_thread(prometheus.wait_ready)
+        await wait_for("the first scrape and rule evaluation",
+                       lambda: prometheus.query("minedraft:engine_requests_in_system:sum"))
+        run = OperatorRun(cluster, prometheus_url=prometheus.url)
+        await run.start()
+        doc = example("autoscaled")
+        doc["metadata"]["name"] = "auto"
+        doc["spec"]["engine"]["maxNumSeqs"] = 32
+        auto = doc["spec"]["autoscaling"]
+        auto.update({"minReplicas": 1, "maxReplicas": 6, "intervalSeconds": 5, "maxScaleUpStep": 2})
+        del auto["prometheus"]  # the operator's --prometheus-url
+        await cluster.apply_minedraft(doc)
+        await wait_for("a first evaluation with metrics", lambda: condition(
+            cluster.minedraft("auto"), "MetricsAvailable").get("status") == "True")
+        md = cluster.minedraft("auto") or {}
+        assert md["spec"].get("replicas", 1) == 1 and md["status"]["scaling"]["decisions"] == []
+        assert condition(md, "ScalingReady")["reason"] == "Steady"
+
+        engine.set_load(running=32, waiting=64)  # 96 requests at 40 tok/s: well past one replica's 32 slots
+        await wait_for("spec.replicas to rise", lambda: (cluster.minedraft("auto") or {})["spec"].get(
+            "replicas", 1) > 1)
+        await wait_for("the decision recorded", lambda: (cluster.minedraft("auto") or {})["status"]["scaling"][
+            "decisions"])
+        md = cluster.minedraft("auto") or {}
+        decision = md["status"]["scaling"]["decisions"][-1]
+        assert decision["from"] == 1 and decision["to"] == md["spec"]["replicas"] == 3, decision  # step limit 2
+        assert decision["reason"].startswith("scale up") and decision["inputs"]["capacity_source"] == "predicted"
+        scale_writes = [r for r in cluster.requests() if r.subresource == "scale" and not r.headers.get("X-Test")]
+        assert [r.method.upper() for r in scale_writes] == ["PATCH"]
+        assert any("1 -> 3" in e.get("message", "") for e in cluster.events("Scaled"))
+        await wait_for("the engine Deployment to follow", lambda: (cluster.obj("Deployment", "auto-engine") or {})
+                       .get("spec", {}).get("replicas") == 3)
+
+        prometheus.stop()
+        await wait_for("MetricsAvailable=False", lambda: condition(
+            cluster.minedraft("auto"), "MetricsAvailable").get("status") == "False")
+        md = cluster.minedraft("auto") or {}
+        assert condition(md, "MetricsAvailable")["reason"] == "PrometheusUnreachable"
+        assert condition(md, "ScalingReady")["status"] == "False"
+        assert md["spec"]["replicas"] == 3
+        assert len([r for r in cluster.requests() if r.subresource == "scale" and not r.headers.get("X-Test")]) == 1
+        assert cluster.events("PrometheusUnreachable")
+    finally:
+        if run is not None:
+            await run.stop()
+        if prometheus.process.poll() is None:
+            prometheus.stop()
+        engine.stop()
 
 
 def test_every_granted_permission_was_exercised(seen_permissions: set[tuple[str, str, str]]) -> None:

@@ -1,0 +1,157 @@
+"""One autoscaling evaluation for one MineDraft: observe, decide, and say what to write (scale, status, events).
+
+The kopf timer (handlers.py) calls `Autoscaler.evaluate` every tick; it acts only when the MineDraft's
+`intervalSeconds` have passed. Per-MineDraft memory (policy state, the previous direct scrape) lives in the
+Autoscaler object held in the operator's memo, not at module level.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from minedraft.operator import render
+from minedraft.operator import spec as s
+from minedraft.operator.autoscale import observe
+from minedraft.operator.autoscale.policy import Decision, Observations, PolicyConfig, PolicyState, decide
+
+# Replica changes kept in status.scaling.decisions (oldest dropped first).
+MAX_RECORDED_DECISIONS = 10
+
+
+def policy_config(spec: s.MineDraftSpec) -> PolicyConfig:
+    a = spec.autoscaling
+    assert a is not None
+    return PolicyConfig(min_replicas=a.min_replicas, max_replicas=a.max_replicas,
+                        target_utilization=a.target_utilization, interval_seconds=a.interval_seconds,
+                        scale_down_stabilization_seconds=a.scale_down_stabilization_seconds,
+                        max_scale_up_step=a.max_scale_up_step, requests_per_replica=spec.engine.max_num_seqs,
+                        # Three missed evaluations, or a minute of Prometheus lag, whichever is longer.
+                        max_metrics_age_seconds=max(3 * a.interval_seconds, 60))
+
+
+def _rfc3339(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _reason_code(decision: Decision, unavailable: observe.MetricsUnavailable | None) -> str:
+    if unavailable is not None:
+        return unavailable.reason
+    if not decision.metrics_available:
+        return "MetricsStale" if "old" in decision.reason else "NoEngineMetrics"
+    if decision.desired > decision.current:
+        return "ScaledUp"
+    if decision.desired < decision.current:
+        return "ScaledDown"
+    return "Steady"
+
+
+def scaling_status(previous: Mapping[str, Any] | None, decision: Decision, reason: str, now_seconds: float,
+                   observations: Observations | None) -> dict[str, Any]:
+    """status.scaling after this evaluation: the last evaluation's figures and the last replica changes."""
+    decisions = list((previous or {}).get("decisions") or [])
+    if decision.changed:
+        decisions.append({"time": _rfc3339(now_seconds), "from": decision.current, "to": decision.desired,
+                          "reason": decision.reason,
+                          "inputs": asdict(decision.inputs) if decision.inputs is not None else {}})
+    status: dict[str, Any] = {
+        "metricsAvailable": decision.metrics_available, "reason": reason, "message": decision.reason,
+        # No evaluation time: an evaluation that changes nothing must not rewrite the status (and bump the
+        # resourceVersion) every interval; decisions carry their time.
+        "desiredReplicas": decision.desired,
+        "decisions": decisions[-MAX_RECORDED_DECISIONS:],
+    }
+    if decision.inputs is not None:
+        status["recommendedReplicas"] = decision.inputs.recommended
+        status["capacityTokensPerSecondPerReplica"] = decision.inputs.capacity_tokens_per_second_per_replica
+        status["demandTokensPerSecond"] = decision.inputs.demand_tokens_per_second
+    return status
+
+
+def speculation_status(observations: Observations | None) -> dict[str, Any] | None:
+    if observations is None or observations.speculation.acceptance_rate is None:
+        return None
+    sp = observations.speculation
+    out: dict[str, Any] = {"acceptanceRate": round(sp.acceptance_rate or 0.0, 4)}
+    if sp.overlap_fraction is not None:
+        out["overlap"] = round(sp.overlap_fraction, 4)
+    if sp.mean_accepted_length is not None:
+        out["meanAcceptedLength"] = round(sp.mean_accepted_length, 4)
+    if sp.modes:
+        out["modes"] = list(sp.modes)
+    return out
+
+
+@dataclass
+class Evaluation:
+    """What one evaluation decided; the handler writes it."""
+
+    decision: Decision
+    scaling: dict[str, Any]
+    speculation: dict[str, Any] | None
+    observations: Observations | None
+
+
+@dataclass
+class _Memory:
+    state: PolicyState = field(default_factory=PolicyState)
+    last_evaluation_seconds: float | None = None
+    scrapes: dict[str, observe.Scrape] = field(default_factory=dict)
+
+
+Fetch = Callable[[str, str, float], Awaitable[Observations]]
+
+
+class Autoscaler:
+    """Per-operator: remembers each MineDraft's policy state between evaluations."""
+
+    def __init__(self, default_prometheus: str | None,
+                 engine_addresses: Callable[[str, str], Awaitable[list[str]]]) -> None:
+        self.default_prometheus = default_prometheus
+        self.engine_addresses = engine_addresses
+        self._memory: dict[tuple[str, str], _Memory] = {}
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._memory.pop((namespace, name), None)
+
+    def due(self, namespace: str, name: str, interval_seconds: float, now_seconds: float) -> bool:
+        last = self._memory.get((namespace, name), _Memory()).last_evaluation_seconds
+        # A little slack: a timer tick that lands just short of the interval should not wait a whole extra tick.
+        return last is None or now_seconds - last >= interval_seconds - 0.25
+
+    async def _observe(self, session: Any, spec: s.MineDraftSpec, meta: s.ObjectMeta, memory: _Memory,
+                       now_seconds: float) -> Observations:
+        assert spec.autoscaling is not None
+        engine_service = render.names(meta)["engine"]
+        address = spec.autoscaling.prometheus_address or self.default_prometheus
+        if address:
+            return await observe.query_prometheus(session, address, meta.namespace, engine_service, now_seconds)
+        # No Prometheus: scrape each ready engine pod's metrics port (addresses from the engine Service's
+        # EndpointSlices); rates come from the difference to the previous scrape.
+        hosts = await self.engine_addresses(meta.namespace, engine_service)
+        scrapes = await observe.scrape_engines(session, [f"{h}:{render.ENGINE_METRICS_PORT}" for h in hosts],
+                                               now_seconds)
+        previous, memory.scrapes = memory.scrapes, scrapes
+        return observe.observations_from_scrapes(scrapes, previous)
+
+    async def evaluate(self, session: Any, spec: s.MineDraftSpec, meta: s.ObjectMeta,
+                       previous_scaling: Mapping[str, Any] | None, now_seconds: float) -> Evaluation:
+        assert spec.autoscaling is not None
+        memory = self._memory.setdefault((meta.namespace, meta.name), _Memory())
+        memory.last_evaluation_seconds = now_seconds
+        unavailable: observe.MetricsUnavailable | None = None
+        observations: Observations | None
+        try:
+            observations = await self._observe(session, spec, meta, memory, now_seconds)
+        except observe.MetricsUnavailable as exc:
+            observations, unavailable = None, exc
+        current = spec.desired_replicas
+        decision, memory.state = decide(policy_config(spec), memory.state, current, observations, now_seconds)
+        if unavailable is not None and not decision.changed:
+            decision = Decision(current, current, str(unavailable), False)
+        reason = _reason_code(decision, unavailable)
+        return Evaluation(decision=decision,
+                          scaling=scaling_status(previous_scaling, decision, reason, now_seconds, observations),
+                          speculation=speculation_status(observations), observations=observations)
