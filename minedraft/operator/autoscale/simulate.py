@@ -247,14 +247,16 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
         if tick > 0 and tick % int(config.interval_seconds) == 0:
             in_flight = busy
             if config.policy == "minedraft":
+                # The engines' gauge: their cost model's tokens/s at the batch they run now, with the acceptance of
+                # the last seconds; per running request (as the running gauge counts them) that is their speed.
                 recent_acceptance = sum(acceptance_window) / len(acceptance_window)
-                per_replica = in_flight / ready if ready else 0.0
-                best_tps, best_mode, best_k = model.best(per_replica, recent_acceptance)
+                best_tps, best_mode, best_k = model.best(batch, recent_acceptance)
+                predicted = best_tps / batch * in_flight if batch > 0 else None
                 length = 1.0 + best_k * recent_acceptance if best_mode != "ar" else 1.0
                 obs = Observations(age_seconds=0.0, reporting_replicas=ready, running_requests=in_flight,
                                    waiting_requests=waiting,
                                    output_tokens_per_second=sum(tokens_window) / len(tokens_window),
-                                   predicted_tokens_per_second=best_tps * ready if ready else None,
+                                   predicted_tokens_per_second=predicted,
                                    speculation=SpeculationFigures(acceptance_rate=recent_acceptance,
                                                                   mean_accepted_length=length,
                                                                   modes=(best_mode,)))
