@@ -1,0 +1,149 @@
+"""The autoscaler's pure parts around the policy: reading Prometheus answers and scrapes, status.scaling, conditions,
+and one evaluation with a fake source (no I/O)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from minedraft.operator import spec as s
+from minedraft.operator import status
+from minedraft.operator.autoscale import observe
+from minedraft.operator.autoscale.loop import Autoscaler, scaling_status
+from minedraft.operator.autoscale.policy import Decision, Inputs
+
+
+def sample(value: float, **labels: str) -> dict[str, Any]:
+    return {"metric": labels, "value": [1000.0, str(value)]}
+
+
+def test_observations_from_prometheus_answers() -> None:
+    results = {
+        "running": [sample(10, instance="a"), sample(6, instance="b")],
+        "running_at": [sample(995.0), sample(990.0)],
+        "waiting": [sample(4)], "output_tps": [sample(640)], "predicted_tps": [sample(700)],
+        "acceptance": [sample(0.6)], "accepted_length": [sample(2.8)], "overlap": [sample(0.9)],
+        "verify_seconds": [sample(0.02)], "draft_seconds": [sample("NaN")],  # type: ignore[arg-type]
+        "modes": [sample(1, mode="psd"), sample(1, mode="ar")],
+    }
+    obs = observe.observations_from_prometheus(results, now_seconds=1000.0)
+    assert obs.reporting_replicas == 2 and obs.running_requests == 16 and obs.waiting_requests == 4
+    assert obs.age_seconds == 5.0 and obs.output_tokens_per_second == 640 and obs.predicted_tokens_per_second == 700
+    assert obs.speculation.acceptance_rate == 0.6 and obs.speculation.draft_seconds_per_step is None  # NaN dropped
+    assert obs.speculation.modes == ("ar", "psd")
+
+
+def test_no_engine_series_is_metrics_unavailable() -> None:
+    with pytest.raises(observe.MetricsUnavailable) as err:
+        observe.observations_from_prometheus({"running": []}, 0.0)
+    assert err.value.reason == "NoEngineMetrics"
+
+
+def test_selector_matches_podmonitor_and_plain_jobs() -> None:
+    sel = observe.selector("serving", "qwen-engine")
+    assert 'namespace=~"serving|"' in sel and 'job=~"(.+/)?(qwen-engine|qwen)"' in sel
+
+
+def exposition(running: float, streamed: float, accepted: float, drafted: float, drafts: float) -> str:
+    registry = CollectorRegistry()
+    Gauge("minedraft_engine_running_requests", "r", ["model"], registry=registry).labels("m").set(running)
+    Gauge("minedraft_engine_waiting_requests", "w", ["model"], registry=registry).labels("m").set(1)
+    Gauge("minedraft_engine_predicted_best_output_tokens_per_second", "p", ["model"],
+          registry=registry).labels("m").set(running * 30)
+    mode = Gauge("minedraft_engine_mode", "m", ["model", "mode"], registry=registry)
+    mode.labels("m", "psd").set(1)
+    mode.labels("m", "ar").set(0)
+    for name, value in (("streamed_tokens", streamed), ("accepted_tokens", accepted), ("draft_tokens", drafted),
+                        ("drafts", drafts)):
+        Counter(f"minedraft_engine_{name}", name, ["model"], registry=registry).labels("m").inc(value)
+    return generate_latest(registry).decode()
+
+
+def test_observations_from_two_scrapes() -> None:
+    before = {"a:9400": observe.parse_exposition(exposition(8, 1000, 300, 600, 200), 100.0)}
+    now = {"a:9400": observe.parse_exposition(exposition(8, 1400, 360, 690, 230), 110.0)}
+    obs = observe.observations_from_scrapes(now, before)
+    assert obs.running_requests == 8 and obs.waiting_requests == 1 and obs.predicted_tokens_per_second == 240
+    assert obs.output_tokens_per_second == pytest.approx(40.0)
+    assert obs.speculation.acceptance_rate == pytest.approx(60 / 90)
+    assert obs.speculation.mean_accepted_length == pytest.approx(1 + 60 / 30)
+    assert obs.speculation.modes == ("psd",)
+    # First scrape: no rates yet, but gauges count.
+    assert observe.observations_from_scrapes(now, {}).output_tokens_per_second == 0.0
+    with pytest.raises(observe.MetricsUnavailable):
+        observe.observations_from_scrapes({}, before)
+
+
+def test_scaling_status_keeps_the_last_decisions() -> None:
+    inputs = Inputs(100.0, 50.0, 5.0, "predicted", 10, 0, 3)
+    scaling: dict[str, Any] | None = None
+    for i in range(15):
+        scaling = scaling_status(scaling, Decision(i, i + 1, f"scale up {i}", True, inputs), "ScaledUp", 1000.0 + i,
+                                 None)
+    assert scaling is not None
+    assert [d["from"] for d in scaling["decisions"]] == list(range(5, 15))
+    assert scaling["decisions"][-1]["inputs"]["capacity_source"] == "predicted"
+    held = scaling_status(scaling, Decision(3, 3, "hold", True, inputs), "Steady", 2000.0, None)
+    assert held["decisions"] == scaling["decisions"] and held["reason"] == "Steady"
+
+
+def test_conditions_follow_the_last_evaluation() -> None:
+    ready, metrics = status.autoscaling_conditions(
+        {"metricsAvailable": False, "reason": "PrometheusUnreachable", "message": "connection refused"}, 3,
+        "2026-01-01T00:00:00Z", [])
+    assert (metrics["status"], metrics["reason"], metrics["observedGeneration"]) == ("False", "PrometheusUnreachable",
+                                                                                     3)
+    assert ready["status"] == "False" and "connection refused" in ready["message"]
+    ready, metrics = status.autoscaling_conditions({"metricsAvailable": True, "reason": "Steady", "message": "m"}, 3,
+                                                   "2026-01-01T00:00:00Z", [])
+    assert metrics["status"] == "True" and ready["reason"] == "Steady"
+
+
+def autoscaled_spec(**autoscaling: Any) -> s.MineDraftSpec:
+    return s.parse_spec({
+        "target": {"source": {"image": {"path": "/models/t"}}}, "draft": {"source": {"image": {"path": "/models/d"}}},
+        "engine": {"maxNumSeqs": 32},
+        "autoscaling": {"minReplicas": 1, "maxReplicas": 8, "intervalSeconds": 15, **autoscaling}})
+
+
+def test_evaluation_without_prometheus_scrapes_the_engine_endpoints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No address anywhere: engine pods from EndpointSlices, scraped; their load decides."""
+    asked: list[tuple[str, str]] = []
+
+    async def addresses(namespace: str, service: str) -> list[str]:
+        asked.append((namespace, service))
+        return ["10.0.0.1", "10.0.0.2"]
+
+    async def scrape(session: Any, addrs: list[str], at: float) -> dict[str, observe.Scrape]:
+        assert addrs == ["10.0.0.1:9400", "10.0.0.2:9400"]
+        return {a: observe.parse_exposition(exposition(32, 0, 0, 0, 0), at) for a in addrs}
+
+    monkeypatch.setattr(observe, "scrape_engines", scrape)
+    scaler = Autoscaler(None, addresses)
+    meta = s.ObjectMeta("qwen", "serving", "uid")
+    spec = autoscaled_spec()
+    evaluation = asyncio.run(scaler.evaluate(None, spec, meta, None, 1000.0))
+    assert asked == [("serving", "qwen-engine")]
+    # 64 running + 2 waiting at 30 tok/s each on 1 replica (spec.replicas unset: min): scale up by the step limit.
+    assert evaluation.decision.current == 1 and evaluation.decision.desired == 3
+    assert evaluation.scaling["decisions"][0]["to"] == 3 and evaluation.speculation is None
+    assert not scaler.due("serving", "qwen", 15, 1010.0) and scaler.due("serving", "qwen", 15, 1015.0)
+
+
+def test_evaluation_with_prometheus_down_decides_nothing() -> None:
+    async def addresses(namespace: str, service: str) -> list[str]:
+        raise AssertionError("Prometheus is configured: no scraping")
+
+    async def run() -> Any:
+        import aiohttp
+
+        scaler = Autoscaler("http://127.0.0.1:1", addresses)  # nothing listens on port 1
+        async with aiohttp.ClientSession() as session:
+            return await scaler.evaluate(session, autoscaled_spec(), s.ObjectMeta("q", "ns", "u"), None, 0.0)
+
+    evaluation = asyncio.run(run())
+    assert not evaluation.decision.changed and not evaluation.decision.metrics_available
+    assert evaluation.scaling["reason"] == "PrometheusUnreachable" and evaluation.scaling["decisions"] == []
