@@ -84,3 +84,14 @@ def test_acceptance_collapse_lowers_the_model_capacity() -> None:
     high = MODEL.best(MODEL.max_batch, 0.9)[0]
     low = MODEL.best(MODEL.max_batch, 0.1)[0]
     assert low < high
+
+
+def test_simulate_command_writes_json_and_plot(tmp_path: Path) -> None:
+    from minedraft.cli import main
+
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    assert main(["autoscale", "simulate", "--trace", str(TRACES / "step.jsonl"), "--policy", "hpa-queue",
+                 "--json", str(out), "--plot", str(png)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data) >= {"replica_seconds", "slo_violation_fraction", "max_queue", "direction_changes", "decisions"}
+    assert data["policy"] == "hpa-queue" and data["decisions"] and png.stat().st_size > 10_000
