@@ -46,6 +46,7 @@ PROMETHEUS_QUERIES: Mapping[str, str] = {
     "running_at": "timestamp(minedraft_engine_running_requests{{{sel}}})",
     "waiting": "sum(minedraft_engine_waiting_requests{{{sel}}})",
     "output_tps": "sum(minedraft:engine_output_tokens_per_second:rate1m{{{sel}}})",
+    "finished_rps": "sum(rate(minedraft_engine_requests_finished_total{{{sel}}}[1m]))",
     "predicted_tps": "sum(minedraft:engine_predicted_capacity_tokens_per_second:max{{{sel}}})",
     "acceptance": "avg(minedraft:engine_acceptance_rate:rate1m{{{sel}}})",
     "accepted_length": "avg(minedraft:engine_mean_accepted_length:rate1m{{{sel}}})",
@@ -80,6 +81,7 @@ def observations_from_prometheus(results: Mapping[str, Sequence[Mapping[str, Any
         waiting_requests=_scalar(results.get("waiting") or []) or 0.0,
         output_tokens_per_second=_scalar(results.get("output_tps") or []) or 0.0,
         predicted_tokens_per_second=_scalar(results.get("predicted_tps") or []),
+        finished_requests_per_second=_scalar(results.get("finished_rps") or []),
         speculation=SpeculationFigures(
             acceptance_rate=_scalar(results.get("acceptance") or []),
             mean_accepted_length=_scalar(results.get("accepted_length") or []),
@@ -116,7 +118,7 @@ async def query_prometheus(session: aiohttp.ClientSession, address: str, namespa
 # -- direct scraping (no Prometheus) ------------------------------------------------------------------------------
 
 COUNTERS = ("minedraft_engine_streamed_tokens", "minedraft_engine_accepted_tokens", "minedraft_engine_draft_tokens",
-            "minedraft_engine_drafts")
+            "minedraft_engine_drafts", "minedraft_engine_requests_finished")
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,8 @@ def observations_from_scrapes(now: Mapping[str, Scrape], before: Mapping[str, Sc
     """Observations from this scrape of each engine (by address) and the previous one (for rates)."""
     if not now:
         raise MetricsUnavailable("NoEngineMetrics", "no engine pod answered on its metrics port")
-    rate_tokens = accepted = drafted = drafts = 0.0
+    rate_tokens = rate_finished = accepted = drafted = drafts = 0.0
+    rated = False
     for address, scrape in now.items():
         prev = before.get(address)
         if prev is None or scrape.at_seconds <= prev.at_seconds:
@@ -161,7 +164,9 @@ def observations_from_scrapes(now: Mapping[str, Scrape], before: Mapping[str, Sc
         def delta(name: str, s: Scrape = scrape, p: Scrape = prev) -> float:
             return max(s.counters.get(name, 0.0) - p.counters.get(name, 0.0), 0.0)  # a restart resets counters
 
+        rated = True
         rate_tokens += delta("minedraft_engine_streamed_tokens") / seconds
+        rate_finished += delta("minedraft_engine_requests_finished") / seconds
         accepted += delta("minedraft_engine_accepted_tokens")
         drafted += delta("minedraft_engine_draft_tokens")
         drafts += delta("minedraft_engine_drafts")
@@ -173,6 +178,7 @@ def observations_from_scrapes(now: Mapping[str, Scrape], before: Mapping[str, Sc
         waiting_requests=sum(s.gauges.get("minedraft_engine_waiting_requests", 0.0) for s in now.values()),
         output_tokens_per_second=rate_tokens,
         predicted_tokens_per_second=sum(predicted) if predicted else None,
+        finished_requests_per_second=rate_finished if rated else None,
         speculation=SpeculationFigures(
             acceptance_rate=accepted / drafted if drafted else None,
             mean_accepted_length=1.0 + accepted / drafts if drafts else None,

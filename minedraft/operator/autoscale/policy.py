@@ -7,8 +7,9 @@ acceptance falls, each verification yields fewer tokens, the speed and so the ca
 observation, and the policy adds replicas before the queue has had time to grow (a queue-length policy has to
 wait for requests to pile up).
 
-Demand is the output token rate the deployment would produce if every request in the system (running + waiting)
-were being served at the rate the running ones are: observed tokens/s x (running + waiting) / running.
+Demand is the output token rate the arrivals need (finished requests/s plus the growth of running + waiting, times
+tokens per request) plus draining the queue within `backlog_drain_seconds`; without a finished-request rate, the
+rate every request in the system (running + waiting) would take at the running ones' speed.
 
     desired = ceil(demand / (target utilisation x capacity per replica))
 
@@ -47,6 +48,10 @@ class PolicyConfig:
     # Observations older than this are stale (three missed intervals by default, set by from_spec).
     max_metrics_age_seconds: float = 45.0
     tolerance: float = DEFAULT_TOLERANCE
+    # A queue is planned to drain within about this long, on top of serving the arrivals: much shorter asks for
+    # replicas that arrive (a model load later) after the queue is gone, and a backlog built while replicas were
+    # starting would cascade into more; much longer leaves requests waiting well past a TTFT SLO.
+    backlog_drain_seconds: float = 30.0
     # How a request's seconds per token grow with the batch (see batch_slowdown); None: learned from observations.
     batch_slowdown: float | None = None
 
@@ -74,6 +79,8 @@ class Observations:
     output_tokens_per_second: float
     # The engines' cost-model prediction at their current load, summed over replicas (None: gauge not exported).
     predicted_tokens_per_second: float | None = None
+    # Requests finished per second over the last minute (None: not known; demand then counts the whole queue).
+    finished_requests_per_second: float | None = None
     speculation: SpeculationFigures = field(default_factory=SpeculationFigures)
 
 
@@ -87,6 +94,8 @@ class PolicyState:
     first_observed_seconds: float | None = None
     # (requests per replica, seconds per token of one request) seen recently: how decoding slows as batches grow.
     speed_samples: tuple[tuple[float, float], ...] = ()
+    # (time s, running + waiting) at the last evaluation with metrics: how fast requests pile up.
+    last_in_system: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -190,6 +199,30 @@ def replicas_needed(demand: float, per_request: float, batch: float, shape: floa
     return high
 
 
+def estimate_demand(config: PolicyConfig, state: PolicyState, obs: Observations, per_request: float,
+                    now_seconds: float) -> tuple[float, str]:
+    """Output tokens/s needed: the arrivals' token rate plus draining the queue; and which estimate was used.
+
+    With the finished-request rate known, arrivals = finished + growth of the requests in the system since the last
+    evaluation, tokens per request = output tokens/s / finished per second, and the queue adds waiting x tokens per
+    request / backlog_drain_seconds. Without it: every request in the system at today's speed, or the measured
+    rate scaled by the queue, the larger (this counts a whole backlog as demand, so it overreacts to one).
+    """
+    in_system = obs.running_requests + obs.waiting_requests
+    finished = obs.finished_requests_per_second
+    last = state.last_in_system
+    if (finished is not None and finished > 0 and obs.output_tokens_per_second > 0 and last is not None
+            and now_seconds > last[0]):
+        tokens_per_request = obs.output_tokens_per_second / finished
+        arrivals = max(finished + (in_system - last[1]) / (now_seconds - last[0]), 0.0)
+        backlog = obs.waiting_requests * tokens_per_request / config.backlog_drain_seconds
+        return arrivals * tokens_per_request + backlog, "arrivals"
+    demand = per_request * in_system
+    if obs.running_requests >= 1:
+        demand = max(demand, obs.output_tokens_per_second * in_system / obs.running_requests)
+    return demand, "in system"
+
+
 def _clamp(value: int, config: PolicyConfig) -> int:
     return max(config.min_replicas, min(config.max_replicas, value))
 
@@ -224,11 +257,7 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
             return _no_decision(current, "no capacity figure: neither predicted goodput nor step seconds"), state
     per_request, source = speed
     in_system = obs.running_requests + obs.waiting_requests
-    # Tokens/s every request in the system would take at today's speed (reacts to a step at once), or the measured
-    # rate scaled up by the queue (smoother, and right when speeds differ between replicas): the larger.
-    demand = per_request * in_system
-    if obs.running_requests >= 1:
-        demand = max(demand, obs.output_tokens_per_second * in_system / obs.running_requests)
+    demand, demand_basis = estimate_demand(config, state, obs, per_request, now_seconds)
     batch = obs.running_requests / obs.reporting_replicas
     samples = state.speed_samples
     if per_request > 0 and batch >= 1:
@@ -258,8 +287,9 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
     window = config.scale_down_stabilization_seconds
     history = (*((t, r) for t, r in state.recommendations if t > now_seconds - window), (now_seconds, recommended))
     first = state.first_observed_seconds if state.first_observed_seconds is not None else now_seconds
-    state = replace(state, recommendations=history, first_observed_seconds=first, speed_samples=samples)
-    figures = f"demand {demand:.0f} tok/s, capacity {capacity:.0f} tok/s per replica ({source})"
+    state = replace(state, recommendations=history, first_observed_seconds=first, speed_samples=samples,
+                    last_in_system=(now_seconds, in_system))
+    figures = f"demand {demand:.0f} tok/s ({demand_basis}), capacity {capacity:.0f} tok/s per replica ({source})"
     if recommended > current:
         desired = min(recommended, current + config.max_scale_up_step)
         step_note = "" if desired == recommended else f" (step limited to +{config.max_scale_up_step})"

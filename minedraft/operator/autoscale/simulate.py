@@ -7,8 +7,8 @@ the trace's acceptance. A request's time to first token is its wait plus one ste
 exceeds the trace's `slo_ttft_seconds`.
 
 Both policies see what they would see in a cluster: every interval (15 s), running and waiting requests now; the
-minedraft policy also the output token rate over the last minute (the rate1m recording rule) and the engines'
-predicted goodput (the engine's cost model reacts to acceptance within seconds: modelled as the mean acceptance
+minedraft policy also the output token rate and finished requests per second over the last minute (rate1m) and the
+engines' predicted goodput (the engine's cost model reacts to acceptance within seconds: modelled as the mean acceptance
 of the last 5 s). New replicas serve `startup_seconds` after the decision and cost replica-seconds from the
 decision on. Scale-down removes starting replicas first, then ready ones, which finish their requests (drain).
 
@@ -180,6 +180,7 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
     policy_state, hpa_state = PolicyState(), HpaState()
     tokens_window: deque[float] = deque(maxlen=RATE_WINDOW_SECONDS)
     acceptance_window: deque[float] = deque(maxlen=ACCEPTANCE_WINDOW_SECONDS)
+    finished_window: deque[float] = deque(maxlen=RATE_WINDOW_SECONDS)
     replica_seconds = violations = total = max_queue = 0.0
     decisions: list[dict[str, Any]] = []
     timeline: dict[str, list[float]] = {k: [] for k in ("t", "arrival_rps", "acceptance", "replicas", "ready",
@@ -235,6 +236,7 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
             busy += cohort.count * (done / speed if speed > 0 else 1.0)
             cohort.remaining_tokens -= done
             produced += done * cohort.count
+        finished_window.append(sum(c.count for c in running if c.remaining_tokens <= 1e-9))
         running = [c for c in running if c.remaining_tokens > 1e-9]
         tokens_window.append(produced)
         waiting = sum(c.count for c in queue)
@@ -257,6 +259,7 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
                                    waiting_requests=waiting,
                                    output_tokens_per_second=sum(tokens_window) / len(tokens_window),
                                    predicted_tokens_per_second=predicted,
+                                   finished_requests_per_second=sum(finished_window) / len(finished_window),
                                    speculation=SpeculationFigures(acceptance_rate=recent_acceptance,
                                                                   mean_accepted_length=length,
                                                                   modes=(best_mode,)))

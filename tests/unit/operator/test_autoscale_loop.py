@@ -57,7 +57,7 @@ def exposition(running: float, streamed: float, accepted: float, drafted: float,
     mode.labels("m", "psd").set(1)
     mode.labels("m", "ar").set(0)
     for name, value in (("streamed_tokens", streamed), ("accepted_tokens", accepted), ("draft_tokens", drafted),
-                        ("drafts", drafts)):
+                        ("drafts", drafts), ("requests_finished", streamed / 100)):
         Counter(f"minedraft_engine_{name}", name, ["model"], registry=registry).labels("m").inc(value)
     return generate_latest(registry).decode()
 
@@ -68,11 +68,13 @@ def test_observations_from_two_scrapes() -> None:
     obs = observe.observations_from_scrapes(now, before)
     assert obs.running_requests == 8 and obs.waiting_requests == 1 and obs.predicted_tokens_per_second == 240
     assert obs.output_tokens_per_second == pytest.approx(40.0)
+    assert obs.finished_requests_per_second == pytest.approx(0.4)
     assert obs.speculation.acceptance_rate == pytest.approx(60 / 90)
     assert obs.speculation.mean_accepted_length == pytest.approx(1 + 60 / 30)
     assert obs.speculation.modes == ("psd",)
     # First scrape: no rates yet, but gauges count.
-    assert observe.observations_from_scrapes(now, {}).output_tokens_per_second == 0.0
+    first = observe.observations_from_scrapes(now, {})
+    assert first.output_tokens_per_second == 0.0 and first.finished_requests_per_second is None
     with pytest.raises(observe.MetricsUnavailable):
         observe.observations_from_scrapes({}, before)
 

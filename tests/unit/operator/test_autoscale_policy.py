@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
+import pytest
+
 from minedraft.operator.autoscale.policy import (
     Observations,
     PolicyConfig,
@@ -190,3 +192,40 @@ def test_scale_down_removes_at_most_half_per_step() -> None:
     decision, _ = decide(config, PolicyState(), 9, obs(10, replicas=9), 0.0)
     assert decision.inputs is not None and decision.inputs.recommended == 1
     assert decision.desired == 5
+
+
+def test_demand_from_arrivals_when_finished_rate_is_known() -> None:
+    """10 requests/s finish at 100 tokens each; in-system grew by 75 in 15 s: 15 requests/s arrive -> 1500 tok/s,
+    plus 75 waiting x 100 tokens drained over backlog_drain_seconds."""
+    from minedraft.operator.autoscale.policy import estimate_demand
+
+    config = replace(CONFIG, backlog_drain_seconds=30)
+    o = replace(obs(50, waiting=75, tokens_per_request=20), output_tokens_per_second=1000.0,
+                finished_requests_per_second=10.0)
+    demand, basis = estimate_demand(config, PolicyState(last_in_system=(0.0, 50.0)), o, 20.0, 15.0)
+    assert basis == "arrivals" and demand == pytest.approx(15 * 100 + 75 * 100 / 30)
+    # No previous look (or no finished rate): every request in the system at today's speed.
+    demand, basis = estimate_demand(config, PolicyState(), o, 20.0, 15.0)
+    assert basis == "in system" and demand == pytest.approx(max(125 * 20.0, 1000 * 125 / 50))
+
+
+def test_no_cascade_while_replicas_start() -> None:
+    """A step saturates 2 replicas; 4 more start. While they load, the queue keeps growing at the rate the policy
+    already planned for: it must not keep adding replicas every interval."""
+    config = replace(CONFIG, max_scale_up_step=4)
+    state = PolicyState()
+    current = 2
+    waiting = 0.0
+    counts = []
+    for i in range(6):  # 90 s of model load: the new replicas never report
+        waiting += 15 * (12 - 8)  # 12 requests/s arrive, 8/s finish (2 replicas x 32 slots, 200 tokens at 25 tok/s)
+        o = Observations(age_seconds=1, reporting_replicas=2, running_requests=64, waiting_requests=waiting,
+                         output_tokens_per_second=64 * 25.0, predicted_tokens_per_second=64 * 25.0,
+                         finished_requests_per_second=8.0)
+        decision, state = decide(config, state, current, o, i * 15.0)
+        current = decision.desired
+        counts.append(current)
+    # Arrivals need 12 x 200 = 2400 tok/s (3.75 replicas at 0.8 x 800 tok/s) plus the growing backlog over 30 s; the
+    # whole queue counted as demand would run to the maximum (10) within three intervals.
+    assert counts[0] > 2 and counts[-1] <= counts[1] + 2, counts
+    assert max(counts) <= 7, counts
