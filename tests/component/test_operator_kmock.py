@@ -519,9 +519,11 @@ async def test_operator_command_end_to_end(cluster: Cluster, tmp_path: Path) -> 
 
 class FakeEngineMetrics:
     """The engine series the autoscaler reads, served on loopback for a real Prometheus to scrape (instead of an
-    engine: the load is whatever the test sets). Streamed tokens grow at running x SPEED tokens/s."""
+    engine: the load is whatever the test sets). Streamed tokens grow at running x SPEED tokens/s, finished requests
+    at that / TOKENS."""
 
     SPEED = 40.0  # output tokens/s of one running request
+    TOKENS = 200.0  # output tokens per request
 
     def __init__(self) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
@@ -532,6 +534,8 @@ class FakeEngineMetrics:
         self.predicted = Gauge("minedraft_engine_predicted_best_output_tokens_per_second", "predicted", ["model"],
                                registry=self.registry)
         self.streamed = Counter("minedraft_engine_streamed_tokens", "streamed", ["model"], registry=self.registry)
+        self.finished = Counter("minedraft_engine_requests_finished", "finished", ["model", "finish_reason"],
+                                registry=self.registry)
         self.server, self.thread = start_http_server(0, addr="127.0.0.1", registry=self.registry)
         self.port = self.server.server_port
         self.load = (0.0, 0.0)
@@ -549,6 +553,7 @@ class FakeEngineMetrics:
     def _tick(self) -> None:
         while not self.stopped.wait(0.1):
             self.streamed.labels("m").inc(self.load[0] * self.SPEED * 0.1)
+            self.finished.labels("m", "length").inc(self.load[0] * self.SPEED * 0.1 / self.TOKENS)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -571,8 +576,9 @@ async def test_autoscaler_scales_up_from_prometheus_and_holds_when_it_goes(clust
     run: OperatorRun | None = None
     try:
         await asyncio.to_thread(prometheus.wait_ready)
-        await wait_for("the first scrape and rule evaluation",
-                       lambda: prometheus.query("minedraft:engine_requests_in_system:sum"))
+        await wait_for("the first scrape and rule evaluation, and a finished-request rate",
+                       lambda: prometheus.query("minedraft:engine_requests_in_system:sum")
+                       and (prometheus.value("sum(rate(minedraft_engine_requests_finished_total[1m]))") or 0) > 0)
         run = OperatorRun(cluster, prometheus_url=prometheus.url)
         await run.start()
         doc = example("autoscaled")
@@ -597,9 +603,11 @@ async def test_autoscaler_scales_up_from_prometheus_and_holds_when_it_goes(clust
         decision = md["status"]["scaling"]["decisions"][-1]
         assert decision["from"] == 1 and decision["to"] == md["spec"]["replicas"] == 3, decision  # step limit 2
         assert decision["reason"].startswith("scale up") and decision["inputs"]["capacity_source"] == "predicted"
+        assert "(arrivals)" in decision["reason"], decision  # demand from the finished-request rate via PromQL
         scale_writes = [r for r in cluster.requests() if r.subresource == "scale" and not r.headers.get("X-Test")]
         assert [r.method.upper() for r in scale_writes] == ["PATCH"]
-        assert any("1 -> 3" in e.get("message", "") for e in cluster.events("Scaled"))
+        await wait_for("the Scaled Event", lambda: any("1 -> 3" in e.get("message", "")
+                                                       for e in cluster.events("Scaled")))
         await wait_for("the engine Deployment to follow", lambda: (cluster.obj("Deployment", "auto-engine") or {})
                        .get("spec", {}).get("replicas") == 3)
 
@@ -611,7 +619,7 @@ async def test_autoscaler_scales_up_from_prometheus_and_holds_when_it_goes(clust
         assert condition(md, "ScalingReady")["status"] == "False"
         assert md["spec"]["replicas"] == 3
         assert len([r for r in cluster.requests() if r.subresource == "scale" and not r.headers.get("X-Test")]) == 1
-        assert cluster.events("PrometheusUnreachable")
+        await wait_for("the Warning Event", lambda: cluster.events("PrometheusUnreachable"))
     finally:
         if run is not None:
             await run.stop()
