@@ -11,7 +11,9 @@ from .driver import Planned, drive, reference
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module")
+# Session scope, like the shared engines: shutting a vLLM engine down tears down vLLM's process-wide parallel state,
+# which breaks every engine still in use by later modules (ar_engine in test_server, for one).
+@pytest.fixture(scope="session")
 def cramped_engine(pair_dir):
     from minedraft.engine.core import Engine
 
