@@ -2,7 +2,10 @@
 
 Pure: fed `StepRecord`s, asked for predictions; no clocks, no I/O. Three measured ingredients (design.md §7):
 
-- V(tokens): seconds the target takes to verify a step of that many tokens (decode steps only);
+- V(tokens): seconds the target takes to verify a step of that many tokens (decode steps only). Steps without
+  drafts (ar) have their own curve: on a CPU machine they compute on the drafter's cores too (placement.py), so
+  the same number of tokens costs less than in a drafting step; mixing the two would make ar look dear and
+  sd/psd cheap. Each curve stands in for the other until it has observations of its own;
 - f(requests): seconds of one drafter forward over that many requests; a draft of length k costs t = k * f(n)
   (the catch-up pass that also proposes the first token, then k - 1 more);
 - s_i: of the drafts that reached position i, the share accepted up to and including i. The expected tokens per
@@ -150,6 +153,7 @@ class Prediction:
 @dataclass
 class CostModel:
     verify: CostCurve = field(default_factory=CostCurve)
+    verify_without_drafts: CostCurve = field(default_factory=CostCurve)
     draft_forward: CostCurve = field(default_factory=CostCurve)
     overhead: CostCurve = field(default_factory=CostCurve)
     acceptance: AcceptanceProfile = field(default_factory=AcceptanceProfile)
@@ -162,7 +166,8 @@ class CostModel:
         previous, self._previous = self._previous, record
         decode_only = record.num_prefill_requests == 0 and record.num_decode_requests > 0
         if decode_only:
-            self.verify.observe(record.num_scheduled_tokens, record.verify_seconds)
+            curve = self.verify_without_drafts if record.mode == "ar" else self.verify
+            curve.observe(record.num_scheduled_tokens, record.verify_seconds)
             self.last_verify_step = record.step
         if record.num_requests_with_drafts > 0:
             self.acceptance.observe(record.drafted_per_position, record.accepted_per_position)
@@ -177,15 +182,20 @@ class CostModel:
                 self.overhead.observe(max(1, previous.num_decode_requests + previous.num_prefill_requests),
                                       max(0.0, other))
 
+    def _verify_curve(self, mode: str) -> CostCurve:
+        own, other = ((self.verify_without_drafts, self.verify) if mode == "ar"
+                      else (self.verify, self.verify_without_drafts))
+        return own if own.buckets else other
+
     def ready_for(self, mode: str) -> bool:
-        if self.verify.predict(1) is None:
+        if self._verify_curve(mode).predict(1) is None:
             return False
         if mode == "ar":
             return True
         return self.acceptance.known and self.draft_forward.predict(1) is not None
 
     def _verify_seconds(self, requests: int, k: int) -> float:
-        seconds = self.verify.predict(requests * (k + 1))
+        seconds = self._verify_curve("ar" if k == 0 else "sd").predict(requests * (k + 1))
         overhead = self.overhead.predict(requests) or 0.0
         return (seconds or 0.0) + overhead
 

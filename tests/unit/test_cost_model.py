@@ -130,3 +130,24 @@ def test_per_step_overhead_is_measured_from_the_gaps_between_steps() -> None:
         now += 0.015  # 5 ms outside verification each step
     assert model.overhead.predict(4) == pytest.approx(0.005)
     assert model.predict("ar", 0, 4).output_tokens_per_second == pytest.approx(4 / 0.015)  # type: ignore[union-attr]
+
+
+def test_steps_without_drafts_keep_their_own_verify_costs() -> None:
+    # On a CPU machine ar computes on the drafter's cores too: 8 tokens cost 5 ms there and 10 ms in a drafting
+    # step. Sharing one curve would price sd's verification at ar's cost (and the reverse).
+    model = CostModel()
+    now, step = 0.0, 0
+    for _ in range(10):
+        step += 1
+        model.observe(record(step, now, mode="ar", num_requests=8, num_tokens=8, verify_seconds=0.005))
+        now += 0.005
+    # Until a drafting step is seen, ar's curve stands in for it.
+    assert model._verify_curve("sd").predict(8) == pytest.approx(0.005)
+    for _ in range(10):
+        step += 1
+        model.observe(record(step, now, num_requests=4, num_tokens=8, verify_seconds=0.010, draft_seconds=0.002,
+                             drafted=(4,), accepted=(2,)))
+        now += 0.010
+    assert model._verify_curve("sd").predict(8) == pytest.approx(0.010)
+    assert model._verify_curve("ar").predict(8) == pytest.approx(0.005)
+    assert model.predict("ar", 0, 8).cycle_seconds == pytest.approx(0.005, rel=0.05)  # type: ignore[union-attr]
