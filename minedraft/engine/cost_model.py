@@ -2,10 +2,11 @@
 
 Pure: fed `StepRecord`s, asked for predictions; no clocks, no I/O. Three measured ingredients (design.md §7):
 
-- V(tokens): seconds the target takes to verify a step of that many tokens (decode steps only). Steps without
-  drafts (ar) have their own curve: on a CPU machine they compute on the drafter's cores too (placement.py), so
-  the same number of tokens costs less than in a drafting step; mixing the two would make ar look dear and
-  sd/psd cheap. Each curve stands in for the other until it has observations of its own;
+- V(tokens): seconds the target takes to verify a step of that many tokens (decode steps only). Steps with
+  nothing drafting beside them (ar, sd, psd with one side empty) have their own curve: on a CPU machine they
+  compute on the drafter's cores too (placement.py), so the same number of tokens costs less than in a psd step
+  whose other side is being drafted; one shared curve would price each at the other's cost. Each curve stands in
+  for the other until it has observations of its own;
 - f(requests): seconds of one drafter forward over that many requests; a draft of length k costs t = k * f(n)
   (the catch-up pass that also proposes the first token, then k - 1 more);
 - s_i: of the drafts that reached position i, the share accepted up to and including i. The expected tokens per
@@ -16,8 +17,8 @@ Pure: fed `StepRecord`s, asked for predictions; no clocks, no I/O. Three measure
 For R decoding requests the predicted output tokens per second are
     ar:      R / (V(R) + o(R))
     sd(k):   R * L(k) / (k f(R) + V(R (k+1)) + o(R))
-    psd(k):  R * L(k) / (max(V(A (k+1)) + o(A), k f(B)) + max(V(B (k+1)) + o(B), k f(A)))   A = ceil(R/2), B = R - A
-psd with one side empty is sd.
+    psd(k):  R * L(k) / (max(V'(A (k+1)) + o(A), k f(B)) + max(V'(B (k+1)) + o(B), k f(A)))   A = ceil(R/2), B = R - A
+with V' the verification beside a draft. psd with one side empty is sd.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ class Prediction:
 @dataclass
 class CostModel:
     verify: CostCurve = field(default_factory=CostCurve)
-    verify_without_drafts: CostCurve = field(default_factory=CostCurve)
+    verify_widened: CostCurve = field(default_factory=CostCurve)
     draft_forward: CostCurve = field(default_factory=CostCurve)
     overhead: CostCurve = field(default_factory=CostCurve)
     acceptance: AcceptanceProfile = field(default_factory=AcceptanceProfile)
@@ -166,7 +167,7 @@ class CostModel:
         previous, self._previous = self._previous, record
         decode_only = record.num_prefill_requests == 0 and record.num_decode_requests > 0
         if decode_only:
-            curve = self.verify_without_drafts if record.mode == "ar" else self.verify
+            curve = self.verify_widened if record.widened else self.verify
             curve.observe(record.num_scheduled_tokens, record.verify_seconds)
             self.last_verify_step = record.step
         if record.num_requests_with_drafts > 0:
@@ -182,20 +183,20 @@ class CostModel:
                 self.overhead.observe(max(1, previous.num_decode_requests + previous.num_prefill_requests),
                                       max(0.0, other))
 
-    def _verify_curve(self, mode: str) -> CostCurve:
-        own, other = ((self.verify_without_drafts, self.verify) if mode == "ar"
-                      else (self.verify, self.verify_without_drafts))
+    def _verify_curve(self, alone: bool) -> CostCurve:
+        """The curve for a verification with nothing drafting beside it (alone) or beside a draft (psd)."""
+        own, other = (self.verify_widened, self.verify) if alone else (self.verify, self.verify_widened)
         return own if own.buckets else other
 
     def ready_for(self, mode: str) -> bool:
-        if self._verify_curve(mode).predict(1) is None:
+        if self._verify_curve(alone=mode != "psd").predict(1) is None:
             return False
         if mode == "ar":
             return True
         return self.acceptance.known and self.draft_forward.predict(1) is not None
 
-    def _verify_seconds(self, requests: int, k: int) -> float:
-        seconds = self._verify_curve("ar" if k == 0 else "sd").predict(requests * (k + 1))
+    def _verify_seconds(self, requests: int, k: int, alone: bool = True) -> float:
+        seconds = self._verify_curve(alone).predict(requests * (k + 1))
         overhead = self.overhead.predict(requests) or 0.0
         return (seconds or 0.0) + overhead
 
@@ -218,8 +219,8 @@ class CostModel:
             if mode == "sd" or b == 0:
                 cycle = self._draft_seconds(num_running, k) + self._verify_seconds(num_running, k)
             elif mode == "psd":
-                cycle = (max(self._verify_seconds(a, k), self._draft_seconds(b, k))
-                         + max(self._verify_seconds(b, k), self._draft_seconds(a, k)))
+                cycle = (max(self._verify_seconds(a, k, alone=False), self._draft_seconds(b, k))
+                         + max(self._verify_seconds(b, k, alone=False), self._draft_seconds(a, k)))
             else:
                 raise ValueError(f"mode: no cost model for {mode!r}")
         if cycle <= 0:

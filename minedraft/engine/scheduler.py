@@ -174,14 +174,15 @@ class PSDScheduler(Scheduler):
         self._timing = timing
         mode = self._current_mode()
         self._effective_mode = mode
-        # Nothing is drafted in ar: the target may compute on the drafter's cores too.
-        self.placement.apply(wide=mode is Mode.AR)
 
         verified_group: int | None = None
         if mode in (Mode.PSD, Mode.SD):
             verified_group = self._pick_group(mode)
             self._await_drafts(verified_group, timing)
         self._verified_group = verified_group
+        # With no draft job in flight nothing drafts during this verification (ar; sd; psd with one side empty):
+        # the target may compute on the drafter's cores too. A job in flight (psd's other side) keeps them apart.
+        self.placement.apply(wide=mode is Mode.AR or not self.tickets)
 
         budget = self._draft_budget(verified_group)
         timing.draft_token_budget = budget or 0
@@ -406,6 +407,7 @@ class PSDScheduler(Scheduler):
             k=self.k,
             draft_token_budget=timing.draft_token_budget,
             auto=self.auto is not None,
+            widened=bool(self.placement.wide) and self.placement.can_widen,
         )
         self.stats.record(record)
         if self.auto is not None:

@@ -44,6 +44,8 @@ class StepRecord:
     draft_token_budget: int = 0
     # True when `auto` mode chose this step's mode and k.
     auto: bool = False
+    # True when the target verified on the drafter's cores too (placement.py): nothing was drafting meanwhile.
+    widened: bool = False
 
 
 @dataclass

@@ -93,6 +93,8 @@ def test_psd_alternates_sub_batches_under_load(psd, prompts, references):
     assert all(r.num_decode_requests <= 4 for r in full), "each step verifies one sub-batch, not both"
     groups = [r.verified_group for r in full]
     assert sum(a != b for a, b in pairwise(groups)) >= len(groups) // 2
+    # The other side was being drafted during each of these verifications: the target kept to its own cores.
+    assert not any(r.widened for r in full)
 
 
 def test_sd_mode_matches_and_runs_draft_then_verify(psd, prompts, references):
@@ -107,6 +109,8 @@ def test_sd_mode_matches_and_runs_draft_then_verify(psd, prompts, references):
     wait = sum(r.wait_seconds for r in records)
     # Sequential by construction: the verifier waits for every job it sent the step before.
     assert wait > 0.5 * draft
+    # Nothing drafts while sd verifies: the target computed on the drafter's cores too (where there are any).
+    assert all(r.widened == psd.psd_scheduler.placement.can_widen for r in records)
     assert_clean(psd)
 
 
@@ -122,8 +126,11 @@ def test_ar_mode_on_the_psd_engine_drafts_nothing(psd, prompts, references):
         # Nothing drafted: the target computed on the drafter's cores too, and narrows back for psd.
         assert placement.wide is True and placement.num_threads == len(placement.wide_cores)
         psd.set_mode(Mode.PSD)
-        drive(psd, [Planned("narrow", prompts[0], SamplingSettings(max_tokens=4))])
-        assert placement.wide is False and placement.num_threads == len(placement.target_cores)
+        first_step = last_step(psd)
+        drive(psd, [Planned(f"narrow-{i}", prompts[i], SamplingSettings(max_tokens=8)) for i in range(4)])
+        both_sides = [r for r in psd.step_records(first_step) if r.num_draft_tokens and min(r.group_sizes) >= 2]
+        # Steady psd (both sides decoding, so the other side's job is in flight): the target keeps to its cores.
+        assert both_sides and not any(r.widened for r in both_sides)
 
 
 def test_extra_drafts_with_top_c_selection_stay_lossless(psd, prompts, references):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -132,22 +133,30 @@ def test_per_step_overhead_is_measured_from_the_gaps_between_steps() -> None:
     assert model.predict("ar", 0, 4).output_tokens_per_second == pytest.approx(4 / 0.015)  # type: ignore[union-attr]
 
 
-def test_steps_without_drafts_keep_their_own_verify_costs() -> None:
-    # On a CPU machine ar computes on the drafter's cores too: 8 tokens cost 5 ms there and 10 ms in a drafting
-    # step. Sharing one curve would price sd's verification at ar's cost (and the reverse).
+def test_widened_steps_keep_their_own_verify_costs() -> None:
+    # On a CPU machine a step with nothing drafting beside it computes on the drafter's cores too: 8 tokens cost
+    # 5 ms there and 10 ms beside a draft (psd). One shared curve would price each at the other's cost.
     model = CostModel()
     now, step = 0.0, 0
     for _ in range(10):
         step += 1
-        model.observe(record(step, now, mode="ar", num_requests=8, num_tokens=8, verify_seconds=0.005))
+        model.observe(replace(record(step, now, mode="ar", num_requests=8, num_tokens=8, verify_seconds=0.005),
+                              widened=True))
         now += 0.005
-    # Until a drafting step is seen, ar's curve stands in for it.
-    assert model._verify_curve("sd").predict(8) == pytest.approx(0.005)
+    # Until a step beside a draft is seen, the widened curve stands in for it.
+    assert model._verify_curve(alone=False).predict(8) == pytest.approx(0.005)
     for _ in range(10):
         step += 1
-        model.observe(record(step, now, num_requests=4, num_tokens=8, verify_seconds=0.010, draft_seconds=0.002,
-                             drafted=(4,), accepted=(2,)))
+        model.observe(record(step, now, mode="psd", num_requests=4, num_tokens=8, verify_seconds=0.010,
+                             draft_seconds=0.002, drafted=(4,), accepted=(2,)))
         now += 0.010
-    assert model._verify_curve("sd").predict(8) == pytest.approx(0.010)
-    assert model._verify_curve("ar").predict(8) == pytest.approx(0.005)
+    assert model._verify_curve(alone=False).predict(8) == pytest.approx(0.010)
+    assert model._verify_curve(alone=True).predict(8) == pytest.approx(0.005)
+    # ar and sd are priced alone, psd's halves beside a draft.
+    assert model.predict("ar", 0, 8).cycle_seconds == pytest.approx(0.005)  # type: ignore[union-attr]
+    sd = model.predict("sd", 1, 4)
+    psd = model.predict("psd", 1, 8)
+    assert sd is not None and psd is not None
+    assert sd.cycle_seconds == pytest.approx(0.002 + 0.005, rel=0.01)
+    assert psd.cycle_seconds == pytest.approx(2 * 0.010, rel=0.01)
     assert model.predict("ar", 0, 8).cycle_seconds == pytest.approx(0.005, rel=0.05)  # type: ignore[union-attr]
