@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from minedraft.bench.workload import Trace, Workload
 from minedraft.engine.settings import EngineSettings, Mode
@@ -70,19 +70,25 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-Run = tuple[list[dict[str, Any]], float, dict[str, Any], dict[str, int]]
+class Run(NamedTuple):
+    results: list[dict[str, Any]]
+    makespan_seconds: float
+    totals: dict[str, Any]
+    tokens_by_mode: dict[str, int]
+    # auto's decisions during the run (empty for the other modes)
+    decisions: list[dict[str, Any]]
 
 
 def aggregate(mode: Mode, runs: list[Run], config_k: int) -> dict[str, Any]:
     """Headline figures of one mode over its rounds."""
-    requests = [r for results, _, _, _ in runs for r in results]
+    requests = [r for run in runs for r in run.results]
     tokens = sum(len(r["token_ids"]) for r in requests)
-    makespan = sum(m for _, m, _, _ in runs)
+    makespan = sum(run.makespan_seconds for run in runs)
     ttft = [r["ttft_seconds"] for r in requests]
     tpot = [r["tpot_seconds"] for r in requests]
     e2e = [r["e2e_seconds"] for r in requests]
     if mode in (Mode.PSD, Mode.SD, Mode.AUTO):
-        pooled = sum((EngineTotals(**totals) for _, _, totals, _ in runs), EngineTotals())
+        pooled = sum((EngineTotals(**run.totals) for run in runs), EngineTotals())
         summary = pooled.summary()
         acceptance = summary["acceptance_rate"]
         accepted_length = summary["mean_accepted_length"]
@@ -91,12 +97,13 @@ def aggregate(mode: Mode, runs: list[Run], config_k: int) -> dict[str, Any]:
                                                "wait_seconds_per_step", "steps", "acceptance_per_position")}
         if mode is Mode.AUTO:
             shares: dict[str, int] = {}
-            for _, _, _, by_mode in runs:
-                for name, count in by_mode.items():
+            for run in runs:
+                for name, count in run.tokens_by_mode.items():
                     shares[name] = shares.get(name, 0) + count
             total = sum(shares.values()) or 1
             extra["output_token_share_by_mode"] = {name: round(c / total, 3) for name, c in sorted(shares.items())}
             extra["mode_switches"] = pooled.mode_switches
+            extra["decisions_by_round"] = [run.decisions for run in runs]
     else:
         drafted = sum(r["num_draft_tokens"] for r in requests)
         accepted = sum(r["num_accepted_tokens"] for r in requests)
@@ -147,8 +154,8 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             _, conn = workers[_engine_kind(mode)]
             conn.send(("run", mode.value, workload))
             message = conn.recv()
-            _, results, makespan, totals, by_mode = message
-            return results, makespan, totals, by_mode
+            _, results, makespan, totals, by_mode, decisions = message
+            return Run(results, makespan, totals, by_mode, decisions)
 
         for mode in config.modes:
             run(mode, Workload(config.prompts[: config.warmup_requests], config.warmup_requests, 8))
@@ -222,10 +229,10 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
 
 def _greedy_identical(collected: dict[Mode, list[Run]]) -> bool:
     reference_mode = Mode.AR if Mode.AR in collected else next(iter(collected))
-    reference = [r["token_ids"] for r in collected[reference_mode][0][0]]
+    reference = [r["token_ids"] for r in collected[reference_mode][0].results]
     for runs in collected.values():
-        for results, _, _, _ in runs:
-            if [r["token_ids"] for r in results] != reference:
+        for run in runs:
+            if [r["token_ids"] for r in run.results] != reference:
                 return False
     return True
 

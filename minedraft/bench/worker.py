@@ -11,6 +11,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from minedraft.bench.workload import Trace, Workload, result_to_dict, run_trace, run_workload
+from minedraft.engine.auto import Decision
 from minedraft.engine.settings import EngineSettings, Mode
 
 
@@ -51,10 +52,21 @@ async def _serve(settings: EngineSettings, conn: Connection) -> None:
             for record in engine.engine.step_records(first_step):
                 key = record.mode if record.mode == "ar" else f"{record.mode} k={record.k}"
                 tokens_by_mode[key] = tokens_by_mode.get(key, 0) + record.num_output_tokens
-            conn.send(("result", [result_to_dict(r) for r in results], makespan, asdict(totals), tokens_by_mode))
+            decisions = [_decision_summary(d) for d in engine.engine.auto_decisions() if d.step > first_step]
+            conn.send(("result", [result_to_dict(r) for r in results], makespan, asdict(totals), tokens_by_mode,
+                       decisions))
     finally:
         await engine.shutdown()
         conn.close()
+
+
+def _decision_summary(decision: Decision) -> dict[str, Any]:
+    """What auto chose and why, without the full prediction table."""
+    return {"step": decision.step, "kind": decision.kind, "from": f"{decision.previous_mode} k={decision.previous_k}",
+            "to": f"{decision.mode} k={decision.k}", "num_running": round(decision.num_running, 1),
+            "predicted_tokens_per_s": round(decision.predicted_tokens_per_second, 1),
+            "previous_predicted_tokens_per_s": round(decision.previous_predicted_tokens_per_second, 1),
+            "measured_tokens_per_s": round(decision.measured_tokens_per_second, 1), "reason": decision.reason}
 
 
 def _set_mode(engine: Any, mode: Mode) -> None:
