@@ -9,7 +9,10 @@ Pure policy over plain data: `AutoController.on_step(record, num_running)` is fe
   run `min_dwell_steps`: steady load does not flap.
 - A mode not run for `stale_after_steps` (or never) is predicted from stale or extrapolated costs (acceptance is
   not measured while running ar; half-batch verification not while running sd): a short probe (`probe_steps`) of
-  it refreshes them, then the policy decides again against the setting that ran before the probe.
+  it refreshes them, then the policy decides again against the setting that ran before the probe. So is a mode
+  whose costs at the current load were never measured (the load moved far from where it ran, by more than
+  `extrapolation_slack`): extrapolated costs can be off by a large factor either way, and without the probe a
+  mode judged from them might never be tried where it would win.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ class AutoSettings:
     probe_steps: int = 24
     # Step records older than this many steps are not used to describe the load (running requests).
     load_window_steps: int = 16
+    # A mode whose predicted costs at the current load lie beyond this factor of any size it was measured at is
+    # probed (once per such load region).
+    extrapolation_slack: float = 1.5
 
     def __post_init__(self) -> None:
         if not self.allowed_modes or not set(self.allowed_modes) <= {"ar", "sd", "psd"}:
@@ -125,6 +131,14 @@ class AutoController:
         if best is not None and (best.mode, best.k) != incumbent_key and (
             current is None or best.output_tokens_per_second >= current_rate * (1 + self.settings.switch_margin)
         ):
+            if after_probe is None and self.cost_model.extrapolated(best.mode, best.k, num_running,
+                                                                    self.settings.extrapolation_slack):
+                # Predicted best only from costs never measured at this load: measure it briefly before
+                # committing to it for a whole dwell.
+                return self._probe(step, best.mode, best.k, measured,
+                                   f"probe: {best.mode} k={best.k} predicted best "
+                                   f"({best.output_tokens_per_second:.1f} vs {current_rate:.1f} tok/s) but not "
+                                   f"measured near {num_running} running requests")
             reason = (f"predicted {best.output_tokens_per_second:.1f} tok/s for {best.mode} k={best.k} vs "
                       f"{current_rate:.1f} for {incumbent[0]} k={incumbent_key[1]} at {running:.1f} running requests")
             return self._switch(step, best.mode, best.k, reason, (best, current, tuple(predictions)), measured,
@@ -135,17 +149,36 @@ class AutoController:
             return self._switch(step, incumbent[0], incumbent[1], "probe finished: keeping the previous setting",
                                 (current, current, tuple(predictions)) if current else None, measured, "return")
 
-        # Explore cheaply: a mode not run for a while (or ever) is predicted from stale or extrapolated costs.
+        # Explore cheaply: a mode not run for a while (or ever) is predicted from stale costs.
         stale = [m for m in self.settings.allowed_modes
                  if m != self.mode and step - self._last_run.get(m, -1_000_000_000) > self.settings.stale_after_steps]
         if stale:
             probe_mode = min(stale, key=lambda m: self._last_run.get(m, -1_000_000_000))
-            self._probe_remaining = self.settings.probe_steps
-            self._probe_return = (self.mode, self.k)
-            return self._switch(step, probe_mode, self._best_k(num_running, probe_mode),
-                                f"probe: {probe_mode} not measured in {self.settings.stale_after_steps} steps",
-                                None, measured, "probe")
+            return self._probe(step, probe_mode, self._best_k(num_running, probe_mode), measured,
+                               f"probe: {probe_mode} not measured in {self.settings.stale_after_steps} steps")
+        # ... and one whose costs at this load were never measured (a load far from any it ran at, or the other
+        # core placement standing in) is extrapolated: measured once there, it is not probed there again.
+        unmeasured = [p for p in self._best_per_mode(predictions) if p.mode != self.mode
+                      and self.cost_model.extrapolated(p.mode, p.k, num_running, self.settings.extrapolation_slack)]
+        if unmeasured:
+            probe = max(unmeasured, key=lambda p: p.output_tokens_per_second)
+            return self._probe(step, probe.mode, probe.k, measured,
+                               f"probe: {probe.mode} k={probe.k} not measured near {num_running} running requests")
         return None
+
+    def _probe(self, step: int, mode: str, k: int, measured: float, reason: str) -> Decision:
+        self._probe_remaining = self.settings.probe_steps
+        self._probe_return = (self.mode, self.k)
+        return self._switch(step, mode, k, reason, None, measured, "probe")
+
+    @staticmethod
+    def _best_per_mode(predictions: list[Prediction]) -> list[Prediction]:
+        best: dict[str, Prediction] = {}
+        for prediction in predictions:
+            if prediction.mode not in best or prediction.output_tokens_per_second > best[
+                    prediction.mode].output_tokens_per_second:
+                best[prediction.mode] = prediction
+        return list(best.values())
 
     def _best_k(self, num_running: int, mode: str) -> int:
         predictions = [p for p in self.cost_model.predict_all(num_running, (mode,), self.settings.k_candidates)]

@@ -63,6 +63,14 @@ class CostCurve:
         bucket[1] += weight * (seconds - bucket[1])
         bucket[2] += 1
 
+    def covers(self, size: float, slack: float) -> bool:
+        """Whether `size` lies within the observed sizes widened by a factor of `slack` each way (a prediction there
+        interpolates or barely extrapolates)."""
+        if not self.buckets:
+            return False
+        sizes = [b[0] for b in self.buckets.values()]
+        return min(sizes) / slack <= size <= max(sizes) * slack
+
     @property
     def num_observations(self) -> int:
         return int(sum(b[2] for b in self.buckets.values()))
@@ -202,6 +210,27 @@ class CostModel:
 
     def _draft_seconds(self, requests: int, k: int) -> float:
         return k * (self.draft_forward.predict(requests) or 0.0)
+
+    def extrapolated(self, mode: str, k: int, num_running: int, slack: float = 1.5) -> bool:
+        """Whether predicting this setting at this load reaches beyond what was measured (by more than `slack`
+        either way): another curve standing in, or sizes far from the observed ones. Such a prediction can be wrong
+        by a large factor in either direction (CostCurve extrapolates conservatively), so auto measures instead."""
+        if num_running <= 0:
+            return False
+        a = math.ceil(num_running / 2)
+        b = num_running - a
+        alone = mode != "psd" or b == 0
+        own = self.verify_widened if alone else self.verify
+        if self.verify_widened.buckets and not own.buckets:
+            # The other placement's curve stands in (they differ only where steps have really been widened).
+            return True
+        curve = self._verify_curve(alone)
+        if mode == "ar":
+            return not curve.covers(num_running, slack)
+        if alone:
+            return not (curve.covers(num_running * (k + 1), slack) and self.draft_forward.covers(num_running, slack))
+        return not (curve.covers(a * (k + 1), slack) and self.draft_forward.covers(a, slack)
+                    and self.draft_forward.covers(b, slack))
 
     def predict(self, mode: str, k: int, num_running: int) -> Prediction | None:
         """Output tokens per second for `num_running` decoding requests; None until the inputs are measured."""

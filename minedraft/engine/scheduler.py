@@ -422,7 +422,9 @@ class PSDScheduler(Scheduler):
     def _apply_decision(self, decision: Decision) -> None:
         mode = Mode(decision.mode)
         self._apply_mode(mode, decision.k if mode is not Mode.AR else None)
-        self.stats.count(mode_switches=1)
+        if (decision.mode, decision.k) != (decision.previous_mode, decision.previous_k):
+            # (Keeping what a probe ran is a decision too, but not a switch.)
+            self.stats.count(mode_switches=1)
         self.stats.record_decision(decision)
         log.info("auto: %s k=%d -> %s k=%d (%s)", decision.previous_mode, decision.previous_k, decision.mode,
                  decision.k, decision.reason)

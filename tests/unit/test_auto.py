@@ -3,7 +3,7 @@ favour, does not flap on steady load, and refreshes stale drafting estimates wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -24,6 +24,9 @@ class SimulatedEngine:
     now: float = 0.0
     step: int = 0
     turn: int = 0
+    # Verification with nothing drafting beside it (ar, sd, psd with one side empty) computes on the drafter's
+    # cores too (CPU machines) and is this many times faster; 1.0: nothing is lent (GPU machines).
+    widened_speedup: float = 1.0
 
     def next_record(self, mode: str, k: int) -> StepRecord:
         self.step += 1
@@ -36,7 +39,9 @@ class SimulatedEngine:
             other = n
         drafting = mode != "ar"
         length = k if drafting else 0
-        verify = A + B * n * (length + 1)
+        alone = mode != "psd" or self.num_running == 1
+        widened = alone and self.widened_speedup != 1.0
+        verify = (A + B * n * (length + 1)) / (self.widened_speedup if widened else 1.0)
         draft = length * (C + D * other) if drafting else 0.0
         wait = max(0.0, draft - verify) if mode == "psd" else draft
         drafted = tuple([n] * length)
@@ -48,7 +53,7 @@ class SimulatedEngine:
             accepted_per_position=accepted, num_output_tokens=n + sum(accepted),
             num_scheduled_tokens=n * (length + 1), verify_seconds=verify, wait_seconds=wait,
             draft_seconds=length * (C + D * n) if drafting else 0.0, drafter_idle_seconds=0.0,
-            schedule_seconds=0.0, step_seconds=verify + wait, drafter_up=True, k=k, auto=True,
+            schedule_seconds=0.0, step_seconds=verify + wait, drafter_up=True, k=k, auto=True, widened=widened,
         )
         self.now += verify + wait
         return record
@@ -139,3 +144,25 @@ def test_settings_are_validated() -> None:
         AutoSettings(allowed_modes=("vllm-sd",))
     with pytest.raises(ValueError, match="k_candidates"):
         AutoSettings(k_candidates=(0, 1))
+
+
+def test_a_load_far_from_any_measured_one_gets_the_other_modes_probed() -> None:
+    # CPU machine: sd verifies on both cores (1.8x faster). At 16 requests sd's cycle is ~41 ms against psd's
+    # ~66 ms, but sd was measured only at 1 request (4 tokens a step): extrapolated conservatively to 64 tokens it
+    # would look slower than psd, and without a probe at the new load auto would stay in psd until sd went stale.
+    settings = replace(SETTINGS, k_candidates=(3,))
+    controller = AutoController(settings, "psd", 3)
+    engine = SimulatedEngine(num_running=1, acceptance=0.8, widened_speedup=1.8)
+    run(controller, engine, 300)
+    engine.num_running = 16
+    load_changed_at = engine.step
+    decisions = run(controller, engine, 300)
+    probes = [d for d in decisions if d.kind == "probe"]
+    sd_probes = [d for d in probes if d.mode == "sd" and "not measured near" in d.reason]
+    assert sd_probes, [(d.step, d.mode, d.reason) for d in decisions]
+    assert sd_probes[0].step - load_changed_at <= 2 * (settings.min_dwell_steps + settings.decision_interval_steps)
+    assert controller.mode == "sd"
+    switches = policy_switches(decisions)
+    assert switches and switches[-1][1] == "sd" and switches[-1][0] - load_changed_at < 150, decisions
+    # Measured once at this load, no mode is probed again for it.
+    assert len(probes) <= 2, [(d.step, d.mode, d.reason) for d in probes]
