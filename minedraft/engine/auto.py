@@ -27,11 +27,14 @@ from minedraft.engine.stats import StepRecord
 class AutoSettings:
     allowed_modes: tuple[str, ...] = ("ar", "sd", "psd")
     k_candidates: tuple[int, ...] = (1, 2, 3, 4, 5)
-    decision_interval_steps: int = 16
-    min_dwell_steps: int = 48
+    # A step is 10-50 ms: decisions every ~0.1-0.4 s, a choice held at least ~0.3-1 s, probes of ~0.1-0.6 s.
+    # Switching costs almost nothing (sub-batch membership, draft length), so these follow the load closely;
+    # the switch margin and the smoothed cost curves, not long dwells, keep steady load from flapping.
+    decision_interval_steps: int = 8
+    min_dwell_steps: int = 24
     switch_margin: float = 0.08
-    stale_after_steps: int = 1500
-    probe_steps: int = 24
+    stale_after_steps: int = 1000
+    probe_steps: int = 12
     # Step records older than this many steps are not used to describe the load (running requests).
     load_window_steps: int = 16
     # A mode whose predicted costs at the current load lie beyond this factor of any size it was measured at is
@@ -131,14 +134,13 @@ class AutoController:
         if best is not None and (best.mode, best.k) != incumbent_key and (
             current is None or best.output_tokens_per_second >= current_rate * (1 + self.settings.switch_margin)
         ):
-            if after_probe is None and self.cost_model.extrapolated(best.mode, best.k, num_running,
-                                                                    self.settings.extrapolation_slack):
+            if (best.mode, best.k) != (self.mode, self.k) and self.cost_model.extrapolated(
+                    best.mode, best.k, num_running, self.settings.extrapolation_slack):
                 # Predicted best only from costs never measured at this load: measure it briefly before
-                # committing to it for a whole dwell.
-                return self._probe(step, best.mode, best.k, measured,
-                                   f"probe: {best.mode} k={best.k} predicted best "
-                                   f"({best.output_tokens_per_second:.1f} vs {current_rate:.1f} tok/s) but not "
-                                   f"measured near {num_running} running requests")
+                # committing to it for a whole dwell (after a probe, the setting to fall back to stays the same).
+                reason = (f"probe: {best.mode} k={best.k} predicted best ({best.output_tokens_per_second:.1f} vs "
+                          f"{current_rate:.1f} tok/s) but not measured near {num_running} running requests")
+                return self._probe(step, best.mode, best.k, measured, reason, return_to=incumbent)
             reason = (f"predicted {best.output_tokens_per_second:.1f} tok/s for {best.mode} k={best.k} vs "
                       f"{current_rate:.1f} for {incumbent[0]} k={incumbent_key[1]} at {running:.1f} running requests")
             return self._switch(step, best.mode, best.k, reason, (best, current, tuple(predictions)), measured,
@@ -153,22 +155,27 @@ class AutoController:
         stale = [m for m in self.settings.allowed_modes
                  if m != self.mode and step - self._last_run.get(m, -1_000_000_000) > self.settings.stale_after_steps]
         if stale:
-            probe_mode = min(stale, key=lambda m: self._last_run.get(m, -1_000_000_000))
+            # Never run first, then the one predicted best (a prediction it has to be refreshed for), then oldest.
+            rates = {p.mode: p.output_tokens_per_second for p in self._best_per_mode(predictions)}
+            probe_mode = min(stale, key=lambda m: (m in self._last_run, -rates.get(m, 0.0),
+                                                   self._last_run.get(m, -1_000_000_000)))
             return self._probe(step, probe_mode, self._best_k(num_running, probe_mode), measured,
                                f"probe: {probe_mode} not measured in {self.settings.stale_after_steps} steps")
         # ... and one whose costs at this load were never measured (a load far from any it ran at, or the other
         # core placement standing in) is extrapolated: measured once there, it is not probed there again.
-        unmeasured = [p for p in self._best_per_mode(predictions) if p.mode != self.mode
-                      and self.cost_model.extrapolated(p.mode, p.k, num_running, self.settings.extrapolation_slack)]
+        others = [p for p in predictions if (p.mode, p.k) != incumbent_key]
+        unmeasured = [p for p in self._best_per_mode(others)
+                      if self.cost_model.extrapolated(p.mode, p.k, num_running, self.settings.extrapolation_slack)]
         if unmeasured:
             probe = max(unmeasured, key=lambda p: p.output_tokens_per_second)
             return self._probe(step, probe.mode, probe.k, measured,
                                f"probe: {probe.mode} k={probe.k} not measured near {num_running} running requests")
         return None
 
-    def _probe(self, step: int, mode: str, k: int, measured: float, reason: str) -> Decision:
+    def _probe(self, step: int, mode: str, k: int, measured: float, reason: str,
+               return_to: tuple[str, int] | None = None) -> Decision:
         self._probe_remaining = self.settings.probe_steps
-        self._probe_return = (self.mode, self.k)
+        self._probe_return = return_to or (self.mode, self.k)
         return self._switch(step, mode, k, reason, None, measured, "probe")
 
     @staticmethod
