@@ -1,71 +1,190 @@
 """A model of one engine replica for the simulator: output tokens/s as a function of load, acceptance and k.
 
-Calibrated from the engine benchmark's JSON (`minedraft bench --json`): plain decoding's step seconds grow linearly
-with the batch, t_ar(c) = a0 + a1 c; a speculative step (psd, drafting hidden behind verification) verifies c (k+1)
-tokens, t_spec(c, k) = b0 + b1 c (k+1), and yields L = 1 + k x acceptance tokens per request (acceptance as the
-engine's metric defines it: accepted / drafted). A replica in `auto` mode runs whichever of ar and psd(k), k in the
-allowed range, gives the most tokens/s at its load: that is what the engines' predicted-goodput gauge reports.
+Calibrated from the engine benchmark's JSON (`minedraft bench --json`), with the shape of the engine's own cost
+model (`minedraft/engine/cost_model.py`). Each ingredient is a cost curve through the benchmark's points (seconds
+against a size, made nondecreasing by isotonic regression, joined piecewise-linearly, extrapolated along the
+nearest segment), so a cost that is flat at small batches and steep at large ones (memory-bound, then
+compute-bound) is kept as measured rather than averaged into one line:
+
+- ar (plain decoding) of c requests: one step of t_ar(c) seconds yields c tokens;
+- sd(k): a draft of k drafter forwards, f(c) seconds each, then a verification of c requests with k drafted tokens
+  each, W(c, k) = t_ar(c) + k e(c) seconds: a step's cost per request (scheduling, sampling, attention over its
+  context: what plain decoding pays) plus e(c) per drafted position; one cycle k f(c) + W(c, k) yields c L(k)
+  tokens. (Verification as a function of verified tokens alone would price 16 requests x 2 tokens like 8 x 4,
+  which a step's per-request work makes wrong; with a single k measured, linear in k is what can be fitted.)
+- psd(k): two half-batch steps of h = c / 2 requests, each verifying one half while the other half drafts:
+  max(r(h) W(h, k), k f(h)) twice, where r(h) is the measured ratio of a psd half-step to an sd verification of
+  the same requests (verifying beside a draft is dearer where the two share a machine); fewer than 2 requests leave
+  one side empty, which is sd.
+
+L(k) = 1 + a + a^2 + ... + a^k is the expected tokens per request per verification with a draft of k tokens, where
+`a` is the per-position acceptance: the chance a drafted token is accepted given the ones before it were (the
+traces' `acceptance_rate`; constant along the draft). Acceptance falls along a draft, so it is not 1 + k a. The
+engines' acceptance-rate metric (accepted / drafted) is (L(k) - 1) / k of that.
+
+A replica in `auto` mode runs whichever of ar, sd(k) and psd(k), k in the allowed range, gives the most tokens/s at
+its load and acceptance: that is what the engines' predicted-goodput gauge reports.
+
+`speedup` divides every step's seconds: the benchmark's shape (how ar, sd and psd compare across batch sizes and
+k) on a device that many times faster, for when the benchmark ran on CPUs much slower than the replicas the
+traces are sized for.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+MODES = ("ar", "sd", "psd")
+Curve = tuple[tuple[float, float], ...]  # (size, seconds), sizes increasing
+
+
+def accepted_length(acceptance: float, k: int) -> float:
+    """Expected tokens per request per verification with k drafts at per-position acceptance `acceptance`."""
+    a = min(max(acceptance, 0.0), 1.0)
+    return 1.0 + sum(a ** i for i in range(1, k + 1))
+
+
+def acceptance_rate_metric(acceptance: float, k: int) -> float:
+    """The engines' acceptance rate (accepted / drafted tokens) at per-position acceptance `acceptance`."""
+    return (accepted_length(acceptance, k) - 1.0) / k if k > 0 else 0.0
+
+
+def evaluate(curve: Curve, size: float) -> float:
+    """Seconds at `size`: piecewise-linear through the points, extrapolated along the first or last segment (never
+    below a quarter of the first point's seconds nor falling past the last)."""
+    if not curve:
+        return 0.0
+    if len(curve) == 1:
+        return curve[0][1]
+    (x0, y0), (x1, y1) = curve[0], curve[1]
+    if size <= x0:
+        slope = (y1 - y0) / (x1 - x0)
+        return max(0.25 * y0, y0 - slope * (x0 - size))
+    for (xa, ya), (xb, yb) in itertools.pairwise(curve):
+        if size <= xb:
+            return ya + (yb - ya) * (size - xa) / (xb - xa)
+    (xa, ya), (xb, yb) = curve[-2], curve[-1]
+    return yb + max(0.0, (yb - ya) / (xb - xa)) * (size - xb)
+
+
+CURVES = ("ar_step", "draft_forward", "sd_extra_per_draft", "psd_ratio")
+
 
 @dataclass(frozen=True)
 class ReplicaModel:
-    ar_step_seconds: float  # a0
-    ar_step_seconds_per_request: float  # a1
-    spec_step_seconds: float  # b0
-    spec_step_seconds_per_token: float  # b1 (per verified token: request x (k+1))
-    max_batch: int  # requests one replica decodes at once (the benchmark's largest concurrency)
+    ar_step: Curve  # t_ar: seconds of one plain decoding step against requests
+    draft_forward: Curve  # f: seconds of one drafter forward against requests
+    sd_extra_per_draft: Curve  # e: seconds an sd verification adds per drafted position, against requests
+    psd_ratio: Curve  # r: a psd half-step's seconds over W of the same requests and k, against requests
+    max_batch: int  # requests one replica decodes at once (--max-num-seqs)
     startup_seconds: float  # from scale-up to serving (pod start + model load)
+    modes: tuple[str, ...] = MODES
     min_speculative_tokens: int = 1
     max_speculative_tokens: int = 5
+    speedup: float = 1.0
     calibrated_from: tuple[str, ...] = ()
+
+    def _draft(self, requests: float, k: int) -> float:
+        return k * evaluate(self.draft_forward, requests)
+
+    def _verify(self, requests: float, k: int) -> float:
+        return evaluate(self.ar_step, requests) + k * evaluate(self.sd_extra_per_draft, requests)
+
+    def cycle_seconds(self, mode: str, running: float, k: int) -> float:
+        """Seconds of one step (ar) or one verification of every request (sd, psd) at this batch."""
+        c = max(running, 1.0)
+        if mode == "ar":
+            seconds = evaluate(self.ar_step, c)
+        elif mode == "sd" or (mode == "psd" and c < 2.0):
+            seconds = self._draft(c, k) + self._verify(c, k)
+        elif mode == "psd":
+            half = c / 2
+            ratio = evaluate(self.psd_ratio, half) if self.psd_ratio else 1.0
+            seconds = 2 * max(ratio * self._verify(half, k), self._draft(half, k))
+        else:
+            raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+        return seconds / self.speedup
+
+    def tokens_per_second(self, mode: str, running: float, acceptance: float, k: int) -> float:
+        c = max(running, 1.0)
+        length = 1.0 if mode == "ar" else accepted_length(acceptance, k)
+        return c * length / self.cycle_seconds(mode, c, k)
 
     def best(self, running: float, acceptance: float) -> tuple[float, str, int]:
         """(output tokens/s, mode, k) of the best way to decode `running` requests at this acceptance."""
-        c = max(running, 1.0)
-        best = (c / (self.ar_step_seconds + self.ar_step_seconds_per_request * c), "ar", 0)
-        for k in range(self.min_speculative_tokens, self.max_speculative_tokens + 1):
-            step = self.spec_step_seconds + self.spec_step_seconds_per_token * c * (k + 1)
-            tps = c * (1.0 + k * acceptance) / step
-            if tps > best[0]:
-                best = (tps, "psd", k)
+        options: list[tuple[float, str, int]] = []
+        for mode in self.modes:
+            for k in (0,) if mode == "ar" else range(self.min_speculative_tokens, self.max_speculative_tokens + 1):
+                options.append((self.tokens_per_second(mode, running, acceptance, k), mode, k))
+        best = max(options, key=lambda o: o[0])
         if running < 1.0:
             return best[0] * running, best[1], best[2]
         return best
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "calibrated_from": list(self.calibrated_from)}
+        data = asdict(self)
+        for name in CURVES:
+            data[name] = [list(point) for point in data[name]]
+        return {**data, "modes": list(self.modes), "calibrated_from": list(self.calibrated_from)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ReplicaModel:
-        return cls(**{**data, "calibrated_from": tuple(data.get("calibrated_from", ()))})
+        curves = {name: tuple((float(x), float(y)) for x, y in data.get(name, ())) for name in CURVES}
+        return cls(**{**data, **curves, "modes": tuple(data.get("modes", MODES)),
+                      "calibrated_from": tuple(data.get("calibrated_from", ()))})
 
     @classmethod
     def load(cls, path: Path) -> ReplicaModel:
         return cls.from_json(json.loads(path.read_text()))
 
 
-def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares intercept and slope."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
-    return my - slope * mx, slope
+def fit_curve(points: list[tuple[float, float]], nondecreasing: bool = True, digits: int = 7) -> Curve:
+    """Points averaged per size; for a cost, made nondecreasing by least squares (pool adjacent violators).
+
+    A cost does not fall as the work grows: where measurement noise says it does, neighbouring points are pooled.
+    """
+    by_size: dict[float, list[float]] = {}
+    for x, y in points:
+        by_size.setdefault(float(x), []).append(float(y))
+    # Blocks of (sum of sizes, sum of seconds, count) over the sizes in increasing order.
+    blocks: list[list[float]] = []
+    for x in sorted(by_size):
+        ys = by_size[x]
+        blocks.append([x * len(ys), sum(ys), float(len(ys))])
+        while (nondecreasing and len(blocks) > 1
+               and blocks[-2][1] / blocks[-2][2] > blocks[-1][1] / blocks[-1][2]):
+            last = blocks.pop()
+            blocks[-1] = [a + b for a, b in zip(blocks[-1], last, strict=True)]
+    return tuple((round(sx / n, digits), round(sy / n, digits)) for sx, sy, n in blocks)
 
 
-def calibrate(bench_files: list[Path], startup_seconds: float, spec_mode: str = "psd") -> ReplicaModel:
-    """Fit the step-time lines to every (concurrency, mode) point of the benchmark files."""
+def _cycle(concurrency: int, figures: dict[str, Any]) -> float:
+    """Measured seconds per verification of every request: requests x tokens per verification / tokens/s."""
+    return concurrency * float(figures.get("mean_accepted_length", 1.0)) / float(figures["output_tokens_per_s"])
+
+
+def calibrate(bench_files: list[Path], startup_seconds: float, speedup: float = 1.0,
+              max_batch: int | None = None) -> ReplicaModel:
+    """Fit the model's curves to every (concurrency, mode) point of the benchmark files.
+
+    Each point's cycle is its measured seconds per verification of every request (requests x mean accepted length /
+    output tokens/s). t_ar: ar's cycle against requests. f: each sd point's draft seconds per step / k against its
+    requests, each psd point's against half of them (a half-step drafts the other half). e: an sd point's cycle less
+    its draft (k f(c)) and less t_ar(c), per drafted position (never below 0). r: half a psd point's cycle over W of
+    half its requests, from the points where that half-step exceeds the other half's draft (else the draft, not the
+    verification, set the pace). A mode without points is left out of the model (psd without usable points takes
+    r = 1). `max_batch` defaults to the largest concurrency measured; points above it are not fitted (the model is
+    only asked about batches up to it).
+    """
     ar: list[tuple[float, float]] = []
-    spec: list[tuple[float, float]] = []
+    draft: list[tuple[float, float]] = []
+    sd_points: list[tuple[int, int, float]] = []  # (c, k, cycle seconds)
+    psd_points: list[tuple[int, int, float]] = []
     batches: list[int] = []
     ks: list[int] = []
     for path in bench_files:
@@ -73,18 +192,57 @@ def calibrate(bench_files: list[Path], startup_seconds: float, spec_mode: str = 
         k = int(data["config"]["num_speculative_tokens"])
         ks.append(k)
         for run in data["runs"]:
+            if not isinstance(run.get("concurrency"), int):
+                continue  # a trace run (varying load): no single batch to attribute its figures to
             c = int(run["concurrency"])
+            if max_batch is not None and c > max_batch:
+                continue
             batches.append(c)
             modes = run["modes"]
-            if "ar" in modes:
-                ar.append((c, c / modes["ar"]["output_tokens_per_s"]))
-            if spec_mode in modes:
-                m = modes[spec_mode]
-                spec.append((c * (k + 1), c * m["mean_accepted_length"] / m["output_tokens_per_s"]))
-    a0, a1 = _line(ar)
-    b0, b1 = _line(spec)
-    return ReplicaModel(ar_step_seconds=round(a0, 6), ar_step_seconds_per_request=round(a1, 7),
-                        spec_step_seconds=round(b0, 6), spec_step_seconds_per_token=round(b1, 7),
-                        max_batch=max(batches), startup_seconds=startup_seconds,
-                        min_speculative_tokens=1, max_speculative_tokens=max(ks),
+            if "ar" in modes and modes["ar"]["output_tokens_per_s"] > 0:
+                ar.append((c, _cycle(c, {**modes["ar"], "mean_accepted_length": 1.0})))
+            for mode, points in (("sd", sd_points), ("psd", psd_points)):
+                figures = modes.get(mode)
+                if not figures or figures["output_tokens_per_s"] <= 0:
+                    continue
+                points.append((c, k, _cycle(c, figures)))
+                if figures.get("draft_seconds_per_step") and (mode == "sd" or c >= 2):
+                    draft.append((c if mode == "sd" else c / 2, float(figures["draft_seconds_per_step"]) / k))
+    if not ar:
+        raise ValueError("calibrate: the benchmarks have no ar points")
+    ar_curve = fit_curve(ar)
+    draft_curve = fit_curve(draft)
+    modes = ["ar"]
+    extra: Curve = ()
+    ratio: Curve = ()
+    if sd_points:
+        extra = fit_curve([(c, max(0.0, (cycle - k * evaluate(draft_curve, c) - evaluate(ar_curve, c)) / k))
+                           for c, k, cycle in sd_points])
+        modes.append("sd")
+    if psd_points:
+        def verify(requests: float, k: int) -> float:
+            return evaluate(ar_curve, requests) + k * evaluate(extra, requests)
+
+        ratio = fit_curve([(c / 2, cycle / 2 / verify(c / 2, k)) for c, k, cycle in psd_points
+                           if c >= 2 and cycle / 2 > k * evaluate(draft_curve, c / 2)], nondecreasing=False)
+        modes.append("psd")
+    return ReplicaModel(ar_step=ar_curve, draft_forward=draft_curve, sd_extra_per_draft=extra, psd_ratio=ratio,
+                        max_batch=max_batch or max(batches), startup_seconds=startup_seconds, modes=tuple(modes),
+                        min_speculative_tokens=1, max_speculative_tokens=max(5, *ks), speedup=speedup,
                         calibrated_from=tuple(p.name for p in bench_files))
+
+
+def describe(model: ReplicaModel, acceptances: tuple[float, ...] = (0.9, 0.6, 0.1),
+             batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> list[str]:
+    """One line per (acceptance, batch): the best mode, k and tokens/s, and how that compares with plain decoding."""
+    lines = []
+    for a in acceptances:
+        for c in batches:
+            if c > model.max_batch:
+                continue
+            tps, mode, k = model.best(c, a)
+            ar = model.tokens_per_second("ar", c, a, 0)
+            label = mode if mode == "ar" else f"{mode} k={k}"
+            lines.append(f"acceptance {a:g}, batch {c}: {label} {tps:.0f} tok/s ({tps / ar:.2f}x ar)"
+                         if math.isfinite(tps) else f"acceptance {a:g}, batch {c}: -")
+    return lines

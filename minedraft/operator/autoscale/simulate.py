@@ -1,21 +1,23 @@
 """Replay a traffic trace against a model of replicas under a scaling policy (minedraft or hpa-queue).
 
 Deterministic: arrivals are Poisson draws from a seeded generator, everything else follows from the trace and the
-replica model. Time advances in 1 s ticks. Requests arrive into a FIFO queue, are admitted while the replica has a
-free slot (the model's max batch), and decode at the per-request speed the replica model gives for its batch and
-the trace's acceptance. A request's time to first token is its wait plus one step; it violates the SLO when that
-exceeds the trace's `slo_ttft_seconds`.
+replica model. Time advances in 1 s ticks (arrivals, decisions), and within a tick continuously: requests arrive
+into a FIFO queue, are admitted while the replica has a free slot (the model's max batch) — also when a slot frees
+mid-tick — and decode at the per-request speed the replica model gives for the batch and the trace's acceptance.
+A request's time to first token is its wait plus one step; it violates the SLO when that exceeds the trace's
+`slo_ttft_seconds`.
 
 Both policies see what they would see in a cluster: every interval (15 s), running and waiting requests now; the
 minedraft policy also the output token rate and finished requests per second over the last minute (rate1m) and the
-engines' predicted goodput (the engine's cost model reacts to acceptance within seconds: modelled as the mean acceptance
-of the last 5 s). New replicas serve `startup_seconds` after the decision and cost replica-seconds from the
-decision on. Scale-down removes starting replicas first, then ready ones, which finish their requests (drain).
+engines' predicted goodput (their cost model's best over modes and k at the current batch, with the acceptance it
+has seen: an estimate that forgets 0.5% per decoding step, as the engine's, at the replicas' step rate). New
+replicas serve `startup_seconds` after the decision and cost replica-seconds from the decision on. Scale-down
+removes starting replicas first, then ready ones, which finish their requests (drain).
 
 Trace format (JSON lines): an optional first line {"config": {...}} (slo_ttft_seconds, min_replicas, max_replicas,
 event_seconds, description), then {"t": s, "arrival_rps": x, "prompt_tokens": n, "output_tokens": n,
 "acceptance_rate": a} rows; each row holds until the next one; the last holds for `duration_seconds` (config) or
-60 s.
+60 s. `acceptance_rate` is the per-position acceptance (see replica_model.py), not the engines' accepted / drafted.
 """
 
 from __future__ import annotations
@@ -30,13 +32,16 @@ from typing import Any
 
 from minedraft.operator.autoscale.hpa import SYNC_PERIOD_SECONDS, HpaConfig, HpaState, hpa_decide
 from minedraft.operator.autoscale.policy import Observations, PolicyConfig, PolicyState, SpeculationFigures, decide
-from minedraft.operator.autoscale.replica_model import ReplicaModel
+from minedraft.operator.autoscale.replica_model import ReplicaModel, acceptance_rate_metric, accepted_length
 
 POLICIES = ("minedraft", "hpa-queue")
 DEFAULT_SLO_TTFT_SECONDS = 2.5
 RATE_WINDOW_SECONDS = 60  # the recording rules' rate1m
-ACCEPTANCE_WINDOW_SECONDS = 5  # the engine's cost model forgets old steps within seconds
+# The engine's acceptance profile forgets with this factor per decoding step (cost_model.AcceptanceProfile).
+ENGINE_ACCEPTANCE_DECAY = 0.995
 DEFAULT_SEED = 0
+# Cohorts finishing within one tick, at most (each frees slots that queued requests take at once).
+MAX_EVENTS_PER_TICK = 1000
 
 
 @dataclass(frozen=True)
@@ -179,7 +184,8 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
                            max_replicas=trace.max_replicas)
     policy_state, hpa_state = PolicyState(), HpaState()
     tokens_window: deque[float] = deque(maxlen=RATE_WINDOW_SECONDS)
-    acceptance_window: deque[float] = deque(maxlen=ACCEPTANCE_WINDOW_SECONDS)
+    # What the engines' cost model believes the acceptance is: it follows the trace's at the replicas' step rate.
+    acceptance_estimate = trace.rows[0].acceptance_rate
     finished_window: deque[float] = deque(maxlen=RATE_WINDOW_SECONDS)
     replica_seconds = violations = total = max_queue = 0.0
     decisions: list[dict[str, Any]] = []
@@ -195,49 +201,61 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
     for tick in range(duration):
         t = float(tick)
         row, row_index = trace.row_at(t, row_index)
-        acceptance_window.append(row.acceptance_rate)
         arrivals = _poisson(rng, row.arrival_rps)
         if arrivals:
             queue.append(_Cohort(float(arrivals), t, float(row.output_tokens)))
         ready = sum(1 for r in ready_at if r <= t)
-        in_flight = sum(c.count for c in running)
-        # Admit FIFO into free slots; time to first token = wait + one step at the resulting batch.
-        slots = ready * model.max_batch - in_flight
-        admitted: list[_Cohort] = []
-        while queue and slots > 1e-9:
-            head = queue[0]
-            take = min(head.count, slots)
-            if take >= head.count - 1e-9:
-                queue.popleft()
-                admitted.append(head)
-            else:
-                head.count -= take
-                admitted.append(_Cohort(take, head.arrived, head.remaining_tokens))
-            slots -= take
-        running.extend(admitted)
-        in_flight = sum(c.count for c in running)
-        batch = in_flight / ready if ready else 0.0
-        tps, _, _ = model.best(batch, row.acceptance_rate) if ready else (0.0, "ar", 0)
-        speed = tps / batch if batch > 0 else 0.0
-        step_seconds = (1.0 / speed) if speed > 0 else 0.0
-        worst_ttft = 0.0
-        for cohort in admitted:
-            ttft = t - cohort.arrived + step_seconds
-            worst_ttft = max(worst_ttft, ttft)
-            total += cohort.count
-            if ttft > trace.slo_ttft_seconds:
-                violations += cohort.count
-        produced = 0.0
-        # Requests decoding during this tick, weighted by the share of it they were still running: what a gauge
-        # scraped at a random instant sees on average (requests shorter than a tick would otherwise vanish).
-        busy = 0.0
-        for cohort in running:
-            done = min(cohort.remaining_tokens, speed)
-            busy += cohort.count * (done / speed if speed > 0 else 1.0)
-            cohort.remaining_tokens -= done
-            produced += done * cohort.count
-        finished_window.append(sum(c.count for c in running if c.remaining_tokens <= 1e-9))
-        running = [c for c in running if c.remaining_tokens > 1e-9]
+        worst_ttft = produced = busy = finished = elapsed = 0.0
+        # Within the tick, in continuous time: admit FIFO into free slots, decode at the speed of the resulting
+        # batch until the first cohort finishes (its slots are refilled at once) or the tick ends. Time to first
+        # token = wait + one step at the batch it joins.
+        for _ in range(MAX_EVENTS_PER_TICK):
+            in_flight = sum(c.count for c in running)
+            slots = ready * model.max_batch - in_flight
+            admitted: list[_Cohort] = []
+            while queue and slots > 1e-9:
+                head = queue[0]
+                take = min(head.count, slots)
+                if take >= head.count - 1e-9:
+                    queue.popleft()
+                    admitted.append(head)
+                else:
+                    head.count -= take
+                    admitted.append(_Cohort(take, head.arrived, head.remaining_tokens))
+                slots -= take
+            running.extend(admitted)
+            in_flight = sum(c.count for c in running)
+            batch = in_flight / ready if ready else 0.0
+            tps, mode, k = model.best(batch, row.acceptance_rate) if batch > 0 else (0.0, "ar", 0)
+            speed = tps / batch if batch > 0 else 0.0
+            step_seconds = (1.0 / speed) if speed > 0 else 0.0
+            for cohort in admitted:
+                ttft = t + elapsed - cohort.arrived + step_seconds
+                worst_ttft = max(worst_ttft, ttft)
+                total += cohort.count
+                if ttft > trace.slo_ttft_seconds:
+                    violations += cohort.count
+            if speed <= 0 or not running:
+                break
+            dt = min(1.0 - elapsed, min(c.remaining_tokens for c in running) / speed)
+            for cohort in running:
+                done = min(cohort.remaining_tokens, speed * dt)
+                cohort.remaining_tokens -= done
+                produced += done * cohort.count
+            # Requests decoding, integrated over the tick: what a gauge scraped at a random instant sees on average.
+            busy += in_flight * dt
+            elapsed += dt
+            # Steps decoded in dt (each yields L tokens per request): the engine's estimate moves toward the
+            # acceptance those steps saw. (In ar nothing is drafted; the engine's probes refresh the estimate.)
+            steps = speed * dt / (accepted_length(row.acceptance_rate, k) if mode != "ar" else 1.0)
+            weight = ENGINE_ACCEPTANCE_DECAY ** steps
+            acceptance_estimate = weight * acceptance_estimate + (1 - weight) * row.acceptance_rate
+            finished += sum(c.count for c in running if c.remaining_tokens <= 1e-9)
+            running = [c for c in running if c.remaining_tokens > 1e-9]
+            if elapsed >= 1.0 - 1e-9:
+                break
+        batch = busy / ready if ready else 0.0  # requests per ready replica, averaged over the tick
+        finished_window.append(finished)
         tokens_window.append(produced)
         waiting = sum(c.count for c in queue)
         # Requests still queued at the end, and their age, count too.
@@ -251,16 +269,17 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
             if config.policy == "minedraft":
                 # The engines' gauge: their cost model's tokens/s at the batch they run now, with the acceptance of
                 # the last seconds; per running request (as the running gauge counts them) that is their speed.
-                recent_acceptance = sum(acceptance_window) / len(acceptance_window)
+                recent_acceptance = acceptance_estimate
                 best_tps, best_mode, best_k = model.best(batch, recent_acceptance)
                 predicted = best_tps / batch * in_flight if batch > 0 else None
-                length = 1.0 + best_k * recent_acceptance if best_mode != "ar" else 1.0
+                length = accepted_length(recent_acceptance, best_k) if best_mode != "ar" else 1.0
                 obs = Observations(age_seconds=0.0, reporting_replicas=ready, running_requests=in_flight,
                                    waiting_requests=waiting,
                                    output_tokens_per_second=sum(tokens_window) / len(tokens_window),
                                    predicted_tokens_per_second=predicted,
                                    finished_requests_per_second=sum(finished_window) / len(finished_window),
-                                   speculation=SpeculationFigures(acceptance_rate=recent_acceptance,
+                                   speculation=SpeculationFigures(acceptance_rate=acceptance_rate_metric(
+                                       recent_acceptance, best_k) if best_mode != "ar" else None,
                                                                   mean_accepted_length=length,
                                                                   modes=(best_mode,)))
                 decision, policy_state = decide(policy_config, policy_state, current, obs, t)
