@@ -9,6 +9,7 @@ to also render each dashboard's panels from this run's data to docs/dashboards/*
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import urllib.request
@@ -180,6 +181,12 @@ async def run(psd_engine, tmp_path_factory):
                    and prometheus.value("sum(minedraft_engine_requests_finished_total)") == ROUNDS * (NUM_REQUESTS + 1)
                    and prometheus.value('sum(minedraft_gateway_streams_finished_total)') == ROUNDS * (NUM_REQUESTS + 2),
                    30, "the final counts in Prometheus")
+        # Recording rules are evaluated on their own clock (every second, each group at its own offset): wait until
+        # every one has recorded a series, so a loaded machine cannot make the checks below race the evaluator.
+        # A rule that never records is left for test_rules_load_and_evaluate to name.
+        with contextlib.suppress(AssertionError):
+            await poll(lambda: all(prometheus.query(rule["record"]) for rule in recording_rules()), 30,
+                       "every recording rule to record a series")
         yield Run(prometheus, f"http://127.0.0.1:{engine_http.server_port}/metrics",
                   f"http://127.0.0.1:{gateway_http.server_port}/metrics", totals, load_started, load_finished, codes,
                   (vllm_after[0] - vllm_before[0], vllm_after[1] - vllm_before[1]))
