@@ -1,24 +1,31 @@
 """What each way of decoding would yield right now, predicted from the engine's own per-step measurements.
 
-Pure: fed `StepRecord`s, asked for predictions; no clocks, no I/O. Three measured ingredients (design.md §7):
+Pure: fed `StepRecord`s, asked for predictions; no clocks, no I/O. The measured ingredients (design.md §7), each
+kept per kind of decode step where the kinds cost differently:
 
-- V(tokens): seconds the target takes to verify a step of that many tokens (decode steps only). Steps with
-  nothing drafting beside them (ar, sd, psd with one side empty) have their own curve: on a CPU machine they
-  compute on the drafter's cores too (placement.py), so the same number of tokens costs less than in a psd step
-  whose other side is being drafted; one shared curve would price each at the other's cost. Each curve stands in
-  for the other until it has observations of its own;
-- f(requests): seconds of one drafter forward over that many requests; a draft of length k costs t = k * f(n)
-  (the catch-up pass that also proposes the first token, then k - 1 more);
+- V(tokens): seconds the target takes to verify a step of that many tokens (decode steps only), for three kinds
+  of step: without drafts (ar: one token per request), with drafts and nothing drafting beside them (sd, psd with
+  one side empty) and beside a draft (psd). On a CPU machine the first two compute on the drafter's cores too
+  (placement.py), so the same number of tokens costs less than in a psd step whose other side is being drafted;
+  and a step of R requests with one token each costs more than one of R / (k + 1) requests with k + 1 tokens each
+  (per-request work: sampling, rejection, bookkeeping). One shared curve would price each at another's cost. A
+  kind's curve stands in for another's until that one has observations of its own;
+- t(requests, k) = f1(requests) + (k - 1) * fn(requests): a draft job's seconds, from the drafter's own split:
+  f1 up to the first drafted token (catching up on the tokens committed since the last job, a whole prompt for a
+  new request) and fn for each further position. The first token costs more (measured on this CPU with the trained
+  pair, 8 requests, k=3: 3.8 ms to the first token, then 2.8 ms per position with the torch drafter; with the vLLM
+  drafter backend a one-token draft took 14 ms and a three-token one 17 ms), so pricing a draft as k equal
+  forwards would misprice every k but the one measured;
 - s_i: of the drafts that reached position i, the share accepted up to and including i. The expected tokens per
   request per verification with draft length k is L(k) = 1 + sum_{i<k} s_i (not 1 + k * rate: acceptance falls
   along the draft);
-- o(requests): the rest of a step (scheduling, sampling bookkeeping, detokenization), per step.
+- o(requests): the rest of a step (scheduling, draft bookkeeping, detokenization), per kind of step.
 
 For R decoding requests the predicted output tokens per second are
     ar:      R / (V(R) + o(R))
-    sd(k):   R * L(k) / (k f(R) + V(R (k+1)) + o(R))
-    psd(k):  R * L(k) / (max(V'(A (k+1)) + o(A), k f(B)) + max(V'(B (k+1)) + o(B), k f(A)))   A = ceil(R/2), B = R - A
-with V' the verification beside a draft. psd with one side empty is sd.
+    sd(k):   R * L(k) / (t(R, k) + V(R (k+1)) + o(R))
+    psd(k):  R * L(k) / (max(V'(A (k+1)) + o'(A), t(B, k)) + max(V'(B (k+1)) + o'(B), t(A, k)))
+with A = ceil(R/2), B = R - A, and V', o' those of steps beside a draft. psd with one side empty is sd.
 """
 
 from __future__ import annotations
@@ -159,78 +166,135 @@ class Prediction:
     tokens_per_cycle: float
 
 
+# Kinds of decode step, by what their verification costs: without drafts (ar: one token per request), with drafts
+# and nothing drafting beside them (sd, psd with one side empty; widened onto the drafter's cores on CPUs) and
+# beside a draft (steady psd).
+PLAIN, ALONE, BESIDE = "plain", "alone", "beside"
+KINDS = (PLAIN, ALONE, BESIDE)
+
+
+def _curves() -> dict[str, CostCurve]:
+    return {kind: CostCurve() for kind in KINDS}
+
+
 @dataclass
 class CostModel:
-    verify: CostCurve = field(default_factory=CostCurve)
-    verify_widened: CostCurve = field(default_factory=CostCurve)
-    draft_forward: CostCurve = field(default_factory=CostCurve)
-    overhead: CostCurve = field(default_factory=CostCurve)
+    # Per kind of step: verification seconds against scheduled tokens, and the rest of the step (scheduling,
+    # draft bookkeeping, detokenization) against running requests.
+    verify: dict[str, CostCurve] = field(default_factory=_curves)
+    overhead: dict[str, CostCurve] = field(default_factory=_curves)
+    # Drafting against requests in the job: seconds up to the first drafted token (catch-up included), and seconds
+    # of each further position. Drafters that do not report the first token's time are modelled as k equal
+    # forwards (both curves fed the average).
+    draft_first: CostCurve = field(default_factory=CostCurve)
+    draft_next: CostCurve = field(default_factory=CostCurve)
     acceptance: AcceptanceProfile = field(default_factory=AcceptanceProfile)
     # Step numbers of the last observation of each ingredient (for staleness).
     last_verify_step: int = -1
     last_draft_step: int = -1
+    # Whether any step verified on the drafter's cores too (then sd's steps and psd's differ in cost).
+    widening_seen: bool = False
     _previous: StepRecord | None = None
+
+    @staticmethod
+    def _kind_of(record: StepRecord) -> str:
+        if record.num_requests_with_drafts == 0:
+            return PLAIN
+        return ALONE if record.widened else BESIDE
+
+    def _chain(self, kind: str) -> tuple[str, ...]:
+        """The kind of step whose costs price `kind`, then the kinds standing in for it, nearest first."""
+        if kind == PLAIN:
+            return PLAIN, ALONE, BESIDE
+        if kind == ALONE and self.widening_seen:
+            return ALONE, PLAIN, BESIDE
+        # Where the target never widens (a GPU machine, or lending turned off), sd's steps are psd's kind of step.
+        return BESIDE, ALONE, PLAIN
+
+    def _curve(self, curves: dict[str, CostCurve], kind: str) -> CostCurve:
+        chain = self._chain(kind)
+        return next((curves[k] for k in chain if curves[k].buckets), curves[chain[0]])
 
     def observe(self, record: StepRecord) -> None:
         previous, self._previous = self._previous, record
         decode_only = record.num_prefill_requests == 0 and record.num_decode_requests > 0
         if decode_only:
-            curve = self.verify_widened if record.widened else self.verify
-            curve.observe(record.num_scheduled_tokens, record.verify_seconds)
+            self.widening_seen = self.widening_seen or record.widened
+            self.verify[self._kind_of(record)].observe(record.num_scheduled_tokens, record.verify_seconds)
             self.last_verify_step = record.step
         if record.num_requests_with_drafts > 0:
             self.acceptance.observe(record.drafted_per_position, record.accepted_per_position)
             if record.draft_seconds > 0:
-                length = max(1, len(record.drafted_per_position))
-                self.draft_forward.observe(record.num_requests_with_drafts, record.draft_seconds / length)
+                self._observe_draft(record)
                 self.last_draft_step = record.step
         if previous is not None and decode_only:
             gap = record.started_at - previous.started_at
             if 0 < gap < MAX_STEP_GAP_SECONDS:
                 other = gap - previous.verify_seconds - previous.wait_seconds
-                self.overhead.observe(max(1, previous.num_decode_requests + previous.num_prefill_requests),
-                                      max(0.0, other))
+                self.overhead[self._kind_of(previous)].observe(
+                    max(1, previous.num_decode_requests + previous.num_prefill_requests), max(0.0, other))
 
-    def _verify_curve(self, alone: bool) -> CostCurve:
-        """The curve for a verification with nothing drafting beside it (alone) or beside a draft (psd)."""
-        own, other = (self.verify_widened, self.verify) if alone else (self.verify, self.verify_widened)
-        return own if own.buckets else other
+    def _observe_draft(self, record: StepRecord) -> None:
+        requests = record.num_requests_with_drafts
+        length = max(1, len(record.drafted_per_position))
+        first = record.draft_first_token_seconds
+        if 0 < first <= record.draft_seconds:
+            self.draft_first.observe(requests, first)
+            if length > 1:
+                self.draft_next.observe(requests, (record.draft_seconds - first) / (length - 1))
+        else:
+            self.draft_first.observe(requests, record.draft_seconds / length)
+            self.draft_next.observe(requests, record.draft_seconds / length)
+
+    def _verify_curve(self, alone: bool, drafted: bool = True) -> CostCurve:
+        return self._curve(self.verify, PLAIN if not drafted else ALONE if alone else BESIDE)
 
     def ready_for(self, mode: str) -> bool:
-        if self._verify_curve(alone=mode != "psd").predict(1) is None:
+        if self._verify_curve(alone=mode != "psd", drafted=mode != "ar").predict(1) is None:
             return False
         if mode == "ar":
             return True
-        return self.acceptance.known and self.draft_forward.predict(1) is not None
+        return self.acceptance.known and self.draft_first.predict(1) is not None
 
     def _verify_seconds(self, requests: int, k: int, alone: bool = True) -> float:
-        seconds = self._verify_curve(alone).predict(requests * (k + 1))
-        overhead = self.overhead.predict(requests) or 0.0
+        kind = PLAIN if k == 0 else ALONE if alone else BESIDE
+        seconds = self._curve(self.verify, kind).predict(requests * (k + 1))
+        overhead = self._curve(self.overhead, kind).predict(requests) or 0.0
         return (seconds or 0.0) + overhead
 
     def _draft_seconds(self, requests: int, k: int) -> float:
-        return k * (self.draft_forward.predict(requests) or 0.0)
+        if k <= 0:
+            return 0.0
+        first = self.draft_first.predict(requests) or 0.0
+        following = self.draft_next if self.draft_next.buckets else self.draft_first
+        return first + (k - 1) * (following.predict(requests) or 0.0)
+
+    def _drafting_covers(self, requests: int, k: int, slack: float) -> bool:
+        if not self.draft_first.covers(requests, slack):
+            return False
+        return k <= 1 or self.draft_next.covers(requests, slack)
 
     def extrapolated(self, mode: str, k: int, num_running: int, slack: float = 1.5) -> bool:
         """Whether predicting this setting at this load reaches beyond what was measured (by more than `slack`
-        either way): another curve standing in, or sizes far from the observed ones. Such a prediction can be wrong
-        by a large factor in either direction (CostCurve extrapolates conservatively), so auto measures instead."""
+        either way): another kind of step's costs standing in, or sizes far from the observed ones. Such a
+        prediction can be wrong by a large factor in either direction (CostCurve extrapolates conservatively), so
+        auto measures instead."""
         if num_running <= 0:
             return False
         a = math.ceil(num_running / 2)
         b = num_running - a
         alone = mode != "psd" or b == 0
-        own = self.verify_widened if alone else self.verify
-        if self.verify_widened.buckets and not own.buckets:
-            # The other placement's curve stands in (they differ only where steps have really been widened).
+        kind = PLAIN if mode == "ar" else ALONE if alone else BESIDE
+        chain = self._chain(kind)
+        if not self.verify[chain[0]].buckets and any(self.verify[k_].buckets for k_ in chain[1:]):
             return True
-        curve = self._verify_curve(alone)
+        curve = self.verify[chain[0]]
         if mode == "ar":
             return not curve.covers(num_running, slack)
         if alone:
-            return not (curve.covers(num_running * (k + 1), slack) and self.draft_forward.covers(num_running, slack))
-        return not (curve.covers(a * (k + 1), slack) and self.draft_forward.covers(a, slack)
-                    and self.draft_forward.covers(b, slack))
+            return not (curve.covers(num_running * (k + 1), slack) and self._drafting_covers(num_running, k, slack))
+        return not (curve.covers(a * (k + 1), slack) and self._drafting_covers(a, k, slack)
+                    and self._drafting_covers(b, k, slack))
 
     def predict(self, mode: str, k: int, num_running: int) -> Prediction | None:
         """Output tokens per second for `num_running` decoding requests; None until the inputs are measured."""

@@ -52,7 +52,9 @@ class Drafter:
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self.cancelled: set[str] = set()
 
-    def draft(self, job: Any, poll_messages: Any) -> tuple[list[Any], float]:
+    def draft(self, job: Any, poll_messages: Any) -> tuple[list[Any], float, float]:
+        """Returns the drafts, the job's seconds and the seconds to its first drafted token (vLLM's first step:
+        the prefill of what is not in the prefix cache, and position 1)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -79,8 +81,12 @@ class Drafter:
             self.engine.add_request(key, TokensPrompt(prompt_token_ids=list(item.token_ids)), params)
             live[key] = item
         results: list[DraftResult] = []
+        first_token_seconds = 0.0
         while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
+            outputs = self.engine.step()
+            if not first_token_seconds:
+                first_token_seconds = time.perf_counter() - started
+            for output in outputs:
                 if not output.finished or output.request_id not in live:
                     continue
                 item = live.pop(output.request_id)
@@ -107,7 +113,7 @@ class Drafter:
                     self.engine.abort_request(doomed)
                     for key in doomed:
                         live.pop(key, None)
-        return results, time.perf_counter() - started
+        return results, time.perf_counter() - started, first_token_seconds
 
 
 class TorchDrafter:
@@ -122,7 +128,7 @@ class TorchDrafter:
         self.model = make_torch_drafter(settings)
         self.cancelled: set[str] = set()
 
-    def draft(self, job: Any, poll_messages: Any) -> tuple[list[Any], float]:
+    def draft(self, job: Any, poll_messages: Any) -> tuple[list[Any], float, float]:
         from minedraft.engine.protocol import DraftResult
 
         started = time.perf_counter()
@@ -138,11 +144,12 @@ class TorchDrafter:
         except Exception:
             self.model.forget([rid for rid, _, _ in items])
             raise
+        first_token_seconds = self.model.last_first_token_seconds if items else 0.0
         results = [
             DraftResult(request_id=rid, context_num_tokens=len(context), token_ids=tokens, logprobs=logprobs)
             for (rid, context, _), (tokens, logprobs) in zip(items, drafts, strict=True)
         ]
-        return results, time.perf_counter() - started
+        return results, time.perf_counter() - started, first_token_seconds
 
 
 def make_drafter(settings: dict[str, Any]) -> Drafter | TorchDrafter:
@@ -201,8 +208,9 @@ def main(argv: list[str]) -> int:
         job = queued.pop(0)
         idle_seconds = time.perf_counter() - idle_since
         try:
-            results, seconds = drafter.draft(job, poll_messages)
-            reply: protocol.FromDrafter = protocol.DraftReply(job.job_id, results, seconds, idle_seconds)
+            results, seconds, first_token_seconds = drafter.draft(job, poll_messages)
+            reply: protocol.FromDrafter = protocol.DraftReply(job.job_id, results, seconds, idle_seconds,
+                                                              first_token_seconds)
         except Exception as exc:  # a bad job must not take the drafter down with it
             log.exception("draft job %d failed", job.job_id)
             reply = protocol.DrafterError(job.job_id, f"{type(exc).__name__}: {exc}")

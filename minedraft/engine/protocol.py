@@ -43,6 +43,10 @@ class DraftReply(msgspec.Struct, frozen=True, array_like=True, tag="reply"):
     draft_seconds: float
     # Time the drafter sat with nothing to do before this job arrived.
     idle_seconds: float
+    # Of draft_seconds, the part up to the first drafted token: feeding the tokens committed since the last job
+    # (a whole prompt for a new request) and proposing position 1. Each further position costs one small forward,
+    # so a draft of length k costs first + (k - 1) * next, not k times a forward. 0 when not measured.
+    first_token_seconds: float = 0.0
 
 
 class Ready(msgspec.Struct, frozen=True, array_like=True, tag="ready"):

@@ -51,6 +51,7 @@ class _StepTiming:
     wait_seconds: float = 0.0
     scheduled_at: float = 0.0
     draft_seconds: float = 0.0
+    draft_first_token_seconds: float = 0.0
     drafter_idle_seconds: float = 0.0
     draft_token_budget: int = 0
 
@@ -288,6 +289,7 @@ class PSDScheduler(Scheduler):
             if group is None:
                 continue  # a job abandoned after a deadline: its drafts are stale
             self._timing.draft_seconds += message.draft_seconds
+            self._timing.draft_first_token_seconds += message.first_token_seconds
             self._timing.drafter_idle_seconds += message.idle_seconds
             for result in message.results:
                 request = self.requests.get(result.request_id)
@@ -400,6 +402,7 @@ class PSDScheduler(Scheduler):
             verify_seconds=max(0.0, verify_done - timing.scheduled_at),
             wait_seconds=timing.wait_seconds,
             draft_seconds=timing.draft_seconds,
+            draft_first_token_seconds=timing.draft_first_token_seconds,
             drafter_idle_seconds=timing.drafter_idle_seconds,
             schedule_seconds=max(0.0, timing.scheduled_at - timing.started_at - timing.wait_seconds),
             step_seconds=finished - timing.started_at,

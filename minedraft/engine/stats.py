@@ -46,6 +46,9 @@ class StepRecord:
     auto: bool = False
     # True when the target verified on the drafter's cores too (placement.py): nothing was drafting meanwhile.
     widened: bool = False
+    # Of draft_seconds, the drafter's time up to the first drafted token (catching up on committed tokens, a whole
+    # prompt for a new request, and position 1); 0 when the drafter did not say.
+    draft_first_token_seconds: float = 0.0
 
 
 @dataclass

@@ -107,6 +107,8 @@ class TorchLlamaDrafter:
         self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
         self.slots: dict[str, _Slot] = {}
         self.free = list(range(max_slots))
+        # Seconds the last draft() spent up to its first drafted token (catch-up included).
+        self.last_first_token_seconds = 0.0
         del model
 
     # -- slots ---------------------------------------------------------------------------------------------------
@@ -195,6 +197,7 @@ class TorchLlamaDrafter:
     def draft(self, items: list[tuple[str, list[int], int]], want_logprobs: bool
               ) -> list[tuple[list[int], list[float] | None]]:
         """items: (request id, committed context, tokens to draft). Returns drafts in the same order."""
+        started = time.perf_counter()
         prepared: list[tuple[_Slot, list[int], int]] = []
         for request_id, context, _ in items:
             slot = self._slot_for(request_id)
@@ -215,6 +218,7 @@ class TorchLlamaDrafter:
             slot.tokens = list(context)
         stacked = torch.stack([h for h in last_hidden if h is not None])
         tokens, logprobs = self._next(stacked, want_logprobs)
+        self.last_first_token_seconds = time.perf_counter() - started
         drafts: list[list[int]] = [[t] for t in tokens]
         draft_logprobs: list[list[float]] = [[lp] for lp in logprobs] if logprobs is not None else []
         wanted = [min(n, self.max_model_len - len(context)) for _, context, n in items]

@@ -129,7 +129,7 @@ def test_per_step_overhead_is_measured_from_the_gaps_between_steps() -> None:
     for step in range(1, 20):
         model.observe(record(step, now, mode="ar", num_requests=4, num_tokens=4, verify_seconds=0.01))
         now += 0.015  # 5 ms outside verification each step
-    assert model.overhead.predict(4) == pytest.approx(0.005)
+    assert model.overhead["plain"].predict(4) == pytest.approx(0.005)
     assert model.predict("ar", 0, 4).output_tokens_per_second == pytest.approx(4 / 0.015)  # type: ignore[union-attr]
 
 
@@ -160,3 +160,75 @@ def test_widened_steps_keep_their_own_verify_costs() -> None:
     assert sd.cycle_seconds == pytest.approx(0.002 + 0.005, rel=0.01)
     assert psd.cycle_seconds == pytest.approx(2 * 0.010, rel=0.01)
     assert model.predict("ar", 0, 8).cycle_seconds == pytest.approx(0.005, rel=0.05)  # type: ignore[union-attr]
+
+
+def test_steps_without_drafts_keep_their_own_verify_costs() -> None:
+    # 8 requests with one token each (ar) cost more than 2 requests with 4 tokens each (sd k=3): per-request work
+    # (sampling, bookkeeping) is not per token. Keyed by tokens alone, ar would be priced at sd's cost.
+    model = CostModel()
+    now, step = 0.0, 0
+    for _ in range(10):
+        step += 1
+        model.observe(replace(record(step, now, mode="ar", num_requests=8, num_tokens=8, verify_seconds=0.012),
+                              widened=True))
+        now += 0.012
+    for _ in range(10):
+        step += 1
+        model.observe(replace(record(step, now, num_requests=2, num_tokens=8, verify_seconds=0.006,
+                                     draft_seconds=0.003, wait_seconds=0.003, drafted=(2, 2, 2),
+                                     accepted=(2, 1, 1)), widened=True))
+        now += 0.009
+    ar, sd = model.predict("ar", 0, 8), model.predict("sd", 3, 2)
+    assert ar is not None and sd is not None
+    assert ar.cycle_seconds == pytest.approx(0.012, rel=0.01)
+    assert sd.cycle_seconds == pytest.approx(0.003 + 0.006, rel=0.01)
+    # ar at 8 requests and sd at 2 were both measured: neither is an extrapolation; psd (beside a draft) is.
+    assert not model.extrapolated("ar", 0, 8)
+    assert not model.extrapolated("sd", 3, 2)
+    assert model.extrapolated("psd", 3, 4)
+
+
+def test_without_widening_sd_and_psd_share_the_curve_of_steps_with_drafts() -> None:
+    # A GPU machine never lends the drafter's device: sd's verification is the same kind of step as psd's, so
+    # having measured one, the other is not an extrapolation to be probed again and again.
+    model = CostModel()
+    now = 0.0
+    for step in range(1, 20):
+        model.observe(record(step, now, mode="psd", num_requests=4, num_tokens=16, verify_seconds=0.008,
+                             draft_seconds=0.004, drafted=(4, 4, 4), accepted=(3, 2, 1)))
+        now += 0.008
+    assert not model.widening_seen
+    assert not model.extrapolated("sd", 3, 4)
+    sd = model.predict("sd", 3, 4)
+    assert sd is not None and sd.cycle_seconds == pytest.approx(0.004 + 0.008, rel=0.01)
+
+
+def test_a_draft_costs_its_catch_up_then_one_forward_per_further_position() -> None:
+    # The drafter reports 6 ms up to the first drafted token (catching up on committed tokens) of a 10 ms, k=3 job
+    # for 4 requests: each further position costs 2 ms, so k=1 costs 6 ms and k=5 14 ms (k * 10/3 would give
+    # 3.3 and 16.7 ms).
+    model = CostModel()
+    now = 0.0
+    for step in range(1, 20):
+        model.observe(replace(record(step, now, num_requests=4, num_tokens=16, verify_seconds=0.004,
+                                     draft_seconds=0.010, wait_seconds=0.010, drafted=(4, 4, 4),
+                                     accepted=(3, 2, 1)), widened=True, draft_first_token_seconds=0.006))
+        now += 0.014
+    assert model._draft_seconds(4, 3) == pytest.approx(0.010)
+    assert model._draft_seconds(4, 1) == pytest.approx(0.006)
+    assert model._draft_seconds(4, 5) == pytest.approx(0.014)
+    # Drafting at k=1 needs only the first-token curve; 2..5 share one further-position curve: all measured.
+    assert model._drafting_covers(4, 1, 1.5) and model._drafting_covers(4, 5, 1.5)
+    assert not model._drafting_covers(16, 3, 1.5)
+
+
+def test_a_drafter_that_does_not_split_its_time_is_modelled_as_equal_forwards() -> None:
+    model = CostModel()
+    now = 0.0
+    for step in range(1, 20):
+        model.observe(replace(record(step, now, num_requests=4, num_tokens=16, verify_seconds=0.004,
+                                     draft_seconds=0.009, wait_seconds=0.009, drafted=(4, 4, 4),
+                                     accepted=(3, 2, 1)), widened=True))
+        now += 0.013
+    assert model._draft_seconds(4, 1) == pytest.approx(0.003)
+    assert model._draft_seconds(4, 3) == pytest.approx(0.009)

@@ -51,8 +51,9 @@ def test_protocol_round_trips_token_ids_only():
     data = protocol.encode(job)
     assert protocol.decode_to_drafter(data) == job
     assert len(data) < 64, "a job is token ids, not tensors"
-    reply = protocol.DraftReply(7, [protocol.DraftResult("r1", 3, [4, 5], [-0.1, -0.2])], 0.01, 0.0)
-    assert protocol.decode_from_drafter(protocol.encode(reply)) == reply
+    reply = protocol.DraftReply(7, [protocol.DraftResult("r1", 3, [4, 5], [-0.1, -0.2])], 0.01, 0.0, 0.006)
+    decoded = protocol.decode_from_drafter(protocol.encode(reply))
+    assert decoded == reply and isinstance(decoded, protocol.DraftReply) and decoded.first_token_seconds == 0.006
     assert isinstance(protocol.decode_to_drafter(protocol.encode(protocol.CancelRequests(["r1"]))),
                       protocol.CancelRequests)
 

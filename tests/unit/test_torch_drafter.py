@@ -38,6 +38,8 @@ def test_drafts_match_greedy_decoding_as_contexts_grow_and_diverge(models):
             # The verifier accepts a prefix and adds one token of its own: the cache must follow.
             accepted = rng.randrange(0, n + 1)
             contexts[rid] = ctx + tokens[:accepted] + [rng.randrange(2048)]
+        # The drafter times its catch-up and first drafted token (the cost model prices the other positions apart).
+        assert drafter.last_first_token_seconds > 0
 
 
 def test_slots_are_reused_and_evicted(models):
