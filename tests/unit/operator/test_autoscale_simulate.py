@@ -41,9 +41,6 @@ def test_replicas_never_leave_the_bounds(name: str, policy: str) -> None:
     assert all(trace.min_replicas <= d["to"] <= trace.max_replicas for d in result.decisions)
 
 
-@pytest.mark.xfail(strict=True, reason="known weakness (README): with the constructed-pair model, whose cost turns "
-                   "compute-bound past batch 16, the full-batch capacity the policy extrapolates from the batches it "
-                   "sees differs at 3 and at 4 replicas, and it moves 3 -> 4 within 15 s of a scale-down")
 def test_steady_load_changes_direction_at_most_once_per_window() -> None:
     steady = parse_trace("\n".join(json.dumps(r) for r in [
         {"config": {"duration_seconds": 3600, "max_replicas": 20}},
