@@ -40,6 +40,14 @@ def record(
     )
 
 
+def run_steps(model: CostModel, template: StepRecord, count: int, gap_seconds: float) -> None:
+    """Feed `count` copies of `template`, `gap_seconds` apart, starting when the model's last step ended."""
+    last = model._previous
+    step, now = (last.step + 1, last.started_at + last.step_seconds) if last is not None else (1, 0.0)
+    for i in range(count):
+        model.observe(replace(template, step=step + i, started_at=now + i * gap_seconds))
+
+
 def test_accepted_length_comes_from_per_position_rates() -> None:
     profile = AcceptanceProfile(decay=1.0)
     for _ in range(10):
@@ -137,19 +145,12 @@ def test_widened_steps_keep_their_own_verify_costs() -> None:
     # On a CPU machine a step with nothing drafting beside it computes on the drafter's cores too: 8 tokens cost
     # 5 ms there and 10 ms beside a draft (psd). One shared curve would price each at the other's cost.
     model = CostModel()
-    now, step = 0.0, 0
-    for _ in range(10):
-        step += 1
-        model.observe(replace(record(step, now, mode="ar", num_requests=8, num_tokens=8, verify_seconds=0.005),
-                              widened=True))
-        now += 0.005
+    run_steps(model, replace(record(0, 0.0, mode="ar", num_requests=8, num_tokens=8, verify_seconds=0.005),
+                             widened=True), 10, 0.005)
     # Until a step beside a draft is seen, the widened curve stands in for it.
     assert model._verify_curve(alone=False).predict(8) == pytest.approx(0.005)
-    for _ in range(10):
-        step += 1
-        model.observe(record(step, now, mode="psd", num_requests=4, num_tokens=8, verify_seconds=0.010,
-                             draft_seconds=0.002, drafted=(4,), accepted=(2,)))
-        now += 0.010
+    run_steps(model, record(0, 0.0, mode="psd", num_requests=4, num_tokens=8, verify_seconds=0.010,
+                            draft_seconds=0.002, drafted=(4,), accepted=(2,)), 10, 0.010)
     assert model._verify_curve(alone=False).predict(8) == pytest.approx(0.010)
     assert model._verify_curve(alone=True).predict(8) == pytest.approx(0.005)
     # ar and sd are priced alone, psd's halves beside a draft.
@@ -166,18 +167,11 @@ def test_steps_without_drafts_keep_their_own_verify_costs() -> None:
     # 8 requests with one token each (ar) cost more than 2 requests with 4 tokens each (sd k=3): per-request work
     # (sampling, bookkeeping) is not per token. Keyed by tokens alone, ar would be priced at sd's cost.
     model = CostModel()
-    now, step = 0.0, 0
-    for _ in range(10):
-        step += 1
-        model.observe(replace(record(step, now, mode="ar", num_requests=8, num_tokens=8, verify_seconds=0.012),
-                              widened=True))
-        now += 0.012
-    for _ in range(10):
-        step += 1
-        model.observe(replace(record(step, now, num_requests=2, num_tokens=8, verify_seconds=0.006,
-                                     draft_seconds=0.003, wait_seconds=0.003, drafted=(2, 2, 2),
-                                     accepted=(2, 1, 1)), widened=True))
-        now += 0.009
+    run_steps(model, replace(record(0, 0.0, mode="ar", num_requests=8, num_tokens=8, verify_seconds=0.012),
+                             widened=True), 10, 0.012)
+    run_steps(model, replace(record(0, 0.0, num_requests=2, num_tokens=8, verify_seconds=0.006, draft_seconds=0.003,
+                                    wait_seconds=0.003, drafted=(2, 2, 2), accepted=(2, 1, 1)), widened=True),
+              10, 0.009)
     ar, sd = model.predict("ar", 0, 8), model.predict("sd", 3, 2)
     assert ar is not None and sd is not None
     assert ar.cycle_seconds == pytest.approx(0.012, rel=0.01)
@@ -192,11 +186,8 @@ def test_without_widening_sd_and_psd_share_the_curve_of_steps_with_drafts() -> N
     # A GPU machine never lends the drafter's device: sd's verification is the same kind of step as psd's, so
     # having measured one, the other is not an extrapolation to be probed again and again.
     model = CostModel()
-    now = 0.0
-    for step in range(1, 20):
-        model.observe(record(step, now, mode="psd", num_requests=4, num_tokens=16, verify_seconds=0.008,
-                             draft_seconds=0.004, drafted=(4, 4, 4), accepted=(3, 2, 1)))
-        now += 0.008
+    run_steps(model, record(0, 0.0, mode="psd", num_requests=4, num_tokens=16, verify_seconds=0.008,
+                            draft_seconds=0.004, drafted=(4, 4, 4), accepted=(3, 2, 1)), 19, 0.008)
     assert not model.widening_seen
     assert not model.extrapolated("sd", 3, 4)
     sd = model.predict("sd", 3, 4)
@@ -208,12 +199,9 @@ def test_a_draft_costs_its_catch_up_then_one_forward_per_further_position() -> N
     # for 4 requests: each further position costs 2 ms, so k=1 costs 6 ms and k=5 14 ms (k * 10/3 would give
     # 3.3 and 16.7 ms).
     model = CostModel()
-    now = 0.0
-    for step in range(1, 20):
-        model.observe(replace(record(step, now, num_requests=4, num_tokens=16, verify_seconds=0.004,
-                                     draft_seconds=0.010, wait_seconds=0.010, drafted=(4, 4, 4),
-                                     accepted=(3, 2, 1)), widened=True, draft_first_token_seconds=0.006))
-        now += 0.014
+    run_steps(model, replace(record(0, 0.0, num_requests=4, num_tokens=16, verify_seconds=0.004, draft_seconds=0.010,
+                                    wait_seconds=0.010, drafted=(4, 4, 4), accepted=(3, 2, 1)),
+                             widened=True, draft_first_token_seconds=0.006), 19, 0.014)
     assert model._draft_seconds(4, 3) == pytest.approx(0.010)
     assert model._draft_seconds(4, 1) == pytest.approx(0.006)
     assert model._draft_seconds(4, 5) == pytest.approx(0.014)
@@ -224,11 +212,8 @@ def test_a_draft_costs_its_catch_up_then_one_forward_per_further_position() -> N
 
 def test_a_drafter_that_does_not_split_its_time_is_modelled_as_equal_forwards() -> None:
     model = CostModel()
-    now = 0.0
-    for step in range(1, 20):
-        model.observe(replace(record(step, now, num_requests=4, num_tokens=16, verify_seconds=0.004,
-                                     draft_seconds=0.009, wait_seconds=0.009, drafted=(4, 4, 4),
-                                     accepted=(3, 2, 1)), widened=True))
-        now += 0.013
+    run_steps(model, replace(record(0, 0.0, num_requests=4, num_tokens=16, verify_seconds=0.004, draft_seconds=0.009,
+                                    wait_seconds=0.009, drafted=(4, 4, 4), accepted=(3, 2, 1)), widened=True),
+              19, 0.013)
     assert model._draft_seconds(4, 1) == pytest.approx(0.003)
     assert model._draft_seconds(4, 3) == pytest.approx(0.009)
