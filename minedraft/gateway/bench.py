@@ -7,7 +7,11 @@ client's receipt (CLOCK_MONOTONIC is shared by processes on one machine); time t
 call's start. Added latency = gateway minus direct, at p50 and p99. Then the number of concurrent streams is raised
 until errors appear (or the top level is reached): the most concurrent streams one gateway process sustained.
 
-All three processes share this machine's cores, so the figures include CPU contention between them.
+Layout (`--layout`): `pinned` (the default, on a machine with two or more usable cores) gives the gateway a core
+of its own and keeps the fake engine and the client on the others, as a deployment would (a gateway pod has its own
+CPU; engines and clients run elsewhere), so the added latency is the gateway's hop and not the harness crowding a
+third process onto two cores. `shared` lets all three processes share every core (the contention is then part of the
+figure). Both paths of a level run under the same layout, interleaved.
 `python -m minedraft.gateway.bench --json benchmarks/results/gateway.json` (also `minedraft bench-gateway`).
 """
 
@@ -16,13 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +61,24 @@ class BenchConfig:
     capacity_tokens: int = 10
     capacity_interval_seconds: float = 0.5
     capacity_deadline_seconds: float = 60.0
+    layout: str = "pinned"
+
+
+LAYOUTS = ("pinned", "shared")
+
+
+def cpu_layout(available: set[int], layout: str) -> tuple[set[int], set[int], str]:
+    """(gateway's cores, the fake engine's and client's cores, the layout used) for the usable cores.
+
+    Pinned: the highest-numbered core to the gateway, the rest to the harness; with a single core there is nothing
+    to pin apart, so it falls back to shared (and says so).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout == "pinned" and len(available) >= 2:
+        gateway = {max(available)}
+        return gateway, available - gateway, "pinned"
+    return set(available), set(available), "shared"
 
 
 QUICK = BenchConfig(latency_streams=(4,), latency_tokens=20, latency_rounds=1, capacity_levels=(50, 100),
@@ -79,7 +102,7 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    rank = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
     return ordered[rank]
 
 
@@ -203,24 +226,29 @@ async def _bench(config: BenchConfig, direct: str, via_gateway: str, gateway_pid
     return {"latency": latency, "capacity": capacity, "max_concurrent_streams_without_error": sustained}
 
 
-def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
+def _spawn(args: list[str], cpus: set[int]) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: os.sched_setaffinity(0, cpus))
 
 
 def run(config: BenchConfig) -> dict[str, Any]:
+    available = os.sched_getaffinity(0)
+    gateway_cpus, harness_cpus, layout = cpu_layout(available, config.layout)
     fake_port, gateway_port = _free_port(), _free_port()
     fake = _spawn(["-m", "minedraft.testing.fake_engine", "--port", str(fake_port), "--stamp-text",
-                   "--token-interval-seconds", str(config.latency_interval_seconds)])
+                   "--token-interval-seconds", str(config.latency_interval_seconds)], harness_cpus)
     gateway = _spawn(["-m", "minedraft.cli", "--log-level", "WARNING", "gateway", "--port", str(gateway_port),
                       "--engines", f"127.0.0.1:{fake_port}", "--max-in-flight", "100000", "--grace-seconds", "1",
-                      "--metrics-port", "0"])
+                      "--metrics-port", "0"], gateway_cpus)
     load_before = os.getloadavg()[0]
+    os.sched_setaffinity(0, harness_cpus)  # this process is the client
     try:
         started = time.perf_counter()
         results = asyncio.run(_bench(config, f"127.0.0.1:{fake_port}", f"127.0.0.1:{gateway_port}", gateway.pid))
         results["bench_seconds"] = time.perf_counter() - started
     finally:
+        os.sched_setaffinity(0, available)
         for process in (gateway, fake):
             process.terminate()
         for process in (gateway, fake):
@@ -229,12 +257,13 @@ def run(config: BenchConfig) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 process.kill()
     results["config"] = asdict(config)
-    results["machine"] = {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+    results["machine"] = {"cpus": os.cpu_count(), "affinity": len(available), "layout": layout,
+                          "gateway_cpus": sorted(gateway_cpus), "fake_engine_and_client_cpus": sorted(harness_cpus),
                           "python": platform.python_version(), "grpcio": grpc.__version__,
                           # Other work on a shared machine inflates latencies: record how busy it was.
                           "load_average_1min_before": round(load_before, 2),
                           "load_average_1min_after": round(os.getloadavg()[0], 2),
-                          "note": "fake engine, gateway and client are three processes sharing these cores"}
+                          "note": "fake engine, gateway and client are three processes on this machine"}
     results["targets"] = {
         "added_per_token_p50_ms": {"target": TARGET_ADDED_P50_MS, "met_at_streams": [
             level["streams"] for level in results["latency"]
@@ -248,13 +277,21 @@ def run(config: BenchConfig) -> dict[str, Any]:
     return results
 
 
+def _layout_words(machine: dict[str, Any]) -> str:
+    if machine.get("layout") == "pinned":
+        return (f"{machine['affinity']} CPU cores, pinned: the gateway alone on core(s) "
+                f"{', '.join(map(str, machine['gateway_cpus']))}, the fake engine and the client on "
+                f"{', '.join(map(str, machine['fake_engine_and_client_cpus']))}")
+    return f"{machine['affinity']} CPU cores shared by the fake engine, the gateway and the client"
+
+
 def markdown(results: dict[str, Any], command: str) -> str:
     cfg = results["config"]
     lines = [
         "# Gateway overhead (fake engine, same run)",
         "",
-        f"`{command}` — {results['machine']['affinity']} CPU cores shared by the fake engine, the gateway and the "
-        f"client (1-minute load average {results['machine']['load_average_1min_before']} before the run, "
+        f"`{command}` — {_layout_words(results['machine'])} "
+        f"(1-minute load average {results['machine']['load_average_1min_before']} before the run, "
         f"{results['machine']['load_average_1min_after']} after); per level, {cfg['latency_rounds']} interleaved "
         f"rounds direct/gateway of N concurrent streams x {cfg['latency_tokens']} tokens, one token every "
         f"{cfg['latency_interval_seconds'] * 1000:.0f} ms per stream. Per-token latency: the fake's send stamp to the "
@@ -358,9 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default="benchmarks/results/gateway.json")
     parser.add_argument("--quick", action="store_true", help="a small run (smoke test)")
+    parser.add_argument("--layout", choices=LAYOUTS, default="pinned",
+                        help="pinned: the gateway on a core of its own, fake engine and client on the others "
+                             "(default); shared: all three processes on every core")
     args = parser.parse_args(argv)
-    config = QUICK if args.quick else BenchConfig()
-    command = "python -m minedraft.gateway.bench" + (" --quick" if args.quick else "") + f" --json {args.json}"
+    config = replace(QUICK if args.quick else BenchConfig(), layout=args.layout)
+    command = ("python -m minedraft.gateway.bench" + (" --quick" if args.quick else "")
+               + ("" if args.layout == "pinned" else f" --layout {args.layout}") + f" --json {args.json}")
     results = run(config)
     write_outputs(results, Path(args.json), command)
     print(Path(args.json).with_suffix(".md").read_text(), file=sys.stderr)

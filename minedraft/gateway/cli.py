@@ -40,6 +40,8 @@ def add_subcommands(sub: Any) -> None:
     bench = sub.add_parser("bench-gateway", help="the gateway's own cost against a fake engine, and its stream limit")
     bench.add_argument("--json", default="benchmarks/results/gateway.json", help="output (.md and .png beside it)")
     bench.add_argument("--quick", action="store_true", help="a smaller run (smoke test)")
+    bench.add_argument("--layout", choices=("pinned", "shared"), default="pinned",
+                       help="pinned: the gateway on a core of its own (default); shared: every process on every core")
     bench.set_defaults(func=cmd_bench_gateway)
 
 
@@ -106,4 +108,4 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 def cmd_bench_gateway(args: argparse.Namespace) -> int:
     from minedraft.gateway.bench import main
 
-    return main(["--json", args.json, *(["--quick"] if args.quick else [])])
+    return main(["--json", args.json, "--layout", args.layout, *(["--quick"] if args.quick else [])])

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -61,62 +60,61 @@ class GatewayServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        # Counted and timed around the whole stream, whatever status it ends with; closing this stream closes both.
-        async with contextlib.aclosing(self.metrics.observe_stream(self._generate(request, context), context)) as s:
-            async for response in s:
-                yield response
-
-    async def _generate(self, request: pb.GenerateRequest,
-                        context: grpc.aio.ServicerContext) -> AsyncGenerator[pb.GenerateResponse, None]:
-        arrived = time.perf_counter()
-        await self._authorize(context)
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "gateway is shutting down")
-        if not self.admission.try_acquire():
-            self.metrics.admission_rejected()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"gateway at its limit of {self.admission.max_in_flight} streams in flight")
-        try:
-            metadata = forwarded_metadata(context.invocation_metadata())
-            tried: set[str] = set()
-            responses_sent = tokens_sent = 0
-            last_error: grpc.aio.AioRpcError | None = None
-            while len(tried) < self.max_attempts:
-                address = self._pick(tried)
-                stub = self.pool.stub(address) if address is not None else None
-                if address is None or stub is None:
-                    break
-                tried.add(address)
-                self.pool.endpoints.acquire(address)
-                # The caller's deadline travels on: the engine stops work the caller can no longer use.
-                call = stub.Generate(request, timeout=context.time_remaining(), metadata=metadata)
-                self.metrics.engine_called(time.perf_counter() - arrived, len(tried))
-                try:
-                    async for response in call:
-                        responses_sent += 1
-                        tokens_sent += len(response.token_ids)
-                        yield response
-                    return
-                except grpc.aio.AioRpcError as exc:
-                    action = classify_failure(exc.code(), responses_sent)
-                    if action is FailureAction.PASS_THROUGH:
-                        await context.abort(exc.code(), exc.details() or "", trailing_metadata_of(exc))
-                    self.pool.report_failure(address)
-                    if action is FailureAction.UNAVAILABLE_AFTER_TOKENS:
-                        # Never a silent truncation: the caller learns the stream broke and how far it got.
-                        await context.abort(
-                            grpc.StatusCode.UNAVAILABLE,
-                            f"engine {address} failed after {tokens_sent} tokens delivered "
-                            f"({exc.code().name}: {exc.details()}); not retried because tokens were already streamed")
-                    log.info("engine %s failed before the first token (%s): trying another", address, exc.code().name)
-                    last_error = exc
-                finally:
-                    # A no-op when the call ended; when the caller went away (cancel, deadline), cancels upstream.
-                    call.cancel()
-                    self.pool.endpoints.release(address)
-            await self._no_engine(context, last_error, len(tried))
-        finally:
-            self.admission.release()
+        # One generator with the metrics as a context manager, not generators wrapping generators: the inner loop
+        # runs once per forwarded token, and each layer would add to every token's latency.
+        with self.metrics.stream(context) as observed:
+            arrived = time.perf_counter()
+            await self._authorize(context)
+            if self.draining:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "gateway is shutting down")
+            if not self.admission.try_acquire():
+                self.metrics.admission_rejected()
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"gateway at its limit of {self.admission.max_in_flight} streams in flight")
+            try:
+                metadata = forwarded_metadata(context.invocation_metadata())
+                tried: set[str] = set()
+                responses_sent = tokens_sent = 0
+                last_error: grpc.aio.AioRpcError | None = None
+                while len(tried) < self.max_attempts:
+                    address = self._pick(tried)
+                    stub = self.pool.stub(address) if address is not None else None
+                    if address is None or stub is None:
+                        break
+                    tried.add(address)
+                    self.pool.endpoints.acquire(address)
+                    # The caller's deadline travels on: the engine stops work the caller can no longer use.
+                    call = stub.Generate(request, timeout=context.time_remaining(), metadata=metadata)
+                    self.metrics.engine_called(time.perf_counter() - arrived, len(tried))
+                    try:
+                        async for response in call:
+                            if not responses_sent:
+                                observed.responded()
+                            responses_sent += 1
+                            tokens_sent += len(response.token_ids)
+                            yield response
+                        return
+                    except grpc.aio.AioRpcError as exc:
+                        action = classify_failure(exc.code(), responses_sent)
+                        if action is FailureAction.PASS_THROUGH:
+                            await context.abort(exc.code(), exc.details() or "", trailing_metadata_of(exc))
+                        self.pool.report_failure(address)
+                        if action is FailureAction.UNAVAILABLE_AFTER_TOKENS:
+                            # Never a silent truncation: the caller learns the stream broke and how far it got.
+                            await context.abort(
+                                grpc.StatusCode.UNAVAILABLE,
+                                f"engine {address} failed after {tokens_sent} tokens delivered ({exc.code().name}: "
+                                f"{exc.details()}); not retried because tokens were already streamed")
+                        log.info("engine %s failed before the first token (%s): trying another", address,
+                                 exc.code().name)
+                        last_error = exc
+                    finally:
+                        # A no-op when the call ended; when the caller went away (cancel, deadline), cancels upstream.
+                        call.cancel()
+                        self.pool.endpoints.release(address)
+                await self._no_engine(context, last_error, len(tried))
+            finally:
+                self.admission.release()
 
     async def _unary(self, context: grpc.aio.ServicerContext,
                      invoke: Callable[[pb_grpc.GenerationStub, float | None], Awaitable[T]]) -> T:

@@ -225,31 +225,33 @@ def test_outcome_codes():
     assert outcome_code(RuntimeError(), None) == "UNKNOWN"
 
 
-async def test_gateway_stream_observer():
+async def test_gateway_stream_observation():
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry)
     context = FakeContext()
 
-    async def ok():
-        yield 1
-        yield 2
+    async def stream(items: list[int], abort: bool = False):
+        with metrics.stream(context) as observed:
+            for item in items:
+                observed.responded()
+                yield item
+            if abort:
+                context.status = grpc.StatusCode.UNAVAILABLE
+                raise grpc.aio.AbortError()
 
-    async def aborted():
-        context.status = grpc.StatusCode.UNAVAILABLE
-        raise grpc.aio.AbortError()
-        yield 0  # pragma: no cover  (makes this an async generator)
-
-    assert [x async for x in metrics.observe_stream(ok(), context)] == [1, 2]
+    assert [x async for x in stream([1, 2])] == [1, 2]
     with pytest.raises(grpc.aio.AbortError):
-        _ = [x async for x in metrics.observe_stream(aborted(), context)]
-    closed = metrics.observe_stream(ok(), context)
+        _ = [x async for x in stream([], abort=True)]
+    closed = stream([1, 2])
     await closed.__anext__()
-    await closed.aclose()
+    await closed.aclose()  # the caller went away mid-stream
     assert value(registry, "minedraft_gateway_streams_started_total") == 3
     assert value(registry, "minedraft_gateway_streams_finished_total", code="OK") == 1
     assert value(registry, "minedraft_gateway_streams_finished_total", code="UNAVAILABLE") == 1
     assert value(registry, "minedraft_gateway_streams_finished_total", code="CANCELLED") == 1
+    # Only streams that responded have a time to first response, once each however many responses they sent.
     assert value(registry, "minedraft_gateway_time_to_first_response_seconds_count") == 2
+    assert value(registry, "minedraft_gateway_stream_duration_seconds_count") == 3
     metrics.engine_called(0.001, 1)
     metrics.engine_called(0.002, 2)
     assert value(registry, "minedraft_gateway_retries_total") == 1
