@@ -40,6 +40,9 @@ class AutoSettings:
     # A mode whose predicted costs at the current load lie beyond this factor of any size it was measured at is
     # probed (once per such load region).
     extrapolation_slack: float = 1.5
+    # After steps without drafting, this many drafted steps (psd: one per sub-batch) carry the drafter's catch-up
+    # on the tokens committed meanwhile; their drafting seconds are not the mode's steady cost (CostModel.observe).
+    resume_steps: int = 2
 
     def __post_init__(self) -> None:
         if not self.allowed_modes or not set(self.allowed_modes) <= {"ar", "sd", "psd"}:
@@ -48,6 +51,8 @@ class AutoSettings:
             raise ValueError(f"k_candidates: expected positive draft lengths, got {self.k_candidates}")
         if self.decision_interval_steps < 1 or self.min_dwell_steps < 0 or self.probe_steps < 1:
             raise ValueError("decision_interval_steps and probe_steps must be positive, min_dwell_steps >= 0")
+        if self.resume_steps < 0:
+            raise ValueError(f"resume_steps: must be >= 0, got {self.resume_steps}")
         if self.switch_margin < 0:
             raise ValueError(f"switch_margin: must be >= 0, got {self.switch_margin}")
 
@@ -89,9 +94,27 @@ class AutoController:
     _window_seconds: float = 0.0
     # Step of the last decode step run in each mode (as run: a down drafter shows as ar).
     _last_run: dict[str, int] = field(default_factory=dict)
+    # Decode steps run without drafts since drafting last ran, and drafted steps left whose drafts still catch up.
+    _undrafted_steps: int = 0
+    _resume_left: int = 0
+
+    def _resuming(self, record: StepRecord) -> bool:
+        if record.num_decode_requests == 0:
+            return False
+        if record.num_requests_with_drafts == 0:
+            self._undrafted_steps += 1
+            self._resume_left = 0
+            return False
+        if self._undrafted_steps:
+            self._undrafted_steps = 0
+            self._resume_left = self.settings.resume_steps
+        if self._resume_left:
+            self._resume_left -= 1
+            return True
+        return False
 
     def on_step(self, record: StepRecord, num_running: int) -> Decision | None:
-        self.cost_model.observe(record)
+        self.cost_model.observe(record, resuming=self._resuming(record))
         if record.num_decode_requests > 0:
             self._last_run[record.mode] = record.step
         self._steps_in_choice += 1

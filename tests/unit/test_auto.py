@@ -3,7 +3,7 @@ favour, does not flap on steady load, and refreshes stale drafting estimates wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -27,13 +27,19 @@ class SimulatedEngine:
     # Verification with nothing drafting beside it (ar, sd, psd with one side empty) computes on the drafter's
     # cores too (CPU machines) and is this many times faster; 1.0: nothing is lent (GPU machines).
     widened_speedup: float = 1.0
+    # A drafter that sat out steps catches up on each token committed meanwhile, per request, before drafting.
+    catch_up_seconds_per_token: float = 0.0
+    # Steps each sub-batch has gone undrafted (sd and ar treat the batch as both).
+    missed_steps: list[int] = field(default_factory=lambda: [0, 0])
 
     def next_record(self, mode: str, k: int) -> StepRecord:
         self.step += 1
         n = self.num_running
+        groups = (0, 1)
         if mode == "psd" and n > 1:
             halves = ((n + 1) // 2, n // 2)
             n, other = halves[self.turn], halves[1 - self.turn]
+            groups = (1 - self.turn,)  # the side drafted beside this verification
             self.turn = 1 - self.turn
         else:
             other = n
@@ -42,7 +48,14 @@ class SimulatedEngine:
         alone = mode != "psd" or self.num_running == 1
         widened = alone and self.widened_speedup != 1.0
         verify = (A + B * n * (length + 1)) / (self.widened_speedup if widened else 1.0)
-        draft = length * (C + D * other) if drafting else 0.0
+        catch_up = 0.0
+        if drafting:
+            catch_up = self.catch_up_seconds_per_token * other * max(self.missed_steps[g] for g in groups)
+            for g in groups:
+                self.missed_steps[g] = 0
+        else:
+            self.missed_steps = [m + 1 for m in self.missed_steps]
+        draft = length * (C + D * other) + catch_up if drafting else 0.0
         wait = max(0.0, draft - verify) if mode == "psd" else draft
         drafted = tuple([n] * length)
         accepted = tuple(round(n * self.acceptance ** (i + 1)) for i in range(length))
@@ -52,7 +65,7 @@ class SimulatedEngine:
             num_draft_tokens=sum(drafted), num_accepted_tokens=sum(accepted), drafted_per_position=drafted,
             accepted_per_position=accepted, num_output_tokens=n + sum(accepted),
             num_scheduled_tokens=n * (length + 1), verify_seconds=verify, wait_seconds=wait,
-            draft_seconds=length * (C + D * n) if drafting else 0.0, drafter_idle_seconds=0.0,
+            draft_seconds=draft, drafter_idle_seconds=0.0,
             schedule_seconds=0.0, step_seconds=verify + wait, drafter_up=True, k=k, auto=True, widened=widened,
         )
         self.now += verify + wait
@@ -166,3 +179,27 @@ def test_a_load_far_from_any_measured_one_gets_the_other_modes_probed() -> None:
     assert switches and switches[-1][1] == "sd" and switches[-1][0] - load_changed_at < 150, decisions
     # Measured once at this load, no mode is probed again for it.
     assert len(probes) <= 2, [(d.step, d.mode, d.reason) for d in probes]
+
+
+def test_the_drafter_catching_up_after_ar_is_not_taken_for_drafting_cost() -> None:
+    """Drafting resumed after ar steps pays a one-off catch-up; it must not price the mode's steady drafting (the
+    control without the exclusion shows the same steps would)."""
+
+    def psd_prediction_after_ar_interlude(resume_steps: int) -> tuple[float, float]:
+        controller = AutoController(replace(SETTINGS, resume_steps=resume_steps), "psd", 2)
+        engine = SimulatedEngine(num_running=16, acceptance=0.8, catch_up_seconds_per_token=0.002)
+        feed = [("psd", 60), ("ar", 24), ("psd", 6)]
+        before = None
+        for mode, steps in feed:
+            for _ in range(steps):
+                controller.on_step(engine.next_record(mode, 2), engine.num_running)
+            if before is None:
+                before = controller.cost_model.predict("psd", 2, 16)
+        after = controller.cost_model.predict("psd", 2, 16)
+        assert before is not None and after is not None
+        return before.output_tokens_per_second, after.output_tokens_per_second
+
+    before, after = psd_prediction_after_ar_interlude(SETTINGS.resume_steps)
+    assert after == pytest.approx(before, rel=0.02)
+    before, after = psd_prediction_after_ar_interlude(0)
+    assert after < 0.8 * before, (before, after)
