@@ -12,7 +12,10 @@ Pure policy over plain data: `AutoController.on_step(record, num_running)` is fe
   it refreshes them, then the policy decides again against the setting that ran before the probe. So is a mode
   whose costs at the current load were never measured (the load moved far from where it ran, by more than
   `extrapolation_slack`): extrapolated costs can be off by a large factor either way, and without the probe a
-  mode judged from them might never be tried where it would win.
+  mode judged from them might never be tried where it would win. Such exploration measures a mode once per load
+  region, whatever k: the other k's are priced from what that probe measured.
+- Drafting seconds of the first steps after steps without drafts are left out of the cost curves: they include
+  the drafter's catch-up on every token committed meanwhile, a cost of the switch, not of the mode.
 """
 
 from __future__ import annotations
@@ -97,6 +100,8 @@ class AutoController:
     # Decode steps run without drafts since drafting last ran, and drafted steps left whose drafts still catch up.
     _undrafted_steps: int = 0
     _resume_left: int = 0
+    # Decode steps run in each mode (as run) at each number of running requests.
+    _steps_at_load: dict[str, dict[int, int]] = field(default_factory=dict)
 
     def _resuming(self, record: StepRecord) -> bool:
         if record.num_decode_requests == 0:
@@ -117,6 +122,8 @@ class AutoController:
         self.cost_model.observe(record, resuming=self._resuming(record))
         if record.num_decode_requests > 0:
             self._last_run[record.mode] = record.step
+            loads = self._steps_at_load.setdefault(record.mode, {})
+            loads[num_running] = loads.get(num_running, 0) + 1
         self._steps_in_choice += 1
         self._steps_since_decision += 1
         self._window_running = ([*self._window_running, num_running])[-self.settings.load_window_steps:]
@@ -186,14 +193,24 @@ class AutoController:
                                f"probe: {probe_mode} not measured in {self.settings.stale_after_steps} steps")
         # ... and one whose costs at this load were never measured (a load far from any it ran at, or the other
         # core placement standing in) is extrapolated: measured once there, it is not probed there again.
+        # A mode that ran near this load with another k is not explored again for this one: its verification and
+        # drafting were measured here, and the draft length is priced from them and the per-position acceptance.
         others = [p for p in predictions if (p.mode, p.k) != incumbent_key]
         unmeasured = [p for p in self._best_per_mode(others)
-                      if self.cost_model.extrapolated(p.mode, p.k, num_running, self.settings.extrapolation_slack)]
+                      if self.cost_model.extrapolated(p.mode, p.k, num_running, self.settings.extrapolation_slack)
+                      and not self._ran_near(p.mode, num_running)]
         if unmeasured:
             probe = max(unmeasured, key=lambda p: p.output_tokens_per_second)
             return self._probe(step, probe.mode, probe.k, measured,
                                f"probe: {probe.mode} k={probe.k} not measured near {num_running} running requests")
         return None
+
+    def _ran_near(self, mode: str, num_running: int) -> bool:
+        """Whether `mode` ran (with any k) for at least half a probe at loads within the extrapolation slack."""
+        slack = self.settings.extrapolation_slack
+        steps = sum(count for load, count in self._steps_at_load.get(mode, {}).items()
+                    if num_running / slack <= load <= num_running * slack)
+        return steps >= max(1, self.settings.probe_steps // 2)
 
     def _probe(self, step: int, mode: str, k: int, measured: float, reason: str,
                return_to: tuple[str, int] | None = None) -> Decision:

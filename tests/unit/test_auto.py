@@ -203,3 +203,18 @@ def test_the_drafter_catching_up_after_ar_is_not_taken_for_drafting_cost() -> No
     assert after == pytest.approx(before, rel=0.02)
     before, after = psd_prediction_after_ar_interlude(0)
     assert after < 0.8 * before, (before, after)
+
+
+def test_after_a_load_change_each_mode_is_explored_once_not_once_per_draft_length() -> None:
+    # Measuring a mode at the new load with one k measures its verification and drafting there; its other k's are
+    # priced from those (and the per-position acceptance) without a probe each.
+    for acceptance, load in ((0.8, 16), (0.8, 32), (0.6, 8), (0.6, 16), (0.5, 8)):
+        controller = AutoController(SETTINGS, "psd", 3)
+        engine = SimulatedEngine(num_running=1, acceptance=acceptance, widened_speedup=1.8)
+        run(controller, engine, 300)
+        engine.num_running = load
+        decisions = run(controller, engine, 300)
+        exploratory = [(d.mode, d.k) for d in decisions if d.kind == "probe" and "not measured near" in d.reason
+                       and "predicted best" not in d.reason]
+        modes = [mode for mode, _ in exploratory]
+        assert len(modes) == len(set(modes)), (acceptance, load, exploratory)
