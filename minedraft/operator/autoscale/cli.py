@@ -20,7 +20,7 @@ def hpa_targets(max_batch: int) -> tuple[float, ...]:
     return tuple(round(max_batch * i / HPA_TARGET_STEPS, 3) for i in range(1, HPA_TARGET_STEPS + 1))
 SLO_BUDGET = 0.01  # the recording rules' SLO: 99% of requests get their first token within the target
 # minedraft's target utilisations shown beside the HPA's sweep (the headline uses the spec's default, not these).
-UTILIZATION_SWEEP = (0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9)
+UTILIZATION_SWEEP = (0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -8,19 +8,29 @@ observation, and the policy adds replicas before the queue has had time to grow 
 wait for requests to pile up).
 
 Demand is the output token rate the arrivals need (finished requests/s plus the growth of running + waiting, times
-tokens per request) plus draining the queue within `backlog_drain_seconds`; without a finished-request rate, the
-rate every request in the system (running + waiting) would take at the running ones' speed.
+tokens per request) plus draining the queue within `backlog_drain_seconds`; while arrivals have been rising, the
+rate they will have reached when a replica asked for now serves (`forecast_arrivals`). Without a finished-request
+rate, the rate every request in the system (running + waiting) would take at the running ones' speed.
 
     desired = ceil(demand / (target utilisation x capacity per replica))
 
-where a replica's capacity is the tokens/s its slots give at the batch it would then run: requests slow down as
-batches grow, with a shape learned from recent (batch, speed) observations (`batch_slowdown`), so consolidating
-onto fewer replicas is not judged at the speed of today's lighter batches.
+where a replica's capacity is the most tokens/s it can give: its slots full, at the speed a request has in a full
+batch (`full_batch_capacity`). Requests slow down as batches grow, with a shape learned from (batch, speed)
+observations (`batch_slowdown`), so capacity is not judged at the speed of today's lighter batches, and the target
+utilisation is a share of what a replica can actually produce: the rest is headroom for arrival noise and for
+growth while new replicas start. (A share of the *slots* instead is not: where a replica's throughput saturates
+before its slots are full, as when decoding is compute-bound, 80% of the slots can be 95% of its throughput.)
 
-Scale-up: at once, at most ``max_scale_up_step`` replicas per decision. Scale-down: to the highest recommendation
-of the stabilisation window, and at most once per window (so a dip does not remove replicas a rebound needs).
-Replicas still starting count as capacity (current = spec.replicas, not ready replicas), so a slow model load does
-not trigger a cascade of scale-ups. Missing or stale metrics: no decision, ``metrics_available`` False with why.
+A sudden rise shows in the requests in the system before it shows in the rates (averaged over the interval and a
+minute): when that count exceeds the target utilisation of the replicas' slots, is rising and no replica is
+starting, the replicas are sized for those requests at the batch each is planned to run (`surge_replicas`).
+
+Scale-up: at once, by at most the larger of ``max_scale_up_step`` replicas and ``max_scale_up_percent`` of the
+current count per decision (the Kubernetes HPA's default: 4 pods or 100%). Scale-down: to the highest
+recommendation of the stabilisation window, and at most once per window (so a dip does not remove replicas a
+rebound needs). Replicas still starting count as capacity (current = spec.replicas, not ready replicas), so a slow
+model load does not trigger a cascade of scale-ups. Missing or stale metrics: no decision, ``metrics_available``
+False with why.
 """
 
 from __future__ import annotations
@@ -32,7 +42,13 @@ from dataclasses import dataclass, field, replace
 # fluctuations of measured capacity (the engines' own mode/k switching, acceptance noise) from moving replicas.
 DEFAULT_TOLERANCE = 0.1
 PRIOR_BATCH_SLOWDOWN = 1 / 16
-MAX_SPEED_SAMPLES = 40
+# Distinct batch sizes remembered for the slowdown fit (the newest sample of each).
+MAX_SPEED_SAMPLES = 64
+# Arrival rates over this long give the trend (20 evaluations at 15 s: enough to average Poisson noise, short enough
+# to follow a daily curve; the HPA's scale-down window).
+TREND_WINDOW_SECONDS = 300.0
+# How long a new replica takes to serve (pod start + model load) until the policy has measured it.
+PRIOR_STARTUP_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -43,6 +59,9 @@ class PolicyConfig:
     interval_seconds: float = 15.0
     scale_down_stabilization_seconds: float = 300.0
     max_scale_up_step: int = 2
+    # A decision may also add this share of the current replicas, if that is more (the HPA's default: 100%), so a
+    # doubling of load on many replicas is not met a few pods at a time.
+    max_scale_up_percent: float = 100.0
     # Requests one replica can hold decoding at once (the engine's --max-num-seqs).
     requests_per_replica: int = 256
     # Observations older than this are stale (three missed intervals by default, set by from_spec).
@@ -92,10 +111,17 @@ class PolicyState:
     last_scale_down_seconds: float | None = None
     # When the policy first saw metrics: no scale-down until a whole window has been observed (also after a restart).
     first_observed_seconds: float | None = None
-    # (requests per replica, seconds per token of one request) seen recently: how decoding slows as batches grow.
+    # (requests per replica, seconds per token of one request), the newest per batch size: how decoding slows as
+    # batches grow.
     speed_samples: tuple[tuple[float, float], ...] = ()
     # (time s, running + waiting) at the last evaluation with metrics: how fast requests pile up.
     last_in_system: tuple[float, float] | None = None
+    # (time s, arrivals per second) over the last TREND_WINDOW_SECONDS: whether arrivals are rising, and how fast.
+    arrival_samples: tuple[tuple[float, float], ...] = ()
+    # (time s, replicas asked for) of a scale-up whose replicas do not all report yet.
+    pending_scale_up: tuple[float, int] | None = None
+    # Seconds from a scale-up to its replicas reporting, as last measured (None: not yet; PRIOR_STARTUP_SECONDS).
+    startup_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -169,34 +195,51 @@ def batch_slowdown(samples: tuple[tuple[float, float], ...]) -> float:
     return PRIOR_BATCH_SLOWDOWN
 
 
-def replicas_needed(demand: float, per_request: float, batch: float, shape: float, config: PolicyConfig) -> float:
-    """Fractional replicas d such that serving `demand` tokens/s leaves each at the target utilisation of its slots.
+def full_batch_capacity(per_request: float, batch: float, shape: float, slots: int) -> float:
+    """Tokens/s one replica gives with all `slots` decoding: the speed now rescaled along s(c) ∝ 1 + g c.
 
-    With n replicas the per-replica batch is N/n, where N requests are in the system (Little's law: N = demand x
-    seconds per token); seconds per token at batch c is s(c) = s_now (1 + g c) / (1 + g c_now). Solved by bisection
-    on d (N/d is monotone in d).
+    s(slots) = s_now (1 + g slots) / (1 + g c_now), so capacity = slots / s(slots). With g = 0 (decoding free in the
+    batch) that is slots x today's speed; the steeper the slowdown, the less a full batch adds.
     """
-    seconds_now = 1.0 / per_request
-    slots = config.requests_per_replica * config.target_utilization
+    return slots * per_request * (1 + shape * batch) / (1 + shape * slots)
 
-    def overload(d: float) -> float:
-        # Requests per replica at d replicas: c = demand s(c) / d, a fixed point linear in c.
-        base = demand * seconds_now / (1 + shape * batch)
-        denominator = d - base * shape
-        if denominator <= 0:
-            return math.inf
-        return base / denominator - slots
 
-    low, high = 1e-6, float(max(config.max_replicas, 1))
-    if overload(high) > 0:
-        return high * 2  # beyond max: clamped by the caller
-    for _ in range(60):
-        mid = (low + high) / 2
-        if overload(mid) > 0:
-            low = mid
-        else:
-            high = mid
-    return high
+def forecast_arrivals(samples: tuple[tuple[float, float], ...], now_seconds: float, lead_seconds: float
+                      ) -> float | None:
+    """Arrivals per second `lead_seconds` from now on the least-squares line through `samples`; None unless rising.
+
+    A replica asked for now serves a startup (and up to an interval) later: on a ramp, sized for today's arrivals,
+    it arrives already short. Only a rising trend is extrapolated: a falling one is left to the stabilised
+    scale-down (too few replicas violates the SLO, too many costs a little while).
+    """
+    if len(samples) < 4:
+        return None
+    n = len(samples)
+    mean_t = sum(t for t, _ in samples) / n
+    mean_a = sum(a for _, a in samples) / n
+    sxx = sum((t - mean_t) ** 2 for t, _ in samples)
+    if sxx <= 0:
+        return None
+    slope = sum((t - mean_t) * (a - mean_a) for t, a in samples) / sxx
+    if slope <= 0:
+        return None
+    return mean_a + slope * (now_seconds + lead_seconds - mean_t)
+
+
+def arrival_rate(state: PolicyState, obs: Observations, now_seconds: float) -> float | None:
+    """Requests arriving per second: finished + growth of the requests in the system since the last evaluation."""
+    finished = obs.finished_requests_per_second
+    last = state.last_in_system
+    if finished is None or last is None or now_seconds <= last[0]:
+        return None
+    in_system = obs.running_requests + obs.waiting_requests
+    return max(finished + (in_system - last[1]) / (now_seconds - last[0]), 0.0)
+
+
+def lead_seconds(config: PolicyConfig, state: PolicyState) -> float:
+    """From a decision to its replicas serving: the measured startup (or the prior) plus up to an interval."""
+    startup = state.startup_seconds if state.startup_seconds is not None else PRIOR_STARTUP_SECONDS
+    return startup + config.interval_seconds
 
 
 def estimate_demand(config: PolicyConfig, state: PolicyState, obs: Observations, per_request: float,
@@ -204,23 +247,61 @@ def estimate_demand(config: PolicyConfig, state: PolicyState, obs: Observations,
     """Output tokens/s needed: the arrivals' token rate plus draining the queue; and which estimate was used.
 
     With the finished-request rate known, arrivals = finished + growth of the requests in the system since the last
-    evaluation, tokens per request = output tokens/s / finished per second, and the queue adds waiting x tokens per
-    request / backlog_drain_seconds. Without it: every request in the system at today's speed, or the measured
-    rate scaled by the queue, the larger (this counts a whole backlog as demand, so it overreacts to one).
+    evaluation (or, while they have been rising over TREND_WINDOW_SECONDS, the rate forecast for when a replica
+    asked for now would serve, if higher), tokens per request = output tokens/s / finished per second, and the
+    queue adds waiting x tokens per request / backlog_drain_seconds. Without it: every request in the system at
+    today's speed, or the measured rate scaled by the queue, the larger (this counts a whole backlog as demand, so
+    it overreacts to one).
     """
     in_system = obs.running_requests + obs.waiting_requests
     finished = obs.finished_requests_per_second
-    last = state.last_in_system
-    if (finished is not None and finished > 0 and obs.output_tokens_per_second > 0 and last is not None
-            and now_seconds > last[0]):
+    arrivals = arrival_rate(state, obs, now_seconds)
+    if arrivals is not None and finished is not None and finished > 0 and obs.output_tokens_per_second > 0:
         tokens_per_request = obs.output_tokens_per_second / finished
-        arrivals = max(finished + (in_system - last[1]) / (now_seconds - last[0]), 0.0)
+        basis = "arrivals"
+        recent = (*((t, a) for t, a in state.arrival_samples if t > now_seconds - TREND_WINDOW_SECONDS),
+                  (now_seconds, arrivals))
+        forecast = forecast_arrivals(recent, now_seconds, lead_seconds(config, state))
+        if forecast is not None and forecast > arrivals:
+            arrivals, basis = forecast, "arrivals rising"
         backlog = obs.waiting_requests * tokens_per_request / config.backlog_drain_seconds
-        return arrivals * tokens_per_request + backlog, "arrivals"
+        return arrivals * tokens_per_request + backlog, basis
     demand = per_request * in_system
     if obs.running_requests >= 1:
         demand = max(demand, obs.output_tokens_per_second * in_system / obs.running_requests)
     return demand, "in system"
+
+
+def planned_batch(config: PolicyConfig, shape: float) -> float:
+    """Requests per replica at which it gives the target utilisation of its full-batch throughput.
+
+    Throughput at batch c is c / s(c) with s(c) ∝ 1 + g c; solving c / (1 + g c) = u C / (1 + g C) for c gives
+    u C / (1 + g C (1 - u)): u C (the target share of the slots) where decoding is free in the batch, fewer where
+    a full batch adds little throughput.
+    """
+    u, slots = config.target_utilization, config.requests_per_replica
+    return u * slots / (1 + shape * slots * (1 - u))
+
+
+def surge_replicas(config: PolicyConfig, state: PolicyState, obs: Observations, current: int,
+                   shape: float = 0.0) -> float:
+    """Replicas the requests in the system need now, if they are surging; else 0.
+
+    Rates are averages (the arrivals over the interval, finished requests over a minute): in the first interval of
+    a step or burst they have barely moved, while the requests in the system have. A surge: more requests in the
+    system than the target utilisation of every replica's slots (above what steady load at the planned batch puts
+    there, which is at most that share), rising since the last evaluation, with no replica starting — while
+    replicas start, the queue they will take is expected to grow (counting it again would cascade), and a count
+    falling as a queue drains into new replicas is no surge. Its replicas: each of those requests at the planned
+    batch (`planned_batch`), as the HPA sizes on requests per pod, but with a target derived from capacity.
+    """
+    last = state.last_in_system
+    in_system = obs.running_requests + obs.waiting_requests
+    if last is None or in_system <= last[1] or obs.reporting_replicas < current:
+        return 0.0
+    if in_system <= config.target_utilization * config.requests_per_replica * current:
+        return 0.0
+    return in_system / planned_batch(config, shape)
 
 
 def _clamp(value: int, config: PolicyConfig) -> int:
@@ -257,22 +338,31 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
             return _no_decision(current, "no capacity figure: neither predicted goodput nor step seconds"), state
     per_request, source = speed
     in_system = obs.running_requests + obs.waiting_requests
+    # A startup measured: the replicas of the last scale-up all report (the trend's lead time follows it).
+    startup, pending = state.startup_seconds, state.pending_scale_up
+    if pending is not None and obs.reporting_replicas >= pending[1]:
+        startup, pending = now_seconds - pending[0], None
+    state = replace(state, startup_seconds=startup, pending_scale_up=pending)
     demand, demand_basis = estimate_demand(config, state, obs, per_request, now_seconds)
     batch = obs.running_requests / obs.reporting_replicas
     samples = state.speed_samples
     if per_request > 0 and batch >= 1:
-        samples = (*samples, (batch, 1.0 / per_request))[-MAX_SPEED_SAMPLES:]
+        # The newest sample of each batch size: the fit spans every batch seen (also hours ago), not only the
+        # narrow range of the last minutes, which leaves the slope to noise (or to the prior).
+        samples = (*(x for x in samples if round(x[0]) != round(batch)),
+                   (batch, 1.0 / per_request))[-MAX_SPEED_SAMPLES:]
     # Never flatter than the prior: a fit over light batches extrapolated to full ones must not consolidate too far.
     shape = (config.batch_slowdown if config.batch_slowdown is not None
              else max(batch_slowdown(samples), PRIOR_BATCH_SLOWDOWN))
-    # Tokens/s one replica gives with its slots full at the current speed (reported when nothing needs solving).
-    capacity = per_request * config.requests_per_replica
+    capacity = full_batch_capacity(per_request, max(batch, 1.0), shape, config.requests_per_replica)
+    surge_note = ""
     if per_request <= 0:
         recommended = config.max_replicas if demand > 0 else config.min_replicas
     else:
-        raw = replicas_needed(demand, per_request, max(batch, 1.0), shape, config)
-        # Capacity at the batch each replica would run: demand = desired x utilisation x capacity.
-        capacity = demand / (raw * config.target_utilization) if raw > 0 and demand > 0 else capacity
+        raw = demand / (config.target_utilization * capacity)
+        surge = surge_replicas(config, state, obs, current, shape)
+        if surge > raw:
+            raw, surge_note = surge, f", {in_system:.0f} requests in the system and rising (surge)"
         # Tolerance band as the HPA: the ratio to the current count decides whether to move at all.
         if current > 0 and abs(raw / current - 1.0) <= config.tolerance:
             recommended = current
@@ -287,12 +377,19 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
     window = config.scale_down_stabilization_seconds
     history = (*((t, r) for t, r in state.recommendations if t > now_seconds - window), (now_seconds, recommended))
     first = state.first_observed_seconds if state.first_observed_seconds is not None else now_seconds
+    arrivals = arrival_rate(state, obs, now_seconds)
+    arrival_samples = tuple((t, a) for t, a in state.arrival_samples if t > now_seconds - TREND_WINDOW_SECONDS)
+    if arrivals is not None:
+        arrival_samples = (*arrival_samples, (now_seconds, arrivals))
     state = replace(state, recommendations=history, first_observed_seconds=first, speed_samples=samples,
-                    last_in_system=(now_seconds, in_system))
-    figures = f"demand {demand:.0f} tok/s ({demand_basis}), capacity {capacity:.0f} tok/s per replica ({source})"
+                    last_in_system=(now_seconds, in_system), arrival_samples=arrival_samples)
+    figures = (f"demand {demand:.0f} tok/s ({demand_basis}), capacity {capacity:.0f} tok/s per replica ({source})"
+               f"{surge_note}")
     if recommended > current:
-        desired = min(recommended, current + config.max_scale_up_step)
-        step_note = "" if desired == recommended else f" (step limited to +{config.max_scale_up_step})"
+        step = max(config.max_scale_up_step, math.floor(current * config.max_scale_up_percent / 100))
+        desired = min(recommended, current + step)
+        step_note = "" if desired == recommended else f" (step limited to +{step})"
+        state = replace(state, pending_scale_up=(now_seconds, desired))
         return Decision(current, desired, f"scale up: {figures} needs {recommended}{step_note}", True, inputs), state
     if recommended < current:
         # The highest recommendation over the window: scale down only as far as the whole window allows.
@@ -307,7 +404,7 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
         if state.last_scale_down_seconds is not None and now_seconds - state.last_scale_down_seconds < window:
             return Decision(current, current, f"hold: {figures} needs {recommended}; one scale-down per "
                                               f"{window:.0f}s", True, inputs), state
-        state = replace(state, last_scale_down_seconds=now_seconds)
+        state = replace(state, last_scale_down_seconds=now_seconds, pending_scale_up=None)
         # At most half the replicas per step: the capacity at the batches the rest would run is extrapolated.
         floor = max(floor, current - max(1, current // 2), config.min_replicas)
         return Decision(current, floor, f"scale down: {figures} needs {recommended} (highest over the last "

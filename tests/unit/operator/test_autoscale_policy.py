@@ -12,8 +12,14 @@ from minedraft.operator.autoscale.policy import (
     PolicyConfig,
     PolicyState,
     SpeculationFigures,
+    batch_slowdown,
     decide,
+    estimate_demand,
+    forecast_arrivals,
+    lead_seconds,
     per_request_speed,
+    planned_batch,
+    surge_replicas,
 )
 
 CONFIG = PolicyConfig(min_replicas=1, max_replicas=10, target_utilization=0.8, interval_seconds=15,
@@ -78,10 +84,19 @@ def test_out_of_bounds_replicas_come_back_within_bounds() -> None:
 
 
 def test_scale_up_is_step_limited_per_decision() -> None:
-    counts, _ = run(CONFIG, 1, [obs(300, waiting=300, replicas=1)] * 4)
+    fixed = replace(CONFIG, max_scale_up_percent=0)
+    counts, _ = run(fixed, 1, [obs(300, waiting=300, replicas=1)] * 4)
     assert counts == [3, 5, 7, 9]
-    first, _ = decide(CONFIG, PolicyState(), 1, obs(300, waiting=300, replicas=1), 0.0)
+    first, _ = decide(fixed, PolicyState(), 1, obs(300, waiting=300, replicas=1), 0.0)
     assert "step limited to +2" in first.reason
+
+
+def test_scale_up_may_double_as_the_hpa_default_allows() -> None:
+    # The larger of +2 and +100% of the current count: 1 -> 3 (+2), 3 -> 6 (+3), 6 -> 10 (+6, clamped to max 10).
+    counts, _ = run(CONFIG, 1, [obs(300, waiting=300, replicas=1)] * 4)
+    assert counts == [3, 6, 10, 10]
+    third, _ = decide(CONFIG, PolicyState(), 3, obs(300, waiting=300, replicas=3), 0.0)
+    assert "step limited to +3" in third.reason
 
 
 def test_scale_down_waits_for_the_window_then_one_step_per_window() -> None:
@@ -145,7 +160,9 @@ def test_acceptance_drop_lowers_capacity_and_scales_up_without_a_queue() -> None
     held = replace(after, output_tokens_per_second=before.output_tokens_per_second)
     steady, _ = decide(CONFIG, PolicyState(), 3, before, 0.0)
     collapsed, _ = decide(CONFIG, PolicyState(), 3, held, 0.0)
-    assert steady.desired == 3 and collapsed.desired == 5
+    # 64 requests x 65.4 tok/s = 4185 tok/s of demand; capacity 32 x 30.8 = 985 tok/s: 4185 / (0.8 x 985) = 5.3 -> 6
+    # (+3 is within +100% of 3).
+    assert steady.desired == 3 and collapsed.desired == 6
     assert collapsed.inputs is not None and steady.inputs is not None
     before_capacity = steady.inputs.capacity_tokens_per_second_per_replica
     assert collapsed.inputs.capacity_tokens_per_second_per_replica < before_capacity
@@ -229,3 +246,89 @@ def test_no_cascade_while_replicas_start() -> None:
     # whole queue counted as demand would run to the maximum (10) within three intervals.
     assert counts[0] > 2 and counts[-1] <= counts[1] + 2, counts
     assert max(counts) <= 7, counts
+
+
+def test_capacity_is_what_a_full_batch_gives() -> None:
+    """Seconds per token grow 10% per request in the batch (g = 0.1). 2 replicas at batch 24 of 32, 40 tok/s each.
+    A full batch: 40 x (1 + 2.4) / (1 + 3.2) = 32.38 tok/s per request, 1036.2 tok/s per replica; the 1920 tok/s
+    these requests take need 1920 / (0.8 x 1036.2) = 2.32 -> 3 replicas. (Planned as 80% of the slots at the speed
+    of that batch instead, 2 replicas would do: each at 92.6% of what it can produce.)"""
+    from minedraft.operator.autoscale.policy import full_batch_capacity
+
+    assert full_batch_capacity(40.0, 24.0, 0.1, 32) == pytest.approx(32 * 40 * 3.4 / 4.2)
+    assert full_batch_capacity(40.0, 24.0, 0.0, 32) == pytest.approx(32 * 40)
+    config = replace(CONFIG, batch_slowdown=0.1)
+    decision, _ = decide(config, PolicyState(), 2, obs(48), 0.0)
+    assert decision.inputs is not None
+    assert decision.inputs.capacity_tokens_per_second_per_replica == pytest.approx(1036.19, abs=0.01)
+    assert decision.desired == 3
+
+
+def test_slowdown_samples_keep_every_batch_size_seen() -> None:
+    """s = 0.01 + 0.001 c seen once at batches 4 and 8, then for 50 evaluations at 16: the newest sample per batch
+    size is kept, so the fit still spans 4..16 (a ring of the last 40 would hold only batch 16, and the prior)."""
+    config = replace(CONFIG, batch_slowdown=None)
+
+    def at(batch: int) -> Observations:
+        return obs(2 * batch, tokens_per_request=1 / (0.01 + 0.001 * batch))
+
+    _, state = run(config, 2, [at(4), at(8)] + [at(16)] * 50)
+    assert sorted(round(c) for c, _ in state.speed_samples) == [4, 8, 16]
+    assert batch_slowdown(state.speed_samples) == pytest.approx(0.1)
+
+
+def test_rising_arrivals_are_forecast_to_when_a_new_replica_serves() -> None:
+    """Arrivals 10, 11, .. 14 req/s at t = 0, 15, .. 60: 1/15 req/s per second. Startup measured at 45 s, so a replica
+    asked for at 60 s serves by 60 + 45 + 15 = 120 s, when 12 + (120 - 30) / 15 = 18 req/s arrive."""
+    rising = ((0.0, 10.0), (15.0, 11.0), (30.0, 12.0), (45.0, 13.0), (60.0, 14.0))
+    assert forecast_arrivals(rising, 60.0, 60.0) == pytest.approx(18.0)
+    assert forecast_arrivals(tuple((t, 24 - a) for t, a in rising), 60.0, 60.0) is None  # falling: not used
+    assert forecast_arrivals(rising[:3], 60.0, 60.0) is None  # too few to tell
+    state = PolicyState(last_in_system=(45.0, 50.0), arrival_samples=rising[:4], startup_seconds=45.0)
+    assert lead_seconds(CONFIG, state) == 60.0
+    # 14 requests/s finish at 100 tokens each, none waiting, the count steady: arrivals 14/s now, 18/s forecast.
+    o = replace(obs(50), output_tokens_per_second=1400.0, finished_requests_per_second=14.0)
+    demand, basis = estimate_demand(CONFIG, state, o, 28.0, 60.0)
+    assert basis == "arrivals rising" and demand == pytest.approx(18 * 100)
+    flat = replace(state, arrival_samples=tuple((t, 14.0) for t, _ in rising[:4]))
+    assert estimate_demand(CONFIG, flat, o, 28.0, 60.0) == (pytest.approx(14 * 100), "arrivals")
+
+
+def test_startup_is_measured_from_a_scale_up_to_its_replicas_reporting() -> None:
+    # 96 requests at 40 tok/s: 3840 / (0.8 x 1280) = 3.75 -> 4. Asked at 0 s; the two new replicas report at 45 s.
+    state = PolicyState()
+    decision, state = decide(CONFIG, state, 2, obs(96, replicas=2), 0.0)
+    assert decision.desired == 4 and state.pending_scale_up == (0.0, 4)
+    assert lead_seconds(CONFIG, state) == 60.0 + 15  # the prior until measured
+    for t in (15.0, 30.0):
+        decision, state = decide(CONFIG, state, 4, obs(96, replicas=2), t)
+        assert decision.desired == 4 and state.startup_seconds is None
+    _, state = decide(CONFIG, state, 4, obs(96, replicas=4), 45.0)
+    assert state.startup_seconds == 45.0 and state.pending_scale_up is None
+    assert lead_seconds(CONFIG, state) == 45.0 + 15
+
+
+def test_a_surge_of_requests_scales_up_before_the_rates_show_it() -> None:
+    """20 requests in the system, then 164 (64 running on 2 replicas, 100 waiting) 15 s later. 12.8 requests/s
+    finish at 200 tokens: the rates say (12.8 + 144 / 15) x 200 + 100 x 200 / 30 = 5147 tok/s, 5.03 replicas -> 6;
+    the requests in the system need 164 slots at 0.8 x 32 per replica: 6.4 -> 7."""
+    config = replace(CONFIG, max_scale_up_step=8)
+    state = PolicyState(last_in_system=(0.0, 20.0))
+    o = replace(obs(64, waiting=100), output_tokens_per_second=2560.0, finished_requests_per_second=12.8)
+    assert surge_replicas(config, state, o, 2) == pytest.approx(164 / 25.6)
+    decision, _ = decide(config, state, 2, o, 15.0)
+    assert decision.desired == 7 and "(arrivals)" in decision.reason and "(surge)" in decision.reason
+    # Where a full batch adds little throughput (g = 0.1), a replica is planned to run fewer requests: at 25.6 /
+    # (1 + 0.1 x 32 x 0.2) = 15.6, where it gives 80% of its full-batch throughput; 164 requests need 10.5.
+    assert planned_batch(config, 0.1) == pytest.approx(25.6 / 1.64)
+    c = planned_batch(config, 0.1)
+    assert c / (1 + 0.1 * c) == pytest.approx(0.8 * 32 / (1 + 0.1 * 32))
+    assert surge_replicas(config, state, o, 2, shape=0.1) == pytest.approx(164 / (25.6 / 1.64))
+    # No surge within 80% of the replicas' slots (51.2 on 2), while a replica is starting (its queue is expected),
+    # nor when the count falls (a queue draining).
+    assert surge_replicas(config, state, replace(o, running_requests=50.0, waiting_requests=0.0), 2) == 0.0
+    assert surge_replicas(config, state, o, 3) == 0.0
+    assert surge_replicas(config, PolicyState(last_in_system=(0.0, 200.0)), o, 2) == 0.0
+    assert surge_replicas(config, PolicyState(), o, 2) == 0.0
+    starting, _ = decide(config, state, 3, o, 15.0)
+    assert starting.desired == 6 and "surge" not in starting.reason

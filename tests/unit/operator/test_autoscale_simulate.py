@@ -58,6 +58,18 @@ def test_reacts_to_a_step_within_two_intervals() -> None:
     assert result.first_reaction_seconds is not None and result.first_reaction_seconds <= 2 * 15
 
 
+def test_a_step_is_met_at_the_first_evaluation_after_it() -> None:
+    # The step (at a sync) shows in the requests in the system before the averaged rates: scaled up at once.
+    result = simulate(load_trace(TRACES / "step.jsonl"), MODEL, SimConfig())
+    assert result.first_reaction_seconds == 0, result.decisions[:3]
+
+
+def test_a_ramp_is_served_within_the_slo() -> None:
+    # Planned at 80% of what a full batch gives (not of the slots), replicas keep ahead of a 40-minute ramp.
+    result = simulate(load_trace(TRACES / "ramp.jsonl"), MODEL, SimConfig())
+    assert result.slo_violation_fraction < 0.001, result.decisions
+
+
 def test_deterministic_for_a_seed_and_seed_matters() -> None:
     trace = load_trace(TRACES / "burst.jsonl")
     a, b = simulate(trace, MODEL, SimConfig(seed=1)), simulate(trace, MODEL, SimConfig(seed=1))
