@@ -48,9 +48,17 @@ class GatewayServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
         if self.tokens and not token_accepted(bearer_token(context.invocation_metadata() or ()), self.tokens):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required")
 
-    def _pick(self, tried: set[str]) -> str | None:
+    def _next_engine(self, tried: set[str]) -> tuple[str, pb_grpc.GenerationStub] | None:
+        """The next engine to try (least loaded of those not tried yet), added to `tried`; None when the attempts
+        are used up or no ready engine is left."""
+        if len(tried) >= self.max_attempts:
+            return None
         endpoint = pick(self.pool.endpoints, self.rng, time.monotonic(), exclude=tried)
-        return endpoint.address if endpoint is not None else None
+        stub = self.pool.stub(endpoint.address) if endpoint is not None else None
+        if endpoint is None or stub is None:
+            return None
+        tried.add(endpoint.address)
+        return endpoint.address, stub
 
     async def _no_engine(self, context: grpc.aio.ServicerContext, last: grpc.aio.AioRpcError | None,
                          attempts: int) -> NoReturn:
@@ -76,12 +84,8 @@ class GatewayServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
                 tried: set[str] = set()
                 responses_sent = tokens_sent = 0
                 last_error: grpc.aio.AioRpcError | None = None
-                while len(tried) < self.max_attempts:
-                    address = self._pick(tried)
-                    stub = self.pool.stub(address) if address is not None else None
-                    if address is None or stub is None:
-                        break
-                    tried.add(address)
+                while (engine := self._next_engine(tried)) is not None:
+                    address, stub = engine
                     self.pool.endpoints.acquire(address)
                     # The caller's deadline travels on: the engine stops work the caller can no longer use.
                     call = stub.Generate(request, timeout=context.time_remaining(), metadata=metadata)
@@ -121,12 +125,8 @@ class GatewayServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
         await self._authorize(context)
         tried: set[str] = set()
         last_error: grpc.aio.AioRpcError | None = None
-        while len(tried) < self.max_attempts:
-            address = self._pick(tried)
-            stub = self.pool.stub(address) if address is not None else None
-            if address is None or stub is None:
-                break
-            tried.add(address)
+        while (engine := self._next_engine(tried)) is not None:
+            address, stub = engine
             try:
                 return await invoke(stub, context.time_remaining())
             except grpc.aio.AioRpcError as exc:
