@@ -242,6 +242,30 @@ def lead_seconds(config: PolicyConfig, state: PolicyState) -> float:
     return startup + config.interval_seconds
 
 
+def queue_growth_seconds(state: PolicyState, now_seconds: float) -> float:
+    """How much longer a growing queue keeps growing: until the replicas already asked for serve, or, with none
+    starting, a startup from now (until replicas asked for now serve)."""
+    startup = state.startup_seconds if state.startup_seconds is not None else PRIOR_STARTUP_SECONDS
+    if state.pending_scale_up is not None:
+        return max(0.0, state.pending_scale_up[0] + startup - now_seconds)
+    return startup
+
+
+def projected_backlog(state: PolicyState, obs: Observations, now_seconds: float) -> float:
+    """Requests waiting when new capacity serves: the queue now plus its growth (requests in the system per second
+    since the last evaluation) over `queue_growth_seconds`.
+
+    Sizing for today's queue alone leaves the replicas that arrive a startup later short by everything that piled
+    up meanwhile, and requests keep waiting past the SLO until a second round of replicas has loaded. Counted only
+    while requests wait (growth into free slots is no backlog) and grow.
+    """
+    last = state.last_in_system
+    if obs.waiting_requests <= 0 or last is None or now_seconds <= last[0]:
+        return max(obs.waiting_requests, 0.0)
+    growth = (obs.running_requests + obs.waiting_requests - last[1]) / (now_seconds - last[0])
+    return obs.waiting_requests + max(growth, 0.0) * queue_growth_seconds(state, now_seconds)
+
+
 def estimate_demand(config: PolicyConfig, state: PolicyState, obs: Observations, per_request: float,
                     now_seconds: float) -> tuple[float, str]:
     """Output tokens/s needed: the arrivals' token rate plus draining the queue; and which estimate was used.
@@ -264,7 +288,7 @@ def estimate_demand(config: PolicyConfig, state: PolicyState, obs: Observations,
         forecast = forecast_arrivals(recent, now_seconds, lead_seconds(config, state))
         if forecast is not None and forecast > arrivals:
             arrivals, basis = forecast, "arrivals rising"
-        backlog = obs.waiting_requests * tokens_per_request / config.backlog_drain_seconds
+        backlog = projected_backlog(state, obs, now_seconds) * tokens_per_request / config.backlog_drain_seconds
         return arrivals * tokens_per_request + backlog, basis
     demand = per_request * in_system
     if obs.running_requests >= 1:
@@ -377,6 +401,7 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
     window = config.scale_down_stabilization_seconds
     history = (*((t, r) for t, r in state.recommendations if t > now_seconds - window), (now_seconds, recommended))
     first = state.first_observed_seconds if state.first_observed_seconds is not None else now_seconds
+    previous_in_system = state.last_in_system[1] if state.last_in_system is not None else None
     arrivals = arrival_rate(state, obs, now_seconds)
     arrival_samples = tuple((t, a) for t, a in state.arrival_samples if t > now_seconds - TREND_WINDOW_SECONDS)
     if arrivals is not None:
@@ -401,6 +426,12 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
         if floor >= current:
             return Decision(current, current, f"hold: {figures} needs {recommended}, but the last "
                                               f"{window:.0f}s needed up to {floor}", True, inputs), state
+        if previous_in_system is not None and in_system > (1 + config.tolerance) * max(previous_in_system, 1.0):
+            # The rates lag a rise (finished requests are a minute's average): capacity is not removed while the
+            # requests in the system visibly grow; the next evaluation looks again.
+            return Decision(current, current, f"hold: {figures} needs {recommended}, but the requests in the "
+                                              f"system rose from {previous_in_system:.0f} to {in_system:.0f}",
+                            True, inputs), state
         if state.last_scale_down_seconds is not None and now_seconds - state.last_scale_down_seconds < window:
             return Decision(current, current, f"hold: {figures} needs {recommended}; one scale-down per "
                                               f"{window:.0f}s", True, inputs), state
