@@ -82,10 +82,31 @@ class CostCurve:
     def num_observations(self) -> int:
         return int(sum(b[2] for b in self.buckets.values()))
 
+    def points(self) -> list[tuple[float, float]]:
+        """(size, seconds) per bucket, sorted by size, made nondecreasing (weighted pool-adjacent-violators).
+
+        More work never costs less; where a bucket's mean says it does, it is noise, usually a young bucket with a
+        handful of observations (the last steps of requests, whose drafts are cut short, land on sizes the steady
+        load never has) beside mature ones. Left as it is, one such point bends the curve between its neighbours,
+        and the draft lengths priced across it come out in a nonsensical order (k=2 below both k=1 and k=3).
+        Pooling it with its neighbour, weighted by observations (capped at the smoothing's memory, so a mature
+        bucket does not outvote a newer one forever), keeps the measured shape and drops the impossible part.
+        """
+        cap = 1.0 / self.smoothing
+        blocks: list[list[float]] = []  # [weighted seconds, weight, number of buckets]
+        ordered = sorted(self.buckets.values())
+        for size, seconds, count in ordered:
+            blocks.append([seconds * min(count, cap), min(count, cap), 1])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                last = blocks.pop()
+                blocks[-1] = [blocks[-1][0] + last[0], blocks[-1][1] + last[1], blocks[-1][2] + last[2]]
+        values = [block[0] / block[1] for block in blocks for _ in range(int(block[2]))]
+        return [(bucket[0], value) for bucket, value in zip(ordered, values, strict=True)]
+
     def predict(self, size: float) -> float | None:
         if not self.buckets:
             return None
-        points = sorted((b[0], b[1]) for b in self.buckets.values())
+        points = self.points()
         if len(points) == 1:
             (x0, y0), = points
             # Smaller work is not assumed cheaper until seen (a setting that only looks good because it was never

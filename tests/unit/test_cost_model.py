@@ -217,3 +217,23 @@ def test_a_drafter_that_does_not_split_its_time_is_modelled_as_equal_forwards() 
               19, 0.013)
     assert model._draft_seconds(4, 1) == pytest.approx(0.003)
     assert model._draft_seconds(4, 3) == pytest.approx(0.009)
+
+
+def test_cost_curve_is_nondecreasing_and_a_young_outlier_is_pooled_not_followed() -> None:
+    """Mature buckets at 4 and 8 tokens (5 and 7 ms); two steps at 6 tokens took 12 ms (the end of requests, a
+    hiccup). Followed as measured, 6 tokens would cost more than 8; pooled with its heavier neighbour (weights 2
+    and 10, the smoothing's memory), both read (2 x 12 + 10 x 7) / 12 ms."""
+    curve = CostCurve()
+    for _ in range(40):
+        curve.observe(4, 0.005)
+        curve.observe(8, 0.007)
+    curve.observe(6, 0.012)
+    curve.observe(6, 0.012)
+    pooled = (2 * 0.012 + 10 * 0.007) / 12
+    assert curve.points() == [(4, pytest.approx(0.005)), (6, pytest.approx(pooled)), (8, pytest.approx(pooled))]
+    assert curve.predict(5) < curve.predict(6) <= curve.predict(7) <= curve.predict(8)  # type: ignore[operator]
+    # A nondecreasing curve is left exactly as measured.
+    rising = CostCurve()
+    for size, seconds in ((2, 0.003), (4, 0.004), (8, 0.009)):
+        rising.observe(size, seconds)
+    assert rising.points() == [(2, 0.003), (4, 0.004), (8, 0.009)]
