@@ -95,7 +95,7 @@ class CostCurve:
         cap = 1.0 / self.smoothing
         blocks: list[list[float]] = []  # [weighted seconds, weight, number of buckets]
         ordered = sorted(self.buckets.values())
-        for size, seconds, count in ordered:
+        for _size, seconds, count in ordered:
             blocks.append([seconds * min(count, cap), min(count, cap), 1])
             while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
                 last = blocks.pop()
