@@ -8,9 +8,10 @@ observation, and the policy adds replicas before the queue has had time to grow 
 wait for requests to pile up).
 
 Demand is the output token rate the arrivals need (finished requests/s plus the growth of running + waiting, times
-tokens per request) plus draining the queue within `backlog_drain_seconds`; while arrivals have been rising, the
-rate they will have reached when a replica asked for now serves (`forecast_arrivals`). Without a finished-request
-rate, the rate every request in the system (running + waiting) would take at the running ones' speed.
+tokens per request) plus draining within `backlog_drain_seconds` the queue as it will be when new capacity serves
+(`projected_backlog`); while arrivals have been rising, the rate they will have reached when a replica asked for now
+serves (`forecast_arrivals`). Without a finished-request rate, the rate every request in the system (running +
+waiting) would take at the running ones' speed.
 
     desired = ceil(demand / (target utilisation x capacity per replica))
 
@@ -28,7 +29,7 @@ starting, the replicas are sized for those requests at the batch each is planned
 Scale-up: at once, by at most the larger of ``max_scale_up_step`` replicas and ``max_scale_up_percent`` of the
 current count per decision (the Kubernetes HPA's default: 4 pods or 100%). Scale-down: to the highest
 recommendation of the stabilisation window, and at most once per window (so a dip does not remove replicas a
-rebound needs). Replicas still starting count as capacity (current = spec.replicas, not ready replicas), so a slow
+rebound needs), and not while the requests in the system visibly rise (the rates lag a rise). Replicas still starting count as capacity (current = spec.replicas, not ready replicas), so a slow
 model load does not trigger a cascade of scale-ups. Missing or stale metrics: no decision, ``metrics_available``
 False with why.
 """
