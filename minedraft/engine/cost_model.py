@@ -85,7 +85,7 @@ class CostCurve:
     def points(self) -> list[tuple[float, float]]:
         """(size, seconds) per bucket, sorted by size, made nondecreasing (weighted pool-adjacent-violators).
 
-        More work never costs less; where a bucket's mean says it does, it is noise, usually a young bucket with a
+        More work never costs less; where a bucket's mean says it does, it is noise, such as a young bucket with a
         handful of observations (the last steps of requests, whose drafts are cut short, land on sizes the steady
         load never has) beside mature ones. Left as it is, one such point bends the curve between its neighbours,
         and the draft lengths priced across it come out in a nonsensical order (k=2 below both k=1 and k=3).

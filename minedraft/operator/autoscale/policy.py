@@ -29,8 +29,9 @@ starting, the replicas are sized for those requests at the batch each is planned
 Scale-up: at once, by at most the larger of ``max_scale_up_step`` replicas and ``max_scale_up_percent`` of the
 current count per decision (the Kubernetes HPA's default: 4 pods or 100%). Scale-down: to the highest
 recommendation of the stabilisation window, and at most once per window (so a dip does not remove replicas a
-rebound needs), and not while the requests in the system visibly rise (the rates lag a rise). Replicas still starting count as capacity (current = spec.replicas, not ready replicas), so a slow
-model load does not trigger a cascade of scale-ups. Missing or stale metrics: no decision, ``metrics_available``
+rebound needs), and not while the requests in the system visibly rise (the rates lag a rise). Replicas still
+starting count as capacity (current = spec.replicas, not ready replicas), so a slow model load does not trigger a
+cascade of scale-ups. Missing or stale metrics: no decision, ``metrics_available``
 False with why.
 """
 
