@@ -51,6 +51,9 @@ class CostCurve:
     # Above the largest observed size, assume cost grows at least like this power of size (0.5: neither free nor
     # proportional), so untried larger settings are not predicted as free.
     extrapolation_exponent: float = 0.5
+    # The pooled points of `points()`, until the next observation: a decision prices every mode and k through
+    # several curves, and pooling on each call cost ~30 us a call (~2 ms a decision) on the engine's step path.
+    _points: list[tuple[float, float]] | None = field(default=None, repr=False, compare=False)
 
     @staticmethod
     def _bucket(size: float) -> int:
@@ -59,6 +62,7 @@ class CostCurve:
     def observe(self, size: float, seconds: float) -> None:
         if size <= 0 or seconds < 0 or not math.isfinite(seconds):
             return
+        self._points = None
         key = self._bucket(size)
         bucket = self.buckets.get(key)
         if bucket is None:
@@ -92,6 +96,8 @@ class CostCurve:
         Pooling it with its neighbour, weighted by observations (capped at the smoothing's memory, so a mature
         bucket does not outvote a newer one forever), keeps the measured shape and drops the impossible part.
         """
+        if self._points is not None:
+            return self._points
         cap = 1.0 / self.smoothing
         blocks: list[list[float]] = []  # [weighted seconds, weight, number of buckets]
         ordered = sorted(self.buckets.values())
@@ -101,7 +107,8 @@ class CostCurve:
                 last = blocks.pop()
                 blocks[-1] = [blocks[-1][0] + last[0], blocks[-1][1] + last[1], blocks[-1][2] + last[2]]
         values = [block[0] / block[1] for block in blocks for _ in range(int(block[2]))]
-        return [(bucket[0], value) for bucket, value in zip(ordered, values, strict=True)]
+        self._points = [(bucket[0], value) for bucket, value in zip(ordered, values, strict=True)]
+        return self._points
 
     def predict(self, size: float) -> float | None:
         if not self.buckets:
