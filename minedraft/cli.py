@@ -56,6 +56,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
     parser.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds are separate)")
     parser.add_argument("--max-num-speculative-tokens", type=int,
                         help="the longest draft the engine can switch to at run time (auto mode's k range)")
+    parser.add_argument("--auto-modes", help="the modes auto mode chooses among (comma-separated subset of ar, sd, "
+                        "psd; default all three)")
+    parser.add_argument("--auto-k", help="the draft lengths auto mode chooses among (comma-separated; default 1 to "
+                        "the engine's longest draft)")
     parser.add_argument("--constructed-acceptance", type=float,
                         help="use the cost-realistic constructed pair with this per-position acceptance "
                         "(built into the cache on first use; see `minedraft models build-constructed`)")
@@ -82,7 +86,7 @@ def constructed_pair(acceptance: float) -> Path:
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
-    from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode, default_core_split
+    from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode, SettingsError, default_core_split
 
     if getattr(args, "constructed_acceptance", None) is not None:
         built = constructed_pair(args.constructed_acceptance)
@@ -90,6 +94,19 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     pair = None if (args.model and args.draft) else ensure_pair(_pair_dir(getattr(args, "pair", None)))
     target_default, drafter_default = default_core_split()
     mode = Mode.parse(args.mode)
+    auto: dict[str, Any] = {}
+    if getattr(args, "auto_modes", None):
+        auto["allowed_modes"] = tuple(m.strip() for m in args.auto_modes.split(",") if m.strip())
+    if getattr(args, "auto_k", None):
+        try:
+            auto["k_candidates"] = tuple(int(k) for k in args.auto_k.split(",") if k.strip())
+        except ValueError:
+            raise SettingsError("auto.k_candidates",
+                                f"expected comma-separated integers, got {args.auto_k!r}") from None
+    # The engine is built for the longest draft auto may switch to.
+    max_k = args.max_num_speculative_tokens
+    if auto.get("k_candidates") and not max_k:
+        max_k = max(max(auto["k_candidates"]), args.num_speculative_tokens + args.num_extra_draft_tokens)
     return EngineSettings(
         model=args.model or str(pair / "target"),  # type: ignore[operator]
         drafter=DrafterSettings(
@@ -107,7 +124,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         kv_cache_gib=args.kv_cache_gib,
         target_cpu_cores=_cores(args.target_cores, target_default),
         seed=args.seed,
-        max_num_speculative_tokens=args.max_num_speculative_tokens,
+        max_num_speculative_tokens=max_k,
+        auto=auto,
     )
 
 

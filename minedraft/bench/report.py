@@ -45,6 +45,33 @@ def predicted_rates(report: dict[str, Any]) -> dict[int, dict[str, float]]:
     return {int(c): dict(v) for c, v in report.get("predicted_tokens_per_s", {}).items() if v}
 
 
+def composed_trace_rates(report: dict[str, Any]) -> dict[str, float] | None:
+    """Each mode's output tokens/s over the trace as composed from the concurrency levels of the same run (every
+    phase's tokens at that mode's rate at the phase's concurrency), and "oracle": the best of ar, sd and psd in
+    each phase, what a policy that always knew the best of the modes auto chooses among would reach, switching
+    for free. None without a trace or when a phase's concurrency was not measured as a level.
+
+    Transitions and the tails of phases are left out, so it bounds what switching can gain on the trace rather
+    than predicting any run of it."""
+    measured = measured_rates(report)
+    trace = next((r for r in _runs(report) if not isinstance(r["concurrency"], int)), None)
+    if trace is None:
+        return None
+    phases = [tuple(int(v) for v in part.split(":"))
+              for part in str(trace["concurrency"]).removeprefix("trace ").split(",")]
+    if any(concurrency not in measured for concurrency, _ in phases):
+        return None
+    fixed = [name for name in measured[phases[0][0]] if name != "auto"]
+    own = [name for name in fixed if name in ("ar", "sd", "psd")]
+    if not own or any(measured[c][name] <= 0 for c, _ in phases for name in fixed):
+        return None
+    # Every request of a phase yields the same number of tokens, so phases weigh by their request counts.
+    seconds = {name: sum(count / measured[c][name] for c, count in phases) for name in fixed}
+    seconds["oracle"] = sum(count / max(measured[c][name] for name in own) for c, count in phases)
+    total = sum(count for _, count in phases)
+    return {name: total / s for name, s in seconds.items()}
+
+
 def markdown_table(report: dict[str, Any]) -> str:
     config = report["config"]
     lines = [
@@ -74,12 +101,11 @@ def markdown_table(report: dict[str, Any]) -> str:
         for name, m in modes.items():
             ratios = [f"{m['output_tokens_per_s'] / modes[b]['output_tokens_per_s']:.2f}x"
                       if modes[b]["output_tokens_per_s"] else "-" for b in ratio_base]
-            lines.append(
-                f"| {name} | {m['output_tokens_per_s']:.1f} | " + " | ".join(ratios) + " | "
-                f"{m['ttft_p50_s'] * 1000:.0f} ms | {m['tpot_p50_s'] * 1000:.1f} ms | "
-                f"{m['tpot_p99_s'] * 1000:.1f} ms | {m['e2e_p50_s']:.2f} s | {m['e2e_p99_s']:.2f} s | "
-                f"{m['acceptance_rate']:.2f} | {m['mean_accepted_length']:.2f} | {m['overlap_fraction']:.2f} |"
-            )
+            cells = [name, f"{m['output_tokens_per_s']:.1f}", *ratios, f"{m['ttft_p50_s'] * 1000:.0f} ms",
+                     f"{m['tpot_p50_s'] * 1000:.1f} ms", f"{m['tpot_p99_s'] * 1000:.1f} ms", f"{m['e2e_p50_s']:.2f} s",
+                     f"{m['e2e_p99_s']:.2f} s", f"{m['acceptance_rate']:.2f}", f"{m['mean_accepted_length']:.2f}",
+                     f"{m['overlap_fraction']:.2f}"]
+            lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         if "auto" in modes:
             fixed = {name: m["output_tokens_per_s"] for name, m in modes.items() if name != "auto"}
@@ -94,8 +120,23 @@ def markdown_table(report: dict[str, Any]) -> str:
                 own_best = max(own, key=lambda name: own[name]) if own else None
                 own_text = (f", **{modes['auto']['output_tokens_per_s'] / own[own_best]:.2f}x** the best of the "
                             f"modes it chooses among ({own_best})" if own_best and own[own_best] else "")
-                lines.append(f"auto = **{ratio:.2f}x** the best fixed mode ({best}){own_text}; its output tokens by "
-                             f"mode: {shares}; switches: {modes['auto'].get('mode_switches', 0)}")
+                rounds = zip(modes["auto"].get("output_tokens_per_s_by_round", []),
+                             modes[best].get("output_tokens_per_s_by_round", []), strict=False)
+                by_round = ", ".join(f"{a / b:.2f}" for a, b in rounds if b)
+                round_text = f" (by round: {by_round})" if by_round else ""
+                lines.append(f"auto = **{ratio:.2f}x** the best fixed mode ({best}){round_text}{own_text}; its output "
+                             f"tokens by mode: {shares}; switches: {modes['auto'].get('mode_switches', 0)}")
+                lines.append("")
+        if not isinstance(run["concurrency"], int):
+            composed = composed_trace_rates(report)
+            if composed:
+                single = max((name for name in composed if name != "oracle"), key=lambda name: composed[name])
+                lines.append(
+                    f"Composed from the levels of this run (each phase at the level's rate, transitions left out): "
+                    f"best single fixed mode {single} {composed[single]:.1f} tok/s; the best of ar, sd and psd in "
+                    f"each phase, switching for free, {composed['oracle']:.1f} tok/s = "
+                    f"**{composed['oracle'] / composed[single]:.2f}x**: the most that choosing a mode per phase can "
+                    f"gain on this trace.")
                 lines.append("")
     measured, predicted = measured_rates(report), predicted_rates(report)
     if len(measured) > 1:

@@ -49,15 +49,18 @@ class BenchConfig:
 
 
 def _engine_kind(mode: Mode) -> str:
-    # auto gets an engine (and drafter) of its own: its cost model learns only from its own runs.
-    return "minedraft" if mode in (Mode.PSD, Mode.SD) else mode.value
+    # psd, sd and auto share one engine (one process, one drafter): runs in separate processes with identical
+    # settings differed by up to 7% per level. Auto keeps a cost model of its own, fed only by its own steps.
+    return "minedraft" if mode in (Mode.PSD, Mode.SD, Mode.AUTO) else mode.value
 
 
 def _kind_settings(config: BenchConfig, kind: str) -> EngineSettings:
     if kind == "minedraft":
-        return replace(config.base, mode=Mode.PSD)
-    if kind == "auto":
-        return replace(config.base, mode=Mode.AUTO)
+        # With auto among the modes, the engine is built for the draft lengths auto may switch to.
+        max_k = (replace(config.base, mode=Mode.AUTO).max_draft_tokens_per_request if Mode.AUTO in config.modes
+                 else config.base.max_num_speculative_tokens)
+        return replace(config.base, mode=Mode.PSD, max_num_speculative_tokens=max_k,
+                       auto={**config.base.auto, "learn_from_fixed_modes": False})
     cores = config.baseline_cpu_cores or config.base.target_cpu_cores
     return replace(config.base, mode=Mode(kind), target_cpu_cores=cores)
 
@@ -113,8 +116,11 @@ def aggregate(mode: Mode, runs: list[Run], config_k: int) -> dict[str, Any]:
         accepted_length = 1.0 + accepted / (drafted / k) if drafted else 1.0
         overlap = 0.0
         extra = {}
+    by_round = [sum(len(r["token_ids"]) for r in run.results) / run.makespan_seconds if run.makespan_seconds else 0.0
+                for run in runs]
     return {
         "output_tokens_per_s": tokens / makespan if makespan else 0.0,
+        "output_tokens_per_s_by_round": by_round,
         "ttft_p50_s": _percentile(ttft, 50),
         "ttft_p99_s": _percentile(ttft, 99),
         "tpot_p50_s": _percentile(tpot, 50),

@@ -38,8 +38,10 @@ async def _serve(settings: EngineSettings, conn: Connection) -> None:
             _, mode_name, workload = command
             assert isinstance(workload, Workload | Trace)
             mode = Mode(mode_name)
-            if engine.engine.psd_scheduler is not None and engine.engine.configured_mode is not mode:
-                await engine.call(partial(_set_mode, mode=mode))
+            if engine.engine.psd_scheduler is not None:
+                # Fixed modes at the configured k (auto may have left another); auto resumes its last choice.
+                k = None if mode is Mode.AUTO else settings.num_speculative_tokens
+                await engine.call(partial(_set_mode, mode=mode, k=k))
             before = engine.engine.totals()
             first_step = engine.engine.step_records()[-1].step if engine.engine.step_records() else 0
             if isinstance(workload, Trace):
@@ -69,8 +71,8 @@ def _decision_summary(decision: Decision) -> dict[str, Any]:
             "measured_tokens_per_s": round(decision.measured_tokens_per_second, 1), "reason": decision.reason}
 
 
-def _set_mode(engine: Any, mode: Mode) -> None:
-    engine.set_mode(mode)
+def _set_mode(engine: Any, mode: Mode, k: int | None) -> None:
+    engine.set_mode(mode, k)
 
 
 def _predict(engine: Any, concurrencies: list[int], k: int) -> dict[int, list[dict[str, Any]]]:

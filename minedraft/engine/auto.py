@@ -46,6 +46,9 @@ class AutoSettings:
     # After steps without drafting, this many drafted steps (psd: one per sub-batch) carry the drafter's catch-up
     # on the tokens committed meanwhile; their drafting seconds are not the mode's steady cost (CostModel.observe).
     resume_steps: int = 2
+    # Whether steps run in fixed modes (before auto was turned on, or while it was off) teach auto's cost model too.
+    # In service any measurement helps; a benchmark turns it off so that auto knows only what it paid to measure.
+    learn_from_fixed_modes: bool = True
 
     def __post_init__(self) -> None:
         if not self.allowed_modes or not set(self.allowed_modes) <= {"ar", "sd", "psd"}:
@@ -95,7 +98,9 @@ class AutoController:
     _window_running: list[int] = field(default_factory=list)
     _window_tokens: int = 0
     _window_seconds: float = 0.0
-    # Step of the last decode step run in each mode (as run: a down drafter shows as ar).
+    # Steps this controller has seen (its own clock: fixed modes may run between its spells).
+    _steps_seen: int = 0
+    # Its clock at the last decode step run in each mode (as run: a down drafter shows as ar).
     _last_run: dict[str, int] = field(default_factory=dict)
     # Decode steps run without drafts since drafting last ran, and drafted steps left whose drafts still catch up.
     _undrafted_steps: int = 0
@@ -120,8 +125,9 @@ class AutoController:
 
     def on_step(self, record: StepRecord, num_running: int) -> Decision | None:
         self.cost_model.observe(record, resuming=self._resuming(record))
+        self._steps_seen += 1
         if record.num_decode_requests > 0:
-            self._last_run[record.mode] = record.step
+            self._last_run[record.mode] = self._steps_seen
             loads = self._steps_at_load.setdefault(record.mode, {})
             loads[num_running] = loads.get(num_running, 0) + 1
         self._steps_in_choice += 1
@@ -182,8 +188,8 @@ class AutoController:
                                 (current, current, tuple(predictions)) if current else None, measured, "return")
 
         # Explore cheaply: a mode not run for a while (or ever) is predicted from stale costs.
-        stale = [m for m in self.settings.allowed_modes
-                 if m != self.mode and step - self._last_run.get(m, -1_000_000_000) > self.settings.stale_after_steps]
+        stale = [m for m in self.settings.allowed_modes if m != self.mode
+                 and self._steps_seen - self._last_run.get(m, -1_000_000_000) > self.settings.stale_after_steps]
         if stale:
             # Never run first, then the one predicted best (a prediction it has to be refreshed for), then oldest.
             rates = {p.mode: p.output_tokens_per_second for p in self._best_per_mode(predictions)}
@@ -204,6 +210,20 @@ class AutoController:
             return self._probe(step, probe.mode, probe.k, measured,
                                f"probe: {probe.mode} k={probe.k} not measured near {num_running} running requests")
         return None
+
+    def resume(self) -> tuple[str, int]:
+        """Turned back on after fixed modes ran: the (mode, k) to carry on with, everything learned kept.
+
+        What belonged to the last spell is dropped: a probe under way ends on the setting it would have returned to,
+        the measuring window and the dwell start afresh, and the first drafted steps count as resuming (the drafter
+        may catch up on tokens committed while it was off)."""
+        if self._probe_return is not None:
+            self.mode, self.k = self._probe_return
+        self._probe_remaining, self._probe_return = 0, None
+        self._window_running, self._window_tokens, self._window_seconds = [], 0, 0.0
+        self._steps_since_decision = self._steps_in_choice = 0
+        self._undrafted_steps, self._resume_left = 1, 0
+        return self.mode, self.k
 
     def _ran_near(self, mode: str, num_running: int) -> bool:
         """Whether `mode` ran (with any k) for at least half a probe at loads within the extrapolation slack."""

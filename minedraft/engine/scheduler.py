@@ -81,8 +81,10 @@ class PSDScheduler(Scheduler):
         # Fed every step in every mode, so predictions are available (and exported) before auto mode is on.
         self.cost_model = CostModel()
         self.auto: AutoController | None = None
+        # Auto's controller while fixed modes run, resumed when auto is turned back on.
+        self._auto_parked: AutoController | None = None
         if configured_mode is Mode.AUTO:
-            self.auto = AutoController(self.auto_settings, self.mode.value, self.k, self.cost_model)
+            self.auto = self._new_auto_controller()
         self.num_extra_draft_tokens = int(config.get("num_extra_draft_tokens", 0))
         self.draft_token_budget: int | None = config.get("draft_token_budget")
         self.deadline_seconds = float(config.get("deadline_seconds", 5.0))
@@ -129,15 +131,30 @@ class PSDScheduler(Scheduler):
         auto_settings: AutoSettings | None = None,
     ) -> None:
         if mode is Mode.AUTO:
+            if self.auto is not None and k is None and num_extra_draft_tokens is None and auto_settings is None:
+                return
+            parked, self._auto_parked = self._auto_parked, None
+            if parked is not None and k is None and num_extra_draft_tokens is None and auto_settings is None:
+                # Back on after fixed modes: carry on from its last choice with all it learned.
+                resumed_mode, resumed_k = parked.resume()
+                self._apply_mode(Mode(resumed_mode), None if resumed_mode == Mode.AR.value else resumed_k)
+                self.auto = parked
+                return
             if auto_settings is not None:
                 if max(auto_settings.k_candidates) > self.num_spec_tokens:
                     raise ValueError(f"k_candidates: at most {self.num_spec_tokens} (max_num_speculative_tokens)")
                 self.auto_settings = auto_settings
             self._apply_mode(self.mode, k, num_extra_draft_tokens)
-            self.auto = AutoController(self.auto_settings, self.mode.value, self.k, self.cost_model)
+            self.auto = self._new_auto_controller()
             return
         self._apply_mode(mode, k, num_extra_draft_tokens)
-        self.auto = None
+        if self.auto is not None:
+            self._auto_parked, self.auto = self.auto, None
+
+    def _new_auto_controller(self) -> AutoController:
+        # A private cost model learns only from auto's own steps (benchmarks: auto pays for all it knows).
+        cost_model = self.cost_model if self.auto_settings.learn_from_fixed_modes else CostModel()
+        return AutoController(self.auto_settings, self.mode.value, self.k, cost_model)
 
     def _apply_mode(self, mode: Mode, k: int | None = None, num_extra_draft_tokens: int | None = None) -> None:
         """Switch at a step boundary: only sub-batch membership and draft lengths change, never a request's tokens
@@ -418,6 +435,8 @@ class PSDScheduler(Scheduler):
             decision = self.auto.on_step(record, num_running)
             if decision is not None:
                 self._apply_decision(decision)
+            if self.auto.cost_model is not self.cost_model:
+                self.cost_model.observe(record)
         else:
             self.cost_model.observe(record)
         return outputs

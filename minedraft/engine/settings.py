@@ -160,9 +160,12 @@ def validate(settings: EngineSettings) -> None:
         from minedraft.engine.auto import AutoSettings
 
         try:
-            AutoSettings(**settings.auto)
+            auto = AutoSettings(**settings.auto)
         except (TypeError, ValueError) as exc:
             raise SettingsError("auto", str(exc)) from None
+        if "k_candidates" in settings.auto and max(auto.k_candidates) > settings.max_draft_tokens_per_request:
+            raise SettingsError("auto.k_candidates", f"at most {settings.max_draft_tokens_per_request} (the engine's "
+                                f"longest draft, max_num_speculative_tokens), got {auto.k_candidates}")
     if settings.mode is not Mode.AR and not settings.drafter.model:
         raise SettingsError("drafter.model", f"mode {settings.mode.value} needs a draft model")
 

@@ -348,5 +348,22 @@ def test_auto_mode_switches_in_every_direction_and_stays_lossless(psd, prompts, 
     assert any(r.auto for r in psd.step_records()), "step records say auto chose the mode"
     assert psd.predictions(8), "the cost model predicts after measuring"
     assert_clean(psd)
+    controller = psd.psd_scheduler.auto
+    psd.set_mode(Mode.PSD, 3, 0)
+    assert psd.configured_mode is Mode.PSD
+    # Turned back on, auto carries on with the controller it had (its choice and all it learned).
+    psd.set_mode(Mode.AUTO)
+    assert psd.psd_scheduler.auto is controller
+    expected_mode = Mode(controller.mode)
+    assert psd.current_mode == (expected_mode, 0 if expected_mode is Mode.AR else controller.k)
+    # A benchmark's auto learns only from its own steps; the engine's shared cost model still sees every step.
+    psd.set_mode(Mode.AUTO, auto_settings=AutoSettings(k_candidates=(1, 2, 3), learn_from_fixed_modes=False))
+    private = psd.psd_scheduler.auto.cost_model
+    assert private is not psd.psd_scheduler.cost_model and private.last_verify_step < 0
+    shared_before = psd.psd_scheduler.cost_model.last_verify_step
+    run = drive(psd, [Planned("auto-private", prompts[0], GREEDY)])
+    assert run.completions["auto-private"].token_ids == references[0]
+    assert private.last_verify_step > shared_before
+    assert psd.psd_scheduler.cost_model.last_verify_step == private.last_verify_step
     psd.set_mode(Mode.PSD, 3, 0)
     assert psd.configured_mode is Mode.PSD

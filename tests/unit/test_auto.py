@@ -218,3 +218,28 @@ def test_after_a_load_change_each_mode_is_explored_once_not_once_per_draft_lengt
                        and "predicted best" not in d.reason]
         modes = [mode for mode, _ in exploratory]
         assert len(modes) == len(set(modes)), (acceptance, load, exploratory)
+
+
+def test_turned_back_on_it_resumes_its_choice_and_counts_only_its_own_steps() -> None:
+    """Between auto's spells fixed modes may run for many steps (a benchmark interleaves them): auto carries on
+    from what it chose, a probe cut short ends on the setting it would have returned to, and the steps it did not
+    see do not make its measurements stale."""
+    controller = AutoController(SETTINGS, "psd", 2)
+    engine = SimulatedEngine(num_running=2, acceptance=0.8)
+    run(controller, engine, 300)
+    assert controller.mode == "sd"
+    chosen = (controller.mode, controller.k)
+    engine.step += 10 * SETTINGS.stale_after_steps  # fixed modes ran meanwhile
+    assert controller.resume() == chosen
+    decisions = run(controller, engine, 60)
+    assert not [d for d in decisions if d.kind == "probe"], [(d.step, d.mode, d.reason) for d in decisions]
+
+    # Off in the middle of a probe: resumed on the setting the probe would have returned to.
+    while True:
+        decision = controller.on_step(engine.next_record(controller.mode, controller.k), engine.num_running)
+        if decision is not None and decision.kind == "probe":
+            break
+    assert (controller.mode, controller.k) != chosen
+    assert controller.resume() == chosen
+    decisions = run(controller, engine, SETTINGS.probe_steps + 1)
+    assert not [d for d in decisions if d.kind == "return"]

@@ -26,6 +26,7 @@ def test_auto_rounds_pool_tokens_by_mode_and_keep_each_rounds_decisions() -> Non
     ]
     figures = aggregate(Mode.AUTO, runs, config_k=3)
     assert figures["output_tokens_per_s"] == pytest.approx(256 / 4.0)
+    assert figures["output_tokens_per_s_by_round"] == pytest.approx([128 / 2.0, 128 / 2.0])
     assert figures["output_token_share_by_mode"] == {"psd k=3": 0.375, "sd k=3": 0.625}
     assert figures["mode_switches"] == 2
     assert figures["decisions_by_round"] == [[decision], []]

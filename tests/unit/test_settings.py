@@ -21,6 +21,8 @@ def make(**changes):
         ({"model": ""}, "model"),
         ({"drafter": DrafterSettings(model="")}, "drafter.model"),
         ({"mode": Mode.VLLM_SD, "num_extra_draft_tokens": 2}, "num_extra_draft_tokens"),
+        ({"auto": {"allowed_modes": ("vllm-sd",)}}, "auto"),
+        ({"auto": {"k_candidates": (1, 4)}}, "auto.k_candidates"),  # the engine drafts at most 3 here
     ],
 )
 def test_invalid_engine_settings_name_the_field(changes, field):
@@ -56,3 +58,17 @@ def test_invalid_sampling_names_the_field(sampling, field):
     with pytest.raises(RequestError) as info:
         sampling.validate()
     assert info.value.field_name == field
+
+
+def test_auto_choices_from_the_command_line_build_an_engine_for_the_longest_draft(tmp_path):
+    from minedraft.cli import build_parser, settings_from_args
+
+    args = build_parser().parse_args(["run", "--model", "t", "--draft", "d", "--mode", "auto", "--auto-modes",
+                                      "sd,psd", "--auto-k", "2,4,6", "--prompt", "x"])
+    settings = settings_from_args(args)
+    assert settings.auto == {"allowed_modes": ("sd", "psd"), "k_candidates": (2, 4, 6)}
+    assert settings.max_draft_tokens_per_request == 6
+    bad = build_parser().parse_args(["run", "--model", "t", "--draft", "d", "--auto-k", "2,x", "--prompt", "x"])
+    with pytest.raises(SettingsError) as info:
+        settings_from_args(bad)
+    assert info.value.field_name == "auto.k_candidates"
