@@ -54,6 +54,7 @@ class _StepTiming:
     draft_first_token_seconds: float = 0.0
     drafter_idle_seconds: float = 0.0
     draft_token_budget: int = 0
+    draft_jobs_in_flight: int = 0
 
 
 def _is_decoding(request: Request) -> bool:
@@ -200,6 +201,7 @@ class PSDScheduler(Scheduler):
         self._verified_group = verified_group
         # With no draft job in flight nothing drafts during this verification (ar; sd; psd with one side empty):
         # the target may compute on the drafter's cores too. A job in flight (psd's other side) keeps them apart.
+        timing.draft_jobs_in_flight = len(self.tickets)
         self.placement.apply(wide=mode is Mode.AR or not self.tickets)
 
         budget = self._draft_budget(verified_group)
@@ -428,6 +430,7 @@ class PSDScheduler(Scheduler):
             draft_token_budget=timing.draft_token_budget,
             auto=self.auto is not None,
             widened=bool(self.placement.wide) and self.placement.can_widen,
+            draft_jobs_in_flight=timing.draft_jobs_in_flight,
         )
         self.stats.record(record)
         if self.auto is not None:

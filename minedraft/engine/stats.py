@@ -49,6 +49,9 @@ class StepRecord:
     # Of draft_seconds, the drafter's time up to the first drafted token (catching up on committed tokens, a whole
     # prompt for a new request, and position 1); 0 when the drafter did not say.
     draft_first_token_seconds: float = 0.0
+    # Draft jobs in flight while this step verified (psd: the other side's, when its drafter had not finished it by
+    # the time this step started). None in flight is what lets the target widen onto the drafter's cores.
+    draft_jobs_in_flight: int = 0
 
 
 @dataclass
