@@ -72,6 +72,35 @@ def composed_trace_rates(report: dict[str, Any]) -> dict[str, float] | None:
     return {name: total / s for name, s in seconds.items()}
 
 
+def switching_bound(rates: dict[int, dict[str, float]]) -> tuple[float, dict[int, float]] | None:
+    """The most that switching among ar, sd and psd could gain over the best single fixed mode on any trace made of
+    these loads, and the trace that gains it (share of output tokens at each load).
+
+    A trace is a mix of loads; each mode's time per token over it is the mix of its times per token at each load,
+    and switching's is the mix of the best of ar, sd and psd at each. The gain is the best single mode's time
+    against switching's; maximising the smallest ratio over the mixes is a linear program (switching's time
+    normalised to 1). When it is below a target, no trace over these loads reaches the target by choosing modes
+    (draft lengths aside)."""
+    from scipy.optimize import linprog
+
+    loads = sorted(load for load, modes in rates.items() if {"ar", "sd", "psd"} <= set(modes))
+    if not loads:
+        return None
+    fixed = [name for name in rates[loads[0]] if name != "auto" and all(rates[c].get(name, 0) > 0 for c in loads)]
+    switching = [1 / max(rates[c][m] for m in ("ar", "sd", "psd")) for c in loads]
+    # Variables: token weight per load, then the gain g. Maximise g subject to, for every single mode,
+    # g <= its time per token over the mix (switching's time being 1).
+    cost = [0.0] * len(loads) + [-1.0]
+    upper = [[-1 / rates[c][name] for c in loads] + [1.0] for name in fixed]
+    result = linprog(cost, A_ub=upper, b_ub=[0.0] * len(fixed), A_eq=[[*switching, 0.0]], b_eq=[1.0],
+                     bounds=[(0, None)] * len(loads) + [(None, None)], method="highs")
+    if not result.success:
+        return None
+    weights = result.x[:-1]
+    total = float(sum(weights))
+    return float(result.x[-1]), {c: float(w) / total for c, w in zip(loads, weights, strict=True) if w / total > 1e-6}
+
+
 def markdown_table(report: dict[str, Any]) -> str:
     config = report["config"]
     lines = [
@@ -150,6 +179,15 @@ def markdown_table(report: dict[str, Any]) -> str:
                 lines.append(f"| {key.replace('_', ' ')} | {measured_x[key] or 'not within the range'} | "
                              f"{predicted_x.get(key) or 'not within the range'} |")
         lines.append("")
+        bound = switching_bound(measured)
+        if bound:
+            gain, mix = bound
+            shares = ", ".join(f"{share:.0%} at {load}" for load, share in sorted(mix.items()))
+            lines.append(
+                f"Switching among ar, sd and psd (k = {config['num_speculative_tokens']}) can gain at most "
+                f"**{gain:.2f}x** over the best single fixed mode on any trace over these levels, as measured here "
+                f"(the trace that gains it, by output tokens: {shares}).")
+            lines.append("")
     return "\n".join(lines) + "\n"
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from minedraft.bench.report import composed_trace_rates, crossovers, markdown_table
+from minedraft.bench.report import composed_trace_rates, crossovers, markdown_table, switching_bound
 
 
 def test_crossovers_are_the_first_load_from_which_a_condition_holds_for_good() -> None:
@@ -79,3 +79,20 @@ def test_the_trace_is_composed_from_the_levels_with_the_best_mode_per_phase_as_t
     assert f"**{composed['oracle'] / composed['psd']:.2f}x**" in text
     # A phase at a concurrency the run did not measure as a level: no composition.
     assert composed_trace_rates(_levels_and_trace("1:10,8:40")) is None
+
+
+def test_the_switching_bound_is_the_best_trace_against_the_best_single_mode() -> None:
+    # sd wins at 1 (2x ar), ar wins at 32 (1.25x sd). Per token: sd = f/100 + (1-f)/400, ar = f/50 + (1-f)/500,
+    # switching = f/100 + (1-f)/500. sd and ar tie at f = 1/21, where the best single mode is 1.2x slower.
+    rates = {1: {"ar": 50.0, "sd": 100.0, "psd": 80.0}, 32: {"ar": 500.0, "sd": 400.0, "psd": 300.0}}
+    bound = switching_bound(rates)
+    assert bound is not None
+    gain, mix = bound
+    assert gain == pytest.approx(1.2)
+    assert mix == pytest.approx({1: 1 / 21, 32: 20 / 21})
+    # A third load where psd is best can only add to what switching gains.
+    rates[8] = {"ar": 200.0, "sd": 200.0, "psd": 400.0}
+    assert switching_bound(rates)[0] > 1.2
+    # Where one mode is best at every load, switching gains nothing.
+    assert switching_bound({1: {"ar": 1.0, "sd": 2.0, "psd": 3.0}, 8: {"ar": 2.0, "sd": 3.0, "psd": 4.0}})[0] == \
+        pytest.approx(1.0)
