@@ -14,6 +14,11 @@ Pure policy over plain data: `AutoController.on_step(record, num_running)` is fe
   `extrapolation_slack`): extrapolated costs can be off by a large factor either way, and without the probe a
   mode judged from them might never be tried where it would win. Such exploration measures a mode once per load
   region, whatever k: the other k's are priced from what that probe measured.
+- A close call is measured too: a setting predicted a little below the current one (`close_call_margin`), or
+  above it short of the switch margin, from costs at sizes beyond any measured (a longer draft verifies more
+  tokens per step than any step so far) gets one probe per load region. Extrapolating from two nearby sizes lets
+  noise set the slope, and a real gain (a memory-bound target verifies 8 tokens barely slower than 4) would
+  otherwise never be seen; the probe costs little because the setting is predicted nearly as good as what runs.
 - Drafting seconds of the first steps after steps without drafts are left out of the cost curves: they include
   the drafter's catch-up on every token committed meanwhile, a cost of the switch, not of the mode.
 """
@@ -46,6 +51,10 @@ class AutoSettings:
     # After steps without drafting, this many drafted steps (psd: one per sub-batch) carry the drafter's catch-up
     # on the tokens committed meanwhile; their drafting seconds are not the mode's steady cost (CostModel.observe).
     resume_steps: int = 2
+    # A setting predicted within this fraction below the current one (or above it, short of the switch margin)
+    # from costs at sizes beyond `close_call_slack` times any measured is probed once per load region (None: never).
+    close_call_margin: float | None = 0.15
+    close_call_slack: float = 1.1
     # Whether steps run in fixed modes (before auto was turned on, or while it was off) teach auto's cost model too.
     # In service any measurement helps; a benchmark turns it off so that auto knows only what it paid to measure.
     learn_from_fixed_modes: bool = True
@@ -61,6 +70,10 @@ class AutoSettings:
             raise ValueError(f"resume_steps: must be >= 0, got {self.resume_steps}")
         if self.switch_margin < 0:
             raise ValueError(f"switch_margin: must be >= 0, got {self.switch_margin}")
+        if self.close_call_margin is not None and not 0 <= self.close_call_margin < 1:
+            raise ValueError(f"close_call_margin: must be in [0, 1) or None, got {self.close_call_margin}")
+        if self.close_call_slack < 1:
+            raise ValueError(f"close_call_slack: must be >= 1, got {self.close_call_slack}")
 
 
 @dataclass(frozen=True)
@@ -107,6 +120,8 @@ class AutoController:
     _resume_left: int = 0
     # Decode steps run in each mode (as run) at each number of running requests.
     _steps_at_load: dict[str, dict[int, int]] = field(default_factory=dict)
+    # (mode, k, running requests) of the close calls probed: each is measured once per load region.
+    _close_calls: list[tuple[str, int, int]] = field(default_factory=list)
 
     def _resuming(self, record: StepRecord) -> bool:
         if record.num_decode_requests == 0:
@@ -209,7 +224,28 @@ class AutoController:
             probe = max(unmeasured, key=lambda p: p.output_tokens_per_second)
             return self._probe(step, probe.mode, probe.k, measured,
                                f"probe: {probe.mode} k={probe.k} not measured near {num_running} running requests")
+        # ... and a close call: a setting predicted nearly as good as the current one, priced from sizes
+        # beyond those measured (a longer draft verifies more tokens than any step so far). Two nearby points
+        # extrapolate a slope that noise dominates, enough to hide a real gain of 20% or more; measuring it once
+        # here costs little, since it is predicted nearly as good as what runs.
+        if self.settings.close_call_margin is not None:
+            close = [p for p in others
+                     if p.output_tokens_per_second >= current_rate * (1 - self.settings.close_call_margin)
+                     and self.cost_model.extrapolated(p.mode, p.k, num_running, self.settings.close_call_slack)
+                     and not self._close_call_measured(p.mode, p.k, num_running)]
+            if close:
+                probe = max(close, key=lambda p: p.output_tokens_per_second)
+                self._close_calls.append((probe.mode, probe.k, num_running))
+                return self._probe(step, probe.mode, probe.k, measured,
+                                   f"probe: {probe.mode} k={probe.k} predicted within "
+                                   f"{self.settings.close_call_margin:.0%} ({probe.output_tokens_per_second:.1f} vs "
+                                   f"{current_rate:.1f} tok/s) from costs beyond those measured")
         return None
+
+    def _close_call_measured(self, mode: str, k: int, num_running: int) -> bool:
+        slack = self.settings.extrapolation_slack
+        return any((m, kk) == (mode, k) and num_running / slack <= load <= num_running * slack
+                   for m, kk, load in self._close_calls)
 
     def resume(self) -> tuple[str, int]:
         """Turned back on after fixed modes ran: the (mode, k) to carry on with, everything learned kept.

@@ -243,3 +243,28 @@ def test_turned_back_on_it_resumes_its_choice_and_counts_only_its_own_steps() ->
     assert controller.resume() == chosen
     decisions = run(controller, engine, SETTINGS.probe_steps + 1)
     assert not [d for d in decisions if d.kind == "return"]
+
+
+def test_a_close_call_on_extrapolated_costs_is_measured_once() -> None:
+    """Memory-bound target (verifying 50 tokens costs 10% more than 20), 10 requests, acceptance 0.8, only k = 1
+    measured: priced from one size, extrapolated conservatively, k = 2-4 look within 3% of k = 1 while k = 3 and
+    4 are ~25% better. Probing the close call finds it; without close-call probes auto stays at k = 1."""
+
+    def settle(close_call_margin: float | None) -> tuple[AutoController, list[Decision]]:
+        settings = replace(SETTINGS, allowed_modes=("sd",), close_call_margin=close_call_margin)
+        controller = AutoController(settings, "sd", 1)
+        return controller, run(controller, SimulatedEngine(num_running=10, acceptance=0.8), 600)
+
+    controller, decisions = settle(None)
+    assert (controller.mode, controller.k) == ("sd", 1), [(d.step, d.kind, d.mode, d.k) for d in decisions]
+    first = controller.cost_model.predict("sd", 1, 10)
+    longer = controller.cost_model.predict("sd", 3, 10)
+    assert first is not None and longer is not None
+    assert longer.output_tokens_per_second < first.output_tokens_per_second * (1 + SETTINGS.switch_margin)
+
+    controller, decisions = settle(0.15)
+    assert controller.mode == "sd" and controller.k >= 3, [(d.step, d.kind, d.mode, d.k) for d in decisions]
+    close_calls = [d for d in decisions if d.kind == "probe" and "predicted within" in d.reason]
+    assert close_calls and close_calls[0].step < 100, [(d.step, d.reason) for d in close_calls]
+    # Each close call is measured once at this load.
+    assert len({(d.mode, d.k) for d in close_calls}) == len(close_calls)
