@@ -6,8 +6,7 @@ Pure policy over plain data: `AutoController.on_step(record, num_running)` is fe
 - Every `decision_interval_steps` steps it ranks every allowed (mode, k) by predicted output tokens per second at
   the current number of running requests.
 - A switch needs the best to beat the current choice's prediction by `switch_margin` and the current choice to have
-  run `min_dwell_steps`: steady load does not flap. A load that moved by more than `extrapolation_slack` since the
-  choice was made cuts the dwell short: that choice was made for another load.
+  run `min_dwell_steps`: steady load does not flap.
 - A mode not run for `stale_after_steps` (or never) is predicted from stale or extrapolated costs (acceptance is
   not measured while running ar; half-batch verification not while running sd): a short probe (`probe_steps`) of
   it refreshes them, then the policy decides again against the setting that ran before the probe. So is a mode
@@ -106,8 +105,6 @@ class AutoController:
     decisions: list[Decision] = field(default_factory=list)
     max_decisions_kept: int = 256
     _steps_in_choice: int = 0
-    # Running requests (the window's mean) when the current choice was made.
-    _load_at_choice: float = 0.0
     _steps_since_decision: int = 0
     _probe_remaining: int = 0
     _probe_return: tuple[str, int] | None = None
@@ -183,12 +180,7 @@ class AutoController:
         best = max(predictions, key=lambda p: p.output_tokens_per_second) if predictions else None
         current_rate = current.output_tokens_per_second if current is not None else 0.0
 
-        # The dwell keeps steady load from flapping; a choice made for a load that has since moved by more than the
-        # extrapolation slack is no longer a choice for this load, and waiting out the dwell would run it anyway.
-        slack = self.settings.extrapolation_slack
-        load_moved = self._load_at_choice > 0 and not (
-            self._load_at_choice / slack <= running <= self._load_at_choice * slack)
-        if after_probe is None and self._steps_in_choice < self.settings.min_dwell_steps and not load_moved:
+        if after_probe is None and self._steps_in_choice < self.settings.min_dwell_steps:
             return None
         if best is not None and (best.mode, best.k) != incumbent_key and (
             current is None or best.output_tokens_per_second >= current_rate * (1 + self.settings.switch_margin)
@@ -325,7 +317,6 @@ class AutoController:
         )
         self.mode, self.k = mode, k
         self._steps_in_choice = 0
-        self._load_at_choice = running
         self.decisions.append(decision)
         del self.decisions[: -self.max_decisions_kept]
         return decision

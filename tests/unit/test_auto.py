@@ -268,24 +268,3 @@ def test_a_close_call_on_extrapolated_costs_is_measured_once() -> None:
     assert close_calls and close_calls[0].step < 100, [(d.step, d.reason) for d in close_calls]
     # Each close call is measured once at this load.
     assert len({(d.mode, d.k) for d in close_calls}) == len(close_calls)
-
-
-def test_a_load_that_moved_cuts_the_dwell_short() -> None:
-    """The dwell keeps steady load from flapping; it must not hold a choice made for 2 requests once 48 run."""
-    settings = replace(SETTINGS, min_dwell_steps=200)
-    controller = AutoController(settings, "psd", 2)
-    engine = SimulatedEngine(num_running=48, acceptance=0.8)
-    run(controller, engine, 600)
-    assert controller.mode == "psd"
-    engine.num_running = 2
-    for _ in range(200):
-        decision = controller.on_step(engine.next_record(controller.mode, controller.k), engine.num_running)
-        if decision is not None and decision.kind == "switch" and decision.mode == "sd":
-            break
-    assert controller.mode == "sd", "settled at 2 requests"
-    engine.num_running = 48
-    switches = policy_switches(run(controller, engine, 60))
-    assert switches and switches[0][1] == "psd", switches
-    # Steady again: no switch for the rest of the dwell.
-    steady = policy_switches(run(controller, engine, 150))
-    assert not steady, steady
