@@ -135,8 +135,11 @@ def test_ar_mode_on_the_psd_engine_drafts_nothing(psd, prompts, references):
         first_step = last_step(psd)
         drive(psd, [Planned(f"narrow-{i}", prompts[i], SamplingSettings(max_tokens=8)) for i in range(4)])
         both_sides = [r for r in psd.step_records(first_step) if r.num_draft_tokens and min(r.group_sizes) >= 2]
-        # Steady psd (both sides decoding, so the other side's job is in flight): the target keeps to its cores.
-        assert both_sides and not any(r.widened for r in both_sides)
+        # Steady psd: while the other side's job is in flight the target keeps to its cores, and widens only when
+        # none is (a drafter that finished it between two steps; seen in one fresh-clone CI run).
+        assert both_sides and any(r.draft_jobs_in_flight for r in both_sides)
+        assert all(r.widened == (r.draft_jobs_in_flight == 0) for r in both_sides), \
+            [(r.step, r.widened, r.draft_jobs_in_flight) for r in both_sides]
 
 
 def test_extra_drafts_with_top_c_selection_stay_lossless(psd, prompts, references):
