@@ -242,10 +242,13 @@ class AutoController:
                                    f"{current_rate:.1f} tok/s) from costs beyond those measured")
         return None
 
-    def _close_call_measured(self, mode: str, k: int, num_running: int) -> bool:
+    def _near(self, load: float, num_running: int) -> bool:
+        """Whether `load` lies in the load region of `num_running` (within the extrapolation slack)."""
         slack = self.settings.extrapolation_slack
-        return any((m, kk) == (mode, k) and num_running / slack <= load <= num_running * slack
-                   for m, kk, load in self._close_calls)
+        return num_running / slack <= load <= num_running * slack
+
+    def _close_call_measured(self, mode: str, k: int, num_running: int) -> bool:
+        return any((m, kk) == (mode, k) and self._near(load, num_running) for m, kk, load in self._close_calls)
 
     def resume(self) -> tuple[str, int]:
         """Turned back on after fixed modes ran: the (mode, k) to carry on with, everything learned kept.
@@ -263,9 +266,7 @@ class AutoController:
 
     def _ran_near(self, mode: str, num_running: int) -> bool:
         """Whether `mode` ran (with any k) for at least half a probe at loads within the extrapolation slack."""
-        slack = self.settings.extrapolation_slack
-        steps = sum(count for load, count in self._steps_at_load.get(mode, {}).items()
-                    if num_running / slack <= load <= num_running * slack)
+        steps = sum(count for load, count in self._steps_at_load.get(mode, {}).items() if self._near(load, num_running))
         return steps >= max(1, self.settings.probe_steps // 2)
 
     def _probe(self, step: int, mode: str, k: int, measured: float, reason: str,

@@ -132,10 +132,11 @@ class PSDScheduler(Scheduler):
         auto_settings: AutoSettings | None = None,
     ) -> None:
         if mode is Mode.AUTO:
-            if self.auto is not None and k is None and num_extra_draft_tokens is None and auto_settings is None:
+            plain = k is None and num_extra_draft_tokens is None and auto_settings is None
+            if plain and self.auto is not None:
                 return
             parked, self._auto_parked = self._auto_parked, None
-            if parked is not None and k is None and num_extra_draft_tokens is None and auto_settings is None:
+            if plain and parked is not None:
                 # Back on after fixed modes: carry on from its last choice with all it learned.
                 resumed_mode, resumed_k = parked.resume()
                 self._apply_mode(Mode(resumed_mode), None if resumed_mode == Mode.AR.value else resumed_k)
