@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test lint bench
+.PHONY: setup run test lint bench bench-all
 setup:
 	@bash scripts/setup.sh
 
@@ -17,3 +17,6 @@ lint: setup
 
 bench: setup
 	@$(VENV)/bin/minedraft bench --modes ar,vllm-sd,sd,psd --concurrency 16 --json benchmarks/results/local-c16.json
+
+bench-all: setup  # every canonical result set in benchmarks/results/ (about an hour on 2 cores)
+	@$(PY) scripts/bench_all.py
