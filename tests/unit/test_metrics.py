@@ -353,14 +353,14 @@ def github_anchor(heading: str) -> str:
 
 
 def test_every_alert_has_a_summary_description_and_runbook_section():
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "operations.md").read_text()
     anchors = {github_anchor(line.lstrip("#")) for line in readme.splitlines() if line.startswith("#")}
     for rule in alert_rules():
         annotations = rule["annotations"]
         assert annotations["summary"] and annotations["description"], rule["alert"]
         anchor = annotations["runbook_url"].rpartition("#")[2]
         assert anchor == rule["alert"].lower()
-        assert anchor in anchors, f"README has no runbook section for {rule['alert']}"
+        assert anchor in anchors, f"docs/operations.md has no runbook section for {rule['alert']}"
         assert rule["labels"]["severity"] in ("warning", "critical")
 
 
