@@ -29,6 +29,10 @@ def _cell(text: str) -> str:
 
 
 def _type(node: dict[str, Any]) -> str:
+    if node.get("x-kubernetes-int-or-string"):
+        return "integer or string"
+    if "type" not in node and "anyOf" in node:
+        return " or ".join(sorted({_type(option) for option in node["anyOf"]}))
     kind = str(node.get("type", "object"))
     if kind == "array":
         return f"[]{_type(node.get('items', {}))}"
@@ -63,11 +67,19 @@ def _validation(node: dict[str, Any], required: bool) -> str:
     if node.get("x-kubernetes-preserve-unknown-fields"):
         parts.append("passed through as given")
     for rule in node.get("x-kubernetes-validations", []):
-        parts.append(f"rule: {rule['message']}")
+        parts.append(f"rule: {_rule_text(rule)}")
     items = node.get("items", {})
     if isinstance(items, dict) and "enum" in items:
         parts.append("each one of " + ", ".join(f"`{v}`" for v in items["enum"]))
     return "; ".join(parts)
+
+
+def _rule_text(rule: dict[str, Any]) -> str:
+    # What the API server answers when the rule fails; the CEL expression itself when it has no message.
+    text = str(rule.get("message") or rule.get("messageExpression") or f"`{rule['rule']}`")
+    if rule.get("fieldPath"):
+        text += f" (at `{rule['fieldPath']}`)"
+    return text
 
 
 def _rows(node: dict[str, Any], path: str, required: bool) -> list[str]:
@@ -106,7 +118,7 @@ def render() -> str:
     whole = schema["spec"].get("x-kubernetes-validations", [])
     if whole:
         out.extend(["", "Rules across fields (CEL, checked by the API server):", ""])
-        out.extend(f"- {rule['message']}" + (" (on create only)" if rule.get("optionalOldSelf") else "")
+        out.extend(f"- {_rule_text(rule)}" + (" (on create only)" if rule.get("optionalOldSelf") else "")
                    for rule in whole)
     out.extend(["", "### status (written by the operator)", "", header])
     out.extend(_rows(schema["status"], "status", False)[1:])

@@ -204,3 +204,16 @@ def test_bench_all_runs_steps_and_reports_failures(capsys: pytest.CaptureFixture
     assert bench_all.run([ok, bad], progress_seconds=0.05) == 1
     err = capsys.readouterr().err
     assert "== help done" in err and "== bad FAILED (exit 2)" in err and "failed: bad" in err
+
+
+def test_crd_reference_renders_every_schema_form() -> None:
+    # Forms the CRD may grow: int-or-string quantities, rules without a message, rules naming a field.
+    gen = _script("gen_crd_reference")
+    node = {"type": "object", "required": ["size"], "properties": {
+        "size": {"x-kubernetes-int-or-string": True, "description": "A quantity."},
+        "mode": {"type": "string", "x-kubernetes-validations": [
+            {"rule": "self != 'x'"}, {"rule": "self != 'y'", "messageExpression": "'not y'", "fieldPath": ".mode"}]},
+    }}
+    rows = "\n".join(gen._rows(node, "spec", True))
+    assert "| `spec.size` | integer or string |  | required |" in rows
+    assert "rule: `self != 'x'`" in rows and "rule: 'not y' (at `.mode`)" in rows
