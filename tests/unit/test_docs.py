@@ -99,9 +99,9 @@ def test_docs_name_no_missing_files() -> None:
 
 
 def test_crd_reference_is_fresh() -> None:
-    gen = _script("gen_crd_reference")
+    gen = _script("gen_kubernetes_reference")
     current = gen.DOC.read_text()
-    assert gen.splice(current, gen.render()) == current, "stale: run python scripts/gen_crd_reference.py"
+    assert gen.generate(current) == current, "stale: run python scripts/gen_kubernetes_reference.py"
 
 
 def test_crd_reference_lists_every_spec_field() -> None:
@@ -125,8 +125,44 @@ def test_crd_reference_lists_every_spec_field() -> None:
         assert not missing, missing
 
 
+def test_chart_values_reference_lists_every_value() -> None:
+    gen = _script("gen_kubernetes_reference")
+    values = yaml.safe_load(gen.VALUES.read_text())
+
+    def leaves(node: object, prefix: str) -> set[str]:
+        if isinstance(node, dict) and node:
+            return set().union(*(leaves(v, f"{prefix}.{k}" if prefix else str(k)) for k, v in node.items()))
+        return {prefix}
+
+    rows = {path: default for path, default, _ in gen.values_rows(gen.VALUES.read_text())}
+    for path in leaves(values, ""):
+        assert path in rows, path
+
+
+def test_chart_values_parser() -> None:
+    gen = _script("gen_kubernetes_reference")
+    text = """# File header, not a key's comment.
+
+# The thing.
+thing:
+  # How many.
+  # Two lines of comment.
+  count: 3  # trailing remark
+  name: "x"
+  list: []
+other: {}
+"""
+    assert gen.values_rows(text) == [
+        ("thing", "", "The thing."),
+        ("thing.count", "`3`", "How many. Two lines of comment."),
+        ("thing.name", '`"x"`', ""),
+        ("thing.list", "`[]`", ""),
+        ("other", "`{}`", ""),
+    ]
+
+
 def test_crd_reference_splice_keeps_the_hand_written_text() -> None:
-    gen = _script("gen_crd_reference")
+    gen = _script("gen_kubernetes_reference")
     doc = f"before\n{gen.BEGIN}\nold\n{gen.END}\nafter\n"
     assert gen.splice(doc, "NEW") == "before\nNEW\nafter\n"
     with pytest.raises(ValueError):
@@ -208,7 +244,7 @@ def test_bench_all_runs_steps_and_reports_failures(capsys: pytest.CaptureFixture
 
 def test_crd_reference_renders_every_schema_form() -> None:
     # Forms the CRD may grow: int-or-string quantities, rules without a message, rules naming a field.
-    gen = _script("gen_crd_reference")
+    gen = _script("gen_kubernetes_reference")
     node = {"type": "object", "required": ["size"], "properties": {
         "size": {"x-kubernetes-int-or-string": True, "description": "A quantity."},
         "mode": {"type": "string", "x-kubernetes-validations": [

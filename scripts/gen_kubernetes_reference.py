@@ -1,8 +1,10 @@
-"""Write the MineDraft field reference in docs/kubernetes.md from the CRD schema (minedraft.operator.crd).
+"""Write the generated references in docs/kubernetes.md: the MineDraft fields and the chart's values.
 
-The reference sits between two marker comments in docs/kubernetes.md; everything outside them is hand-written.
-`python scripts/gen_crd_reference.py` rewrites it; `--check` exits 1 when the committed text is stale
-(tests/unit/test_docs.py runs the same comparison), so a schema change cannot leave the docs behind.
+The MineDraft field reference comes from the CRD schema (minedraft.operator.crd), the chart values table from
+charts/minedraft/values.yaml and the comment above each key. Each sits between two marker comments in
+docs/kubernetes.md; everything outside them is hand-written. `python scripts/gen_kubernetes_reference.py` rewrites
+them; `--check` exits 1 when the committed text is stale (tests/unit/test_docs.py runs the same comparison), so a
+schema or values change cannot leave the docs behind.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "kubernetes.md"
-BEGIN = "<!-- BEGIN GENERATED: crd-reference (scripts/gen_crd_reference.py; do not edit by hand) -->"
+VALUES = ROOT / "charts" / "minedraft" / "values.yaml"
+BEGIN = "<!-- BEGIN GENERATED: crd-reference (scripts/gen_kubernetes_reference.py; do not edit by hand) -->"
 END = "<!-- END GENERATED: crd-reference -->"
+VALUES_BEGIN = "<!-- BEGIN GENERATED: chart-values (scripts/gen_kubernetes_reference.py; do not edit by hand) -->"
+VALUES_END = "<!-- END GENERATED: chart-values -->"
 
 # Validation keywords shown in the "validation" column, in this order, with how to print them.
 _BOUNDS = (("minimum", ">= {}"), ("maximum", "<= {}"), ("minLength", "length >= {}"), ("maxLength", "length <= {}"),
@@ -134,12 +139,59 @@ def render() -> str:
     return "\n".join(out)
 
 
-def splice(doc: str, block: str) -> str:
+def values_rows(text: str) -> list[tuple[str, str, str]]:
+    """(dotted key, default, description) for every key of a values.yaml, the description from the comment lines
+    right above the key. Parsed line by line: PyYAML drops comments, and the chart keeps one key per line."""
+    import yaml
+
+    rows: list[tuple[str, str, str]] = []
+    stack: list[tuple[int, str]] = []  # (indent, key) of the enclosing mappings
+    comment: list[str] = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            comment.append(stripped.lstrip("#").strip())
+            continue
+        if not stripped or ":" not in stripped or stripped.startswith("-"):
+            comment = []
+            continue
+        indent = len(line) - len(line.lstrip(" "))
+        key, _, rest = stripped.partition(":")
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = ".".join([k for _, k in stack] + [key.strip().strip('"')])
+        rest = rest.split(" #")[0].strip()
+        if rest:
+            value = yaml.safe_load(rest)
+            default = f"`{json.dumps(value)}`"
+        else:
+            stack.append((indent, key.strip().strip('"')))
+            default = ""
+        rows.append((path, default, " ".join(comment)))
+        comment = []
+    return rows
+
+
+def render_values() -> str:
+    """The chart values block, markers included."""
+    out = [VALUES_BEGIN, "", "| value | default | meaning |", "|---|---|---|"]
+    for path, default, description in values_rows(VALUES.read_text()):
+        out.append(f"| `{path}` | {_cell(default)} | {_cell(description)} |")
+    out.extend(["", VALUES_END])
+    return "\n".join(out)
+
+
+def splice(doc: str, block: str, begin: str = BEGIN, end_marker: str = END) -> str:
     """doc with the text between the markers replaced by block."""
-    start, end = doc.find(BEGIN), doc.find(END)
+    start, end = doc.find(begin), doc.find(end_marker)
     if start < 0 or end < start:
-        raise ValueError(f"{DOC.relative_to(ROOT)} lacks the generated-reference markers")
-    return doc[:start] + block + doc[end + len(END):]
+        raise ValueError(f"{DOC.relative_to(ROOT)} lacks the markers {begin!r} ... {end_marker!r}")
+    return doc[:start] + block + doc[end + len(end_marker):]
+
+
+def generate(doc: str) -> str:
+    """doc with both generated blocks brought up to date."""
+    return splice(splice(doc, render()), render_values(), VALUES_BEGIN, VALUES_END)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,10 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/kubernetes.md is stale")
     args = parser.parse_args(argv)
     current = DOC.read_text()
-    wanted = splice(current, render())
+    wanted = generate(current)
     if args.check:
         if wanted != current:
-            print(f"{DOC.relative_to(ROOT)} is stale: run python scripts/gen_crd_reference.py", file=sys.stderr)
+            print(f"{DOC.relative_to(ROOT)} is stale: run python scripts/gen_kubernetes_reference.py", file=sys.stderr)
             return 1
         return 0
     if wanted != current:
