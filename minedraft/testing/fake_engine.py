@@ -22,7 +22,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from minedraft import __version__
 from minedraft.api import SERVICE_NAME, pb, pb_grpc
-from minedraft.api.grpc_policy import LIVENESS_SERVICE, SERVER_OPTIONS, add_generation_servicer, enable_reflection
+from minedraft.api.grpc_policy import (
+    LIVENESS_SERVICE,
+    SERVER_OPTIONS,
+    add_generation_servicer,
+    enable_reflection,
+    reject_undecodable,
+)
 
 VOCAB_SIZE = 2048
 MAX_MODEL_LEN = 4096
@@ -58,6 +64,8 @@ class FakeRecord:
     # Every request as received (to check what the gateway forwards: deadlines, sampling params).
     requests: list[pb.GenerateRequest] = field(default_factory=list)
     deadlines_seconds: list[float | None] = field(default_factory=list)
+    # Every request's metadata as received (to check what the gateway forwards).
+    metadata: list[tuple[tuple[str, str | bytes], ...]] = field(default_factory=list)
 
 
 def fake_token_ids(request: pb.GenerateRequest, count: int) -> list[int]:
@@ -76,6 +84,7 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        await reject_undecodable(request, context, "minedraft.v1.GenerateRequest")
         params = request.sampling_params
         if params.HasField("max_tokens") and params.max_tokens <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -84,6 +93,7 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
         request_id = request.request_id or f"fake-{self.replica_id}-{next(self._ids)}"
         self.record.requests.append(request)
         self.record.deadlines_seconds.append(context.time_remaining())
+        self.record.metadata.append(tuple(context.invocation_metadata() or ()))
         behaviour = self.behaviour
         if behaviour.poison_prompt is not None and request.prompt == behaviour.poison_prompt:
             self.record.failed.append(request_id)
