@@ -277,3 +277,11 @@ def test_router_config_rejects_nonsense():
                 dict(max_waiting_streams=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             RouterConfig(**bad)
+
+
+async def test_idle_timeout_alone_still_watches_between_responses(stack):
+    """With the first-response limit off, a stream that stalls after tokens is still cut by the idle limit."""
+    _, _, target = await stack([FakeBehaviour(hang_after_tokens=2)],
+                               config(first_response_timeout_seconds=None, idle_timeout_seconds=0.3))
+    tokens, code, message = await outcome(target, request("idle-only", 5))
+    assert code is grpc.StatusCode.UNAVAILABLE and len(tokens) == 2 and "stopped responding" in message

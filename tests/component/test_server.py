@@ -348,3 +348,25 @@ async def test_garbage_bytes_and_reflection_v1_on_the_engine_server(served):
         response = await reflect.read()
         await reflect.done_writing()
     assert "minedraft.v1.Generation" in {s.name for s in response.list_services_response.service}
+
+
+async def test_readiness_follows_the_engine_loop(psd):
+    """A replica whose engine loop stops answering (stuck in a step) goes NOT_SERVING, and SERVING again once it
+    answers; liveness stays SERVING throughout (the process is alive; a restart would not help a slow step)."""
+    import time
+
+    server = EngineServer("replica-stuck", engine_check_interval_seconds=0.1, engine_check_timeout_seconds=0.5)
+    engine = AsyncEngine(psd)
+    try:
+        await server.start()
+        await server.attach(engine)
+        target = f"127.0.0.1:{server.port}"
+        await wait_for_health(target, SERVING)
+        stuck = asyncio.ensure_future(engine.call(lambda _: time.sleep(4)))  # the engine thread busy for 4 s
+        await wait_for_health(target, NOT_SERVING, timeout_seconds=4)
+        assert await health_status(target, LIVENESS_SERVICE) == SERVING
+        await stuck
+        await wait_for_health(target, SERVING, timeout_seconds=10)
+    finally:
+        await server.stop()
+        await engine.shutdown(shutdown_engine=False)
