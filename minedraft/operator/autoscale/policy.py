@@ -53,6 +53,12 @@ MAX_SPEED_SAMPLES = 64
 # Arrival rates over this long give the trend (20 evaluations at 15 s: enough to average Poisson noise, short enough
 # to follow a daily curve; the HPA's scale-down window).
 TREND_WINDOW_SECONDS = 300.0
+# A rising arrival trend is extrapolated only when its slope is this many standard errors above 0.
+TREND_T = 3.0
+# No scale-up while no request waits and the requests in the system fill less than this share of the replicas'
+# slots: the replicas have clearly spare capacity, and a demand estimate above it is noise (a few long requests
+# arriving together at a light load) rather than load.
+SPARE_OCCUPANCY = 0.5
 # How long a new replica takes to serve (pod start + model load) until the policy has measured it.
 PRIOR_STARTUP_SECONDS = 60.0
 
@@ -233,6 +239,13 @@ def forecast_arrivals(samples: tuple[tuple[float, float], ...], now_seconds: flo
     slope = sum((t - mean_t) * (a - mean_a) for t, a in samples) / sxx
     if slope <= 0:
         return None
+    # Only a trend the samples show beyond their noise (slope over its standard error above TREND_T): arrival
+    # estimates over one interval are Poisson-noisy, and extrapolating noise a startup ahead asks for replicas no
+    # load needs.
+    intercept = mean_a - slope * mean_t
+    residual = sum((a - intercept - slope * t) ** 2 for t, a in samples) / (n - 2)
+    if residual > 0 and slope <= TREND_T * math.sqrt(residual / sxx):
+        return None
     return mean_a + slope * (now_seconds + lead_seconds - mean_t)
 
 
@@ -358,6 +371,19 @@ def _no_decision(current: int, reason: str) -> Decision:
     return Decision(current=current, desired=current, reason=reason, metrics_available=False)
 
 
+def wake_from_zero(config: PolicyConfig, current: int, streams_waiting: float | None) -> Decision | None:
+    """At zero replicas: one replica (or the minimum, if higher) at once when a stream waits at the gateway; else
+    None (nothing to do). Meant to be polled more often than the interval: the waiting stream's time to first token
+    is this poll's delay plus a replica's startup, so the interval is not added to it. Sizing beyond one replica
+    is left to the regular evaluations once that replica reports.
+    """
+    if current != 0 or streams_waiting is None or streams_waiting <= 0 or config.max_replicas < 1:
+        return None
+    desired = max(1, config.min_replicas)
+    return Decision(current, desired, f"scale up from zero: {streams_waiting:.0f} streams waiting at the gateway "
+                                      "for an engine", True)
+
+
 def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observations | None,
            now_seconds: float) -> tuple[Decision, PolicyState]:
     """The replica count to run next, why, and the state to pass to the next call.
@@ -452,6 +478,11 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
                     last_in_system=(now_seconds, in_system), arrival_samples=arrival_samples)
     figures = (f"demand {demand:.0f} tok/s ({demand_basis}), capacity {capacity:.0f} tok/s per replica ({source})"
                f"{surge_note}")
+    spare = obs.waiting_requests <= 0 and in_system < SPARE_OCCUPANCY * config.requests_per_replica * current
+    if recommended > current and spare:
+        return Decision(current, current, f"hold: {figures} needs {recommended}, but no request waits and the "
+                                          f"{in_system:.0f} in the system fill less than half the replicas' slots",
+                        True, inputs), state
     if recommended > current:
         step = max(config.max_scale_up_step, math.floor(current * config.max_scale_up_percent / 100))
         desired = min(recommended, current + step)
