@@ -157,6 +157,10 @@ def _poisson(rng: random.Random, mean: float) -> int:
         k += 1
 
 
+_BEST_CACHE: dict[tuple[int, float, float], tuple[float, str, int]] = {}
+MAX_BEST_CACHE = 500_000
+
+
 @dataclass(frozen=True)
 class SimConfig:
     policy: str = "minedraft"
@@ -184,6 +188,19 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
     if config.policy == "oracle" and not config.schedule:
         raise ValueError("policy oracle needs a schedule")
     rng = random.Random(config.seed)
+    # The replica model's best mode at a (batch, acceptance): pure and asked about the same few batches over and
+    # over (requests per replica change by whole cohorts), so remembered across runs of the same model.
+    model_key = hash(model)
+    if len(_BEST_CACHE) > MAX_BEST_CACHE:
+        _BEST_CACHE.clear()
+
+    def best(batch: float, acceptance: float) -> tuple[float, str, int]:
+        key = (model_key, batch, acceptance)
+        found = _BEST_CACHE.get(key)
+        if found is None:
+            found = _BEST_CACHE[key] = model.best(batch, acceptance)
+        return found
+
     start = config.initial_replicas or initial_replicas(trace, model, config.target_utilization)
     ready_at: list[float] = [0.0] * start  # per replica: when it serves (0: from the start)
     queue: deque[_Cohort] = deque()
@@ -242,7 +259,7 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
             running.extend(admitted)
             in_flight = sum(c.count for c in running)
             batch = in_flight / ready if ready else 0.0
-            tps, mode, k = model.best(batch, row.acceptance_rate) if batch > 0 else (0.0, "ar", 0)
+            tps, mode, k = best(batch, row.acceptance_rate) if batch > 0 else (0.0, "ar", 0)
             speed = tps / batch if batch > 0 else 0.0
             step_seconds = (1.0 / speed) if speed > 0 else 0.0
             for cohort in admitted:
@@ -295,7 +312,7 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
                 # The engines' gauge: their cost model's tokens/s at the batch they run now, with the acceptance of
                 # the last seconds; per running request (as the running gauge counts them) that is their speed.
                 recent_acceptance = acceptance_estimate
-                best_tps, best_mode, best_k = model.best(batch, recent_acceptance)
+                best_tps, best_mode, best_k = best(batch, recent_acceptance)
                 predicted = best_tps / batch * in_flight if batch > 0 else None
                 length = accepted_length(recent_acceptance, best_k) if best_mode != "ar" else 1.0
                 obs = Observations(age_seconds=0.0, reporting_replicas=ready, running_requests=in_flight,
