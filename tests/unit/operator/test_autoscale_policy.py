@@ -416,3 +416,24 @@ def test_fractional_running_requests_measure_the_speed() -> None:
     assert decision.inputs is not None and decision.inputs.capacity_source == "predicted"
     assert state.speed_samples == ((1.0, 1 / 40),)
     assert decision.desired == 1
+
+
+def test_wake_from_zero_on_a_waiting_stream_only() -> None:
+    from minedraft.operator.autoscale.policy import wake_from_zero
+
+    config = replace(CONFIG, min_replicas=0)
+    assert wake_from_zero(config, 0, None) is None  # no gateway figure: nothing to act on
+    assert wake_from_zero(config, 0, 0.0) is None
+    assert wake_from_zero(config, 1, 5.0) is None  # not at zero: the regular evaluation sizes it
+    woken = wake_from_zero(config, 0, 3.0)
+    assert woken is not None and (woken.current, woken.desired) == (0, 1) and woken.metrics_available
+
+
+def test_idle_for_a_whole_window_goes_to_zero_when_min_is_zero() -> None:
+    """Measured once busy, then idle: zero once every recommendation of the window says so (not before)."""
+    config = replace(CONFIG, min_replicas=0)
+    idle = Observations(age_seconds=1, reporting_replicas=1, running_requests=0, waiting_requests=0,
+                        output_tokens_per_second=0, finished_requests_per_second=0.0)
+    counts, _ = run(config, 1, [obs(4, replicas=1)] + [idle] * 25)
+    assert counts[0] == 1 and 0 in counts
+    assert counts.index(0) * config.interval_seconds >= config.scale_down_stabilization_seconds
