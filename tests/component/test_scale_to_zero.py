@@ -133,11 +133,12 @@ async def test_first_request_after_zero_replicas_completes(cluster: Cluster, eng
 
         # The kubelet's part: an engine server comes up and its address is published in the Service's slice.
         if engine_kind == "real":
+            assert shared is not None
             engine = AsyncEngine(shared)
             server = EngineServer(f"{NAME}-engine-0")
             await server.start()
             await server.attach(engine)
-            port = server.port
+            port = int(server.port or 0)
         else:
             fake = await FakeEngineServer(f"{NAME}-engine-0", FakeBehaviour()).start()
             port = fake.port
