@@ -53,9 +53,10 @@ STEPS: tuple[Step, ...] = (
     Step("gateway", "the gateway's added latency and concurrent streams",
          ("minedraft", "bench-gateway", "--json", "benchmarks/results/gateway.json"),
          ("benchmarks/results/gateway.json",), 2 * 60),
-    Step("autoscaling", "speculation-aware autoscaler against the HPA algorithm, simulated",
-         ("minedraft", "autoscale", "compare", "--out", "benchmarks/results/autoscale"),
-         ("benchmarks/results/autoscale/summary.json",), 15 * 60),
+    Step("autoscaling", "speculation-aware autoscaler against the HPA algorithm and an oracle, simulated",
+         ("minedraft", "autoscale", "bench", "--out", "benchmarks/results/autoscale"),
+         # Not timed when the committed set was made: a guess from the simulator's speed on 2 cores.
+         ("benchmarks/results/autoscale/summary.json",), 20 * 60),
 )
 
 
