@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from minedraft.api import SERVICE_NAME, pb_grpc
 from minedraft.engine.async_engine import AsyncEngine
+from minedraft.openai_api.server import HttpServer
 from minedraft.server.metrics import EngineExporter
 from minedraft.server.servicer import EngineService, GenerationServicer, ServerState
 
@@ -55,6 +56,14 @@ class EngineServer:
         reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME),
                                             self.server)
         self.port: int | None = None
+        self.http: HttpServer | None = None
+
+    async def start_http(self, host: str, port: int) -> int:
+        """Serve the OpenAI HTTP API too (same engine, checks, drain and metrics); returns the bound port."""
+        from minedraft.server.http import engine_http_app
+
+        self.http = HttpServer(engine_http_app(self.service).app)
+        return await self.http.start(host, port)
 
     async def _set_health(self, status: int) -> None:
         # "" is the whole server (what Kubernetes' grpc probe asks by default); the service name for per-service checks.
@@ -96,9 +105,13 @@ class EngineServer:
             log.warning("grace period over: cancelling %d streams", self.service.num_active_streams)
         # grace=0: whatever is still open is cancelled now; the servicer's stream closes and aborts it in the engine.
         await self.server.stop(0)
+        if self.http is not None:
+            await self.http.stop()
 
     async def stop(self) -> None:
         await self.server.stop(0)
+        if self.http is not None:
+            await self.http.stop()
         if self._metrics_task is not None:
             self._metrics_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -113,10 +126,13 @@ async def serve(
     stop_event: asyncio.Event | None = None,
     on_started: Callable[[int], None] | None = None,
     registry: CollectorRegistry | None = None,
+    http_address: tuple[str, int] | None = None,
 ) -> int:
     """Run a replica until SIGTERM/SIGINT (or stop_event): bind, load the engine, serve, drain, shut the engine down."""
     server = EngineServer(replica_id, registry)
     port = await server.start(grpc_address)
+    if http_address is not None:
+        await server.start_http(*http_address)
     if on_started is not None:
         on_started(port)
     stop = stop_event or asyncio.Event()

@@ -17,7 +17,7 @@ from minedraft import __version__
 from minedraft.api import pb, pb_grpc
 from minedraft.engine.async_engine import AsyncEngine
 from minedraft.engine.requests import EngineDeadError, RequestError
-from minedraft.server.convert import ModelLimits, model_info, prepare_request, response_from_delta
+from minedraft.server.convert import ModelLimits, chat_renderer, model_info, prepare_request, response_from_delta
 from minedraft.server.metrics import RequestMetrics
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
         tokenizer = engine.engine.tokenizer
         try:
             # Tokenizing reads the tokenizer only; nothing reaches the engine until every check has passed.
-            prepared = prepare_request(request, limits, lambda text: list(tokenizer.encode(text)))
+            prepared = prepare_request(request, limits, lambda text: list(tokenizer.encode(text)),
+                                       chat_renderer(tokenizer))
         except RequestError as exc:
             await abort_invalid(context, exc)
         self._service.stream_opened()

@@ -1,0 +1,271 @@
+"""The OpenAI-compatible HTTP front end (Starlette under uvicorn, the stack vLLM itself serves with).
+
+Thin: every route decodes, calls protocol.py's pure translations and a Backend (the engine server's own engine, or
+the gateway's router), and encodes. A backend raises BackendError with a gRPC status code, so both front ends share
+one error mapping with the gRPC API. The client going away (a closed connection) cancels the request's task, which
+closes the backend's stream: the engine aborts the request, as a cancelled gRPC call does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
+
+import grpc
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from minedraft.api import pb
+from minedraft.openai_api.protocol import (
+    ApiError,
+    Kind,
+    ParsedRequest,
+    ResponseState,
+    decode_body,
+    encode,
+    error_from_status,
+    full_response,
+    models_list,
+    parse_request,
+    stream_events,
+)
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "http"
+# The largest request body read (a prompt of a long context is a few hundred KB of JSON).
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+class BackendError(Exception):
+    """A request failed behind the front end, with the gRPC status it would have had (and the engine field)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.field = field
+
+
+class Backend(Protocol):
+    """What the HTTP front end needs from the process it runs in."""
+
+    def live(self) -> bool: ...
+
+    def ready(self) -> bool: ...
+
+    def authorize(self, authorization: str | None) -> bool: ...
+
+    async def model_ids(self) -> list[str]: ...
+
+    def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str]) -> AsyncIterator[pb.GenerateResponse]:
+        """The engine's responses for one request; raises BackendError. Closing it aborts the request."""
+        ...
+
+
+def error_response(error: ApiError) -> Response:
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    return Response(encode(error.body()), error.status, headers=headers, media_type="application/json")
+
+
+def _backend_error(exc: BackendError, parsed: ParsedRequest | None) -> ApiError:
+    return error_from_status(exc.code, exc.message, exc.field, parsed.params if parsed else None)
+
+
+class _SseResponse(Response):
+    """An SSE stream written straight to the ASGI `send` (no per-chunk iterator layers: each layer costs every
+    token a few microseconds on the gateway's path). The first response was already received: errors before it
+    became plain HTTP errors; an error after it is sent as an OpenAI error event (no [DONE])."""
+
+    def __init__(self, state: ResponseState, first: pb.GenerateResponse | None,
+                 stream: AsyncIterator[pb.GenerateResponse]) -> None:
+        # Not Response.__init__: it would add `content-length: 0` for the empty initial body.
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                            (b"x-accel-buffering", b"no")]
+        self._state = state
+        self._first = first
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        state = self._state
+        async with contextlib.aclosing(self._stream):  # type: ignore[type-var]
+            try:
+                if self._first is not None:
+                    await send({"type": "http.response.body", "body": b"".join(stream_events(state, self._first)),
+                                "more_body": True})
+                async for response in self._stream:
+                    await send({"type": "http.response.body", "body": b"".join(stream_events(state, response)),
+                                "more_body": True})
+            except BackendError as exc:
+                error = _backend_error(exc, state.parsed)
+                await send({"type": "http.response.body", "body": b"data: " + encode(error.body()) + b"\n\n",
+                            "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _until_disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _DisconnectAware:
+    """Runs an ASGI response while watching for the client's disconnect: when it goes, the response's task is
+    cancelled (closing the backend stream, which aborts the engine request). uvicorn reports a disconnect on
+    `receive` once the body has been read; `send` may keep succeeding into a dead socket for a while."""
+
+    def __init__(self, app: Response) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        respond = asyncio.ensure_future(self.app(scope, receive, send))
+        watch = asyncio.ensure_future(_until_disconnected(receive))
+        try:
+            await asyncio.wait({respond, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (respond, watch):
+                task.cancel()
+            for task in (respond, watch):
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await task
+        if respond.done() and not respond.cancelled() and respond.exception() is not None:
+            raise respond.exception()  # type: ignore[misc]
+
+
+class OpenAiApp:
+    """The routes over one Backend."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.created = int(time.time())
+        self.app = Starlette(routes=[
+            Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ], exception_handlers={ApiError: self._api_error, 404: self._not_found, 405: self._not_allowed})
+
+    async def _api_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return error_response(exc)
+
+    async def _not_found(self, request: Request, exc: Exception) -> Response:
+        return error_response(ApiError(404, f"no route {request.url.path}", code="not_found"))
+
+    async def _not_allowed(self, request: Request, exc: Exception) -> Response:
+        return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}",
+                                       error_type="invalid_request_error"))
+
+    async def health(self, request: Request) -> Response:
+        # Liveness: answered while the process's event loop answers, whatever the engine's state.
+        return Response(b'{"status":"ok"}', 200 if self.backend.live() else 503, media_type="application/json")
+
+    async def ready(self, request: Request) -> Response:
+        ready = self.backend.ready()
+        return Response(b'{"status":"ready"}' if ready else b'{"status":"not ready"}', 200 if ready else 503,
+                        media_type="application/json")
+
+    def _authorize(self, request: Request) -> None:
+        if not self.backend.authorize(request.headers.get("authorization")):
+            raise ApiError(401, "a valid bearer token is required (Authorization: Bearer <token>)",
+                           code="invalid_api_key")
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        try:
+            ids = await self.backend.model_ids()
+        except BackendError as exc:
+            raise _backend_error(exc, None) from exc
+        return Response(encode(models_list(ids, self.created)), media_type="application/json")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, Kind.COMPLETION)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, Kind.CHAT)
+
+    async def _read_body(self, request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", error_type="invalid_request_error")
+        chunks = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes",
+                               error_type="invalid_request_error")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _generate(self, request: Request, kind: Kind) -> Response:
+        self._authorize(request)
+        parsed = parse_request(decode_body(await self._read_body(request)), kind)
+        known = await self._model_ids_or_none()
+        if known is not None and parsed.model not in known:
+            raise ApiError(404, f"The model `{parsed.model}` does not exist; GET /v1/models lists {known}",
+                           "model", code="model_not_found")
+        stream = self.backend.generate(parsed.request, request.headers)
+        state = ResponseState(parsed)
+        if parsed.stream:
+            # Wait for the first response before answering 200: an engine's refusal (invalid field, admission,
+            # no engine) becomes the HTTP status, as OpenAI answers.
+            first = await self._first(stream, parsed)
+            return _DisconnectAware(_SseResponse(state, first, stream))  # type: ignore[return-value]
+        return _DisconnectAware(_FullResponse(state, stream))  # type: ignore[return-value]
+
+    async def _model_ids_or_none(self) -> list[str] | None:
+        try:
+            return await self.backend.model_ids()
+        except BackendError:
+            return None  # the generate call reports the backend's state itself
+
+    async def _first(self, stream: AsyncIterator[pb.GenerateResponse],
+                     parsed: ParsedRequest) -> pb.GenerateResponse | None:
+        try:
+            return await stream.__anext__()
+        except StopAsyncIteration:
+            return None
+        except BackendError as exc:
+            await stream.aclose()  # type: ignore[attr-defined]
+            raise _backend_error(exc, parsed) from exc
+        except BaseException:
+            await stream.aclose()  # type: ignore[attr-defined]
+            raise
+
+
+class _FullResponse(Response):
+    """A non-streamed completion: collected from the backend, then sent as one JSON object."""
+
+    def __init__(self, state: ResponseState, stream: AsyncIterator[pb.GenerateResponse]) -> None:
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = []
+        self._state = state
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self._state
+        try:
+            async with contextlib.aclosing(self._stream):  # type: ignore[type-var]
+                async for response in self._stream:
+                    state.absorb(response)
+                    state.texts.append(response.text)
+            status, body = 200, encode(full_response(state, "".join(state.texts)))
+        except BackendError as exc:
+            error = _backend_error(exc, state.parsed)
+            status, body = error.status, encode(error.body())
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})

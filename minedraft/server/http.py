@@ -1,0 +1,74 @@
+"""The engine server's OpenAI HTTP API: the shared front end (minedraft.openai_api) over this replica's engine.
+
+Requests go through the same checks as the gRPC API's (convert.prepare_request) and are counted in the same stream
+bookkeeping (drain waits for them) and metrics (protocol="http").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+
+import grpc
+
+from minedraft.api import pb
+from minedraft.engine.requests import EngineDeadError, RequestError
+from minedraft.openai_api.app import BackendError, OpenAiApp
+from minedraft.server.convert import chat_renderer, prepare_request, response_from_delta
+from minedraft.server.servicer import EngineService, ServerState
+
+
+class EngineBackend:
+    def __init__(self, service: EngineService) -> None:
+        self.service = service
+
+    def live(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        service = self.service
+        return service.state is ServerState.SERVING and service.engine is not None and service.engine.dead_error is None
+
+    def authorize(self, authorization: str | None) -> bool:
+        # The engine's port is cluster-internal (the operator's NetworkPolicy admits the gateway and the
+        # inference gateway only); bearer tokens are the gateway's.
+        return True
+
+    async def model_ids(self) -> list[str]:
+        engine = self.service.engine
+        if engine is None:
+            raise BackendError(grpc.StatusCode.UNAVAILABLE, f"replica {self.service.replica_id} is loading")
+        return [engine.settings.model]
+
+    async def generate(self, request: pb.GenerateRequest,
+                       headers: Mapping[str, str]) -> AsyncIterator[pb.GenerateResponse]:
+        service = self.service
+        engine, limits = service.engine, service.limits
+        if service.state is not ServerState.SERVING or engine is None or limits is None:
+            raise BackendError(grpc.StatusCode.UNAVAILABLE,
+                               f"replica {service.replica_id} is {service.state.value}")
+        tokenizer = engine.engine.tokenizer
+        try:
+            prepared = prepare_request(request, limits, lambda text: list(tokenizer.encode(text)),
+                                       chat_renderer(tokenizer))
+        except RequestError as exc:
+            raise BackendError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field_name) from exc
+        service.stream_opened()
+        try:
+            stream = engine.generate(prepared.prompt_token_ids, prepared.sampling, prepared.request_id)
+            if service.request_metrics is not None:
+                stream = service.request_metrics.observe(stream, len(prepared.prompt_token_ids))
+            # Closing this generator (the client went away) closes the engine stream, which aborts the request.
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                async for delta in stream:
+                    yield response_from_delta(delta)
+        except RequestError as exc:
+            raise BackendError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field_name) from exc
+        except EngineDeadError as exc:
+            raise BackendError(grpc.StatusCode.UNAVAILABLE, f"replica {service.replica_id}: {exc}") from exc
+        finally:
+            service.stream_closed()
+
+
+def engine_http_app(service: EngineService) -> OpenAiApp:
+    return OpenAiApp(EngineBackend(service))
