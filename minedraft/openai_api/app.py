@@ -57,16 +57,31 @@ class BackendError(Exception):
 class Backend(Protocol):
     """What the HTTP front end needs from the process it runs in."""
 
+    # The exceptions generate() and model_ids() end with (BackendError, or the gateway router's own), and how they
+    # read as a BackendError: the stream is the backend's own generator, with no translating layer around it.
+    error_types: tuple[type[Exception], ...]
+
+    def backend_error(self, error: Exception) -> BackendError: ...
+
     def live(self) -> bool: ...
 
     def ready(self) -> bool: ...
 
-    def authorize(self, authorization: str | None) -> bool: ...
+    def authorize(self, authorization: str | None, stream: bool) -> bool:
+        """Whether the request may proceed; `stream`: a generation request (counted as a stream when refused)."""
+        ...
 
-    async def model_ids(self) -> list[str]: ...
+    async def model_ids(self) -> list[str]:
+        """The served model ids (GET /v1/models); may wait for an engine."""
+        ...
 
-    def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str]) -> AsyncIterator[pb.GenerateResponse]:
-        """The engine's responses for one request; raises BackendError. Closing it aborts the request."""
+    def known_model_ids(self) -> list[str] | None:
+        """The served model ids if known now without waiting (None: do not check the request's model)."""
+        ...
+
+    def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str],
+                 protocol: str) -> AsyncIterator[pb.GenerateResponse]:
+        """The engine's responses for one request; raises one of error_types. Closing it aborts the request."""
         ...
 
 
@@ -75,8 +90,9 @@ def error_response(error: ApiError) -> Response:
     return Response(encode(error.body()), error.status, headers=headers, media_type="application/json")
 
 
-def _backend_error(exc: BackendError, parsed: ParsedRequest | None) -> ApiError:
-    return error_from_status(exc.code, exc.message, exc.field, parsed.params if parsed else None)
+def _api_error(backend: Backend, exc: Exception, parsed: ParsedRequest | None) -> ApiError:
+    error = backend.backend_error(exc)
+    return error_from_status(error.code, error.message, error.field, parsed.params if parsed else None)
 
 
 class _SseResponse(Response):
@@ -84,8 +100,9 @@ class _SseResponse(Response):
     token a few microseconds on the gateway's path). The first response was already received: errors before it
     became plain HTTP errors; an error after it is sent as an OpenAI error event (no [DONE])."""
 
-    def __init__(self, state: ResponseState, first: pb.GenerateResponse | None,
+    def __init__(self, backend: Backend, state: ResponseState, first: pb.GenerateResponse | None,
                  stream: AsyncIterator[pb.GenerateResponse]) -> None:
+        self._backend = backend
         # Not Response.__init__: it would add `content-length: 0` for the empty initial body.
         self.status_code = 200
         self.background = None
@@ -106,8 +123,8 @@ class _SseResponse(Response):
                 async for response in self._stream:
                     await send({"type": "http.response.body", "body": b"".join(stream_events(state, response)),
                                 "more_body": True})
-            except BackendError as exc:
-                error = _backend_error(exc, state.parsed)
+            except self._backend.error_types as exc:
+                error = _api_error(self._backend, exc, state.parsed)
                 await send({"type": "http.response.body", "body": b"data: " + encode(error.body()) + b"\n\n",
                             "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -175,8 +192,8 @@ class OpenAiApp:
         return Response(b'{"status":"ready"}' if ready else b'{"status":"not ready"}', 200 if ready else 503,
                         media_type="application/json")
 
-    def _authorize(self, request: Request) -> None:
-        if not self.backend.authorize(request.headers.get("authorization")):
+    def _authorize(self, request: Request, stream: bool = False) -> None:
+        if not self.backend.authorize(request.headers.get("authorization"), stream):
             raise ApiError(401, "a valid bearer token is required (Authorization: Bearer <token>)",
                            code="invalid_api_key")
 
@@ -184,8 +201,8 @@ class OpenAiApp:
         self._authorize(request)
         try:
             ids = await self.backend.model_ids()
-        except BackendError as exc:
-            raise _backend_error(exc, None) from exc
+        except self.backend.error_types as exc:
+            raise _api_error(self.backend, exc, None) from exc
         return Response(encode(models_list(ids, self.created)), media_type="application/json")
 
     async def completions(self, request: Request) -> Response:
@@ -209,26 +226,20 @@ class OpenAiApp:
         return b"".join(chunks)
 
     async def _generate(self, request: Request, kind: Kind) -> Response:
-        self._authorize(request)
+        self._authorize(request, stream=True)
         parsed = parse_request(decode_body(await self._read_body(request)), kind)
-        known = await self._model_ids_or_none()
+        known = self.backend.known_model_ids()
         if known is not None and parsed.model not in known:
             raise ApiError(404, f"The model `{parsed.model}` does not exist; GET /v1/models lists {known}",
                            "model", code="model_not_found")
-        stream = self.backend.generate(parsed.request, request.headers)
+        stream = self.backend.generate(parsed.request, request.headers, PROTOCOL)
         state = ResponseState(parsed)
         if parsed.stream:
             # Wait for the first response before answering 200: an engine's refusal (invalid field, admission,
             # no engine) becomes the HTTP status, as OpenAI answers.
             first = await self._first(stream, parsed)
-            return _DisconnectAware(_SseResponse(state, first, stream))  # type: ignore[return-value]
-        return _DisconnectAware(_FullResponse(state, stream))  # type: ignore[return-value]
-
-    async def _model_ids_or_none(self) -> list[str] | None:
-        try:
-            return await self.backend.model_ids()
-        except BackendError:
-            return None  # the generate call reports the backend's state itself
+            return _DisconnectAware(_SseResponse(self.backend, state, first, stream))  # type: ignore[return-value]
+        return _DisconnectAware(_FullResponse(self.backend, state, stream))  # type: ignore[return-value]
 
     async def _first(self, stream: AsyncIterator[pb.GenerateResponse],
                      parsed: ParsedRequest) -> pb.GenerateResponse | None:
@@ -236,9 +247,9 @@ class OpenAiApp:
             return await stream.__anext__()
         except StopAsyncIteration:
             return None
-        except BackendError as exc:
+        except self.backend.error_types as exc:
             await stream.aclose()  # type: ignore[attr-defined]
-            raise _backend_error(exc, parsed) from exc
+            raise _api_error(self.backend, exc, parsed) from exc
         except BaseException:
             await stream.aclose()  # type: ignore[attr-defined]
             raise
@@ -247,7 +258,8 @@ class OpenAiApp:
 class _FullResponse(Response):
     """A non-streamed completion: collected from the backend, then sent as one JSON object."""
 
-    def __init__(self, state: ResponseState, stream: AsyncIterator[pb.GenerateResponse]) -> None:
+    def __init__(self, backend: Backend, state: ResponseState, stream: AsyncIterator[pb.GenerateResponse]) -> None:
+        self._backend = backend
         self.status_code = 200
         self.background = None
         self.raw_headers = []
@@ -262,8 +274,8 @@ class _FullResponse(Response):
                     state.absorb(response)
                     state.texts.append(response.text)
             status, body = 200, encode(full_response(state, "".join(state.texts)))
-        except BackendError as exc:
-            error = _backend_error(exc, state.parsed)
+        except self._backend.error_types as exc:
+            error = _api_error(self._backend, exc, state.parsed)
             status, body = error.status, encode(error.body())
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),

@@ -19,8 +19,14 @@ from minedraft.server.servicer import EngineService, ServerState
 
 
 class EngineBackend:
+    error_types: tuple[type[Exception], ...] = (BackendError,)
+
     def __init__(self, service: EngineService) -> None:
         self.service = service
+
+    def backend_error(self, error: Exception) -> BackendError:
+        assert isinstance(error, BackendError)
+        return error
 
     def live(self) -> bool:
         return True
@@ -29,7 +35,7 @@ class EngineBackend:
         service = self.service
         return service.state is ServerState.SERVING and service.engine is not None and service.engine.dead_error is None
 
-    def authorize(self, authorization: str | None) -> bool:
+    def authorize(self, authorization: str | None, stream: bool) -> bool:
         # The engine's port is cluster-internal (the operator's NetworkPolicy admits the gateway and the
         # inference gateway only); bearer tokens are the gateway's.
         return True
@@ -40,8 +46,12 @@ class EngineBackend:
             raise BackendError(grpc.StatusCode.UNAVAILABLE, f"replica {self.service.replica_id} is loading")
         return [engine.settings.model]
 
-    async def generate(self, request: pb.GenerateRequest,
-                       headers: Mapping[str, str]) -> AsyncIterator[pb.GenerateResponse]:
+    def known_model_ids(self) -> list[str]| None:
+        engine = self.service.engine
+        return None if engine is None else [engine.settings.model]
+
+    async def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str],
+                       protocol: str) -> AsyncIterator[pb.GenerateResponse]:
         service = self.service
         engine, limits = service.engine, service.limits
         if service.state is not ServerState.SERVING or engine is None or limits is None:

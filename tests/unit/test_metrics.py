@@ -238,19 +238,19 @@ async def test_gateway_stream_observation():
     closed = stream([1, 2])
     await closed.__anext__()
     await closed.aclose()  # the caller went away mid-stream
-    assert value(registry, "minedraft_gateway_streams_started_total") == 3
-    assert value(registry, "minedraft_gateway_streams_finished_total", code="OK") == 1
-    assert value(registry, "minedraft_gateway_streams_finished_total", code="UNAVAILABLE") == 1
-    assert value(registry, "minedraft_gateway_streams_finished_total", code="CANCELLED") == 1
+    assert value(registry, "minedraft_gateway_streams_started_total", protocol="grpc") == 3
+    assert value(registry, "minedraft_gateway_streams_finished_total", protocol="grpc", code="OK") == 1
+    assert value(registry, "minedraft_gateway_streams_finished_total", protocol="grpc", code="UNAVAILABLE") == 1
+    assert value(registry, "minedraft_gateway_streams_finished_total", protocol="grpc", code="CANCELLED") == 1
     # Only streams that responded have a time to first response, once each however many responses they sent.
-    assert value(registry, "minedraft_gateway_time_to_first_response_seconds_count") == 2
-    assert value(registry, "minedraft_gateway_stream_duration_seconds_count") == 3
+    assert value(registry, "minedraft_gateway_time_to_first_response_seconds_count", protocol="grpc") == 2
+    assert value(registry, "minedraft_gateway_stream_duration_seconds_count", protocol="grpc") == 3
     # Ended by the caller's deadline (already passed): DEADLINE_EXCEEDED, not CANCELLED.
     expired = stream([1, 2], deadline=asyncio.get_running_loop().time() - 1)
     await expired.__anext__()
     await expired.aclose()
-    assert value(registry, "minedraft_gateway_streams_finished_total", code="DEADLINE_EXCEEDED") == 1
-    assert value(registry, "minedraft_gateway_streams_finished_total", code="CANCELLED") == 1
+    assert value(registry, "minedraft_gateway_streams_finished_total", protocol="grpc", code="DEADLINE_EXCEEDED") == 1
+    assert value(registry, "minedraft_gateway_streams_finished_total", protocol="grpc", code="CANCELLED") == 1
     metrics.engine_called(0.001, 1)
     metrics.engine_called(0.002, 2)
     assert value(registry, "minedraft_gateway_retries_total") == 1
