@@ -67,7 +67,7 @@ class EngineBackend:
         try:
             stream = engine.generate(prepared.prompt_token_ids, prepared.sampling, prepared.request_id)
             if service.request_metrics is not None:
-                stream = service.request_metrics.observe(stream, len(prepared.prompt_token_ids))
+                stream = service.request_metrics.observe(stream, len(prepared.prompt_token_ids), protocol)
             # Closing this generator (the client went away) closes the engine stream, which aborts the request.
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 async for delta in stream:

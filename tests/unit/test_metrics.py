@@ -191,19 +191,21 @@ async def test_request_observer_counts_and_closing_it_closes_the_engine_stream()
 
     tokens = [t async for d in metrics.observe(engine_stream(), 7) for t in d.token_ids]
     assert tokens == [1, 2, 3, 4]
-    assert value(registry, "minedraft_engine_requests_finished_total", model="m", finish_reason="stop") == 1
-    assert value(registry, "minedraft_engine_streamed_tokens_total", model="m") == 4
-    assert value(registry, "minedraft_engine_prompt_tokens_total", model="m") == 7
-    assert value(registry, "minedraft_engine_time_to_first_token_seconds_count", model="m") == 1
-    assert value(registry, "minedraft_engine_time_per_output_token_seconds_count", model="m") == 1
+    assert value(registry, "minedraft_engine_requests_finished_total", model="m", protocol="grpc",
+                 finish_reason="stop") == 1
+    assert value(registry, "minedraft_engine_streamed_tokens_total", model="m", protocol="grpc") == 4
+    assert value(registry, "minedraft_engine_prompt_tokens_total", model="m", protocol="grpc") == 7
+    assert value(registry, "minedraft_engine_time_to_first_token_seconds_count", model="m", protocol="grpc") == 1
+    assert value(registry, "minedraft_engine_time_per_output_token_seconds_count", model="m", protocol="grpc") == 1
 
     closed.clear()
     observed = metrics.observe(engine_stream(), 7)
     await observed.__anext__()
     await observed.aclose()  # what the servicer does when the RPC is cancelled
     assert closed.is_set(), "the engine stream was not closed (its request would not be aborted)"
-    assert value(registry, "minedraft_engine_requests_aborted_total", model="m") == 1
-    assert value(registry, "minedraft_engine_requests_finished_total", model="m", finish_reason="abort") == 1
+    assert value(registry, "minedraft_engine_requests_aborted_total", model="m", protocol="grpc") == 1
+    assert value(registry, "minedraft_engine_requests_finished_total", model="m", protocol="grpc",
+                 finish_reason="abort") == 1
 
 
 # -- gateway ---------------------------------------------------------------------------------------------------
