@@ -131,13 +131,14 @@ class EnginePool:
             await asyncio.sleep(self.health_retry_seconds)
 
     async def close(self) -> None:
-        for engine in self._engines.values():
+        engines = list(self._engines.values())
+        self._engines.clear()
+        for engine in engines:
             engine.cancel_tasks()
             for task in (engine.health_task, engine.probe_task):
                 if task is not None:
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
             await engine.channel.close()
-        self._engines.clear()
         for closing in list(self._closing):
             closing.cancel()

@@ -6,6 +6,7 @@ bookkeeping (drain waits for them) and metrics (protocol="http").
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Mapping
 
@@ -14,7 +15,7 @@ import grpc
 from minedraft.api import pb
 from minedraft.engine.requests import EngineDeadError, RequestError
 from minedraft.openai_api.app import BackendError, OpenAiApp
-from minedraft.server.convert import chat_renderer, prepare_request, response_from_delta
+from minedraft.server.convert import chat_renderer, check_before_tokenizing, prepare_request, response_from_delta
 from minedraft.server.servicer import EngineService, ServerState
 
 
@@ -59,8 +60,10 @@ class EngineBackend:
                                f"replica {service.replica_id} is {service.state.value}")
         tokenizer = engine.engine.tokenizer
         try:
-            prepared = prepare_request(request, limits, lambda text: list(tokenizer.encode(text)),
-                                       chat_renderer(tokenizer))
+            # As on the gRPC side: the cheap bounds on the loop, tokenizing (or rendering the chat) in a thread.
+            check_before_tokenizing(request, limits)
+            prepared = await asyncio.to_thread(prepare_request, request, limits,
+                                               lambda text: list(tokenizer.encode(text)), chat_renderer(tokenizer))
         except RequestError as exc:
             raise BackendError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field_name) from exc
         service.stream_opened()

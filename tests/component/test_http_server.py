@@ -14,6 +14,7 @@ import pytest
 
 from minedraft.api import pb, pb_grpc
 from minedraft.engine.async_engine import AsyncEngine
+from minedraft.gateway.app import Gateway, GatewayConfig
 from minedraft.server.app import EngineServer
 
 from .grpc_helpers import wait_for
@@ -80,6 +81,31 @@ async def test_models_completion_and_chat_match_the_grpc_api(http_served):
     assert chat.usage.completion_tokens == len(chat_tokens)
     assert chat.usage.prompt_tokens == len(engine.engine.tokenizer.encode(
         "# system:\nYou write Python.\n# user:\ndef main():\n# assistant:\n", add_special_tokens=False))
+
+
+async def test_through_the_gateway_greedy_output_matches_the_grpc_api(http_served):
+    """openai client -> gateway (HTTP) -> engine server (gRPC) -> PSD engine: the gRPC API's greedy output."""
+    grpc_target, _, engine = http_served
+    gateway = Gateway(GatewayConfig(health_retry_seconds=0.05))
+    await gateway.start()
+    port = await gateway.start_http("127.0.0.1", 0)
+    try:
+        gateway.set_engines([grpc_target])
+        await wait_for(lambda: any(e.healthy for e in gateway.endpoints), what="engine healthy at the gateway")
+        api = client(f"http://127.0.0.1:{port}")
+        tokens, text = await grpc_generate(grpc_target, pb.GenerateRequest(
+            prompt=PROMPT, sampling_params=pb.SamplingParams(max_tokens=MAX_TOKENS)))
+        stream = await api.completions.create(model=engine.settings.model, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                              stream=True, stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+        assert chunks[-1].usage.completion_tokens == len(tokens) == MAX_TOKENS
+        assert chunks[-1].model_extra["speculation"]["num_draft_tokens"] > 0
+        chat = await api.chat.completions.create(model=engine.settings.model, max_tokens=4,
+                                                 messages=[{"role": "user", "content": "import sys"}])
+        assert chat.usage.completion_tokens == 4 and chat.choices[0].message.content
+    finally:
+        await gateway.stop()
 
 
 async def test_streamed_chat_with_include_usage(http_served):
