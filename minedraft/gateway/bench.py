@@ -12,6 +12,10 @@ of its own and keeps the fake engine and the client on the others, as a deployme
 CPU; engines and clients run elsewhere), so the added latency is the gateway's hop and not the harness crowding a
 third process onto two cores. `shared` lets all three processes share every core (the contention is then part of the
 figure). Both paths of a level run under the same layout, interleaved.
+HTTP streams (the gateway's OpenAI API): the same fake and gateway process, `POST /v1/completions` with
+`stream: true` read as Server-Sent Events by a minimal HTTP/1.1 client in this process (one connection per stream,
+as OpenAI SDK clients open them), each event's text the fake's stamp; measured as a third path beside direct and
+gateway gRPC, and in a concurrency run of its own.
 `python -m minedraft.gateway.bench --json benchmarks/results/gateway.json` (also `minedraft bench-gateway`).
 """
 
@@ -154,9 +158,75 @@ async def _one_stream(stub: Any, index: int, tokens: int, interval_seconds: floa
     return result
 
 
+async def _one_http_stream(address: str, index: int, tokens: int, interval_seconds: float, deadline_seconds: float,
+                           open_streams: list[int], peak: list[int]) -> StreamResult:
+    """One SSE completion stream over its own HTTP/1.1 connection; each event's text is the fake's send stamp."""
+    result = StreamResult()
+    host, port = address.rsplit(":", 1)
+    body = json.dumps({"model": "fake", "prompt": [index % 2048 + 1], "max_tokens": tokens, "stream": True}).encode()
+    started = time.perf_counter()
+    streaming = False
+    writer = None
+    try:
+        async with asyncio.timeout(deadline_seconds):
+            reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 20)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                         + f"{INTERVAL_METADATA_KEY}: {interval_seconds}\r\n".encode()
+                         + b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            await writer.drain()
+            status = await reader.readline()
+            if not status.startswith(b"HTTP/1.1 200"):
+                rest = await reader.read()
+                result.error = f"HTTP {status.decode(errors='replace').strip()}: {rest[-200:].decode(errors='replace')}"
+                return result
+            done = False
+            # Chunked transfer encoding: size lines, event lines and blank lines; only `data: ` lines matter (each
+            # event arrives whole: the server writes one or more complete events per chunk).
+            while line := await reader.readline():
+                if not line.startswith(b"data: "):
+                    continue
+                received_ns = time.perf_counter_ns()
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    done = True
+                    break
+                event = json.loads(payload)
+                if "error" in event:
+                    result.error = f"stream error: {event['error']['message']}"
+                    break
+                text = event["choices"][0]["text"] if event["choices"] else ""
+                if not text:
+                    continue  # the finish chunk
+                if result.ttft_seconds is None:
+                    result.ttft_seconds = time.perf_counter() - started
+                    streaming = True
+                    open_streams[0] += 1
+                    peak[0] = max(peak[0], open_streams[0])
+                result.token_latencies_seconds.append((received_ns - int(text)) / 1e9)
+                result.num_tokens += 1
+            if result.error is None and (not done or result.num_tokens != tokens):
+                result.error = f"short stream: {result.num_tokens} of {tokens} tokens{'' if done else ', no [DONE]'}"
+    except (OSError, TimeoutError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if streaming:
+            open_streams[0] -= 1
+        if writer is not None:
+            writer.close()
+    return result
+
+
 async def _run_streams(target: str, count: int, tokens: int, interval_seconds: float,
                        deadline_seconds: float) -> tuple[list[StreamResult], int, float]:
+    """`count` concurrent streams to a gRPC target (host:port) or, for http://host:port, the OpenAI HTTP API."""
     open_streams, peak = [0], [0]
+    if target.startswith("http://"):
+        address = target.removeprefix("http://")
+        started = time.perf_counter()
+        results = await asyncio.gather(*(
+            _one_http_stream(address, i, tokens, interval_seconds, deadline_seconds, open_streams, peak)
+            for i in range(count)))
+        return list(results), peak[0], time.perf_counter() - started
     async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
         stub = pb_grpc.GenerationStub(channel)
         started = time.perf_counter()
@@ -183,48 +253,82 @@ def _summary(results: list[StreamResult]) -> dict[str, Any]:
     }
 
 
-async def _bench(config: BenchConfig, direct: str, via_gateway: str, gateway_pid: int) -> dict[str, Any]:
-    await _wait_serving(direct)
-    await _wait_serving(via_gateway)
-    # Warm-up: connections, code paths.
-    for target in (direct, via_gateway):
-        await _run_streams(target, 8, 5, 0.001, 30)
-    latency = []
-    for streams in config.latency_streams:
-        pooled: dict[str, list[StreamResult]] = {"direct": [], "gateway": []}
-        gateway_cpu_seconds = 0.0
-        for round_index in range(config.latency_rounds):
-            order = [("direct", direct), ("gateway", via_gateway)]
-            for name, target in order if round_index % 2 == 0 else reversed(order):
-                cpu_before = process_cpu_seconds(gateway_pid)
-                results, _, _ = await _run_streams(target, streams, config.latency_tokens,
-                                                   config.latency_interval_seconds, 60)
-                if name == "gateway":
-                    gateway_cpu_seconds += process_cpu_seconds(gateway_pid) - cpu_before
-                pooled[name].extend(results)
-        level: dict[str, Any] = {"streams": streams, **{name: _summary(r) for name, r in pooled.items()}}
-        forwarded = level["gateway"]["tokens"]
-        # The gateway's CPU per forwarded token (one response per token here), idle overhead included.
-        level["gateway_cpu_us_per_token"] = gateway_cpu_seconds / forwarded * 1e6 if forwarded else float("nan")
-        level["added"] = {
-            metric: {q: level["gateway"][metric][q] - level["direct"][metric][q] for q in ("p50", "p99")}
-            for metric in ("ttft_ms", "per_token_ms")
-        }
-        latency.append(level)
+async def _wait_http_ready(address: str, timeout_seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_seconds
+    host, port = address.removeprefix("http://").rsplit(":", 1)
+    while True:
+        try:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /ready HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n")
+            status = await reader.readline()
+            writer.close()
+            if status.startswith(b"HTTP/1.1 200"):
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{address} did not become ready within {timeout_seconds}s")
+        await asyncio.sleep(0.05)
+
+
+async def _capacity(config: BenchConfig, target: str, label: str) -> tuple[list[dict[str, Any]], int]:
     capacity = []
     for count in config.capacity_levels:
-        results, peak, wall_seconds = await _run_streams(via_gateway, count, config.capacity_tokens,
+        results, peak, wall_seconds = await _run_streams(target, count, config.capacity_tokens,
                                                          config.capacity_interval_seconds,
                                                          config.capacity_deadline_seconds)
         summary = _summary(results)
         summary.update(level=count, peak_concurrent_streams=peak, wall_seconds=wall_seconds)
         capacity.append(summary)
-        print(f"  {count} streams: {summary['errors']} errors, peak {peak} open at once, "
+        print(f"  {label} {count} streams: {summary['errors']} errors, peak {peak} open at once, "
               f"per-token p99 {summary['per_token_ms']['p99']:.1f} ms", file=sys.stderr, flush=True)
         if summary["errors"]:
             break
     sustained = max((c["peak_concurrent_streams"] for c in capacity if c["errors"] == 0), default=0)
-    return {"latency": latency, "capacity": capacity, "max_concurrent_streams_without_error": sustained}
+    return capacity, sustained
+
+
+async def _bench(config: BenchConfig, direct: str, via_gateway: str, gateway_pid: int,
+                 via_http: str | None = None) -> dict[str, Any]:
+    await _wait_serving(direct)
+    await _wait_serving(via_gateway)
+    paths = [("direct", direct), ("gateway", via_gateway)]
+    if via_http is not None:
+        await _wait_http_ready(via_http)
+        paths.append(("gateway_http", via_http))
+    # Warm-up: connections, code paths.
+    for _, target in paths:
+        await _run_streams(target, 8, 5, 0.001, 30)
+    latency = []
+    for streams in config.latency_streams:
+        pooled: dict[str, list[StreamResult]] = {name: [] for name, _ in paths}
+        gateway_cpu_seconds = {name: 0.0 for name, _ in paths}
+        for round_index in range(config.latency_rounds):
+            for name, target in paths if round_index % 2 == 0 else reversed(paths):
+                cpu_before = process_cpu_seconds(gateway_pid)
+                results, _, _ = await _run_streams(target, streams, config.latency_tokens,
+                                                   config.latency_interval_seconds, 60)
+                gateway_cpu_seconds[name] += process_cpu_seconds(gateway_pid) - cpu_before
+                pooled[name].extend(results)
+        level: dict[str, Any] = {"streams": streams, **{name: _summary(r) for name, r in pooled.items()}}
+        for name, key in (("gateway", "gateway_cpu_us_per_token"), ("gateway_http", "gateway_http_cpu_us_per_token")):
+            if name in level:
+                forwarded = level[name]["tokens"]
+                # The gateway's CPU per forwarded token (one response per token here), idle overhead included.
+                level[key] = gateway_cpu_seconds[name] / forwarded * 1e6 if forwarded else float("nan")
+        for name, key in (("gateway", "added"), ("gateway_http", "added_http")):
+            if name in level:
+                level[key] = {
+                    metric: {q: level[name][metric][q] - level["direct"][metric][q] for q in ("p50", "p99")}
+                    for metric in ("ttft_ms", "per_token_ms")
+                }
+        latency.append(level)
+    capacity, sustained = await _capacity(config, via_gateway, "gRPC")
+    out: dict[str, Any] = {"latency": latency, "capacity": capacity, "max_concurrent_streams_without_error": sustained}
+    if via_http is not None:
+        out["capacity_http"], out["max_concurrent_http_streams_without_error"] = await _capacity(
+            config, via_http, "HTTP (SSE)")
+    return out
 
 
 def _spawn(args: list[str], cpus: set[int]) -> subprocess.Popen[bytes]:
@@ -236,17 +340,18 @@ def _spawn(args: list[str], cpus: set[int]) -> subprocess.Popen[bytes]:
 def run(config: BenchConfig) -> dict[str, Any]:
     available = os.sched_getaffinity(0)
     gateway_cpus, harness_cpus, layout = cpu_layout(available, config.layout)
-    fake_port, gateway_port = _free_port(), _free_port()
+    fake_port, gateway_port, http_port = _free_port(), _free_port(), _free_port()
     fake = _spawn(["-m", "minedraft.testing.fake_engine", "--port", str(fake_port), "--stamp-text",
                    "--token-interval-seconds", str(config.latency_interval_seconds)], harness_cpus)
     gateway = _spawn(["-m", "minedraft.cli", "--log-level", "WARNING", "gateway", "--port", str(gateway_port),
                       "--engines", f"127.0.0.1:{fake_port}", "--max-in-flight", "100000", "--grace-seconds", "1",
-                      "--metrics-port", "0"], gateway_cpus)
+                      "--metrics-port", "0", "--http-port", str(http_port)], gateway_cpus)
     load_before = os.getloadavg()[0]
     os.sched_setaffinity(0, harness_cpus)  # this process is the client
     try:
         started = time.perf_counter()
-        results = asyncio.run(_bench(config, f"127.0.0.1:{fake_port}", f"127.0.0.1:{gateway_port}", gateway.pid))
+        results = asyncio.run(_bench(config, f"127.0.0.1:{fake_port}", f"127.0.0.1:{gateway_port}", gateway.pid,
+                                     f"http://127.0.0.1:{http_port}"))
         results["bench_seconds"] = time.perf_counter() - started
     finally:
         os.sched_setaffinity(0, available)
@@ -275,6 +380,12 @@ def run(config: BenchConfig) -> dict[str, Any]:
         "concurrent_streams": {"target": TARGET_STREAMS,
                                "met": results["max_concurrent_streams_without_error"] >= TARGET_STREAMS},
     }
+    if "capacity_http" in results:
+        results["targets"]["http_added_per_token_p50_ms"] = {"target": TARGET_ADDED_P50_MS, "met_at_streams": [
+            level["streams"] for level in results["latency"]
+            if level["added_http"]["per_token_ms"]["p50"] < TARGET_ADDED_P50_MS]}
+        results["targets"]["http_concurrent_streams"] = {
+            "target": TARGET_STREAMS, "met": results["max_concurrent_http_streams_without_error"] >= TARGET_STREAMS}
     return results
 
 
@@ -301,18 +412,29 @@ def markdown(results: dict[str, Any], command: str) -> str:
         "| streams | path | TTFT p50 (ms) | TTFT p99 (ms) | per-token p50 (ms) | per-token p99 (ms) | errors |",
         "|---|---|---|---|---|---|---|",
     ]
+    path_names = {"direct": "direct (gRPC)", "gateway": "gateway gRPC", "gateway_http": "gateway HTTP (SSE)"}
     for level in results["latency"]:
         n = level["streams"]
-        for name in ("direct", "gateway"):
+        for name in ("direct", "gateway", "gateway_http"):
+            if name not in level:
+                continue
             s = level[name]
-            lines.append(f"| {n} | {name} | {s['ttft_ms']['p50']:.2f} | {s['ttft_ms']['p99']:.2f} | "
+            lines.append(f"| {n} | {path_names[name]} | {s['ttft_ms']['p50']:.2f} | {s['ttft_ms']['p99']:.2f} | "
                          f"{s['per_token_ms']['p50']:.3f} | {s['per_token_ms']['p99']:.3f} | {s['errors']} |")
-        a = level["added"]
-        lines.append(f"| {n} | **added by the gateway** | {a['ttft_ms']['p50']:.2f} | {a['ttft_ms']['p99']:.2f} | "
-                     f"**{a['per_token_ms']['p50']:.3f}** | **{a['per_token_ms']['p99']:.3f}** | |")
+        for key, words in (("added", "added by the gateway (gRPC)"), ("added_http", "added by the gateway (HTTP)")):
+            if key not in level:
+                continue
+            a = level[key]
+            lines.append(f"| {n} | **{words}** | {a['ttft_ms']['p50']:.2f} | {a['ttft_ms']['p99']:.2f} | "
+                         f"**{a['per_token_ms']['p50']:.3f}** | **{a['per_token_ms']['p99']:.3f}** | |")
     lines += ["", "Gateway CPU time per forwarded token (whatever else the machine runs): " + ", ".join(
         f"{level['gateway_cpu_us_per_token']:.0f} µs at {level['streams']} stream(s)" for level in results["latency"])
         + "."]
+    if any("gateway_http_cpu_us_per_token" in level for level in results["latency"]):
+        lines += ["", "The same over HTTP (SSE: JSON encoding per chunk, HTTP/1.1 framing): " + ", ".join(
+            f"{level['gateway_http_cpu_us_per_token']:.0f} µs at {level['streams']} stream(s)"
+            for level in results["latency"]) + ". Added HTTP latency is measured against the direct gRPC path "
+            "(the engine side is gRPC either way), so it includes the client's SSE parsing."]
     t = results["targets"]
 
     def met(key: str) -> str:
@@ -341,6 +463,31 @@ def markdown(results: dict[str, Any], command: str) -> str:
         f"(target >= {t['concurrent_streams']['target']}: {'met' if t['concurrent_streams']['met'] else 'NOT met'}).",
         "",
     ]
+    if "capacity_http" in results:
+        lines += [
+            "## Concurrent HTTP (SSE) streams through one gateway (same streams, `POST /v1/completions` with "
+            "`stream: true`, one HTTP/1.1 connection each)",
+            "",
+            "| streams started | peak open at once | errors | TTFT p99 (ms) | per-token p50 (ms) | per-token p99 (ms) "
+            "| wall (s) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for c in results["capacity_http"]:
+            lines.append(f"| {c['level']} | {c['peak_concurrent_streams']} | {c['errors']} | "
+                         f"{c['ttft_ms']['p99']:.1f} | {c['per_token_ms']['p50']:.2f} | {c['per_token_ms']['p99']:.2f} "
+                         f"| {c['wall_seconds']:.1f} |")
+        if any(c["errors"] for c in results["capacity_http"]):
+            lines += ["", "Errors seen: " + "; ".join(
+                e for c in results["capacity_http"] for e in c["error_examples"])]
+        http_met = t["http_concurrent_streams"]["met"]
+        lines += [
+            "",
+            f"Most concurrent SSE streams sustained without an error: "
+            f"**{results['max_concurrent_http_streams_without_error']}** (target >= "
+            f"{t['http_concurrent_streams']['target']}: {'met' if http_met else 'NOT met'}); added HTTP per-token p50 "
+            f"< {t['http_added_per_token_p50_ms']['target']} ms: {met('http_added_per_token_p50_ms')}.",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -352,7 +499,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for level in results["latency"]:
-        for name in ("direct", "gateway"):
+        for name in ("direct", "gateway", "gateway_http"):
+            if name not in level:
+                continue
             values = sorted(level[name]["_per_token_ms"])
             if values:
                 left.plot(values, [i / len(values) for i in range(len(values))],
