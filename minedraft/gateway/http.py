@@ -80,10 +80,11 @@ class GatewayBackend:
         except RouteError as exc:
             log.info("model ids not refreshed: %s", exc)
 
-    def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str],
-                 protocol: str) -> AsyncIterator[pb.GenerateResponse]:
+    def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str], protocol: str,
+                 timeout_seconds: float | None) -> AsyncIterator[pb.GenerateResponse]:
         # The router's own generator, not a wrapper: each async-generator layer costs every token a few microseconds.
-        return self.router.generate(request, list(headers.items()), None, protocol=protocol)
+        # The deadline travels to the engine as the gRPC call's.
+        return self.router.generate(request, list(headers.items()), timeout_seconds, protocol=protocol)
 
 
 def gateway_http_app(router: Router, tokens: Sequence[bytes] = ()) -> OpenAiApp:

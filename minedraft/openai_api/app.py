@@ -40,6 +40,9 @@ from minedraft.openai_api.protocol import (
 log = logging.getLogger(__name__)
 
 PROTOCOL = "http"
+# OpenAI's API has no deadline of its own (SDK timeouts just disconnect); this request header sets one, as a gRPC
+# deadline does: past it the request is aborted in the engine and answered 504.
+TIMEOUT_HEADER = "minedraft-timeout-seconds"
 # The largest request body read (a prompt of a long context is a few hundred KB of JSON).
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
@@ -79,9 +82,10 @@ class Backend(Protocol):
         """The served model ids if known now without waiting (None: do not check the request's model)."""
         ...
 
-    def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str],
-                 protocol: str) -> AsyncIterator[pb.GenerateResponse]:
-        """The engine's responses for one request; raises one of error_types. Closing it aborts the request."""
+    def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str], protocol: str,
+                 timeout_seconds: float | None) -> AsyncIterator[pb.GenerateResponse]:
+        """The engine's responses for one request; raises one of error_types (DEADLINE_EXCEEDED past
+        `timeout_seconds`). Closing it aborts the request."""
         ...
 
 
@@ -158,6 +162,19 @@ class _DisconnectAware:
             raise respond.exception()  # type: ignore[misc]
 
 
+def _timeout_seconds(request: Request) -> float | None:
+    value = request.headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not (seconds > 0 and seconds < float("inf")):  # NaN fails too
+        raise ApiError(400, f"{TIMEOUT_HEADER}: must be a positive number of seconds, got {value!r}", TIMEOUT_HEADER)
+    return seconds
+
+
 class OpenAiApp:
     """The routes over one Backend."""
 
@@ -232,7 +249,7 @@ class OpenAiApp:
         if known is not None and parsed.model not in known:
             raise ApiError(404, f"The model `{parsed.model}` does not exist; GET /v1/models lists {known}",
                            "model", code="model_not_found")
-        stream = self.backend.generate(parsed.request, request.headers, PROTOCOL)
+        stream = self.backend.generate(parsed.request, request.headers, PROTOCOL, _timeout_seconds(request))
         state = ResponseState(parsed)
         if parsed.stream:
             # Wait for the first response before answering 200: an engine's refusal (invalid field, admission,

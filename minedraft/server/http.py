@@ -51,9 +51,11 @@ class EngineBackend:
         engine = self.service.engine
         return None if engine is None else [engine.settings.model]
 
-    async def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str],
-                       protocol: str) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str], protocol: str,
+                       timeout_seconds: float | None) -> AsyncIterator[pb.GenerateResponse]:
         service = self.service
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_seconds is None else loop.time() + timeout_seconds
         engine, limits = service.engine, service.limits
         if service.state is not ServerState.SERVING or engine is None or limits is None:
             raise BackendError(grpc.StatusCode.UNAVAILABLE,
@@ -73,7 +75,21 @@ class EngineBackend:
                 stream = service.request_metrics.observe(stream, len(prepared.prompt_token_ids), protocol)
             # Closing this generator (the client went away) closes the engine stream, which aborts the request.
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
-                async for delta in stream:
+                if deadline is None:
+                    async for delta in stream:
+                        yield response_from_delta(delta)
+                    return
+                # Each wait bounded by what is left (a timeout around the yields would cancel the consumer instead).
+                tokens_sent = 0
+                while True:
+                    try:
+                        delta = await asyncio.wait_for(anext(stream), max(0.0, deadline - loop.time()))
+                    except StopAsyncIteration:
+                        return
+                    except TimeoutError:
+                        raise BackendError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                           f"deadline exceeded after {tokens_sent} tokens") from None
+                    tokens_sent += len(delta.token_ids)
                     yield response_from_delta(delta)
         except RequestError as exc:
             raise BackendError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field_name) from exc

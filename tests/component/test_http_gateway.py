@@ -162,3 +162,24 @@ async def test_tls(http_stack, tmp_path):
     async with httpx.AsyncClient(verify=False) as plain:
         with pytest.raises(httpx.HTTPError):
             await plain.get(base_url.replace("https", "http") + "/health")
+
+
+async def test_deadline_header_is_a_504_and_cancels_the_engine_stream(http_stack):
+    gateway, (fake,), base_url, _ = await http_stack([FakeBehaviour(token_interval_seconds=0.05)])
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
+        body = {"model": "fake", "prompt": "x", "max_tokens": 1000}
+        response = await http.post("/v1/completions", json=body, headers={"minedraft-timeout-seconds": "0.3"})
+        assert response.status_code == 504, response.text
+        assert response.json()["error"]["type"] == "timeout"
+        # Streamed: the deadline passes after the 200 and some chunks: an error event, no [DONE].
+        async with http.stream("POST", "/v1/completions", json={**body, "stream": True},
+                               headers={"minedraft-timeout-seconds": "0.3"}) as streamed:
+            assert streamed.status_code == 200
+            lines = [line async for line in streamed.aiter_lines() if line.startswith("data: ")]
+        assert '"finish_reason":null' in lines[0]
+        assert lines[-1].startswith('data: {"error"') and "data: [DONE]" not in lines
+        bad = await http.post("/v1/completions", json=body, headers={"minedraft-timeout-seconds": "soon"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "minedraft-timeout-seconds"
+    assert 0.25 < fake.record.deadlines_seconds[0] <= 0.31  # the deadline went on to the engine
+    await wait_for(lambda: len(fake.record.cancelled) == 2, what="both engine streams ended by the deadline")
+    await wait_for(lambda: gateway.admission.in_flight == 0, what="admission released")

@@ -256,6 +256,18 @@ async def test_client_disconnect_aborts_the_request_in_the_engine(http_served, e
     await no_unfinished(engine)
 
 
+async def test_deadline_header_is_a_504_and_aborts_in_the_engine(http_served, engine_calls):  # noqa: F811
+    _, base_url, engine = http_served
+    body = {"model": engine.settings.model, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        response = await http.post("/v1/completions", json=body, headers={"minedraft-timeout-seconds": "0.5"})
+    assert response.status_code == 504, response.text
+    assert response.json()["error"]["message"].startswith("deadline exceeded after")
+    request_id = engine_calls["added"][0]
+    await wait_for(lambda: request_id in engine_calls["aborted"], timeout_seconds=30, what="the engine abort")
+    await no_unfinished(engine)
+
+
 async def test_health_and_ready(psd):
     engine = AsyncEngine(psd)
     server = EngineServer("replica-probe")
