@@ -60,6 +60,8 @@ class GatewayBackend:
         return accepted
 
     async def model_ids(self) -> list[str]:
+        if self._model_ids is not None and time.monotonic() - self._model_ids_at <= MODEL_IDS_TTL_SECONDS:
+            return self._model_ids
         info = await self.router.unary(lambda stub, timeout: stub.GetModelInfo(pb.GetModelInfoRequest(),
                                                                                 timeout=timeout))
         self._model_ids = [info.model]
