@@ -296,7 +296,8 @@ _HTTP_STATUS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-    grpc.StatusCode.CANCELLED: 499,
+    # An engine-side cancel (the client's own never gets an answer): the service failed this request, retryable.
+    grpc.StatusCode.CANCELLED: 503,
     grpc.StatusCode.UNIMPLEMENTED: 501,
 }
 
