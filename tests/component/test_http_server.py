@@ -11,6 +11,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from prometheus_client import CollectorRegistry
 
 from minedraft.api import pb, pb_grpc
 from minedraft.engine.async_engine import AsyncEngine
@@ -30,11 +31,11 @@ PROMPT = "def parse_args(argv):\n    "
 async def http_served(psd, engine_calls):  # noqa: F811
     """(grpc target, http base url, engine): one engine server with both APIs on loopback ports."""
     engine = AsyncEngine(psd)
-    server = EngineServer("replica-http")
+    server = EngineServer("replica-http", CollectorRegistry())
     await server.start()
     http_port = await server.start_http("127.0.0.1", 0)
     await server.attach(engine)
-    yield f"127.0.0.1:{server.port}", f"http://127.0.0.1:{http_port}", engine
+    yield f"127.0.0.1:{server.port}", f"http://127.0.0.1:{http_port}", engine, server.registry
     await server.stop()
     await engine.shutdown(shutdown_engine=False)
 
@@ -51,7 +52,7 @@ async def grpc_generate(target: str, request: pb.GenerateRequest) -> tuple[list[
 
 
 async def test_models_completion_and_chat_match_the_grpc_api(http_served):
-    grpc_target, base_url, engine = http_served
+    grpc_target, base_url, engine, registry = http_served
     api = client(base_url)
     models = await api.models.list()
     assert [m.id for m in models.data] == [engine.settings.model]
@@ -82,10 +83,18 @@ async def test_models_completion_and_chat_match_the_grpc_api(http_served):
     assert chat.usage.prompt_tokens == len(engine.engine.tokenizer.encode(
         "# system:\nYou write Python.\n# user:\ndef main():\n# assistant:\n", add_special_tokens=False))
 
+    # The engine's request metrics tell the APIs apart.
+    def finished(protocol: str) -> float:
+        return sum(registry.get_sample_value("minedraft_engine_requests_finished_total", {
+            "model": engine.settings.model, "protocol": protocol, "finish_reason": reason}) or 0.0
+            for reason in ("stop", "length"))
+
+    assert finished("http") == 3 and finished("grpc") == 2
+
 
 async def test_through_the_gateway_greedy_output_matches_the_grpc_api(http_served):
     """openai client -> gateway (HTTP) -> engine server (gRPC) -> PSD engine: the gRPC API's greedy output."""
-    grpc_target, _, engine = http_served
+    grpc_target, _, engine, _ = http_served
     gateway = Gateway(GatewayConfig(health_retry_seconds=0.05))
     await gateway.start()
     port = await gateway.start_http("127.0.0.1", 0)
@@ -109,7 +118,7 @@ async def test_through_the_gateway_greedy_output_matches_the_grpc_api(http_serve
 
 
 async def test_streamed_chat_with_include_usage(http_served):
-    _, base_url, engine = http_served
+    _, base_url, engine, _ = http_served
     api = client(base_url)
     stream = await api.chat.completions.create(
         model=engine.settings.model, messages=[{"role": "user", "content": "import os"}], max_tokens=MAX_TOKENS,
@@ -127,7 +136,7 @@ async def test_streamed_chat_with_include_usage(http_served):
 
 async def test_sse_framing_byte_for_byte(http_served):
     """A raw HTTP/1.1 client: the exact bytes OpenAI sends (`data: <json>\\n\\n` events, `data: [DONE]\\n\\n`)."""
-    _, base_url, engine = http_served
+    _, base_url, engine, _ = http_served
     port = int(base_url.rsplit(":", 1)[1])
     body = json.dumps({"model": engine.settings.model, "prompt": PROMPT, "max_tokens": 4, "stream": True}).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -198,7 +207,7 @@ INVALID = [
 
 
 async def test_every_invalid_field_is_a_400_naming_the_param_and_touches_no_engine(http_served, engine_calls):  # noqa: F811
-    _, base_url, engine = http_served
+    _, base_url, engine, _ = http_served
     bases = {"completions": {"model": engine.settings.model, "prompt": "abc"},
              "chat/completions": {"model": engine.settings.model, "messages": [{"role": "user", "content": "hi"}]}}
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
@@ -221,7 +230,7 @@ async def test_every_invalid_field_is_a_400_naming_the_param_and_touches_no_engi
 
 
 async def test_chat_without_a_template_is_a_400_and_completions_still_work(http_served, monkeypatch):
-    _, base_url, engine = http_served
+    _, base_url, engine, _ = http_served
     monkeypatch.setattr(engine.engine.tokenizer, "chat_template", None, raising=False)
     api = client(base_url)
     with pytest.raises(openai.BadRequestError) as info:
@@ -232,7 +241,7 @@ async def test_chat_without_a_template_is_a_400_and_completions_still_work(http_
 
 
 async def test_client_disconnect_aborts_the_request_in_the_engine(http_served, engine_calls):  # noqa: F811
-    _, base_url, engine = http_served
+    _, base_url, engine, _ = http_served
     for stream in (True, False):
         engine_calls["added"].clear()
         body = {"model": engine.settings.model, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
@@ -257,7 +266,7 @@ async def test_client_disconnect_aborts_the_request_in_the_engine(http_served, e
 
 
 async def test_deadline_header_is_a_504_and_aborts_in_the_engine(http_served, engine_calls):  # noqa: F811
-    _, base_url, engine = http_served
+    _, base_url, engine, _ = http_served
     body = {"model": engine.settings.model, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
         response = await http.post("/v1/completions", json=body, headers={"minedraft-timeout-seconds": "0.5"})
