@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import grpc
 
@@ -22,8 +22,9 @@ from minedraft.server.servicer import EngineService, ServerState
 class EngineBackend:
     error_types: tuple[type[Exception], ...] = (BackendError,)
 
-    def __init__(self, service: EngineService) -> None:
+    def __init__(self, service: EngineService, serving: Callable[[], bool]) -> None:
         self.service = service
+        self.serving = serving
 
     def backend_error(self, error: Exception) -> BackendError:
         assert isinstance(error, BackendError)
@@ -33,8 +34,8 @@ class EngineBackend:
         return True
 
     def ready(self) -> bool:
-        service = self.service
-        return service.state is ServerState.SERVING and service.engine is not None and service.engine.dead_error is None
+        # The server's readiness (loaded, engine loop answering, not draining), as its gRPC health reports it.
+        return self.serving()
 
     def authorize(self, authorization: str | None, stream: bool) -> bool:
         # The engine's port is cluster-internal (the operator's NetworkPolicy admits the gateway and the
@@ -99,5 +100,5 @@ class EngineBackend:
             service.stream_closed()
 
 
-def engine_http_app(service: EngineService) -> OpenAiApp:
-    return OpenAiApp(EngineBackend(service))
+def engine_http_app(service: EngineService, serving: Callable[[], bool]) -> OpenAiApp:
+    return OpenAiApp(EngineBackend(service, serving))
