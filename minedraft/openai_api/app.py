@@ -290,6 +290,7 @@ class _FullResponse(Response):
                 async for response in self._stream:
                     state.absorb(response)
                     state.texts.append(response.text)
+                    state.token_ids.extend(response.token_ids)
             status, body = 200, encode(full_response(state, "".join(state.texts)))
         except self._backend.error_types as exc:
             error = _api_error(self._backend, exc, state.parsed)

@@ -74,6 +74,8 @@ class ParsedRequest:
     include_usage: bool
     # Engine field name -> the OpenAI parameter the client set it with (for 400s the engine raises).
     params: dict[str, str] = field(default_factory=dict)
+    # vLLM's extension: each choice (and chunk) also carries the generated `token_ids`.
+    return_token_ids: bool = False
 
 
 # Fields accepted and ignored because they do not change the output (OpenAI's own bookkeeping fields).
@@ -86,7 +88,7 @@ _NEUTRAL: dict[str, Any] = {
     "audio": None, "prediction": None, "reasoning_effort": None, "web_search_options": None,
 }
 _COMMON = frozenset({"model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
-                     "logprobs", "top_k", "ignore_eos", "stop_token_ids"})
+                     "logprobs", "top_k", "ignore_eos", "stop_token_ids", "return_token_ids"})
 _ALLOWED = {
     Kind.COMPLETION: _COMMON | {"prompt"},
     Kind.CHAT: _COMMON | {"messages", "max_completion_tokens"},
@@ -277,7 +279,7 @@ def parse_request(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool 
             raise invalid("stop_token_ids", "must be a list of token ids")
         sampling.stop_token_ids.extend(ids)
     sampling.ignore_eos = _bool(body, "ignore_eos")
-    return ParsedRequest(kind, model, request, stream, include_usage, params)
+    return ParsedRequest(kind, model, request, stream, include_usage, params, _bool(body, "return_token_ids"))
 
 
 def new_request_id(kind: Kind) -> str:
@@ -332,6 +334,7 @@ class ResponseState:
     parsed: ParsedRequest
     created: int = field(default_factory=lambda: int(time.time()))
     texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -368,6 +371,8 @@ def finish_reason(engine_reason: str) -> str:
 def full_response(state: ResponseState, text: str) -> dict[str, Any]:
     parsed = state.parsed
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": state.finish_reason}
+    if parsed.return_token_ids:
+        choice["token_ids"] = state.token_ids
     if parsed.kind is Kind.CHAT:
         choice["message"] = {"role": "assistant", "content": text}
         obj = "chat.completion"
@@ -403,10 +408,13 @@ def stream_events(state: ResponseState, response: pb.GenerateResponse) -> list[b
         state.role_sent = True
         events.append(sse(_chunk(state, [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}])))
-    if response.text:
+    # A token whose text is not complete yet (part of a character) has no text of its own; its id still goes out.
+    if response.text or (state.parsed.return_token_ids and response.token_ids):
         piece = {"content": response.text} if chat else None
         choice: dict[str, Any] = ({"index": 0, "delta": piece, "logprobs": None, "finish_reason": None} if chat
                                   else {"index": 0, "text": response.text, "logprobs": None, "finish_reason": None})
+        if state.parsed.return_token_ids:
+            choice["token_ids"] = list(response.token_ids)
         events.append(sse(_chunk(state, [choice])))
     if response.finish_reason:
         final: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": state.finish_reason}

@@ -60,7 +60,9 @@ async def test_models_completion_and_chat_match_the_grpc_api(http_served):
 
     tokens, text = await grpc_generate(grpc_target, pb.GenerateRequest(
         prompt=PROMPT, sampling_params=pb.SamplingParams(max_tokens=MAX_TOKENS)))
-    completion = await api.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    completion = await api.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                              extra_body={"return_token_ids": True})
+    assert completion.choices[0].model_extra["token_ids"] == tokens, "not token-identical to the gRPC API"
     assert completion.choices[0].text == text
     assert completion.usage.completion_tokens == len(tokens) == MAX_TOKENS
     assert completion.choices[0].finish_reason == "length"
@@ -105,9 +107,11 @@ async def test_through_the_gateway_greedy_output_matches_the_grpc_api(http_serve
         tokens, text = await grpc_generate(grpc_target, pb.GenerateRequest(
             prompt=PROMPT, sampling_params=pb.SamplingParams(max_tokens=MAX_TOKENS)))
         stream = await api.completions.create(model=engine.settings.model, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                              stream=True, stream_options={"include_usage": True})
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_body={"return_token_ids": True})
         chunks = [chunk async for chunk in stream]
         assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+        assert [t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids") or []] == tokens
         assert chunks[-1].usage.completion_tokens == len(tokens) == MAX_TOKENS
         assert chunks[-1].model_extra["speculation"]["num_draft_tokens"] > 0
         chat = await api.chat.completions.create(model=engine.settings.model, max_tokens=4,

@@ -199,3 +199,14 @@ def test_full_response():
     assert body["object"] == "chat.completion" and body["choices"][0]["message"] == {"role": "assistant",
                                                                                        "content": "ab"}
     assert body["usage"]["total_tokens"] == 6 and body["speculation"]["num_accepted_tokens"] == 2
+
+
+def test_return_token_ids_extension():
+    parsed = parse(stream=True, return_token_ids=True)
+    events = [e for e in events_of(parsed, ["x", "", "y"]) if e != "[DONE]"]
+    # The token with no text of its own still carries its id.
+    assert [c["choices"][0].get("token_ids") for c in events] == [[0], [1], [2], None]
+    state = ResponseState(parse(return_token_ids=True))
+    state.token_ids.extend([4, 5])
+    assert full_response(state, "ab")["choices"][0]["token_ids"] == [4, 5]
+    assert "token_ids" not in full_response(ResponseState(parse()), "ab")["choices"][0]
