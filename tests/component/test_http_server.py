@@ -281,25 +281,42 @@ async def test_deadline_header_is_a_504_and_aborts_in_the_engine(http_served, en
     await no_unfinished(engine)
 
 
-async def test_health_and_ready(psd):
+async def test_health_and_ready_through_load_and_drain(psd):
+    """Liveness (/health) answers from the bind to the end, readiness (/ready) only while serving: not while the
+    engine loads, not while draining (an open stream holds the drain; new requests are refused with 503)."""
     engine = AsyncEngine(psd)
     server = EngineServer("replica-probe")
     await server.start()
     port = await server.start_http("127.0.0.1", 0)
+    drain: asyncio.Task | None = None
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-            # Loading: alive, not ready.
             assert (await http.get("/health")).status_code == 200
             assert (await http.get("/ready")).status_code == 503
+            body = {"model": engine.settings.model, "prompt": PROMPT, "max_tokens": 4}
+            assert (await http.post("/v1/completions", json=body)).status_code == 503  # loading
             await server.attach(engine)
             assert (await http.get("/ready")).status_code == 200
             models = (await http.get("/v1/models")).json()
             assert models["object"] == "list" and models["data"][0]["id"] == engine.settings.model
-            from minedraft.server.servicer import ServerState
-
-            server.service.state = ServerState.DRAINING
+            # A stream held open on a raw connection (an httpx stream left mid-iteration closes its connection).
+            held = json.dumps({**body, "max_tokens": 400, "ignore_eos": True, "stream": True}).encode()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(held)).encode() + b"\r\n\r\n" + held)
+            while not (await asyncio.wait_for(reader.readline(), 60)).startswith(b"data: "):
+                pass
+            drain = asyncio.create_task(server.drain(60))
+            await wait_for(lambda: not server.serving, what="readiness off at the drain")
             assert (await http.get("/ready")).status_code == 503
             assert (await http.get("/health")).status_code == 200
+            refused = await http.post("/v1/completions", json=body)
+            assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
+            assert not drain.done(), "the drain did not wait for the open stream"
+            writer.close()
+            # The held stream is gone (client closed it): the drain completes.
+            await asyncio.wait_for(drain, 60)
     finally:
-        await server.stop()
+        if drain is None:
+            await server.stop()
         await engine.shutdown(shutdown_engine=False)
