@@ -5,6 +5,7 @@ INVALID_ARGUMENT as a 400 naming the param, a client going away cancelling the e
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
 
 import httpx
@@ -50,6 +51,19 @@ def client(base_url: str, api_key: str = "unused", **kwargs) -> openai.AsyncOpen
 
 def fake_text(prompt: str, count: int) -> str:
     return "".join(f"<{t}>" for t in fake_token_ids(pb.GenerateRequest(prompt=prompt), count))
+
+
+async def hold_stream(base_url: str, body: dict) -> asyncio.StreamWriter:
+    """An SSE stream held open on a raw connection until the returned writer is closed (an httpx or SDK stream left
+    mid-iteration closes its connection as soon as its iterator is collected)."""
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    payload = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                 + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    while not (await asyncio.wait_for(reader.readline(), 30)).startswith(b"data: "):
+        pass
+    return writer
 
 
 async def test_completions_and_chat_route_through_with_a_retry_before_the_first_chunk(http_stack):
@@ -98,13 +112,11 @@ async def test_admission_429_and_no_engine_503(http_stack):
     gateway, _fakes, base_url, _ = await http_stack([FakeBehaviour(token_interval_seconds=0.05)], max_in_flight=1,
                                                      engine_wait_timeout_seconds=0.2)
     api = client(base_url)
-    async with api.completions.with_streaming_response.create(model="fake", prompt="long", max_tokens=200,
-                                                              stream=True) as held:
-        async for _ in held.iter_lines():
-            break  # one stream holds the only slot
-        with pytest.raises(openai.RateLimitError) as info:
-            await api.completions.create(model="fake", prompt="x", max_tokens=2)
-        assert info.value.status_code == 429 and "limit" in info.value.body["message"]
+    held = await hold_stream(base_url, {"model": "fake", "prompt": "long", "max_tokens": 200, "stream": True})
+    with pytest.raises(openai.RateLimitError) as info:  # one stream holds the only slot
+        await api.completions.create(model="fake", prompt="x", max_tokens=2)
+    assert info.value.status_code == 429 and "limit" in info.value.body["message"]
+    held.close()
     await wait_for(lambda: gateway.admission.in_flight == 0, what="the held stream to end")
     gateway.set_engines([])
     async with httpx.AsyncClient(base_url=base_url) as http:
