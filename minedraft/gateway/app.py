@@ -129,7 +129,7 @@ class Gateway:
         if self.router.draining:
             return
         # Health, not the short failure cool-down: a cool-down ends without any event to publish it.
-        serving = any(endpoint.healthy for endpoint in self.endpoints)
+        serving = any(endpoint.healthy and not endpoint.unresponsive for endpoint in self.endpoints)
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)

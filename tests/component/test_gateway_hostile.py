@@ -285,3 +285,12 @@ async def test_idle_timeout_alone_still_watches_between_responses(stack):
                                config(first_response_timeout_seconds=None, idle_timeout_seconds=0.3))
     tokens, code, message = await outcome(target, request("idle-only", 5))
     assert code is grpc.StatusCode.UNAVAILABLE and len(tokens) == 2 and "stopped responding" in message
+
+
+async def test_readiness_does_not_count_an_engine_left_out_for_a_stall(stack):
+    gateway, (fake,), target = await stack([FakeBehaviour()])
+    await wait_for_health(target, SERVING)
+    gateway.endpoints.set_unresponsive(fake.address, True)  # what a stalled call does (before its probe answers)
+    gateway._health_changed()
+    await wait_for_health(target, NOT_SERVING)
+    assert await health_status(target, LIVENESS_SERVICE) == SERVING
