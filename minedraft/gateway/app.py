@@ -113,7 +113,7 @@ class Gateway:
         from minedraft.gateway.http import gateway_http_app
 
         tls = self.config.tls
-        self.http = HttpServer(gateway_http_app(self.router, self.config.tokens).app,
+        self.http = HttpServer(gateway_http_app(self.router, self.ready, self.config.tokens).app,
                                tls.cert_file if tls else None, tls.key_file if tls else None)
         return await self.http.start(host, port)
 
@@ -125,11 +125,16 @@ class Gateway:
         else:
             self._health_task.add_done_callback(lambda _: self._health_changed())
 
+    def ready(self) -> bool:
+        """Readiness, one meaning for gRPC health and HTTP /ready: an engine to route to, and not draining."""
+        # Health, not the short failure cool-down: a cool-down ends without any event to publish it.
+        return not self.router.draining and any(endpoint.healthy and not endpoint.unresponsive
+                                                for endpoint in self.endpoints)
+
     async def _publish_health(self) -> None:
         if self.router.draining:
             return
-        # Health, not the short failure cool-down: a cool-down ends without any event to publish it.
-        serving = any(endpoint.healthy and not endpoint.unresponsive for endpoint in self.endpoints)
+        serving = self.ready()
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)

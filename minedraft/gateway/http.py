@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import grpc
 
@@ -31,8 +31,9 @@ MODEL_IDS_TTL_SECONDS = 30.0
 class GatewayBackend:
     error_types: tuple[type[Exception], ...] = (RouteError, BackendError)
 
-    def __init__(self, router: Router, tokens: Sequence[bytes] = ()) -> None:
+    def __init__(self, router: Router, ready: Callable[[], bool], tokens: Sequence[bytes] = ()) -> None:
         self.router = router
+        self._ready = ready
         self.tokens = tuple(tokens)
         self._model_ids: list[str] | None = None
         self._model_ids_at = 0.0
@@ -49,7 +50,7 @@ class GatewayBackend:
         return True
 
     def ready(self) -> bool:
-        return not self.router.draining and any(endpoint.healthy for endpoint in self.router.pool.endpoints)
+        return self._ready()
 
     def authorize(self, authorization: str | None, stream: bool) -> bool:
         if not self.tokens:
@@ -89,5 +90,5 @@ class GatewayBackend:
         return self.router.generate(request, list(headers.items()), timeout_seconds, protocol=protocol)
 
 
-def gateway_http_app(router: Router, tokens: Sequence[bytes] = ()) -> OpenAiApp:
-    return OpenAiApp(GatewayBackend(router, tokens))
+def gateway_http_app(router: Router, ready: Callable[[], bool], tokens: Sequence[bytes] = ()) -> OpenAiApp:
+    return OpenAiApp(GatewayBackend(router, ready, tokens))
