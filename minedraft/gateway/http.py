@@ -19,6 +19,7 @@ from minedraft.api import pb
 from minedraft.gateway.policy import bearer_token, token_accepted
 from minedraft.gateway.router import RouteError, Router
 from minedraft.openai_api.app import PROTOCOL, BackendError, OpenAiApp
+from minedraft.openai_api.protocol import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,11 @@ class GatewayBackend:
 
     def live(self) -> bool:
         return True
+
+    def refused(self, error: ApiError) -> None:
+        # Counted like the gRPC side's streams refused for the same reasons (the status panel shows both APIs).
+        code = grpc.StatusCode.NOT_FOUND if error.status == 404 else grpc.StatusCode.INVALID_ARGUMENT
+        self.router.metrics.refused(code, PROTOCOL)
 
     def ready(self) -> bool:
         return self._ready()

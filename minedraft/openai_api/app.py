@@ -68,6 +68,10 @@ class Backend(Protocol):
 
     def live(self) -> bool: ...
 
+    def refused(self, error: ApiError) -> None:
+        """A generation request refused at the HTTP edge (malformed, unsupported, unknown model): for the metrics."""
+        ...
+
     def ready(self) -> bool: ...
 
     def authorize(self, authorization: str | None, stream: bool) -> bool:
@@ -244,12 +248,17 @@ class OpenAiApp:
 
     async def _generate(self, request: Request, kind: Kind) -> Response:
         self._authorize(request, stream=True)
-        parsed = parse_request(decode_body(await self._read_body(request)), kind)
-        known = self.backend.known_model_ids()
-        if known is not None and parsed.model not in known:
-            raise ApiError(404, f"The model `{parsed.model}` does not exist; GET /v1/models lists {known}",
-                           "model", code="model_not_found")
-        stream = self.backend.generate(parsed.request, request.headers, PROTOCOL, _timeout_seconds(request))
+        try:
+            parsed = parse_request(decode_body(await self._read_body(request)), kind)
+            known = self.backend.known_model_ids()
+            if known is not None and parsed.model not in known:
+                raise ApiError(404, f"The model `{parsed.model}` does not exist; GET /v1/models lists {known}",
+                               "model", code="model_not_found")
+            timeout_seconds = _timeout_seconds(request)
+        except ApiError as exc:
+            self.backend.refused(exc)
+            raise
+        stream = self.backend.generate(parsed.request, request.headers, PROTOCOL, timeout_seconds)
         state = ResponseState(parsed)
         if parsed.stream:
             # Wait for the first response before answering 200: an engine's refusal (invalid field, admission,

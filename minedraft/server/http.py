@@ -15,6 +15,7 @@ import grpc
 from minedraft.api import pb
 from minedraft.engine.requests import EngineDeadError, RequestError
 from minedraft.openai_api.app import BackendError, OpenAiApp
+from minedraft.openai_api.protocol import ApiError
 from minedraft.server.convert import chat_renderer, check_before_tokenizing, prepare_request, response_from_delta
 from minedraft.server.servicer import EngineService, ServerState
 
@@ -32,6 +33,9 @@ class EngineBackend:
 
     def live(self) -> bool:
         return True
+
+    def refused(self, error: ApiError) -> None:
+        pass  # the engine's request metrics count admitted requests only (as on its gRPC side)
 
     def ready(self) -> bool:
         # The server's readiness (loaded, engine loop answering, not draining), as its gRPC health reports it.

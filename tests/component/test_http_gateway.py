@@ -129,7 +129,7 @@ async def test_admission_429_and_no_engine_503(http_stack):
 
 
 async def test_engine_invalid_argument_is_a_400_naming_the_param(http_stack):
-    _, (fake,), base_url, _ = await http_stack([FakeBehaviour()])
+    _, (fake,), base_url, registry = await http_stack([FakeBehaviour()])
     api = client(base_url)
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as info:
@@ -144,6 +144,9 @@ async def test_engine_invalid_argument_is_a_400_naming_the_param(http_stack):
     with pytest.raises(openai.BadRequestError):
         await api.completions.create(model="fake", prompt="x", n=3)
     assert all(r.sampling_params.max_tokens == -1 for r in fake.record.requests)
+    # Refused by the engine (3) or at the HTTP edge (1): all counted as HTTP streams ended with INVALID_ARGUMENT.
+    assert registry.get_sample_value("minedraft_gateway_streams_finished_total",
+                                     {"protocol": "http", "code": "INVALID_ARGUMENT"}) == 4
 
 
 async def test_client_disconnect_cancels_the_engine_stream(http_stack):
