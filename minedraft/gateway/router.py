@@ -247,15 +247,17 @@ class Router:
         return None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
 
     async def generate(self, request: pb.GenerateRequest, metadata: Sequence[tuple[str, Any]] = (),
-                       timeout_seconds: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
+                       timeout_seconds: float | None = None,
+                       protocol: str = "grpc") -> AsyncIterator[pb.GenerateResponse]:
         """Stream one request's responses from an engine. `metadata` is the caller's (filtered here),
-        `timeout_seconds` what is left of the caller's deadline (None: none)."""
+        `timeout_seconds` what is left of the caller's deadline (None: none), `protocol` the front end's metric
+        label."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_seconds is None else loop.time() + timeout_seconds
         config = self.config
         # One generator with the metrics as a context manager, not generators wrapping generators: the inner loop
         # runs once per forwarded token, and each layer would add to every token's latency.
-        with self.metrics.stream(deadline) as observed:
+        with self.metrics.stream(deadline, protocol) as observed:
             arrived = time.perf_counter()
             self._admit()
             try:

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from minedraft.api import SERVICE_NAME, grpc_policy
 from minedraft.engine.async_engine import AsyncEngine
+from minedraft.openai_api.server import HttpServer
 from minedraft.server.metrics import EngineExporter
 from minedraft.server.servicer import EngineService, GenerationServicer, ServerState
 
@@ -58,8 +59,19 @@ class EngineServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         grpc_policy.enable_reflection(self.server, (SERVICE_NAME, "grpc.health.v1.Health"))
         self.port: int | None = None
+        self.http: HttpServer | None = None
+        self.serving = False
+
+    async def start_http(self, host: str, port: int) -> int:
+        """Serve the OpenAI HTTP API too (same engine, checks, drain and metrics); returns the bound port."""
+        from minedraft.server.http import engine_http_app
+
+        # HTTP readiness is the gRPC health's ("" service): one meaning, one source.
+        self.http = HttpServer(engine_http_app(self.service, lambda: self.serving).app)
+        return await self.http.start(host, port)
 
     async def _set_health(self, status: int) -> None:
+        self.serving = status == health_pb2.HealthCheckResponse.SERVING
         # "" is the whole server (what Kubernetes' grpc probe asks by default); the service name for per-service checks.
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
@@ -133,6 +145,8 @@ class EngineServer:
                 await asyncio.wait_for(self.service.idle.wait(), 2.0)
         # grace=0: whatever is still open is cancelled now; the servicer's stream closes and aborts it in the engine.
         await self.server.stop(0)
+        if self.http is not None:
+            await self.http.stop()
 
     async def _stop_engine_check(self) -> None:
         if self._engine_check_task is not None:
@@ -143,6 +157,8 @@ class EngineServer:
 
     async def stop(self) -> None:
         await self.server.stop(0)
+        if self.http is not None:
+            await self.http.stop()
         await self._stop_engine_check()
         if self._metrics_task is not None:
             self._metrics_task.cancel()
@@ -158,10 +174,13 @@ async def serve(
     stop_event: asyncio.Event | None = None,
     on_started: Callable[[int], None] | None = None,
     registry: CollectorRegistry | None = None,
+    http_address: tuple[str, int] | None = None,
 ) -> int:
     """Run a replica until SIGTERM/SIGINT (or stop_event): bind, load the engine, serve, drain, shut the engine down."""
     server = EngineServer(replica_id, registry)
     port = await server.start(grpc_address)
+    if http_address is not None:
+        await server.start_http(*http_address)
     if on_started is not None:
         on_started(port)
     stop = stop_event or asyncio.Event()

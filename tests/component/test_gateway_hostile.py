@@ -257,8 +257,10 @@ async def test_deadline_exceeded_is_counted_as_such(stack):
     _, _, target = await stack([FakeBehaviour(token_interval_seconds=0.05)], registry=registry)
     assert (await outcome(target, request(max_tokens=100), timeout=0.3))[1] is grpc.StatusCode.DEADLINE_EXCEEDED
     await wait_for(lambda: registry.get_sample_value("minedraft_gateway_streams_finished_total",
-                                                     {"code": "DEADLINE_EXCEEDED"}) == 1, what="counted")
-    assert registry.get_sample_value("minedraft_gateway_streams_finished_total", {"code": "CANCELLED"}) == 0
+                                                     {"protocol": "grpc", "code": "DEADLINE_EXCEEDED"}) == 1,
+                   what="counted")
+    assert registry.get_sample_value("minedraft_gateway_streams_finished_total",
+                                     {"protocol": "grpc", "code": "CANCELLED"}) == 0
 
 
 def test_policy_servers_accept_the_channels_ping_rate():
