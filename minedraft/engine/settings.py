@@ -211,10 +211,10 @@ def validate(settings: EngineSettings) -> None:
         if settings.drafter.backend == "torch":
             raise SettingsError("drafter.backend", "the torch drafter runs on CPUs only; a drafter GPU needs the "
                                 "vllm backend (--drafter-backend vllm)")
-        target = settings.target_gpus or tuple(range(settings.tensor_parallel_size))
-        if gpu in target:
-            raise SettingsError("drafter.gpu_index", f"GPU {gpu} is one of the target's {list(target)}: the drafter "
-                                "needs a device of its own")
+        # Without target GPUs given, the target takes the first ones that are not the drafter's (plan_devices).
+        if gpu in settings.target_gpus:
+            raise SettingsError("drafter.gpu_index", f"GPU {gpu} is one of the target's {list(settings.target_gpus)}: "
+                                "the drafter needs a device of its own")
     validate_vllm_args(settings.extra_vllm_args)
     if settings.drafter.deadline_seconds <= 0:
         raise SettingsError("drafter.deadline_seconds", "must be positive")
