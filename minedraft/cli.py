@@ -252,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     importlib.import_module("minedraft.server.cli").add_subcommands(sub)  # serve
     importlib.import_module("minedraft.gateway.cli").add_subcommands(sub)  # gateway, bench-gateway
     importlib.import_module("minedraft.client").add_subcommands(sub)  # client generate
+    importlib.import_module("minedraft.doctor").add_subcommands(sub)  # doctor
     return parser
 
 

@@ -191,10 +191,6 @@ def resolve_for_device(settings: EngineSettings, device: DeviceInfo) -> EngineSe
 
 # -- the model pair --------------------------------------------------------------------------------------------------
 
-# Architectures the plain-torch drafter implements (minedraft.engine.torch_drafter).
-TORCH_DRAFTER_ARCHITECTURES = ("llama", "qwen3")
-
-
 def check_model_pair(target: str, draft: str, drafter_backend: str) -> dict[str, Any]:
     """Before anything loads: the draft's token ids must mean the target's tokens, and the torch drafter must
     implement the draft's architecture. Reads only configs and tokenizers (seconds, not a model load)."""
@@ -208,9 +204,12 @@ def check_model_pair(target: str, draft: str, drafter_backend: str) -> dict[str,
     target_vocab = _vocab_size(target_config)
     draft_vocab = _vocab_size(draft_config)
     draft_type = str(getattr(draft_config, "model_type", ""))
-    if drafter_backend == "torch" and draft_type not in TORCH_DRAFTER_ARCHITECTURES:
-        raise SettingsError("drafter.backend", f"the torch drafter implements {', '.join(TORCH_DRAFTER_ARCHITECTURES)}"
-                            f", not {draft_type!r} ({draft}); use --drafter-backend vllm")
+    if drafter_backend == "torch":
+        from minedraft.engine.torch_drafter import ARCHITECTURES
+
+        if draft_type not in ARCHITECTURES:
+            raise SettingsError("drafter.backend", f"the torch drafter implements {', '.join(ARCHITECTURES)}, not "
+                                f"{draft_type!r} ({draft}); use --drafter-backend vllm")
     # A draft id at or past the target's vocabulary is a device-side assert on a GPU.
     if draft_vocab > target_vocab:
         raise SettingsError("drafter.model", f"the draft's vocabulary ({draft_vocab}) is larger than the target's "
