@@ -153,3 +153,22 @@ def test_invalid_gpu_settings_name_the_field(changes, field):
     with pytest.raises(SettingsError) as info:
         make(**changes)
     assert info.value.field_name == field
+
+
+def test_the_pod_command_for_the_papers_layout_is_accepted_and_maps_devices():
+    """The engine command the operator renders for targetGPUs 4, dtype bfloat16 and a Qwen3 pair: our parser and
+    settings validation accept it, vLLM's EngineArgs take the arguments, and the five GPUs of the pod split 4 + 1."""
+    from minedraft.cli import build_parser, settings_from_args
+    from minedraft.engine.core import engine_args
+    from minedraft.engine.placement import DeviceInfo, plan_devices
+
+    command = ["serve", "--host", "0.0.0.0", "--grpc-port", "50051", "--model", "/models/target/Qwen3-32B",
+               "--draft", "/models/draft/Qwen3-1.7B", "--mode", "psd", "--num-speculative-tokens", "3",
+               "--dtype", "bfloat16", "--tensor-parallel-size", "4", "--drafter-gpu", "4", "--drafter-backend",
+               "vllm", "--max-num-seqs", "64", "--max-model-len", "32768"]
+    settings = settings_from_args(build_parser().parse_args(command))
+    args = engine_args(settings)
+    assert (args.tensor_parallel_size, args.dtype, args.max_model_len) == (4, "bfloat16", 32768)
+    assert args.pipeline_parallel_size == 1 and not args.async_scheduling
+    plan = plan_devices(settings, DeviceInfo(visible_gpus=("0", "1", "2", "3", "4")))
+    assert (plan.target_visible_devices, plan.drafter_visible_devices) == ("0,1,2,3", "4")
