@@ -141,7 +141,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         num_speculative_tokens=args.num_speculative_tokens,
         num_extra_draft_tokens=args.num_extra_draft_tokens,
         max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
+        max_model_len=args.max_model_len or 0,
         kv_cache_gib=args.kv_cache_gib,
         target_cpu_cores=_cores(args.target_cores, target_default),
         seed=args.seed,

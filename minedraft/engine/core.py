@@ -68,7 +68,7 @@ def drafter_process_settings(settings: EngineSettings, plan: DevicePlan | None =
         "cuda_visible_devices": plan.drafter_visible_devices if plan is not None else None,
         "gpu_memory_utilization": drafter.gpu_memory_utilization,
         "kv_cache_gib": drafter.kv_cache_gib,
-        # None: vLLM fits the draft's own context length to its KV cache.
+        # 0: vLLM fits the draft's own context length to its KV cache.
         "max_model_len": settings.max_model_len,
         "max_num_seqs": settings.max_num_seqs,
         "dtype": settings.dtype,
@@ -84,7 +84,7 @@ def engine_args(settings: EngineSettings) -> Any:
         "model": settings.model,
         "dtype": settings.dtype,
         # -1: the model's own context length, or what the KV cache holds if that is less (vLLM's auto-fit).
-        "max_model_len": -1 if settings.max_model_len is None else settings.max_model_len,
+        "max_model_len": settings.max_model_len or -1,
         "max_num_seqs": settings.max_num_seqs,
         "seed": settings.seed,
         "disable_log_stats": False,
@@ -162,7 +162,7 @@ class Engine:
         drafter = None
         # The torch drafter sizes its KV cache by the context length: with the length left to vLLM it starts once the
         # target's is known (it loads in seconds). The vLLM drafter fits its own and starts first, loading meanwhile.
-        drafter_after_target = settings.drafter.backend == "torch" and settings.max_model_len is None
+        drafter_after_target = settings.drafter.backend == "torch" and not settings.max_model_len
         if settings.mode.uses_drafter and not drafter_after_target:
             drafter = self._start_drafter(settings)
         try:

@@ -109,8 +109,9 @@ class EngineSettings:
     # Upper bound on k + e that can be switched to at run time (vLLM reserves verification slots for it).
     max_num_speculative_tokens: int | None = None
     max_num_seqs: int = 64
-    # None: the model's own context length, capped by what the KV cache holds (vLLM's auto-fit).
-    max_model_len: int | None = None
+    # 0: the model's own context length, capped by what the KV cache holds (vLLM's auto-fit). A loaded engine's
+    # settings carry the length vLLM chose.
+    max_model_len: int = 0
     kv_cache_gib: float = 2.0
     target_cpu_cores: tuple[int, ...] = ()
     seed: int = 0
@@ -186,7 +187,7 @@ def validate(settings: EngineSettings) -> None:
     if settings.drafter.backend not in DRAFTER_BACKENDS:
         raise SettingsError("drafter.backend", f"expected one of {', '.join(DRAFTER_BACKENDS)}, "
                             f"got {settings.drafter.backend!r}")
-    if settings.max_model_len is not None and settings.max_model_len != -1 and settings.max_model_len < 16:
+    if settings.max_model_len not in (0, -1) and settings.max_model_len < 16:
         raise SettingsError("max_model_len", f"must be at least 16 (or unset: the model's own), "
                             f"got {settings.max_model_len}")
     if settings.dtype not in DTYPES:

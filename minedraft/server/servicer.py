@@ -61,9 +61,7 @@ class EngineService:
 
     def attach(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        # A loaded engine's settings carry the context length vLLM chose (never None once attached).
-        self.limits = ModelLimits(vocab_size=engine_vocab_size(engine),
-                                  max_model_len=int(engine.settings.max_model_len or 0))
+        self.limits = ModelLimits(vocab_size=engine_vocab_size(engine), max_model_len=engine.settings.max_model_len)
         self.state = ServerState.SERVING
 
     def stream_opened(self) -> None:

@@ -98,7 +98,7 @@ def test_engine_flag_defaults_leave_the_choices_to_the_machine_and_the_model():
     from minedraft.cli import build_parser, settings_from_args
 
     settings = settings_from_args(build_parser().parse_args(["run", "--model", "t", "--draft", "d"]))
-    assert (settings.dtype, settings.drafter.backend, settings.max_model_len) == ("auto", "auto", None)
+    assert (settings.dtype, settings.drafter.backend, settings.max_model_len) == ("auto", "auto", 0)
     assert (settings.tensor_parallel_size, settings.target_gpus, settings.extra_vllm_args) == (1, (), {})
 
 
