@@ -105,8 +105,9 @@ def detect_device(environ: Mapping[str, str] | None = None) -> DeviceInfo:
     try:
         import torch
 
-        if torch.cuda.is_available():  # NVML-based when possible; CUDA stays uninitialised
-            count = torch.cuda.device_count()
+        # device_count() asks NVML and leaves CUDA uninitialised (is_available() would call cuInit, after which this
+        # process's CUDA_VISIBLE_DEVICES can no longer be narrowed for the target); it reads CUDA_VISIBLE_DEVICES.
+        count = torch.cuda.device_count()
     except Exception:  # a broken driver reads as no GPU: the CPU path then says so clearly
         log.warning("could not count GPUs", exc_info=True)
     if inherited is not None and inherited.strip() != "":
