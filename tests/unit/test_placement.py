@@ -172,3 +172,14 @@ def test_pair_check_accepts_a_shared_vocabulary_and_refuses_what_would_break(tmp
         check_model_pair(str(pair / "target"), str(mistral), "torch")
     assert info.value.field_name == "drafter.backend" and "use --drafter-backend vllm" in str(info.value)
     assert check_model_pair(str(pair / "target"), str(mistral), "vllm")["draft_model_type"] not in ("llama", "qwen3")
+
+
+def test_a_second_engine_in_the_process_indexes_into_the_inherited_list() -> None:
+    from minedraft.engine.placement import narrow_visible_devices
+
+    env = {"CUDA_VISIBLE_DEVICES": "4,5,6"}
+    narrow_visible_devices(env, "4")  # the first engine's target
+    assert env["CUDA_VISIBLE_DEVICES"] == "4"
+    assert detect_device(env).visible_gpus == ("4", "5", "6")
+    narrow_visible_devices(env, "5,6")
+    assert detect_device(env).visible_gpus == ("4", "5", "6")
