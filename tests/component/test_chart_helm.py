@@ -28,12 +28,18 @@ NAMESPACE = "minedraft-system"
 CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule"}
 
 
-def helm_render(values: dict[str, Any], chart: Path = CHART) -> dict[str, Any]:
+def helm_run(values: dict[str, Any], chart: Path = CHART, **options: Any) -> subprocess.CompletedProcess[str]:
+    """helm install (and, with upgrade=..., upgrade) into a fresh emulator; options: see helm_render.py."""
     env = {**os.environ, "HELM_DRIVER": "memory"}  # read by Helm's library when it loads: hence a subprocess
-    result = subprocess.run([sys.executable, "-m", "tests.component.helm_render", str(chart), json.dumps(values),
-                             NAMESPACE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "tests.component.helm_render", str(chart), json.dumps(values),
+                           NAMESPACE, json.dumps(options)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def helm_render(values: dict[str, Any], chart: Path = CHART, **options: Any) -> dict[str, Any]:
+    result = helm_run(values, chart, **options)
     assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout)
+    out: dict[str, Any] = json.loads(result.stdout)
     out["docs"] = [d for d in yaml.safe_load_all(out["manifest"]) if d]
     return out
 
@@ -172,3 +178,28 @@ def test_chart_refuses_clusters_older_than_its_crd_needs() -> None:
     result = subprocess.run([sys.executable, "-m", "tests.component.helm_render", str(CHART), "{}", NAMESPACE],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "kubeVersion" in result.stderr, result.stderr[-2000:]
+
+
+def _monitoring_kinds(docs: list[dict[str, Any]]) -> list[str]:
+    return sorted(d["kind"] for d in docs if d["apiVersion"].startswith("monitoring.coreos.com/"))
+
+
+def test_default_install_succeeds_on_a_cluster_without_the_prometheus_operator() -> None:
+    """A plain cluster serves no monitoring.coreos.com/v1: creating a PrometheusRule there fails the whole install
+    ("no matches for kind"), so by default the chart renders none; where the API is served, the rules ship."""
+    assert list((ROOT / "dashboards").glob("*.rules.yaml")), "the repository ships alert rules"
+    plain = helm_render({}, monitoring=False)
+    assert _monitoring_kinds(plain["docs"]) == []
+    assert "Deployment" in [d["kind"] for d in plain["docs"]]
+    both = {"monitoring": {"operatorServiceMonitor": "auto"}}
+    assert _monitoring_kinds(helm_render(both, monitoring=False)["docs"]) == []
+    served = helm_render(both, monitoring=True)["docs"]
+    assert set(_monitoring_kinds(served)) == {"PrometheusRule", "ServiceMonitor"}
+
+
+def test_monitoring_objects_follow_an_explicit_setting() -> None:
+    # Asked for on a plain cluster: rendered, and Helm reports the missing kind (the user asked for it).
+    forced = helm_run({"monitoring": {"prometheusRule": {"enabled": True}}}, monitoring=False)
+    assert forced.returncode != 0 and 'no matches for kind "PrometheusRule"' in forced.stderr, forced.stderr[-2000:]
+    off = {"monitoring": {"prometheusRule": {"enabled": False}, "operatorServiceMonitor": False}}
+    assert _monitoring_kinds(helm_render(off, monitoring=True)["docs"]) == []
