@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from minedraft.operator.crd import crd
+from minedraft.operator.crd import CRD_FILE, CRD_NAME, crd
 from minedraft.operator.kube import PERMISSIONS
 
 pytest.importorskip("helm_sdkpy", reason="helm-sdkpy is installed by scripts/setup.sh")
@@ -78,7 +78,8 @@ def test_chart_renders_valid_kubernetes_objects(values: dict[str, Any]) -> None:
     validate_all(out["docs"])
     kinds = sorted(d["kind"] for d in out["docs"])
     assert "Deployment" in kinds and "ServiceAccount" in kinds
-    # The CRD from crds/ went in first and is exactly the generated one.
+    # The CRD is a template (so upgrades apply it) and exactly the generated one.
+    assert [d["metadata"]["name"] for d in out["docs"] if d["kind"] == "CustomResourceDefinition"] == [CRD_NAME]
     assert len(out["crds"]) == 1
     assert out["crds"][0]["spec"] == crd()["spec"]
     assert "kubectl get md" in out["notes"]
@@ -203,3 +204,64 @@ def test_monitoring_objects_follow_an_explicit_setting() -> None:
     assert forced.returncode != 0 and 'no matches for kind "PrometheusRule"' in forced.stderr, forced.stderr[-2000:]
     off = {"monitoring": {"prometheusRule": {"enabled": False}, "operatorServiceMonitor": False}}
     assert _monitoring_kinds(helm_render(off, monitoring=True)["docs"]) == []
+
+
+def _crd_doc(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    [doc] = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
+    return doc
+
+
+def test_crd_is_a_kept_template_generated_from_crd_py() -> None:
+    """Helm installs a chart's crds/ once and never upgrades it: the CRD must be a template (kept on uninstall)."""
+    assert not (CHART / "crds").exists(), "Helm never upgrades crds/: ship the CRD from templates/"
+    assert (CHART / "files" / "crds" / Path(CRD_FILE).name) == ROOT / CRD_FILE
+    doc = _crd_doc(helm_render({})["docs"])
+    assert doc["spec"] == crd()["spec"]  # survives Helm's YAML round trip unchanged
+    assert doc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == "minedraft"
+    off = helm_render({"crds": {"install": False}})
+    assert not [d for d in off["docs"] if d["kind"] == "CustomResourceDefinition"] and off["crds"] == []
+
+
+def _older_chart(tmp_path: Path, crd_doc: dict[str, Any], crds_folder: bool) -> Path:
+    """The chart as an earlier release shipped it: another CRD, either as the template or in crds/ (0.1.0)."""
+    chart = tmp_path / "old" / "minedraft"
+    shutil.copytree(CHART, chart)
+    text = "# the old CRD\n" + yaml.safe_dump(crd_doc, sort_keys=False)
+    (chart / "files" / "crds" / Path(CRD_FILE).name).write_text(text)
+    if crds_folder:
+        (chart / "templates" / "crd.yaml").unlink()
+        (chart / "crds").mkdir()
+        (chart / "crds" / Path(CRD_FILE).name).write_text(text)
+    return chart
+
+
+def _edited_crd() -> dict[str, Any]:
+    old = crd()
+    version = old["spec"]["versions"][0]
+    version["additionalPrinterColumns"] = version["additionalPrinterColumns"][:1]
+    version["schema"]["openAPIV3Schema"]["description"] = "an older schema"
+    return old
+
+
+def test_helm_upgrade_applies_a_changed_crd(tmp_path: Path) -> None:
+    old = _edited_crd()
+    out = helm_render({}, _older_chart(tmp_path, old, crds_folder=False), upgrade=[str(CHART), {}])
+    [installed] = out["crds_after_install"]
+    assert installed["spec"] == old["spec"]
+    [upgraded] = out["crds"]
+    assert upgraded["spec"] == crd()["spec"]
+
+
+def test_upgrade_from_a_release_that_shipped_crds_folder_needs_take_ownership(tmp_path: Path) -> None:
+    """0.1.0 installed the CRD from crds/, so Helm does not own it: a plain upgrade refuses to adopt it (the release
+    notes tell users to upgrade once with --take-ownership); with it the new schema is applied."""
+    old = _edited_crd()
+    chart = _older_chart(tmp_path, old, crds_folder=True)
+    refused = helm_run({}, chart, upgrade=[str(CHART), {}])
+    assert refused.returncode != 0 and "invalid ownership metadata" in refused.stderr, refused.stderr[-2000:]
+    out = helm_render({}, chart, upgrade=[str(CHART), {}], take_ownership=True)
+    assert out["crds_after_install"][0]["spec"] == old["spec"]
+    [upgraded] = out["crds"]
+    assert upgraded["spec"] == crd()["spec"]
+    assert upgraded["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
