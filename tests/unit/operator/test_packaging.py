@@ -88,7 +88,7 @@ def test_cli_render_prints_a_yaml_stream(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["operator", "render", "-f", str(ROOT / "examples" / "minimal.yaml")]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert [d["kind"] for d in docs] == ["Service", "Deployment", "PodDisruptionBudget", "ServiceAccount", "Role",
-                                         "RoleBinding", "Service", "Deployment", "NetworkPolicy"]
+                                         "RoleBinding", "Service", "Deployment", "NetworkPolicy", "NetworkPolicy"]
     assert main(["operator", "render", "--monitoring", "on", "--network-policy", "off", "-f",
                  str(ROOT / "examples" / "minimal.yaml")]) == 0
     kinds = [d["kind"] for d in yaml.safe_load_all(capsys.readouterr().out)]
