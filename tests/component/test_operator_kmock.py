@@ -46,6 +46,7 @@ BUILTIN = {
     "v1/services": ("Service", set()),
     "v1/serviceaccounts": ("ServiceAccount", set()),
     "v1/secrets": ("Secret", set()),
+    "v1/pods": ("Pod", set()),
     "v1/events": ("Event", set()),
     "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", set()),
     "rbac.authorization.k8s.io/v1/roles": ("Role", set()),
@@ -104,7 +105,7 @@ class Cluster:
 
     def owned(self) -> list[tuple[str, dict[str, Any]]]:
         return [(str(res.plural), copy.deepcopy(obj.raw)) for (res, ns, _), obj in list(self.kmock.objects.items())
-                if ns == NS and not obj.deleted and res.plural not in ("minedrafts", "events", "secrets")]
+                if ns == NS and not obj.deleted and res.plural not in ("minedrafts", "events", "secrets", "pods")]
 
     def minedraft(self, name: str) -> dict[str, Any] | None:
         return self.obj(s.KIND, name)
@@ -271,8 +272,8 @@ async def test_apply_creates_objects_as_rendered(cluster: Cluster, operator: Ope
     st = md["status"]
     assert st["selector"] == "minedraft.io/instance=qwen3-8b,minedraft.io/component=engine"
     assert st["endpoint"] == f"qwen3-8b-gateway.{NS}.svc:50051"
-    assert {c["type"] for c in st["conditions"]} == {"Ready", "EngineReady", "GatewayReady", "ScalingReady",
-                                                     "MetricsAvailable"}
+    assert {c["type"] for c in st["conditions"]} == {"Ready", "EngineReady", "GatewayReady", "Progressing",
+                                                     "ScalingReady", "MetricsAvailable"}
     assert all(c["observedGeneration"] == 1 for c in st["conditions"])
     # No pods run here, so the Deployments report nothing ready: not Ready, with the reason.
     ready = next(c for c in st["conditions"] if c["type"] == "Ready")
@@ -404,35 +405,60 @@ async def test_restart_makes_no_duplicates_and_no_spurious_changes(cluster: Clus
     assert md["metadata"]["resourceVersion"] == md_version or all("/status" not in p for _, p in writes)
 
 
-async def test_missing_secret_sets_condition_and_event_then_recovers(cluster: Cluster, operator: OperatorRun) -> None:
+def stuck_pod(name: str, component: str, instance: str, reason: str, message: str) -> dict[str, Any]:
+    """A pod as the kubelet reports one that cannot start (the emulator runs no controllers or kubelet)."""
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": {"minedraft.io/instance": instance,
+                                                  "minedraft.io/component": component}},
+            "spec": {"containers": [{"name": component, "image": "x"}]},
+            "status": {"phase": "Pending", "containerStatuses": [{
+                "name": component, "ready": False, "restartCount": 0,
+                "state": {"waiting": {"reason": reason, "message": message}}}]}}
+
+
+async def test_missing_secret_shows_in_progressing_without_reading_secrets(cluster: Cluster,
+                                                                           operator: OperatorRun) -> None:
+    """The operator never reads Secrets (no RBAC for them): pods reference them by name, and when one is missing
+    the kubelet's reason reaches the MineDraft's Progressing and Ready conditions."""
     doc = example("auth-tls")
-    await cluster.create_secret("hf-token", {"token": "aGZfeHl6"})
-    await cluster.create_secret("minedraft-tls", {"tls.crt": "Y2VydA==", "tls.key": "a2V5"})
-    await cluster.apply_minedraft(doc)  # minedraft-token is missing
-    md = await wait_for("Ready=False SecretNotFound", lambda: any(
-        c["type"] == "Ready" and c["reason"] == "SecretNotFound"
+    await cluster.apply_minedraft(doc)  # none of its Secrets exist
+    await wait_for("objects", lambda: cluster.obj("Deployment", "llama-secure-gateway"))
+    await cluster.call("POST", f"/api/v1/namespaces/{NS}/pods", stuck_pod(
+        "llama-secure-gateway-5d9f-abcde", "gateway", "llama-secure", "CreateContainerConfigError",
+        'secret "minedraft-token" not found'))
+    md = await wait_for("Progressing=False CreateContainerConfigError", lambda: any(
+        c["type"] == "Progressing" and c["reason"] == "CreateContainerConfigError"
         for c in (cluster.minedraft("llama-secure") or {}).get("status", {}).get("conditions", []))
         and cluster.minedraft("llama-secure"))
-    ready = next(c for c in md["status"]["conditions"] if c["type"] == "Ready")
-    assert ready["status"] == "False"
-    assert "spec.gateway.authTokenSecretRef" in ready["message"] and "minedraft-token" in ready["message"]
-    assert md["status"]["phase"] == "Failed"
-    events = await wait_for("a Warning event", lambda: cluster.events("SecretNotFound"))
-    assert events[0]["type"] == "Warning" and "minedraft-token" in events[0]["message"]
-    assert cluster.owned() == []  # nothing half-deployed
-    # Not a crash loop: the operator stays healthy and re-checks only on its drift timer.
-    ticks = operator.count("timer")
-    await wait_for("two more drift ticks", lambda: operator.count("timer") >= ticks + 2)
+    conditions = {c["type"]: c for c in md["status"]["conditions"]}
+    assert conditions["Progressing"]["status"] == "False"
+    assert 'secret "minedraft-token" not found' in conditions["Progressing"]["message"]
+    assert "llama-secure-gateway-5d9f-abcde" in conditions["Progressing"]["message"]
+    assert 'secret "minedraft-token" not found' in conditions["Ready"]["message"]
+    operator_requests = [r for r in cluster.requests() if not r.headers.get("X-Test") and r.resource is not None]
+    assert not [r for r in operator_requests if r.resource.plural == "secrets"]
+    # Not a crash loop: the operator stays healthy; the pod recovers and the condition clears.
+    await cluster.call("DELETE", f"/api/v1/namespaces/{NS}/pods/llama-secure-gateway-5d9f-abcde")
+    await wait_for("Progressing no longer stuck", lambda: any(
+        c["type"] == "Progressing" and c["status"] == "True"
+        for c in (cluster.minedraft("llama-secure") or {}).get("status", {}).get("conditions", [])))
     assert await operator.healthy()
-    assert len(cluster.events("SecretNotFound")) == 1  # one Event per change, not one per tick
-    # The Secret appears: the next drift tick deploys.
-    await cluster.create_secret("minedraft-token", {"token": "c2VjcmV0"})
-    await wait_for("objects after the Secret appeared", lambda: len(cluster.owned()) == 9)
-    gateway = cluster.obj("Deployment", "llama-secure-gateway") or {}
-    command = gateway["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert "--token-file" in command and "--tls-cert" in command
-    # Secret values are referenced by name only: they appear in no rendered object.
-    assert "c2VjcmV0" not in str(cluster.owned()) and "c2VjcmV0" not in str(cluster.minedraft("llama-secure"))
+
+
+async def test_unschedulable_engine_pod_shows_why(cluster: Cluster, operator: OperatorRun) -> None:
+    await cluster.apply_minedraft(example("minimal"))
+    await wait_for("engine deployment", lambda: cluster.obj("Deployment", "qwen3-8b-engine"))
+    pod = stuck_pod("qwen3-8b-engine-7c-xyz", "engine", "qwen3-8b", "ContainerCreating", "")
+    pod["status"] = {"phase": "Pending", "conditions": [{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": "0/8 nodes are available: 8 Insufficient nvidia.com/gpu."}]}
+    await cluster.call("POST", f"/api/v1/namespaces/{NS}/pods", pod)
+    md = await wait_for("Progressing=False Unschedulable", lambda: any(
+        c["type"] == "Progressing" and c["reason"] == "Unschedulable"
+        for c in (cluster.minedraft("qwen3-8b") or {}).get("status", {}).get("conditions", []))
+        and cluster.minedraft("qwen3-8b"))
+    progressing = next(c for c in md["status"]["conditions"] if c["type"] == "Progressing")
+    assert "8 Insufficient nvidia.com/gpu" in progressing["message"] and "engine pod" in progressing["message"]
 
 
 async def test_invalid_spec_sets_condition_operator_stays_healthy(cluster: Cluster, operator: OperatorRun) -> None:
@@ -636,5 +662,7 @@ def test_every_granted_permission_was_exercised(seen_permissions: set[tuple[str,
     assert seen_permissions <= granted, sorted(seen_permissions - granted)
     # endpointslices are granted only so the operator may create the gateway's Role (no escalation); kopf's own
     # Events may be sent as create only; everything else must have been used.
-    unused = granted - seen_permissions - {("discovery.k8s.io", "endpointslices", v) for v in ("get", "list", "watch")}
+    # minedrafts/finalizers update is checked by OwnerReferencesPermissionEnforcement, never called.
+    unused = (granted - seen_permissions - {("discovery.k8s.io", "endpointslices", v) for v in ("get", "list", "watch")}
+              - {(s.API_GROUP, f"{s.PLURAL}/finalizers", "update")})
     assert unused == set(), sorted(unused)

@@ -56,8 +56,11 @@ true
 
 {{/*
 The operator's permissions: exactly minedraft.operator.kube.PERMISSIONS (a test compares them).
-Server-side apply needs patch, plus create for objects that do not exist yet. endpointslices: the operator creates
-each gateway's Role granting these, and Kubernetes only lets it grant what it holds itself.
+Server-side apply needs patch, plus create for objects that do not exist yet; delete removes objects no longer
+rendered and replaces a Deployment whose (immutable) selector changed. endpointslices: the operator creates each
+gateway's Role granting these, and Kubernetes only lets it grant what it holds itself. pods list: why a rollout is
+stuck (the Progressing condition). minedrafts/finalizers update: OwnerReferencesPermissionEnforcement (OpenShift)
+requires it to set blockOwnerDeletion. No Secrets: pods reference them and the kubelet reads them.
 */}}
 {{- define "minedraft.rules" -}}
 - apiGroups: ["minedraft.io"]
@@ -69,30 +72,33 @@ each gateway's Role granting these, and Kubernetes only lets it grant what it ho
 - apiGroups: ["minedraft.io"]
   resources: ["minedrafts/scale"]
   verbs: ["patch"]
+- apiGroups: ["minedraft.io"]
+  resources: ["minedrafts/finalizers"]
+  verbs: ["update"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
 - apiGroups: [""]
-  resources: ["secrets"]
-  verbs: ["get"]
+  resources: ["pods"]
+  verbs: ["list"]
 - apiGroups: [""]
   resources: ["services", "serviceaccounts"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]
   verbs: ["get", "list", "watch"]
