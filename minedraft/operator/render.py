@@ -365,8 +365,12 @@ def _metrics_scrapers(spec: s.MineDraftSpec, options: RenderOptions) -> list[dic
 
 
 def engine_network_policy(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions) -> Manifest:
-    """Only this MineDraft's gateway reaches the engines' gRPC port; only the metrics scrapers their metrics port.
-    (The kubelet's probes come from the node, which NetworkPolicies always admit.)"""
+    """Only this MineDraft's gateway reaches the engines' gRPC port (every client, when it runs without a gateway);
+    only the metrics scrapers their metrics port. (The kubelet's probes come from the node, which NetworkPolicies
+    always admit.)"""
+    grpc: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": ENGINE_GRPC_PORT}]}
+    if spec.gateway.enabled:
+        grpc = {"from": [{"podSelector": {"matchLabels": selector_labels(meta, "gateway")}}], **grpc}
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -375,8 +379,7 @@ def engine_network_policy(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Re
             "podSelector": {"matchLabels": selector_labels(meta, "engine")},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [{"podSelector": {"matchLabels": selector_labels(meta, "gateway")}}],
-                 "ports": [{"protocol": "TCP", "port": ENGINE_GRPC_PORT}]},
+                grpc,
                 {"from": _metrics_scrapers(spec, options),
                  "ports": [{"protocol": "TCP", "port": ENGINE_METRICS_PORT}]},
             ],
@@ -580,7 +583,9 @@ def render(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | N
             gateway_deployment(spec, meta),
         ]
     if options.network_policy:
-        manifests += [engine_network_policy(spec, meta, options), gateway_network_policy(spec, meta, options)]
+        manifests.append(engine_network_policy(spec, meta, options))
+        if spec.gateway.enabled:
+            manifests.append(gateway_network_policy(spec, meta, options))
     if options.monitoring:
         manifests.append(pod_monitor(meta))
     return manifests
@@ -593,7 +598,7 @@ def all_kinds_and_names(meta: s.ObjectMeta) -> list[tuple[str, str]]:
     return [("Service", n["engine"]), ("Deployment", n["engine"]), ("PodDisruptionBudget", n["engine"]),
             ("ServiceAccount", n["gateway"]), ("Role", n["gateway"]), ("RoleBinding", n["gateway"]),
             ("Service", n["gateway"]), ("Deployment", n["gateway"]), ("NetworkPolicy", n["engine"]),
-            ("PodMonitor", n["monitor"])]
+            ("NetworkPolicy", n["gateway"]), ("PodMonitor", n["monitor"])]
 
 
 def render_resource(resource: Mapping[str, Any], options: RenderOptions | None = None) -> list[Manifest]:

@@ -44,7 +44,8 @@ def chart(values_json: str) -> list[dict[str, Any]]:
     return list(helm_render(yaml.safe_load(values_json))["docs"])
 
 
-def minedraft(example: str, name: str | None = None, drop_prometheus: bool = False) -> dict[str, Any]:
+def minedraft(example: str, name: str | None = None, drop_prometheus: bool = False,
+              gateway: bool = True) -> dict[str, Any]:
     doc: dict[str, Any] = yaml.safe_load((ROOT / "examples" / f"{example}.yaml").read_text())
     doc = copy.deepcopy(doc)
     doc["metadata"].update(namespace=TEAM, uid=f"uid-{name or example}")
@@ -52,12 +53,16 @@ def minedraft(example: str, name: str | None = None, drop_prometheus: bool = Fal
         doc["metadata"]["name"] = name
     if drop_prometheus:
         doc["spec"]["autoscaling"].pop("prometheus", None)
+    if not gateway:
+        doc["spec"].setdefault("gateway", {})["enabled"] = False
     return doc
 
 
-# Not autoscaled; autoscaled through a named Prometheus; autoscaled with none (the operator scrapes the pods).
+# Not autoscaled; autoscaled through a named Prometheus; autoscaled with none (the operator scrapes the pods); no
+# gateway (clients call the engines' headless Service).
 MINEDRAFTS = [minedraft("minimal"), minedraft("autoscaled"),
-              minedraft("autoscaled", name="direct", drop_prometheus=True)]
+              minedraft("autoscaled", name="direct", drop_prometheus=True),
+              minedraft("minimal", name="nogw", gateway=False)]
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,7 @@ def _deployment(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
     return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == name)
 
 
-def _system(values: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Connection]]:
+def _system(values: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Connection], list[Any]]:
     docs = chart(yaml.safe_dump(values))
     operator_dep = next(d for d in docs if d["kind"] == "Deployment")
     operator = pod_from_template("operator", NAMESPACE, operator_dep["spec"]["template"])
@@ -105,16 +110,34 @@ def _system(values: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Connecti
         meta = resource["metadata"]
         engine = pod_from_template(f"{meta['name']}-engine", TEAM,
                                    _deployment(manifests, f"{meta['name']}-engine")["spec"]["template"])
-        gateway = pod_from_template(f"{meta['name']}-gateway", TEAM,
-                                    _deployment(manifests, f"{meta['name']}-gateway")["spec"]["template"])
+        gateway = (pod_from_template(f"{meta['name']}-gateway", TEAM,
+                                     _deployment(manifests, f"{meta['name']}-gateway")["spec"]["template"])
+                   if resource["spec"].get("gateway", {}).get("enabled", True) else None)
         instances.append((resource, engine, gateway))
     for resource, engine, gateway in instances:
         autoscaling = resource["spec"].get("autoscaling")
         scraped = bool(autoscaling) and not (autoscaling.get("prometheus") or {}).get("address") \
             and not settings.prometheus_url
         grpc, metrics = engine.ports["grpc"][0], engine.ports["metrics"][0]
-        gw_grpc, gw_metrics = gateway.ports["grpc"][0], gateway.ports["metrics"][0]
         hub = any("huggingFace" in resource["spec"][m]["source"] for m in ("target", "draft"))
+        connections += [
+            Connection(PROMETHEUS, engine, metrics, "TCP", True, "Prometheus scrapes engines"),
+            Connection(KUBELET, engine, grpc, "TCP", True, "kubelet gRPC probes"),
+            Connection(engine, DNS, 53, "UDP", True, "the engine resolves names"),
+            Connection(operator, engine, metrics, "TCP", scraped,
+                       "the autoscaler scrapes engines when it has no Prometheus"),
+            Connection(GRAFANA, engine, metrics, "TCP", False, "only Prometheus' pods scrape"),
+            Connection(NEIGHBOUR, engine, metrics, "TCP", False, "only Prometheus scrapes"),
+        ]
+        if hub:
+            connections.append(Connection(engine, HF_HUB, 443, "TCP", True, "the engine downloads from the hub"))
+        if gateway is None:  # the engines' gRPC port is then open to any client (any pod), nothing more
+            connections += [
+                Connection(CLIENT, engine, grpc, "TCP", True, "without a gateway clients call the engines"),
+                Connection(NEIGHBOUR, engine, grpc, "TCP", True, "without a gateway clients call the engines"),
+            ]
+            continue
+        gw_grpc, gw_metrics = gateway.ports["grpc"][0], gateway.ports["metrics"][0]
         connections += [
             Connection(CLIENT, gateway, gw_grpc, "TCP", True, "clients in other namespaces call the gateway"),
             Connection(NEIGHBOUR, gateway, gw_grpc, "TCP", True, "clients in its namespace call the gateway"),
@@ -122,43 +145,35 @@ def _system(values: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Connecti
             Connection(gateway, engine, grpc, "TCP", True, "the gateway routes streams to its engines"),
             Connection(gateway, API_SERVER, 443, "TCP", True, "the gateway watches EndpointSlices"),
             Connection(gateway, DNS, 53, "UDP", True, "the gateway resolves names"),
-            Connection(PROMETHEUS, engine, metrics, "TCP", True, "Prometheus scrapes engines"),
             Connection(PROMETHEUS, gateway, gw_metrics, "TCP", True, "Prometheus scrapes gateways"),
-            Connection(KUBELET, engine, grpc, "TCP", True, "kubelet gRPC probes"),
             Connection(KUBELET, gateway, gw_grpc, "TCP", True, "kubelet gRPC probes"),
-            Connection(engine, DNS, 53, "UDP", True, "the engine resolves names"),
-            Connection(operator, engine, metrics, "TCP", scraped,
-                       "the autoscaler scrapes engines when it has no Prometheus"),
             Connection(operator, gateway, gw_metrics, "TCP", scraped,
                        "the autoscaler reads waiting streams from gateways when it has no Prometheus"),
-            Connection(operator, engine, grpc, "TCP", False, "the operator never calls the engines' API"),
-            Connection(PROMETHEUS, engine, grpc, "TCP", False, "Prometheus only scrapes"),
             Connection(gateway, engine, metrics, "TCP", False, "the gateway only routes"),
+            Connection(PROMETHEUS, engine, grpc, "TCP", False, "Prometheus only scrapes"),
+            Connection(operator, engine, grpc, "TCP", False, "the operator never calls the engines' API"),
             Connection(NEIGHBOUR, engine, grpc, "TCP", False, "only the gateway reaches engines"),
             Connection(CLIENT, engine, grpc, "TCP", False, "only the gateway reaches engines"),
             Connection(INTERNET, engine, grpc, "TCP", False, "only the gateway reaches engines"),
-            Connection(GRAFANA, engine, metrics, "TCP", False, "only Prometheus' pods scrape"),
-            Connection(NEIGHBOUR, engine, metrics, "TCP", False, "only Prometheus scrapes"),
             Connection(NEIGHBOUR, gateway, gw_metrics, "TCP", False, "only Prometheus scrapes"),
             Connection(CLIENT, gateway, gw_metrics, "TCP", False, "only Prometheus scrapes"),
         ]
-        if hub:
-            connections.append(Connection(engine, HF_HUB, 443, "TCP", True, "the engine downloads from the hub"))
         for other, _, other_gateway in instances:
-            if other is not resource:
+            if other is not resource and other_gateway is not None:
                 connections.append(Connection(other_gateway, engine, grpc, "TCP", False,
                                               "another MineDraft's gateway must not reach these engines"))
-    return policies, connections
+    return policies, connections, instances
 
 
 @pytest.mark.parametrize("values", [{}, {"operator": {"prometheusUrl": "http://prometheus.monitoring:9090"}}],
                          ids=["operator-scrapes", "operator-queries-prometheus"])
 def test_network_policies_allow_exactly_the_connections_the_system_makes(values: dict[str, Any]) -> None:
-    policies, connections = _system(values)
+    policies, connections, instances = _system(values)
     wrong = [("BLOCKED but needed: " if c.needed else "OPEN beyond need: ") + str(c) for c in connections
              if allowed(policies, c.source, c.destination, c.port, c.protocol) != c.needed]
     assert not wrong, "\n".join(wrong)
-    assert len(policies) == 1 + 2 * len(MINEDRAFTS)  # the operator's, and each MineDraft's engine and gateway ones
+    # The operator's, each MineDraft's engine one, and a gateway one where a gateway runs.
+    assert len(policies) == 1 + len(MINEDRAFTS) + sum(1 for _, _, gw in instances if gw is not None)
     assert any(c.needed and c.source.name == "operator" and c.port == render.ENGINE_METRICS_PORT
                for c in connections) == (not values)
 
