@@ -118,7 +118,9 @@ def test_operator_deployment_is_locked_down_and_wired() -> None:
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+                                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]},
+                                            "seccompProfile": {"type": "RuntimeDefault"}}
+    assert "runAsUser" not in pod["securityContext"]  # arbitrary UIDs (restricted-v2) must be accepted
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert container["image"] == f"ghcr.io/minedraft/operator:{chart['appVersion']}"
