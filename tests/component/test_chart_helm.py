@@ -108,6 +108,10 @@ def test_rbac_is_exactly_what_the_operator_uses() -> None:
                         granted.setdefault((group, resource), set()).update(rule["verbs"])
             assert granted == {k: set(v) for k, v in PERMISSIONS.items()}
             assert not any("*" in v for verbs in granted.values() for v in verbs)
+            # Owned objects carry blockOwnerDeletion: OwnerReferencesPermissionEnforcement (OpenShift) then needs
+            # update on the owner's finalizers. Secrets: pods reference them, the operator never reads one.
+            assert "update" in granted[("minedraft.io", "minedrafts/finalizers")]
+            assert ("", "secrets") not in granted
 
 
 def test_operator_deployment_is_locked_down_and_wired() -> None:
@@ -267,3 +271,13 @@ def test_upgrade_from_a_release_that_shipped_crds_folder_needs_take_ownership(tm
     [upgraded] = out["crds"]
     assert upgraded["spec"] == crd()["spec"]
     assert upgraded["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+def test_operator_pull_secrets_and_named_service_ports() -> None:
+    docs = helm_render({"operator": {"imagePullSecrets": [{"name": "registry-a"}, {"name": "registry-b"}]}})["docs"]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert dep["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "registry-a"}, {"name": "registry-b"}]
+    [service] = [d for d in docs if d["kind"] == "Service"]
+    container_ports = {p["name"] for p in dep["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    for port in service["spec"]["ports"]:
+        assert port["name"] and port["targetPort"] in container_ports and port["appProtocol"] == "http", port
