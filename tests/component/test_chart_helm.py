@@ -281,3 +281,12 @@ def test_operator_pull_secrets_and_named_service_ports() -> None:
     container_ports = {p["name"] for p in dep["spec"]["template"]["spec"]["containers"][0]["ports"]}
     for port in service["spec"]["ports"]:
         assert port["name"] and port["targetPort"] in container_ports and port["appProtocol"] == "http", port
+
+
+def test_crd_is_kept_when_the_release_stops_managing_it() -> None:
+    """helm.sh/resource-policy keep: turning crds.install off (or uninstalling) must not delete the CRD, which would
+    delete every MineDraft in the cluster."""
+    out = helm_render({}, upgrade=[str(CHART), {"crds": {"install": False}}])
+    assert not [d for d in out["docs"] if d["kind"] == "CustomResourceDefinition"]
+    [kept] = out["crds"]
+    assert kept["spec"] == crd()["spec"]
