@@ -184,3 +184,22 @@ def test_without_network_policies_nothing_is_refused() -> None:
     assert not [d for d in docs if d["kind"] == "NetworkPolicy"]
     args = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--network-policy=off" in args
+
+
+def test_every_serving_port_of_the_gateway_is_open_to_clients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway policy follows the gateway container's ports: a port added later (e.g. HTTP) is reachable by
+    clients without touching the policy, and metrics stays closed."""
+    original = render.gateway_deployment
+
+    def with_http(spec: Any, meta: Any) -> dict[str, Any]:
+        dep = original(spec, meta)
+        dep["spec"]["template"]["spec"]["containers"][0]["ports"].append(
+            {"name": "http", "containerPort": 8000, "protocol": "TCP"})
+        return dep
+
+    monkeypatch.setattr(render, "gateway_deployment", with_http)
+    manifests = render.render_resource(MINEDRAFTS[0])
+    policies = [m for m in manifests if m["kind"] == "NetworkPolicy"]
+    gateway = pod_from_template("gw", TEAM, _deployment(manifests, "qwen3-8b-gateway")["spec"]["template"])
+    assert allowed(policies, CLIENT, gateway, 8000) and allowed(policies, INTERNET, gateway, gateway.ports["grpc"][0])
+    assert not allowed(policies, CLIENT, gateway, gateway.ports["metrics"][0])
