@@ -29,6 +29,8 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         autoscale_tick_seconds=args.autoscale_tick_seconds,
         prometheus_namespace_selector=parse_labels(args.prometheus_namespace_labels),
         prometheus_pod_selector=parse_labels(args.prometheus_pod_labels),
+        operator_namespace_selector=parse_labels(args.operator_namespace_labels),
+        operator_pod_selector=parse_labels(args.operator_pod_labels),
     )
 
 
@@ -60,6 +62,11 @@ def _add_operator_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prometheus-pod-labels", default=_env(
         "PROMETHEUS_POD_LABELS", "app.kubernetes.io/name=prometheus"),
         help="labels of the Prometheus pods (k=v,... or JSON)")
+    parser.add_argument("--operator-namespace-labels", default=_env("OPERATOR_NAMESPACE_LABELS", ""),
+                        help="labels of the operator's own namespace, so NetworkPolicies let it scrape engine and "
+                        "gateway pods when no Prometheus is configured (k=v,... or JSON; empty: not let in)")
+    parser.add_argument("--operator-pod-labels", default=_env("OPERATOR_POD_LABELS", ""),
+                        help="labels of the operator's own pods (k=v,... or JSON; empty: not let in)")
 
 
 def cmd_run(args: argparse.Namespace) -> int:

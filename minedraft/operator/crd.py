@@ -11,7 +11,7 @@ from typing import Any
 from minedraft.operator import spec as s
 
 CRD_NAME = f"{s.PLURAL}.{s.API_GROUP}"
-CRD_FILE = "charts/minedraft/crds/minedrafts.minedraft.io.yaml"
+CRD_FILE = "charts/minedraft/files/crds/minedrafts.minedraft.io.yaml"
 
 Schema = dict[str, Any]
 

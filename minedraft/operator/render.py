@@ -51,6 +51,13 @@ class RenderOptions:
         default_factory=lambda: {"kubernetes.io/metadata.name": "monitoring"})
     prometheus_pod_selector: Mapping[str, str] = field(
         default_factory=lambda: {"app.kubernetes.io/name": "prometheus"})
+    # Where the operator's own pods run (the chart passes its release namespace and pod labels; empty: unknown, so
+    # never let in). An autoscaled MineDraft with no Prometheus to query has its pods' metrics scraped by the
+    # operator itself, which the NetworkPolicies must then allow.
+    operator_namespace_selector: Mapping[str, str] = field(default_factory=dict)
+    operator_pod_selector: Mapping[str, str] = field(default_factory=dict)
+    # The operator has a default Prometheus (--prometheus-url): it never scrapes pods itself.
+    operator_has_prometheus: bool = False
 
 
 def names(meta: s.ObjectMeta) -> dict[str, str]:
@@ -345,7 +352,25 @@ def engine_pdb(meta: s.ObjectMeta) -> Manifest:
     }
 
 
-def engine_network_policy(meta: s.ObjectMeta, options: RenderOptions) -> Manifest:
+def _metrics_scrapers(spec: s.MineDraftSpec, options: RenderOptions) -> list[dict[str, Any]]:
+    """NetworkPolicy peers that read a MineDraft's metrics ports: Prometheus, and the operator when it scrapes."""
+    peers: list[dict[str, Any]] = [{"namespaceSelector": {"matchLabels": dict(options.prometheus_namespace_selector)},
+                                    "podSelector": {"matchLabels": dict(options.prometheus_pod_selector)}}]
+    operator_scrapes = (spec.autoscaling is not None and not spec.autoscaling.prometheus_address
+                        and not options.operator_has_prometheus)
+    if operator_scrapes and options.operator_namespace_selector and options.operator_pod_selector:
+        peers.append({"namespaceSelector": {"matchLabels": dict(options.operator_namespace_selector)},
+                      "podSelector": {"matchLabels": dict(options.operator_pod_selector)}})
+    return peers
+
+
+def engine_network_policy(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions) -> Manifest:
+    """Only this MineDraft's gateway reaches the engines' gRPC port (every client, when it runs without a gateway);
+    only the metrics scrapers their metrics port. (The kubelet's probes come from the node, which NetworkPolicies
+    always admit.)"""
+    grpc: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": ENGINE_GRPC_PORT}]}
+    if spec.gateway.enabled:
+        grpc = {"from": [{"podSelector": {"matchLabels": selector_labels(meta, "gateway")}}], **grpc}
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -354,11 +379,30 @@ def engine_network_policy(meta: s.ObjectMeta, options: RenderOptions) -> Manifes
             "podSelector": {"matchLabels": selector_labels(meta, "engine")},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [{"podSelector": {"matchLabels": selector_labels(meta, "gateway")}}],
-                 "ports": [{"protocol": "TCP", "port": ENGINE_GRPC_PORT}]},
-                {"from": [{"namespaceSelector": {"matchLabels": dict(options.prometheus_namespace_selector)},
-                           "podSelector": {"matchLabels": dict(options.prometheus_pod_selector)}}],
+                grpc,
+                {"from": _metrics_scrapers(spec, options),
                  "ports": [{"protocol": "TCP", "port": ENGINE_METRICS_PORT}]},
+            ],
+        },
+    }
+
+
+def gateway_network_policy(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions) -> Manifest:
+    """Clients (anywhere) reach every gateway port but metrics; only the metrics scrapers reach that."""
+    container = gateway_deployment(spec, meta)["spec"]["template"]["spec"]["containers"][0]
+    serving = [{"protocol": p["protocol"], "port": p["containerPort"]} for p in container["ports"]
+               if p["name"] != "metrics"]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(meta, names(meta)["gateway"], "gateway"),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(meta, "gateway")},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": serving},
+                {"from": _metrics_scrapers(spec, options),
+                 "ports": [{"protocol": "TCP", "port": GATEWAY_METRICS_PORT}]},
             ],
         },
     }
@@ -539,7 +583,9 @@ def render(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | N
             gateway_deployment(spec, meta),
         ]
     if options.network_policy:
-        manifests.append(engine_network_policy(meta, options))
+        manifests.append(engine_network_policy(spec, meta, options))
+        if spec.gateway.enabled:
+            manifests.append(gateway_network_policy(spec, meta, options))
     if options.monitoring:
         manifests.append(pod_monitor(meta))
     return manifests
@@ -552,7 +598,7 @@ def all_kinds_and_names(meta: s.ObjectMeta) -> list[tuple[str, str]]:
     return [("Service", n["engine"]), ("Deployment", n["engine"]), ("PodDisruptionBudget", n["engine"]),
             ("ServiceAccount", n["gateway"]), ("Role", n["gateway"]), ("RoleBinding", n["gateway"]),
             ("Service", n["gateway"]), ("Deployment", n["gateway"]), ("NetworkPolicy", n["engine"]),
-            ("PodMonitor", n["monitor"])]
+            ("NetworkPolicy", n["gateway"]), ("PodMonitor", n["monitor"])]
 
 
 def render_resource(resource: Mapping[str, Any], options: RenderOptions | None = None) -> list[Manifest]:

@@ -29,6 +29,22 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
+{{/*
+Whether to render a monitoring.coreos.com/v1 object of a kind: (list SETTING KIND $). SETTING true or false decides;
+"auto" renders it only when the cluster serves that kind (the Prometheus operator's CRDs are installed), so the
+default install succeeds on a plain cluster. Prints "true" or nothing.
+*/}}
+{{- define "minedraft.monitoringEnabled" -}}
+{{- $setting := toString (index . 0) -}}
+{{- $kind := index . 1 -}}
+{{- $root := index . 2 -}}
+{{- if eq $setting "true" -}}
+true
+{{- else if and (eq $setting "auto") ($root.Capabilities.APIVersions.Has (printf "monitoring.coreos.com/v1/%s" $kind)) -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{/* k=v,k2=v2 from a map, for the operator's label flags. */}}
 {{- define "minedraft.labelArg" -}}
 {{- $pairs := list -}}
