@@ -131,7 +131,7 @@ class Reconciler:
             resource = RESOURCES[manifest["kind"]]
             meta = manifest["metadata"]
             current = await self.client.get(resource, meta["namespace"], meta["name"])
-            if not needs_apply(manifest, current):
+            if not needs_apply(manifest, current) and not selector_changed(manifest, current):
                 self.metrics.applies.labels(kind=manifest["kind"], action="unchanged").inc()
                 continue
             action = "created" if current is None else "updated"

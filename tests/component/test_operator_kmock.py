@@ -654,6 +654,132 @@ async def test_autoscaler_scales_up_from_prometheus_and_holds_when_it_goes(clust
         engine.stop()
 
 
+def engine_pod(cluster: Cluster, name: str = "qwen3-8b") -> dict[str, Any]:
+    dep = cluster.obj("Deployment", f"{name}-engine") or {}
+    return dep.get("spec", {}).get("template", {}).get("spec", {}) or {}
+
+
+OPTIONAL_FIELDS: list[tuple[str, dict[str, Any], Callable[[dict[str, Any]], Any]]] = [
+    ("nodeSelector", {"engine": {"nodeSelector": {"gpu": "h100"}}}, lambda p: p.get("nodeSelector")),
+    ("tolerations", {"engine": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}},
+     lambda p: p.get("tolerations")),
+    ("affinity", {"engine": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["a"]}]}]}}}}},
+     lambda p: p.get("affinity")),
+    ("priorityClassName", {"engine": {"priorityClassName": "inference"}}, lambda p: p.get("priorityClassName")),
+    ("runtimeClassName", {"engine": {"runtimeClassName": "nvidia"}}, lambda p: p.get("runtimeClassName")),
+    ("imagePullSecrets", {"imagePullSecrets": [{"name": "registry"}]}, lambda p: p.get("imagePullSecrets")),
+    ("env", {"engine": {"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]}},
+     lambda p: [e for e in p["containers"][0]["env"] if e["name"] == "NCCL_DEBUG"]),
+    ("ephemeralStorage", {"engine": {"ephemeralStorage": "50Gi"}},
+     lambda p: p["containers"][0]["resources"]["requests"].get("ephemeral-storage")),
+    ("cpu override", {"engine": {"cpu": 16}}, lambda p: p["containers"][0]["resources"]["requests"]["cpu"] == "16"),
+    ("maxModelLen", {"engine": {"maxModelLen": 4096}}, lambda p: "--max-model-len" in p["containers"][0]["command"]),
+    ("extraArgs", {"engine": {"extraArgs": ["--enforce-eager"]}},
+     lambda p: "--vllm-arg=--enforce-eager" in p["containers"][0]["command"]),
+]
+
+
+def removal_patch(addition: dict[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch that removes what `addition` added (nulls at its leaves' parents)."""
+    return {k: ({kk: None for kk in v} if k == "engine" else None) for k, v in addition.items()}
+
+
+async def test_removing_any_optional_field_takes_effect(cluster: Cluster, operator: OperatorRun) -> None:
+    """Set every optional pod field, then remove them one at a time: the Deployment follows. Each change is a
+    server-side apply of the full object by the operator's one field manager (the emulator stores an apply as a
+    replace, which is what one manager applying full objects amounts to); each removal is asserted on the request
+    sent, which is what a real API server acts on."""
+    doc = example("minimal")
+    for _, addition, _ in OPTIONAL_FIELDS:
+        for key, value in addition.items():
+            if key == "engine":
+                doc["spec"].setdefault("engine", {}).update(value)
+            else:
+                doc["spec"][key] = value
+    await cluster.apply_minedraft(doc)
+    await wait_for("every optional field set", lambda: engine_pod(cluster) and all(
+        present(engine_pod(cluster)) for _, _, present in OPTIONAL_FIELDS))
+    for name, addition, present in OPTIONAL_FIELDS:
+        mark = len(cluster.requests())
+        await cluster.patch_minedraft("qwen3-8b", {"spec": removal_patch(addition)})
+        await wait_for(f"{name} removed", lambda present=present: engine_pod(cluster)
+                       and not present(engine_pod(cluster)))
+        applies = [r for r in cluster.requests(mark) if r.method.upper() == "PATCH" and r.resource is not None
+                   and r.resource.plural == "deployments" and r.name == "qwen3-8b-engine"
+                   and not r.headers.get("X-Test")]
+        assert applies, name
+        for request in applies:
+            assert request.headers.get("Content-Type", "").startswith("application/apply-patch+yaml")
+            assert request.params.get("fieldManager") == render.FIELD_MANAGER and request.params.get("force") == "true"
+            assert request.data["kind"] == "Deployment" and "template" in request.data["spec"]  # the full object
+        # The removal is in what was applied (a drift pass that started before the edit may apply the old state
+        # once more; the last apply is the new one).
+        assert not present(applies[-1].data["spec"]["template"]["spec"]), name
+    assert all(not present(engine_pod(cluster)) for _, _, present in OPTIONAL_FIELDS)
+
+
+async def test_changed_selector_replaces_the_deployment_keeping_its_pods(cluster: Cluster,
+                                                                       operator: OperatorRun) -> None:
+    """Selectors are immutable: a Deployment made with the old shared selector (engine and gateway pods) is deleted
+    with its ReplicaSets orphaned and created again with the per-component selector."""
+    created = await cluster.apply_minedraft(example("minimal"))
+    await wait_for("engine deployment", lambda: cluster.obj("Deployment", "qwen3-8b-engine"))
+    old_selector = {"matchLabels": {"minedraft.io/instance": "qwen3-8b"},
+                    "matchExpressions": [{"key": "minedraft.io/component", "operator": "In",
+                                          "values": ["engine", "gateway"]}]}
+    # What an earlier operator version made (the emulator does not enforce immutability; the API server does).
+    await cluster.call("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/qwen3-8b-engine",
+                       {"spec": {"selector": old_selector}}, "application/merge-patch+json")
+    mark = len(cluster.requests())
+    await wait_for("the per-component selector", lambda: (cluster.obj("Deployment", "qwen3-8b-engine") or {})
+                   .get("spec", {}).get("selector") == {"matchLabels": {"minedraft.io/instance": "qwen3-8b",
+                                                                        "minedraft.io/component": "engine"}})
+    requests = [r for r in cluster.requests(mark) if not r.headers.get("X-Test") and r.resource is not None
+                and r.resource.plural == "deployments" and r.method.upper() in ("DELETE", "PATCH")]
+    delete = next(r for r in requests if r.method.upper() == "DELETE")
+    assert delete.params.get("propagationPolicy") == "Orphan"  # the old pods keep serving and get adopted
+    assert requests.index(delete) < max(i for i, r in enumerate(requests) if r.method.upper() == "PATCH")
+    dep = cluster.obj("Deployment", "qwen3-8b-engine") or {}
+    assert dep["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
+    await wait_for("an Applied event saying replaced", lambda: [e for e in cluster.events("Applied")
+                                                              if "replaced" in e.get("message", "")])
+
+
+async def test_objects_no_longer_wanted_are_deleted(cluster: Cluster) -> None:
+    """Gateway turned off, PDB off, NetworkPolicy and PodMonitor no longer rendered (operator options changed):
+    deleted, and only those this MineDraft owns."""
+    declare(cluster.kmock, "monitoring.coreos.com/v1/podmonitors", "PodMonitor", set())
+    first = OperatorRun(cluster, monitoring="on")
+    await first.start()
+    try:
+        created = await cluster.apply_minedraft(example("minimal"))
+        want = rendered(example("minimal"), created["metadata"]["uid"], render.RenderOptions(monitoring=True))
+        await wait_for("every object", lambda: len(cluster.owned()) == len(want))
+    finally:
+        await first.stop()
+    # Someone else's object with a name the operator would use: never deleted.
+    await cluster.call("POST", f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets", {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "other-engine"},
+        "spec": {"maxUnavailable": 1}})
+    second = OperatorRun(cluster, monitoring="off")
+    second.settings = OperatorSettings(**{**second.settings.__dict__, "network_policy": False})
+    await second.start()
+    try:
+        await cluster.patch_minedraft("qwen3-8b", {"spec": {"gateway": {"enabled": False},
+                                                            "engine": {"podDisruptionBudget": False}}})
+        await wait_for("only the engine Deployment and Service left", lambda: sorted(
+            (p, o["metadata"]["name"]) for p, o in cluster.owned() if o["metadata"]["name"] != "other-engine") == [
+            ("deployments", "qwen3-8b-engine"), ("services", "qwen3-8b-engine")])
+        assert cluster.obj("PodDisruptionBudget", "other-engine") is not None
+        md = await wait_for("status", lambda: (cluster.minedraft("qwen3-8b") or {}).get("status", {}).get(
+            "observedGeneration") == 2 and cluster.minedraft("qwen3-8b"))
+        gateway = next(c for c in md["status"]["conditions"] if c["type"] == "GatewayReady")
+        assert gateway["reason"] == "Disabled" and md["status"]["endpoint"] == f"qwen3-8b-engine.{NS}.svc:50051"
+    finally:
+        await second.stop()
+
+
 def test_every_granted_permission_was_exercised(seen_permissions: set[tuple[str, str, str]]) -> None:
     """Runs last in this module: the chart grants exactly what the operator was seen to use (and no more)."""
     if not seen_permissions:
