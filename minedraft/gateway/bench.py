@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 
 from minedraft.api import pb, pb_grpc
+from minedraft.api.grpc_policy import CHANNEL_OPTIONS
 from minedraft.testing.fake_engine import INTERVAL_METADATA_KEY
 
 # Per-token targets of the issue (added latency, milliseconds).
@@ -110,7 +111,7 @@ async def _wait_serving(target: str, timeout_seconds: float = 30.0) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_seconds
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -156,7 +157,7 @@ async def _one_stream(stub: Any, index: int, tokens: int, interval_seconds: floa
 async def _run_streams(target: str, count: int, tokens: int, interval_seconds: float,
                        deadline_seconds: float) -> tuple[list[StreamResult], int, float]:
     open_streams, peak = [0], [0]
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
         stub = pb_grpc.GenerationStub(channel)
         started = time.perf_counter()
         results = await asyncio.gather(*(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
@@ -31,15 +31,19 @@ DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0
 INITIAL_CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "UNAVAILABLE",
                  "UNAUTHENTICATED", "UNKNOWN", "INTERNAL")
 
-def outcome_code(error: BaseException | None, context_code: Any) -> str:
-    """The gRPC status a stream ended with (pure): OK, the code it was aborted with, CANCELLED when the caller went
-    away (the task is cancelled or the generator closed), UNKNOWN for anything else raised."""
+def outcome_code(error: BaseException | None, context_code: Any, deadline_passed: bool = False) -> str:
+    """The gRPC status a stream ended with (pure): OK, the code it was ended with (a RouteError's, or the context's
+    for an abort), DEADLINE_EXCEEDED or CANCELLED when the caller's deadline passed or the caller went away (the
+    task is cancelled or the generator closed), UNKNOWN for anything else raised."""
     if error is None:
         return "OK"
+    code = getattr(error, "code", None)
+    if isinstance(code, grpc.StatusCode):  # RouteError
+        return code.name
     if isinstance(error, grpc.aio.AbortError):
         return context_code.name if isinstance(context_code, grpc.StatusCode) else "UNKNOWN"
     if isinstance(error, asyncio.CancelledError | GeneratorExit):
-        return "CANCELLED"
+        return "DEADLINE_EXCEEDED" if deadline_passed else "CANCELLED"
     return "UNKNOWN"
 
 
@@ -77,20 +81,26 @@ class GatewayMetrics:
         if attempt > 1:
             self.retries.inc()
 
-    def stream(self, context: grpc.aio.ServicerContext) -> StreamObservation:
-        """Observe one stream: `with metrics.stream(context) as observed:` around it, `observed.responded()` at each
-        response. Whatever the stream ends with (return, abort, cancellation, the generator closed) is counted."""
-        return StreamObservation(self, context)
+    def stream(self, deadline: float | None = None) -> StreamObservation:
+        """Observe one stream: `with metrics.stream(deadline) as observed:` around it, `observed.responded()` at each
+        response. Whatever the stream ends with (return, error, cancellation, the generator closed) is counted;
+        `deadline` (event-loop time) tells an expired deadline from a caller's cancel."""
+        return StreamObservation(self, deadline)
+
+    def refused(self, code: grpc.StatusCode) -> None:
+        """A stream refused before it was routed (e.g. UNAUTHENTICATED)."""
+        self.started.inc()
+        self.finished.labels(code.name).inc()
 
 
 class StreamObservation:
     """One stream's count, status code, time to first response and duration (see GatewayMetrics.stream)."""
 
-    __slots__ = ("_arrived", "_context", "_metrics", "_waiting_first")
+    __slots__ = ("_arrived", "_deadline", "_metrics", "_waiting_first")
 
-    def __init__(self, metrics: GatewayMetrics, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, metrics: GatewayMetrics, deadline: float | None) -> None:
         self._metrics = metrics
-        self._context = context
+        self._deadline = deadline
         self._arrived = 0.0
         self._waiting_first = True
 
@@ -105,26 +115,32 @@ class StreamObservation:
             self._waiting_first = False
 
     def __exit__(self, exc_type: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
-        self._metrics.finished.labels(outcome_code(error, self._context.code())).inc()
+        deadline_passed = self._deadline is not None and asyncio.get_running_loop().time() >= self._deadline
+        self._metrics.finished.labels(outcome_code(error, None, deadline_passed)).inc()
         self._metrics.duration_seconds.observe(time.perf_counter() - self._arrived)
 
 
 class GatewayStateCollector(Collector):
     """Gauges read at scrape time from the routing state: streams in flight, per-engine outstanding, endpoints."""
 
-    def __init__(self, endpoints: EndpointSet, admission: Admission) -> None:
+    def __init__(self, endpoints: EndpointSet, admission: Admission, waiting: Callable[[], int] = lambda: 0) -> None:
         self.endpoints = endpoints
         self.admission = admission
+        self.waiting = waiting
 
     def collect(self) -> Iterable[Metric]:
-        return gateway_state_families(list(self.endpoints), self.admission, time.monotonic())
+        return gateway_state_families(list(self.endpoints), self.admission, time.monotonic(), self.waiting())
 
     def describe(self) -> Iterable[Metric]:
         return []
 
 
-def gateway_state_families(endpoints: list[Any], admission: Admission, now_seconds: float) -> list[Metric]:
+def gateway_state_families(endpoints: list[Any], admission: Admission, now_seconds: float,
+                           num_waiting: int = 0) -> list[Metric]:
     """Pure: the gauges of one view of the routing state."""
+    waiting = GaugeMetricFamily(f"{PREFIX}_streams_waiting", "Streams waiting for any engine to become ready (none "
+                                                              "is): the scale-from-zero signal.")
+    waiting.add_metric([], num_waiting)
     in_flight = GaugeMetricFamily(f"{PREFIX}_streams_in_flight", "Streams the gateway is serving now.")
     in_flight.add_metric([], admission.in_flight)
     limit = GaugeMetricFamily(f"{PREFIX}_streams_in_flight_limit", "In-flight streams past which new ones are "
@@ -141,4 +157,4 @@ def gateway_state_families(endpoints: list[Any], admission: Admission, now_secon
     known.add_metric([], len(endpoints))
     num_ready = GaugeMetricFamily(f"{PREFIX}_endpoints_ready", "Engine endpoints healthy and routable now.")
     num_ready.add_metric([], sum(1 for e in endpoints if e.ready(now_seconds)))
-    return [in_flight, limit, outstanding, ready, known, num_ready]
+    return [in_flight, limit, waiting, outstanding, ready, known, num_ready]

@@ -166,7 +166,10 @@ def engine_command(spec: s.MineDraftSpec) -> list[str]:
                 "--auto-k", ",".join(str(n) for n in range(k_low, max(k, k_high) + 1))]
     # Everything else goes to vLLM's own engine arguments, one `--flag=value` word each (vLLM's parser checks them
     # at start-up; a typo shows in the MineDraft's Progressing condition through the container's termination message).
-    return cmd + [f"--vllm-arg={word}" for word in s.split_extra_args(eng.extra_args)]
+    for word in s.split_extra_args(eng.extra_args):
+        own = word.split("=", 1)[0] in s.ENGINE_OWN_EXTRA_FLAGS
+        cmd.append(word if own else f"--vllm-arg={word}")
+    return cmd
 
 
 def _engine_volumes(spec: s.MineDraftSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

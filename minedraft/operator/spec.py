@@ -38,11 +38,18 @@ MAX_REPLICAS = 1000
 # Context length bounds (vLLM's max_model_len): below 16 nothing useful fits; above 2^24 no model has been trained.
 MIN_MODEL_LEN = 16
 MAX_MODEL_LEN = 1 << 24
-# Flags the operator sets itself on `minedraft serve`: extraArgs must not repeat or override them.
+# Flags the operator sets itself on `minedraft serve` from the MineDraft's own fields, and vLLM arguments the engine
+# sets or refuses (they break its one-schedule-one-update cycle): extraArgs must not carry them.
 RESERVED_ENGINE_FLAGS = ("--host", "--grpc-port", "--metrics-port", "--grace-seconds", "--model", "--draft", "--mode",
                          "--num-speculative-tokens", "--num-extra-draft-tokens", "--drafter-gpu", "--drafter-backend",
-                         "--max-num-seqs", "--max-model-len", "--dtype", "--tensor-parallel-size",
-                         "--max-num-speculative-tokens", "--auto-modes")
+                         "--max-num-seqs", "--max-model-len", "--dtype", "--tensor-parallel-size", "-tp",
+                         "--target-gpus", "--max-num-speculative-tokens", "--auto-modes", "--auto-k",
+                         "--speculative-config", "--scheduler-cls", "--pipeline-parallel-size", "-pp",
+                         "--data-parallel-size", "-dp", "--async-scheduling")
+# extraArgs that are `minedraft serve` flags of their own (the engine sets these vLLM arguments itself from them):
+# passed as they are, not as --vllm-arg.
+ENGINE_OWN_EXTRA_FLAGS = ("--gpu-memory-utilization", "--drafter-gpu-memory-utilization", "--seed",
+                          "--draft-deadline-seconds")
 
 # Kept in step with pyproject.toml's version and the Dockerfiles (a test checks all three).
 IMAGE_REPOSITORY = "ghcr.io/minedraft"

@@ -1,9 +1,10 @@
 """One engine replica's gRPC server: Generation, grpc.health.v1 and reflection, with a graceful drain.
 
-Lifecycle: start() binds the port with health NOT_SERVING (the engine is still loading: Kubernetes keeps the pod
+Lifecycle: start() binds the port with readiness NOT_SERVING (the engine is still loading: Kubernetes keeps the pod
 out of its Service, the gateway routes elsewhere); attach(engine) flips it to SERVING; drain() goes NOT_SERVING,
-refuses new streams with UNAVAILABLE, lets open streams finish within the grace period, then cancels the rest
-(which aborts them in the engine) and stops.
+refuses new streams with UNAVAILABLE, lets open streams finish within the grace period, then cuts the rest with
+UNAVAILABLE and their token count (which aborts them in the engine) and stops. Liveness ("minedraft.liveness") is
+SERVING from the bind to the exit, through loading and draining: it only says the event loop answers.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from minedraft.api import SERVICE_NAME, pb_grpc
+from minedraft.api import SERVICE_NAME, grpc_policy
 from minedraft.engine.async_engine import AsyncEngine
 from minedraft.server.metrics import EngineExporter
 from minedraft.server.servicer import EngineService, GenerationServicer, ServerState
@@ -29,9 +29,7 @@ log = logging.getLogger(__name__)
 
 # Streams are long and mostly idle between tokens: let clients keep connections alive without being told off.
 SERVER_OPTIONS = (
-    ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.so_reuseport", 0),
+    *grpc_policy.SERVER_OPTIONS,
     # gRPC core cancels calls that arrive while more than 1000 wait for the application (a burst through the
     # gateway); the engine's own queue (vLLM's waiting list) is the place where requests wait.
     ("grpc.server.max_pending_requests", 8192),
@@ -50,10 +48,9 @@ class EngineServer:
         self._metrics_task: asyncio.Task[None] | None = None
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
-        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.service), self.server)
+        grpc_policy.add_generation_servicer(GenerationServicer(self.service), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME),
-                                            self.server)
+        grpc_policy.enable_reflection(self.server, (SERVICE_NAME, "grpc.health.v1.Health"))
         self.port: int | None = None
 
     async def _set_health(self, status: int) -> None:
@@ -66,6 +63,7 @@ class EngineServer:
         self.port = self.server.add_insecure_port(address)
         if not self.port:
             raise OSError(f"cannot bind {address}")
+        await self.health.set(grpc_policy.LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         log.info("gRPC server on %s (port %d), loading", address, self.port)
@@ -87,13 +85,17 @@ class EngineServer:
     async def drain(self, grace_seconds: float) -> None:
         """Stop admitting, let open streams finish for up to grace_seconds, cancel the rest, stop the server."""
         self.service.state = ServerState.DRAINING
-        await self.health.enter_graceful_shutdown()
+        # Readiness only (not enter_graceful_shutdown, which also turns liveness off and freezes every status).
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         open_streams = self.service.num_active_streams
         log.info("draining: %d open streams, grace %.1fs", open_streams, grace_seconds)
         try:
             await asyncio.wait_for(self.service.idle.wait(), grace_seconds)
         except TimeoutError:
-            log.warning("grace period over: cancelling %d streams", self.service.num_active_streams)
+            log.warning("grace period over: cutting %d streams", self.service.num_active_streams)
+            self.service.cut_all()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.service.idle.wait(), 2.0)
         # grace=0: whatever is still open is cancelled now; the servicer's stream closes and aborts it in the engine.
         await self.server.stop(0)
 

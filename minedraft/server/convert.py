@@ -4,23 +4,45 @@ state is touched. No I/O, no gRPC calls: tested directly in tests/unit."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from minedraft.api import pb
 from minedraft.engine.requests import OutputDelta, RequestError, SamplingSettings
 from minedraft.engine.settings import EngineSettings, Mode
 
-# Request ids become vLLM request ids and log fields: keep them bounded.
+# Request ids are echoed in responses and logged: keep them bounded.
 MAX_REQUEST_ID_CHARS = 256
+# Per-request work every step pays on the path all requests share (vLLM checks each stop string against the new text
+# of every step): bounded. OpenAI's API allows 4 stop strings.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+# Bytes per token assumed when the tokenizer's vocabulary cannot be read (an upper bound for common vocabularies).
+FALLBACK_MAX_TOKEN_BYTES = 64
 
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """What a request must fit: the target's vocabulary and context (prompt plus generated tokens)."""
+    """What a request must fit: the target's vocabulary and context (prompt plus generated tokens).
+
+    `max_token_bytes` is the longest token's text in bytes: a text prompt longer than max_model_len of those cannot
+    fit the context whatever it tokenizes to, so it is refused before tokenizing (tokenizing megabytes takes seconds).
+    """
 
     vocab_size: int
     max_model_len: int
+    max_token_bytes: int = FALLBACK_MAX_TOKEN_BYTES
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        return self.max_model_len * self.max_token_bytes
+
+
+def max_token_bytes(vocabulary: Iterable[str]) -> int:
+    """The longest token text in UTF-8 bytes (for byte-level BPE vocabularies an over-estimate: each of their
+    characters stands for one byte but may take two in UTF-8)."""
+    return max((len(token.encode("utf-8", errors="replace")) for token in vocabulary), default=0) or 1
 
 
 @dataclass(frozen=True)
@@ -84,6 +106,7 @@ def sampling_from_proto(params: pb.SamplingParams, num_prompt_tokens: int, limit
     seed = params.seed if params.HasField("seed") else None
     if seed is not None and seed < 0:
         raise RequestError("sampling_params.seed", f"must be >= 0, got {seed}")
+    check_list_sizes(params)
     _check_token_ids("sampling_params.stop_token_ids", list(params.stop_token_ids), limits.vocab_size)
     if any(not s for s in params.stop):
         raise RequestError("sampling_params.stop", "stop strings must be non-empty")
@@ -101,11 +124,39 @@ def sampling_from_proto(params: pb.SamplingParams, num_prompt_tokens: int, limit
     return sampling
 
 
+def check_list_sizes(params: pb.SamplingParams) -> None:
+    """Bounds on every list field of SamplingParams (count and element size)."""
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise RequestError("sampling_params.stop", f"has {len(params.stop)} stop strings; at most {MAX_STOP_STRINGS}")
+    for index, stop in enumerate(params.stop):
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            raise RequestError("sampling_params.stop", f"stop string {index} is {len(stop)} characters; at most "
+                                                       f"{MAX_STOP_STRING_CHARS}")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError("sampling_params.stop_token_ids",
+                           f"has {len(params.stop_token_ids)} token ids; at most {MAX_STOP_TOKEN_IDS}")
+
+
+def check_before_tokenizing(request: pb.GenerateRequest, limits: ModelLimits) -> None:
+    """The checks that cost nothing and bound what tokenizing may cost: run them first, on the event loop."""
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise RequestError("request_id", f"is longer than {MAX_REQUEST_ID_CHARS} characters")
+    # A character is at most 4 bytes in UTF-8: only a prompt that may be over the bound is measured.
+    if len(request.prompt) * 4 > limits.max_prompt_bytes:
+        num_bytes = len(request.prompt.encode("utf-8", errors="replace"))
+        if num_bytes > limits.max_prompt_bytes:
+            raise RequestError("prompt", f"is {num_bytes} bytes; a prompt that fits the context of "
+                                         f"{limits.max_model_len} tokens is at most {limits.max_prompt_bytes} bytes")
+    if len(request.prompt_token_ids) >= limits.max_model_len:
+        raise RequestError("prompt_token_ids", f"is {len(request.prompt_token_ids)} tokens; the context holds "
+                                               f"{limits.max_model_len} including at least one generated token")
+    check_list_sizes(request.sampling_params)
+
+
 def prepare_request(request: pb.GenerateRequest, limits: ModelLimits,
                     tokenize: Callable[[str], list[int]]) -> PreparedRequest:
     """Every check a Generate request must pass; raises RequestError naming the first bad field."""
-    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-        raise RequestError("request_id", f"is longer than {MAX_REQUEST_ID_CHARS} characters")
+    check_before_tokenizing(request, limits)
     token_ids = prompt_token_ids(request, limits, tokenize)
     sampling = sampling_from_proto(request.sampling_params, len(token_ids), limits)
     return PreparedRequest(request.request_id or None, token_ids, sampling)

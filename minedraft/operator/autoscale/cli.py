@@ -52,6 +52,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from minedraft.operator.autoscale.bench import bench, markdown, write
+
+    summary = bench(Path(args.replica_model), Path(args.traces), family_size=args.family_size, seed=args.seed,
+                    utilization=args.target_utilization, workers=args.workers)
+    command = "minedraft autoscale bench " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else \
+        "minedraft autoscale bench"
+    write(summary, Path(args.out), command, plots=not args.no_plots)
+    print(markdown(summary, command))
+    return 0
+
+
 def cmd_make_traces(args: argparse.Namespace) -> int:
     from minedraft.operator.autoscale.traces import write_traces
 
@@ -98,6 +110,17 @@ def add_subcommands(sub: Any) -> None:
     cmp.add_argument("--workers", type=int, help="simulations in parallel (default: one per CPU)")
     cmp.add_argument("--no-plots", action="store_true")
     cmp.set_defaults(func=cmd_compare)
+    bench = commands.add_parser("bench", help="minedraft, the HPA and the oracle over the generated family and the "
+                                              "committed traces: table + plot of per-trace ratios")
+    bench.add_argument("--out", required=True)
+    bench.add_argument("--traces", default=str(DEFAULT_TRACES))
+    bench.add_argument("--replica-model", default=str(DEFAULT_MODEL))
+    bench.add_argument("--family-size", type=int, default=210, help="generated traces (default 210: 30 per shape)")
+    bench.add_argument("--seed", type=int, default=0, help="the family's seed")
+    bench.add_argument("--target-utilization", type=float, default=0.8)
+    bench.add_argument("--workers", type=int, help="simulations in parallel (default: one per CPU)")
+    bench.add_argument("--no-plots", action="store_true")
+    bench.set_defaults(func=cmd_bench)
     make = commands.add_parser("make-traces", help="write the committed traces (deterministic)")
     make.add_argument("--out", default=str(DEFAULT_TRACES))
     make.add_argument("--seed", type=int, default=0)
