@@ -1,6 +1,7 @@
-"""The MineDraft CustomResourceDefinition, built here and written to the chart's crds/ (the one source of truth).
+"""The MineDraft CustomResourceDefinition, built here and written to CRD_FILE in the chart (the one source of truth).
 
-`minedraft operator crd` prints it; a test checks that charts/minedraft/crds/ holds exactly this. Defaults and
+`minedraft operator crd` prints it; a test checks that CRD_FILE holds exactly this (the chart ships it from a
+template so `helm upgrade` applies it). Defaults and
 bounds come from the dataclasses in spec.py so the API server and the offline parser agree.
 """
 
