@@ -95,6 +95,7 @@ def _system(values: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Connecti
     connections = [
         Connection(PROMETHEUS, operator, operator.ports["metrics"][0], "TCP", True, "Prometheus scrapes the operator"),
         Connection(KUBELET, operator, operator.ports["health"][0], "TCP", True, "kubelet probes kopf's /healthz"),
+        Connection(PROMETHEUS, operator, operator.ports["health"][0], "TCP", False, "health is the kubelet's"),
         Connection(operator, API_SERVER, 443, "TCP", True, "the operator watches and applies objects"),
         Connection(operator, DNS, 53, "UDP", True, "the operator resolves names"),
     ]
