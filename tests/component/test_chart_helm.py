@@ -4,6 +4,7 @@ schemas with kubernetes-validate (strict: unknown fields fail)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -36,12 +37,22 @@ def helm_run(values: dict[str, Any], chart: Path = CHART, **options: Any) -> sub
                           timeout=120)
 
 
+_RENDERED: dict[str, dict[str, Any]] = {}
+
+
 def helm_render(values: dict[str, Any], chart: Path = CHART, **options: Any) -> dict[str, Any]:
-    result = helm_run(values, chart, **options)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out: dict[str, Any] = json.loads(result.stdout)
-    out["docs"] = [d for d in yaml.safe_load_all(out["manifest"]) if d]
-    return out
+    """The install's output plus its parsed `docs`; the repository's chart is rendered once per values/options (each
+    render is a Helm run in a subprocess: seconds)."""
+    key = json.dumps([values, options], sort_keys=True)
+    if chart != CHART or key not in _RENDERED:
+        result = helm_run(values, chart, **options)
+        assert result.returncode == 0, result.stderr[-3000:]
+        out: dict[str, Any] = json.loads(result.stdout)
+        out["docs"] = [d for d in yaml.safe_load_all(out["manifest"]) if d]
+        if chart != CHART:
+            return out
+        _RENDERED[key] = out
+    return copy.deepcopy(_RENDERED[key])
 
 
 def validate_all(docs: list[dict[str, Any]]) -> None:
