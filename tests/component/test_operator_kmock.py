@@ -373,7 +373,8 @@ async def test_restart_makes_no_duplicates_and_no_spurious_changes(cluster: Clus
     first = OperatorRun(cluster)
     await first.start()
     await cluster.apply_minedraft(example("autoscaled"))
-    await wait_for("objects and status", lambda: len(cluster.owned()) == 9
+    want = len(rendered(example("autoscaled"), "x"))
+    await wait_for("objects and status", lambda: len(cluster.owned()) == want
                    and (cluster.minedraft("qwen3-14b") or {}).get("status", {}).get("conditions"))
     await wait_for("a drift tick", lambda: first.count("timer") >= 1)
     # The example names a Prometheus that does not exist here: the autoscaler records that once (MetricsAvailable
@@ -528,7 +529,8 @@ async def test_operator_command_end_to_end(cluster: Cluster, tmp_path: Path) -> 
             assert time.monotonic() < deadline, "the operator's liveness endpoint never answered"
             await asyncio.sleep(0.1)
         await cluster.apply_minedraft(example("minimal"))
-        await wait_for("objects from the operator process", lambda: len(cluster.owned()) == 9, timeout=30)
+        want = len(rendered(example("minimal"), "x"))  # the default options: NetworkPolicies on, no PodMonitor
+        await wait_for("objects from the operator process", lambda: len(cluster.owned()) == want, timeout=30)
         status, text = await get(metrics, "/metrics")
         assert status == 200
         assert 'minedraft_operator_applies_total{action="created",kind="Deployment"} 2.0' in text
