@@ -177,15 +177,15 @@ async def test_gateway_pod_probes_mean_what_they_say(tmp_path: Path) -> None:
                     json=endpoint_slice(engine.address)) as response:
                 assert response.status in (200, 201)
             await wait_for("the gateway ready once an engine is", lambda: readiness.ready)
-            # Drain (SIGTERM, as the kubelet sends on deletion): readiness drops before the process exits, and
-            # liveness never failed meanwhile.
+            # Drain (SIGTERM, as the kubelet sends on deletion): readiness drops before the process exits. (A
+            # kubelet restarts nothing once it has sent SIGTERM: restarts are counted until then.)
+            assert liveness.restarts == 0
             process.send_signal(signal.SIGTERM)
             await wait_for("readiness to drop on drain", lambda: not readiness.ready or process.poll() is not None)
             dropped_before_exit = not readiness.ready
             await wait_for("the gateway to exit", lambda: process.poll() is not None,
                            timeout=render.GATEWAY_GRACE_SECONDS + 10)
             assert dropped_before_exit or any(not ok for _, ok in readiness.history[-3:])
-            assert liveness.restarts == 0
             assert process.returncode == 0, log.read_text()[-2000:]
         finally:
             for task in tasks:
@@ -195,3 +195,73 @@ async def test_gateway_pod_probes_mean_what_they_say(tmp_path: Path) -> None:
                 process.kill()
                 process.wait()
             await engine.stop()
+
+
+# Flags of the engine pod with no CPU meaning, and what a CPU run uses instead (said, not hidden): the drafter's
+# GPU index, and the vLLM drafter (the torch drafter starts in seconds here; the GPU pod's drafter is vLLM's).
+CPU_FLAGS = {"--drafter-gpu": None, "--drafter-backend": "torch"}
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(600)
+async def test_engine_pod_is_not_restarted_while_loading_and_drains(tmp_path: Path) -> None:
+    """The rendered engine container on the CPU with the local model pair: the startup probe (model loaded, within
+    startupTimeoutSeconds) holds liveness off during the load, no restart happens, readiness comes once loaded and
+    drops on SIGTERM while liveness keeps answering until the process exits."""
+    from minedraft.models.spec import is_complete_pair
+
+    pair = ROOT / "minedraft" / "models" / "data" / "pair-v1"
+    if not is_complete_pair(pair):
+        pytest.skip("the committed local pair is not present")
+    doc = yaml.safe_load((ROOT / "examples" / "minimal.yaml").read_text())
+    doc["metadata"].update(namespace=NS, uid="u")
+    doc["spec"]["target"] = {"source": {"image": {"path": "/models/target"}}}
+    doc["spec"]["draft"] = {"source": {"image": {"path": "/models/draft"}}}
+    doc["spec"]["engine"] = {"maxNumSeqs": 8, "maxModelLen": 512, "terminationGracePeriodSeconds": 30}
+    deployment = next(m for m in render.render_resource(doc)
+                      if m["kind"] == "Deployment" and m["metadata"]["name"] == "qwen3-8b-engine")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    grpc_port = free_port()
+    command, env = local_process(container, tmp_path, {"--grpc-port": grpc_port, "--metrics-port": free_port()},
+                                 ["--kv-cache-gib", "1"])
+    # The image's model paths, mapped to the local pair; the CPU substitutions above.
+    command = [str(pair / "target") if w == "/models/target" else str(pair / "draft") if w == "/models/draft"
+               else w for w in command]
+    for name, value in CPU_FLAGS.items():
+        if name in command:
+            i = command.index(name)
+            command[i:i + 2] = [] if value is None else [name, value]
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    log = tmp_path / "engine.log"
+    process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    startup = Prober("readiness", grpc_port, container["startupProbe"])
+    liveness = Prober("liveness", grpc_port, container["livenessProbe"])
+    readiness = Prober("readiness", grpc_port, container["readinessProbe"])
+    startup_failures_allowed = container["startupProbe"]["failureThreshold"]
+    tasks = [asyncio.create_task(startup.run())]
+    try:
+        # The kubelet runs only the startup probe until it succeeds; a restart would need failureThreshold
+        # consecutive failures (the whole startupTimeoutSeconds).
+        await wait_for("the engine to load (startup probe passes)", lambda: startup.ready
+                       or process.poll() is not None, timeout=startup_failures_allowed
+                       * container["startupProbe"]["periodSeconds"] * PERIOD_SCALE)
+        assert process.poll() is None, log.read_text()[-3000:]
+        failures_while_loading = sum(1 for _, ok in startup.history if not ok)
+        assert failures_while_loading < startup_failures_allowed  # no restart while loading
+        tasks[0].cancel()
+        tasks += [asyncio.create_task(liveness.run()), asyncio.create_task(readiness.run())]
+        await wait_for("ready after loading", lambda: readiness.ready)
+        # A kubelet restarts nothing once it has sent SIGTERM (the container is being stopped): count until then.
+        assert liveness.restarts == 0, log.read_text()[-3000:]
+        process.send_signal(signal.SIGTERM)
+        await wait_for("readiness to drop on drain", lambda: not readiness.ready or process.poll() is not None,
+                       timeout=30)
+        await wait_for("the engine to exit", lambda: process.poll() is not None,
+                       timeout=deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] + 30)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
