@@ -358,6 +358,29 @@ def crd() -> dict[str, Any]:
     }
 
 
+def apply_defaults(schema: Schema, value: Any) -> Any:
+    """Structural defaulting as the API server does it: absent properties that have a default get it, recursively
+    (so `minedraft operator render` shows and renders what the API server would store)."""
+    if isinstance(value, list) and "items" in schema:
+        return [apply_defaults(schema["items"], v) for v in value]
+    if not isinstance(value, dict) or schema.get("type") != "object":
+        return value
+    import copy
+
+    out = dict(value)
+    for name, sub in schema.get("properties", {}).items():
+        if name not in out and "default" in sub:
+            out[name] = copy.deepcopy(sub["default"])
+        if name in out:
+            out[name] = apply_defaults(sub, out[name])
+    return out
+
+
+def defaulted(resource: dict[str, Any]) -> dict[str, Any]:
+    """A MineDraft as the API server stores it: the CRD's defaults applied."""
+    return dict(apply_defaults(crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"], resource))
+
+
 def crd_yaml() -> str:
     import yaml
 

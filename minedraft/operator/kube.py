@@ -171,6 +171,14 @@ class KubeClient:
                                          [("labelSelector", label_selector)])
         return list((doc or {}).get("items") or [])
 
+    async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        """Merge-patch a MineDraft's status subresource (the periodic passes' status writes)."""
+        path = MINEDRAFTS.path(namespace, name, "status")
+        code, _ = await asyncio.to_thread(self._call, "PATCH", path, {"status": dict(status)}, None,
+                                          "application/merge-patch+json")
+        if code == 404:
+            raise KubeError(404, "PATCH", path, "not found")
+
     async def scale(self, namespace: str, name: str, replicas: int) -> dict[str, Any]:
         """Set a MineDraft's spec.replicas through its /scale subresource (what `kubectl scale` and HPAs use)."""
         path = MINEDRAFTS.path(namespace, name, "scale")

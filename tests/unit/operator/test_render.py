@@ -457,3 +457,17 @@ def test_every_rendered_engine_flag_passes_the_engine_parser_and_settings(name: 
 
     command = engine_container(render.render_resource(doc))["command"]
     validate(settings_from_args(build_parser().parse_args(command[1:])))
+
+
+def test_cli_render_shows_the_resource_with_the_crds_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    """`minedraft operator render --resource` prints the MineDraft as the API server stores it, then its objects,
+    rendered from that defaulted MineDraft."""
+    from minedraft.cli import main
+
+    assert main(["operator", "render", "--resource", "-f", str(ROOT / "examples" / "minimal.yaml")]) == 0
+    first, *objects = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert first["kind"] == s.KIND
+    assert first["spec"]["engine"]["dtype"] == "auto" and first["spec"]["gateway"]["enabled"] is True
+    assert first["spec"]["engine"]["maxNumSeqs"] == s.EngineSpec().max_num_seqs
+    assert "maxModelLen" not in first["spec"]["engine"]  # no default: the model's own context length
+    assert [o["kind"] for o in objects][:2] == ["Service", "Deployment"]
