@@ -29,7 +29,7 @@ TRACE = "1:8,32:96,2:8,16:48"
 class Step:
     name: str
     what: str
-    argv: tuple[str, ...]  # starts with the `minedraft` command
+    argv: tuple[str, ...]  # starts with `minedraft`, or `python` for a script run by this interpreter
     outputs: tuple[str, ...]  # result files it writes, relative to the repository root
     estimate_seconds: float  # measured on the 2-core CPU machine the committed results come from
 
@@ -57,6 +57,10 @@ STEPS: tuple[Step, ...] = (
     Step("gateway-http", "the gateway's OpenAI HTTP (SSE) streams beside gRPC",
          ("minedraft", "bench-gateway", "--json", "benchmarks/results/gateway-http.json"),
          ("benchmarks/results/gateway-http.json",), 4 * 60),
+    Step("tensor-parallel", "the local pair at tensor-parallel sizes 1 and 2 (ar, sd, psd)",
+         ("python", "benchmarks/tensor_parallel.py"),
+         # Not timed when the committed set was made: a guess (four short bench runs of three modes).
+         ("benchmarks/results/tensor-parallel.json",), 10 * 60),
     Step("autoscaling", "speculation-aware autoscaler against the HPA algorithm and an oracle, simulated",
          ("minedraft", "autoscale", "bench", "--out", "benchmarks/results/autoscale"),
          # Not timed when the committed set was made: a guess from the simulator's speed on 2 cores.
@@ -84,6 +88,8 @@ def progress_line(steps: tuple[Step, ...] | list[Step], index: int, elapsed_seco
 
 
 def _command(argv: tuple[str, ...]) -> list[str]:
+    if argv[0] == "python":
+        return [sys.executable, *argv[1:]]
     # The `minedraft` console script of the interpreter running this script (a venv need not be activated).
     local = Path(sys.executable).with_name("minedraft")
     exe = str(local) if local.exists() else shutil.which("minedraft")

@@ -13,7 +13,7 @@ log = logging.getLogger(__name__)
 
 
 def add_subcommands(sub: Any) -> None:
-    from minedraft.cli import add_engine_arguments
+    from minedraft.engine_options import add_engine_arguments
 
     serve = sub.add_parser("serve", help="serve the gRPC API over a PSD engine replica")
     add_engine_arguments(serve)
@@ -45,8 +45,8 @@ def start_metrics(host: str, port: int) -> Any:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from minedraft.cli import settings_from_args
     from minedraft.engine.async_engine import AsyncEngine
+    from minedraft.engine_options import settings_from_args
     from minedraft.server.app import serve
 
     settings = settings_from_args(args)
