@@ -51,7 +51,7 @@ if [[ "$EXTRA" == cpu ]]; then
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 fi
 # The chart tests' Helm: helm-sdkpy bundles Helm v4's Go library. It declares Python >= 3.12 but works on 3.11
-# (design.md §4), so pip must be told to ignore that; it cannot go in pyproject.toml's extras for the same reason.
+# (docs/architecture.md), so pip must be told to ignore that; it cannot go in pyproject.toml's extras for the same reason.
 "$VENV/bin/python" -m pip install --quiet --progress-bar off --ignore-requires-python "helm-sdkpy==0.1.32"
 verify
 echo "$WANT" > "$STAMP"

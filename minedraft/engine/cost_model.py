@@ -1,6 +1,6 @@
 """What each way of decoding would yield right now, predicted from the engine's own per-step measurements.
 
-Pure: fed `StepRecord`s, asked for predictions; no clocks, no I/O. The measured ingredients (design.md §7), each
+Pure: fed `StepRecord`s, asked for predictions; no clocks, no I/O. The measured ingredients (docs/architecture.md), each
 kept per kind of decode step where the kinds cost differently:
 
 - V(tokens): seconds the target takes to verify a step of that many tokens (decode steps only), for three kinds

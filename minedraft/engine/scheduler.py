@@ -1,6 +1,6 @@
 """vLLM V1 scheduler subclass that runs batch-parallel speculative decoding.
 
-Per step (design.md §3):
+Per step (docs/architecture.md, One step):
   schedule():            pick the sub-batch whose turn it is, attach the drafts the drafter made for it during the
                          previous step (waiting for them with a deadline if the drafter is late), keep the other
                          sub-batch out of the step (vLLM's per-request `next_decode_eligible_step`).

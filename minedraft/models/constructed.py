@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ConstructedRecipe:
     acceptance: float = 0.8
-    # ~160M parameters, float32: memory-bound decode at low concurrency on this CPU (design.md §7).
+    # ~160M parameters, float32: memory-bound decode at low concurrency on this CPU (docs/architecture.md).
     target_hidden_size: int = 1024
     target_num_layers: int = 12
     target_num_heads: int = 16

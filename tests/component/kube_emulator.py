@@ -1,6 +1,6 @@
 """A Kubernetes API emulator good enough for the real kopf operator and Helm: kmock's, with what it lacks added.
 
-kmock 0.8's KubernetesEmulator stores objects and serves list/watch/get, but (design.md §4) sets no uid,
+kmock 0.8's KubernetesEmulator stores objects and serves list/watch/get, but (docs/architecture.md) sets no uid,
 resourceVersion or generation (kopf's JSON-patch `test` on resourceVersion then fails), ignores the URL's namespace,
 has no PUT, no server-side apply, no /status or /scale separation, reports core's groupVersion as "/v1" and omits
 `kind` in lists. This subclass adds those, plus bearer-token checks (accepted_tokens) and ending open watches (as an

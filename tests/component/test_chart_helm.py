@@ -72,7 +72,7 @@ def test_chart_lints_clean() -> None:
     from helm_sdkpy.chart import Lint
 
     result = asyncio.run(Lint(Configuration(namespace=NAMESPACE)).run(str(CHART)))
-    # Helm's severities: 1 info, 2 warning, 3 error. Its messages are often empty here (see design.md §4).
+    # Helm's severities: 1 info, 2 warning, 3 error. Its messages are often empty here (see docs/architecture.md).
     assert result["TotalChartsLinted"] == 1
     assert not result.get("Errors"), result
     assert [m for m in result["Messages"] or [] if m["Severity"] >= 2] == [], result

@@ -3,7 +3,7 @@ a gateway export, Prometheus scrapes both every second with the rules loaded, lo
 every metric, dashboard query and rule is checked against what Prometheus holds.
 
 One module-scoped run (~20 s beyond the shared engine's start) feeds every test here. Set MINEDRAFT_WRITE_PREVIEWS=1
-to also render each dashboard's panels from this run's data to docs/dashboards/*.png (the README's images).
+to also render each dashboard's panels from this run's data to docs/dashboards/*.png (docs/operations.md's images).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Style gates: ruff, mypy and the layer contracts (import-linter) of design.md §2."""
+"""Style gates: ruff, mypy and the layer contracts (import-linter) of docs/architecture.md (Layers)."""
 
 import shutil
 import subprocess
