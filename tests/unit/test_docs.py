@@ -18,10 +18,6 @@ DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 RULES_FILE = ROOT / "dashboards" / "minedraft.rules.yaml"
 RUNBOOK_PREFIX = "https://github.com/minedraft/minedraft/blob/main/docs/operations.md#"
 
-# Pages written with their features (GPU serving, autoscaling) on branches of their own: a link to one passes
-# while the file is absent; once it exists it is checked like any other. Empty this set once both have landed.
-LANDING_SEPARATELY = {ROOT / "docs" / "gpu.md", ROOT / "docs" / "autoscaling.md"}
-
 # [text](target) and ![alt](target); reference-style links are not used in these files.
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _FENCE = re.compile(r"^(```|~~~)")
@@ -83,8 +79,6 @@ def test_every_relative_link_resolves(doc: Path) -> None:
             continue
         path_part, _, fragment = target.partition("#")
         resolved = (doc.parent / unquote(path_part)).resolve() if path_part else doc
-        if not resolved.exists() and resolved in LANDING_SEPARATELY:
-            continue
         if not resolved.exists():
             broken.append(f"{target}: {resolved} does not exist")
         elif fragment and resolved.suffix == ".md" and fragment not in anchors(resolved):
