@@ -34,9 +34,10 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_reconnect_backoff_ms", 2_000),
 )
 
+# Servers do not ping on their own (gRPC's default: every 2 hours): a server ping unanswered within a timeout closes
+# the connection and cancels every call on it, which under overload (a client too busy to answer in time) fails
+# streams that would have completed. Dead clients are found by the channels' own pings and by TCP.
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),

@@ -18,6 +18,7 @@ from minedraft.engine.placement import (
     check_model_pair,
     cpu_thread_binding,
     detect_device,
+    narrow_visible_devices,
     plan_devices,
     resolve_for_device,
 )
@@ -39,7 +40,7 @@ def _configure_process(settings: EngineSettings, plan: DevicePlan) -> None:
     if plan.target_visible_devices is not None:
         # The target (and its tensor-parallel workers, which inherit this) sees exactly its own GPUs. CUDA is not
         # initialised yet in this process: detect_device counts GPUs through NVML.
-        os.environ["CUDA_VISIBLE_DEVICES"] = plan.target_visible_devices
+        narrow_visible_devices(os.environ, plan.target_visible_devices)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(settings.kv_cache_gib)))
     if settings.tensor_parallel_size > 1 and plan.target_visible_devices is None:
@@ -154,6 +155,7 @@ class Engine:
         device = detect_device()
         settings = resolve_for_device(settings, device)
         self.device_plan = plan_devices(settings, device)
+        self.pair_check: dict[str, Any] | None = None
         if settings.mode.uses_drafter or settings.mode is Mode.VLLM_SD:
             self.pair_check = check_model_pair(settings.model, settings.drafter.model, settings.drafter.backend
                                                if settings.mode.uses_drafter else "vllm")

@@ -96,17 +96,34 @@ def _cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+# Where an engine records the device list this process inherited before narrowing CUDA_VISIBLE_DEVICES to the
+# target's, so a later engine in the same process (tests, doctor) still indexes into what the pod was given.
+INHERITED_DEVICES_ENV = "MINEDRAFT_INHERITED_CUDA_VISIBLE_DEVICES"
+
+
+def narrow_visible_devices(environ: dict[str, str] | Any, target_visible_devices: str) -> None:
+    """Let this process (and the workers it spawns) see only the target's GPUs, remembering the inherited list."""
+    if INHERITED_DEVICES_ENV not in environ:
+        environ[INHERITED_DEVICES_ENV] = environ.get("CUDA_VISIBLE_DEVICES", "")
+    environ["CUDA_VISIBLE_DEVICES"] = target_visible_devices
+
+
 def detect_device(environ: Mapping[str, str] | None = None) -> DeviceInfo:
     """Visible GPUs without initialising CUDA in this process (NVML count), so CUDA_VISIBLE_DEVICES can still be
     narrowed for the target afterwards."""
     env = os.environ if environ is None else environ
-    inherited = env.get("CUDA_VISIBLE_DEVICES")
+    inherited = env.get(INHERITED_DEVICES_ENV, env.get("CUDA_VISIBLE_DEVICES"))
+    if INHERITED_DEVICES_ENV in env and inherited:
+        # Narrowed by an earlier engine in this process: the recorded list is what this process was given.
+        return DeviceInfo(visible_gpus=tuple(d.strip() for d in inherited.split(",") if d.strip()),
+                          cpu_fast_bf16=_cpu_has_fast_bf16())
     count = 0
     try:
         import torch
 
-        if torch.cuda.is_available():  # NVML-based when possible; CUDA stays uninitialised
-            count = torch.cuda.device_count()
+        # device_count() asks NVML and leaves CUDA uninitialised (is_available() would call cuInit, after which this
+        # process's CUDA_VISIBLE_DEVICES can no longer be narrowed for the target); it reads CUDA_VISIBLE_DEVICES.
+        count = torch.cuda.device_count()
     except Exception:  # a broken driver reads as no GPU: the CPU path then says so clearly
         log.warning("could not count GPUs", exc_info=True)
     if inherited is not None and inherited.strip() != "":

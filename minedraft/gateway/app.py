@@ -28,6 +28,7 @@ from minedraft.gateway.policy import Admission, EndpointSet
 from minedraft.gateway.pool import EnginePool
 from minedraft.gateway.router import Router, RouterConfig
 from minedraft.gateway.service import GatewayServicer
+from minedraft.openai_api.server import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,16 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self._health_task: asyncio.Task[None] | None = None
         self.port: int | None = None
+        self.http: HttpServer | None = None
+
+    async def start_http(self, host: str, port: int) -> int:
+        """Serve the OpenAI HTTP API too (same router, admission, tokens and TLS); returns the bound port."""
+        from minedraft.gateway.http import gateway_http_app
+
+        tls = self.config.tls
+        self.http = HttpServer(gateway_http_app(self.router, self.ready, self.config.tokens).app,
+                               tls.cert_file if tls else None, tls.key_file if tls else None)
+        return await self.http.start(host, port)
 
     def _health_changed(self) -> None:
         # Called from sync code (pool, discovery); the health servicer's setter is async.
@@ -114,11 +125,16 @@ class Gateway:
         else:
             self._health_task.add_done_callback(lambda _: self._health_changed())
 
+    def ready(self) -> bool:
+        """Readiness, one meaning for gRPC health and HTTP /ready: an engine to route to, and not draining."""
+        # Health, not the short failure cool-down: a cool-down ends without any event to publish it.
+        return not self.router.draining and any(endpoint.healthy and not endpoint.unresponsive
+                                                for endpoint in self.endpoints)
+
     async def _publish_health(self) -> None:
         if self.router.draining:
             return
-        # Health, not the short failure cool-down: a cool-down ends without any event to publish it.
-        serving = any(endpoint.healthy for endpoint in self.endpoints)
+        serving = self.ready()
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
@@ -171,13 +187,18 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.server.stop(0)
+        if self.http is not None:
+            await self.http.stop()
         await self.pool.close()
 
 
 async def run_gateway(gateway: Gateway, address: str, grace_seconds: float,
                       stop_event: asyncio.Event | None = None,
-                      on_started: Callable[[int], None] | None = None) -> int:
+                      on_started: Callable[[int], None] | None = None,
+                      http_address: tuple[str, int] | None = None) -> int:
     await gateway.start(address)
+    if http_address is not None:
+        await gateway.start_http(*http_address)
     if on_started is not None:
         on_started(gateway.port or 0)
     stop = stop_event or asyncio.Event()

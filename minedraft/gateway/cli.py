@@ -44,6 +44,9 @@ def add_subcommands(sub: Any) -> None:
     gateway.add_argument("--tls-key", help="PEM private key")
     gateway.add_argument("--grace-seconds", type=float, default=20.0)
     gateway.add_argument("--metrics-port", type=int, default=9401, help="Prometheus /metrics (0: do not serve)")
+    gateway.add_argument("--http-port", type=int, default=0,
+                         help="OpenAI-compatible HTTP API on this port, with the same routing, admission, bearer "
+                              "tokens and TLS as the gRPC port (0: do not serve)")
     gateway.set_defaults(func=cmd_gateway)
 
     bench = sub.add_parser("bench-gateway", help="the gateway's own cost against a fake engine, and its stream limit")
@@ -135,7 +138,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             print(f"minedraft gateway: on {args.host}:{port} ({'TLS' if config.tls else 'plaintext'}, "
                   f"auth {'on' if config.tokens else 'off'})", file=sys.stderr, flush=True)
 
-        return await run_gateway(gateway, f"{args.host}:{args.port}", args.grace_seconds, on_started=on_started)
+        return await run_gateway(gateway, f"{args.host}:{args.port}", args.grace_seconds, on_started=on_started,
+                                 http_address=(args.host, args.http_port) if args.http_port else None)
 
     try:
         return asyncio.run(main())

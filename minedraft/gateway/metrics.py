@@ -30,6 +30,7 @@ DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0
 # Status codes the dashboards and alerts expect to see as series (at 0) before they first happen.
 INITIAL_CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "UNAVAILABLE",
                  "UNAUTHENTICATED", "UNKNOWN", "INTERNAL")
+PROTOCOLS = ("grpc", "http")
 
 def outcome_code(error: BaseException | None, context_code: Any, deadline_passed: bool = False) -> str:
     """The gRPC status a stream ended with (pure): OK, the code it was ended with (a RouteError's, or the context's
@@ -51,9 +52,12 @@ class GatewayMetrics:
     """The gateway's counters and histograms. With registry=None they count but are not exported (tests, benches)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.started = Counter(f"{PREFIX}_streams_started", "Generate streams received.", registry=registry)
-        self.finished = Counter(f"{PREFIX}_streams_finished", "Generate streams ended, by gRPC status code.",
-                                ["code"], registry=registry)
+        # protocol: "grpc" (the Generation service) or "http" (the OpenAI API); one stream family for both.
+        self.started = Counter(f"{PREFIX}_streams_started", "Generate streams received.", ["protocol"],
+                               registry=registry)
+        self.finished = Counter(f"{PREFIX}_streams_finished", "Generate streams ended, by gRPC status code (an HTTP "
+                                                              "stream's status maps to one).",
+                                ["protocol", "code"], registry=registry)
         self.retries = Counter(f"{PREFIX}_retries", "Engine attempts beyond a stream's first (engine failures "
                                                     "before any token was streamed).", registry=registry)
         self.rejected = Counter(f"{PREFIX}_admission_rejected", "Streams refused with RESOURCE_EXHAUSTED because the "
@@ -65,12 +69,16 @@ class GatewayMetrics:
                                        buckets=ROUTE_BUCKETS, registry=registry)
         self.first_response_seconds = Histogram(f"{PREFIX}_time_to_first_response_seconds",
                                                 "From a stream's arrival to its first response forwarded (includes "
-                                                "the engine's time to first token).",
+                                                "the engine's time to first token).", ["protocol"],
                                                 buckets=FIRST_RESPONSE_BUCKETS, registry=registry)
         self.duration_seconds = Histogram(f"{PREFIX}_stream_duration_seconds", "From a stream's arrival to its end.",
-                                          buckets=DURATION_BUCKETS, registry=registry)
-        for code in INITIAL_CODES:
-            self.finished.labels(code)
+                                          ["protocol"], buckets=DURATION_BUCKETS, registry=registry)
+        for protocol in PROTOCOLS:
+            self.started.labels(protocol)
+            self.first_response_seconds.labels(protocol)
+            self.duration_seconds.labels(protocol)
+            for code in INITIAL_CODES:
+                self.finished.labels(protocol, code)
 
     def admission_rejected(self) -> None:
         self.rejected.inc()
@@ -81,43 +89,44 @@ class GatewayMetrics:
         if attempt > 1:
             self.retries.inc()
 
-    def stream(self, deadline: float | None = None) -> StreamObservation:
+    def stream(self, deadline: float | None = None, protocol: str = "grpc") -> StreamObservation:
         """Observe one stream: `with metrics.stream(deadline) as observed:` around it, `observed.responded()` at each
         response. Whatever the stream ends with (return, error, cancellation, the generator closed) is counted;
         `deadline` (event-loop time) tells an expired deadline from a caller's cancel."""
-        return StreamObservation(self, deadline)
+        return StreamObservation(self, deadline, protocol)
 
-    def refused(self, code: grpc.StatusCode) -> None:
+    def refused(self, code: grpc.StatusCode, protocol: str = "grpc") -> None:
         """A stream refused before it was routed (e.g. UNAUTHENTICATED)."""
-        self.started.inc()
-        self.finished.labels(code.name).inc()
+        self.started.labels(protocol).inc()
+        self.finished.labels(protocol, code.name).inc()
 
 
 class StreamObservation:
     """One stream's count, status code, time to first response and duration (see GatewayMetrics.stream)."""
 
-    __slots__ = ("_arrived", "_deadline", "_metrics", "_waiting_first")
+    __slots__ = ("_arrived", "_deadline", "_metrics", "_protocol", "_waiting_first")
 
-    def __init__(self, metrics: GatewayMetrics, deadline: float | None) -> None:
+    def __init__(self, metrics: GatewayMetrics, deadline: float | None, protocol: str = "grpc") -> None:
         self._metrics = metrics
         self._deadline = deadline
+        self._protocol = protocol
         self._arrived = 0.0
         self._waiting_first = True
 
     def __enter__(self) -> StreamObservation:
         self._arrived = time.perf_counter()
-        self._metrics.started.inc()
+        self._metrics.started.labels(self._protocol).inc()
         return self
 
     def responded(self) -> None:
         if self._waiting_first:
-            self._metrics.first_response_seconds.observe(time.perf_counter() - self._arrived)
+            self._metrics.first_response_seconds.labels(self._protocol).observe(time.perf_counter() - self._arrived)
             self._waiting_first = False
 
     def __exit__(self, exc_type: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
         deadline_passed = self._deadline is not None and asyncio.get_running_loop().time() >= self._deadline
-        self._metrics.finished.labels(outcome_code(error, None, deadline_passed)).inc()
-        self._metrics.duration_seconds.observe(time.perf_counter() - self._arrived)
+        self._metrics.finished.labels(self._protocol, outcome_code(error, None, deadline_passed)).inc()
+        self._metrics.duration_seconds.labels(self._protocol).observe(time.perf_counter() - self._arrived)
 
 
 class GatewayStateCollector(Collector):

@@ -42,6 +42,8 @@ CALLER_FACING_CODES = frozenset({
     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
 })
+# Ends the caller brought about (its deadline, its cancel): not worth a warning.
+_CALLER_CAUSED = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 # How often a stream waiting for an engine re-checks without an event (a failure cool-down ends silently).
 _WAIT_RECHECK_SECONDS = 0.5
 
@@ -98,6 +100,10 @@ def engine_answer(error: grpc.aio.AioRpcError) -> RouteError:
     """An engine's error about the request, as the caller sees it: code kept; message kept only where it is about
     the request, else a generic one (the engine's text is logged)."""
     code = error.code()
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return RouteError(code, "deadline exceeded")
+    if code is grpc.StatusCode.CANCELLED:
+        return RouteError(code, "cancelled")
     if code in CALLER_FACING_CODES:
         return RouteError(code, error.details() or code.name.lower(), caller_trailers(error))
     return RouteError(code, f"the engine could not process this request ({code.name})", caller_trailers(error))
@@ -134,8 +140,11 @@ class _StallWatch:
     def _fire(self) -> None:
         now = self._loop.time()
         limit = self._limit()
-        if limit is None:  # first response came with no idle limit set
-            self._handle = None
+        if limit is None:
+            if not self.got_response and self._idle_s is not None:  # no first-response limit: look again later
+                self._handle = self._loop.call_at(now + self._idle_s, self._fire)
+            else:
+                self._handle = None
             return
         if self.read_started is None:  # writing to the caller: not the engine's time
             self._handle = self._loop.call_at(now + limit, self._fire)
@@ -238,15 +247,17 @@ class Router:
         return None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
 
     async def generate(self, request: pb.GenerateRequest, metadata: Sequence[tuple[str, Any]] = (),
-                       timeout_seconds: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
+                       timeout_seconds: float | None = None,
+                       protocol: str = "grpc") -> AsyncIterator[pb.GenerateResponse]:
         """Stream one request's responses from an engine. `metadata` is the caller's (filtered here),
-        `timeout_seconds` what is left of the caller's deadline (None: none)."""
+        `timeout_seconds` what is left of the caller's deadline (None: none), `protocol` the front end's metric
+        label."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_seconds is None else loop.time() + timeout_seconds
         config = self.config
         # One generator with the metrics as a context manager, not generators wrapping generators: the inner loop
         # runs once per forwarded token, and each layer would add to every token's latency.
-        with self.metrics.stream(deadline) as observed:
+        with self.metrics.stream(deadline, protocol) as observed:
             arrived = time.perf_counter()
             self._admit()
             try:
@@ -302,7 +313,7 @@ class Router:
                     except grpc.aio.AioRpcError as exc:
                         action = classify_failure(exc.code(), int(responded))
                         if action is FailureAction.PASS_THROUGH:
-                            if exc.code() not in CALLER_FACING_CODES:
+                            if exc.code() not in CALLER_FACING_CODES and exc.code() not in _CALLER_CAUSED:
                                 log.warning("engine %s: %s: %s", address, exc.code().name, exc.details())
                             raise engine_answer(exc) from None
                         self.pool.report_failure(address)

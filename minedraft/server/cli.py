@@ -20,6 +20,9 @@ def add_subcommands(sub: Any) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
     serve.add_argument("--grpc-port", type=int, default=50051)
     serve.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics (0: do not serve)")
+    serve.add_argument("--http-port", type=int, default=0,
+                       help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                            "/ready) on this port (0: do not serve)")
     serve.add_argument("--grace-seconds", type=float, default=20.0,
                        help="on SIGTERM, how long open streams may run before they are cancelled")
     serve.add_argument("--replica-id", default=os.environ.get("POD_NAME"),
@@ -54,4 +57,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
 
     return asyncio.run(serve(lambda: AsyncEngine.create(settings), f"{args.host}:{args.grpc_port}",
-                             args.grace_seconds, args.replica_id, on_started=on_started, registry=registry))
+                             args.grace_seconds, args.replica_id, on_started=on_started, registry=registry,
+                             http_address=(args.host, args.http_port) if args.http_port else None))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from minedraft.api import pb
 from minedraft.engine.requests import OutputDelta, RequestError, SamplingSettings
@@ -60,19 +61,36 @@ def _check_token_ids(field_name: str, token_ids: list[int], vocab_size: int) -> 
             raise RequestError(field_name, f"token id {token_id} at position {index} is outside [0, {vocab_size})")
 
 
+# Renders a chat (role, content pairs) into prompt token ids with the model's chat template; raises RequestError
+# naming `messages` when the model has none.
+ChatRenderer = Callable[[list[tuple[str, str]]], list[int]]
+
+
+def _no_chat_template(messages: list[tuple[str, str]]) -> list[int]:
+    raise RequestError("messages", "this model has no chat template: use a text prompt")
+
+
 def prompt_token_ids(request: pb.GenerateRequest, limits: ModelLimits,
-                     tokenize: Callable[[str], list[int]]) -> list[int]:
-    """The prompt as token ids: exactly one of text and token ids, non-empty, in the vocabulary, within the context."""
-    has_text = bool(request.prompt)
-    has_ids = len(request.prompt_token_ids) > 0
-    if has_text and has_ids:
-        raise RequestError("prompt", "set either prompt or prompt_token_ids, not both")
-    if not has_text and not has_ids:
-        raise RequestError("prompt", "is empty: set prompt (text) or prompt_token_ids")
-    field_name = "prompt" if has_text else "prompt_token_ids"
-    token_ids = list(tokenize(request.prompt)) if has_text else list(request.prompt_token_ids)
+                     tokenize: Callable[[str], list[int]], render_chat: ChatRenderer = _no_chat_template) -> list[int]:
+    """The prompt as token ids: exactly one of text, token ids and chat messages, non-empty, in the vocabulary,
+    within the context."""
+    given = [name for name, present in (("prompt", bool(request.prompt)),
+                                        ("prompt_token_ids", len(request.prompt_token_ids) > 0),
+                                        ("messages", len(request.messages) > 0)) if present]
+    if len(given) > 1:
+        raise RequestError(given[0], f"set only one of prompt, prompt_token_ids and messages, not "
+                                     f"{' and '.join(given)}")
+    if not given:
+        raise RequestError("prompt", "is empty: set prompt (text), prompt_token_ids or messages")
+    field_name = given[0]
+    if field_name == "prompt":
+        token_ids = list(tokenize(request.prompt))
+    elif field_name == "messages":
+        token_ids = list(render_chat([(message.role, message.content) for message in request.messages]))
+    else:
+        token_ids = list(request.prompt_token_ids)
     if not token_ids:
-        raise RequestError("prompt", "tokenizes to no tokens")
+        raise RequestError(field_name, "tokenizes to no tokens")
     _check_token_ids(field_name, token_ids, limits.vocab_size)
     if len(token_ids) >= limits.max_model_len:
         raise RequestError(field_name, f"is {len(token_ids)} tokens; the context holds {limits.max_model_len} "
@@ -147,6 +165,12 @@ def check_before_tokenizing(request: pb.GenerateRequest, limits: ModelLimits) ->
         if num_bytes > limits.max_prompt_bytes:
             raise RequestError("prompt", f"is {num_bytes} bytes; a prompt that fits the context of "
                                          f"{limits.max_model_len} tokens is at most {limits.max_prompt_bytes} bytes")
+    # A chat is bounded like a text prompt: its contents' bytes (the template adds a few per message).
+    if request.messages:
+        num_bytes = sum(len(m.content.encode("utf-8", errors="replace")) + len(m.role) for m in request.messages)
+        if num_bytes > limits.max_prompt_bytes:
+            raise RequestError("messages", f"are {num_bytes} bytes; a chat that fits the context of "
+                                           f"{limits.max_model_len} tokens is at most {limits.max_prompt_bytes} bytes")
     if len(request.prompt_token_ids) >= limits.max_model_len:
         raise RequestError("prompt_token_ids", f"is {len(request.prompt_token_ids)} tokens; the context holds "
                                                f"{limits.max_model_len} including at least one generated token")
@@ -154,10 +178,11 @@ def check_before_tokenizing(request: pb.GenerateRequest, limits: ModelLimits) ->
 
 
 def prepare_request(request: pb.GenerateRequest, limits: ModelLimits,
-                    tokenize: Callable[[str], list[int]]) -> PreparedRequest:
+                    tokenize: Callable[[str], list[int]],
+                    render_chat: ChatRenderer = _no_chat_template) -> PreparedRequest:
     """Every check a Generate request must pass; raises RequestError naming the first bad field."""
     check_before_tokenizing(request, limits)
-    token_ids = prompt_token_ids(request, limits, tokenize)
+    token_ids = prompt_token_ids(request, limits, tokenize, render_chat)
     sampling = sampling_from_proto(request.sampling_params, len(token_ids), limits)
     return PreparedRequest(request.request_id or None, token_ids, sampling)
 
@@ -185,3 +210,20 @@ def model_info(settings: EngineSettings, vocab_size: int) -> pb.GetModelInfoResp
         num_extra_draft_tokens=settings.num_extra_draft_tokens if uses_draft else 0,
         max_num_seqs=settings.max_num_seqs,
     )
+
+
+def chat_renderer(tokenizer: Any) -> ChatRenderer:
+    """The target tokenizer's chat template as a ChatRenderer (transformers' apply_chat_template, then the tokenizer
+    on the rendered text without special tokens, as vLLM's OpenAI server does: the template places those)."""
+
+    def render(messages: list[tuple[str, str]]) -> list[int]:
+        if not getattr(tokenizer, "chat_template", None):
+            _no_chat_template(messages)
+        conversation = [{"role": role, "content": content} for role, content in messages]
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # the template's own checks (a role it does not know, an order it forbids)
+            raise RequestError("messages", f"the model's chat template rejected them: {exc}") from exc
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    return render

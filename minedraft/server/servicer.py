@@ -22,6 +22,7 @@ from minedraft.engine.requests import EngineDeadError, RequestError
 from minedraft.server.convert import (
     ModelLimits,
     PreparedRequest,
+    chat_renderer,
     check_before_tokenizing,
     max_token_bytes,
     model_info,
@@ -137,9 +138,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
             # until every check has passed.
             check_before_tokenizing(request, limits)
             prepared: PreparedRequest
-            if request.prompt:
+            if request.prompt or request.messages:
                 prepared = await asyncio.to_thread(prepare_request, request, limits,
-                                                   lambda text: list(tokenizer.encode(text)))
+                                                   lambda text: list(tokenizer.encode(text)),
+                                                   chat_renderer(tokenizer))
             else:
                 prepared = prepare_request(request, limits, lambda text: [])
         except RequestError as exc:

@@ -35,6 +35,8 @@ MAX_MODEL_LEN = 4096
 DEFAULT_MAX_TOKENS = 16
 # Request metadata that sets this stream's seconds between tokens (a `minedraft-` key: the gateway forwards those).
 INTERVAL_METADATA_KEY = "minedraft-fake-token-interval-seconds"
+# Request metadata that makes this stream hang before its first token (a stream stuck in an engine's queue).
+HANG_METADATA_KEY = "minedraft-fake-hang-before-first-token"
 
 
 @dataclass
@@ -104,9 +106,12 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
         self.record.started.append(request_id)
         count = params.max_tokens if params.HasField("max_tokens") else DEFAULT_MAX_TOKENS
         interval_seconds = behaviour.token_interval_seconds
+        hang_first = behaviour.hang_before_first_token
         for key, value in context.invocation_metadata() or ():
             if key == INTERVAL_METADATA_KEY:  # per-request rate (the benchmark varies it; the gateway forwards it)
                 interval_seconds = float(value)
+            elif key == HANG_METADATA_KEY and value in ("1", self.replica_id):  # all replicas, or only this one
+                hang_first = True
         token_ids = fake_token_ids(request, count)
         self.num_active_streams += 1
         finished = False
@@ -116,7 +121,7 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
                     self.record.failed.append(request_id)
                     finished = True
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"fake replica {self.replica_id} died")
-                if (behaviour.hang_before_first_token and index == 0) or index == behaviour.hang_after_tokens:
+                if (hang_first and index == 0) or index == behaviour.hang_after_tokens:
                     await asyncio.Event().wait()  # until the caller goes away
                 if interval_seconds:
                     await asyncio.sleep(interval_seconds)
@@ -187,7 +192,8 @@ class FakeEngineServer:
 
 async def _main(args: argparse.Namespace) -> None:
     server = FakeEngineServer(args.replica_id, FakeBehaviour(token_interval_seconds=args.token_interval_seconds,
-                                                             stamp_text=args.stamp_text))
+                                                             stamp_text=args.stamp_text,
+                                                             poison_prompt=args.poison_prompt))
     await server.start(args.port)
     print(f"fake engine on {server.address}", file=sys.stderr, flush=True)
     await server.server.wait_for_termination()
@@ -199,5 +205,6 @@ if __name__ == "__main__":
     parser.add_argument("--replica-id", default="fake")
     parser.add_argument("--token-interval-seconds", type=float, default=0.01)
     parser.add_argument("--stamp-text", action="store_true")
+    parser.add_argument("--poison-prompt", help="a request with this prompt crashes the handler (UNKNOWN)")
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_main(parser.parse_args()))

@@ -257,24 +257,15 @@ async def test_deadline_exceeded_is_counted_as_such(stack):
     _, _, target = await stack([FakeBehaviour(token_interval_seconds=0.05)], registry=registry)
     assert (await outcome(target, request(max_tokens=100), timeout=0.3))[1] is grpc.StatusCode.DEADLINE_EXCEEDED
     await wait_for(lambda: registry.get_sample_value("minedraft_gateway_streams_finished_total",
-                                                     {"code": "DEADLINE_EXCEEDED"}) == 1, what="counted")
-    assert registry.get_sample_value("minedraft_gateway_streams_finished_total", {"code": "CANCELLED"}) == 0
-
-
-async def test_keepalive_pings_from_a_client_never_earn_a_goaway(stack):
-    """Item 4: the servers accept pings at least as often as the product's channels send them; here a client pings
-    every 200 ms with nothing in flight on the stream for 2.5 s (gRPC's default server policy answers the third such
-    ping with a too_many_pings GOAWAY, failing the stream)."""
-    _, (fake,), target = await stack([FakeBehaviour(token_interval_seconds=1.2)])
-    options = (("grpc.keepalive_time_ms", 200), ("grpc.keepalive_timeout_ms", 5000),
-               ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0))
-    for server in (fake.address, target):
-        async with grpc.aio.insecure_channel(server, options=options) as channel:
-            responses = [r async for r in pb_grpc.GenerationStub(channel).Generate(request(max_tokens=2), timeout=20)]
-        assert responses[-1].finish_reason == "length", server
+                                                     {"protocol": "grpc", "code": "DEADLINE_EXCEEDED"}) == 1,
+                   what="counted")
+    assert registry.get_sample_value("minedraft_gateway_streams_finished_total",
+                                     {"protocol": "grpc", "code": "CANCELLED"}) == 0
 
 
 def test_policy_servers_accept_the_channels_ping_rate():
+    """Item 4: one policy; servers accept pings at the rate the product's channels send them (gRPC's default server
+    policy allows one ping per 5 minutes and answers the third early one with a too_many_pings GOAWAY)."""
     from minedraft.api import grpc_policy
 
     server = dict(grpc_policy.SERVER_OPTIONS)
@@ -288,3 +279,20 @@ def test_router_config_rejects_nonsense():
                 dict(max_waiting_streams=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             RouterConfig(**bad)
+
+
+async def test_idle_timeout_alone_still_watches_between_responses(stack):
+    """With the first-response limit off, a stream that stalls after tokens is still cut by the idle limit."""
+    _, _, target = await stack([FakeBehaviour(hang_after_tokens=2)],
+                               config(first_response_timeout_seconds=None, idle_timeout_seconds=0.3))
+    tokens, code, message = await outcome(target, request("idle-only", 5))
+    assert code is grpc.StatusCode.UNAVAILABLE and len(tokens) == 2 and "stopped responding" in message
+
+
+async def test_readiness_does_not_count_an_engine_left_out_for_a_stall(stack):
+    gateway, (fake,), target = await stack([FakeBehaviour()])
+    await wait_for_health(target, SERVING)
+    gateway.endpoints.set_unresponsive(fake.address, True)  # what a stalled call does (before its probe answers)
+    gateway._health_changed()
+    await wait_for_health(target, NOT_SERVING)
+    assert await health_status(target, LIVENESS_SERVICE) == SERVING

@@ -123,7 +123,7 @@ def test_detect_device_reads_the_inherited_list_without_a_gpu() -> None:
     # No GPU on this machine (or CUDA unavailable): nothing is visible whatever the variable says.
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.device_count():
         pytest.skip("counts real GPUs here")
     assert detect_device({"CUDA_VISIBLE_DEVICES": "3,4"}).visible_gpus == ()
 
@@ -134,3 +134,52 @@ def test_cpu_tensor_parallel_binding_gives_each_rank_its_cores() -> None:
     with pytest.raises(SettingsError) as info:
         cpu_thread_binding((0,), 4, (0, 1))
     assert info.value.field_name == "tensor_parallel_size"
+
+
+# -- the model pair ----------------------------------------------------------------------------------------------------
+
+
+def test_pair_check_accepts_a_shared_vocabulary_and_refuses_what_would_break(tmp_path) -> None:
+    import json
+    import shutil
+
+    from minedraft.engine.placement import check_model_pair
+    from minedraft.models.tiny import tiny_pair
+
+    pair = tiny_pair("qwen3")
+    report = check_model_pair(str(pair / "target"), str(pair / "draft"), "torch")
+    assert (report["target_model_type"], report["draft_vocab_size"]) == ("qwen3", report["target_vocab_size"])
+
+    # Same vocabulary size, different tokens: two ids swapped in the draft's tokenizer.
+    swapped = tmp_path / "swapped"
+    shutil.copytree(pair / "draft", swapped)
+    tokenizer = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    (a, ia), (b, ib) = sorted(vocab.items(), key=lambda kv: kv[1])[300:302]
+    vocab[a], vocab[b] = ib, ia
+    (swapped / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(SettingsError) as info:
+        check_model_pair(str(pair / "target"), str(swapped), "vllm")
+    assert info.value.field_name == "drafter.model" and "2 of" in str(info.value)
+
+    # An architecture the torch drafter does not implement is refused by name before anything loads.
+    mistral = tmp_path / "mistral"
+    shutil.copytree(pair / "draft", mistral)
+    config = json.loads((mistral / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"])
+    (mistral / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SettingsError) as info:
+        check_model_pair(str(pair / "target"), str(mistral), "torch")
+    assert info.value.field_name == "drafter.backend" and "use --drafter-backend vllm" in str(info.value)
+    assert check_model_pair(str(pair / "target"), str(mistral), "vllm")["draft_model_type"] not in ("llama", "qwen3")
+
+
+def test_a_second_engine_in_the_process_indexes_into_the_inherited_list() -> None:
+    from minedraft.engine.placement import narrow_visible_devices
+
+    env = {"CUDA_VISIBLE_DEVICES": "4,5,6"}
+    narrow_visible_devices(env, "4")  # the first engine's target
+    assert env["CUDA_VISIBLE_DEVICES"] == "4"
+    assert detect_device(env).visible_gpus == ("4", "5", "6")
+    narrow_visible_devices(env, "5,6")
+    assert detect_device(env).visible_gpus == ("4", "5", "6")

@@ -172,3 +172,12 @@ def test_the_pod_command_for_the_papers_layout_is_accepted_and_maps_devices():
     assert args.pipeline_parallel_size == 1 and not args.async_scheduling
     plan = plan_devices(settings, DeviceInfo(visible_gpus=("0", "1", "2", "3", "4")))
     assert (plan.target_visible_devices, plan.drafter_visible_devices) == ("0,1,2,3", "4")
+
+
+def test_a_vllm_argument_typo_is_a_one_line_cli_error(capsys):
+    from minedraft.cli import main
+
+    code = main(["run", "--model", "t", "--draft", "d", "--vllm-arg=--max-num-batched-tokns=8192"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("minedraft: error: vllm_args: ") and "max-num-batched-tokns" in err[-1]

@@ -36,7 +36,7 @@ from minedraft.operator.autoscale.hpa import SCALE_UP_PERCENT
 from minedraft.operator.autoscale.replica_model import ReplicaModel
 from minedraft.operator.autoscale.simulate import SimConfig, Trace, load_trace, simulate
 
-HPA_TARGETS = (2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0, 20.0, 24.0)
+HPA_TARGETS = (2.0, 4.0, 6.0, 8.0, 12.0, 16.0)
 SLO_BUDGET = 0.01
 DEFAULT_UTILIZATION = 0.8
 

@@ -104,7 +104,7 @@ def _acceptance(rng: random.Random, duration: float) -> list[tuple[float, float]
 def make_member(index: int, seed: int, model: ReplicaModel) -> Trace:
     rng = random.Random(f"{seed}:{index}")
     shape = SHAPES[index % len(SHAPES)]
-    duration = float(rng.choice((1200, 1800, 2400, 3600)))
+    duration = float(rng.choice((900, 1200, 1800, 2400)))
     peak = _log_uniform(rng, MIN_RPS, MAX_RPS)
     prompt = round(_log_uniform(rng, MIN_TOKENS, MAX_TOKENS))
     output = round(_log_uniform(rng, MIN_TOKENS, MAX_TOKENS))

@@ -210,7 +210,11 @@ GATEWAY_WAITING_METRIC = "minedraft_gateway_streams_waiting"
 
 
 def gateway_waiting_query(namespace: str, gateway_service: str) -> str:
-    return f"sum({GATEWAY_WAITING_METRIC}{{{selector(namespace, gateway_service)}}})"
+    """The operator's PodMonitor scrapes engines and gateway under one job, "<namespace>/<MineDraft name>"; a plain
+    scrape config conventionally names the job after the gateway Service. Both match."""
+    name = gateway_service.removesuffix("-gateway")
+    sel = f'namespace=~"{namespace}|",job=~"(.+/)?({gateway_service}|{name})"'
+    return f"sum({GATEWAY_WAITING_METRIC}{{{sel}}})"
 
 
 def gateway_waiting_from_prometheus(result: Sequence[Mapping[str, Any]]) -> float | None:

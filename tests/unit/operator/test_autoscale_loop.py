@@ -157,7 +157,7 @@ def test_gateway_waiting_gauge_is_read_from_an_exposition() -> None:
     assert observe.gateway_waiting_from_exposition(generate_latest(registry).decode()) == 3.0
     assert observe.gateway_waiting_from_exposition("") is None
     assert observe.gateway_waiting_query("ns", "q-gateway") == (
-        'sum(minedraft_gateway_streams_waiting{namespace=~"ns|",job=~"(.+/)?(q-gateway|q-gateway)"})')
+        'sum(minedraft_gateway_streams_waiting{namespace=~"ns|",job=~"(.+/)?(q-gateway|q)"})')
 
 
 def test_at_zero_a_waiting_stream_scales_to_one_at_the_next_tick(monkeypatch: pytest.MonkeyPatch) -> None:
