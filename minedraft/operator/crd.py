@@ -223,6 +223,9 @@ def spec_schema() -> Schema:
             "imagePullPolicy": _str("Image pull policy.", enum=list(s.PULL_POLICIES), default=gw.image_pull_policy),
             "serviceType": _str("Type of the gateway Service.", enum=list(s.SERVICE_TYPES), default=gw.service_type),
             "port": _int("Port of the gateway Service.", default=gw.port, minimum=1, maximum=65535),
+            "httpPort": _int("Port of the gateway Service's OpenAI-compatible HTTP API (/v1/completions, "
+                             "/v1/chat/completions, /v1/models); 0: not served.", default=gw.http_port, minimum=0,
+                             maximum=65535),
             "authTokenSecretRef": _secret_key_ref("Secret with the bearer token clients must send; no auth when "
                                                   "unset."),
             "tlsSecretRef": _obj("A kubernetes.io/tls Secret (tls.crt, tls.key) to serve TLS; plaintext when unset.",

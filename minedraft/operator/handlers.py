@@ -134,10 +134,15 @@ async def _reconcile(trigger: str, body: kopf.Body, patch: kopf.Patch, memo: Mem
 
 async def _status_patch(memo: Memo, body: kopf.Body, patch: kopf.Patch) -> None:
     """Write what a periodic pass put in patch.status (kopf writes a handler's patch itself; these passes run
-    outside kopf's handlers)."""
+    outside kopf's handlers), and keep the cached body in step so the next pass does not write it again before the
+    watch event arrives."""
     status = dict(patch.get("status") or {})
     if status:
-        await memo.reconciler.client.patch_status(body.metadata.namespace or "", body.metadata.name or "", status)
+        key = (body.metadata.namespace or "", body.metadata.name or "")
+        await memo.reconciler.client.patch_status(key[0], key[1], status)
+        cached = memo.bodies.get(key)
+        if cached is not None:
+            memo.bodies[key] = {**cached, "status": {**(cached.get("status") or {}), **status}}
 
 
 async def periodic_passes(settings: OperatorSettings, memo: Memo, logger: Logger) -> None:
@@ -163,7 +168,8 @@ async def periodic_passes(settings: OperatorSettings, memo: Memo, logger: Logger
                     patch = kopf.Patch()
                     await _autoscale(body, patch, memo, logger)
                     await _status_patch(memo, body, patch)
-                if drift_due:
+                if drift_due and key in memo.bodies:
+                    body = kopf.Body(cast(kopf.RawBody, memo.bodies[key]))  # with what the autoscaler just wrote
                     patch = kopf.Patch()
                     await _reconcile("timer", body, patch, memo, logger)
                     await _status_patch(memo, body, patch)

@@ -21,6 +21,7 @@ LIVENESS_PERIOD_SECONDS = 10
 ENGINE_SHUTDOWN_SECONDS = 10
 GATEWAY_GRPC_PORT = 50051
 GATEWAY_METRICS_PORT = 9401
+GATEWAY_HTTP_PORT = 8080
 GATEWAY_GRACE_SECONDS = 20
 # The gRPC health service names (grpc.health.v1): "" answers readiness (engine loaded and not draining; gateway has
 # an engine to route to), LIVENESS_SERVICE answers liveness (the process's event loop answers) from the moment the
@@ -424,6 +425,8 @@ def gateway_command(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> list[str]:
            "--kubernetes-port-name", "grpc",
            "--max-in-flight", str(gw.max_in_flight),
            "--grace-seconds", str(GATEWAY_GRACE_SECONDS)]
+    if gw.http_port:
+        cmd += ["--http-port", str(GATEWAY_HTTP_PORT)]
     if gw.auth_token is not None:
         cmd += ["--token-file", f"{AUTH_DIR}/{gw.auth_token.key}"]
     if gw.tls_secret_name is not None:
@@ -463,7 +466,10 @@ def gateway_probes(spec: s.MineDraftSpec) -> dict[str, dict[str, Any]]:
     """
     if spec.gateway.tls_secret_name is not None:
         live: dict[str, Any] = {"tcpSocket": {"port": GATEWAY_GRPC_PORT}}
-        ready: dict[str, Any] = {"tcpSocket": {"port": GATEWAY_GRPC_PORT}}
+        # The HTTP API serves /ready (same meaning as the gRPC readiness) and kubelet HTTPS probes skip certificate
+        # checks: a real readiness signal over TLS when the HTTP port is on.
+        ready: dict[str, Any] = ({"httpGet": {"path": "/ready", "port": GATEWAY_HTTP_PORT, "scheme": "HTTPS"}}
+                                 if spec.gateway.http_port else {"tcpSocket": {"port": GATEWAY_GRPC_PORT}})
     else:
         live = _grpc_check(GATEWAY_GRPC_PORT, LIVENESS_SERVICE)
         ready = _grpc_check(GATEWAY_GRPC_PORT, READINESS_SERVICE)
@@ -500,6 +506,8 @@ def gateway_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         "imagePullPolicy": gw.image_pull_policy,
         "command": gateway_command(spec, meta),
         "ports": [{"name": "grpc", "containerPort": GATEWAY_GRPC_PORT, "protocol": "TCP"},
+                  *([{"name": "http", "containerPort": GATEWAY_HTTP_PORT, "protocol": "TCP"}]
+                    if gw.http_port else []),
                   {"name": "metrics", "containerPort": GATEWAY_METRICS_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": TMP_DIR}],
         "resources": {"requests": {"cpu": gw.cpu, "memory": gw.memory}, "limits": {"memory": gw.memory}},
@@ -543,7 +551,9 @@ def gateway_service(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
             "type": spec.gateway.service_type,
             "selector": selector_labels(meta, "gateway"),
             "ports": [{"name": "grpc", "port": spec.gateway.port, "targetPort": "grpc", "protocol": "TCP",
-                       "appProtocol": "grpc"}],
+                       "appProtocol": "grpc"},
+                      *([{"name": "http", "port": spec.gateway.http_port, "targetPort": "http", "protocol": "TCP",
+                          "appProtocol": "http"}] if spec.gateway.http_port else [])],
         },
     }
 

@@ -172,6 +172,8 @@ class GatewaySpec:
     image_pull_policy: str = "IfNotPresent"
     service_type: str = "ClusterIP"
     port: int = 50051
+    # The OpenAI-compatible HTTP API's Service port (0: not served).
+    http_port: int = 8080
     auth_token: SecretKeyRef | None = None
     tls_secret_name: str | None = None
     max_in_flight: int = 1024
@@ -498,6 +500,7 @@ def _gateway(r: _Reader, data: Mapping[str, Any]) -> GatewaySpec:
         service_type=r.str_(data, "serviceType", p, default=d.service_type, choices=SERVICE_TYPES)
         or d.service_type,
         port=r.int_(data, "port", p, d.port, 1, 65535) or d.port,
+        http_port=_or(r.int_(data, "httpPort", p, d.http_port, 0, 65535), d.http_port),
         auth_token=_secret_key_ref(r, r.obj(data, "authTokenSecretRef", p), f"{p}.authTokenSecretRef", "token"),
         tls_secret_name=r.name(tls, "name", f"{p}.tlsSecretRef") if tls is not None else None,
         max_in_flight=r.int_(data, "maxInFlight", p, d.max_in_flight, 1, 1_000_000) or d.max_in_flight,

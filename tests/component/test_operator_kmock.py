@@ -540,9 +540,15 @@ async def test_operator_command_end_to_end(cluster: Cluster, tmp_path: Path) -> 
         await cluster.apply_minedraft(example("minimal"))
         await wait_for("objects from the operator process", lambda: len(cluster.owned()) == len(
             rendered(example("minimal"), "x")), timeout=30)
-        status, text = await get(metrics, "/metrics")
+        # The counter moves right after each apply returns: poll, the objects may be seen first.
+        deadline = time.monotonic() + 30
+        while True:
+            status, text = await get(metrics, "/metrics")
+            if 'minedraft_operator_applies_total{action="created",kind="Deployment"} 2.0' in text:
+                break
+            assert time.monotonic() < deadline, text[-2000:]
+            await asyncio.sleep(0.1)
         assert status == 200
-        assert 'minedraft_operator_applies_total{action="created",kind="Deployment"} 2.0' in text
         assert "minedraft_operator_reconciles_total" in text
     finally:
         process.send_signal(signal.SIGTERM)

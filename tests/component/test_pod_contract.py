@@ -150,7 +150,8 @@ async def test_gateway_pod_probes_mean_what_they_say(tmp_path: Path) -> None:
     async with KubeEmulator() as kmock, Server(kmock):
         kmock.resources["discovery.k8s.io/v1/endpointslices"] = ResourceInfo(
             kind="EndpointSlice", namespaced=True, verbs=["get", "list", "watch", "create", "delete"])
-        command, env = local_process(container, tmp_path, {"--port": grpc_port, "--metrics-port": free_port()},
+        command, env = local_process(container, tmp_path, {"--port": grpc_port, "--metrics-port": free_port(),
+                                                           "--http-port": free_port()},
                                      ["--kubernetes-api", str(kmock.url).rstrip("/")])
         log = tmp_path / "gateway.log"
         process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,

@@ -125,7 +125,8 @@ def test_services_pdb_and_gateway_rbac() -> None:
     assert gw["spec"]["template"]["spec"]["serviceAccountName"] == "qwen3-8b-gateway"
     assert "--token-file" not in command and "--tls-cert" not in command
     ports = gw["spec"]["template"]["spec"]["containers"][0]["ports"]
-    assert {p["name"]: p["containerPort"] for p in ports} == {"grpc": 50051, "metrics": render.GATEWAY_METRICS_PORT}
+    assert {p["name"]: p["containerPort"] for p in ports} == {"grpc": 50051, "http": render.GATEWAY_HTTP_PORT,
+                                                              "metrics": render.GATEWAY_METRICS_PORT}
     monitor = render.pod_monitor(s.parse_meta(load("minimal")["metadata"]))
     assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
     assert monitor["spec"]["selector"]["matchExpressions"][0]["values"] == ["engine", "gateway"]
@@ -155,8 +156,9 @@ def test_auth_and_tls_reference_secrets_by_name_only() -> None:
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["auth"]["secret"]["secretName"] == "minedraft-token"
     assert volumes["tls"]["secret"]["secretName"] == "minedraft-tls"
-    # A kubelet gRPC probe cannot speak TLS: TCP checks instead.
-    assert "tcpSocket" in c["readinessProbe"] and "grpc" not in c["readinessProbe"]
+    # A kubelet gRPC probe cannot speak TLS: liveness is a TCP connect, readiness the HTTP API's /ready over HTTPS.
+    assert "tcpSocket" in c["livenessProbe"] and "grpc" not in c["readinessProbe"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": render.GATEWAY_HTTP_PORT, "scheme": "HTTPS"}
     svc = next(m for m in manifests if m["kind"] == "Service" and m["metadata"]["name"].endswith("-gateway"))
     assert svc["spec"]["type"] == "LoadBalancer" and svc["spec"]["ports"][0]["port"] == 443
     engine = engine_container(manifests)
@@ -277,8 +279,10 @@ def test_every_probe_asks_its_own_question(name: str, doc: dict[str, Any]) -> No
             assert live == {**live, "tcpSocket": {"port": render.GATEWAY_GRPC_PORT}}
         if "grpc" in ready:
             assert ready["grpc"]["service"] == render.READINESS_SERVICE, deployment
-        else:
-            assert spec.gateway.tls_secret_name is not None and "tcpSocket" in ready
+        else:  # TLS: the HTTP API's /ready (same meaning) over HTTPS, or a TCP connect without the HTTP port
+            assert spec.gateway.tls_secret_name is not None
+            assert ready.get("httpGet") == {"path": "/ready", "port": render.GATEWAY_HTTP_PORT, "scheme": "HTTPS"} \
+                or ("tcpSocket" in ready and not spec.gateway.http_port)
         live_window = live["periodSeconds"] * live["failureThreshold"]
         assert live_window > pod["terminationGracePeriodSeconds"], deployment  # a drain is never cut short
         assert live["timeoutSeconds"] >= 5  # a busy event loop answers late, not never
