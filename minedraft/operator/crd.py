@@ -167,6 +167,9 @@ def spec_schema() -> Schema:
                                                   maximum=3600),
             "startupTimeoutSeconds": _int("Seconds allowed for loading the models before the startup probe fails.",
                                           default=eng.startup_timeout_seconds, minimum=60, maximum=86400),
+            "httpPort": _int("Container and Service port of each engine's OpenAI-compatible HTTP API (the port an "
+                             "inference gateway such as an InferencePool targets); 0: not served.",
+                             default=eng.http_port, minimum=0, maximum=65535),
         }, default={}, **{"x-kubernetes-validations": [
             _rule("self.drafterBackend != 'torch'", "torch is the CPU drafter; engine pods run on GPUs: use vllm",
                   ".drafterBackend", reason="FieldValueNotSupported"),

@@ -132,6 +132,7 @@ def engine_command(spec: s.MineDraftSpec) -> list[str]:
         "--host", "0.0.0.0",
         "--grpc-port", str(ENGINE_GRPC_PORT),
         "--metrics-port", str(ENGINE_METRICS_PORT),
+        *(["--http-port", str(eng.http_port)] if eng.http_port else []),
         # Streams get most of the termination grace period to finish; the rest covers shutdown itself.
         "--grace-seconds", str(max(1, eng.termination_grace_period_seconds - ENGINE_SHUTDOWN_SECONDS)),
         "--model", _model_location("target", spec.target),
@@ -278,6 +279,7 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         "imagePullPolicy": eng.image_pull_policy,
         "command": engine_command(spec),
         "ports": [{"name": "grpc", "containerPort": ENGINE_GRPC_PORT, "protocol": "TCP"},
+                  *([{"name": "http", "containerPort": eng.http_port, "protocol": "TCP"}] if eng.http_port else []),
                   {"name": "metrics", "containerPort": ENGINE_METRICS_PORT, "protocol": "TCP"}],
         "env": _engine_env(spec),
         "resources": {"requests": requests, "limits": limits},
@@ -331,7 +333,7 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
     }
 
 
-def engine_service(meta: s.ObjectMeta) -> Manifest:
+def engine_service(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
     """Headless: the gateway discovers each engine pod through its EndpointSlices and balances per stream."""
     return {
         "apiVersion": "v1",
@@ -341,6 +343,8 @@ def engine_service(meta: s.ObjectMeta) -> Manifest:
             "clusterIP": "None",
             "selector": selector_labels(meta, "engine"),
             "ports": [{"name": "grpc", "port": ENGINE_GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"},
+                      *([{"name": "http", "port": spec.engine.http_port, "targetPort": "http", "protocol": "TCP",
+                          "appProtocol": "http"}] if spec.engine.http_port else []),
                       {"name": "metrics", "port": ENGINE_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}],
         },
     }
@@ -375,6 +379,10 @@ def engine_network_policy(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Re
     grpc: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": ENGINE_GRPC_PORT}]}
     if spec.gateway.enabled:
         grpc = {"from": [{"podSelector": {"matchLabels": selector_labels(meta, "gateway")}}], **grpc}
+    elif spec.engine.http_port:
+        # Without MineDraft's gateway clients (or an inference gateway's proxy) call the engines directly, over
+        # gRPC or HTTP. With it, the gateway speaks gRPC to engines and nothing needs their HTTP port.
+        grpc["ports"].append({"protocol": "TCP", "port": spec.engine.http_port})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -584,7 +592,7 @@ def pod_monitor(meta: s.ObjectMeta) -> Manifest:
 def render(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | None = None) -> list[Manifest]:
     """Every object of one MineDraft, in apply order (RBAC before the pods that use it)."""
     options = options or RenderOptions()
-    manifests = [engine_service(meta), engine_deployment(spec, meta)]
+    manifests = [engine_service(spec, meta), engine_deployment(spec, meta)]
     if spec.engine.pod_disruption_budget:
         manifests.append(engine_pdb(meta))
     if spec.gateway.enabled:

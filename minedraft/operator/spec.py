@@ -141,6 +141,9 @@ class EngineSpec:
     termination_grace_period_seconds: int = 120
     startup_timeout_seconds: int = 1800
     pod_disruption_budget: bool = True
+    # The engine's own OpenAI-compatible HTTP port (0: not served): what an inference gateway (Gateway API
+    # InferencePool) targets; MineDraft's gateway reaches engines over gRPC.
+    http_port: int = 8000
 
 
 @dataclass(frozen=True)
@@ -421,6 +424,7 @@ def _engine(r: _Reader, data: Mapping[str, Any]) -> EngineSpec:
         or d.drafter_backend,
         max_num_seqs=_or(r.int_(data, "maxNumSeqs", p, d.max_num_seqs, 1, 65536), d.max_num_seqs),
         max_model_len=r.int_(data, "maxModelLen", p, None, MIN_MODEL_LEN, MAX_MODEL_LEN),
+        http_port=_or(r.int_(data, "httpPort", p, d.http_port, 0, 65535), d.http_port),
         extra_args=_engine_extra_args(r, data, p),
         env=_engine_env_vars(r, data, p),
         node_selector=dict(node_selector),

@@ -120,6 +120,7 @@ def _system(values: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Connecti
         scraped = bool(autoscaling) and not (autoscaling.get("prometheus") or {}).get("address") \
             and not settings.prometheus_url
         grpc, metrics = engine.ports["grpc"][0], engine.ports["metrics"][0]
+        http = engine.ports["http"][0]
         hub = any("huggingFace" in resource["spec"][m]["source"] for m in ("target", "draft"))
         connections += [
             Connection(PROMETHEUS, engine, metrics, "TCP", True, "Prometheus scrapes engines"),
@@ -136,6 +137,9 @@ def _system(values: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Connecti
             connections += [
                 Connection(CLIENT, engine, grpc, "TCP", True, "without a gateway clients call the engines"),
                 Connection(NEIGHBOUR, engine, grpc, "TCP", True, "without a gateway clients call the engines"),
+                Connection(CLIENT, engine, http, "TCP", True,
+                           "without a gateway clients (or an inference gateway) call the engines' HTTP API"),
+                Connection(PROMETHEUS, engine, http, "TCP", True, "any client may call the engines' HTTP API"),
             ]
             continue
         gw_grpc, gw_metrics = gateway.ports["grpc"][0], gateway.ports["metrics"][0]
@@ -156,6 +160,8 @@ def _system(values: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Connecti
             Connection(NEIGHBOUR, engine, grpc, "TCP", False, "only the gateway reaches engines"),
             Connection(CLIENT, engine, grpc, "TCP", False, "only the gateway reaches engines"),
             Connection(INTERNET, engine, grpc, "TCP", False, "only the gateway reaches engines"),
+            Connection(CLIENT, engine, http, "TCP", False, "only the gateway reaches engines"),
+            Connection(gateway, engine, http, "TCP", False, "the gateway speaks gRPC to engines"),
             Connection(NEIGHBOUR, gateway, gw_metrics, "TCP", False, "only Prometheus scrapes"),
             Connection(CLIENT, gateway, gw_metrics, "TCP", False, "only Prometheus scrapes"),
         ]

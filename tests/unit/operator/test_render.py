@@ -83,7 +83,7 @@ def test_engine_pod_minimal() -> None:
         assert c[probe]["grpc"] == {"port": render.ENGINE_GRPC_PORT, "service": ""}
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= s.EngineSpec().startup_timeout_seconds
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "metrics": 9400}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "http": 8000, "metrics": 9400}
     # Non-root, read-only root, writable paths on emptyDirs, shm in memory.
     assert pod["securityContext"]["runAsNonRoot"] is True and "runAsUser" not in pod["securityContext"]
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
@@ -475,3 +475,28 @@ def test_cli_render_shows_the_resource_with_the_crds_defaults(capsys: pytest.Cap
     assert first["spec"]["engine"]["maxNumSeqs"] == s.EngineSpec().max_num_seqs
     assert "maxModelLen" not in first["spec"]["engine"]  # no default: the model's own context length
     assert [o["kind"] for o in objects][:2] == ["Service", "Deployment"]
+
+
+def test_engine_and_gateway_pods_serve_and_name_the_http_api() -> None:
+    """Issue 21: the operator's pods serve the OpenAI API on a named port (what an InferencePool targets), and 0 turns
+    it off everywhere (command, container port, Service port)."""
+    manifests = render.render_resource(load("minimal"), render.RenderOptions())
+    engine = next(m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"].endswith("-engine"))
+    container = engine["spec"]["template"]["spec"]["containers"][0]
+    cmd = container["command"] + container.get("args", [])
+    port = s.EngineSpec().http_port
+    assert cmd[cmd.index("--http-port") + 1] == str(port)
+    assert {"name": "http", "containerPort": port, "protocol": "TCP"} in container["ports"]
+    service = next(m for m in manifests if m["kind"] == "Service" and m["metadata"]["name"].endswith("-engine"))
+    assert any(p["name"] == "http" and p["targetPort"] == "http" for p in service["spec"]["ports"])
+    gateway = next(m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"].endswith("-gateway"))
+    assert "--http-port" in gateway["spec"]["template"]["spec"]["containers"][0]["command"] + \
+        gateway["spec"]["template"]["spec"]["containers"][0].get("args", [])
+
+    off = copy.deepcopy(load("minimal"))
+    off["spec"].setdefault("engine", {})["httpPort"] = 0
+    manifests = render.render_resource(off, render.RenderOptions())
+    engine = next(m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"].endswith("-engine"))
+    container = engine["spec"]["template"]["spec"]["containers"][0]
+    assert "--http-port" not in container["command"] + container.get("args", [])
+    assert all(p["name"] != "http" for p in container["ports"])
