@@ -223,7 +223,8 @@ async def test_engine_pod_is_not_restarted_while_loading_and_drains(tmp_path: Pa
                       if m["kind"] == "Deployment" and m["metadata"]["name"] == "qwen3-8b-engine")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     grpc_port = free_port()
-    command, env = local_process(container, tmp_path, {"--grpc-port": grpc_port, "--metrics-port": free_port()},
+    command, env = local_process(container, tmp_path, {"--grpc-port": grpc_port, "--metrics-port": free_port(),
+                                                       "--http-port": free_port()},
                                  ["--kv-cache-gib", "1"])
     # The image's model paths, mapped to the local pair; the CPU substitutions above.
     command = [str(pair / "target") if w == "/models/target" else str(pair / "draft") if w == "/models/draft"
