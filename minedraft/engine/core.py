@@ -107,6 +107,7 @@ def engine_args(settings: EngineSettings) -> Any:
                 if settings.lend_drafter_cores and settings.drafter.gpu_index is None else [],
                 "drafter": drafter_process_settings(settings),
                 "drafter_prestarted": True,
+                "pad_drafts_to_k": settings.pad_drafts_to_k,
             }
         },
     )

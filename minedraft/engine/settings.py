@@ -97,6 +97,9 @@ class EngineSettings:
     lend_drafter_cores: bool = True
     # Overrides of auto mode's policy settings (minedraft.engine.auto.AutoSettings field names).
     auto: dict[str, Any] = field(default_factory=dict)
+    # Fixed modes: pad every verified decoding request's proposal to exactly k (any proposal is lossless), so a
+    # decode step has one shape (1 + k query tokens each): the one vLLM captures full CUDA graphs for.
+    pad_drafts_to_k: bool = True
 
     def __post_init__(self) -> None:
         validate(self)
