@@ -117,6 +117,9 @@ class PSDPlanner:
     draft_token_budget: int | None = None
     # Pad every verified decoding request's proposal to exactly k in fixed modes (one decode shape per step).
     pad_to_k: bool = True
+    # Jobs carry only the tokens committed since the drafter last saw a request (off: whole contexts every job, the
+    # old protocol, kept for side-by-side benchmarks).
+    send_deltas: bool = True
     subbatches: SubBatches = field(default_factory=SubBatches)
     turn: int = 0
     drafts: dict[str, Draft] = field(default_factory=dict)
@@ -238,7 +241,7 @@ class PSDPlanner:
             room = min(num_draft_tokens, request.draft_room)
             if room <= 0:
                 continue
-            base = self.drafter_holds.get(rid, 0)
+            base = self.drafter_holds.get(rid, 0) if self.send_deltas else 0
             if base > request.num_tokens:
                 base = 0  # cannot happen without a bug elsewhere (committed tokens never shrink): resend all
             items.append(JobItemPlan(rid, base, request.num_tokens, room))

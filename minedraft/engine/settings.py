@@ -58,9 +58,11 @@ class DrafterSettings:
     cpu_cores: tuple[int, ...] = ()
     gpu_index: int | None = None
     kv_cache_gib: float = 1.0
-    # How long schedule() may block on a draft job before verifying without drafts.
+    # The longest schedule() may block on a draft job before verifying without drafts; once step times are
+    # measured the wait is a fraction of a step (planner.WaitPolicy) and this is only its cap. A drafter silent
+    # this long with a job outstanding is taken for hung and restarted in the background.
     deadline_seconds: float = 5.0
-    # A drafter that misses this many deadlines in a row is treated as hung and restarted.
+    # Draft jobs failing in a row (the drafter naming no request to blame) before the drafter is restarted.
     max_missed_deadlines: int = 3
     startup_timeout_seconds: float = 300.0
     restart: bool = True

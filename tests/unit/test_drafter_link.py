@@ -199,3 +199,28 @@ def test_unattributed_failed_jobs_restart_the_drafter_after_a_run_of_them():
     assert client.hung_reasons == []
     link.job_failed_unattributed()
     assert len(client.hung_reasons) == 1 and link.consecutive_failed_jobs == 0
+
+
+def test_a_drafter_that_never_starts_is_reported_and_retried_with_backoff(tmp_path):
+    """A real drafter process that cannot start (bound to a core that does not exist: it fails before loading
+    anything): the client reports why, serves without drafts (not up) and schedules the next start after a back-off
+    instead of respawning every step."""
+    import time as _time
+
+    from minedraft.engine.drafter_client import DrafterClient
+
+    client = DrafterClient({"model": str(tmp_path / "no-such-model"), "backend": "torch", "max_model_len": 64,
+                            "max_num_seqs": 2, "cpu_cores": [4095]}, restart=True)
+    try:
+        client.start()
+        assert client._process is not None
+        client._process.wait(timeout=300)
+        assert not client.check_alive()
+        assert client.state is DrafterState.DOWN
+        assert client.last_error is not None and "exited with code" in client.last_error
+        assert client.num_restarts == 0 and client._next_start_at > _time.monotonic(), "no respawn before back-off"
+        for _ in range(5):
+            assert not client.check_alive()
+        assert client.num_starts == 1
+    finally:
+        client.shutdown()
