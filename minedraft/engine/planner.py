@@ -8,6 +8,13 @@ Each step the vLLM adapter (scheduler.py) describes the running requests as `Req
     sub-batch is held out only where a draft is coming for it (a request with nothing coming decodes now);
   - after the step, where newcomers go and how balance is restored (`after_step`), and what the next draft job
     sends (`draft_job`): per request, the number of tokens the drafter already holds and only the new ones.
+Padding and CUDA graphs: vLLM 0.32 captures full decode graphs only for batches where every request has exactly
+1 + num_speculative_tokens query tokens, num_speculative_tokens being the engine's maximum (max_num_speculative_tokens;
+equal to k for an engine built for one fixed k). Padding to k therefore gives fixed-mode steps that shape. Auto mode
+and engines built with a larger maximum run k below it: such steps fall back to vLLM's piecewise graphs (attention
+outside the graph) whatever the padding, so auto's switches to a smaller k cost that fallback on every step at that
+k, and a switch itself costs nothing more (no capture at run time). Not measured here: there is no GPU.
+
 The planner also remembers what the drafter holds of each request (deltas), which requests it must forget, and
 which requests are quarantined because every job that carried them failed.
 """
@@ -321,6 +328,8 @@ class PSDPlanner:
         for request_id, tokens in scheduled.items():
             if request_id in plan.held_out:
                 raise AssertionError(f"{request_id}: held out of the step but scheduled")
+            if request_id not in plan.proposals and all(t == -1 for t in tokens):
+                continue  # vLLM's own placeholder padding of a request resumed from its waiting queue
             proposal = plan.proposals.get(request_id)
             if proposal is None or tokens != proposal[: len(tokens)]:
                 raise AssertionError(f"{request_id}: verified {tokens}, planned {proposal}")
