@@ -60,8 +60,8 @@ def install_empty_safe_top_k() -> None:
     needs no masking, so it is returned as is. Idempotent."""
     import importlib
 
-    module = importlib.import_module(TOP_K_MODULE)
-    original = module.apply_top_k_only
+    namespace = vars(importlib.import_module(TOP_K_MODULE))
+    original = namespace["apply_top_k_only"]
     if getattr(original, "minedraft_empty_safe", False):
         return
 
@@ -71,4 +71,4 @@ def install_empty_safe_top_k() -> None:
         return original(logits, k)
 
     apply_top_k_only.minedraft_empty_safe = True  # type: ignore[attr-defined]
-    module.apply_top_k_only = apply_top_k_only
+    namespace["apply_top_k_only"] = apply_top_k_only
