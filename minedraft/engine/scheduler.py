@@ -316,10 +316,12 @@ class PSDScheduler(Scheduler):
         if not isinstance(message, protocol.DraftReply):
             return
         self.planner.need_full_context(message.need_context)
+        # Late replies count too: a drafter slower than the budget would otherwise never be measured, every job
+        # abandoned, and the budget never grow to fit it (a hung drafter sends nothing, so it cannot inflate it).
+        self.wait_policy.observe_draft(message.draft_seconds)
         if group is None:
             return  # a job abandoned after its deadline: its drafts are stale
         self.planner.job_done(group)
-        self.wait_policy.observe_draft(message.draft_seconds)
         self._timing.draft_seconds += message.draft_seconds
         self._timing.draft_first_token_seconds += message.first_token_seconds
         self._timing.drafter_idle_seconds += message.idle_seconds
