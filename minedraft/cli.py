@@ -10,123 +10,22 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 # vLLM logs to stdout unless told otherwise; `--json` output must stay clean. Set before vLLM is imported.
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _pair_dir(value: str | None) -> Path:
-    from minedraft.models.spec import default_pair_dir
+from minedraft.engine_options import (
+    _cores,
+    _pair_dir,
+    add_engine_arguments,
+    constructed_pair,
+    ensure_pair,
+    settings_from_args,
+)
 
-    return Path(value) if value else default_pair_dir()
-
-
-def ensure_pair(pair_dir: Path) -> Path:
-    """The local pair, built on demand when neither the committed copy nor the cache has it."""
-    from minedraft.models.spec import is_complete_pair
-
-    if not is_complete_pair(pair_dir):
-        from minedraft.models.build import build_pair
-
-        print(f"building the local model pair into {pair_dir} (one time)", file=sys.stderr)
-        build_pair(pair_dir)
-    return pair_dir
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "psd") -> None:
-    parser.add_argument("--pair", help="local pair directory (default: the committed pair, else the cache)")
-    parser.add_argument("--model", help="target model directory or id (default: the local pair's target)")
-    parser.add_argument("--draft", help="draft model directory or id (default: the local pair's draft)")
-    parser.add_argument("--mode", default=default_mode, help="psd | sd | ar | vllm-sd")
-    parser.add_argument("--num-speculative-tokens", "-k", type=int, default=3, help="draft length k")
-    parser.add_argument("--num-extra-draft-tokens", type=int, default=0,
-                        help="extra drafts e (top-C selection by cumulative draft log-probability)")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--kv-cache-gib", type=float, default=2.0)
-    parser.add_argument("--target-cores", help="comma-separated CPU cores for the target (default: first half)")
-    parser.add_argument("--drafter-cores", help="comma-separated CPU cores for the drafter (default: the rest)")
-    parser.add_argument("--drafter-gpu", type=int, help="GPU index for the drafter (GPU machines)")
-    parser.add_argument("--draft-deadline-seconds", type=float, default=5.0)
-    parser.add_argument("--drafter-backend", default="torch", choices=["torch", "vllm"],
-                        help="torch: plain-torch Llama drafter with per-request KV cache (fast on CPUs); "
-                        "vllm: the draft model in vLLM (any architecture)")
-    parser.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds are separate)")
-    parser.add_argument("--max-num-speculative-tokens", type=int,
-                        help="the longest draft the engine can switch to at run time (auto mode's k range)")
-    parser.add_argument("--auto-modes", help="the modes auto mode chooses among (comma-separated subset of ar, sd, "
-                        "psd; default all three)")
-    parser.add_argument("--auto-k", help="the draft lengths auto mode chooses among (comma-separated; default 1 to "
-                        "the engine's longest draft)")
-    parser.add_argument("--constructed-acceptance", type=float,
-                        help="use the cost-realistic constructed pair with this per-position acceptance "
-                        "(built into the cache on first use; see `minedraft models build-constructed`)")
-
-
-def _cores(value: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(int(c) for c in value.split(",")) if value else default
-
-
-def constructed_pair(acceptance: float) -> Path:
-    """The cost-realistic pair with the given acceptance, built into the cache on first use (about a minute)."""
-    from minedraft.models.constructed import ConstructedRecipe, build_constructed_pair, constructed_pair_dir
-    from minedraft.models.spec import cache_root, is_complete_pair
-
-    if not 0.0 <= acceptance <= 1.0:
-        from minedraft.engine.settings import SettingsError
-
-        raise SettingsError("constructed_acceptance", f"must be within [0, 1], got {acceptance}")
-    out = constructed_pair_dir(cache_root(), acceptance)
-    if not is_complete_pair(out):
-        print(f"building the constructed pair (acceptance {acceptance}) into {out} (one time)", file=sys.stderr)
-        build_constructed_pair(out, ensure_pair(_pair_dir(None)) / "target", ConstructedRecipe(acceptance=acceptance))
-    return out
-
-
-def settings_from_args(args: argparse.Namespace) -> Any:
-    from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode, SettingsError, default_core_split
-
-    if getattr(args, "constructed_acceptance", None) is not None:
-        built = constructed_pair(args.constructed_acceptance)
-        args.model, args.draft = args.model or str(built / "target"), args.draft or str(built / "draft")
-    pair = None if (args.model and args.draft) else ensure_pair(_pair_dir(getattr(args, "pair", None)))
-    target_default, drafter_default = default_core_split()
-    mode = Mode.parse(args.mode)
-    auto: dict[str, Any] = {}
-    if getattr(args, "auto_modes", None):
-        auto["allowed_modes"] = tuple(m.strip() for m in args.auto_modes.split(",") if m.strip())
-    if getattr(args, "auto_k", None):
-        try:
-            auto["k_candidates"] = tuple(int(k) for k in args.auto_k.split(",") if k.strip())
-        except ValueError:
-            raise SettingsError("auto.k_candidates",
-                                f"expected comma-separated integers, got {args.auto_k!r}") from None
-    # The engine is built for the longest draft auto may switch to.
-    max_k = args.max_num_speculative_tokens
-    if auto.get("k_candidates") and not max_k:
-        max_k = max(max(auto["k_candidates"]), args.num_speculative_tokens + args.num_extra_draft_tokens)
-    return EngineSettings(
-        model=args.model or str(pair / "target"),  # type: ignore[operator]
-        drafter=DrafterSettings(
-            model=args.draft or str(pair / "draft"),  # type: ignore[operator]
-            cpu_cores=_cores(args.drafter_cores, drafter_default),
-            gpu_index=args.drafter_gpu,
-            deadline_seconds=args.draft_deadline_seconds,
-            backend=args.drafter_backend,
-        ),
-        mode=mode,
-        num_speculative_tokens=args.num_speculative_tokens,
-        num_extra_draft_tokens=args.num_extra_draft_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        kv_cache_gib=args.kv_cache_gib,
-        target_cpu_cores=_cores(args.target_cores, target_default),
-        seed=args.seed,
-        max_num_speculative_tokens=max_k,
-        auto=auto,
-    )
+__all__ = ["add_engine_arguments", "build_parser", "constructed_pair", "ensure_pair", "main", "settings_from_args"]
 
 
 # -- models --------------------------------------------------------------------------------------------------------
@@ -353,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     importlib.import_module("minedraft.server.cli").add_subcommands(sub)  # serve
     importlib.import_module("minedraft.gateway.cli").add_subcommands(sub)  # gateway, bench-gateway
     importlib.import_module("minedraft.client").add_subcommands(sub)  # client generate
+    importlib.import_module("minedraft.doctor").add_subcommands(sub)  # doctor
     return parser
 
 

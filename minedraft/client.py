@@ -62,22 +62,62 @@ def build_request(args: argparse.Namespace) -> Any:
     if args.prompt is not None:
         request.prompt = args.prompt
     else:
-        request.prompt_token_ids.extend(int(t) for t in args.prompt_token_ids.split(",") if t.strip())
+        request.prompt_token_ids.extend(parse_token_ids(args.prompt_token_ids))
     return request
+
+
+class UsageError(ValueError):
+    """Bad command-line input: printed as one line naming the flag, exit status 2."""
+
+
+def parse_token_ids(text: str) -> list[int]:
+    token_ids = []
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        try:
+            token_id = int(part)
+        except ValueError:
+            raise UsageError(
+                f"prompt-token-ids: {part.strip()!r} is not a token id (comma-separated integers)") from None
+        if token_id < 0:
+            raise UsageError(f"prompt-token-ids: {token_id} is negative")
+        token_ids.append(token_id)
+    if not token_ids:
+        raise UsageError("prompt-token-ids: no token ids given")
+    return token_ids
+
+
+def _read(flag: str, path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise UsageError(f"{flag}: cannot read {path}: {exc.strerror or exc}") from None
 
 
 def open_channel(target: str, tls_ca: str | None, server_name: str | None = None) -> Any:
     import grpc
 
+    from minedraft.api.grpc_policy import CHANNEL_OPTIONS
+
     if tls_ca is None:
-        return grpc.aio.insecure_channel(target)
-    credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+        return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    ca = _read("tls-ca", tls_ca)
+    if b"-----BEGIN CERTIFICATE-----" not in ca:
+        raise UsageError(f"tls-ca: {tls_ca} holds no PEM certificate")
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca)
     options = (("grpc.ssl_target_name_override", server_name),) if server_name else ()
-    return grpc.aio.secure_channel(target, credentials, options=options)
+    return grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS + options)
 
 
 def bearer_metadata(token_file: str | None) -> tuple[tuple[str, str], ...]:
-    token = Path(token_file).read_text().strip().splitlines()[0].strip() if token_file else os.environ.get(TOKEN_ENV)
+    if token_file:
+        lines = [line.strip() for line in _read("token-file", token_file).decode(errors="replace").splitlines()]
+        token: str | None = next((line for line in lines if line), None)
+        if token is None:
+            raise UsageError(f"token-file: {token_file} holds no token")
+    else:
+        token = os.environ.get(TOKEN_ENV)
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
@@ -88,12 +128,13 @@ async def stream_generate(args: argparse.Namespace) -> int:
     from minedraft.api import pb_grpc
 
     request = build_request(args)
+    metadata = bearer_metadata(args.token_file)
     started = time.perf_counter()
     first_token_seconds: float | None = None
     final = None
     async with open_channel(args.target, args.tls_ca, args.tls_server_name) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        call = stub.Generate(request, timeout=args.timeout_seconds, metadata=bearer_metadata(args.token_file))
+        call = stub.Generate(request, timeout=args.timeout_seconds, metadata=metadata)
         try:
             async for response in call:
                 if first_token_seconds is None and response.token_ids:
@@ -121,8 +162,16 @@ async def stream_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _usage_errors(run: Any, args: argparse.Namespace) -> int:
+    try:
+        return int(asyncio.run(run(args)))
+    except UsageError as exc:
+        print(f"minedraft client: error: {exc}", file=sys.stderr)
+        return 2
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    return asyncio.run(stream_generate(args))
+    return _usage_errors(stream_generate, args)
 
 
 async def check_health(args: argparse.Namespace) -> int:
@@ -147,4 +196,4 @@ async def check_health(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    return asyncio.run(check_health(args))
+    return _usage_errors(check_health, args)

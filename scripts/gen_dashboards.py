@@ -106,8 +106,19 @@ OVERVIEW: list[Panel] = [
             "{{finish_reason}}")],
           "Ended requests per second: stop, length, abort (client cancel, deadline), error."),
     Panel("Gateway streams by status", "reqps",
-          [(f'sum by (code) (rate(minedraft_gateway_streams_finished_total{{{GATEWAY}}}[{RI}]))', "{{code}}")],
-          "Streams ended per second at the gateway, by gRPC status code."),
+          [(f'sum by (protocol, code) (rate(minedraft_gateway_streams_finished_total{{{GATEWAY}}}[{RI}]))',
+            "{{protocol}} {{code}}")],
+          "Streams ended per second at the gateway, by API (grpc, http: the OpenAI API) and gRPC status code (an HTTP "
+          "stream's status maps to one: 400 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 429 RESOURCE_EXHAUSTED, 503 "
+          "UNAVAILABLE, 504 DEADLINE_EXCEEDED)."),
+    Panel("Requests by API", "reqps",
+          [(f'sum by (protocol) (rate(minedraft_gateway_streams_started_total{{{GATEWAY}}}[{RI}]))',
+            "gateway {{protocol}}"),
+           (f'sum by (protocol) (rate(minedraft_engine_requests_finished_total{{{ENGINE}}}[{RI}]))',
+            "engines direct {{protocol}}")],
+          "Streams started per second at the gateways and requests ended per second at the engines, by the API they "
+          "came through (grpc, or http: the OpenAI API). The gateway speaks gRPC to engines, so engines count HTTP "
+          "only from clients that call them directly (an inference gateway's InferencePool)."),
 ]
 
 SPECULATION: list[Panel] = [
@@ -177,8 +188,9 @@ SPECULATION: list[Panel] = [
           "Engine retries before the first token, streams refused at the in-flight limit, and streams started."),
     Panel("Gateway added latency", "s",
           [(q(0.99, "minedraft_gateway_route_seconds", GATEWAY), "route p99"),
-           (q(0.95, "minedraft_gateway_time_to_first_response_seconds", GATEWAY), "first response p95"),
-           (q(0.95, "minedraft_gateway_stream_duration_seconds", GATEWAY), "stream p95")],
+           (q(0.95, "minedraft_gateway_time_to_first_response_seconds", GATEWAY, "protocol"),
+            "{{protocol}} first response p95"),
+           (q(0.95, "minedraft_gateway_stream_duration_seconds", GATEWAY, "protocol"), "{{protocol}} stream p95")],
           "The gateway's own latency before an engine is called, and first-response and whole-stream latency "
           "seen at the gateway."),
 ]

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # `make run`: an engine server and a gateway on localhost, then one completion streamed through the gateway with
-# `minedraft client generate`. Both servers are stopped (SIGTERM: graceful drain) when this script exits.
+# `minedraft client generate` (gRPC) and one chat completion through its OpenAI HTTP API (curl, SSE). Both servers
+# are stopped (SIGTERM: graceful drain) when this script exits; MINEDRAFT_KEEP_SERVING=1 keeps them up until Ctrl-C
+# (for an OpenAI SDK client against http://127.0.0.1:$GATEWAY_HTTP_PORT/v1).
 # Extra arguments go to `minedraft serve` (engine flags such as --mode sd or -k 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +11,9 @@ BIN="${VENV:-.venv}/bin"
 export GRPC_VERBOSITY="${GRPC_VERBOSITY:-ERROR}"  # C-core info lines (GOAWAY on drain) are noise here
 ENGINE_PORT="${MINEDRAFT_ENGINE_PORT:-50061}"
 GATEWAY_PORT="${MINEDRAFT_GATEWAY_PORT:-50060}"
+# The OpenAI-compatible HTTP API of each (0: off).
+ENGINE_HTTP_PORT="${MINEDRAFT_ENGINE_HTTP_PORT:-8061}"
+GATEWAY_HTTP_PORT="${MINEDRAFT_GATEWAY_HTTP_PORT:-8060}"
 PROMPT="${MINEDRAFT_PROMPT:-def parse_args(argv):
 }"
 MAX_TOKENS="${MINEDRAFT_MAX_TOKENS:-96}"
@@ -27,14 +32,15 @@ trap 'exit 130' INT TERM
 
 # Metrics ports off unless asked for (MINEDRAFT_ENGINE_METRICS_PORT, MINEDRAFT_GATEWAY_METRICS_PORT): a busy port
 # must not stop the quick start.
-"$BIN/minedraft" --log-level WARNING serve --grpc-port "$ENGINE_PORT" \
+"$BIN/minedraft" --log-level WARNING serve --grpc-port "$ENGINE_PORT" --http-port "$ENGINE_HTTP_PORT" \
   --metrics-port "${MINEDRAFT_ENGINE_METRICS_PORT:-0}" --grace-seconds 5 "$@" &
 pids+=($!)
-"$BIN/minedraft" --log-level WARNING gateway --port "$GATEWAY_PORT" --engines "127.0.0.1:$ENGINE_PORT" \
-  --metrics-port "${MINEDRAFT_GATEWAY_METRICS_PORT:-0}" --grace-seconds 5 &
+"$BIN/minedraft" --log-level WARNING gateway --port "$GATEWAY_PORT" --http-port "$GATEWAY_HTTP_PORT" \
+  --engines "127.0.0.1:$ENGINE_PORT" --metrics-port "${MINEDRAFT_GATEWAY_METRICS_PORT:-0}" --grace-seconds 5 &
 pids+=($!)
 
-echo "run: engine server on :$ENGINE_PORT, gateway on :$GATEWAY_PORT; waiting for the engine to load ..." >&2
+echo "run: engine server on :$ENGINE_PORT (HTTP :$ENGINE_HTTP_PORT), gateway on :$GATEWAY_PORT" \
+  "(HTTP :$GATEWAY_HTTP_PORT); waiting for the engine to load ..." >&2
 # The gateway reports SERVING once an engine behind it is ready.
 ready=
 for _ in $(seq 1 300); do
@@ -47,3 +53,17 @@ done
 echo "run: streaming through the gateway:" >&2
 printf '%s' "$PROMPT"
 "$BIN/minedraft" client generate --target "127.0.0.1:$GATEWAY_PORT" --prompt "$PROMPT" --max-tokens "$MAX_TOKENS"
+
+if [[ "$GATEWAY_HTTP_PORT" != 0 ]]; then
+  MODEL=$(curl -sf "http://127.0.0.1:$GATEWAY_HTTP_PORT/v1/models" | "$BIN/python" -c \
+    'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')
+  BODY=$("$BIN/python" -c 'import json, sys; print(json.dumps({"model": sys.argv[1], "stream": True,
+    "messages": [{"role": "user", "content": sys.argv[2]}], "max_tokens": 16}))' "$MODEL" "$PROMPT")
+  echo >&2
+  echo "run: a chat completion through the gateway's OpenAI API (SSE as it arrives):" >&2
+  curl -sN "http://127.0.0.1:$GATEWAY_HTTP_PORT/v1/chat/completions" -H 'Content-Type: application/json' -d "$BODY"
+fi
+if [[ -n "${MINEDRAFT_KEEP_SERVING:-}" ]]; then
+  echo "run: serving until Ctrl-C (OpenAI API: http://127.0.0.1:$GATEWAY_HTTP_PORT/v1)" >&2
+  wait
+fi

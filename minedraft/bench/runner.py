@@ -220,6 +220,8 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         "target_cpu_cores": list(base.target_cpu_cores),
         "drafter_cpu_cores": list(base.drafter.cpu_cores),
         "baseline_cpu_cores": list(config.baseline_cpu_cores or base.target_cpu_cores),
+        "tensor_parallel_size": base.tensor_parallel_size,
+        "dtype": base.dtype,
         "greedy": True,
         "ignore_eos": True,
         **config.labels,

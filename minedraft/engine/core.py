@@ -13,6 +13,15 @@ from typing import Any
 
 from minedraft.engine.auto import AutoSettings, Decision
 from minedraft.engine.cost_model import Prediction
+from minedraft.engine.placement import (
+    DevicePlan,
+    check_model_pair,
+    cpu_thread_binding,
+    detect_device,
+    narrow_visible_devices,
+    plan_devices,
+    resolve_for_device,
+)
 from minedraft.engine.requests import OutputDelta, RequestError, SamplingSettings
 from minedraft.engine.settings import EngineSettings, Mode
 from minedraft.engine.stats import EngineTotals, StepRecord
@@ -22,14 +31,23 @@ log = logging.getLogger(__name__)
 
 SCHEDULER_CLASS = "minedraft.engine.scheduler.PSDScheduler"
 PROPOSER_CLASS = "minedraft.engine.proposer.NullProposer"
+WORKER_EXTENSION_CLASS = "minedraft.engine.vllm_fixes.CpuFixesWorkerExtension"
 
 
-def _configure_process(settings: EngineSettings) -> None:
+def _configure_process(settings: EngineSettings, plan: DevicePlan) -> None:
     # The engine core must live in this process (statistics, invariants); vLLM reads these lazily.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if plan.target_visible_devices is not None:
+        # The target (and its tensor-parallel workers, which inherit this) sees exactly its own GPUs. CUDA is not
+        # initialised yet in this process: detect_device counts GPUs through NVML.
+        narrow_visible_devices(os.environ, plan.target_visible_devices)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(settings.kv_cache_gib)))
-    if settings.target_cpu_cores:
+    if settings.tensor_parallel_size > 1 and plan.target_visible_devices is None:
+        # CPU tensor parallelism: one worker process per rank, each bound to its own cores ("0|1").
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(
+            settings.target_cpu_cores, settings.tensor_parallel_size, tuple(sorted(os.sched_getaffinity(0))))
+    elif settings.target_cpu_cores:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in settings.target_cpu_cores)
         # One OpenMP thread per bound core, set before vLLM binds them: vLLM 0.32 binds the threads to these cores
         # but then refuses to lower torch's thread count ("doesn't allow torch.set_num_threads after the thread
@@ -40,14 +58,18 @@ def _configure_process(settings: EngineSettings) -> None:
         torch.set_num_threads(len(settings.target_cpu_cores))
 
 
-def drafter_process_settings(settings: EngineSettings) -> dict[str, Any]:
+def drafter_process_settings(settings: EngineSettings, plan: DevicePlan | None = None) -> dict[str, Any]:
     drafter = settings.drafter
     return {
         "model": drafter.model,
         "backend": drafter.backend,
         "cpu_cores": list(drafter.cpu_cores),
         "gpu_index": drafter.gpu_index,
+        # The drafter's device as the pod names it (an entry of the inherited CUDA_VISIBLE_DEVICES); None: CPU.
+        "cuda_visible_devices": plan.drafter_visible_devices if plan is not None else None,
+        "gpu_memory_utilization": drafter.gpu_memory_utilization,
         "kv_cache_gib": drafter.kv_cache_gib,
+        # 0: vLLM fits the draft's own context length to its KV cache.
         "max_model_len": settings.max_model_len,
         "max_num_seqs": settings.max_num_seqs,
         "dtype": settings.dtype,
@@ -62,11 +84,18 @@ def engine_args(settings: EngineSettings) -> Any:
     common: dict[str, Any] = {
         "model": settings.model,
         "dtype": settings.dtype,
-        "max_model_len": settings.max_model_len,
+        # -1: the model's own context length, or what the KV cache holds if that is less (vLLM's auto-fit).
+        "max_model_len": settings.max_model_len or -1,
         "max_num_seqs": settings.max_num_seqs,
         "seed": settings.seed,
         "disable_log_stats": False,
+        "tensor_parallel_size": settings.tensor_parallel_size,
     }
+    if settings.gpu_memory_utilization is not None:
+        common["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    # With tensor parallelism the workers are processes of their own: the CPU kernel correction must be installed
+    # in each of them too (importing the extension's module does it; harmless in-process and on GPUs).
+    common["worker_extension_cls"] = WORKER_EXTENSION_CLASS
     common.update(settings.extra_vllm_args)
     if settings.mode is Mode.AR:
         return EngineArgs(**common)
@@ -103,8 +132,10 @@ def engine_args(settings: EngineSettings) -> Any:
                 "stats_history": settings.stats_history,
                 "auto": dict(settings.auto),
                 "target_cpu_cores": list(settings.target_cpu_cores),
+                # Only a single in-process CPU worker can widen onto the drafter's cores.
                 "lend_cpu_cores": list(settings.drafter.cpu_cores)
-                if settings.lend_drafter_cores and settings.drafter.gpu_index is None else [],
+                if settings.lend_drafter_cores and settings.drafter.gpu_index is None
+                and settings.tensor_parallel_size == 1 else [],
                 "drafter": drafter_process_settings(settings),
                 "drafter_prestarted": True,
                 "pad_drafts_to_k": settings.pad_drafts_to_k,
@@ -119,26 +150,34 @@ class Engine:
     def __init__(self, settings: EngineSettings) -> None:
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        self.settings = settings
         started = time.perf_counter()
-        _configure_process(settings)
+        # Before anything loads: concrete dtype and drafter backend for this machine, each process's devices, and a
+        # draft model whose token ids are the target's.
+        device = detect_device()
+        settings = resolve_for_device(settings, device)
+        self.device_plan = plan_devices(settings, device)
+        self.pair_check: dict[str, Any] | None = None
+        if settings.mode.uses_drafter or settings.mode is Mode.VLLM_SD:
+            self.pair_check = check_model_pair(settings.model, settings.drafter.model, settings.drafter.backend
+                                               if settings.mode.uses_drafter else "vllm")
+        self.settings = settings
+        _configure_process(settings, self.device_plan)
         drafter = None
-        if settings.mode.uses_drafter:
-            from minedraft.engine.drafter_client import DrafterClient
-
-            # Start the drafter first so its model loads while the target's does.
-            drafter = DrafterClient(
-                drafter_process_settings(settings),
-                restart=settings.drafter.restart,
-                startup_timeout_seconds=settings.drafter.startup_timeout_seconds,
-            )
-            drafter.start()
+        # The torch drafter sizes its KV cache by the context length: with the length left to vLLM it starts once the
+        # target's is known (it loads in seconds). The vLLM drafter fits its own and starts first, loading meanwhile.
+        drafter_after_target = settings.drafter.backend == "torch" and not settings.max_model_len
+        if settings.mode.uses_drafter and not drafter_after_target:
+            drafter = self._start_drafter(settings)
         try:
             self._llm = LLMEngine.from_engine_args(engine_args(settings))
         except BaseException:
             if drafter is not None:
                 drafter.shutdown()
             raise
+        # From here on settings.max_model_len is the length vLLM chose (the servicer's limits read it).
+        self.settings = settings = settings.with_changes(max_model_len=int(self._llm.model_config.max_model_len))
+        if settings.mode.uses_drafter and drafter_after_target:
+            drafter = self._start_drafter(settings)
         # After the engine: its in-process worker has just registered the CPU platform's kernels.
         apply_cpu_fixes()
         if drafter is not None:
@@ -150,6 +189,17 @@ class Engine:
         self._prompt_lengths: dict[str, int] = {}
         self._output_counts: dict[str, int] = {}
         log.info("engine (%s) ready in %.1fs", settings.mode.value, self.startup_seconds)
+
+    def _start_drafter(self, settings: EngineSettings) -> Any:
+        from minedraft.engine.drafter_client import DrafterClient
+
+        drafter = DrafterClient(
+            drafter_process_settings(settings, self.device_plan),
+            restart=settings.drafter.restart,
+            startup_timeout_seconds=settings.drafter.startup_timeout_seconds,
+        )
+        drafter.start()
+        return drafter
 
     # -- plumbing into vLLM's internals (pinned version) -------------------------------------------------------
 
@@ -180,10 +230,11 @@ class Engine:
         vocab_size = self.vocab_size
         if any(not 0 <= t < vocab_size for t in token_ids):
             raise RequestError("prompt_token_ids", f"token ids must be in [0, {vocab_size})")
-        if len(token_ids) >= self.settings.max_model_len:
+        max_model_len = self.max_model_len
+        if len(token_ids) >= max_model_len:
             raise RequestError(
                 "prompt",
-                f"is {len(token_ids)} tokens; the context holds {self.settings.max_model_len} "
+                f"is {len(token_ids)} tokens; the context holds {max_model_len} "
                 "including at least one generated token",
             )
         return token_ids
@@ -194,7 +245,7 @@ class Engine:
         from vllm.sampling_params import RequestOutputKind
 
         sampling.validate()
-        room = self.settings.max_model_len - len(prompt_token_ids)
+        room = self.max_model_len - len(prompt_token_ids)
         params = SamplingParams(
             max_tokens=min(sampling.max_tokens, room),
             temperature=sampling.temperature,
@@ -279,6 +330,11 @@ class Engine:
         if scheduler is None:
             raise ValueError(f"mode: this engine was built for {self.settings.mode.value} and cannot switch")
         scheduler.set_mode(mode, k, num_extra_draft_tokens, auto_settings)
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length vLLM runs with (the configured one, or the model's own fitted to the KV cache)."""
+        return int(self._llm.model_config.max_model_len)
 
     @property
     def vocab_size(self) -> int:

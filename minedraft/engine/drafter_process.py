@@ -33,8 +33,10 @@ def _configure_device(settings: dict[str, Any]) -> None:
         os.sched_setaffinity(0, cores)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores)
         os.environ["OMP_NUM_THREADS"] = str(len(cores))
-    if settings.get("gpu_index") is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(settings["gpu_index"])
+    # The device as the pod named it (one entry of the engine's inherited CUDA_VISIBLE_DEVICES, mapped by
+    # minedraft.engine.placement.plan_devices); the engine's own narrowed list must not leak in.
+    if settings.get("cuda_visible_devices") is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(settings["cuda_visible_devices"])
 
 
 class Drafter:
@@ -42,17 +44,22 @@ class Drafter:
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        extra: dict[str, Any] = {}
+        if settings.get("gpu_memory_utilization") is not None:
+            extra["gpu_memory_utilization"] = settings["gpu_memory_utilization"]
         args = EngineArgs(
             model=settings["model"],
             dtype=settings.get("dtype", "float32"),
-            max_model_len=settings["max_model_len"],
+            # -1: the draft's own context length fitted to its KV cache.
+            max_model_len=settings.get("max_model_len") or -1,
             max_num_seqs=settings["max_num_seqs"],
             enable_prefix_caching=True,
             seed=settings.get("seed", 0),
             disable_log_stats=True,
+            **extra,
         )
         self.engine = LLMEngine.from_engine_args(args)
-        self.max_model_len = settings["max_model_len"]
+        self.max_model_len = int(self.engine.model_config.max_model_len)
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self.cancelled: set[str] = set()
 

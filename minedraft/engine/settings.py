@@ -46,6 +46,29 @@ class SettingsError(ValueError):
 
 
 MAX_NUM_SPECULATIVE_TOKENS = 16
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DRAFTER_BACKENDS = ("auto", "vllm", "torch")
+MAX_TENSOR_PARALLEL_SIZE = 8
+
+# vLLM engine arguments that pass-through may not set: the engine sets them itself (a flag of ours exists), or they
+# make vLLM call schedule() more than once per update_from_output() (pipeline parallelism and async scheduling keep a
+# batch queue), which the PSD scheduler's per-step state cannot survive. Value: why, shown in the error.
+OWNED_VLLM_ARGS = {
+    "model": "--model",
+    "dtype": "--dtype",
+    "tensor_parallel_size": "--tensor-parallel-size",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "max_model_len": "--max-model-len",
+    "max_num_seqs": "--max-num-seqs",
+    "seed": "--seed",
+    "speculative_config": "--mode and --num-speculative-tokens",
+    "scheduler_cls": "--mode (the engine installs its own scheduler)",
+}
+BREAKS_ONE_SCHEDULE_ONE_UPDATE = {
+    "pipeline_parallel_size": 1,
+    "async_scheduling": False,
+    "data_parallel_size": 1,
+}
 # The longest draft `auto` mode considers unless max_num_speculative_tokens says otherwise.
 AUTO_MAX_NUM_SPECULATIVE_TOKENS = 5
 
@@ -66,9 +89,12 @@ class DrafterSettings:
     max_missed_deadlines: int = 3
     startup_timeout_seconds: float = 300.0
     restart: bool = True
-    # "vllm": the draft model in vLLM (any architecture; GPUs). "torch": a plain-torch Llama drafter that keeps
-    # each request's KV cache between jobs (no per-job admission cost: the faster choice on CPUs).
-    backend: str = "vllm"
+    # "vllm": the draft model in vLLM (any architecture; GPUs). "torch": a plain-torch Llama/Qwen3 drafter that
+    # keeps each request's KV cache between jobs (no per-job admission cost: the faster choice on CPUs).
+    # "auto": vllm on GPU machines, torch on CPUs (resolved by minedraft.engine.placement.resolve_for_device).
+    backend: str = "auto"
+    # Share of the drafter GPU's memory its vLLM may take (None: vLLM's default). GPU machines only.
+    gpu_memory_utilization: float | None = None
 
 
 @dataclass(frozen=True)
@@ -85,15 +111,27 @@ class EngineSettings:
     # Upper bound on k + e that can be switched to at run time (vLLM reserves verification slots for it).
     max_num_speculative_tokens: int | None = None
     max_num_seqs: int = 64
-    max_model_len: int = 1024
+    # 0: the model's own context length, capped by what the KV cache holds (vLLM's auto-fit). A loaded engine's
+    # settings carry the length vLLM chose.
+    max_model_len: int = 0
     kv_cache_gib: float = 2.0
     target_cpu_cores: tuple[int, ...] = ()
     seed: int = 0
-    dtype: str = "float32"
+    # Target and drafter weights/activations. "auto": each model's own dtype on GPUs; float32 on a CPU without fast
+    # bfloat16 (resolved by minedraft.engine.placement.resolve_for_device).
+    dtype: str = "auto"
+    # Target GPUs: tensor parallel over this many devices (target_gpus, default the first N visible ones).
+    tensor_parallel_size: int = 1
+    # Indices into the inherited CUDA_VISIBLE_DEVICES (or into all devices when it is unset); () = 0..TP-1.
+    target_gpus: tuple[int, ...] = ()
+    # Share of each target GPU's memory vLLM may take (None: vLLM's default).
+    gpu_memory_utilization: float | None = None
     # Check sub-batch invariants on every step (tests turn it on; it costs a few microseconds per request).
     check_invariants: bool = False
     # Steps of per-step statistics kept in memory for readers (metrics, auto mode, tests).
     stats_history: int = 4096
+    # Any other vLLM engine argument (EngineArgs field name -> value), validated by parse_vllm_args; arguments the
+    # engine owns or that break its one-schedule-one-update cycle are refused (FORBIDDEN_VLLM_ARGS).
     extra_vllm_args: dict[str, Any] = field(default_factory=dict)
     # CPU machines: while nothing is drafted (ar, a down drafter) the target also computes on the drafter's cores.
     lend_drafter_cores: bool = True
@@ -149,12 +187,41 @@ def validate(settings: EngineSettings) -> None:
         raise SettingsError("draft_token_budget", f"must be positive, got {settings.draft_token_budget}")
     if settings.max_num_seqs < 1:
         raise SettingsError("max_num_seqs", f"must be positive, got {settings.max_num_seqs}")
-    if settings.max_model_len < 16:
-        raise SettingsError("max_model_len", f"must be at least 16, got {settings.max_model_len}")
     if settings.kv_cache_gib <= 0:
         raise SettingsError("kv_cache_gib", f"must be positive, got {settings.kv_cache_gib}")
-    if settings.drafter.backend not in ("vllm", "torch"):
-        raise SettingsError("drafter.backend", f"expected vllm or torch, got {settings.drafter.backend!r}")
+    if settings.drafter.backend not in DRAFTER_BACKENDS:
+        raise SettingsError("drafter.backend", f"expected one of {', '.join(DRAFTER_BACKENDS)}, "
+                            f"got {settings.drafter.backend!r}")
+    if settings.max_model_len not in (0, -1) and settings.max_model_len < 16:
+        raise SettingsError("max_model_len", f"must be at least 16 (or unset: the model's own), "
+                            f"got {settings.max_model_len}")
+    if settings.dtype not in DTYPES:
+        raise SettingsError("dtype", f"expected one of {', '.join(DTYPES)}, got {settings.dtype!r}")
+    if not 1 <= settings.tensor_parallel_size <= MAX_TENSOR_PARALLEL_SIZE:
+        raise SettingsError("tensor_parallel_size", f"must be between 1 and {MAX_TENSOR_PARALLEL_SIZE}, "
+                            f"got {settings.tensor_parallel_size}")
+    if settings.target_gpus:
+        if len(settings.target_gpus) != settings.tensor_parallel_size:
+            raise SettingsError("target_gpus", f"{len(settings.target_gpus)} GPUs given for tensor parallel size "
+                                f"{settings.tensor_parallel_size}: give exactly one per tensor-parallel rank")
+        if len(set(settings.target_gpus)) != len(settings.target_gpus) or min(settings.target_gpus) < 0:
+            raise SettingsError("target_gpus", f"must be distinct non-negative indices, got {settings.target_gpus}")
+    for name, value in (("gpu_memory_utilization", settings.gpu_memory_utilization),
+                        ("drafter.gpu_memory_utilization", settings.drafter.gpu_memory_utilization)):
+        if value is not None and not 0.0 < value <= 1.0:
+            raise SettingsError(name, f"must be within (0, 1], got {value}")
+    gpu = settings.drafter.gpu_index
+    if gpu is not None and settings.mode.uses_drafter:
+        if gpu < 0:
+            raise SettingsError("drafter.gpu_index", f"must be a non-negative device index, got {gpu}")
+        if settings.drafter.backend == "torch":
+            raise SettingsError("drafter.backend", "the torch drafter runs on CPUs only; a drafter GPU needs the "
+                                "vllm backend (--drafter-backend vllm)")
+        # Without target GPUs given, the target takes the first ones that are not the drafter's (plan_devices).
+        if gpu in settings.target_gpus:
+            raise SettingsError("drafter.gpu_index", f"GPU {gpu} is one of the target's {list(settings.target_gpus)}: "
+                                "the drafter needs a device of its own")
+    validate_vllm_args(settings.extra_vllm_args)
     if settings.drafter.deadline_seconds <= 0:
         raise SettingsError("drafter.deadline_seconds", "must be positive")
     if settings.mode is Mode.VLLM_SD and settings.num_extra_draft_tokens:
@@ -173,6 +240,45 @@ def validate(settings: EngineSettings) -> None:
                                 f"longest draft, max_num_speculative_tokens), got {auto.k_candidates}")
     if settings.mode is not Mode.AR and not settings.drafter.model:
         raise SettingsError("drafter.model", f"mode {settings.mode.value} needs a draft model")
+
+
+def validate_vllm_args(args: dict[str, Any]) -> None:
+    """Refuse pass-through arguments the engine owns or that break its one-schedule-one-update cycle."""
+    for name, value in args.items():
+        if name in OWNED_VLLM_ARGS:
+            raise SettingsError(f"vllm_args.{name}", f"set by the engine; use {OWNED_VLLM_ARGS[name]}")
+        if name in BREAKS_ONE_SCHEDULE_ONE_UPDATE and value not in (None, BREAKS_ONE_SCHEDULE_ONE_UPDATE[name]):
+            allowed = BREAKS_ONE_SCHEDULE_ONE_UPDATE[name]
+            raise SettingsError(f"vllm_args.{name}", f"{value!r} is not supported: it makes vLLM schedule several "
+                                "batches before the first one's update (a batch queue), which the speculative "
+                                f"scheduler's per-step state cannot follow; only {allowed!r}")
+
+
+def parse_vllm_args(argv: list[str]) -> dict[str, Any]:
+    """vLLM engine arguments given as vLLM's own command line (["--enable-prefix-caching", "--max-num-batched-tokens=
+    8192"]) -> {EngineArgs field: value}, only those given. vLLM's own parser checks names and values, so a typo is an
+    error here, not a silently ignored setting."""
+    if not argv:
+        return {}
+    import argparse
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class _Parser(FlexibleArgumentParser):
+        def error(self, message: str) -> Any:  # argparse would print usage and exit the process
+            raise SettingsError("vllm_args", message)
+
+    parser = _Parser(prog="vllm engine arguments", exit_on_error=False, add_help=False)
+    EngineArgs.add_cli_args(parser)
+    for action in parser._actions:  # only what was given comes back
+        action.default = argparse.SUPPRESS
+    try:
+        parsed = vars(parser.parse_args(list(argv)))
+    except argparse.ArgumentError as exc:
+        raise SettingsError("vllm_args", str(exc).splitlines()[0]) from None
+    validate_vllm_args(parsed)
+    return parsed
 
 
 def default_core_split() -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -1,4 +1,4 @@
-"""A plain-torch greedy drafter for Llama-architecture draft models, with a KV cache kept per request.
+"""A plain-torch greedy drafter for Llama and Qwen3 draft models, with a KV cache kept per request.
 
 Why next to the vLLM drafter: on CPUs a vLLM draft job pays a fixed ~15 ms (request admission, scheduling, a
 re-prefill of the partial prefix-cache block) whatever the draft length, which dwarfs a one-layer draft model's
@@ -30,6 +30,9 @@ class _Layer:
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+    # Qwen3: RMSNorm over each head's queries and keys before RoPE (None for Llama).
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -43,6 +46,11 @@ class _Slot:
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     variance = x.pow(2).mean(-1, keepdim=True)
     return x * torch.rsqrt(variance + eps) * weight
+
+
+def _weight_or_none(module: Any, name: str) -> torch.Tensor | None:
+    norm = getattr(module, name, None)
+    return None if norm is None else norm.weight.detach().clone()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -64,17 +72,28 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
+# Architectures implemented here (model_type in the Hugging Face config).
+ARCHITECTURES = ("llama", "qwen3")
+
+
 class TorchLlamaDrafter:
+    """Llama, and Qwen3 (Llama plus a per-head RMSNorm on queries and keys)."""
+
     def __init__(self, model_dir: str, max_slots: int, max_model_len: int, dtype: torch.dtype = torch.float32):
-        from transformers import AutoConfig, LlamaForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(model_dir)
-        if getattr(config, "model_type", "") != "llama":
-            raise ValueError(f"the torch drafter supports Llama models, not {config.model_type!r}")
+        model_type = getattr(config, "model_type", "")
+        if model_type not in ARCHITECTURES:
+            raise ValueError(f"the torch drafter implements {', '.join(ARCHITECTURES)}, not {model_type!r}; use the "
+                             "vllm drafter backend")
+        if getattr(config, "attention_bias", False) or getattr(config, "use_sliding_window", False):
+            raise ValueError("the torch drafter implements attention without biases or sliding windows; use the vllm "
+                             "drafter backend")
         rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise ValueError("the torch drafter supports plain RoPE only; use the vllm drafter backend")
-        model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -94,6 +113,8 @@ class TorchLlamaDrafter:
                     post_norm=layer.post_attention_layernorm.weight.detach().clone(),
                     gate_up=torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]).detach().clone(),
                     down=layer.mlp.down_proj.weight.detach().clone(),
+                    q_norm=_weight_or_none(layer.self_attn, "q_norm"),
+                    k_norm=_weight_or_none(layer.self_attn, "k_norm"),
                 )
                 for layer in model.model.layers
             ]
@@ -153,6 +174,9 @@ class TorchLlamaDrafter:
             q = q.view(batch, num, self.num_heads, self.head_dim).transpose(1, 2)
             k = k.view(batch, num, self.num_kv_heads, self.head_dim).transpose(1, 2)
             v = v.view(batch, num, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = _rms_norm(q, layer.q_norm, self.eps)
+                k = _rms_norm(k, layer.k_norm, self.eps)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             k_cache[write_slots, :, write_positions] = k.transpose(1, 2)[valid]
@@ -240,9 +264,14 @@ class TorchLlamaDrafter:
         return out
 
 
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
 def make_torch_drafter(settings: dict[str, Any]) -> TorchLlamaDrafter:
     return TorchLlamaDrafter(
         settings["model"],
         max_slots=2 * int(settings["max_num_seqs"]) + 8,
         max_model_len=int(settings["max_model_len"]),
+        # "auto" reaches here only on CPUs with fast bf16: the model's own dtype is then float32 for our pairs.
+        dtype=DTYPES.get(str(settings.get("dtype")), torch.float32),
     )

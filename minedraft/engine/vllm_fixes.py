@@ -13,6 +13,7 @@ dtype-preserving version. GPU builds use the Triton kernel, which is correct, so
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,32 @@ def apply_cpu_fixes() -> bool:
     return True
 
 
+class CpuFixesWorkerExtension:
+    """Named in vLLM's `worker_extension_cls` so every worker process applies the correction.
+
+    With tensor parallelism the target runs in worker processes of its own, where an in-process apply_cpu_fixes()
+    in the engine's process never reaches. vLLM resolves (imports) this class in each worker right after the CPU
+    platform registers its kernel stand-ins (WorkerWrapperBase.init_worker), so the import below is the hook: it runs
+    after the stand-in it replaces, in the process that computes. (A `vllm.general_plugins` entry point runs before
+    that registration and would be overwritten by it.) Its one method lets tests ask every worker.
+    """
+
+    def minedraft_cpu_fixes_installed(self) -> bool:
+        return cpu_fixes_installed()
+
+
+def cpu_fixes_installed() -> bool:
+    """Whether this process's rejection sampler runs the corrected kernel (always true off the CPU platform)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return True
+    from vllm.triton_utils import dispatcher
+
+    entry = dispatcher._registry.get(EXPAND_KERNEL)
+    return entry is not None and entry[1] is expand_batch_values
+
+
 TOP_K_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"
 
 
@@ -72,3 +99,8 @@ def install_empty_safe_top_k() -> None:
 
     apply_top_k_only.minedraft_empty_safe = True  # type: ignore[attr-defined]
     namespace["apply_top_k_only"] = apply_top_k_only
+
+
+# Runs when vLLM imports this module in a worker (see CpuFixesWorkerExtension); idempotent, no-op on GPUs.
+if "vllm.v1.worker.worker_base" in sys.modules:
+    apply_cpu_fixes()

@@ -1,6 +1,8 @@
 """The gateway process: Generation (routed to engines), grpc.health.v1 and reflection of its own.
 
-Health: SERVING while at least one engine is ready and the gateway is not shutting down.
+Health: readiness ("" and the Generation service) is SERVING while at least one engine is ready and the gateway is
+not shutting down; liveness ("minedraft.liveness") is SERVING from the moment the port is bound until the process
+exits (at zero engines and while draining too): it only says the event loop answers.
 """
 
 from __future__ import annotations
@@ -10,29 +12,25 @@ import contextlib
 import logging
 import random
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from minedraft.api import SERVICE_NAME, pb_grpc
+from minedraft.api import SERVICE_NAME
+from minedraft.api.grpc_policy import LIVENESS_SERVICE, SERVER_OPTIONS, add_generation_servicer, enable_reflection
 from minedraft.gateway.discovery import EndpointSliceWatcher, KubernetesApi
 from minedraft.gateway.metrics import GatewayMetrics, GatewayStateCollector
 from minedraft.gateway.policy import Admission, EndpointSet
 from minedraft.gateway.pool import EnginePool
+from minedraft.gateway.router import Router, RouterConfig
 from minedraft.gateway.service import GatewayServicer
+from minedraft.openai_api.server import HttpServer
 
 log = logging.getLogger(__name__)
-
-SERVER_OPTIONS = (
-    ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.so_reuseport", 0),
-)
 
 
 def pending_request_options(max_in_flight: int) -> tuple[tuple[str, int], ...]:
@@ -49,7 +47,19 @@ class TlsFiles:
     key_file: Path
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials([(self.key_file.read_bytes(), self.cert_file.read_bytes())])
+        """Raises ValueError naming the file that cannot be read or is not PEM (gRPC itself says only "Failed to
+        bind")."""
+        pems = []
+        for flag, path, marker in (("tls-key", self.key_file, b"PRIVATE KEY-----"),
+                                   ("tls-cert", self.cert_file, b"-----BEGIN CERTIFICATE-----")):
+            try:
+                data = path.read_bytes()
+            except OSError as exc:
+                raise ValueError(f"{flag}: cannot read {path}: {exc.strerror or exc}") from None
+            if marker not in data:
+                raise ValueError(f"{flag}: {path} holds no PEM {'private key' if flag == 'tls-key' else 'certificate'}")
+            pems.append(data)
+        return grpc.ssl_server_credentials([(pems[0], pems[1])])
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,17 @@ class GatewayConfig:
     health_retry_seconds: float = 0.5
     failure_cooldown_seconds: float = 1.0
     seed: int | None = None
+    first_response_timeout_seconds: float | None = 60.0
+    idle_timeout_seconds: float | None = 30.0
+    engine_wait_timeout_seconds: float = 300.0
+    max_waiting_streams: int = 1024
+
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(max_attempts=self.max_attempts,
+                            first_response_timeout_seconds=self.first_response_timeout_seconds,
+                            idle_timeout_seconds=self.idle_timeout_seconds,
+                            engine_wait_timeout_seconds=self.engine_wait_timeout_seconds,
+                            max_waiting_streams=self.max_waiting_streams)
 
 
 class Gateway:
@@ -72,43 +93,63 @@ class Gateway:
         self.admission = Admission(config.max_in_flight)
         # Exported when a registry is given (the metrics endpoint's); counted either way.
         self.metrics = GatewayMetrics(registry)
+        self.router = Router(self.pool, self.admission, config.router_config(), random.Random(config.seed),
+                             self.metrics)
         if registry is not None:
-            registry.register(GatewayStateCollector(self.endpoints, self.admission))
-        self.servicer = GatewayServicer(self.pool, self.admission, config.tokens, config.max_attempts,
-                                        random.Random(config.seed), self.metrics)
+            registry.register(GatewayStateCollector(self.endpoints, self.admission, lambda: self.router.num_waiting))
+        self.servicer = GatewayServicer(self.router, config.tokens)
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=SERVER_OPTIONS + pending_request_options(config.max_in_flight))
-        pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        add_generation_servicer(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME),
-                                            self.server)
+        enable_reflection(self.server, (SERVICE_NAME, "grpc.health.v1.Health"))
         self._tasks: list[asyncio.Task[None]] = []
         self._health_task: asyncio.Task[None] | None = None
         self.port: int | None = None
+        self.http: HttpServer | None = None
+
+    async def start_http(self, host: str, port: int) -> int:
+        """Serve the OpenAI HTTP API too (same router, admission, tokens and TLS); returns the bound port."""
+        from minedraft.gateway.http import gateway_http_app
+
+        tls = self.config.tls
+        self.http = HttpServer(gateway_http_app(self.router, self.ready, self.config.tokens).app,
+                               tls.cert_file if tls else None, tls.key_file if tls else None)
+        return await self.http.start(host, port)
 
     def _health_changed(self) -> None:
         # Called from sync code (pool, discovery); the health servicer's setter is async.
+        self.router.engines_changed()
         if self._health_task is None or self._health_task.done():
             self._health_task = asyncio.get_running_loop().create_task(self._publish_health())
         else:
             self._health_task.add_done_callback(lambda _: self._health_changed())
 
-    async def _publish_health(self) -> None:
-        if self.servicer.draining:
-            return
+    def ready(self) -> bool:
+        """Readiness, one meaning for gRPC health and HTTP /ready: an engine to route to, and not draining."""
         # Health, not the short failure cool-down: a cool-down ends without any event to publish it.
-        serving = any(endpoint.healthy for endpoint in self.endpoints)
+        return not self.router.draining and any(endpoint.healthy and not endpoint.unresponsive
+                                                for endpoint in self.endpoints)
+
+    async def _publish_health(self) -> None:
+        if self.router.draining:
+            return
+        serving = self.ready()
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 
     async def start(self, address: str = "127.0.0.1:0") -> int:
-        if self.config.tls is not None:
-            self.port = self.server.add_secure_port(address, self.config.tls.server_credentials())
-        else:
-            self.port = self.server.add_insecure_port(address)
+        try:
+            if self.config.tls is not None:
+                self.port = self.server.add_secure_port(address, self.config.tls.server_credentials())
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError as exc:  # gRPC's "Failed to bind to address": in use, or not an address of this host
+            raise OSError(f"cannot bind {address} (in use, or not an address of this host)") from exc
         if not self.port:
-            raise OSError(f"cannot bind {address}")
+            raise OSError(f"cannot bind {address} (in use, or not an address of this host)")
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self._publish_health()
         await self.server.start()
         log.info("gateway on %s (port %d, %s)", address, self.port, "TLS" if self.config.tls else "plaintext")
@@ -122,12 +163,22 @@ class Gateway:
         self._tasks.append(asyncio.create_task(watcher.run(), name=f"endpointslices {namespace}/{service}"))
 
     async def drain(self, grace_seconds: float) -> None:
-        """NOT_SERVING, refuse new streams, let open ones finish within the grace period, then stop."""
-        self.servicer.draining = True
-        await self.health.enter_graceful_shutdown()
-        deadline = asyncio.get_running_loop().time() + grace_seconds
-        while self.admission.in_flight and asyncio.get_running_loop().time() < deadline:
+        """Readiness NOT_SERVING (liveness stays SERVING), refuse new streams, let open ones finish within the grace
+        period, cut the rest with UNAVAILABLE and their token count, then stop."""
+        self.router.draining = True
+        self.router.engines_changed()  # streams waiting for an engine give up now
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_seconds
+        while self.admission.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        if self.admission.in_flight:
+            log.warning("drain grace over: cutting %d open streams", self.admission.in_flight)
+            self.router.cut_all()
+            cut_deadline = loop.time() + 2.0
+            while self.admission.in_flight and loop.time() < cut_deadline:
+                await asyncio.sleep(0.02)
         await self.stop()
 
     async def stop(self) -> None:
@@ -136,12 +187,20 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.server.stop(0)
+        if self.http is not None:
+            await self.http.stop()
         await self.pool.close()
 
 
 async def run_gateway(gateway: Gateway, address: str, grace_seconds: float,
-                      stop_event: asyncio.Event | None = None) -> int:
+                      stop_event: asyncio.Event | None = None,
+                      on_started: Callable[[int], None] | None = None,
+                      http_address: tuple[str, int] | None = None) -> int:
     await gateway.start(address)
+    if http_address is not None:
+        await gateway.start_http(*http_address)
+    if on_started is not None:
+        on_started(gateway.port or 0)
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -12,6 +12,10 @@ of its own and keeps the fake engine and the client on the others, as a deployme
 CPU; engines and clients run elsewhere), so the added latency is the gateway's hop and not the harness crowding a
 third process onto two cores. `shared` lets all three processes share every core (the contention is then part of the
 figure). Both paths of a level run under the same layout, interleaved.
+HTTP streams (the gateway's OpenAI API): the same fake and gateway process, `POST /v1/completions` with
+`stream: true` read as Server-Sent Events by a minimal HTTP/1.1 client in this process (one connection per stream,
+as OpenAI SDK clients open them), each event's text the fake's stamp; measured as a third path beside direct and
+gateway gRPC, and in a concurrency run of its own.
 `python -m minedraft.gateway.bench --json benchmarks/results/gateway.json` (also `minedraft bench-gateway`).
 """
 
@@ -34,6 +38,7 @@ from typing import Any
 import grpc
 
 from minedraft.api import pb, pb_grpc
+from minedraft.api.grpc_policy import CHANNEL_OPTIONS
 from minedraft.testing.fake_engine import INTERVAL_METADATA_KEY
 
 # Per-token targets of the issue (added latency, milliseconds).
@@ -62,6 +67,8 @@ class BenchConfig:
     capacity_interval_seconds: float = 0.5
     capacity_deadline_seconds: float = 60.0
     layout: str = "pinned"
+    # Another source tree whose gateway runs beside this one, interleaved in the same rounds (before vs after).
+    baseline_tree: str | None = None
 
 
 LAYOUTS = ("pinned", "shared")
@@ -110,7 +117,7 @@ async def _wait_serving(target: str, timeout_seconds: float = 30.0) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_seconds
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -153,10 +160,76 @@ async def _one_stream(stub: Any, index: int, tokens: int, interval_seconds: floa
     return result
 
 
+async def _one_http_stream(address: str, index: int, tokens: int, interval_seconds: float, deadline_seconds: float,
+                           open_streams: list[int], peak: list[int]) -> StreamResult:
+    """One SSE completion stream over its own HTTP/1.1 connection; each event's text is the fake's send stamp."""
+    result = StreamResult()
+    host, port = address.rsplit(":", 1)
+    body = json.dumps({"model": "fake", "prompt": [index % 2048 + 1], "max_tokens": tokens, "stream": True}).encode()
+    started = time.perf_counter()
+    streaming = False
+    writer = None
+    try:
+        async with asyncio.timeout(deadline_seconds):
+            reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 20)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                         + f"{INTERVAL_METADATA_KEY}: {interval_seconds}\r\n".encode()
+                         + b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            await writer.drain()
+            status = await reader.readline()
+            if not status.startswith(b"HTTP/1.1 200"):
+                rest = await reader.read()
+                result.error = f"HTTP {status.decode(errors='replace').strip()}: {rest[-200:].decode(errors='replace')}"
+                return result
+            done = False
+            # Chunked transfer encoding: size lines, event lines and blank lines; only `data: ` lines matter (each
+            # event arrives whole: the server writes one or more complete events per chunk).
+            while line := await reader.readline():
+                if not line.startswith(b"data: "):
+                    continue
+                received_ns = time.perf_counter_ns()
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    done = True
+                    break
+                event = json.loads(payload)
+                if "error" in event:
+                    result.error = f"stream error: {event['error']['message']}"
+                    break
+                text = event["choices"][0]["text"] if event["choices"] else ""
+                if not text:
+                    continue  # the finish chunk
+                if result.ttft_seconds is None:
+                    result.ttft_seconds = time.perf_counter() - started
+                    streaming = True
+                    open_streams[0] += 1
+                    peak[0] = max(peak[0], open_streams[0])
+                result.token_latencies_seconds.append((received_ns - int(text)) / 1e9)
+                result.num_tokens += 1
+            if result.error is None and (not done or result.num_tokens != tokens):
+                result.error = f"short stream: {result.num_tokens} of {tokens} tokens{'' if done else ', no [DONE]'}"
+    except (OSError, TimeoutError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if streaming:
+            open_streams[0] -= 1
+        if writer is not None:
+            writer.close()
+    return result
+
+
 async def _run_streams(target: str, count: int, tokens: int, interval_seconds: float,
                        deadline_seconds: float) -> tuple[list[StreamResult], int, float]:
+    """`count` concurrent streams to a gRPC target (host:port) or, for http://host:port, the OpenAI HTTP API."""
     open_streams, peak = [0], [0]
-    async with grpc.aio.insecure_channel(target) as channel:
+    if target.startswith("http://"):
+        address = target.removeprefix("http://")
+        started = time.perf_counter()
+        results = await asyncio.gather(*(
+            _one_http_stream(address, i, tokens, interval_seconds, deadline_seconds, open_streams, peak)
+            for i in range(count)))
+        return list(results), peak[0], time.perf_counter() - started
+    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
         stub = pb_grpc.GenerationStub(channel)
         started = time.perf_counter()
         results = await asyncio.gather(*(
@@ -182,52 +255,92 @@ def _summary(results: list[StreamResult]) -> dict[str, Any]:
     }
 
 
-async def _bench(config: BenchConfig, direct: str, via_gateway: str, gateway_pid: int) -> dict[str, Any]:
-    await _wait_serving(direct)
-    await _wait_serving(via_gateway)
-    # Warm-up: connections, code paths.
-    for target in (direct, via_gateway):
-        await _run_streams(target, 8, 5, 0.001, 30)
-    latency = []
-    for streams in config.latency_streams:
-        pooled: dict[str, list[StreamResult]] = {"direct": [], "gateway": []}
-        gateway_cpu_seconds = 0.0
-        for round_index in range(config.latency_rounds):
-            order = [("direct", direct), ("gateway", via_gateway)]
-            for name, target in order if round_index % 2 == 0 else reversed(order):
-                cpu_before = process_cpu_seconds(gateway_pid)
-                results, _, _ = await _run_streams(target, streams, config.latency_tokens,
-                                                   config.latency_interval_seconds, 60)
-                if name == "gateway":
-                    gateway_cpu_seconds += process_cpu_seconds(gateway_pid) - cpu_before
-                pooled[name].extend(results)
-        level: dict[str, Any] = {"streams": streams, **{name: _summary(r) for name, r in pooled.items()}}
-        forwarded = level["gateway"]["tokens"]
-        # The gateway's CPU per forwarded token (one response per token here), idle overhead included.
-        level["gateway_cpu_us_per_token"] = gateway_cpu_seconds / forwarded * 1e6 if forwarded else float("nan")
-        level["added"] = {
-            metric: {q: level["gateway"][metric][q] - level["direct"][metric][q] for q in ("p50", "p99")}
-            for metric in ("ttft_ms", "per_token_ms")
-        }
-        latency.append(level)
+async def _wait_http_ready(address: str, timeout_seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_seconds
+    host, port = address.removeprefix("http://").rsplit(":", 1)
+    while True:
+        try:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /ready HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n")
+            status = await reader.readline()
+            writer.close()
+            if status.startswith(b"HTTP/1.1 200"):
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{address} did not become ready within {timeout_seconds}s")
+        await asyncio.sleep(0.05)
+
+
+def _added(level: dict[str, Any], name: str) -> dict[str, dict[str, float]]:
+    return {metric: {q: level[name][metric][q] - level["direct"][metric][q] for q in ("p50", "p99")}
+            for metric in ("ttft_ms", "per_token_ms")}
+
+
+async def _capacity(config: BenchConfig, target: str) -> tuple[list[dict[str, Any]], int]:
     capacity = []
     for count in config.capacity_levels:
-        results, peak, wall_seconds = await _run_streams(via_gateway, count, config.capacity_tokens,
+        results, peak, wall_seconds = await _run_streams(target, count, config.capacity_tokens,
                                                          config.capacity_interval_seconds,
                                                          config.capacity_deadline_seconds)
         summary = _summary(results)
         summary.update(level=count, peak_concurrent_streams=peak, wall_seconds=wall_seconds)
         capacity.append(summary)
-        print(f"  {count} streams: {summary['errors']} errors, peak {peak} open at once, "
+        print(f"  {target}: {count} streams: {summary['errors']} errors, peak {peak} open at once, "
               f"per-token p99 {summary['per_token_ms']['p99']:.1f} ms", file=sys.stderr, flush=True)
         if summary["errors"]:
             break
-    sustained = max((c["peak_concurrent_streams"] for c in capacity if c["errors"] == 0), default=0)
-    return {"latency": latency, "capacity": capacity, "max_concurrent_streams_without_error": sustained}
+    return capacity, max((c["peak_concurrent_streams"] for c in capacity if c["errors"] == 0), default=0)
 
 
-def _spawn(args: list[str], cpus: set[int]) -> subprocess.Popen[bytes]:
+async def _bench(config: BenchConfig, direct: str, gateways: dict[str, tuple[str, int]]) -> dict[str, Any]:
+    """`gateways`: name -> (target, pid); "gateway" is this tree's, "baseline" (optional) another tree's."""
+    await _wait_serving(direct)
+    for target, _ in gateways.values():
+        await (_wait_http_ready(target) if target.startswith("http://") else _wait_serving(target))
+    # Warm-up: connections, code paths.
+    for target in (direct, *(t for t, _ in gateways.values())):
+        await _run_streams(target, 8, 5, 0.001, 30)
+    latency = []
+    for streams in config.latency_streams:
+        paths = [("direct", direct), *((name, target) for name, (target, _) in gateways.items())]
+        pooled: dict[str, list[StreamResult]] = {name: [] for name, _ in paths}
+        cpu_seconds = dict.fromkeys(gateways, 0.0)
+        for round_index in range(config.latency_rounds):
+            for name, target in paths if round_index % 2 == 0 else reversed(paths):
+                pid = gateways[name][1] if name in gateways else None
+                cpu_before = process_cpu_seconds(pid) if pid is not None else 0.0
+                results, _, _ = await _run_streams(target, streams, config.latency_tokens,
+                                                   config.latency_interval_seconds, 60)
+                if pid is not None:
+                    cpu_seconds[name] += process_cpu_seconds(pid) - cpu_before
+                pooled[name].extend(results)
+        level: dict[str, Any] = {"streams": streams, **{name: _summary(r) for name, r in pooled.items()}}
+        for name in gateways:
+            forwarded = level[name]["tokens"]
+            # The gateway's CPU per forwarded token (one response per token here), idle overhead included.
+            key = "gateway_cpu_us_per_token" if name == "gateway" else f"{name}_cpu_us_per_token"
+            level[key] = cpu_seconds[name] / forwarded * 1e6 if forwarded else float("nan")
+            level["added" if name == "gateway" else f"added_{name}"] = _added(level, name)
+        latency.append(level)
+    capacity, sustained = await _capacity(config, gateways["gateway"][0])
+    report: dict[str, Any] = {"latency": latency, "capacity": capacity,
+                              "max_concurrent_streams_without_error": sustained}
+    if "gateway_http" in gateways:
+        report["capacity_http"], report["max_concurrent_http_streams_without_error"] = await _capacity(
+            config, gateways["gateway_http"][0])
+    if "baseline" in gateways:
+        baseline_capacity, baseline_sustained = await _capacity(config, gateways["baseline"][0])
+        report["baseline_capacity"] = baseline_capacity
+        report["baseline_max_concurrent_streams_without_error"] = baseline_sustained
+    return report
+
+
+def _spawn(args: list[str], cpus: set[int], source_tree: str | None = None) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if source_tree is not None:  # that tree's `minedraft` first on the path
+        env["PYTHONPATH"] = str(Path(source_tree).resolve())
     return subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             preexec_fn=lambda: os.sched_setaffinity(0, cpus))
 
@@ -235,23 +348,35 @@ def _spawn(args: list[str], cpus: set[int]) -> subprocess.Popen[bytes]:
 def run(config: BenchConfig) -> dict[str, Any]:
     available = os.sched_getaffinity(0)
     gateway_cpus, harness_cpus, layout = cpu_layout(available, config.layout)
-    fake_port, gateway_port = _free_port(), _free_port()
+    fake_port = _free_port()
     fake = _spawn(["-m", "minedraft.testing.fake_engine", "--port", str(fake_port), "--stamp-text",
                    "--token-interval-seconds", str(config.latency_interval_seconds)], harness_cpus)
-    gateway = _spawn(["-m", "minedraft.cli", "--log-level", "WARNING", "gateway", "--port", str(gateway_port),
-                      "--engines", f"127.0.0.1:{fake_port}", "--max-in-flight", "100000", "--grace-seconds", "1",
-                      "--metrics-port", "0"], gateway_cpus)
+    processes = {}
+    targets = {}
+    trees: dict[str, str | None] = {"gateway": None}
+    if config.baseline_tree:
+        trees["baseline"] = config.baseline_tree
+    http_port = _free_port()
+    for name, tree in trees.items():
+        port = _free_port()
+        # This tree's gateway also serves its OpenAI HTTP API: a third path through the same process.
+        http = ["--http-port", str(http_port)] if name == "gateway" else []
+        processes[name] = _spawn(["-m", "minedraft.cli", "--log-level", "WARNING", "gateway", "--port", str(port),
+                                  "--engines", f"127.0.0.1:{fake_port}", "--max-in-flight", "100000",
+                                  "--grace-seconds", "1", "--metrics-port", "0", *http], gateway_cpus, tree)
+        targets[name] = (f"127.0.0.1:{port}", processes[name].pid)
+    targets["gateway_http"] = (f"http://127.0.0.1:{http_port}", processes["gateway"].pid)
     load_before = os.getloadavg()[0]
     os.sched_setaffinity(0, harness_cpus)  # this process is the client
     try:
         started = time.perf_counter()
-        results = asyncio.run(_bench(config, f"127.0.0.1:{fake_port}", f"127.0.0.1:{gateway_port}", gateway.pid))
+        results = asyncio.run(_bench(config, f"127.0.0.1:{fake_port}", targets))
         results["bench_seconds"] = time.perf_counter() - started
     finally:
         os.sched_setaffinity(0, available)
-        for process in (gateway, fake):
+        for process in (*processes.values(), fake):
             process.terminate()
-        for process in (gateway, fake):
+        for process in (*processes.values(), fake):
             try:
                 process.wait(10)
             except subprocess.TimeoutExpired:
@@ -274,6 +399,12 @@ def run(config: BenchConfig) -> dict[str, Any]:
         "concurrent_streams": {"target": TARGET_STREAMS,
                                "met": results["max_concurrent_streams_without_error"] >= TARGET_STREAMS},
     }
+    if "capacity_http" in results:
+        results["targets"]["http_added_per_token_p50_ms"] = {"target": TARGET_ADDED_P50_MS, "met_at_streams": [
+            level["streams"] for level in results["latency"]
+            if level["added_gateway_http"]["per_token_ms"]["p50"] < TARGET_ADDED_P50_MS]}
+        results["targets"]["http_concurrent_streams"] = {
+            "target": TARGET_STREAMS, "met": results["max_concurrent_http_streams_without_error"] >= TARGET_STREAMS}
     return results
 
 
@@ -302,16 +433,30 @@ def markdown(results: dict[str, Any], command: str) -> str:
     ]
     for level in results["latency"]:
         n = level["streams"]
-        for name in ("direct", "gateway"):
+        for name in ("direct", "gateway", "gateway_http", "baseline"):
+            if name not in level:
+                continue
             s = level[name]
-            lines.append(f"| {n} | {name} | {s['ttft_ms']['p50']:.2f} | {s['ttft_ms']['p99']:.2f} | "
+            label = {"baseline": "gateway (baseline tree)", "gateway_http": "gateway HTTP (SSE)"}.get(name, name)
+            lines.append(f"| {n} | {label} | {s['ttft_ms']['p50']:.2f} | {s['ttft_ms']['p99']:.2f} | "
                          f"{s['per_token_ms']['p50']:.3f} | {s['per_token_ms']['p99']:.3f} | {s['errors']} |")
         a = level["added"]
         lines.append(f"| {n} | **added by the gateway** | {a['ttft_ms']['p50']:.2f} | {a['ttft_ms']['p99']:.2f} | "
                      f"**{a['per_token_ms']['p50']:.3f}** | **{a['per_token_ms']['p99']:.3f}** | |")
+        if "added_gateway_http" in level:
+            h = level["added_gateway_http"]
+            lines.append(f"| {n} | **added by the gateway, HTTP** | {h['ttft_ms']['p50']:.2f} | "
+                         f"{h['ttft_ms']['p99']:.2f} | **{h['per_token_ms']['p50']:.3f}** | "
+                         f"**{h['per_token_ms']['p99']:.3f}** | |")
+        if "added_baseline" in level:
+            b = level["added_baseline"]
+            lines.append(f"| {n} | added by the baseline gateway | {b['ttft_ms']['p50']:.2f} | "
+                         f"{b['ttft_ms']['p99']:.2f} | {b['per_token_ms']['p50']:.3f} | {b['per_token_ms']['p99']:.3f} "
+                         "| |")
     lines += ["", "Gateway CPU time per forwarded token (whatever else the machine runs): " + ", ".join(
-        f"{level['gateway_cpu_us_per_token']:.0f} µs at {level['streams']} stream(s)" for level in results["latency"])
-        + "."]
+        f"{level['gateway_cpu_us_per_token']:.0f} µs at {level['streams']} stream(s)"
+        + (f" (baseline {level['baseline_cpu_us_per_token']:.0f} µs)" if "baseline_cpu_us_per_token" in level else "")
+        for level in results["latency"]) + "."]
     t = results["targets"]
 
     def met(key: str) -> str:
@@ -340,6 +485,41 @@ def markdown(results: dict[str, Any], command: str) -> str:
         f"(target >= {t['concurrent_streams']['target']}: {'met' if t['concurrent_streams']['met'] else 'NOT met'}).",
         "",
     ]
+    if any("gateway_http_cpu_us_per_token" in level for level in results["latency"]):
+        lines += ["Over HTTP (SSE: JSON encoding per chunk, HTTP/1.1 framing; `POST /v1/completions`, `stream: true`, "
+                  "one connection per stream, read by a minimal HTTP/1.1 client), gateway CPU per token: " + ", ".join(
+                      f"{level['gateway_http_cpu_us_per_token']:.0f} µs at {level['streams']} stream(s)"
+                      for level in results["latency"]) + ". Added HTTP latency is against the direct gRPC path (the "
+                  "engine side is gRPC either way), so it includes the client's SSE parsing.", ""]
+    if "capacity_http" in results:
+        lines += [
+            "## Concurrent HTTP (SSE) streams through one gateway (same streams)",
+            "",
+            "| streams started | peak open at once | errors | TTFT p99 (ms) | per-token p50 (ms) | per-token p99 (ms) "
+            "| wall (s) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for c in results["capacity_http"]:
+            lines.append(f"| {c['level']} | {c['peak_concurrent_streams']} | {c['errors']} | "
+                         f"{c['ttft_ms']['p99']:.1f} | {c['per_token_ms']['p50']:.2f} | {c['per_token_ms']['p99']:.2f} "
+                         f"| {c['wall_seconds']:.1f} |")
+        if any(c["errors"] for c in results["capacity_http"]):
+            lines += ["", "Errors seen: " + "; ".join(
+                e for c in results["capacity_http"] for e in c["error_examples"])]
+        http_met = t["http_concurrent_streams"]["met"]
+        lines += [
+            "",
+            f"Most concurrent SSE streams sustained without an error: "
+            f"**{results['max_concurrent_http_streams_without_error']}** (target >= "
+            f"{t['http_concurrent_streams']['target']}: {'met' if http_met else 'NOT met'}); added HTTP per-token p50 "
+            f"< {t['http_added_per_token_p50_ms']['target']} ms: {met('http_added_per_token_p50_ms')}.",
+            "",
+        ]
+    if "baseline_capacity" in results:
+        lines += [f"Baseline tree `{cfg['baseline_tree']}`, same levels after this tree's: " + ", ".join(
+            f"{c['level']}: {c['errors']} errors, per-token p50/p99 {c['per_token_ms']['p50']:.2f}/"
+            f"{c['per_token_ms']['p99']:.2f} ms" for c in results["baseline_capacity"])
+            + f"; sustained **{results['baseline_max_concurrent_streams_without_error']}**.", ""]
     return "\n".join(lines)
 
 
@@ -351,7 +531,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for level in results["latency"]:
-        for name in ("direct", "gateway"):
+        for name in ("direct", "gateway", "gateway_http"):
+            if name not in level:
+                continue
             values = sorted(level[name]["_per_token_ms"])
             if values:
                 left.plot(values, [i / len(values) for i in range(len(values))],
@@ -395,13 +577,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default="benchmarks/results/gateway.json")
     parser.add_argument("--quick", action="store_true", help="a small run (smoke test)")
+    parser.add_argument("--baseline-tree", help="a source tree (e.g. a checkout of the previous commit) whose gateway "
+                                                "runs beside this one, interleaved in the same rounds")
     parser.add_argument("--layout", choices=LAYOUTS, default="pinned",
                         help="pinned: the gateway on a core of its own, fake engine and client on the others "
                              "(default); shared: all three processes on every core")
     args = parser.parse_args(argv)
-    config = replace(QUICK if args.quick else BenchConfig(), layout=args.layout)
+    config = replace(QUICK if args.quick else BenchConfig(), layout=args.layout, baseline_tree=args.baseline_tree)
     command = ("python -m minedraft.gateway.bench" + (" --quick" if args.quick else "")
-               + ("" if args.layout == "pinned" else f" --layout {args.layout}") + f" --json {args.json}")
+               + ("" if args.layout == "pinned" else f" --layout {args.layout}")
+               + (f" --baseline-tree {args.baseline_tree}" if args.baseline_tree else "") + f" --json {args.json}")
     results = run(config)
     write_outputs(results, Path(args.json), command)
     print(Path(args.json).with_suffix(".md").read_text(), file=sys.stderr)

@@ -26,7 +26,16 @@ def add_subcommands(sub: Any) -> None:
     gateway.add_argument("--max-in-flight", type=int, default=4096,
                          help="streams in flight past which new ones get RESOURCE_EXHAUSTED")
     gateway.add_argument("--max-attempts", type=int, default=3,
-                         help="engines tried per stream (only before its first token)")
+                         help="engines tried per stream (only before its first token), >= 1")
+    gateway.add_argument("--first-response-timeout-s", type=float, default=60.0,
+                         help="an engine that sends a stream nothing for this long is taken as stalled: the stream "
+                              "is retried elsewhere and the engine left out until its health answers (0: off)")
+    gateway.add_argument("--idle-timeout-s", type=float, default=30.0,
+                         help="the same between two responses of a stream (0: off)")
+    gateway.add_argument("--engine-wait-timeout-s", type=float, default=300.0,
+                         help="with no engine ready, how long a stream waits for one before UNAVAILABLE")
+    gateway.add_argument("--max-waiting-streams", type=int, default=1024,
+                         help="streams that may wait for an engine at once; more get UNAVAILABLE")
     gateway.add_argument("--token-file", help="accepted bearer tokens, one per line (enables authentication)")
     gateway.add_argument("--token-env", default=TOKEN_ENV_DEFAULT,
                          help="environment variable with accepted bearer tokens, comma-separated "
@@ -35,6 +44,9 @@ def add_subcommands(sub: Any) -> None:
     gateway.add_argument("--tls-key", help="PEM private key")
     gateway.add_argument("--grace-seconds", type=float, default=20.0)
     gateway.add_argument("--metrics-port", type=int, default=9401, help="Prometheus /metrics (0: do not serve)")
+    gateway.add_argument("--http-port", type=int, default=0,
+                         help="OpenAI-compatible HTTP API on this port, with the same routing, admission, bearer "
+                              "tokens and TLS as the gRPC port (0: do not serve)")
     gateway.set_defaults(func=cmd_gateway)
 
     bench = sub.add_parser("bench-gateway", help="the gateway's own cost against a fake engine, and its stream limit")
@@ -50,7 +62,11 @@ def load_tokens(token_file: str | None, token_env: str | None) -> tuple[bytes, .
 
     tokens: list[bytes] = []
     if token_file:
-        tokens.extend(parse_tokens(Path(token_file).read_text()))
+        try:
+            text = Path(token_file).read_text()
+        except OSError as exc:
+            raise ValueError(f"token-file: cannot read {token_file}: {exc.strerror or exc}") from None
+        tokens.extend(parse_tokens(text))
         if not tokens:
             raise ValueError(f"token-file: {token_file} holds no tokens")
     if token_env and os.environ.get(token_env):
@@ -66,8 +82,21 @@ def config_from_args(args: argparse.Namespace) -> Any:
     tls = TlsFiles(Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None
     if args.max_in_flight < 1:
         raise ValueError(f"max-in-flight: must be >= 1, got {args.max_in_flight}")
+    if args.max_attempts < 1:
+        raise ValueError(f"max-attempts: must be >= 1, got {args.max_attempts}")
+    for flag in ("first_response_timeout_s", "idle_timeout_s", "engine_wait_timeout_s"):
+        if not getattr(args, flag) >= 0:
+            raise ValueError(f"{flag.replace('_', '-')}: must be >= 0, got {getattr(args, flag)}")
+    if args.max_waiting_streams < 0:
+        raise ValueError(f"max-waiting-streams: must be >= 0, got {args.max_waiting_streams}")
+    if tls is not None:
+        tls.server_credentials()  # a missing or non-PEM file is named now, not as gRPC's "Failed to bind"
     return GatewayConfig(max_in_flight=args.max_in_flight, max_attempts=args.max_attempts,
-                         tokens=load_tokens(args.token_file, args.token_env), tls=tls)
+                         tokens=load_tokens(args.token_file, args.token_env), tls=tls,
+                         first_response_timeout_seconds=args.first_response_timeout_s or None,
+                         idle_timeout_seconds=args.idle_timeout_s or None,
+                         engine_wait_timeout_seconds=args.engine_wait_timeout_s,
+                         max_waiting_streams=args.max_waiting_streams)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -76,7 +105,9 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
-        engines = parse_engines(args.engines) if args.engines else None
+        engines = parse_engines(args.engines) if args.engines is not None else None
+        if engines is not None and not engines:
+            raise ValueError("engines: no engine address given (host:port,host:port)")
         service = parse_service(args.kubernetes_service) if args.kubernetes_service else None
     except (ValueError, OSError) as exc:
         print(f"minedraft gateway: error: {exc}", file=sys.stderr)
@@ -88,7 +119,12 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
         # A registry of its own (not the process-global one): only the gateway's metrics, nothing else's.
         registry = CollectorRegistry()
-        start_http_server(args.metrics_port, addr=args.host, registry=registry)
+        try:
+            start_http_server(args.metrics_port, addr=args.host, registry=registry)
+        except OSError as exc:
+            print(f"minedraft gateway: error: metrics-port: cannot bind {args.host}:{args.metrics_port}: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            return 2
 
     async def main() -> int:
         gateway = Gateway(config, registry)
@@ -98,11 +134,18 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             assert service is not None
             api = KubernetesApi(args.kubernetes_api) if args.kubernetes_api else KubernetesApi.in_cluster()
             gateway.watch_kubernetes(api, service[0], service[1], args.kubernetes_port_name)
-        print(f"minedraft gateway: on {args.host}:{args.port} ({'TLS' if config.tls else 'plaintext'}, "
-              f"auth {'on' if config.tokens else 'off'})", file=sys.stderr, flush=True)
-        return await run_gateway(gateway, f"{args.host}:{args.port}", args.grace_seconds)
+        def on_started(port: int) -> None:  # only once bound: "on" means reachable
+            print(f"minedraft gateway: on {args.host}:{port} ({'TLS' if config.tls else 'plaintext'}, "
+                  f"auth {'on' if config.tokens else 'off'})", file=sys.stderr, flush=True)
 
-    return asyncio.run(main())
+        return await run_gateway(gateway, f"{args.host}:{args.port}", args.grace_seconds, on_started=on_started,
+                                 http_address=(args.host, args.http_port) if args.http_port else None)
+
+    try:
+        return asyncio.run(main())
+    except OSError as exc:  # the port in use, or an address not of this host
+        print(f"minedraft gateway: error: port: {exc}", file=sys.stderr)
+        return 2
 
 
 def cmd_bench_gateway(args: argparse.Namespace) -> int:

@@ -107,11 +107,16 @@ class SliceTracker:
 @dataclass(frozen=True)
 class KubernetesApi:
     """How to reach the API server: in-cluster service account by default, or an explicit URL (kubectl proxy,
-    tests)."""
+    tests).
+
+    With token_file, the token is read from that file for every request: projected service-account tokens expire
+    (about an hour) and the kubelet rewrites the file before they do, so a token read once stops working.
+    """
 
     base_url: str
     token: str | None = None
     ca_file: str | None = None
+    token_file: str | None = None
 
     @classmethod
     def in_cluster(cls) -> KubernetesApi:
@@ -120,14 +125,24 @@ class KubernetesApi:
             raise RuntimeError("not in a cluster (KUBERNETES_SERVICE_HOST unset): pass --kubernetes-api URL")
         token_file = SERVICE_ACCOUNT_DIR / "token"
         return cls(base_url=f"https://{_format_address(host, int(port))}",
-                   token=token_file.read_text().strip() if token_file.exists() else None,
+                   token_file=str(token_file) if token_file.exists() else None,
                    ca_file=str(SERVICE_ACCOUNT_DIR / "ca.crt"))
 
     def ssl_context(self) -> ssl.SSLContext | None:
         return ssl.create_default_context(cafile=self.ca_file) if self.ca_file else None
 
+    def current_token(self) -> str | None:
+        if self.token_file is not None:
+            try:
+                return Path(self.token_file).read_text().strip() or self.token
+            except OSError as exc:  # mid-rotation (the kubelet swaps a symlink): the next request reads again
+                log.warning("cannot read the service-account token %s: %s", self.token_file, exc)
+        return self.token
+
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        """Request headers with the token as it is now (read again for every request)."""
+        token = self.current_token()
+        return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 class EndpointSliceWatcher:
@@ -153,7 +168,8 @@ class EndpointSliceWatcher:
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-        async with aiohttp.ClientSession(headers=self.api.headers(), timeout=timeout) as session:
+        # No session-wide headers: each request carries the token current at that moment (rotation).
+        async with aiohttp.ClientSession(timeout=timeout) as session:
             ssl_context = self.api.ssl_context()
             while True:
                 try:
@@ -166,8 +182,9 @@ class EndpointSliceWatcher:
                 await asyncio.sleep(self.retry_seconds)
 
     async def _list_and_watch(self, session: Any, ssl_context: ssl.SSLContext | None) -> None:
-        async with session.get(self._url, params=self._params(), ssl=ssl_context) as response:
-            response.raise_for_status()
+        async with session.get(self._url, params=self._params(), ssl=ssl_context,
+                               headers=self.api.headers()) as response:
+            response.raise_for_status()  # a 401 (token expired) lists again, with the token read again
             listing = await response.json()
         self.num_lists += 1
         before = self.tracker.addresses
@@ -178,7 +195,7 @@ class EndpointSliceWatcher:
         resource_version = (listing.get("metadata") or {}).get("resourceVersion")
         if resource_version:
             params["resourceVersion"] = resource_version
-        async with session.get(self._url, params=params, ssl=ssl_context) as response:
+        async with session.get(self._url, params=params, ssl=ssl_context, headers=self.api.headers()) as response:
             response.raise_for_status()
             async for raw_line in response.content:
                 line = raw_line.strip()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
@@ -30,16 +30,21 @@ DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0
 # Status codes the dashboards and alerts expect to see as series (at 0) before they first happen.
 INITIAL_CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "UNAVAILABLE",
                  "UNAUTHENTICATED", "UNKNOWN", "INTERNAL")
+PROTOCOLS = ("grpc", "http")
 
-def outcome_code(error: BaseException | None, context_code: Any) -> str:
-    """The gRPC status a stream ended with (pure): OK, the code it was aborted with, CANCELLED when the caller went
-    away (the task is cancelled or the generator closed), UNKNOWN for anything else raised."""
+def outcome_code(error: BaseException | None, context_code: Any, deadline_passed: bool = False) -> str:
+    """The gRPC status a stream ended with (pure): OK, the code it was ended with (a RouteError's, or the context's
+    for an abort), DEADLINE_EXCEEDED or CANCELLED when the caller's deadline passed or the caller went away (the
+    task is cancelled or the generator closed), UNKNOWN for anything else raised."""
     if error is None:
         return "OK"
+    code = getattr(error, "code", None)
+    if isinstance(code, grpc.StatusCode):  # RouteError
+        return code.name
     if isinstance(error, grpc.aio.AbortError):
         return context_code.name if isinstance(context_code, grpc.StatusCode) else "UNKNOWN"
     if isinstance(error, asyncio.CancelledError | GeneratorExit):
-        return "CANCELLED"
+        return "DEADLINE_EXCEEDED" if deadline_passed else "CANCELLED"
     return "UNKNOWN"
 
 
@@ -47,9 +52,12 @@ class GatewayMetrics:
     """The gateway's counters and histograms. With registry=None they count but are not exported (tests, benches)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.started = Counter(f"{PREFIX}_streams_started", "Generate streams received.", registry=registry)
-        self.finished = Counter(f"{PREFIX}_streams_finished", "Generate streams ended, by gRPC status code.",
-                                ["code"], registry=registry)
+        # protocol: "grpc" (the Generation service) or "http" (the OpenAI API); one stream family for both.
+        self.started = Counter(f"{PREFIX}_streams_started", "Generate streams received.", ["protocol"],
+                               registry=registry)
+        self.finished = Counter(f"{PREFIX}_streams_finished", "Generate streams ended, by gRPC status code (an HTTP "
+                                                              "stream's status maps to one).",
+                                ["protocol", "code"], registry=registry)
         self.retries = Counter(f"{PREFIX}_retries", "Engine attempts beyond a stream's first (engine failures "
                                                     "before any token was streamed).", registry=registry)
         self.rejected = Counter(f"{PREFIX}_admission_rejected", "Streams refused with RESOURCE_EXHAUSTED because the "
@@ -61,12 +69,16 @@ class GatewayMetrics:
                                        buckets=ROUTE_BUCKETS, registry=registry)
         self.first_response_seconds = Histogram(f"{PREFIX}_time_to_first_response_seconds",
                                                 "From a stream's arrival to its first response forwarded (includes "
-                                                "the engine's time to first token).",
+                                                "the engine's time to first token).", ["protocol"],
                                                 buckets=FIRST_RESPONSE_BUCKETS, registry=registry)
         self.duration_seconds = Histogram(f"{PREFIX}_stream_duration_seconds", "From a stream's arrival to its end.",
-                                          buckets=DURATION_BUCKETS, registry=registry)
-        for code in INITIAL_CODES:
-            self.finished.labels(code)
+                                          ["protocol"], buckets=DURATION_BUCKETS, registry=registry)
+        for protocol in PROTOCOLS:
+            self.started.labels(protocol)
+            self.first_response_seconds.labels(protocol)
+            self.duration_seconds.labels(protocol)
+            for code in INITIAL_CODES:
+                self.finished.labels(protocol, code)
 
     def admission_rejected(self) -> None:
         self.rejected.inc()
@@ -77,54 +89,67 @@ class GatewayMetrics:
         if attempt > 1:
             self.retries.inc()
 
-    def stream(self, context: grpc.aio.ServicerContext) -> StreamObservation:
-        """Observe one stream: `with metrics.stream(context) as observed:` around it, `observed.responded()` at each
-        response. Whatever the stream ends with (return, abort, cancellation, the generator closed) is counted."""
-        return StreamObservation(self, context)
+    def stream(self, deadline: float | None = None, protocol: str = "grpc") -> StreamObservation:
+        """Observe one stream: `with metrics.stream(deadline) as observed:` around it, `observed.responded()` at each
+        response. Whatever the stream ends with (return, error, cancellation, the generator closed) is counted;
+        `deadline` (event-loop time) tells an expired deadline from a caller's cancel."""
+        return StreamObservation(self, deadline, protocol)
+
+    def refused(self, code: grpc.StatusCode, protocol: str = "grpc") -> None:
+        """A stream refused before it was routed (e.g. UNAUTHENTICATED)."""
+        self.started.labels(protocol).inc()
+        self.finished.labels(protocol, code.name).inc()
 
 
 class StreamObservation:
     """One stream's count, status code, time to first response and duration (see GatewayMetrics.stream)."""
 
-    __slots__ = ("_arrived", "_context", "_metrics", "_waiting_first")
+    __slots__ = ("_arrived", "_deadline", "_metrics", "_protocol", "_waiting_first")
 
-    def __init__(self, metrics: GatewayMetrics, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, metrics: GatewayMetrics, deadline: float | None, protocol: str = "grpc") -> None:
         self._metrics = metrics
-        self._context = context
+        self._deadline = deadline
+        self._protocol = protocol
         self._arrived = 0.0
         self._waiting_first = True
 
     def __enter__(self) -> StreamObservation:
         self._arrived = time.perf_counter()
-        self._metrics.started.inc()
+        self._metrics.started.labels(self._protocol).inc()
         return self
 
     def responded(self) -> None:
         if self._waiting_first:
-            self._metrics.first_response_seconds.observe(time.perf_counter() - self._arrived)
+            self._metrics.first_response_seconds.labels(self._protocol).observe(time.perf_counter() - self._arrived)
             self._waiting_first = False
 
     def __exit__(self, exc_type: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
-        self._metrics.finished.labels(outcome_code(error, self._context.code())).inc()
-        self._metrics.duration_seconds.observe(time.perf_counter() - self._arrived)
+        deadline_passed = self._deadline is not None and asyncio.get_running_loop().time() >= self._deadline
+        self._metrics.finished.labels(self._protocol, outcome_code(error, None, deadline_passed)).inc()
+        self._metrics.duration_seconds.labels(self._protocol).observe(time.perf_counter() - self._arrived)
 
 
 class GatewayStateCollector(Collector):
     """Gauges read at scrape time from the routing state: streams in flight, per-engine outstanding, endpoints."""
 
-    def __init__(self, endpoints: EndpointSet, admission: Admission) -> None:
+    def __init__(self, endpoints: EndpointSet, admission: Admission, waiting: Callable[[], int] = lambda: 0) -> None:
         self.endpoints = endpoints
         self.admission = admission
+        self.waiting = waiting
 
     def collect(self) -> Iterable[Metric]:
-        return gateway_state_families(list(self.endpoints), self.admission, time.monotonic())
+        return gateway_state_families(list(self.endpoints), self.admission, time.monotonic(), self.waiting())
 
     def describe(self) -> Iterable[Metric]:
         return []
 
 
-def gateway_state_families(endpoints: list[Any], admission: Admission, now_seconds: float) -> list[Metric]:
+def gateway_state_families(endpoints: list[Any], admission: Admission, now_seconds: float,
+                           num_waiting: int = 0) -> list[Metric]:
     """Pure: the gauges of one view of the routing state."""
+    waiting = GaugeMetricFamily(f"{PREFIX}_streams_waiting", "Streams waiting for any engine to become ready (none "
+                                                              "is): the scale-from-zero signal.")
+    waiting.add_metric([], num_waiting)
     in_flight = GaugeMetricFamily(f"{PREFIX}_streams_in_flight", "Streams the gateway is serving now.")
     in_flight.add_metric([], admission.in_flight)
     limit = GaugeMetricFamily(f"{PREFIX}_streams_in_flight_limit", "In-flight streams past which new ones are "
@@ -141,4 +166,4 @@ def gateway_state_families(endpoints: list[Any], admission: Admission, now_secon
     known.add_metric([], len(endpoints))
     num_ready = GaugeMetricFamily(f"{PREFIX}_endpoints_ready", "Engine endpoints healthy and routable now.")
     num_ready.add_metric([], sum(1 for e in endpoints if e.ready(now_seconds)))
-    return [in_flight, limit, outstanding, ready, known, num_ready]
+    return [in_flight, limit, waiting, outstanding, ready, known, num_ready]

@@ -22,9 +22,12 @@ class EndpointState:
     # After a failed call, not picked again until this time (monotonic seconds), whatever health says: health only
     # reports changes, and a replica can fail calls while still claiming SERVING.
     cooldown_until_seconds: float = 0.0
+    # A call to it stalled (a frozen process keeps its connections open and its health watch silent): out of
+    # routing until a health check answers again.
+    unresponsive: bool = False
 
     def ready(self, now_seconds: float) -> bool:
-        return self.healthy and now_seconds >= self.cooldown_until_seconds
+        return self.healthy and not self.unresponsive and now_seconds >= self.cooldown_until_seconds
 
 
 class EndpointSet:
@@ -82,6 +85,11 @@ class EndpointSet:
         if endpoint is not None and endpoint.outstanding > 0:
             endpoint.outstanding -= 1
 
+    def set_unresponsive(self, address: str, unresponsive: bool) -> None:
+        endpoint = self._endpoints.get(address)
+        if endpoint is not None:
+            endpoint.unresponsive = unresponsive
+
     def cool_down(self, address: str, until_seconds: float) -> None:
         endpoint = self._endpoints.get(address)
         if endpoint is not None:
@@ -126,23 +134,22 @@ class Admission:
 
 
 class FailureAction(Enum):
-    RETRY = "retry"  # no token streamed yet and the engine failed: try another engine
-    PASS_THROUGH = "pass-through"  # the engine's answer stands (bad request, deadline, cancel): forward unchanged
+    RETRY = "retry"  # no token streamed yet and the engine is unreachable or going away: try another engine
+    PASS_THROUGH = "pass-through"  # the answer is about the request (bad request, deadline, cancel, an error the
+    # request caused): it is the request's outcome, not retried, and the engine stays in rotation
     UNAVAILABLE_AFTER_TOKENS = "unavailable-after-tokens"  # tokens already out: end with UNAVAILABLE, say how many
 
 
-# Engine failures (as opposed to answers about the request): a replica going away or dying.
-RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
-# The caller's own deadline or cancellation: never dressed up as an engine failure.
-CALLER_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+# Only these say the engine (not the request) failed: the channel's own UNAVAILABLE (connection refused or reset,
+# keepalive timeout) and a replica's "I am draining/loading". UNKNOWN and INTERNAL are what a request that crashes
+# the handler gets: retrying it would fail it on every engine and bench them all.
+ENGINE_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
 
 
 def classify_failure(code: grpc.StatusCode, responses_sent: int) -> FailureAction:
-    if code in CALLER_CODES:
+    if code not in ENGINE_DOWN_CODES:
         return FailureAction.PASS_THROUGH
-    if responses_sent == 0:
-        return FailureAction.RETRY if code in RETRYABLE_CODES else FailureAction.PASS_THROUGH
-    return FailureAction.UNAVAILABLE_AFTER_TOKENS
+    return FailureAction.RETRY if responses_sent == 0 else FailureAction.UNAVAILABLE_AFTER_TOKENS
 
 
 def bearer_token(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:

@@ -12,17 +12,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import SERVICE_NAME, pb_grpc
+from minedraft.api.grpc_policy import CHANNEL_OPTIONS
 from minedraft.gateway.policy import EndpointSet
 
 log = logging.getLogger(__name__)
 
-# Long-lived streams with idle gaps: keepalive notices a dead engine host; reconnects are quick on loopback/LAN.
-CHANNEL_OPTIONS = (
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-)
+# A health check of an engine taken out of rotation for a stalled call: how long one check may take.
+UNRESPONSIVE_PROBE_TIMEOUT_SECONDS = 1.0
 
 
 # A removed engine's channel stays open this long so streams still running on it can finish.
@@ -40,6 +36,12 @@ class _Engine:
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health_task: asyncio.Task[None] | None = None
+        self.probe_task: asyncio.Task[None] | None = None
+
+    def cancel_tasks(self) -> None:
+        for task in (self.health_task, self.probe_task):
+            if task is not None:
+                task.cancel()
 
 
 class EnginePool:
@@ -57,8 +59,7 @@ class EnginePool:
         added, removed = self.endpoints.replace(addresses)
         for address in removed:
             engine = self._engines.pop(address)
-            if engine.health_task is not None:
-                engine.health_task.cancel()
+            engine.cancel_tasks()
             # Streams still open on it finish (or fail) on their own; close the channel once they had a chance.
             closing = asyncio.create_task(_close_later(engine.channel, RETIRED_CHANNEL_GRACE_SECONDS))
             self._closing.add(closing)
@@ -78,6 +79,33 @@ class EnginePool:
     def report_failure(self, address: str) -> None:
         """A call to this engine failed as an engine failure: keep it out of routing for a moment."""
         self.endpoints.cool_down(address, time.monotonic() + self.failure_cooldown_seconds)
+
+    def report_unresponsive(self, address: str) -> None:
+        """A call to this engine stalled: out of routing until a health check (with a timeout) answers SERVING.
+
+        The health watch cannot tell: a frozen process's watch stream just stays silent."""
+        engine = self._engines.get(address)
+        if engine is None:
+            return
+        self.endpoints.set_unresponsive(address, True)
+        self._on_health_change()
+        if engine.probe_task is None or engine.probe_task.done():
+            engine.probe_task = asyncio.create_task(self._probe_until_answered(engine), name=f"probe {address}")
+
+    async def _probe_until_answered(self, engine: _Engine) -> None:
+        stub = health_pb2_grpc.HealthStub(engine.channel)
+        while True:
+            try:
+                response = await stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                            timeout=UNRESPONSIVE_PROBE_TIMEOUT_SECONDS)
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.aio.AioRpcError as exc:
+                log.debug("probe of %s: %s", engine.address, exc.code())
+            await asyncio.sleep(self.health_retry_seconds)
+        self.endpoints.set_unresponsive(engine.address, False)
+        log.info("engine %s answers again: back in rotation", engine.address)
+        self._on_health_change()
 
     def _set_healthy(self, address: str, healthy: bool) -> None:
         endpoint = self.endpoints.get(address)
@@ -103,12 +131,14 @@ class EnginePool:
             await asyncio.sleep(self.health_retry_seconds)
 
     async def close(self) -> None:
-        for engine in self._engines.values():
-            if engine.health_task is not None:
-                engine.health_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await engine.health_task
-            await engine.channel.close()
+        engines = list(self._engines.values())
         self._engines.clear()
+        for engine in engines:
+            engine.cancel_tasks()
+            for task in (engine.health_task, engine.probe_task):
+                if task is not None:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+            await engine.channel.close()
         for closing in list(self._closing):
             closing.cancel()

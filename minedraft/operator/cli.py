@@ -29,6 +29,8 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         autoscale_tick_seconds=args.autoscale_tick_seconds,
         prometheus_namespace_selector=parse_labels(args.prometheus_namespace_labels),
         prometheus_pod_selector=parse_labels(args.prometheus_pod_labels),
+        operator_namespace_selector=parse_labels(args.operator_namespace_labels),
+        operator_pod_selector=parse_labels(args.operator_pod_labels),
     )
 
 
@@ -60,6 +62,11 @@ def _add_operator_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prometheus-pod-labels", default=_env(
         "PROMETHEUS_POD_LABELS", "app.kubernetes.io/name=prometheus"),
         help="labels of the Prometheus pods (k=v,... or JSON)")
+    parser.add_argument("--operator-namespace-labels", default=_env("OPERATOR_NAMESPACE_LABELS", ""),
+                        help="labels of the operator's own namespace, so NetworkPolicies let it scrape engine and "
+                        "gateway pods when no Prometheus is configured (k=v,... or JSON; empty: not let in)")
+    parser.add_argument("--operator-pod-labels", default=_env("OPERATOR_POD_LABELS", ""),
+                        help="labels of the operator's own pods (k=v,... or JSON; empty: not let in)")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -71,9 +78,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def render_documents(documents: list[Any], settings: OperatorSettings, monitoring_available: bool) -> list[Any]:
-    """Manifests for every MineDraft in a YAML stream; raises SpecError naming the document and field."""
+def render_documents(documents: list[Any], settings: OperatorSettings, monitoring_available: bool,
+                     include_resource: bool = False) -> list[Any]:
+    """Manifests for every MineDraft in a YAML stream, rendered from the MineDraft as the API server would store it
+    (the CRD's defaults applied), preceded by that MineDraft when include_resource; raises SpecError naming the
+    document and field."""
     from minedraft.operator import spec as s
+    from minedraft.operator.crd import defaulted
     from minedraft.operator.render import render_resource
 
     manifests: list[Any] = []
@@ -84,8 +95,10 @@ def render_documents(documents: list[Any], settings: OperatorSettings, monitorin
             errors.append(f"document {index}: not a {s.KIND} ({s.API_GROUP}/{s.API_VERSION})")
             continue
         name = (doc.get("metadata") or {}).get("name", "?")
+        doc = defaulted(doc)
         try:
-            manifests += render_resource(doc, options)
+            rendered = render_resource(doc, options)
+            manifests += ([doc] if include_resource else []) + rendered
         except s.SpecError as exc:
             errors += [f"{s.KIND} {name}: {e}" for e in exc.errors]
     if errors:
@@ -101,7 +114,8 @@ def cmd_render(args: argparse.Namespace) -> int:
     text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
     try:
         documents = list(yaml.safe_load_all(text))
-        manifests = render_documents(documents, settings_from_args(args), args.monitoring == "on")
+        manifests = render_documents(documents, settings_from_args(args), args.monitoring == "on",
+                                     include_resource=args.resource)
     except yaml.YAMLError as exc:
         print(f"{args.file}: invalid YAML: {exc}", file=sys.stderr)
         return EXIT_INVALID
@@ -133,6 +147,9 @@ def add_subcommands(sub: Any) -> None:
                                                 "(YAML stream on stdout; validation errors on stderr, exit 2)")
     _add_operator_options(render)
     render.add_argument("-f", "--file", required=True, help="MineDraft YAML file ('-' for stdin)")
+    render.add_argument("--resource", action="store_true",
+                        help="also print each MineDraft as the API server stores it (the CRD's defaults applied), "
+                        "before its objects")
     render.set_defaults(func=cmd_render)
     crd = commands.add_parser("crd", help="print the MineDraft CustomResourceDefinition")
     crd.set_defaults(func=cmd_crd)

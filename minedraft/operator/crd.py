@@ -1,6 +1,7 @@
-"""The MineDraft CustomResourceDefinition, built here and written to the chart's crds/ (the one source of truth).
+"""The MineDraft CustomResourceDefinition, built here and written to CRD_FILE in the chart (the one source of truth).
 
-`minedraft operator crd` prints it; a test checks that charts/minedraft/crds/ holds exactly this. Defaults and
+`minedraft operator crd` prints it; a test checks that CRD_FILE holds exactly this (the chart ships it from a
+template so `helm upgrade` applies it). Defaults and
 bounds come from the dataclasses in spec.py so the API server and the offline parser agree.
 """
 
@@ -11,7 +12,7 @@ from typing import Any
 from minedraft.operator import spec as s
 
 CRD_NAME = f"{s.PLURAL}.{s.API_GROUP}"
-CRD_FILE = "charts/minedraft/crds/minedrafts.minedraft.io.yaml"
+CRD_FILE = "charts/minedraft/files/crds/minedrafts.minedraft.io.yaml"
 
 Schema = dict[str, Any]
 
@@ -32,13 +33,25 @@ def _obj(description: str, properties: dict[str, Schema], **extra: Any) -> Schem
     return {"type": "object", "description": description, "properties": properties, **extra}
 
 
-def _quantity(description: str, default: str) -> Schema:
-    # A string rather than int-or-string: quantities in this spec are always written as strings ("8", "64Gi").
-    return _str(description, default=default, pattern=r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 
 
-def _rule(rule: str, message: str, **extra: Any) -> dict[str, Any]:
-    return {"rule": rule, "message": message, **extra}
+def _quantity(description: str, default: str | None) -> Schema:
+    # int-or-string, as every Kubernetes quantity: users write `cpu: 16` as often as `cpu: "16"`.
+    schema: Schema = {"description": description, "x-kubernetes-int-or-string": True,
+                      "anyOf": [{"type": "integer"}, {"type": "string"}], "pattern": QUANTITY_PATTERN}
+    if default is not None:
+        schema["default"] = default
+    return schema
+
+
+def _rule(rule: str, message: str, field_path: str | None = None, reason: str = "FieldValueInvalid",
+          **extra: Any) -> dict[str, Any]:
+    """A CEL rule whose error names the field it is about (fieldPath, relative to the rule's node) and a reason."""
+    out: dict[str, Any] = {"rule": rule, "message": message, "reason": reason}
+    if field_path is not None:
+        out["fieldPath"] = field_path
+    return {**out, **extra}
 
 
 def _secret_key_ref(description: str) -> Schema:
@@ -66,7 +79,7 @@ def _model(role: str) -> Schema:
         }, **{"x-kubernetes-validations": [_rule(
             "[has(self.huggingFace), has(self.persistentVolumeClaim), has(self.image)]"
             ".filter(x, x).size() == 1",
-            "exactly one of huggingFace, persistentVolumeClaim or image must be set")]}),
+            "exactly one of huggingFace, persistentVolumeClaim or image must be set", reason="FieldValueRequired")]}),
     }, required=["source"])
 
 
@@ -89,29 +102,53 @@ def spec_schema() -> Schema:
             "numExtraDraftTokens": _int("Extra drafted tokens e kept for top-C selection by cumulative draft "
                                         "log-probability (psd and sd only).", default=0, minimum=0,
                                         maximum=s.MAX_EXTRA_DRAFT_TOKENS),
-        }, default={}, **{"x-kubernetes-validations": [_rule(
-            "self.mode in ['psd', 'sd'] || self.numExtraDraftTokens == 0",
-            "numExtraDraftTokens needs mode psd or sd")]}),
+        }, default={}, **{"x-kubernetes-validations": [
+            _rule("self.mode in ['psd', 'sd'] || self.numExtraDraftTokens == 0",
+                  "numExtraDraftTokens needs mode psd or sd", ".numExtraDraftTokens"),
+            _rule(f"self.numSpeculativeTokens + self.numExtraDraftTokens <= {s.MAX_SPECULATIVE_TOKENS}",
+                  f"numSpeculativeTokens + numExtraDraftTokens must be at most {s.MAX_SPECULATIVE_TOKENS}",
+                  ".numExtraDraftTokens"),
+        ]}),
         "engine": _obj("The engine pods (one target plus one drafter per pod).", {
             "image": _str("Engine image (vLLM 0.32 CUDA image with minedraft).", default=eng.image),
             "imagePullPolicy": _str("Image pull policy.", enum=list(s.PULL_POLICIES), default=eng.image_pull_policy),
-            "targetGPUs": _int("GPUs for the target model (its tensor-parallel size; 1 until the engine supports "
-                               "tensor parallelism); each pod requests targetGPUs + drafterGPUs nvidia.com/gpu.",
+            "targetGPUs": _int("GPUs for the target model, its tensor-parallel size (1 to 8). Each pod requests "
+                               "targetGPUs nvidia.com/gpu, plus drafterGPUs for modes whose drafter runs on a "
+                               "device of its own (psd, sd, auto choosing among them); the drafter takes the next "
+                               "device after the target's.",
                                default=eng.target_gpus, minimum=1, maximum=s.MAX_TARGET_GPUS),
-            "drafterBackend": _str("vllm: the draft model in vLLM (any architecture); torch: the plain-torch Llama "
-                                   "drafter.", enum=list(s.DRAFTER_BACKENDS), default=eng.drafter_backend),
+            "dtype": _str("Weights and activations dtype of target and drafter: auto (the model's own), bfloat16, "
+                          "float16 or float32.", enum=list(s.DTYPES), default=eng.dtype),
+            "drafterBackend": _str("vllm: the draft model in vLLM (any architecture). torch (the plain-torch CPU "
+                                   "drafter) is refused: engine pods run on GPUs.", enum=list(s.DRAFTER_BACKENDS),
+                                   default=eng.drafter_backend),
             "drafterGPUs": _int("GPUs for the drafter: always 1, a device of its own so drafting overlaps "
-                                "verification.", default=1, minimum=1, maximum=1),
-            "cpu": _quantity("CPU request and limit per engine pod.", eng.cpu),
+                                "verification (not requested for ar and vllm-sd).", default=1, minimum=1,
+                                maximum=1),
+            "cpu": _quantity("CPU request per engine pod.", eng.cpu),
             "memory": _quantity("Memory request and limit per engine pod.", eng.memory),
             "shmSize": _quantity("Size of /dev/shm (memory-backed) for NCCL and worker processes.", eng.shm_size),
+            "ephemeralStorage": _quantity("Node-local ephemeral storage requested and limited per engine pod "
+                                          "(unset: none requested).", None),
             "maxNumSeqs": _int("Most requests batched at once per engine (vLLM max_num_seqs).",
                                default=eng.max_num_seqs, minimum=1, maximum=65536),
-            "maxModelLen": _int("Longest context in tokens (vLLM max_model_len).", default=eng.max_model_len,
-                                minimum=16),
-            "extraArgs": {"type": "array", "description": "Extra arguments appended to the engine command "
-                                                          "(vLLM engine arguments).",
-                          "items": _str("One argument."), "default": []},
+            "maxModelLen": _int("Longest context in tokens (vLLM max_model_len); unset: the model's own context "
+                                "length, capped by the KV cache.", minimum=s.MIN_MODEL_LEN,
+                                maximum=s.MAX_MODEL_LEN),
+            "extraArgs": {"type": "array", "description": "vLLM engine arguments passed through to the target's "
+                                                          "vLLM engine, e.g. [--enforce-eager, --kv-cache-dtype, "
+                                                          "fp8]; checked by vLLM's own parser at start-up (a typo "
+                                                          "shows in the Progressing condition). Flags the operator "
+                                                          "sets from other fields are refused.",
+                          "items": _str("One argument.", minLength=1, maxLength=1024), "default": [], "maxItems": 64},
+            "env": {"type": "array", "description": "Extra environment variables of the engine container "
+                                                    "(core/v1 EnvVar: name with value or valueFrom).",
+                    "items": {"type": "object", "description": "A core/v1 EnvVar.", "required": ["name"],
+                              "properties": {"name": _str("Variable name.", minLength=1)},
+                              "x-kubernetes-preserve-unknown-fields": True}},
+            "runtimeClassName": _str("RuntimeClass of the engine pods (GPU nodes often need nvidia)."),
+            "podDisruptionBudget": {"type": "boolean", "description": "Render a PodDisruptionBudget letting one "
+                                                                      "engine pod go at a time.", "default": True},
             "nodeSelector": {"type": "object", "description": "Node labels the engine pods must match.",
                              "additionalProperties": _str("Label value.")},
             "tolerations": {"type": "array", "description": "Tolerations of the engine pods (core/v1 Toleration).",
@@ -130,7 +167,18 @@ def spec_schema() -> Schema:
                                                   maximum=3600),
             "startupTimeoutSeconds": _int("Seconds allowed for loading the models before the startup probe fails.",
                                           default=eng.startup_timeout_seconds, minimum=60, maximum=86400),
-        }, default={}),
+        }, default={}, **{"x-kubernetes-validations": [
+            _rule("self.drafterBackend != 'torch'", "torch is the CPU drafter; engine pods run on GPUs: use vllm",
+                  ".drafterBackend", reason="FieldValueNotSupported"),
+            _rule(f"!has(self.extraArgs) || self.extraArgs.all(a, !(a in {list(s.RESERVED_ENGINE_FLAGS)}) && "
+                  f"!{list(s.RESERVED_ENGINE_FLAGS)}.exists(f, a.startsWith(f + '=')))",
+                  "extraArgs must not set flags the operator sets from the MineDraft's own fields (--model, "
+                  "--dtype, --tensor-parallel-size, --max-model-len, ...): set those fields", ".extraArgs"),
+        ]}),
+        "imagePullSecrets": {"type": "array", "description": "Secrets (in the MineDraft's namespace) for pulling "
+                                                             "the engine and gateway images.",
+                             "items": _obj("A core/v1 LocalObjectReference.",
+                                           {"name": _str("Name of the Secret.", minLength=1)}, required=["name"])},
         "replicas": _int("Engine replicas. With autoscaling, leave unset: the autoscaler writes it through the "
                          "/scale subresource.", minimum=0, maximum=s.MAX_REPLICAS),
         "autoscaling": _obj("Speculation-aware autoscaling bounds and targets (used by the autoscaler).", {
@@ -150,8 +198,8 @@ def spec_schema() -> Schema:
                                    "more (up to doubling, as the HPA's default).", default=auto.max_scale_up_step,
                                    minimum=1, maximum=s.MAX_REPLICAS),
             "speculation": _obj("What each engine may choose between when it adapts its speculation.", {
-                "allowedModes": {"type": "array", "description": "Modes the engines may use.",
-                                 "items": _str("A mode.", enum=list(s.MODES)), "minItems": 1,
+                "allowedModes": {"type": "array", "description": "Modes auto mode switches between (psd, sd, ar).",
+                                 "items": _str("A mode.", enum=list(s.AUTO_MODES)), "minItems": 1,
                                  "default": list(bounds.allowed_modes), "x-kubernetes-list-type": "set"},
                 "minSpeculativeTokens": _int("Shortest draft length.", default=bounds.min_speculative_tokens,
                                              **k_range),
@@ -159,14 +207,17 @@ def spec_schema() -> Schema:
                                              **k_range),
             }, default={}, **{"x-kubernetes-validations": [_rule(
                 "self.minSpeculativeTokens <= self.maxSpeculativeTokens",
-                "minSpeculativeTokens must not exceed maxSpeculativeTokens")]}),
+                "minSpeculativeTokens must not exceed maxSpeculativeTokens", ".minSpeculativeTokens")]}),
             "prometheus": _obj("Where the autoscaler reads metrics.", {
                 "address": _str("Prometheus HTTP API base URL, e.g. http://prometheus.monitoring:9090; when "
                                 "unset the engines' metrics endpoints are scraped directly."),
             }, default={}),
         }, **{"x-kubernetes-validations": [_rule("self.minReplicas <= self.maxReplicas",
-                                                 "minReplicas must not exceed maxReplicas")]}),
+                                                 "minReplicas must not exceed maxReplicas", ".minReplicas")]}),
         "gateway": _obj("The gRPC gateway in front of the engines.", {
+            "enabled": {"type": "boolean", "description": "Run the gateway (false: clients reach the engines' "
+                                                          "headless Service directly; the gateway's objects are "
+                                                          "deleted).", "default": True},
             "replicas": _int("Gateway replicas.", default=gw.replicas, minimum=0, maximum=100),
             "image": _str("Gateway image.", default=gw.image),
             "imagePullPolicy": _str("Image pull policy.", enum=list(s.PULL_POLICIES), default=gw.image_pull_policy),
@@ -179,26 +230,35 @@ def spec_schema() -> Schema:
                                  required=["name"]),
             "maxInFlight": _int("Admission bound: streams in flight per gateway replica before RESOURCE_EXHAUSTED.",
                                 default=gw.max_in_flight, minimum=1),
-            "cpu": _quantity("CPU request and limit per gateway pod.", gw.cpu),
+            "cpu": _quantity("CPU request per gateway pod.", gw.cpu),
             "memory": _quantity("Memory request and limit per gateway pod.", gw.memory),
         }, default={}),
     }, required=["target", "draft"], **{"x-kubernetes-validations": [
         # Creation only (optionalOldSelf: on create oldSelf has no value): afterwards the autoscaler writes
         # spec.replicas through /scale, which the next rule keeps within bounds.
         _rule("oldSelf.hasValue() || !(has(self.replicas) && has(self.autoscaling))",
-              "set either replicas or autoscaling, not both (the autoscaler owns replicas)", optionalOldSelf=True),
-        _rule("!has(self.replicas) || !has(self.autoscaling) || "
-              "(self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)",
-              "replicas must lie within autoscaling minReplicas..maxReplicas"),
+              "set either replicas or autoscaling, not both (the autoscaler owns replicas)", ".replicas",
+              reason="FieldValueForbidden", optionalOldSelf=True),
+        # No bound check of replicas against min/maxReplicas: the operator clamps it, so narrowing the bounds after
+        # the autoscaler wrote replicas is admitted and takes effect at once.
+        _rule("self.speculation.mode != 'auto' || !has(self.autoscaling) || "
+              "(self.speculation.numSpeculativeTokens >= self.autoscaling.speculation.minSpeculativeTokens && "
+              "self.speculation.numSpeculativeTokens <= self.autoscaling.speculation.maxSpeculativeTokens)",
+              "auto mode starts at a numSpeculativeTokens within autoscaling.speculation's min..max",
+              ".speculation.numSpeculativeTokens"),
+        _rule("!(self.speculation.mode in ['psd', 'sd', 'ar']) || !has(self.autoscaling) || "
+              "self.speculation.mode in self.autoscaling.speculation.allowedModes",
+              "autoscaling.speculation.allowedModes must include the fixed speculation.mode (or use mode auto)",
+              ".autoscaling.speculation.allowedModes"),
     ]})
 
 
-CONDITION_TYPES = ("Ready", "EngineReady", "GatewayReady", "ScalingReady", "MetricsAvailable")
+CONDITION_TYPES = ("Ready", "EngineReady", "GatewayReady", "Progressing", "ScalingReady", "MetricsAvailable")
 
 
 def status_schema() -> Schema:
     condition = _obj("A condition of the MineDraft.", {
-        "type": _str("Ready, EngineReady, GatewayReady, ScalingReady or MetricsAvailable."),
+        "type": _str(", ".join(CONDITION_TYPES[:-1]) + " or " + CONDITION_TYPES[-1] + "."),
         "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
         "reason": _str("A CamelCase reason."),
         "message": _str("What a human needs to know."),
@@ -279,7 +339,14 @@ def crd() -> dict[str, Any]:
                         "metadata": {"type": "object", "description": "Standard object metadata."},
                         "spec": spec_schema(),
                         "status": status_schema(),
-                    }, required=["spec"])},
+                    }, required=["spec"], **{"x-kubernetes-validations": [_rule(
+                        # Every generated name is the MineDraft's plus a suffix, and Service names are DNS-1035
+                        # labels of at most 63 characters.
+                        f"self.metadata.name.size() <= {s.MAX_NAME_LENGTH} && "
+                        "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+                        f"metadata.name must be a DNS-1035 label (a lower-case letter first) of at most "
+                        f"{s.MAX_NAME_LENGTH} characters: the operator names Services <name>-engine and "
+                        "<name>-gateway", reason="FieldValueInvalid")]})},
                 "subresources": {
                     "status": {},
                     "scale": {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
@@ -289,6 +356,29 @@ def crd() -> dict[str, Any]:
             }],
         },
     }
+
+
+def apply_defaults(schema: Schema, value: Any) -> Any:
+    """Structural defaulting as the API server does it: absent properties that have a default get it, recursively
+    (so `minedraft operator render` shows and renders what the API server would store)."""
+    if isinstance(value, list) and "items" in schema:
+        return [apply_defaults(schema["items"], v) for v in value]
+    if not isinstance(value, dict) or schema.get("type") != "object":
+        return value
+    import copy
+
+    out = dict(value)
+    for name, sub in schema.get("properties", {}).items():
+        if name not in out and "default" in sub:
+            out[name] = copy.deepcopy(sub["default"])
+        if name in out:
+            out[name] = apply_defaults(sub, out[name])
+    return out
+
+
+def defaulted(resource: dict[str, Any]) -> dict[str, Any]:
+    """A MineDraft as the API server stores it: the CRD's defaults applied."""
+    return dict(apply_defaults(crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"], resource))
 
 
 def crd_yaml() -> str:

@@ -11,8 +11,8 @@ import datetime
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import aiohttp
 import kopf
@@ -33,11 +33,16 @@ API_RETRY_DELAY_SECONDS = 10.0
 
 @dataclass
 class Memo:
-    """What every handler needs; kopf hands each handler its own shallow copy of this memo."""
+    """What every handler needs; kopf hands each handler its own shallow copy of this memo (the dict below is
+    shared: the copies hold the same object)."""
 
     reconciler: Reconciler
     metrics: OperatorMetrics
     autoscaler: Autoscaler
+    # The latest body of every MineDraft seen, kept by the event handler for the periodic passes.
+    bodies: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    # Background tasks started at start-up (held here so they are not garbage-collected).
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
 
 def _rfc3339(seconds: float) -> str:
@@ -127,6 +132,49 @@ async def _reconcile(trigger: str, body: kopf.Body, patch: kopf.Patch, memo: Mem
     metrics.reconciles.labels(trigger=trigger, result=result).inc()
 
 
+async def _status_patch(memo: Memo, body: kopf.Body, patch: kopf.Patch) -> None:
+    """Write what a periodic pass put in patch.status (kopf writes a handler's patch itself; these passes run
+    outside kopf's handlers)."""
+    status = dict(patch.get("status") or {})
+    if status:
+        await memo.reconciler.client.patch_status(body.metadata.namespace or "", body.metadata.name or "", status)
+
+
+async def periodic_passes(settings: OperatorSettings, memo: Memo, logger: Logger) -> None:
+    """Drift/status refresh every drift interval and autoscaler ticks, for every MineDraft seen.
+
+    Not kopf timers: kopf puts a finalizer on every object that has a timer or daemon, and a MineDraft would then
+    stay undeletable whenever the operator is not running (owner references already delete its objects). Only a
+    watch-event handler feeds this loop, so the operator never adds a finalizer.
+    """
+    last_drift = time.monotonic()
+    while True:
+        await asyncio.sleep(settings.autoscale_tick_seconds if settings.autoscale_tick_seconds
+                            < settings.drift_interval_seconds else settings.drift_interval_seconds)
+        drift_due = time.monotonic() - last_drift >= settings.drift_interval_seconds
+        if drift_due:
+            last_drift = time.monotonic()
+        for key, raw in list(memo.bodies.items()):
+            body = kopf.Body(cast(kopf.RawBody, raw))
+            if body.metadata.get("deletionTimestamp"):
+                continue
+            try:
+                if (body.get("spec") or {}).get("autoscaling"):
+                    patch = kopf.Patch()
+                    await _autoscale(body, patch, memo, logger)
+                    await _status_patch(memo, body, patch)
+                if drift_due:
+                    patch = kopf.Patch()
+                    await _reconcile("timer", body, patch, memo, logger)
+                    await _status_patch(memo, body, patch)
+            except (kopf.TemporaryError, KubeError) as exc:
+                logger.warning("periodic pass of %s/%s failed: %s (next pass retries)", *key, exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one MineDraft's bug must not stop the passes of all others
+                logger.exception("periodic pass of %s/%s failed", *key)
+
+
 def build_registry(settings: OperatorSettings, connection: kopf.ConnectionInfo | None = None) -> kopf.OperatorRegistry:
     """The handlers for one operator run. `connection` replaces kopf's kubeconfig login (tests, emulators)."""
     registry = kopf.OperatorRegistry()
@@ -148,26 +196,23 @@ def build_registry(settings: OperatorSettings, connection: kopf.ConnectionInfo |
     async def resumed(body: kopf.Body, patch: kopf.Patch, memo: Any, logger: Logger, **_: Any) -> None:
         await _reconcile("resume", body, patch, memo, logger)
 
-    # Level-triggered safety net: someone edited or deleted a managed object, or pods became ready.
-    @kopf.on.timer(*RESOURCE, interval=settings.drift_interval_seconds, initial_delay=settings.drift_interval_seconds,
-                   registry=registry)
-    async def drift(body: kopf.Body, patch: kopf.Patch, memo: Any, logger: Logger, **_: Any) -> None:
-        await _reconcile("timer", body, patch, memo, logger)
-
-    # The autoscaler: a short tick per autoscaled MineDraft; each is evaluated every spec.autoscaling.intervalSeconds
-    # (kopf's timer interval is fixed at registration, the spec's interval is not).
-    @kopf.on.timer(*RESOURCE, interval=settings.autoscale_tick_seconds, registry=registry,
-                   when=lambda spec, **_: bool(spec.get("autoscaling")))
-    async def autoscale(body: kopf.Body, patch: kopf.Patch, memo: Any, logger: Logger, **_: Any) -> None:
-        await _autoscale(body, patch, memo, logger)
-
-    # Owner references do the cleanup, so this handler is optional (it alone would need no finalizer). kopf still
-    # puts a finalizer on each MineDraft because of the timer, and removes it once the timer has stopped.
-    @kopf.on.delete(*RESOURCE, optional=True, registry=registry)
-    async def deleted(body: kopf.Body, memo: Any, logger: Logger, **_: Any) -> None:
-        memo.metrics.forget(body.metadata.namespace or "", body.metadata.name or "")
-        memo.autoscaler.forget(body.metadata.namespace or "", body.metadata.name or "")
-        logger.info("deleted; its objects go with it through their owner references")
+    # Every watch event: the latest body for the periodic passes (drift, status refresh, autoscaler). An event
+    # handler needs no finalizer; a deleted MineDraft is forgotten (owner references delete its objects).
+    @kopf.on.event(*RESOURCE, registry=registry)
+    async def seen(event: Mapping[str, Any], body: kopf.Body, memo: Any, logger: Logger, **_: Any) -> None:
+        key = (body.metadata.namespace or "", body.metadata.name or "")
+        if event.get("type") == "DELETED":
+            memo.bodies.pop(key, None)
+            memo.metrics.forget(*key)
+            memo.autoscaler.forget(*key)
+            logger.info("deleted; its objects go with it through their owner references")
+        else:
+            memo.bodies[key] = dict(body)
+        if not memo.tasks:
+            # Started from here, not at start-up: a task inherits the context it is created in, and only watching
+            # handlers have kopf's Event posting set up (kopf.event from a start-up task fails). A task on kopf's
+            # loop: kopf cancels it when the operator stops.
+            memo.tasks.append(asyncio.get_running_loop().create_task(periodic_passes(settings, memo, logger)))
 
     return registry
 

@@ -52,21 +52,27 @@ RESOURCES = MappingProxyType({r.kind: r for r in (
     Resource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy"),
     Resource("monitoring.coreos.com", "v1", "podmonitors", "PodMonitor"),
 )})
-SECRETS = Resource("", "v1", "secrets", "Secret")
+PODS = Resource("", "v1", "pods", "Pod")
 MINEDRAFTS = Resource(s.API_GROUP, s.API_VERSION, s.PLURAL, s.KIND)
 EVENTS = Resource("", "v1", "events", "Event")
 
 # (apiGroup, resource[/subresource]) -> verbs. Server-side apply needs "patch", plus "create" when the object does not
-# exist yet. The gateway's Role grants endpointslices get/list/watch, and Kubernetes only lets the operator create a
-# Role granting what the operator itself holds (no "escalate"/"bind" verbs here), hence that entry; the autoscaler
-# also lists them to find engine pods to scrape when no Prometheus is configured.
+# exist yet; "delete" removes objects no longer rendered and replaces a Deployment whose (immutable) selector changed.
+# The gateway's Role grants endpointslices get/list/watch, and Kubernetes only lets the operator create a Role
+# granting what the operator itself holds (no "escalate"/"bind" verbs here), hence that entry; the autoscaler also
+# lists them to find engine pods to scrape when no Prometheus is configured. No Secrets: pods reference them by name
+# and the kubelet reads them.
 PERMISSIONS: Mapping[tuple[str, str], frozenset[str]] = MappingProxyType({
-    **{(r.group, r.plural): frozenset({"get", "create", "patch"}) for r in RESOURCES.values()},
-    ("", "secrets"): frozenset({"get"}),  # existence of referenced Secrets only; values are never read or logged
+    **{(r.group, r.plural): frozenset({"get", "create", "patch", "delete"}) for r in RESOURCES.values()},
     ("discovery.k8s.io", "endpointslices"): frozenset({"get", "list", "watch"}),
+    # Why a rollout is stuck (Unschedulable, image pulls, crash loops) for the Progressing condition.
+    ("", "pods"): frozenset({"list"}),
     # kopf: watching MineDrafts, its progress annotations, status writes and Events.
     (s.API_GROUP, s.PLURAL): frozenset({"list", "watch", "patch"}),
     (s.API_GROUP, f"{s.PLURAL}/status"): frozenset({"patch"}),
+    # OwnerReferencesPermissionEnforcement (OpenShift, some hardened clusters): setting blockOwnerDeletion on an
+    # owner reference needs "update" on the owner's finalizers subresource (checked, never called).
+    (s.API_GROUP, f"{s.PLURAL}/finalizers"): frozenset({"update"}),
     # The autoscaler writes spec.replicas through /scale (as an HPA would), never the whole spec.
     (s.API_GROUP, f"{s.PLURAL}/scale"): frozenset({"patch"}),
     ("", "events"): frozenset({"create"}),
@@ -82,6 +88,23 @@ class KubeError(RuntimeError):
         self.status = status
 
 
+SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+
+
+def token_file_hook(token_file: str) -> Any:
+    """A refresh_api_key_hook that re-reads a projected service-account token before every request.
+
+    Bound tokens expire (about an hour) and the kubelet rewrites the file well before; reading a small file per
+    request is cheap and never sends a stale token (the official loader re-reads only once a minute).
+    """
+    def refresh(configuration: Any) -> None:
+        with open(token_file) as f:
+            token = f.read().strip()
+        if token:
+            configuration.api_key["BearerToken"] = f"Bearer {token}"
+    return refresh
+
+
 class KubeClient:
     """Thin async wrapper over kubernetes.client.ApiClient; construct with a Configuration (cluster or test)."""
 
@@ -92,12 +115,13 @@ class KubeClient:
 
     @classmethod
     def from_environment(cls) -> KubeClient:
-        """In-cluster credentials when running in a pod, else the current kubeconfig context."""
+        """In-cluster credentials when running in a pod (token re-read per request), else the kubeconfig context."""
         from kubernetes import client, config
 
         configuration = client.Configuration()
         try:
             config.load_incluster_config(client_configuration=configuration)
+            configuration.refresh_api_key_hook = token_file_hook(SERVICE_ACCOUNT_TOKEN)
         except config.ConfigException:
             config.load_kube_config(client_configuration=configuration)
         return cls(configuration)
@@ -135,6 +159,25 @@ class KubeClient:
         if status == 404:
             raise KubeError(404, "PATCH", resource.path(meta["namespace"], meta["name"]), "not found")
         return dict(obj or {})
+
+    async def delete(self, resource: Resource, namespace: str, name: str, orphan: bool = False) -> None:
+        """Delete an object (a 404 counts as done); orphan=True leaves its dependents (a Deployment's ReplicaSets)."""
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Orphan" if orphan else "Background"}
+        query = [("propagationPolicy", "Orphan" if orphan else "Background")]
+        await asyncio.to_thread(self._call, "DELETE", resource.path(namespace, name), body, query)
+
+    async def list_objects(self, resource: Resource, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        _, doc = await asyncio.to_thread(self._call, "GET", resource.path(namespace), None,
+                                         [("labelSelector", label_selector)])
+        return list((doc or {}).get("items") or [])
+
+    async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        """Merge-patch a MineDraft's status subresource (the periodic passes' status writes)."""
+        path = MINEDRAFTS.path(namespace, name, "status")
+        code, _ = await asyncio.to_thread(self._call, "PATCH", path, {"status": dict(status)}, None,
+                                          "application/merge-patch+json")
+        if code == 404:
+            raise KubeError(404, "PATCH", path, "not found")
 
     async def scale(self, namespace: str, name: str, replicas: int) -> dict[str, Any]:
         """Set a MineDraft's spec.replicas through its /scale subresource (what `kubectl scale` and HPAs use)."""

@@ -7,6 +7,8 @@ status to write and the Events to post) instead of talking to kopf, so the handl
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,7 +17,7 @@ from typing import Any
 
 from minedraft.operator import render, status
 from minedraft.operator import spec as s
-from minedraft.operator.kube import RESOURCES, SECRETS, KubeClient, KubeError
+from minedraft.operator.kube import PODS, RESOURCES, KubeClient, KubeError
 from minedraft.operator.metrics import OperatorMetrics
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
@@ -54,6 +56,44 @@ def is_subset(desired: Any, observed: Any) -> bool:
     return left is not None and left == right
 
 
+# The hash of the manifest the operator last applied to an object, kept on the object itself. Drift is judged against
+# it: a field the MineDraft no longer sets changes the hash, so the full object is applied again and server-side
+# apply removes what this field manager no longer sets. (A subset check of desired against live cannot see removals.)
+APPLIED_HASH = "minedraft.io/applied-hash"
+
+
+def applied_hash(manifest: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
+def with_applied_hash(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The manifest with its own hash as an annotation (computed over the manifest without it)."""
+    meta = dict(manifest["metadata"])
+    meta["annotations"] = {**(meta.get("annotations") or {}), APPLIED_HASH: applied_hash(manifest)}
+    return {**manifest, "metadata": meta}
+
+
+def needs_apply(desired: Mapping[str, Any], live: Mapping[str, Any] | None) -> bool:
+    """Apply when the object is missing, when what the MineDraft asks for changed since the last apply (removals
+    included), or when someone edited a field the operator sets."""
+    if live is None:
+        return True
+    want = (desired.get("metadata") or {}).get("annotations", {}).get(APPLIED_HASH)
+    have = ((live.get("metadata") or {}).get("annotations") or {}).get(APPLIED_HASH)
+    return want != have or not is_subset(desired, live)
+
+
+def selector_changed(desired: Mapping[str, Any], live: Mapping[str, Any] | None) -> bool:
+    """A Deployment's selector is immutable: one rendered with another selector must be replaced."""
+    if live is None or desired.get("kind") != "Deployment":
+        return False
+    return (live.get("spec") or {}).get("selector") != desired["spec"]["selector"]
+
+
+def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    return any(ref.get("uid") == uid for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
+
+
 @dataclass(frozen=True)
 class Event:
     type: str  # Normal or Warning
@@ -78,37 +118,53 @@ class Reconciler:
         self.options = options
         self.metrics = metrics
 
-    async def _secret_problems(self, spec: s.MineDraftSpec, namespace: str) -> list[status.Problem]:
-        problems = []
-        for field_path, ref in spec.secret_refs():
-            name, keys = (ref.name, [ref.key]) if isinstance(ref, s.SecretKeyRef) else (ref, ["tls.crt", "tls.key"])
-            secret = await self.client.get(SECRETS, namespace, name)
-            if secret is None:
-                problems.append(status.Problem(
-                    "SecretNotFound", f"{field_path}: Secret {name!r} not found in namespace {namespace}"))
-                continue
-            present = set((secret.get("data") or {}).keys()) | set((secret.get("stringData") or {}).keys())
-            missing = [k for k in keys if k not in present]
-            if missing:
-                problems.append(status.Problem(
-                    "SecretKeyNotFound", f"{field_path}: Secret {name!r} has no key {', '.join(missing)}"))
-        return problems
-
     async def apply_all(self, manifests: Sequence[render.Manifest]) -> list[str]:
-        """Apply every manifest whose observed object lacks something desired; return what changed."""
+        """Apply every manifest that changed since it was last applied or drifted; return what changed.
+
+        Each apply is a server-side apply of the full object by one field manager, so fields the MineDraft no longer
+        sets are removed. A Deployment whose selector changed (immutable) is deleted with its ReplicaSets orphaned
+        and created again: the new Deployment adopts the old ReplicaSet (its pods match the new selector) and
+        replaces its pods by a rolling update, so serving never stops.
+        """
         changes = []
-        for manifest in manifests:
+        for manifest in map(with_applied_hash, manifests):
             resource = RESOURCES[manifest["kind"]]
             meta = manifest["metadata"]
             current = await self.client.get(resource, meta["namespace"], meta["name"])
-            if current is not None and is_subset(manifest, current):
+            if not needs_apply(manifest, current) and not selector_changed(manifest, current):
                 self.metrics.applies.labels(kind=manifest["kind"], action="unchanged").inc()
                 continue
             action = "created" if current is None else "updated"
+            if selector_changed(manifest, current):
+                await self.client.delete(resource, meta["namespace"], meta["name"], orphan=True)
+                action = "replaced (selector changed)"
             await self.client.apply(manifest)
-            self.metrics.applies.labels(kind=manifest["kind"], action=action).inc()
+            self.metrics.applies.labels(kind=manifest["kind"], action=action.split(" ")[0]).inc()
             changes.append(f"{manifest['kind']}/{meta['name']} {action}")
         return changes
+
+    async def prune(self, meta: s.ObjectMeta, manifests: Sequence[render.Manifest]) -> list[str]:
+        """Delete what this MineDraft made earlier and no longer wants (gateway turned off, PDB, NetworkPolicy or
+        PodMonitor no longer rendered); only objects it owns."""
+        wanted = {(m["kind"], m["metadata"]["name"]) for m in manifests}
+        deleted = []
+        for kind, name in render.all_kinds_and_names(meta):
+            if (kind, name) in wanted:
+                continue
+            current = await self.client.get(RESOURCES[kind], meta.namespace, name)
+            if current is None or not owned_by(current, meta.uid):
+                continue
+            await self.client.delete(RESOURCES[kind], meta.namespace, name)
+            self.metrics.applies.labels(kind=kind, action="deleted").inc()
+            deleted.append(f"{kind}/{name} deleted")
+        return deleted
+
+    async def _pod_issues(self, meta: s.ObjectMeta) -> tuple[status.PodIssue, ...]:
+        pods = await self.client.list_objects(PODS, meta.namespace, f"minedraft.io/instance={meta.name}")
+        # Filtered here too: the label selector is the API server's job, but be exact about what is ours.
+        ours = [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get("minedraft.io/instance")
+                == meta.name]
+        return tuple(status.pod_issues(ours))
 
     async def reconcile(self, body: Mapping[str, Any]) -> Outcome:
         metadata = body.get("metadata") or {}
@@ -125,11 +181,13 @@ class Reconciler:
             spec = s.parse_spec(body.get("spec"))
         except s.SpecError as exc:
             problems = [status.Problem("InvalidSpec", e) for e in exc.errors]
-        if spec is not None and meta is not None:
-            problems = await self._secret_problems(spec, namespace)
+        # Referenced Secrets are not read: pods name them (secretKeyRef, secret volumes) and the kubelet reports a
+        # missing one, which shows in the Progressing condition (CreateContainerConfigError, FailedMount).
         if spec is not None and meta is not None and not problems:
             try:
-                applied = await self.apply_all(render.render(spec, meta, self.options))
+                manifests = render.render(spec, meta, self.options)
+                applied = await self.apply_all(manifests)
+                applied += await self.prune(meta, manifests)
             except KubeError as exc:
                 self.metrics.errors.labels(reason="ApplyFailed").inc()
                 problems = [status.Problem("ApplyFailed", str(exc))]
@@ -143,7 +201,8 @@ class Reconciler:
                 generation=generation, spec=spec, meta=meta, problems=tuple(problems),
                 engine=status.DeploymentState.from_object(engine),
                 gateway=status.DeploymentState.from_object(gateway),
-                previous_conditions=previous, scaling=old_status.get("scaling"))
+                previous_conditions=previous, scaling=old_status.get("scaling"),
+                pod_issues=await self._pod_issues(meta))
         new_status = status.compute_status(observed, _now())
         events = [Event("Normal", "Applied", change) for change in applied]
         for cond in status.condition_changes(previous, new_status["conditions"]):

@@ -22,8 +22,11 @@ ENGINE_SHUTDOWN_SECONDS = 10
 GATEWAY_GRPC_PORT = 50051
 GATEWAY_METRICS_PORT = 9401
 GATEWAY_GRACE_SECONDS = 20
-# Unprivileged ids baked into the images (docker/*.Dockerfile); pods refuse to run as root.
-RUN_AS_USER = 1000
+# The gRPC health service names (grpc.health.v1): "" answers readiness (engine loaded and not draining; gateway has
+# an engine to route to), LIVENESS_SERVICE answers liveness (the process's event loop answers) from the moment the
+# port is bound until exit, including while loading, draining or with no engine.
+READINESS_SERVICE = ""
+LIVENESS_SERVICE = "minedraft.liveness"
 FIELD_MANAGER = "minedraft-operator"
 MANAGED_BY = "minedraft-operator"
 
@@ -48,6 +51,13 @@ class RenderOptions:
         default_factory=lambda: {"kubernetes.io/metadata.name": "monitoring"})
     prometheus_pod_selector: Mapping[str, str] = field(
         default_factory=lambda: {"app.kubernetes.io/name": "prometheus"})
+    # Where the operator's own pods run (the chart passes its release namespace and pod labels; empty: unknown, so
+    # never let in). An autoscaled MineDraft with no Prometheus to query has its pods' metrics scraped by the
+    # operator itself, which the NetworkPolicies must then allow.
+    operator_namespace_selector: Mapping[str, str] = field(default_factory=dict)
+    operator_pod_selector: Mapping[str, str] = field(default_factory=dict)
+    # The operator has a default Prometheus (--prometheus-url): it never scrapes pods itself.
+    operator_has_prometheus: bool = False
 
 
 def names(meta: s.ObjectMeta) -> dict[str, str]:
@@ -85,12 +95,18 @@ def _metadata(meta: s.ObjectMeta, name: str, component: str) -> dict[str, Any]:
 
 def _container_security() -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]}}
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def _pod_security() -> dict[str, Any]:
-    return {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"}}
+    # No runAsUser/runAsGroup/fsGroup: PodSecurity "restricted" and OpenShift's restricted-v2 pick an arbitrary UID
+    # (and fsGroup) per namespace, and a fixed one is refused there. The images run as a non-root user by default,
+    # every writable path is a volume (emptyDir is world-writable), and HOME and the caches point into them.
+    return {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _grpc_check(port: int, service: str) -> dict[str, Any]:
+    return {"grpc": {"port": port, "service": service}}
 
 
 # -- engine ----------------------------------------------------------------------------------------------------------
@@ -122,18 +138,38 @@ def engine_command(spec: s.MineDraftSpec) -> list[str]:
         "--mode", spec.speculation.mode,
         "--num-speculative-tokens", str(k),
         "--num-extra-draft-tokens", str(spec.speculation.num_extra_draft_tokens),
-        # The device plugin exposes this pod's GPUs as 0..n-1; the target takes the first targetGPUs of them, so
-        # the last one is the drafter's alone.
-        "--drafter-gpu", str(eng.target_gpus),
         "--drafter-backend", eng.drafter_backend,
         "--max-num-seqs", str(eng.max_num_seqs),
-        "--max-model-len", str(eng.max_model_len),
     ]
+    # Flags with the engine's own default (dtype auto, one GPU) are left out, so the command stays as short as what
+    # was asked for.
+    if eng.dtype != s.EngineSpec().dtype:
+        cmd += ["--dtype", eng.dtype]
+    if eng.target_gpus > 1:
+        # The target is tensor parallel over all its GPUs.
+        cmd += ["--tensor-parallel-size", str(eng.target_gpus)]
+    if spec.needs_drafter_gpu:
+        # The device plugin exposes this pod's GPUs as 0..n-1; the target takes the first targetGPUs of them, so
+        # the next one is the drafter's alone.
+        cmd += ["--drafter-gpu", str(eng.target_gpus)]
+    if eng.max_model_len is not None:
+        # Unset: the model's own context length (a fixed default would break models with shorter contexts).
+        cmd += ["--max-model-len", str(eng.max_model_len)]
     if spec.speculation.mode == "auto":
-        # auto mode may lengthen drafts at run time up to this bound (the autoscaling bounds when given).
-        bound = spec.autoscaling.speculation.max_speculative_tokens if spec.autoscaling else k
-        cmd += ["--max-num-speculative-tokens", str(max(k, bound))]
-    return cmd + list(eng.extra_args)
+        # auto mode switches among the allowed modes and draft lengths at run time; the engine is built for the
+        # longest of them.
+        modes = spec.auto_modes
+        k_low, k_high = ((spec.autoscaling.speculation.min_speculative_tokens,
+                          spec.autoscaling.speculation.max_speculative_tokens) if spec.autoscaling else (1, k))
+        cmd += ["--max-num-speculative-tokens", str(max(k, k_high)),
+                "--auto-modes", ",".join(m for m in s.AUTO_MODES if m in modes),
+                "--auto-k", ",".join(str(n) for n in range(k_low, max(k, k_high) + 1))]
+    # Everything else goes to vLLM's own engine arguments, one `--flag=value` word each (vLLM's parser checks them
+    # at start-up; a typo shows in the MineDraft's Progressing condition through the container's termination message).
+    for word in s.split_extra_args(eng.extra_args):
+        own = word.split("=", 1)[0] in s.ENGINE_OWN_EXTRA_FLAGS
+        cmd.append(word if own else f"--vllm-arg={word}")
+    return cmd
 
 
 def _engine_volumes(spec: s.MineDraftSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -162,13 +198,27 @@ def _engine_volumes(spec: s.MineDraftSpec) -> tuple[list[dict[str, Any]], list[d
     return volumes, mounts
 
 
+# Every path a process of the engine writes, each on a volume (the root filesystem is read-only, and with an
+# arbitrary UID there is no home directory in /etc/passwd: HOME must be set).
+WRITABLE_ENV = {
+    "HOME": TMP_DIR,
+    "TMPDIR": TMP_DIR,
+    "XDG_CACHE_HOME": CACHE_DIR,
+    "XDG_CONFIG_HOME": f"{CACHE_DIR}/config",
+    "VLLM_CACHE_ROOT": f"{CACHE_DIR}/vllm",
+    "VLLM_CONFIG_ROOT": f"{CACHE_DIR}/vllm-config",
+    "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_DIR}/torchinductor",
+    "TRITON_CACHE_DIR": f"{CACHE_DIR}/triton",
+    "CUDA_CACHE_PATH": f"{CACHE_DIR}/nv",
+    "NUMBA_CACHE_DIR": f"{CACHE_DIR}/numba",
+    "OUTLINES_CACHE_DIR": f"{CACHE_DIR}/outlines",
+    "HF_HOME": f"{MODEL_CACHE_DIR}/huggingface",
+}
+
+
 def _engine_env(spec: s.MineDraftSpec) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
-        {"name": "HOME", "value": TMP_DIR},
-        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
-        {"name": "VLLM_CACHE_ROOT", "value": f"{CACHE_DIR}/vllm"},
-        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
-        {"name": "HF_HOME", "value": f"{MODEL_CACHE_DIR}/huggingface"},
+        *({"name": k, "value": v} for k, v in WRITABLE_ENV.items()),
         {"name": "VLLM_LOGGING_STREAM", "value": "ext://sys.stderr"},
         # `minedraft serve` reports it as its replica id.
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -177,20 +227,50 @@ def _engine_env(spec: s.MineDraftSpec) -> list[dict[str, Any]]:
     if tokens:
         # One process downloads both models, so one token (the parser rejects two different ones).
         token = sorted(tokens, key=lambda t: (t.name, t.key))[0]
+        # A secretKeyRef: the kubelet reads the Secret, the operator never does.
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}})
-    return env
+    # The user's own variables last: they may override ours (e.g. VLLM_* tuning), knowingly.
+    return env + [dict(e) for e in spec.engine.env]
 
 
-def _grpc_probe(period_seconds: int, failure_threshold: int) -> dict[str, Any]:
-    return {"grpc": {"port": ENGINE_GRPC_PORT}, "periodSeconds": period_seconds,
-            "failureThreshold": failure_threshold, "timeoutSeconds": 5}
+def engine_gpus(spec: s.MineDraftSpec) -> int:
+    """nvidia.com/gpu per engine pod: the target's, plus the drafter's own only for modes that draft on it."""
+    return spec.engine.target_gpus + (spec.engine.drafter_gpus if spec.needs_drafter_gpu else 0)
+
+
+STARTUP_PERIOD_SECONDS = 10
+
+
+def engine_probes(spec: s.MineDraftSpec) -> dict[str, dict[str, Any]]:
+    """The engine container's probes, each asking the question its kind means.
+
+    startup: has the model loaded (readiness service)? Its window is the MineDraft's startupTimeoutSeconds: a load
+    that never finishes is restarted after that long, never sooner. liveness (after startup): does the process's
+    event loop answer (the liveness service, SERVING through busy periods and drains)? Its window outlasts the
+    termination grace period, so neither a slow replica under load nor a long drain is killed; a hung process is.
+    readiness: loaded, engine loop alive and not draining: traffic stops at once on drain.
+    """
+    eng = spec.engine
+    grace = eng.termination_grace_period_seconds
+    return {
+        "startupProbe": {**_grpc_check(ENGINE_GRPC_PORT, READINESS_SERVICE), "periodSeconds": STARTUP_PERIOD_SECONDS,
+                         "failureThreshold": max(1, -(-eng.startup_timeout_seconds // STARTUP_PERIOD_SECONDS)),
+                         "timeoutSeconds": 5},
+        "readinessProbe": {**_grpc_check(ENGINE_GRPC_PORT, READINESS_SERVICE), "periodSeconds": 5,
+                           "failureThreshold": 2, "timeoutSeconds": 5},
+        "livenessProbe": {**_grpc_check(ENGINE_GRPC_PORT, LIVENESS_SERVICE), "periodSeconds": LIVENESS_PERIOD_SECONDS,
+                          "failureThreshold": max(6, -(-grace // LIVENESS_PERIOD_SECONDS) + 1), "timeoutSeconds": 10},
+    }
 
 
 def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
     eng = spec.engine
-    gpus = eng.target_gpus + eng.drafter_gpus
+    gpus = str(engine_gpus(spec))
     volumes, mounts = _engine_volumes(spec)
-    startup_period = 10
+    requests = {"cpu": eng.cpu, "memory": eng.memory, "nvidia.com/gpu": gpus}
+    limits = {"memory": eng.memory, "nvidia.com/gpu": gpus}
+    if eng.ephemeral_storage is not None:
+        requests["ephemeral-storage"] = limits["ephemeral-storage"] = eng.ephemeral_storage
     container = {
         "name": "engine",
         "image": eng.image,
@@ -199,17 +279,11 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         "ports": [{"name": "grpc", "containerPort": ENGINE_GRPC_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": ENGINE_METRICS_PORT, "protocol": "TCP"}],
         "env": _engine_env(spec),
-        "resources": {
-            "requests": {"cpu": eng.cpu, "memory": eng.memory, "nvidia.com/gpu": str(gpus)},
-            "limits": {"memory": eng.memory, "nvidia.com/gpu": str(gpus)},
-        },
-        # Loading weights takes minutes: the startup probe holds liveness off until the health service says SERVING.
-        "startupProbe": _grpc_probe(startup_period, max(1, eng.startup_timeout_seconds // startup_period)),
-        "readinessProbe": _grpc_probe(5, 2),
-        # The health service goes NOT_SERVING while draining on SIGTERM; the liveness window outlasts the whole
-        # termination grace period so a long drain is never cut short by a restart (a hang is still caught).
-        "livenessProbe": _grpc_probe(LIVENESS_PERIOD_SECONDS,
-                                     max(6, -(-eng.termination_grace_period_seconds // LIVENESS_PERIOD_SECONDS) + 1)),
+        "resources": {"requests": requests, "limits": limits},
+        **engine_probes(spec),
+        # A crash (e.g. vLLM refusing an extraArgs flag) leaves its last log lines as the termination message,
+        # which the operator copies into the MineDraft's Progressing condition.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
         "volumeMounts": mounts,
     }
@@ -230,6 +304,10 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         pod_spec["affinity"] = dict(eng.affinity)
     if eng.priority_class_name:
         pod_spec["priorityClassName"] = eng.priority_class_name
+    if eng.runtime_class_name:
+        pod_spec["runtimeClassName"] = eng.runtime_class_name
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
     labels = _labels(meta, "engine")
     return {
         "apiVersion": "apps/v1",
@@ -237,9 +315,9 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         "metadata": _metadata(meta, names(meta)["engine"], "engine"),
         "spec": {
             "replicas": spec.desired_replicas,
-            "selector": {"matchLabels": {"minedraft.io/instance": meta.name},
-                         "matchExpressions": [{"key": "minedraft.io/component", "operator": "In",
-                                               "values": ["engine", "gateway"]}]},
+            # Its own component only (selectors are immutable: the operator replaces a Deployment whose selector
+            # differs from this one).
+            "selector": {"matchLabels": selector_labels(meta, "engine")},
             # A new pod must be ready before an old one goes: rollouts never drop capacity. Without spare GPUs the
             # new pod waits Pending while the old ones keep serving.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
@@ -277,7 +355,25 @@ def engine_pdb(meta: s.ObjectMeta) -> Manifest:
     }
 
 
-def engine_network_policy(meta: s.ObjectMeta, options: RenderOptions) -> Manifest:
+def _metrics_scrapers(spec: s.MineDraftSpec, options: RenderOptions) -> list[dict[str, Any]]:
+    """NetworkPolicy peers that read a MineDraft's metrics ports: Prometheus, and the operator when it scrapes."""
+    peers: list[dict[str, Any]] = [{"namespaceSelector": {"matchLabels": dict(options.prometheus_namespace_selector)},
+                                    "podSelector": {"matchLabels": dict(options.prometheus_pod_selector)}}]
+    operator_scrapes = (spec.autoscaling is not None and not spec.autoscaling.prometheus_address
+                        and not options.operator_has_prometheus)
+    if operator_scrapes and options.operator_namespace_selector and options.operator_pod_selector:
+        peers.append({"namespaceSelector": {"matchLabels": dict(options.operator_namespace_selector)},
+                      "podSelector": {"matchLabels": dict(options.operator_pod_selector)}})
+    return peers
+
+
+def engine_network_policy(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions) -> Manifest:
+    """Only this MineDraft's gateway reaches the engines' gRPC port (every client, when it runs without a gateway);
+    only the metrics scrapers their metrics port. (The kubelet's probes come from the node, which NetworkPolicies
+    always admit.)"""
+    grpc: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": ENGINE_GRPC_PORT}]}
+    if spec.gateway.enabled:
+        grpc = {"from": [{"podSelector": {"matchLabels": selector_labels(meta, "gateway")}}], **grpc}
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -286,11 +382,30 @@ def engine_network_policy(meta: s.ObjectMeta, options: RenderOptions) -> Manifes
             "podSelector": {"matchLabels": selector_labels(meta, "engine")},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [{"podSelector": {"matchLabels": selector_labels(meta, "gateway")}}],
-                 "ports": [{"protocol": "TCP", "port": ENGINE_GRPC_PORT}]},
-                {"from": [{"namespaceSelector": {"matchLabels": dict(options.prometheus_namespace_selector)},
-                           "podSelector": {"matchLabels": dict(options.prometheus_pod_selector)}}],
+                grpc,
+                {"from": _metrics_scrapers(spec, options),
                  "ports": [{"protocol": "TCP", "port": ENGINE_METRICS_PORT}]},
+            ],
+        },
+    }
+
+
+def gateway_network_policy(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions) -> Manifest:
+    """Clients (anywhere) reach every gateway port but metrics; only the metrics scrapers reach that."""
+    container = gateway_deployment(spec, meta)["spec"]["template"]["spec"]["containers"][0]
+    serving = [{"protocol": p["protocol"], "port": p["containerPort"]} for p in container["ports"]
+               if p["name"] != "metrics"]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(meta, names(meta)["gateway"], "gateway"),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(meta, "gateway")},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": serving},
+                {"from": _metrics_scrapers(spec, options),
+                 "ports": [{"protocol": "TCP", "port": GATEWAY_METRICS_PORT}]},
             ],
         },
     }
@@ -338,6 +453,24 @@ def gateway_role_binding(meta: s.ObjectMeta) -> Manifest:
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": meta.namespace}]}
 
 
+def gateway_probes(spec: s.MineDraftSpec) -> dict[str, dict[str, Any]]:
+    """liveness: the process answers (never whether an engine is up: engines load for minutes, and a gateway
+    restarted meanwhile helps nobody); readiness: at least one engine to route to. No startup probe: the gateway
+    binds its port within seconds, well inside the liveness window.
+
+    With TLS on, kubelet gRPC probes cannot do the handshake: liveness becomes a TCP connect (the process accepts
+    connections), and readiness too (a weaker signal: a stream that finds no engine waits for one, bounded).
+    """
+    if spec.gateway.tls_secret_name is not None:
+        live: dict[str, Any] = {"tcpSocket": {"port": GATEWAY_GRPC_PORT}}
+        ready: dict[str, Any] = {"tcpSocket": {"port": GATEWAY_GRPC_PORT}}
+    else:
+        live = _grpc_check(GATEWAY_GRPC_PORT, LIVENESS_SERVICE)
+        ready = _grpc_check(GATEWAY_GRPC_PORT, READINESS_SERVICE)
+    return {"readinessProbe": {**ready, "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 3},
+            "livenessProbe": {**live, "periodSeconds": 10, "failureThreshold": 4, "timeoutSeconds": 5}}
+
+
 def gateway_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
     gw = spec.gateway
     volumes: list[dict[str, Any]] = [
@@ -361,9 +494,6 @@ def gateway_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
     if gw.tls_secret_name is not None:
         volumes.append({"name": "tls", "secret": {"secretName": gw.tls_secret_name, "defaultMode": 0o440}})
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
-    # With TLS on, a kubelet gRPC probe cannot complete the handshake: fall back to a TCP check.
-    check: dict[str, Any] = ({"tcpSocket": {"port": GATEWAY_GRPC_PORT}} if gw.tls_secret_name is not None
-                             else {"grpc": {"port": GATEWAY_GRPC_PORT}})
     container = {
         "name": "gateway",
         "image": gw.image,
@@ -373,8 +503,8 @@ def gateway_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
                   {"name": "metrics", "containerPort": GATEWAY_METRICS_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": TMP_DIR}],
         "resources": {"requests": {"cpu": gw.cpu, "memory": gw.memory}, "limits": {"memory": gw.memory}},
-        "readinessProbe": {**check, "periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 3},
-        "livenessProbe": {**check, "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 3},
+        **gateway_probes(spec),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
         "volumeMounts": mounts,
     }
@@ -396,6 +526,8 @@ def gateway_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
                     "volumes": volumes,
                     "securityContext": _pod_security(),
                     "terminationGracePeriodSeconds": GATEWAY_GRACE_SECONDS + 10,
+                    **({"imagePullSecrets": [{"name": n} for n in spec.image_pull_secrets]}
+                       if spec.image_pull_secrets else {}),
                 },
             },
         },
@@ -414,6 +546,10 @@ def gateway_service(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
                        "appProtocol": "grpc"}],
         },
     }
+
+
+def engine_endpoint(meta: s.ObjectMeta) -> str:
+    return f"{names(meta)['engine']}.{meta.namespace}.svc:{ENGINE_GRPC_PORT}"
 
 
 def gateway_endpoint(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> str:
@@ -438,21 +574,34 @@ def pod_monitor(meta: s.ObjectMeta) -> Manifest:
 def render(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | None = None) -> list[Manifest]:
     """Every object of one MineDraft, in apply order (RBAC before the pods that use it)."""
     options = options or RenderOptions()
-    manifests = [
-        engine_service(meta),
-        engine_deployment(spec, meta),
-        engine_pdb(meta),
-        gateway_service_account(meta),
-        gateway_role(meta),
-        gateway_role_binding(meta),
-        gateway_service(spec, meta),
-        gateway_deployment(spec, meta),
-    ]
+    manifests = [engine_service(meta), engine_deployment(spec, meta)]
+    if spec.engine.pod_disruption_budget:
+        manifests.append(engine_pdb(meta))
+    if spec.gateway.enabled:
+        manifests += [
+            gateway_service_account(meta),
+            gateway_role(meta),
+            gateway_role_binding(meta),
+            gateway_service(spec, meta),
+            gateway_deployment(spec, meta),
+        ]
     if options.network_policy:
-        manifests.append(engine_network_policy(meta, options))
+        manifests.append(engine_network_policy(spec, meta, options))
+        if spec.gateway.enabled:
+            manifests.append(gateway_network_policy(spec, meta, options))
     if options.monitoring:
         manifests.append(pod_monitor(meta))
     return manifests
+
+
+def all_kinds_and_names(meta: s.ObjectMeta) -> list[tuple[str, str]]:
+    """Every (kind, name) the operator may create for one MineDraft under any spec and options: what is not rendered
+    now is deleted (after checking that this MineDraft owns it)."""
+    n = names(meta)
+    return [("Service", n["engine"]), ("Deployment", n["engine"]), ("PodDisruptionBudget", n["engine"]),
+            ("ServiceAccount", n["gateway"]), ("Role", n["gateway"]), ("RoleBinding", n["gateway"]),
+            ("Service", n["gateway"]), ("Deployment", n["gateway"]), ("NetworkPolicy", n["engine"]),
+            ("NetworkPolicy", n["gateway"]), ("PodMonitor", n["monitor"])]
 
 
 def render_resource(resource: Mapping[str, Any], options: RenderOptions | None = None) -> list[Manifest]:

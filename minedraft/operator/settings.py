@@ -33,6 +33,9 @@ class OperatorSettings:
         default_factory=lambda: dict(RenderOptions().prometheus_namespace_selector))
     prometheus_pod_selector: Mapping[str, str] = field(
         default_factory=lambda: dict(RenderOptions().prometheus_pod_selector))
+    # The operator's own namespace and pod labels, so NetworkPolicies let it scrape pods (empty: not let in).
+    operator_namespace_selector: Mapping[str, str] = field(default_factory=dict)
+    operator_pod_selector: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.monitoring not in MONITORING_CHOICES:
@@ -46,7 +49,10 @@ class OperatorSettings:
         monitoring = self.monitoring == "on" or (self.monitoring == "auto" and monitoring_available)
         return RenderOptions(monitoring=monitoring, network_policy=self.network_policy,
                              prometheus_namespace_selector=dict(self.prometheus_namespace_selector),
-                             prometheus_pod_selector=dict(self.prometheus_pod_selector))
+                             prometheus_pod_selector=dict(self.prometheus_pod_selector),
+                             operator_namespace_selector=dict(self.operator_namespace_selector),
+                             operator_pod_selector=dict(self.operator_pod_selector),
+                             operator_has_prometheus=bool(self.prometheus_url))
 
 
 def parse_labels(text: str) -> dict[str, str]:

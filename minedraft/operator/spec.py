@@ -18,7 +18,12 @@ KIND = "MineDraft"
 PLURAL = "minedrafts"
 
 MODES = ("psd", "sd", "ar", "vllm-sd", "auto")
+# The modes `auto` switches between at run time (the engine's --auto-modes); vllm-sd is vLLM's own, fixed at start.
+AUTO_MODES = ("psd", "sd", "ar")
+# Modes whose drafter runs in a process of its own and needs a GPU of its own next to the target's.
+DRAFTER_GPU_MODES = ("psd", "sd")
 DRAFTER_BACKENDS = ("vllm", "torch")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 
@@ -27,9 +32,24 @@ PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 MIN_SPECULATIVE_TOKENS = 1
 MAX_SPECULATIVE_TOKENS = 16
 MAX_EXTRA_DRAFT_TOKENS = 16
-# `minedraft serve` has no tensor parallelism yet: one target GPU (the CRD says so; raise both together).
-MAX_TARGET_GPUS = 1
+# Target GPUs are the target's tensor-parallel size; one node has at most 8 GPUs and the drafter needs one more.
+MAX_TARGET_GPUS = 8
 MAX_REPLICAS = 1000
+# Context length bounds (vLLM's max_model_len): below 16 nothing useful fits; above 2^24 no model has been trained.
+MIN_MODEL_LEN = 16
+MAX_MODEL_LEN = 1 << 24
+# Flags the operator sets itself on `minedraft serve` from the MineDraft's own fields, and vLLM arguments the engine
+# sets or refuses (they break its one-schedule-one-update cycle): extraArgs must not carry them.
+RESERVED_ENGINE_FLAGS = ("--host", "--grpc-port", "--metrics-port", "--grace-seconds", "--model", "--draft", "--mode",
+                         "--num-speculative-tokens", "--num-extra-draft-tokens", "--drafter-gpu", "--drafter-backend",
+                         "--max-num-seqs", "--max-model-len", "--dtype", "--tensor-parallel-size", "-tp",
+                         "--target-gpus", "--max-num-speculative-tokens", "--auto-modes", "--auto-k",
+                         "--speculative-config", "--scheduler-cls", "--pipeline-parallel-size", "-pp",
+                         "--data-parallel-size", "-dp", "--async-scheduling")
+# extraArgs that are `minedraft serve` flags of their own (the engine sets these vLLM arguments itself from them):
+# passed as they are, not as --vllm-arg.
+ENGINE_OWN_EXTRA_FLAGS = ("--gpu-memory-utilization", "--drafter-gpu-memory-utilization", "--seed",
+                          "--draft-deadline-seconds")
 
 # Kept in step with pyproject.toml's version and the Dockerfiles (a test checks all three).
 IMAGE_REPOSITORY = "ghcr.io/minedraft"
@@ -38,8 +58,10 @@ DEFAULT_ENGINE_IMAGE = f"{IMAGE_REPOSITORY}/engine:{IMAGE_TAG}"
 DEFAULT_GATEWAY_IMAGE = f"{IMAGE_REPOSITORY}/gateway:{IMAGE_TAG}"
 
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+# Service names are DNS-1035 labels: a letter first (a Service named "7b-engine" is refused).
+_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 # Room for the longest suffix we add ("-gateway") within a 63-character DNS label (Services need labels).
 MAX_NAME_LENGTH = 63 - len("-gateway")
 
@@ -100,17 +122,25 @@ class EngineSpec:
     cpu: str = "8"
     memory: str = "64Gi"
     shm_size: str = "16Gi"
+    # Node-local scratch (logs, /tmp, compile caches) requested and capped per pod; unset: no request.
+    ephemeral_storage: str | None = None
+    dtype: str = "auto"
     drafter_backend: str = "vllm"
     max_num_seqs: int = 256
-    max_model_len: int = 8192
+    # None: the model's own context length (capped by the KV cache), i.e. no --max-model-len flag.
+    max_model_len: int | None = None
     extra_args: tuple[str, ...] = ()
+    # Extra container environment (core/v1 EnvVar objects, passed through as written).
+    env: tuple[Mapping[str, Any], ...] = ()
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
     affinity: Mapping[str, Any] | None = None
     priority_class_name: str | None = None
+    runtime_class_name: str | None = None
     model_cache: ModelCacheSpec = field(default_factory=ModelCacheSpec)
     termination_grace_period_seconds: int = 120
     startup_timeout_seconds: int = 1800
+    pod_disruption_budget: bool = True
 
 
 @dataclass(frozen=True)
@@ -136,6 +166,7 @@ class AutoscalingSpec:
 
 @dataclass(frozen=True)
 class GatewaySpec:
+    enabled: bool = True
     replicas: int = 2
     image: str = DEFAULT_GATEWAY_IMAGE
     image_pull_policy: str = "IfNotPresent"
@@ -157,15 +188,36 @@ class MineDraftSpec:
     replicas: int | None = None
     autoscaling: AutoscalingSpec | None = None
     gateway: GatewaySpec = field(default_factory=GatewaySpec)
+    # Secrets (by name, in the MineDraft's namespace) the kubelet uses to pull both images.
+    image_pull_secrets: tuple[str, ...] = ()
 
     @property
     def desired_replicas(self) -> int:
-        """Engine replicas to run now: spec.replicas (the /scale target) else the autoscaling floor else 1."""
-        if self.replicas is not None:
-            return self.replicas
+        """Engine replicas to run now: spec.replicas (the /scale target) else the autoscaling floor else 1.
+
+        With autoscaling, spec.replicas is clamped into minReplicas..maxReplicas: a user who narrows the bounds after
+        the autoscaler wrote replicas gets the nearest allowed count at once, not a rejected edit.
+        """
         if self.autoscaling is not None:
-            return self.autoscaling.min_replicas
-        return 1
+            a = self.autoscaling
+            wanted = a.min_replicas if self.replicas is None else self.replicas
+            return min(max(wanted, a.min_replicas), a.max_replicas)
+        return 1 if self.replicas is None else self.replicas
+
+    @property
+    def needs_drafter_gpu(self) -> bool:
+        """Whether the drafter runs on a GPU of its own: psd and sd always; auto when it may pick psd or sd."""
+        mode = self.speculation.mode
+        if mode == "auto":
+            return any(m in DRAFTER_GPU_MODES for m in self.auto_modes)
+        return mode in DRAFTER_GPU_MODES
+
+    @property
+    def auto_modes(self) -> tuple[str, ...]:
+        """The modes auto mode may choose: the autoscaling bounds' allowedModes, else all it knows."""
+        if self.autoscaling is not None:
+            return self.autoscaling.speculation.allowed_modes
+        return AUTO_MODES
 
     def secret_refs(self) -> list[tuple[str, SecretKeyRef | str]]:
         """Every Secret the spec names, with the field that names it (for existence checks and their messages)."""
@@ -295,14 +347,49 @@ def _or(value: int | None, default: int) -> int:
     return default if value is None else value
 
 
+def split_extra_args(args: tuple[str, ...] | list[str]) -> list[str]:
+    """extraArgs as `--flag=value` words: users write vLLM flags either way (`--x 1` or `--x=1`) and each becomes
+    one pass-through argument of the engine (a following word that is not a flag is the flag's value)."""
+    out: list[str] = []
+    for word in args:
+        if out and not word.startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return out
+
+
+def _engine_extra_args(r: _Reader, data: Mapping[str, Any], p: str) -> tuple[str, ...]:
+    extra = data.get("extraArgs", [])
+    if not isinstance(extra, list) or not all(isinstance(a, str) and a for a in extra):
+        r.fail(f"{p}.extraArgs", "must be a list of non-empty strings")
+        return ()
+    for word in split_extra_args(extra):
+        flag = word.split("=", 1)[0]
+        if not flag.startswith("--"):
+            r.fail(f"{p}.extraArgs", f"{word!r} is not a vLLM engine argument (they start with --)")
+        elif flag in RESERVED_ENGINE_FLAGS or flag.replace("_", "-") in RESERVED_ENGINE_FLAGS:
+            r.fail(f"{p}.extraArgs", f"{flag} is set by the operator from the MineDraft's own fields; set that field "
+                                     "instead")
+    return tuple(extra)
+
+
+def _engine_env_vars(r: _Reader, data: Mapping[str, Any], p: str) -> tuple[Mapping[str, Any], ...]:
+    env = data.get("env", [])
+    if not isinstance(env, list) or not all(isinstance(e, Mapping) for e in env):
+        r.fail(f"{p}.env", "must be a list of objects (core/v1 EnvVar)")
+        return ()
+    for index, var in enumerate(env):
+        name = var.get("name")
+        if not isinstance(name, str) or not _ENV_NAME.match(name):
+            r.fail(f"{p}.env[{index}].name", f"must be a C identifier-like environment variable name (got {name!r})")
+    return tuple(dict(e) for e in env)
+
+
 def _engine(r: _Reader, data: Mapping[str, Any]) -> EngineSpec:
     p = "spec.engine"
     d = EngineSpec()
     cache = r.obj(data, "modelCache", p) or {}
-    extra = data.get("extraArgs", [])
-    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
-        r.fail(f"{p}.extraArgs", "must be a list of strings")
-        extra = []
     node_selector = data.get("nodeSelector", {})
     if not isinstance(node_selector, Mapping) or not all(isinstance(v, str) for v in node_selector.values()):
         r.fail(f"{p}.nodeSelector", "must map label names to strings")
@@ -312,6 +399,11 @@ def _engine(r: _Reader, data: Mapping[str, Any]) -> EngineSpec:
         r.fail(f"{p}.tolerations", "must be a list of objects")
         tolerations = []
     drafter_gpus = r.int_(data, "drafterGPUs", p, d.drafter_gpus, 1, 1)
+    pdb = data.get("podDisruptionBudget", d.pod_disruption_budget)
+    if not isinstance(pdb, bool):
+        r.fail(f"{p}.podDisruptionBudget", "must be true or false")
+        pdb = d.pod_disruption_budget
+    ephemeral = data.get("ephemeralStorage")
     return EngineSpec(
         image=r.str_(data, "image", p, default=d.image) or d.image,
         image_pull_policy=r.str_(data, "imagePullPolicy", p, default=d.image_pull_policy,
@@ -321,24 +413,29 @@ def _engine(r: _Reader, data: Mapping[str, Any]) -> EngineSpec:
         cpu=r.quantity(data, "cpu", p, d.cpu),
         memory=r.quantity(data, "memory", p, d.memory),
         shm_size=r.quantity(data, "shmSize", p, d.shm_size),
+        ephemeral_storage=None if ephemeral is None else r.quantity(data, "ephemeralStorage", p, "0"),
+        dtype=r.str_(data, "dtype", p, default=d.dtype, choices=DTYPES) or d.dtype,
         drafter_backend=r.str_(data, "drafterBackend", p, default=d.drafter_backend, choices=DRAFTER_BACKENDS)
         or d.drafter_backend,
         max_num_seqs=_or(r.int_(data, "maxNumSeqs", p, d.max_num_seqs, 1, 65536), d.max_num_seqs),
-        max_model_len=_or(r.int_(data, "maxModelLen", p, d.max_model_len, 16, 10_000_000), d.max_model_len),
-        extra_args=tuple(extra),
+        max_model_len=r.int_(data, "maxModelLen", p, None, MIN_MODEL_LEN, MAX_MODEL_LEN),
+        extra_args=_engine_extra_args(r, data, p),
+        env=_engine_env_vars(r, data, p),
         node_selector=dict(node_selector),
         tolerations=tuple(dict(t) for t in tolerations),
         affinity=r.obj(data, "affinity", p),
         priority_class_name=r.name(data, "priorityClassName", p, required=False),
+        runtime_class_name=r.name(data, "runtimeClassName", p, required=False),
         model_cache=ModelCacheSpec(
             size_limit=r.quantity(cache, "sizeLimit", f"{p}.modelCache", ModelCacheSpec().size_limit),
             claim_name=r.name(cache, "claimName", f"{p}.modelCache", required=False),
         ),
-        termination_grace_period_seconds=r.int_(data, "terminationGracePeriodSeconds", p,
-                                                d.termination_grace_period_seconds, 0, 3600)
-        or d.termination_grace_period_seconds,
+        termination_grace_period_seconds=_or(r.int_(data, "terminationGracePeriodSeconds", p,
+                                                    d.termination_grace_period_seconds, 0, 3600),
+                                             d.termination_grace_period_seconds),
         startup_timeout_seconds=r.int_(data, "startupTimeoutSeconds", p, d.startup_timeout_seconds, 60, 86400)
         or d.startup_timeout_seconds,
+        pod_disruption_budget=pdb,
     )
 
 
@@ -358,8 +455,9 @@ def _autoscaling(r: _Reader, data: Mapping[str, Any] | None) -> AutoscalingSpec 
     spec_bounds = r.obj(data, "speculation", p) or {}
     sp = f"{p}.speculation"
     modes = spec_bounds.get("allowedModes", list(SpeculationBounds().allowed_modes))
-    if not isinstance(modes, list) or not modes or any(m not in MODES for m in modes):
-        r.fail(f"{sp}.allowedModes", f"must be a non-empty list of {', '.join(MODES)}")
+    if not isinstance(modes, list) or not modes or any(m not in AUTO_MODES for m in modes):
+        r.fail(f"{sp}.allowedModes", f"must be a non-empty list of {', '.join(AUTO_MODES)} (the modes auto "
+                                     "switches between)")
         modes = list(SpeculationBounds().allowed_modes)
     k_min = r.int_(spec_bounds, "minSpeculativeTokens", sp, SpeculationBounds().min_speculative_tokens,
                    MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS)
@@ -387,7 +485,12 @@ def _gateway(r: _Reader, data: Mapping[str, Any]) -> GatewaySpec:
     p = "spec.gateway"
     d = GatewaySpec()
     tls = r.obj(data, "tlsSecretRef", p)
+    enabled = data.get("enabled", d.enabled)
+    if not isinstance(enabled, bool):
+        r.fail(f"{p}.enabled", "must be true or false")
+        enabled = d.enabled
     return GatewaySpec(
+        enabled=enabled,
         replicas=_or(r.int_(data, "replicas", p, d.replicas, 0, 100), d.replicas),
         image=r.str_(data, "image", p, default=d.image) or d.image,
         image_pull_policy=r.str_(data, "imagePullPolicy", p, default=d.image_pull_policy,
@@ -417,27 +520,45 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MineDraftSpec:
                MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS)
     extra = r.int_(speculation_data, "numExtraDraftTokens", "spec.speculation", d.num_extra_draft_tokens,
                    0, MAX_EXTRA_DRAFT_TOKENS)
-    if mode in ("ar", "vllm-sd") and extra:
+    if mode not in DRAFTER_GPU_MODES and extra:
         r.fail("spec.speculation.numExtraDraftTokens", f"extra drafts need mode psd or sd (mode is {mode})")
+    if k is not None and extra is not None and k + extra > MAX_SPECULATIVE_TOKENS:
+        r.fail("spec.speculation.numExtraDraftTokens", f"numSpeculativeTokens + numExtraDraftTokens must be at most "
+                                                       f"{MAX_SPECULATIVE_TOKENS} (got {k} + {extra})")
     replicas = r.int_(spec, "replicas", "spec", None, 0, MAX_REPLICAS)
+    # With autoscaling, spec.replicas (written through /scale) is clamped into the bounds (desired_replicas), so
+    # narrowing minReplicas/maxReplicas afterwards is admitted and takes effect at once.
     autoscaling = _autoscaling(r, r.obj(spec, "autoscaling", "spec"))
-    if replicas is not None and autoscaling is not None and not (
-            autoscaling.min_replicas <= replicas <= autoscaling.max_replicas):
-        # Both may be present once the autoscaler has written spec.replicas through /scale; it stays in bounds.
-        r.fail("spec.replicas", f"must lie within autoscaling bounds {autoscaling.min_replicas}.."
-                                f"{autoscaling.max_replicas} when autoscaling is set (got {replicas})")
+    if mode == "auto" and autoscaling is not None:
+        bounds = autoscaling.speculation
+        if k is not None and not bounds.min_speculative_tokens <= k <= bounds.max_speculative_tokens:
+            r.fail("spec.speculation.numSpeculativeTokens",
+                   f"auto mode starts at k within autoscaling.speculation {bounds.min_speculative_tokens}.."
+                   f"{bounds.max_speculative_tokens} (got {k})")
+    elif autoscaling is not None and mode in AUTO_MODES and mode not in autoscaling.speculation.allowed_modes:
+        r.fail("spec.autoscaling.speculation.allowedModes", f"must include the fixed mode {mode} (or use mode auto)")
     tokens = {m.source.hugging_face_token for m in (target, draft) if m.source.hugging_face_token is not None}
     if len(tokens) > 1:
         # One engine process downloads both models with one HF_TOKEN.
         r.fail("spec.draft.source.huggingFace.tokenSecretRef", "must equal the target's tokenSecretRef")
     engine = _engine(r, r.obj(spec, "engine", "spec") or {})
+    if engine.drafter_backend == "torch":
+        # Engine pods always run on GPUs, and the torch drafter runs on CPUs only.
+        r.fail("spec.engine.drafterBackend", "torch is the CPU drafter; engine pods run on GPUs: use vllm")
     gateway = _gateway(r, r.obj(spec, "gateway", "spec") or {})
+    pull_secrets = spec.get("imagePullSecrets", [])
+    if not isinstance(pull_secrets, list) or not all(isinstance(x, Mapping) for x in pull_secrets):
+        r.fail("spec.imagePullSecrets", "must be a list of {name: ...} objects")
+        pull_secrets = []
+    pull_names = tuple(n for i, x in enumerate(pull_secrets)
+                       if (n := r.name(x, "name", f"spec.imagePullSecrets[{i}]")) is not None)
     if r.errors:
         raise SpecError(r.errors)
     return MineDraftSpec(
         target=target, draft=draft,
         speculation=SpeculationSpec(mode, k or d.num_speculative_tokens, extra or 0),
         engine=engine, replicas=replicas, autoscaling=autoscaling, gateway=gateway,
+        image_pull_secrets=pull_names,
     )
 
 
@@ -451,8 +572,9 @@ class ObjectMeta:
     generation: int = 1
 
     def validate(self) -> None:
-        if not _DNS_LABEL.match(self.name) or len(self.name) > MAX_NAME_LENGTH:
-            raise SpecError([f"metadata.name: must be a DNS label of at most {MAX_NAME_LENGTH} characters "
+        if not _DNS_1035.match(self.name) or len(self.name) > MAX_NAME_LENGTH:
+            raise SpecError([f"metadata.name: must be a DNS-1035 label (lower-case letter first) of at most "
+                             f"{MAX_NAME_LENGTH} characters "
                              f"(objects named {self.name}-gateway must fit in 63) (got {self.name!r})"])
 
 

@@ -13,7 +13,13 @@ from typing import Any
 from minedraft.operator import render
 from minedraft.operator import spec as s
 
-CONDITION_ORDER = ("Ready", "EngineReady", "GatewayReady", "ScalingReady", "MetricsAvailable")
+CONDITION_ORDER = ("Ready", "EngineReady", "GatewayReady", "Progressing", "ScalingReady", "MetricsAvailable")
+# Deployment conditions that mean a rollout is stuck (not merely slow).
+_STUCK_DEPLOYMENT = {("Progressing", "False"), ("ReplicaFailure", "True")}
+# Container waiting reasons that mean a pod will not start without a change (not merely ContainerCreating).
+_STUCK_WAITING = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
+                            "CreateContainerError", "CrashLoopBackOff", "RunContainerError"})
+MAX_MESSAGE_CHARS = 400
 
 
 @dataclass(frozen=True)
@@ -25,23 +31,66 @@ class DeploymentState:
     updated_replicas: int
     generation: int
     observed_generation: int
+    # The Deployment's own stuck conditions as (reason, message), e.g. ProgressDeadlineExceeded.
+    stuck: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any] | None) -> DeploymentState | None:
         if obj is None:
             return None
         st = obj.get("status") or {}
+        stuck = tuple((str(c.get("reason") or c.get("type")), str(c.get("message") or ""))
+                      for c in st.get("conditions") or [] if (c.get("type"), c.get("status")) in _STUCK_DEPLOYMENT)
         return cls(
             replicas=int((obj.get("spec") or {}).get("replicas", 1)),
             ready_replicas=int(st.get("readyReplicas") or 0),
             updated_replicas=int(st.get("updatedReplicas") or 0),
             generation=int((obj.get("metadata") or {}).get("generation") or 0),
             observed_generation=int(st.get("observedGeneration") or 0),
+            stuck=stuck,
         )
 
     @property
     def rolled_out(self) -> bool:
         return self.observed_generation >= self.generation and self.updated_replicas >= self.replicas
+
+
+@dataclass(frozen=True)
+class PodIssue:
+    """Why one pod is not running: the scheduler's or the kubelet's reason and message."""
+
+    component: str  # engine | gateway
+    pod: str
+    reason: str
+    message: str
+
+
+def pod_issues(pods: Sequence[Mapping[str, Any]]) -> list[PodIssue]:
+    """What keeps pods from running, from their status: unschedulable, image pulls, config errors, crash loops
+    (with the crashed container's termination message: the engine's last log lines, e.g. a refused vLLM flag)."""
+    issues: list[PodIssue] = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            continue
+        component = str((meta.get("labels") or {}).get("minedraft.io/component", ""))
+        name = str(meta.get("name", ""))
+        st = pod.get("status") or {}
+        for cond in st.get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+                issues.append(PodIssue(component, name, str(cond.get("reason") or "Unschedulable"),
+                                       str(cond.get("message") or "")))
+        for container in st.get("containerStatuses") or []:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            reason = str(waiting.get("reason") or "")
+            if reason not in _STUCK_WAITING:
+                continue
+            message = str(waiting.get("message") or "")
+            terminated = (container.get("lastState") or {}).get("terminated") or {}
+            if terminated.get("message"):
+                message = f"{message}; last exit {terminated.get('exitCode')}: {terminated['message']}".lstrip("; ")
+            issues.append(PodIssue(component, name, reason, message))
+    return issues
 
 
 @dataclass(frozen=True)
@@ -71,6 +120,7 @@ class Observed:
     previous_conditions: Sequence[Mapping[str, Any]] = field(default_factory=tuple)
     # status.scaling as the autoscaler last wrote it (None before its first evaluation or without autoscaling).
     scaling: Mapping[str, Any] | None = None
+    pod_issues: tuple[PodIssue, ...] = ()
 
 
 def _condition(cond_type: str, status: str, reason: str, message: str, generation: int, now: str,
@@ -79,6 +129,23 @@ def _condition(cond_type: str, status: str, reason: str, message: str, generatio
     since = before.get("lastTransitionTime") if before and before.get("status") == status else None
     return {"type": cond_type, "status": status, "reason": reason, "message": message,
             "observedGeneration": generation, "lastTransitionTime": since or now}
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS - 3] + "..."
+
+
+def _progressing(observed: Observed, gateway_enabled: bool) -> tuple[str, str, str]:
+    """Progressing: False with the first stuck reason (Deployment or pod), True while rolling out or done."""
+    states = [("engine", observed.engine)] + ([("gateway", observed.gateway)] if gateway_enabled else [])
+    for what, state in states:
+        for reason, message in state.stuck if state else ():
+            return "False", reason, _short(f"{what} Deployment: {message}")
+    for issue in observed.pod_issues:
+        return "False", issue.reason, _short(f"{issue.component} pod {issue.pod}: {issue.message}")
+    if all(state is not None and state.rolled_out for _, state in states):
+        return "True", "Complete", "every Deployment has rolled out"
+    return "True", "RollingOut", "Deployments are rolling out"
 
 
 def _deployment_condition(state: DeploymentState | None, desired: int, what: str) -> tuple[str, str, str]:
@@ -132,6 +199,7 @@ def compute_status(observed: Observed, now: str) -> dict[str, Any]:
             cond("Ready", "False", problem.reason, message),
             cond("EngineReady", "False", problem.reason, message),
             cond("GatewayReady", "False", problem.reason, message),
+            cond("Progressing", "False", problem.reason, message),
             cond("ScalingReady", "Unknown", problem.reason, "not evaluated while the spec cannot be applied"),
             cond("MetricsAvailable", "Unknown", problem.reason, "not evaluated while the spec cannot be applied"),
         ]
@@ -140,7 +208,12 @@ def compute_status(observed: Observed, now: str) -> dict[str, Any]:
 
     desired = spec.desired_replicas
     engine = cond("EngineReady", *_deployment_condition(observed.engine, desired, "engine"))
-    gateway = cond("GatewayReady", *_deployment_condition(observed.gateway, spec.gateway.replicas, "gateway"))
+    if spec.gateway.enabled:
+        gateway = cond("GatewayReady", *_deployment_condition(observed.gateway, spec.gateway.replicas, "gateway"))
+    else:
+        gateway = cond("GatewayReady", "True", "Disabled", "spec.gateway.enabled is false: clients use the engines' "
+                                                          "Service")
+    progressing = cond("Progressing", *_progressing(observed, spec.gateway.enabled))
     if spec.autoscaling is None:
         scaling = cond("ScalingReady", "True", "FixedReplicas", f"{desired} engine replicas requested")
     else:
@@ -158,7 +231,11 @@ def compute_status(observed: Observed, now: str) -> dict[str, Any]:
     not_ready = [c for c in (engine, gateway) if c["status"] != "True"]
     if not_ready:
         first = not_ready[0]
-        ready = cond("Ready", "False", first["reason"], first["message"])
+        message = first["message"]
+        if progressing["status"] == "False":
+            # Why it is not ready, when something is stuck: e.g. "0/1 engine replicas ready; Unschedulable: ..."
+            message = _short(f"{message}; {progressing['reason']}: {progressing['message']}")
+        ready = cond("Ready", "False", first["reason"], message)
     else:
         ready = cond("Ready", "True", "Serving", "engines and gateway are ready")
     engine_ready = observed.engine.ready_replicas if observed.engine else 0
@@ -170,12 +247,12 @@ def compute_status(observed: Observed, now: str) -> dict[str, Any]:
         phase = "Progressing"
     status.update({
         "phase": phase,
-        "conditions": [ready, engine, gateway, scaling, metrics],
+        "conditions": [ready, engine, gateway, progressing, scaling, metrics],
         "replicas": desired,
         "readyReplicas": engine_ready,
         "ready": f"{engine_ready}/{desired}",
         "selector": render.engine_selector(meta),
-        "endpoint": render.gateway_endpoint(spec, meta),
+        "endpoint": render.gateway_endpoint(spec, meta) if spec.gateway.enabled else render.engine_endpoint(meta),
     })
     if figures is not None and figures.acceptance_rate is not None:
         status["speculation"] = {"acceptanceRate": round(figures.acceptance_rate, 4),

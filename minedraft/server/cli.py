@@ -13,13 +13,16 @@ log = logging.getLogger(__name__)
 
 
 def add_subcommands(sub: Any) -> None:
-    from minedraft.cli import add_engine_arguments
+    from minedraft.engine_options import add_engine_arguments
 
     serve = sub.add_parser("serve", help="serve the gRPC API over a PSD engine replica")
     add_engine_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
     serve.add_argument("--grpc-port", type=int, default=50051)
     serve.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics (0: do not serve)")
+    serve.add_argument("--http-port", type=int, default=0,
+                       help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                            "/ready) on this port (0: do not serve)")
     serve.add_argument("--grace-seconds", type=float, default=20.0,
                        help="on SIGTERM, how long open streams may run before they are cancelled")
     serve.add_argument("--replica-id", default=os.environ.get("POD_NAME"),
@@ -42,8 +45,8 @@ def start_metrics(host: str, port: int) -> Any:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from minedraft.cli import settings_from_args
     from minedraft.engine.async_engine import AsyncEngine
+    from minedraft.engine_options import settings_from_args
     from minedraft.server.app import serve
 
     settings = settings_from_args(args)
@@ -54,4 +57,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
 
     return asyncio.run(serve(lambda: AsyncEngine.create(settings), f"{args.host}:{args.grpc_port}",
-                             args.grace_seconds, args.replica_id, on_started=on_started, registry=registry))
+                             args.grace_seconds, args.replica_id, on_started=on_started, registry=registry,
+                             http_address=(args.host, args.http_port) if args.http_port else None))

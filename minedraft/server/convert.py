@@ -4,23 +4,46 @@ state is touched. No I/O, no gRPC calls: tested directly in tests/unit."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from minedraft.api import pb
 from minedraft.engine.requests import OutputDelta, RequestError, SamplingSettings
 from minedraft.engine.settings import EngineSettings, Mode
 
-# Request ids become vLLM request ids and log fields: keep them bounded.
+# Request ids are echoed in responses and logged: keep them bounded.
 MAX_REQUEST_ID_CHARS = 256
+# Per-request work every step pays on the path all requests share (vLLM checks each stop string against the new text
+# of every step): bounded. OpenAI's API allows 4 stop strings.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+# Bytes per token assumed when the tokenizer's vocabulary cannot be read (an upper bound for common vocabularies).
+FALLBACK_MAX_TOKEN_BYTES = 64
 
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """What a request must fit: the target's vocabulary and context (prompt plus generated tokens)."""
+    """What a request must fit: the target's vocabulary and context (prompt plus generated tokens).
+
+    `max_token_bytes` is the longest token's text in bytes: a text prompt longer than max_model_len of those cannot
+    fit the context whatever it tokenizes to, so it is refused before tokenizing (tokenizing megabytes takes seconds).
+    """
 
     vocab_size: int
     max_model_len: int
+    max_token_bytes: int = FALLBACK_MAX_TOKEN_BYTES
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        return self.max_model_len * self.max_token_bytes
+
+
+def max_token_bytes(vocabulary: Iterable[str]) -> int:
+    """The longest token text in UTF-8 bytes (for byte-level BPE vocabularies an over-estimate: each of their
+    characters stands for one byte but may take two in UTF-8)."""
+    return max((len(token.encode("utf-8", errors="replace")) for token in vocabulary), default=0) or 1
 
 
 @dataclass(frozen=True)
@@ -38,19 +61,36 @@ def _check_token_ids(field_name: str, token_ids: list[int], vocab_size: int) -> 
             raise RequestError(field_name, f"token id {token_id} at position {index} is outside [0, {vocab_size})")
 
 
+# Renders a chat (role, content pairs) into prompt token ids with the model's chat template; raises RequestError
+# naming `messages` when the model has none.
+ChatRenderer = Callable[[list[tuple[str, str]]], list[int]]
+
+
+def _no_chat_template(messages: list[tuple[str, str]]) -> list[int]:
+    raise RequestError("messages", "this model has no chat template: use a text prompt")
+
+
 def prompt_token_ids(request: pb.GenerateRequest, limits: ModelLimits,
-                     tokenize: Callable[[str], list[int]]) -> list[int]:
-    """The prompt as token ids: exactly one of text and token ids, non-empty, in the vocabulary, within the context."""
-    has_text = bool(request.prompt)
-    has_ids = len(request.prompt_token_ids) > 0
-    if has_text and has_ids:
-        raise RequestError("prompt", "set either prompt or prompt_token_ids, not both")
-    if not has_text and not has_ids:
-        raise RequestError("prompt", "is empty: set prompt (text) or prompt_token_ids")
-    field_name = "prompt" if has_text else "prompt_token_ids"
-    token_ids = list(tokenize(request.prompt)) if has_text else list(request.prompt_token_ids)
+                     tokenize: Callable[[str], list[int]], render_chat: ChatRenderer = _no_chat_template) -> list[int]:
+    """The prompt as token ids: exactly one of text, token ids and chat messages, non-empty, in the vocabulary,
+    within the context."""
+    given = [name for name, present in (("prompt", bool(request.prompt)),
+                                        ("prompt_token_ids", len(request.prompt_token_ids) > 0),
+                                        ("messages", len(request.messages) > 0)) if present]
+    if len(given) > 1:
+        raise RequestError(given[0], f"set only one of prompt, prompt_token_ids and messages, not "
+                                     f"{' and '.join(given)}")
+    if not given:
+        raise RequestError("prompt", "is empty: set prompt (text), prompt_token_ids or messages")
+    field_name = given[0]
+    if field_name == "prompt":
+        token_ids = list(tokenize(request.prompt))
+    elif field_name == "messages":
+        token_ids = list(render_chat([(message.role, message.content) for message in request.messages]))
+    else:
+        token_ids = list(request.prompt_token_ids)
     if not token_ids:
-        raise RequestError("prompt", "tokenizes to no tokens")
+        raise RequestError(field_name, "tokenizes to no tokens")
     _check_token_ids(field_name, token_ids, limits.vocab_size)
     if len(token_ids) >= limits.max_model_len:
         raise RequestError(field_name, f"is {len(token_ids)} tokens; the context holds {limits.max_model_len} "
@@ -84,6 +124,7 @@ def sampling_from_proto(params: pb.SamplingParams, num_prompt_tokens: int, limit
     seed = params.seed if params.HasField("seed") else None
     if seed is not None and seed < 0:
         raise RequestError("sampling_params.seed", f"must be >= 0, got {seed}")
+    check_list_sizes(params)
     _check_token_ids("sampling_params.stop_token_ids", list(params.stop_token_ids), limits.vocab_size)
     if any(not s for s in params.stop):
         raise RequestError("sampling_params.stop", "stop strings must be non-empty")
@@ -101,12 +142,47 @@ def sampling_from_proto(params: pb.SamplingParams, num_prompt_tokens: int, limit
     return sampling
 
 
-def prepare_request(request: pb.GenerateRequest, limits: ModelLimits,
-                    tokenize: Callable[[str], list[int]]) -> PreparedRequest:
-    """Every check a Generate request must pass; raises RequestError naming the first bad field."""
+def check_list_sizes(params: pb.SamplingParams) -> None:
+    """Bounds on every list field of SamplingParams (count and element size)."""
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise RequestError("sampling_params.stop", f"has {len(params.stop)} stop strings; at most {MAX_STOP_STRINGS}")
+    for index, stop in enumerate(params.stop):
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            raise RequestError("sampling_params.stop", f"stop string {index} is {len(stop)} characters; at most "
+                                                       f"{MAX_STOP_STRING_CHARS}")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError("sampling_params.stop_token_ids",
+                           f"has {len(params.stop_token_ids)} token ids; at most {MAX_STOP_TOKEN_IDS}")
+
+
+def check_before_tokenizing(request: pb.GenerateRequest, limits: ModelLimits) -> None:
+    """The checks that cost nothing and bound what tokenizing may cost: run them first, on the event loop."""
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise RequestError("request_id", f"is longer than {MAX_REQUEST_ID_CHARS} characters")
-    token_ids = prompt_token_ids(request, limits, tokenize)
+    # A character is at most 4 bytes in UTF-8: only a prompt that may be over the bound is measured.
+    if len(request.prompt) * 4 > limits.max_prompt_bytes:
+        num_bytes = len(request.prompt.encode("utf-8", errors="replace"))
+        if num_bytes > limits.max_prompt_bytes:
+            raise RequestError("prompt", f"is {num_bytes} bytes; a prompt that fits the context of "
+                                         f"{limits.max_model_len} tokens is at most {limits.max_prompt_bytes} bytes")
+    # A chat is bounded like a text prompt: its contents' bytes (the template adds a few per message).
+    if request.messages:
+        num_bytes = sum(len(m.content.encode("utf-8", errors="replace")) + len(m.role) for m in request.messages)
+        if num_bytes > limits.max_prompt_bytes:
+            raise RequestError("messages", f"are {num_bytes} bytes; a chat that fits the context of "
+                                           f"{limits.max_model_len} tokens is at most {limits.max_prompt_bytes} bytes")
+    if len(request.prompt_token_ids) >= limits.max_model_len:
+        raise RequestError("prompt_token_ids", f"is {len(request.prompt_token_ids)} tokens; the context holds "
+                                               f"{limits.max_model_len} including at least one generated token")
+    check_list_sizes(request.sampling_params)
+
+
+def prepare_request(request: pb.GenerateRequest, limits: ModelLimits,
+                    tokenize: Callable[[str], list[int]],
+                    render_chat: ChatRenderer = _no_chat_template) -> PreparedRequest:
+    """Every check a Generate request must pass; raises RequestError naming the first bad field."""
+    check_before_tokenizing(request, limits)
+    token_ids = prompt_token_ids(request, limits, tokenize, render_chat)
     sampling = sampling_from_proto(request.sampling_params, len(token_ids), limits)
     return PreparedRequest(request.request_id or None, token_ids, sampling)
 
@@ -134,3 +210,20 @@ def model_info(settings: EngineSettings, vocab_size: int) -> pb.GetModelInfoResp
         num_extra_draft_tokens=settings.num_extra_draft_tokens if uses_draft else 0,
         max_num_seqs=settings.max_num_seqs,
     )
+
+
+def chat_renderer(tokenizer: Any) -> ChatRenderer:
+    """The target tokenizer's chat template as a ChatRenderer (transformers' apply_chat_template, then the tokenizer
+    on the rendered text without special tokens, as vLLM's OpenAI server does: the template places those)."""
+
+    def render(messages: list[tuple[str, str]]) -> list[int]:
+        if not getattr(tokenizer, "chat_template", None):
+            _no_chat_template(messages)
+        conversation = [{"role": role, "content": content} for role, content in messages]
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # the template's own checks (a role it does not know, an order it forbids)
+            raise RequestError("messages", f"the model's chat template rejected them: {exc}") from exc
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    return render

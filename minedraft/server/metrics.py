@@ -55,6 +55,8 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 SUBBATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+# The APIs a request can arrive through (the `protocol` label of the request families).
+PROTOCOLS = ("grpc", "http")
 
 
 @dataclass(frozen=True)
@@ -279,63 +281,66 @@ class StepMetrics:
 
 
 class RequestMetrics:
-    """Per-request latency and outcome, observed on the Generate streams."""
+    """Per-request latency and outcome, observed on the Generate streams of both APIs (`protocol`: grpc or http)."""
 
     def __init__(self, registry: CollectorRegistry | None, model: str) -> None:
         self.model = model
+        labels = ["model", "protocol"]
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
-                              "From the request's arrival at the server to its first generated token.", ["model"],
+                              "From the request's arrival at the server to its first generated token.", labels,
                               buckets=TTFT_BUCKETS, registry=registry)
         self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds",
-                              "Per request: (last token time - first token time) / (output tokens - 1).", ["model"],
+                              "Per request: (last token time - first token time) / (output tokens - 1).", labels,
                               buckets=TPOT_BUCKETS, registry=registry)
         self.e2e = Histogram(f"{PREFIX}_request_duration_seconds",
-                             "From the request's arrival at the server to its end.", ["model"],
+                             "From the request's arrival at the server to its end.", labels,
                              buckets=E2E_BUCKETS, registry=registry)
         self.finished = Counter(f"{PREFIX}_requests_finished",
                                 "Requests ended, by finish reason (stop, length, abort: aborted by the client or a "
-                                "deadline, error: the engine failed).", ["model", "finish_reason"], registry=registry)
+                                "deadline, error: the engine failed).", [*labels, "finish_reason"], registry=registry)
         self.aborted = Counter(f"{PREFIX}_requests_aborted", "Requests aborted before they finished (client cancel, "
-                                                             "deadline, drain).", ["model"], registry=registry)
-        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of admitted requests.", ["model"],
+                                                             "deadline, drain).", labels, registry=registry)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of admitted requests.", labels,
                                      registry=registry)
         self.streamed_tokens = Counter(f"{PREFIX}_streamed_tokens", "Generated tokens streamed to clients (every "
-                                                                    "mode).", ["model"], registry=registry)
-        for metric in (self.ttft, self.tpot, self.e2e, self.aborted, self.prompt_tokens, self.streamed_tokens):
-            metric.labels(model)
-        for reason in ("stop", "length", "abort", "error"):
-            self.finished.labels(model, reason)
+                                                                    "mode).", labels, registry=registry)
+        for protocol in PROTOCOLS:
+            for metric in (self.ttft, self.tpot, self.e2e, self.aborted, self.prompt_tokens, self.streamed_tokens):
+                metric.labels(model, protocol)
+            for reason in ("stop", "length", "abort", "error"):
+                self.finished.labels(model, protocol, reason)
 
-    def record(self, outcome: RequestOutcome) -> None:
+    def record(self, outcome: RequestOutcome, protocol: str = "grpc") -> None:
         """Count one ended request (pure apart from the metric objects)."""
         model = self.model
-        self.finished.labels(model, outcome.finish_reason).inc()
+        self.finished.labels(model, protocol, outcome.finish_reason).inc()
         if outcome.finish_reason == "abort":
-            self.aborted.labels(model).inc()
-        self.e2e.labels(model).observe(outcome.duration_seconds)
+            self.aborted.labels(model, protocol).inc()
+        self.e2e.labels(model, protocol).observe(outcome.duration_seconds)
         if outcome.first_token_seconds is not None:
-            self.ttft.labels(model).observe(outcome.first_token_seconds)
+            self.ttft.labels(model, protocol).observe(outcome.first_token_seconds)
         tpot = outcome.time_per_output_token_seconds
         if tpot is not None:
-            self.tpot.labels(model).observe(tpot)
+            self.tpot.labels(model, protocol).observe(tpot)
 
-    async def observe(self, stream: AsyncIterator[OutputDelta],
-                      num_prompt_tokens: int) -> AsyncGenerator[OutputDelta, None]:
+    async def observe(self, stream: AsyncIterator[OutputDelta], num_prompt_tokens: int,
+                      protocol: str = "grpc") -> AsyncGenerator[OutputDelta, None]:
         """Pass a request's deltas through, timing them. Closing this iterator closes (and so aborts) `stream`."""
-        self.prompt_tokens.labels(self.model).inc(num_prompt_tokens)
+        self.prompt_tokens.labels(self.model, protocol).inc(num_prompt_tokens)
+        streamed = self.streamed_tokens.labels(self.model, protocol)
         timer = RequestTimer(time.perf_counter())
         try:
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 async for delta in stream:
                     timer.delta(time.perf_counter(), len(delta.token_ids), delta.finish_reason)
                     if delta.token_ids:
-                        self.streamed_tokens.labels(self.model).inc(len(delta.token_ids))
+                        streamed.inc(len(delta.token_ids))
                     yield delta
         except (EngineDeadError, ValueError):
             timer.error = True
             raise
         finally:
-            self.record(timer.outcome(time.perf_counter()))
+            self.record(timer.outcome(time.perf_counter()), protocol)
 
 
 @dataclass(frozen=True)

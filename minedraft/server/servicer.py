@@ -7,6 +7,7 @@ import contextlib
 import logging
 import socket
 import time
+import uuid
 from collections.abc import AsyncIterator
 from enum import StrEnum
 from typing import Any, NoReturn
@@ -15,9 +16,19 @@ import grpc
 
 from minedraft import __version__
 from minedraft.api import pb, pb_grpc
+from minedraft.api.grpc_policy import reject_undecodable
 from minedraft.engine.async_engine import AsyncEngine
 from minedraft.engine.requests import EngineDeadError, RequestError
-from minedraft.server.convert import ModelLimits, model_info, prepare_request, response_from_delta
+from minedraft.server.convert import (
+    ModelLimits,
+    PreparedRequest,
+    chat_renderer,
+    check_before_tokenizing,
+    max_token_bytes,
+    model_info,
+    prepare_request,
+    response_from_delta,
+)
 from minedraft.server.metrics import RequestMetrics
 
 log = logging.getLogger(__name__)
@@ -43,6 +54,28 @@ def engine_vocab_size(engine: AsyncEngine) -> int:
     return engine.engine.vocab_size
 
 
+def engine_limits(engine: AsyncEngine) -> ModelLimits:
+    tokenizer = engine.engine.tokenizer
+    try:
+        longest = max_token_bytes(tokenizer.get_vocab())
+    except Exception:  # a tokenizer without a readable vocabulary: the conservative default bound
+        log.warning("cannot read the tokenizer's vocabulary; prompts bounded at the default bytes per token")
+        return ModelLimits(vocab_size=engine_vocab_size(engine), max_model_len=engine.settings.max_model_len)
+    return ModelLimits(vocab_size=engine_vocab_size(engine), max_model_len=engine.settings.max_model_len,
+                       max_token_bytes=longest)
+
+
+class _OpenStream:
+    """A Generate stream in progress: its task (to cut it at the end of a drain) and how far it got."""
+
+    __slots__ = ("cut", "task", "tokens_sent")
+
+    def __init__(self, task: asyncio.Task[Any] | None) -> None:
+        self.task = task
+        self.tokens_sent = 0
+        self.cut = False
+
+
 class EngineService:
     """What the servicer and the server's lifecycle share: the engine (once loaded), state and open streams."""
 
@@ -53,6 +86,7 @@ class EngineService:
         self.limits: ModelLimits | None = None
         self.started_monotonic = time.monotonic()
         self.num_active_streams = 0
+        self.open_streams: set[_OpenStream] = set()
         # Set whenever no Generate stream is open (drain waits on it).
         self.idle = asyncio.Event()
         self.idle.set()
@@ -61,8 +95,15 @@ class EngineService:
 
     def attach(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        self.limits = ModelLimits(vocab_size=engine_vocab_size(engine), max_model_len=engine.settings.max_model_len)
+        self.limits = engine_limits(engine)
         self.state = ServerState.SERVING
+
+    def cut_all(self) -> None:
+        """End every open stream now with UNAVAILABLE and its token count (the end of a drain's grace period)."""
+        for stream in list(self.open_streams):
+            if stream.task is not None and not stream.cut:
+                stream.cut = True
+                stream.task.cancel()
 
     def stream_opened(self) -> None:
         self.num_active_streams += 1
@@ -88,37 +129,72 @@ class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        await reject_undecodable(request, context, "minedraft.v1.GenerateRequest")
         engine, limits = await self._serving_engine(context)
         tokenizer = engine.engine.tokenizer
         try:
-            # Tokenizing reads the tokenizer only; nothing reaches the engine until every check has passed.
-            prepared = prepare_request(request, limits, lambda text: list(tokenizer.encode(text)))
+            # Cheap checks first, on the loop: they bound what tokenizing may cost. Tokenizing runs in a thread so
+            # a long prompt does not stall every other stream and the health service. Nothing reaches the engine
+            # until every check has passed.
+            check_before_tokenizing(request, limits)
+            prepared: PreparedRequest
+            if request.prompt or request.messages:
+                prepared = await asyncio.to_thread(prepare_request, request, limits,
+                                                   lambda text: list(tokenizer.encode(text)),
+                                                   chat_renderer(tokenizer))
+            else:
+                prepared = prepare_request(request, limits, lambda text: [])
         except RequestError as exc:
             await abort_invalid(context, exc)
-        self._service.stream_opened()
+        # The engine's id is this stream's own, whatever the client sent: ids in flight are not shared between
+        # callers (a reused or guessed id can neither fail nor reveal another caller's request). The client's id is
+        # what its responses carry.
+        engine_request_id = uuid.uuid4().hex
+        response_id = prepared.request_id or engine_request_id
+        if prepared.request_id:
+            log.debug("request %r runs as %s", prepared.request_id, engine_request_id)
+        service = self._service
+        service.stream_opened()
+        open_stream = _OpenStream(asyncio.current_task())
+        service.open_streams.add(open_stream)
         try:
-            stream = engine.generate(prepared.prompt_token_ids, prepared.sampling, prepared.request_id)
-            if self._service.request_metrics is not None:
-                stream = self._service.request_metrics.observe(stream, len(prepared.prompt_token_ids))
+            stream = engine.generate(prepared.prompt_token_ids, prepared.sampling, engine_request_id)
+            if service.request_metrics is not None:
+                stream = service.request_metrics.observe(stream, len(prepared.prompt_token_ids))
             # aclosing: a cancelled RPC (client cancel, disconnect, deadline) closes the stream, which aborts the
             # request in the engine.
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 async for delta in stream:
-                    yield response_from_delta(delta)
-        except RequestError as exc:  # e.g. a request id already in flight
+                    response = response_from_delta(delta)
+                    response.request_id = response_id
+                    open_stream.tokens_sent += len(delta.token_ids)
+                    yield response
+        except RequestError as exc:
             await abort_invalid(context, exc)
         except EngineDeadError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica {self._service.replica_id}: {exc}")
+            log.error("engine dead: %s", exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica {service.replica_id}: the engine is not running")
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not open_stream.cut or task is None or task.uncancel() > 0:
+                raise
+            # Cut by the drain (the caller is still there): tell it why and how far it got.
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"replica {service.replica_id} shutting down: stream cut at the end of the drain "
+                                f"grace period after {open_stream.tokens_sent} tokens")
         finally:
-            self._service.stream_closed()
+            service.open_streams.discard(open_stream)
+            service.stream_closed()
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        await reject_undecodable(request, context, "minedraft.v1.GetModelInfoRequest")
         engine, limits = await self._serving_engine(context)
         return model_info(engine.settings, limits.vocab_size)
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
+        await reject_undecodable(request, context, "minedraft.v1.GetServerInfoRequest")
         service = self._service
         running = waiting = 0
         if service.engine is not None and service.state is ServerState.SERVING:

@@ -19,16 +19,24 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from minedraft import __version__
 from minedraft.api import SERVICE_NAME, pb, pb_grpc
+from minedraft.api.grpc_policy import (
+    LIVENESS_SERVICE,
+    SERVER_OPTIONS,
+    add_generation_servicer,
+    enable_reflection,
+    reject_undecodable,
+)
 
 VOCAB_SIZE = 2048
 MAX_MODEL_LEN = 4096
 DEFAULT_MAX_TOKENS = 16
-# Request metadata that sets this stream's seconds between tokens.
-INTERVAL_METADATA_KEY = "fake-token-interval-seconds"
+# Request metadata that sets this stream's seconds between tokens (a `minedraft-` key: the gateway forwards those).
+INTERVAL_METADATA_KEY = "minedraft-fake-token-interval-seconds"
+# Request metadata that makes this stream hang before its first token (a stream stuck in an engine's queue).
+HANG_METADATA_KEY = "minedraft-fake-hang-before-first-token"
 
 
 @dataclass
@@ -41,6 +49,11 @@ class FakeBehaviour:
     fail_after_tokens: int | None = None
     # Put time.perf_counter_ns() at send time into each response's text.
     stamp_text: bool = False
+    # A request with this prompt crashes the handler (gRPC answers UNKNOWN): an error the request caused.
+    poison_prompt: str | None = None
+    # Hang (send nothing, keep the stream open) before the first token, or after this many tokens.
+    hang_before_first_token: bool = False
+    hang_after_tokens: int | None = None
 
 
 @dataclass
@@ -53,6 +66,8 @@ class FakeRecord:
     # Every request as received (to check what the gateway forwards: deadlines, sampling params).
     requests: list[pb.GenerateRequest] = field(default_factory=list)
     deadlines_seconds: list[float | None] = field(default_factory=list)
+    # Every request's metadata as received (to check what the gateway forwards).
+    metadata: list[tuple[tuple[str, str | bytes], ...]] = field(default_factory=list)
 
 
 def fake_token_ids(request: pb.GenerateRequest, count: int) -> list[int]:
@@ -71,6 +86,7 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        await reject_undecodable(request, context, "minedraft.v1.GenerateRequest")
         params = request.sampling_params
         if params.HasField("max_tokens") and params.max_tokens <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -79,16 +95,23 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
         request_id = request.request_id or f"fake-{self.replica_id}-{next(self._ids)}"
         self.record.requests.append(request)
         self.record.deadlines_seconds.append(context.time_remaining())
+        self.record.metadata.append(tuple(context.invocation_metadata() or ()))
         behaviour = self.behaviour
+        if behaviour.poison_prompt is not None and request.prompt == behaviour.poison_prompt:
+            self.record.failed.append(request_id)
+            raise RuntimeError(f"fake replica {self.replica_id} crashed on a poison request")
         if behaviour.fail_before_first_token:
             self.record.failed.append(request_id)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"fake replica {self.replica_id} is going away")
         self.record.started.append(request_id)
         count = params.max_tokens if params.HasField("max_tokens") else DEFAULT_MAX_TOKENS
         interval_seconds = behaviour.token_interval_seconds
+        hang_first = behaviour.hang_before_first_token
         for key, value in context.invocation_metadata() or ():
             if key == INTERVAL_METADATA_KEY:  # per-request rate (the benchmark varies it; the gateway forwards it)
                 interval_seconds = float(value)
+            elif key == HANG_METADATA_KEY and value in ("1", self.replica_id):  # all replicas, or only this one
+                hang_first = True
         token_ids = fake_token_ids(request, count)
         self.num_active_streams += 1
         finished = False
@@ -98,6 +121,8 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
                     self.record.failed.append(request_id)
                     finished = True
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"fake replica {self.replica_id} died")
+                if (hang_first and index == 0) or index == behaviour.hang_after_tokens:
+                    await asyncio.Event().wait()  # until the caller goes away
                 if interval_seconds:
                     await asyncio.sleep(interval_seconds)
                 last = index == len(token_ids) - 1
@@ -137,13 +162,12 @@ class FakeEngineServer:
         self.servicer = FakeGenerationServicer(replica_id, self.behaviour, self.record)
         self.health = health.aio.HealthServicer()
         # Bursts of thousands of new streams (the benchmark): past core's default of 1000 calls waiting to be
-        # accepted, it cancels the rest.
-        self.server = grpc.aio.server(options=(("grpc.so_reuseport", 0), ("grpc.server.max_pending_requests", 100_000),
+        # accepted, it cancels the rest. Keepalive: the product's one policy (the gateway's pings are welcome).
+        self.server = grpc.aio.server(options=(*SERVER_OPTIONS, ("grpc.server.max_pending_requests", 100_000),
                                                ("grpc.server.max_pending_requests_hard_limit", 100_000)))
-        pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        add_generation_servicer(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME),
-                                            self.server)
+        enable_reflection(self.server, (SERVICE_NAME, "grpc.health.v1.Health"))
         self.port = 0
 
     @property
@@ -152,6 +176,7 @@ class FakeEngineServer:
 
     async def start(self, port: int = 0) -> FakeEngineServer:
         self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.set_serving(True)
         await self.server.start()
         return self
@@ -167,7 +192,8 @@ class FakeEngineServer:
 
 async def _main(args: argparse.Namespace) -> None:
     server = FakeEngineServer(args.replica_id, FakeBehaviour(token_interval_seconds=args.token_interval_seconds,
-                                                             stamp_text=args.stamp_text))
+                                                             stamp_text=args.stamp_text,
+                                                             poison_prompt=args.poison_prompt))
     await server.start(args.port)
     print(f"fake engine on {server.address}", file=sys.stderr, flush=True)
     await server.server.wait_for_termination()
@@ -179,5 +205,6 @@ if __name__ == "__main__":
     parser.add_argument("--replica-id", default="fake")
     parser.add_argument("--token-interval-seconds", type=float, default=0.01)
     parser.add_argument("--stamp-text", action="store_true")
+    parser.add_argument("--poison-prompt", help="a request with this prompt crashes the handler (UNKNOWN)")
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_main(parser.parse_args()))

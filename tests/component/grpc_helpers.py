@@ -25,12 +25,12 @@ async def wait_for(predicate: Callable[[], bool], timeout_seconds: float = 10.0,
 
 
 async def health_status(target: str, service: str = SERVICE_NAME,
-                        credentials: grpc.ChannelCredentials | None = None) -> int:
+                        credentials: grpc.ChannelCredentials | None = None, timeout_seconds: float = 5) -> int:
     channel = (grpc.aio.secure_channel(target, credentials) if credentials is not None
                else grpc.aio.insecure_channel(target))
     async with channel:
         response = await health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=5)
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout_seconds)
         return int(response.status)
 
 

@@ -3,8 +3,11 @@
 kmock 0.8's KubernetesEmulator stores objects and serves list/watch/get, but (design.md §4) sets no uid,
 resourceVersion or generation (kopf's JSON-patch `test` on resourceVersion then fails), ignores the URL's namespace,
 has no PUT, no server-side apply, no /status or /scale separation, reports core's groupVersion as "/v1" and omits
-`kind` in lists. This subclass adds those. Still not emulated (tests assert on requests instead): garbage collection
-through owner references, real server-side apply field ownership, strategic merge, label selectors, admission.
+`kind` in lists. This subclass adds those, plus bearer-token checks (accepted_tokens) and ending open watches (as an
+API server does at its request timeout). Server-side apply is emulated as a replace of everything but status: right
+for one field manager applying full objects (the operator), wrong where several managers share an object. Still not
+emulated (tests assert on requests instead): garbage collection through owner references, real server-side apply
+field ownership, strategic merge, label selectors, admission.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ class KubeEmulator(KubernetesEmulator):
     _versions: Any = attrs.field(factory=lambda: itertools.count(1000), init=False)
     # kmock says 1.26; by default report the version the manifests are validated against (the chart needs >= 1.30).
     server_minor: int = 34
+    # When set, only requests bearing one of these tokens are served (others get 401), as with bound tokens that
+    # expire; None serves everyone.
+    accepted_tokens: set[str] | None = None
+    _watch_epoch: int = attrs.field(default=0, init=False)
 
     # -- plumbing ------------------------------------------------------------------------------------------------
 
@@ -142,6 +149,12 @@ class KubeEmulator(KubernetesEmulator):
             if content_type == APPLY_PATCH and not status_only:
                 return await self._create(attrs.evolve(request, name=None), request.data)
             raise KubernetesObjectNotFoundError()
+        if content_type == APPLY_PATCH and not status_only:
+            # One field manager applying its full object: what it no longer sets goes (see the module docstring).
+            new = copy.deepcopy(request.data or {})
+            if "status" in old:
+                new["status"] = old["status"]
+            return await self._update(request, old, new, status_only)
         try:
             if isinstance(request.data, list):
                 new = dict(dicts.json_patch_dict(old, request.data))
@@ -194,7 +207,27 @@ class KubeEmulator(KubernetesEmulator):
 
     # -- entry point ---------------------------------------------------------------------------------------------
 
+    async def end_watches(self, namespace: str) -> None:
+        """End every open watch stream in a namespace (an API server ends each at its request timeout); clients
+        then list again, with whatever credentials they hold by then."""
+        self._watch_epoch += 1
+        for bus in list(self._buses.values()):
+            # Wakes the streams up; they see the new epoch and end without sending this event.
+            await bus.put({"type": "BOOKMARK", "object": {"metadata": {"namespace": namespace, "name": "",
+                                                                       "resourceVersion": "0"}}})
+
+    async def _serve_watch(self, request: rendering.Request) -> Any:
+        epoch = self._watch_epoch
+        async for item in super()._serve_watch(request):
+            if self._watch_epoch != epoch:
+                return
+            yield item
+
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        if self.accepted_tokens is not None:
+            auth = request.headers.get("Authorization") or ""
+            if auth.removeprefix("Bearer ").strip() not in self.accepted_tokens:
+                raise KubernetesError(status=401, reason="Unauthorized", message="Unauthorized")
         if request.resource is None or request.resource.plural is None:
             return await super()._handle(request)
         method = request.method.upper()

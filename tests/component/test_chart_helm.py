@@ -4,6 +4,7 @@ schemas with kubernetes-validate (strict: unknown fields fail)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from minedraft.operator.crd import crd
+from minedraft.operator.crd import CRD_FILE, CRD_NAME, crd
 from minedraft.operator.kube import PERMISSIONS
 
 pytest.importorskip("helm_sdkpy", reason="helm-sdkpy is installed by scripts/setup.sh")
@@ -28,14 +29,30 @@ NAMESPACE = "minedraft-system"
 CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule"}
 
 
-def helm_render(values: dict[str, Any], chart: Path = CHART) -> dict[str, Any]:
+def helm_run(values: dict[str, Any], chart: Path = CHART, **options: Any) -> subprocess.CompletedProcess[str]:
+    """helm install (and, with upgrade=..., upgrade) into a fresh emulator; options: see helm_render.py."""
     env = {**os.environ, "HELM_DRIVER": "memory"}  # read by Helm's library when it loads: hence a subprocess
-    result = subprocess.run([sys.executable, "-m", "tests.component.helm_render", str(chart), json.dumps(values),
-                             NAMESPACE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout)
-    out["docs"] = [d for d in yaml.safe_load_all(out["manifest"]) if d]
-    return out
+    return subprocess.run([sys.executable, "-m", "tests.component.helm_render", str(chart), json.dumps(values),
+                           NAMESPACE, json.dumps(options)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+_RENDERED: dict[str, dict[str, Any]] = {}
+
+
+def helm_render(values: dict[str, Any], chart: Path = CHART, **options: Any) -> dict[str, Any]:
+    """The install's output plus its parsed `docs`; the repository's chart is rendered once per values/options (each
+    render is a Helm run in a subprocess: seconds)."""
+    key = json.dumps([values, options], sort_keys=True)
+    if chart != CHART or key not in _RENDERED:
+        result = helm_run(values, chart, **options)
+        assert result.returncode == 0, result.stderr[-3000:]
+        out: dict[str, Any] = json.loads(result.stdout)
+        out["docs"] = [d for d in yaml.safe_load_all(out["manifest"]) if d]
+        if chart != CHART:
+            return out
+        _RENDERED[key] = out
+    return copy.deepcopy(_RENDERED[key])
 
 
 def validate_all(docs: list[dict[str, Any]]) -> None:
@@ -72,7 +89,8 @@ def test_chart_renders_valid_kubernetes_objects(values: dict[str, Any]) -> None:
     validate_all(out["docs"])
     kinds = sorted(d["kind"] for d in out["docs"])
     assert "Deployment" in kinds and "ServiceAccount" in kinds
-    # The CRD from crds/ went in first and is exactly the generated one.
+    # The CRD is a template (so upgrades apply it) and exactly the generated one.
+    assert [d["metadata"]["name"] for d in out["docs"] if d["kind"] == "CustomResourceDefinition"] == [CRD_NAME]
     assert len(out["crds"]) == 1
     assert out["crds"][0]["spec"] == crd()["spec"]
     assert "kubectl get md" in out["notes"]
@@ -101,6 +119,10 @@ def test_rbac_is_exactly_what_the_operator_uses() -> None:
                         granted.setdefault((group, resource), set()).update(rule["verbs"])
             assert granted == {k: set(v) for k, v in PERMISSIONS.items()}
             assert not any("*" in v for verbs in granted.values() for v in verbs)
+            # Owned objects carry blockOwnerDeletion: OwnerReferencesPermissionEnforcement (OpenShift) then needs
+            # update on the owner's finalizers. Secrets: pods reference them, the operator never reads one.
+            assert "update" in granted[("minedraft.io", "minedrafts/finalizers")]
+            assert ("", "secrets") not in granted
 
 
 def test_operator_deployment_is_locked_down_and_wired() -> None:
@@ -111,7 +133,9 @@ def test_operator_deployment_is_locked_down_and_wired() -> None:
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+                                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]},
+                                            "seccompProfile": {"type": "RuntimeDefault"}}
+    assert "runAsUser" not in pod["securityContext"]  # arbitrary UIDs (restricted-v2) must be accepted
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert container["image"] == f"ghcr.io/minedraft/operator:{chart['appVersion']}"
@@ -172,3 +196,108 @@ def test_chart_refuses_clusters_older_than_its_crd_needs() -> None:
     result = subprocess.run([sys.executable, "-m", "tests.component.helm_render", str(CHART), "{}", NAMESPACE],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "kubeVersion" in result.stderr, result.stderr[-2000:]
+
+
+def _monitoring_kinds(docs: list[dict[str, Any]]) -> list[str]:
+    return sorted(d["kind"] for d in docs if d["apiVersion"].startswith("monitoring.coreos.com/"))
+
+
+def test_default_install_succeeds_on_a_cluster_without_the_prometheus_operator() -> None:
+    """A plain cluster serves no monitoring.coreos.com/v1: creating a PrometheusRule there fails the whole install
+    ("no matches for kind"), so by default the chart renders none; where the API is served, the rules ship."""
+    assert list((ROOT / "dashboards").glob("*.rules.yaml")), "the repository ships alert rules"
+    plain = helm_render({}, monitoring=False)
+    assert _monitoring_kinds(plain["docs"]) == []
+    assert "Deployment" in [d["kind"] for d in plain["docs"]]
+    both = {"monitoring": {"operatorServiceMonitor": "auto"}}
+    assert _monitoring_kinds(helm_render(both, monitoring=False)["docs"]) == []
+    served = helm_render(both, monitoring=True)["docs"]
+    assert set(_monitoring_kinds(served)) == {"PrometheusRule", "ServiceMonitor"}
+
+
+def test_monitoring_objects_follow_an_explicit_setting() -> None:
+    # Asked for on a plain cluster: rendered, and Helm reports the missing kind (the user asked for it).
+    forced = helm_run({"monitoring": {"prometheusRule": {"enabled": True}}}, monitoring=False)
+    assert forced.returncode != 0 and 'no matches for kind "PrometheusRule"' in forced.stderr, forced.stderr[-2000:]
+    off = {"monitoring": {"prometheusRule": {"enabled": False}, "operatorServiceMonitor": False}}
+    assert _monitoring_kinds(helm_render(off, monitoring=True)["docs"]) == []
+
+
+def _crd_doc(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    [doc] = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
+    return doc
+
+
+def test_crd_is_a_kept_template_generated_from_crd_py() -> None:
+    """Helm installs a chart's crds/ once and never upgrades it: the CRD must be a template (kept on uninstall)."""
+    assert not (CHART / "crds").exists(), "Helm never upgrades crds/: ship the CRD from templates/"
+    assert (CHART / "files" / "crds" / Path(CRD_FILE).name) == ROOT / CRD_FILE
+    doc = _crd_doc(helm_render({})["docs"])
+    assert doc["spec"] == crd()["spec"]  # survives Helm's YAML round trip unchanged
+    assert doc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == "minedraft"
+    off = helm_render({"crds": {"install": False}})
+    assert not [d for d in off["docs"] if d["kind"] == "CustomResourceDefinition"] and off["crds"] == []
+
+
+def _older_chart(tmp_path: Path, crd_doc: dict[str, Any], crds_folder: bool) -> Path:
+    """The chart as an earlier release shipped it: another CRD, either as the template or in crds/ (0.1.0)."""
+    chart = tmp_path / "old" / "minedraft"
+    shutil.copytree(CHART, chart)
+    text = "# the old CRD\n" + yaml.safe_dump(crd_doc, sort_keys=False)
+    (chart / "files" / "crds" / Path(CRD_FILE).name).write_text(text)
+    if crds_folder:
+        (chart / "templates" / "crd.yaml").unlink()
+        (chart / "crds").mkdir()
+        (chart / "crds" / Path(CRD_FILE).name).write_text(text)
+    return chart
+
+
+def _edited_crd() -> dict[str, Any]:
+    old = crd()
+    version = old["spec"]["versions"][0]
+    version["additionalPrinterColumns"] = version["additionalPrinterColumns"][:1]
+    version["schema"]["openAPIV3Schema"]["description"] = "an older schema"
+    return old
+
+
+def test_helm_upgrade_applies_a_changed_crd(tmp_path: Path) -> None:
+    old = _edited_crd()
+    out = helm_render({}, _older_chart(tmp_path, old, crds_folder=False), upgrade=[str(CHART), {}])
+    [installed] = out["crds_after_install"]
+    assert installed["spec"] == old["spec"]
+    [upgraded] = out["crds"]
+    assert upgraded["spec"] == crd()["spec"]
+
+
+def test_upgrade_from_a_release_that_shipped_crds_folder_needs_take_ownership(tmp_path: Path) -> None:
+    """0.1.0 installed the CRD from crds/, so Helm does not own it: a plain upgrade refuses to adopt it (the release
+    notes tell users to upgrade once with --take-ownership); with it the new schema is applied."""
+    old = _edited_crd()
+    chart = _older_chart(tmp_path, old, crds_folder=True)
+    refused = helm_run({}, chart, upgrade=[str(CHART), {}])
+    assert refused.returncode != 0 and "invalid ownership metadata" in refused.stderr, refused.stderr[-2000:]
+    out = helm_render({}, chart, upgrade=[str(CHART), {}], take_ownership=True)
+    assert out["crds_after_install"][0]["spec"] == old["spec"]
+    [upgraded] = out["crds"]
+    assert upgraded["spec"] == crd()["spec"]
+    assert upgraded["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+def test_operator_pull_secrets_and_named_service_ports() -> None:
+    docs = helm_render({"operator": {"imagePullSecrets": [{"name": "registry-a"}, {"name": "registry-b"}]}})["docs"]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert dep["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "registry-a"}, {"name": "registry-b"}]
+    [service] = [d for d in docs if d["kind"] == "Service"]
+    container_ports = {p["name"] for p in dep["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    for port in service["spec"]["ports"]:
+        assert port["name"] and port["targetPort"] in container_ports and port["appProtocol"] == "http", port
+
+
+def test_crd_is_kept_when_the_release_stops_managing_it() -> None:
+    """helm.sh/resource-policy keep: turning crds.install off (or uninstalling) must not delete the CRD, which would
+    delete every MineDraft in the cluster."""
+    out = helm_render({}, upgrade=[str(CHART), {"crds": {"install": False}}])
+    assert not [d for d in out["docs"] if d["kind"] == "CustomResourceDefinition"]
+    [kept] = out["crds"]
+    assert kept["spec"] == crd()["spec"]

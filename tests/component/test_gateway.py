@@ -199,18 +199,20 @@ async def test_invalid_argument_passes_through_unchanged_and_is_not_retried(stac
 
 
 async def test_health_follows_engines_and_shutdown(stack):
-    gateway, (fake,), target = await stack([FakeBehaviour(token_interval_seconds=0.02)], engines=False)
+    gateway, (fake,), target = await stack([FakeBehaviour(token_interval_seconds=0.02)],
+                                           fast_config(engine_wait_timeout_seconds=0.3), engines=False)
     await wait_for_health(target, NOT_SERVING)  # no engine known yet
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await collect(target, request(), timeout=5)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert info.value.details() == "no engine replica became ready within 0.3 s"
     gateway.set_engines([fake.address])
     await wait_for_health(target, SERVING)
     await fake.set_serving(False)  # the replica starts draining: the gateway stops routing to it at once
     await wait_for_health(target, NOT_SERVING)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await collect(target, request(), timeout=5)
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "no ready engine" in info.value.details()
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "became ready" in info.value.details()
     await fake.set_serving(True)
     await wait_for_health(target, SERVING)
     # Gateway shutdown: NOT_SERVING and new streams refused while an open one runs to its end.

@@ -69,15 +69,15 @@ async def test_retries_failures_and_codes(gateway_with):
     retries = sample(registry, "minedraft_gateway_retries_total")
     assert retries == len(bad.record.failed) > 0, "each failed first attempt is one retry"
     assert sample(registry, "minedraft_gateway_route_seconds_count") == 12 + retries
-    assert sample(registry, "minedraft_gateway_streams_finished_total", code="OK") == 12
-    assert sample(registry, "minedraft_gateway_streams_started_total") == 12
-    assert sample(registry, "minedraft_gateway_time_to_first_response_seconds_count") == 12
+    assert sample(registry, "minedraft_gateway_streams_finished_total", protocol="grpc", code="OK") == 12
+    assert sample(registry, "minedraft_gateway_streams_started_total", protocol="grpc") == 12
+    assert sample(registry, "minedraft_gateway_time_to_first_response_seconds_count", protocol="grpc") == 12
     # An engine failing after tokens ends the stream UNAVAILABLE: counted as such.
     good.behaviour.fail_after_tokens = 2
     bad.behaviour.fail_before_first_token = False
     bad.behaviour.fail_after_tokens = 2
     assert await stream(target, request("late", 6)) is grpc.StatusCode.UNAVAILABLE
-    assert sample(registry, "minedraft_gateway_streams_finished_total", code="UNAVAILABLE") == 1
+    assert sample(registry, "minedraft_gateway_streams_finished_total", protocol="grpc", code="UNAVAILABLE") == 1
 
 
 async def test_admission_rejections_and_open_stream_gauges(gateway_with):
@@ -95,8 +95,9 @@ async def test_admission_rejections_and_open_stream_gauges(gateway_with):
         open_call.cancel()
     await wait_for(lambda: sample(registry, "minedraft_gateway_streams_in_flight") == 0, what="the stream to close")
     assert sample(registry, "minedraft_gateway_engine_outstanding_streams", engine=fake.address) == 0
-    assert sample(registry, "minedraft_gateway_streams_finished_total", code="RESOURCE_EXHAUSTED") == 1
-    await wait_for(lambda: sample(registry, "minedraft_gateway_streams_finished_total", code="CANCELLED") == 1,
+    assert sample(registry, "minedraft_gateway_streams_finished_total", protocol="grpc", code="RESOURCE_EXHAUSTED") == 1
+    await wait_for(lambda: sample(registry, "minedraft_gateway_streams_finished_total", protocol="grpc",
+                                  code="CANCELLED") == 1,
                    what="the cancelled stream to be counted")
     # An engine going away: known but not ready.
     await fake.set_serving(False)

@@ -46,6 +46,7 @@ BUILTIN = {
     "v1/services": ("Service", set()),
     "v1/serviceaccounts": ("ServiceAccount", set()),
     "v1/secrets": ("Secret", set()),
+    "v1/pods": ("Pod", set()),
     "v1/events": ("Event", set()),
     "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", set()),
     "rbac.authorization.k8s.io/v1/roles": ("Role", set()),
@@ -104,7 +105,7 @@ class Cluster:
 
     def owned(self) -> list[tuple[str, dict[str, Any]]]:
         return [(str(res.plural), copy.deepcopy(obj.raw)) for (res, ns, _), obj in list(self.kmock.objects.items())
-                if ns == NS and not obj.deleted and res.plural not in ("minedrafts", "events", "secrets")]
+                if ns == NS and not obj.deleted and res.plural not in ("minedrafts", "events", "secrets", "pods")]
 
     def minedraft(self, name: str) -> dict[str, Any] | None:
         return self.obj(s.KIND, name)
@@ -271,8 +272,8 @@ async def test_apply_creates_objects_as_rendered(cluster: Cluster, operator: Ope
     st = md["status"]
     assert st["selector"] == "minedraft.io/instance=qwen3-8b,minedraft.io/component=engine"
     assert st["endpoint"] == f"qwen3-8b-gateway.{NS}.svc:50051"
-    assert {c["type"] for c in st["conditions"]} == {"Ready", "EngineReady", "GatewayReady", "ScalingReady",
-                                                     "MetricsAvailable"}
+    assert {c["type"] for c in st["conditions"]} == {"Ready", "EngineReady", "GatewayReady", "Progressing",
+                                                     "ScalingReady", "MetricsAvailable"}
     assert all(c["observedGeneration"] == 1 for c in st["conditions"])
     # No pods run here, so the Deployments report nothing ready: not Ready, with the reason.
     ready = next(c for c in st["conditions"] if c["type"] == "Ready")
@@ -355,24 +356,34 @@ async def test_delete_leaves_cleanup_to_owner_references(cluster: Cluster, opera
         refs = obj["metadata"].get("ownerReferences", [])
         assert refs == [{"apiVersion": "minedraft.io/v1alpha1", "kind": "MineDraft", "name": "qwen3-8b",
                          "uid": uid, "controller": True, "blockOwnerDeletion": True}], plural
+    # No finalizer, ever: a MineDraft stays deletable when the operator is not running (the owner references
+    # delete its objects). kopf would add one for any timer, daemon or non-optional delete handler.
+    finalizer_writes = [r for r in cluster.requests() if "finalizers" in str(r.data or "") and not r.headers.get(
+        "X-Test")]
+    assert finalizer_writes == [] and not (cluster.minedraft("qwen3-8b") or {})["metadata"].get("finalizers")
+    await operator.stop()
     await cluster.call("DELETE", f"{MD_PATH}/qwen3-8b")
-    # kopf's finalizer (it has to stop the drift timer) is removed promptly; the delete handler does no API work.
-    await wait_for("the MineDraft to go", lambda: cluster.minedraft("qwen3-8b") is None)
-    mark = len(cluster.requests())
-    ticks = operator.count("timer")
-    await asyncio.sleep(DRIFT_SECONDS * 3)  # several timer intervals: the operator must not resurrect anything
-    assert operator.count("timer") == ticks
-    writes = [r for r in cluster.requests(mark) if r.method.upper() in ("POST", "PATCH", "PUT")
-              and r.resource is not None and r.resource.plural != "events"]
-    assert writes == []
-    assert await operator.healthy()
+    assert cluster.minedraft("qwen3-8b") is None  # gone at once, with no operator running
+    # An operator started afterwards (or one that saw the deletion) does not resurrect anything.
+    again = OperatorRun(cluster)
+    await again.start()
+    try:
+        mark = len(cluster.requests())
+        await asyncio.sleep(DRIFT_SECONDS * 3)  # several drift intervals
+        writes = [r for r in cluster.requests(mark) if r.method.upper() in ("POST", "PATCH", "PUT")
+                  and r.resource is not None and r.resource.plural != "events"]
+        assert writes == [] and again.count("timer") == 0
+        assert await again.healthy()
+    finally:
+        await again.stop()
 
 
 async def test_restart_makes_no_duplicates_and_no_spurious_changes(cluster: Cluster) -> None:
     first = OperatorRun(cluster)
     await first.start()
-    await cluster.apply_minedraft(example("autoscaled"))
-    await wait_for("objects and status", lambda: len(cluster.owned()) == 9
+    created = await cluster.apply_minedraft(example("autoscaled"))
+    count = len(rendered(example("autoscaled"), created["metadata"]["uid"]))
+    await wait_for("objects and status", lambda: len(cluster.owned()) == count
                    and (cluster.minedraft("qwen3-14b") or {}).get("status", {}).get("conditions"))
     await wait_for("a drift tick", lambda: first.count("timer") >= 1)
     # The example names a Prometheus that does not exist here: the autoscaler records that once (MetricsAvailable
@@ -404,35 +415,60 @@ async def test_restart_makes_no_duplicates_and_no_spurious_changes(cluster: Clus
     assert md["metadata"]["resourceVersion"] == md_version or all("/status" not in p for _, p in writes)
 
 
-async def test_missing_secret_sets_condition_and_event_then_recovers(cluster: Cluster, operator: OperatorRun) -> None:
+def stuck_pod(name: str, component: str, instance: str, reason: str, message: str) -> dict[str, Any]:
+    """A pod as the kubelet reports one that cannot start (the emulator runs no controllers or kubelet)."""
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": {"minedraft.io/instance": instance,
+                                                  "minedraft.io/component": component}},
+            "spec": {"containers": [{"name": component, "image": "x"}]},
+            "status": {"phase": "Pending", "containerStatuses": [{
+                "name": component, "ready": False, "restartCount": 0,
+                "state": {"waiting": {"reason": reason, "message": message}}}]}}
+
+
+async def test_missing_secret_shows_in_progressing_without_reading_secrets(cluster: Cluster,
+                                                                           operator: OperatorRun) -> None:
+    """The operator never reads Secrets (no RBAC for them): pods reference them by name, and when one is missing
+    the kubelet's reason reaches the MineDraft's Progressing and Ready conditions."""
     doc = example("auth-tls")
-    await cluster.create_secret("hf-token", {"token": "aGZfeHl6"})
-    await cluster.create_secret("minedraft-tls", {"tls.crt": "Y2VydA==", "tls.key": "a2V5"})
-    await cluster.apply_minedraft(doc)  # minedraft-token is missing
-    md = await wait_for("Ready=False SecretNotFound", lambda: any(
-        c["type"] == "Ready" and c["reason"] == "SecretNotFound"
+    await cluster.apply_minedraft(doc)  # none of its Secrets exist
+    await wait_for("objects", lambda: cluster.obj("Deployment", "llama-secure-gateway"))
+    await cluster.call("POST", f"/api/v1/namespaces/{NS}/pods", stuck_pod(
+        "llama-secure-gateway-5d9f-abcde", "gateway", "llama-secure", "CreateContainerConfigError",
+        'secret "minedraft-token" not found'))
+    md = await wait_for("Progressing=False CreateContainerConfigError", lambda: any(
+        c["type"] == "Progressing" and c["reason"] == "CreateContainerConfigError"
         for c in (cluster.minedraft("llama-secure") or {}).get("status", {}).get("conditions", []))
         and cluster.minedraft("llama-secure"))
-    ready = next(c for c in md["status"]["conditions"] if c["type"] == "Ready")
-    assert ready["status"] == "False"
-    assert "spec.gateway.authTokenSecretRef" in ready["message"] and "minedraft-token" in ready["message"]
-    assert md["status"]["phase"] == "Failed"
-    events = await wait_for("a Warning event", lambda: cluster.events("SecretNotFound"))
-    assert events[0]["type"] == "Warning" and "minedraft-token" in events[0]["message"]
-    assert cluster.owned() == []  # nothing half-deployed
-    # Not a crash loop: the operator stays healthy and re-checks only on its drift timer.
-    ticks = operator.count("timer")
-    await wait_for("two more drift ticks", lambda: operator.count("timer") >= ticks + 2)
+    conditions = {c["type"]: c for c in md["status"]["conditions"]}
+    assert conditions["Progressing"]["status"] == "False"
+    assert 'secret "minedraft-token" not found' in conditions["Progressing"]["message"]
+    assert "llama-secure-gateway-5d9f-abcde" in conditions["Progressing"]["message"]
+    assert 'secret "minedraft-token" not found' in conditions["Ready"]["message"]
+    operator_requests = [r for r in cluster.requests() if not r.headers.get("X-Test") and r.resource is not None]
+    assert not [r for r in operator_requests if r.resource.plural == "secrets"]
+    # Not a crash loop: the operator stays healthy; the pod recovers and the condition clears.
+    await cluster.call("DELETE", f"/api/v1/namespaces/{NS}/pods/llama-secure-gateway-5d9f-abcde")
+    await wait_for("Progressing no longer stuck", lambda: any(
+        c["type"] == "Progressing" and c["status"] == "True"
+        for c in (cluster.minedraft("llama-secure") or {}).get("status", {}).get("conditions", [])))
     assert await operator.healthy()
-    assert len(cluster.events("SecretNotFound")) == 1  # one Event per change, not one per tick
-    # The Secret appears: the next drift tick deploys.
-    await cluster.create_secret("minedraft-token", {"token": "c2VjcmV0"})
-    await wait_for("objects after the Secret appeared", lambda: len(cluster.owned()) == 9)
-    gateway = cluster.obj("Deployment", "llama-secure-gateway") or {}
-    command = gateway["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert "--token-file" in command and "--tls-cert" in command
-    # Secret values are referenced by name only: they appear in no rendered object.
-    assert "c2VjcmV0" not in str(cluster.owned()) and "c2VjcmV0" not in str(cluster.minedraft("llama-secure"))
+
+
+async def test_unschedulable_engine_pod_shows_why(cluster: Cluster, operator: OperatorRun) -> None:
+    await cluster.apply_minedraft(example("minimal"))
+    await wait_for("engine deployment", lambda: cluster.obj("Deployment", "qwen3-8b-engine"))
+    pod = stuck_pod("qwen3-8b-engine-7c-xyz", "engine", "qwen3-8b", "ContainerCreating", "")
+    pod["status"] = {"phase": "Pending", "conditions": [{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": "0/8 nodes are available: 8 Insufficient nvidia.com/gpu."}]}
+    await cluster.call("POST", f"/api/v1/namespaces/{NS}/pods", pod)
+    md = await wait_for("Progressing=False Unschedulable", lambda: any(
+        c["type"] == "Progressing" and c["reason"] == "Unschedulable"
+        for c in (cluster.minedraft("qwen3-8b") or {}).get("status", {}).get("conditions", []))
+        and cluster.minedraft("qwen3-8b"))
+    progressing = next(c for c in md["status"]["conditions"] if c["type"] == "Progressing")
+    assert "8 Insufficient nvidia.com/gpu" in progressing["message"] and "engine pod" in progressing["message"]
 
 
 async def test_invalid_spec_sets_condition_operator_stays_healthy(cluster: Cluster, operator: OperatorRun) -> None:
@@ -502,7 +538,8 @@ async def test_operator_command_end_to_end(cluster: Cluster, tmp_path: Path) -> 
             assert time.monotonic() < deadline, "the operator's liveness endpoint never answered"
             await asyncio.sleep(0.1)
         await cluster.apply_minedraft(example("minimal"))
-        await wait_for("objects from the operator process", lambda: len(cluster.owned()) == 9, timeout=30)
+        await wait_for("objects from the operator process", lambda: len(cluster.owned()) == len(
+            rendered(example("minimal"), "x")), timeout=30)
         status, text = await get(metrics, "/metrics")
         assert status == 200
         assert 'minedraft_operator_applies_total{action="created",kind="Deployment"} 2.0' in text
@@ -628,6 +665,132 @@ async def test_autoscaler_scales_up_from_prometheus_and_holds_when_it_goes(clust
         engine.stop()
 
 
+def engine_pod(cluster: Cluster, name: str = "qwen3-8b") -> dict[str, Any]:
+    dep = cluster.obj("Deployment", f"{name}-engine") or {}
+    return dep.get("spec", {}).get("template", {}).get("spec", {}) or {}
+
+
+OPTIONAL_FIELDS: list[tuple[str, dict[str, Any], Callable[[dict[str, Any]], Any]]] = [
+    ("nodeSelector", {"engine": {"nodeSelector": {"gpu": "h100"}}}, lambda p: p.get("nodeSelector")),
+    ("tolerations", {"engine": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}},
+     lambda p: p.get("tolerations")),
+    ("affinity", {"engine": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["a"]}]}]}}}}},
+     lambda p: p.get("affinity")),
+    ("priorityClassName", {"engine": {"priorityClassName": "inference"}}, lambda p: p.get("priorityClassName")),
+    ("runtimeClassName", {"engine": {"runtimeClassName": "nvidia"}}, lambda p: p.get("runtimeClassName")),
+    ("imagePullSecrets", {"imagePullSecrets": [{"name": "registry"}]}, lambda p: p.get("imagePullSecrets")),
+    ("env", {"engine": {"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]}},
+     lambda p: [e for e in p["containers"][0]["env"] if e["name"] == "NCCL_DEBUG"]),
+    ("ephemeralStorage", {"engine": {"ephemeralStorage": "50Gi"}},
+     lambda p: p["containers"][0]["resources"]["requests"].get("ephemeral-storage")),
+    ("cpu override", {"engine": {"cpu": 16}}, lambda p: p["containers"][0]["resources"]["requests"]["cpu"] == "16"),
+    ("maxModelLen", {"engine": {"maxModelLen": 4096}}, lambda p: "--max-model-len" in p["containers"][0]["command"]),
+    ("extraArgs", {"engine": {"extraArgs": ["--enforce-eager"]}},
+     lambda p: "--vllm-arg=--enforce-eager" in p["containers"][0]["command"]),
+]
+
+
+def removal_patch(addition: dict[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch that removes what `addition` added (nulls at its leaves' parents)."""
+    return {k: ({kk: None for kk in v} if k == "engine" else None) for k, v in addition.items()}
+
+
+async def test_removing_any_optional_field_takes_effect(cluster: Cluster, operator: OperatorRun) -> None:
+    """Set every optional pod field, then remove them one at a time: the Deployment follows. Each change is a
+    server-side apply of the full object by the operator's one field manager (the emulator stores an apply as a
+    replace, which is what one manager applying full objects amounts to); each removal is asserted on the request
+    sent, which is what a real API server acts on."""
+    doc = example("minimal")
+    for _, addition, _ in OPTIONAL_FIELDS:
+        for key, value in addition.items():
+            if key == "engine":
+                doc["spec"].setdefault("engine", {}).update(value)
+            else:
+                doc["spec"][key] = value
+    await cluster.apply_minedraft(doc)
+    await wait_for("every optional field set", lambda: engine_pod(cluster) and all(
+        present(engine_pod(cluster)) for _, _, present in OPTIONAL_FIELDS))
+    for name, addition, present in OPTIONAL_FIELDS:
+        mark = len(cluster.requests())
+        await cluster.patch_minedraft("qwen3-8b", {"spec": removal_patch(addition)})
+        await wait_for(f"{name} removed", lambda present=present: engine_pod(cluster)
+                       and not present(engine_pod(cluster)))
+        applies = [r for r in cluster.requests(mark) if r.method.upper() == "PATCH" and r.resource is not None
+                   and r.resource.plural == "deployments" and r.name == "qwen3-8b-engine"
+                   and not r.headers.get("X-Test")]
+        assert applies, name
+        for request in applies:
+            assert request.headers.get("Content-Type", "").startswith("application/apply-patch+yaml")
+            assert request.params.get("fieldManager") == render.FIELD_MANAGER and request.params.get("force") == "true"
+            assert request.data["kind"] == "Deployment" and "template" in request.data["spec"]  # the full object
+        # The removal is in what was applied (a drift pass that started before the edit may apply the old state
+        # once more; the last apply is the new one).
+        assert not present(applies[-1].data["spec"]["template"]["spec"]), name
+    assert all(not present(engine_pod(cluster)) for _, _, present in OPTIONAL_FIELDS)
+
+
+async def test_changed_selector_replaces_the_deployment_keeping_its_pods(cluster: Cluster,
+                                                                       operator: OperatorRun) -> None:
+    """Selectors are immutable: a Deployment made with the old shared selector (engine and gateway pods) is deleted
+    with its ReplicaSets orphaned and created again with the per-component selector."""
+    created = await cluster.apply_minedraft(example("minimal"))
+    await wait_for("engine deployment", lambda: cluster.obj("Deployment", "qwen3-8b-engine"))
+    old_selector = {"matchLabels": {"minedraft.io/instance": "qwen3-8b"},
+                    "matchExpressions": [{"key": "minedraft.io/component", "operator": "In",
+                                          "values": ["engine", "gateway"]}]}
+    # What an earlier operator version made (the emulator does not enforce immutability; the API server does).
+    await cluster.call("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/qwen3-8b-engine",
+                       {"spec": {"selector": old_selector}}, "application/merge-patch+json")
+    mark = len(cluster.requests())
+    await wait_for("the per-component selector", lambda: (cluster.obj("Deployment", "qwen3-8b-engine") or {})
+                   .get("spec", {}).get("selector") == {"matchLabels": {"minedraft.io/instance": "qwen3-8b",
+                                                                        "minedraft.io/component": "engine"}})
+    requests = [r for r in cluster.requests(mark) if not r.headers.get("X-Test") and r.resource is not None
+                and r.resource.plural == "deployments" and r.method.upper() in ("DELETE", "PATCH")]
+    delete = next(r for r in requests if r.method.upper() == "DELETE")
+    assert delete.params.get("propagationPolicy") == "Orphan"  # the old pods keep serving and get adopted
+    assert requests.index(delete) < max(i for i, r in enumerate(requests) if r.method.upper() == "PATCH")
+    dep = cluster.obj("Deployment", "qwen3-8b-engine") or {}
+    assert dep["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
+    await wait_for("an Applied event saying replaced", lambda: [e for e in cluster.events("Applied")
+                                                              if "replaced" in e.get("message", "")])
+
+
+async def test_objects_no_longer_wanted_are_deleted(cluster: Cluster) -> None:
+    """Gateway turned off, PDB off, NetworkPolicy and PodMonitor no longer rendered (operator options changed):
+    deleted, and only those this MineDraft owns."""
+    declare(cluster.kmock, "monitoring.coreos.com/v1/podmonitors", "PodMonitor", set())
+    first = OperatorRun(cluster, monitoring="on")
+    await first.start()
+    try:
+        created = await cluster.apply_minedraft(example("minimal"))
+        want = rendered(example("minimal"), created["metadata"]["uid"], render.RenderOptions(monitoring=True))
+        await wait_for("every object", lambda: len(cluster.owned()) == len(want))
+    finally:
+        await first.stop()
+    # Someone else's object with a name the operator would use: never deleted.
+    await cluster.call("POST", f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets", {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "other-engine"},
+        "spec": {"maxUnavailable": 1}})
+    second = OperatorRun(cluster, monitoring="off")
+    second.settings = OperatorSettings(**{**second.settings.__dict__, "network_policy": False})
+    await second.start()
+    try:
+        await cluster.patch_minedraft("qwen3-8b", {"spec": {"gateway": {"enabled": False},
+                                                            "engine": {"podDisruptionBudget": False}}})
+        await wait_for("only the engine Deployment and Service left", lambda: sorted(
+            (p, o["metadata"]["name"]) for p, o in cluster.owned() if o["metadata"]["name"] != "other-engine") == [
+            ("deployments", "qwen3-8b-engine"), ("services", "qwen3-8b-engine")])
+        assert cluster.obj("PodDisruptionBudget", "other-engine") is not None
+        md = await wait_for("status", lambda: (cluster.minedraft("qwen3-8b") or {}).get("status", {}).get(
+            "observedGeneration") == 2 and cluster.minedraft("qwen3-8b"))
+        gateway = next(c for c in md["status"]["conditions"] if c["type"] == "GatewayReady")
+        assert gateway["reason"] == "Disabled" and md["status"]["endpoint"] == f"qwen3-8b-engine.{NS}.svc:50051"
+    finally:
+        await second.stop()
+
+
 def test_every_granted_permission_was_exercised(seen_permissions: set[tuple[str, str, str]]) -> None:
     """Runs last in this module: the chart grants exactly what the operator was seen to use (and no more)."""
     if not seen_permissions:
@@ -636,5 +799,7 @@ def test_every_granted_permission_was_exercised(seen_permissions: set[tuple[str,
     assert seen_permissions <= granted, sorted(seen_permissions - granted)
     # endpointslices are granted only so the operator may create the gateway's Role (no escalation); kopf's own
     # Events may be sent as create only; everything else must have been used.
-    unused = granted - seen_permissions - {("discovery.k8s.io", "endpointslices", v) for v in ("get", "list", "watch")}
+    # minedrafts/finalizers update is checked by OwnerReferencesPermissionEnforcement, never called.
+    unused = (granted - seen_permissions - {("discovery.k8s.io", "endpointslices", v) for v in ("get", "list", "watch")}
+              - {(s.API_GROUP, f"{s.PLURAL}/finalizers", "update")})
     assert unused == set(), sorted(unused)

@@ -6,6 +6,7 @@ from minedraft.engine.requests import SamplingSettings
 from minedraft.engine.settings import Mode
 
 from .conftest import engine_settings
+from .device_checks import assert_greedy_matches
 from .driver import Planned, drive, reference
 
 pytestmark = pytest.mark.engine
@@ -32,8 +33,7 @@ def test_preempted_requests_rejoin_balanced_and_stay_lossless(cramped_engine, ar
     run = drive(cramped_engine, [Planned(f"pre-{i}", p, sampling, arrive_at_step=i) for i, p in enumerate(prompts)])
     totals = cramped_engine.totals()
     assert totals.preemptions > 0, "the load did not preempt anything: the test proves nothing"
-    for i in range(16):
-        assert run.completions[f"pre-{i}"].token_ids == expected[i], f"request {i} diverged across preemption"
+    assert_greedy_matches([run.completions[f"pre-{i}"].token_ids for i in range(16)], expected, "preemption")
     assert totals.accepted_tokens > 0
     scheduler = cramped_engine.psd_scheduler
     assert scheduler.subbatches.sizes() == (0, 0) and scheduler.drafts == {}

@@ -15,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from minedraft.api import pb, pb_grpc
+from minedraft.api.grpc_policy import LIVENESS_SERVICE
 from minedraft.engine.async_engine import AsyncEngine
 from minedraft.engine.requests import SamplingSettings
 from minedraft.gateway.app import Gateway, GatewayConfig
@@ -23,7 +24,7 @@ from minedraft.server.servicer import INVALID_FIELD_KEY
 
 from .conftest import MAX_MODEL_LEN
 from .driver import reference
-from .grpc_helpers import wait_for, wait_for_health
+from .grpc_helpers import health_status, wait_for, wait_for_health
 
 pytestmark = pytest.mark.engine
 
@@ -148,7 +149,10 @@ async def test_cancel_aborts_the_request_in_the_engine(served, gateway_target, e
             if got >= 3:
                 call.cancel()
                 break
-    await wait_for(lambda: "cancel-me" in engine_calls["aborted"], timeout_seconds=30, what="the engine abort")
+    # The engine ran it under an id of its own (ids are per stream, not the client's): that one is aborted.
+    await wait_for(lambda: engine_calls["aborted"] == engine_calls["added"] != [], timeout_seconds=30,
+                   what="the engine abort")
+    assert engine_calls["added"] != ["cancel-me"]
     await no_unfinished(engine)
 
 
@@ -160,7 +164,8 @@ async def test_deadline_expiry_aborts_the_request(served, engine_calls, texts):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             [r async for r in pb_grpc.GenerationStub(channel).Generate(long, timeout=0.3)]
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    await wait_for(lambda: "deadline-1" in engine_calls["aborted"], timeout_seconds=30, what="the engine abort")
+    await wait_for(lambda: engine_calls["aborted"] == engine_calls["added"] != [], timeout_seconds=30,
+                   what="the engine abort")
     await no_unfinished(engine)
 
 
@@ -180,8 +185,14 @@ TOO_LONG = MAX_MODEL_LEN + 10
     (pb.GenerateRequest(prompt_token_ids=[1, 2, 10**6]), "prompt_token_ids"),
     (pb.GenerateRequest(prompt_token_ids=[5] * TOO_LONG), "prompt_token_ids"),
     (pb.GenerateRequest(prompt="import os\n" * 400), "prompt"),
+    (pb.GenerateRequest(prompt="x", sampling_params=pb.SamplingParams(stop=["a"] * 20_000)), "sampling_params.stop"),
+    (pb.GenerateRequest(prompt="x", sampling_params=pb.SamplingParams(stop=["a" * 100_000])),
+     "sampling_params.stop"),
+    (pb.GenerateRequest(prompt="x", sampling_params=pb.SamplingParams(stop_token_ids=[1] * 1000)),
+     "sampling_params.stop_token_ids"),
 ], ids=["empty", "both", "max-tokens-0", "max-tokens-over-context", "temperature", "top-p-0", "top-p-over-1",
-        "oov-token", "token-prompt-too-long", "text-prompt-too-long"])
+        "oov-token", "token-prompt-too-long", "text-prompt-too-long", "stop-count", "stop-length",
+        "stop-token-ids-count"])
 async def test_invalid_fields_are_named_and_touch_no_engine_state(gateway_target, engine_calls, request_, field):
     """INVALID_ARGUMENT from the engine server, unchanged through the gateway; the engine never sees the request."""
     async with grpc.aio.insecure_channel(gateway_target) as channel:
@@ -212,7 +223,9 @@ async def test_health_through_startup_and_graceful_shutdown(psd, engine_calls, t
         await server.start()
         target = f"127.0.0.1:{server.port}"
         # Loading: bound and answering health, NOT_SERVING; Generate refused with UNAVAILABLE (retry elsewhere).
+        # Liveness is SERVING throughout: loading is no reason to restart the process.
         await wait_for_health(target, NOT_SERVING)
+        assert await health_status(target, LIVENESS_SERVICE) == SERVING
         async with grpc.aio.insecure_channel(target) as channel:
             stub = pb_grpc.GenerationStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -226,6 +239,7 @@ async def test_health_through_startup_and_graceful_shutdown(psd, engine_calls, t
             first = await open_call.read()
             drain = asyncio.create_task(server.drain(grace_seconds=60))
             await wait_for_health(target, NOT_SERVING)
+            assert await health_status(target, LIVENESS_SERVICE) == SERVING
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 [r async for r in stub.Generate(greedy(texts[1]), timeout=10)]
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in info.value.details()
@@ -234,7 +248,7 @@ async def test_health_through_startup_and_graceful_shutdown(psd, engine_calls, t
                 rest.append(response)
             assert rest[-1].finish_reason in ("length", "stop"), "the open stream finished normally"
             await asyncio.wait_for(drain, 30)
-            assert "in-flight" not in engine_calls["aborted"]
+            assert engine_calls["aborted"] == []
     finally:
         await server.stop()
         await engine.shutdown(shutdown_engine=False)
@@ -249,13 +263,110 @@ async def test_health_through_startup_and_graceful_shutdown(psd, engine_calls, t
             call = pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
                 prompt=texts[1], request_id="cut-off", sampling_params=pb.SamplingParams(max_tokens=400,
                                                                                           ignore_eos=True)))
-            await call.read()
-            await server.drain(grace_seconds=0.2)
-            with pytest.raises(grpc.aio.AioRpcError):
-                while await call.read() is not grpc.aio.EOF:
-                    pass
-        await wait_for(lambda: "cut-off" in engine_calls["aborted"], timeout_seconds=30, what="the engine abort")
+            tokens = len((await call.read()).token_ids)
+            drain = asyncio.create_task(server.drain(grace_seconds=0.2))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                while (response := await call.read()) is not grpc.aio.EOF:
+                    tokens += len(response.token_ids)
+            await drain
+        # The caller learns why and how far it got (not gRPC's "Cancelling all calls").
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert info.value.details() == ("replica replica-short-grace shutting down: stream cut at the end of the "
+                                        f"drain grace period after {tokens} tokens")
+        await wait_for(lambda: engine_calls["aborted"] == engine_calls["added"][-1:], timeout_seconds=30,
+                       what="the engine abort")
         await no_unfinished(engine)
+    finally:
+        await server.stop()
+        await engine.shutdown(shutdown_engine=False)
+
+
+async def test_a_giant_prompt_is_refused_at_once_and_disturbs_no_one(served, texts, references):
+    """A 3.9 MB prompt (under the 4 MiB message limit) is refused with INVALID_ARGUMENT naming `prompt` before it is
+    tokenized; meanwhile a normal stream completes and every health check answers within 1 s."""
+    _, _, target = served
+    giant = pb.GenerateRequest(prompt="def f(x):\n    return x\n" * 170_000,
+                               sampling_params=pb.SamplingParams(max_tokens=4))
+    assert 3_800_000 < len(giant.prompt) < 4 * 2**20 - 1000
+    health_answers: list[int] = []
+
+    async def probe_health() -> None:
+        for _ in range(10):
+            health_answers.append(await health_status(target, timeout_seconds=1.0))
+            await asyncio.sleep(0.05)
+
+    async with grpc.aio.insecure_channel(target, options=(("grpc.max_send_message_length", 8 * 2**20),)) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+
+        async def giant_call() -> grpc.aio.AioRpcError:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                [r async for r in stub.Generate(giant, timeout=30)]
+            return info.value
+
+        async def normal_call() -> list[int]:
+            return [t async for r in stub.Generate(greedy(texts[0]), timeout=120) for t in r.token_ids]
+
+        error, tokens, _ = await asyncio.gather(giant_call(), normal_call(), probe_health())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and (error.details() or "").startswith("prompt: is ")
+    assert (INVALID_FIELD_KEY, "prompt") in tuple(error.trailing_metadata())
+    assert tokens == references[0]
+    assert health_answers == [SERVING] * 10
+
+
+async def test_request_ids_are_per_stream_whatever_the_client_sends(served, engine_calls, texts, references):
+    """Two callers using the same request id: both complete, each sees its own id, the engine ran two distinct
+    ids (neither learns of the other; a guessed id cannot fail someone else's request)."""
+    _, _, target = served
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+
+        async def run(text: str) -> list[pb.GenerateResponse]:
+            return [r async for r in stub.Generate(greedy(text, request_id="dup-1"), timeout=120)]
+
+        first, second = await asyncio.gather(run(texts[0]), run(texts[1]))
+    assert [t for r in first for t in r.token_ids] == references[0]
+    assert [t for r in second for t in r.token_ids] == references[1]
+    assert {r.request_id for r in first + second} == {"dup-1"}
+    assert len(set(engine_calls["added"])) == 2 and "dup-1" not in engine_calls["added"]
+
+
+async def test_garbage_bytes_and_reflection_v1_on_the_engine_server(served):
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    _, _, target = served
+    async with grpc.aio.insecure_channel(target) as channel:
+        call = channel.unary_stream("/minedraft.v1.Generation/Generate", request_serializer=lambda b: b,
+                                    response_deserializer=lambda b: b)(b"\xff\xfe garbage", timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            [r async for r in call]
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        reflect = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)(timeout=10)
+        await reflect.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        response = await reflect.read()
+        await reflect.done_writing()
+    assert "minedraft.v1.Generation" in {s.name for s in response.list_services_response.service}
+
+
+async def test_readiness_follows_the_engine_loop(psd):
+    """A replica whose engine loop stops answering (stuck in a step) goes NOT_SERVING, and SERVING again once it
+    answers; liveness stays SERVING throughout (the process is alive; a restart would not help a slow step)."""
+    import time
+
+    server = EngineServer("replica-stuck", engine_check_interval_seconds=0.1, engine_check_timeout_seconds=0.5)
+    engine = AsyncEngine(psd)
+    try:
+        await server.start()
+        await server.attach(engine)
+        target = f"127.0.0.1:{server.port}"
+        await wait_for_health(target, SERVING)
+        stuck = asyncio.ensure_future(engine.call(lambda _: time.sleep(4)))  # the engine thread busy for 4 s
+        await wait_for_health(target, NOT_SERVING, timeout_seconds=4)
+        assert await health_status(target, LIVENESS_SERVICE) == SERVING
+        await stuck
+        await wait_for_health(target, SERVING, timeout_seconds=10)
     finally:
         await server.stop()
         await engine.shutdown(shutdown_engine=False)

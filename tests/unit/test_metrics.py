@@ -191,30 +191,24 @@ async def test_request_observer_counts_and_closing_it_closes_the_engine_stream()
 
     tokens = [t async for d in metrics.observe(engine_stream(), 7) for t in d.token_ids]
     assert tokens == [1, 2, 3, 4]
-    assert value(registry, "minedraft_engine_requests_finished_total", model="m", finish_reason="stop") == 1
-    assert value(registry, "minedraft_engine_streamed_tokens_total", model="m") == 4
-    assert value(registry, "minedraft_engine_prompt_tokens_total", model="m") == 7
-    assert value(registry, "minedraft_engine_time_to_first_token_seconds_count", model="m") == 1
-    assert value(registry, "minedraft_engine_time_per_output_token_seconds_count", model="m") == 1
+    assert value(registry, "minedraft_engine_requests_finished_total", model="m", protocol="grpc",
+                 finish_reason="stop") == 1
+    assert value(registry, "minedraft_engine_streamed_tokens_total", model="m", protocol="grpc") == 4
+    assert value(registry, "minedraft_engine_prompt_tokens_total", model="m", protocol="grpc") == 7
+    assert value(registry, "minedraft_engine_time_to_first_token_seconds_count", model="m", protocol="grpc") == 1
+    assert value(registry, "minedraft_engine_time_per_output_token_seconds_count", model="m", protocol="grpc") == 1
 
     closed.clear()
     observed = metrics.observe(engine_stream(), 7)
     await observed.__anext__()
     await observed.aclose()  # what the servicer does when the RPC is cancelled
     assert closed.is_set(), "the engine stream was not closed (its request would not be aborted)"
-    assert value(registry, "minedraft_engine_requests_aborted_total", model="m") == 1
-    assert value(registry, "minedraft_engine_requests_finished_total", model="m", finish_reason="abort") == 1
+    assert value(registry, "minedraft_engine_requests_aborted_total", model="m", protocol="grpc") == 1
+    assert value(registry, "minedraft_engine_requests_finished_total", model="m", protocol="grpc",
+                 finish_reason="abort") == 1
 
 
 # -- gateway ---------------------------------------------------------------------------------------------------
-
-
-class FakeContext:
-    def __init__(self) -> None:
-        self.status: grpc.StatusCode | None = None
-
-    def code(self) -> grpc.StatusCode | None:
-        return self.status
 
 
 def test_outcome_codes():
@@ -222,36 +216,43 @@ def test_outcome_codes():
     assert outcome_code(grpc.aio.AbortError(), grpc.StatusCode.RESOURCE_EXHAUSTED) == "RESOURCE_EXHAUSTED"
     assert outcome_code(asyncio.CancelledError(), None) == "CANCELLED"
     assert outcome_code(GeneratorExit(), None) == "CANCELLED"
+    assert outcome_code(asyncio.CancelledError(), None, deadline_passed=True) == "DEADLINE_EXCEEDED"
     assert outcome_code(RuntimeError(), None) == "UNKNOWN"
 
 
 async def test_gateway_stream_observation():
+    from minedraft.gateway.router import RouteError
+
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry)
-    context = FakeContext()
 
-    async def stream(items: list[int], abort: bool = False):
-        with metrics.stream(context) as observed:
+    async def stream(items: list[int], fail: bool = False, deadline: float | None = None):
+        with metrics.stream(deadline) as observed:
             for item in items:
                 observed.responded()
                 yield item
-            if abort:
-                context.status = grpc.StatusCode.UNAVAILABLE
-                raise grpc.aio.AbortError()
+            if fail:
+                raise RouteError(grpc.StatusCode.UNAVAILABLE, "engine failed")
 
     assert [x async for x in stream([1, 2])] == [1, 2]
-    with pytest.raises(grpc.aio.AbortError):
-        _ = [x async for x in stream([], abort=True)]
+    with pytest.raises(RouteError):
+        _ = [x async for x in stream([], fail=True)]
     closed = stream([1, 2])
     await closed.__anext__()
     await closed.aclose()  # the caller went away mid-stream
-    assert value(registry, "minedraft_gateway_streams_started_total") == 3
-    assert value(registry, "minedraft_gateway_streams_finished_total", code="OK") == 1
-    assert value(registry, "minedraft_gateway_streams_finished_total", code="UNAVAILABLE") == 1
-    assert value(registry, "minedraft_gateway_streams_finished_total", code="CANCELLED") == 1
+    assert value(registry, "minedraft_gateway_streams_started_total", protocol="grpc") == 3
+    assert value(registry, "minedraft_gateway_streams_finished_total", protocol="grpc", code="OK") == 1
+    assert value(registry, "minedraft_gateway_streams_finished_total", protocol="grpc", code="UNAVAILABLE") == 1
+    assert value(registry, "minedraft_gateway_streams_finished_total", protocol="grpc", code="CANCELLED") == 1
     # Only streams that responded have a time to first response, once each however many responses they sent.
-    assert value(registry, "minedraft_gateway_time_to_first_response_seconds_count") == 2
-    assert value(registry, "minedraft_gateway_stream_duration_seconds_count") == 3
+    assert value(registry, "minedraft_gateway_time_to_first_response_seconds_count", protocol="grpc") == 2
+    assert value(registry, "minedraft_gateway_stream_duration_seconds_count", protocol="grpc") == 3
+    # Ended by the caller's deadline (already passed): DEADLINE_EXCEEDED, not CANCELLED.
+    expired = stream([1, 2], deadline=asyncio.get_running_loop().time() - 1)
+    await expired.__anext__()
+    await expired.aclose()
+    assert value(registry, "minedraft_gateway_streams_finished_total", protocol="grpc", code="DEADLINE_EXCEEDED") == 1
+    assert value(registry, "minedraft_gateway_streams_finished_total", protocol="grpc", code="CANCELLED") == 1
     metrics.engine_called(0.001, 1)
     metrics.engine_called(0.002, 2)
     assert value(registry, "minedraft_gateway_retries_total") == 1

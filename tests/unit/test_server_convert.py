@@ -99,3 +99,47 @@ def test_model_info_reports_speculation_only_when_drafting():
     assert (info.max_model_len, info.vocab_size) == (512, 2048)
     ar = model_info(settings.with_changes(mode=Mode.AR), 2048)
     assert (ar.draft_model, ar.num_speculative_tokens, ar.mode) == ("", 0, "ar")
+
+
+# -- bounds on per-request work (checked before tokenizing or touching the engine) ---------------------------------
+
+
+def test_prompt_bytes_are_bounded_before_tokenizing():
+    from minedraft.server.convert import max_token_bytes
+
+    limits = ModelLimits(vocab_size=100, max_model_len=32, max_token_bytes=4)
+    calls: list[int] = []
+
+    def counting_tokenize(text: str) -> list[int]:
+        calls.append(len(text))
+        return tokenize(text)
+
+    with pytest.raises(RequestError) as info:
+        prepare_request(pb.GenerateRequest(prompt="x" * (32 * 4 + 1)), limits, counting_tokenize)
+    assert info.value.field_name == "prompt" and "129 bytes" in str(info.value)
+    assert calls == [], "an over-long prompt is refused without being tokenized"
+    # Multi-byte characters are counted in bytes, not characters.
+    with pytest.raises(RequestError):
+        prepare_request(pb.GenerateRequest(prompt="é" * 65), limits, counting_tokenize)
+    assert calls == []
+    assert max_token_bytes(["a", "Ġhello", "é"]) == 7  # "Ġ" is 2 bytes in UTF-8: an over-estimate, never under
+
+
+def test_prompt_token_ids_count_checked_before_their_values():
+    with pytest.raises(RequestError) as info:
+        prepare_request(pb.GenerateRequest(prompt_token_ids=[10**6] * 40), LIMITS, tokenize)
+    assert info.value.field_name == "prompt_token_ids" and "40 tokens" in str(info.value)
+
+
+@pytest.mark.parametrize(("params", "field", "words"), [
+    (pb.SamplingParams(stop=["s"] * 17), "sampling_params.stop", "17 stop strings"),
+    (pb.SamplingParams(stop=["ok", "x" * 257]), "sampling_params.stop", "stop string 1 is 257 characters"),
+    (pb.SamplingParams(stop_token_ids=[1] * 65), "sampling_params.stop_token_ids", "65 token ids"),
+])
+def test_list_fields_are_bounded(params, field, words):
+    with pytest.raises(RequestError) as info:
+        prepare_request(pb.GenerateRequest(prompt="abc", sampling_params=params), LIMITS, tokenize)
+    assert info.value.field_name == field and words in str(info.value)
+    # At the bound: accepted.
+    ok = pb.SamplingParams(stop=["x" * 256] * 16, stop_token_ids=[1] * 64, max_tokens=2)
+    assert prepare_request(pb.GenerateRequest(prompt="abc", sampling_params=ok), LIMITS, tokenize).sampling.stop

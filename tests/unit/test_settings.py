@@ -72,3 +72,112 @@ def test_auto_choices_from_the_command_line_build_an_engine_for_the_longest_draf
     with pytest.raises(SettingsError) as info:
         settings_from_args(bad)
     assert info.value.field_name == "auto.k_candidates"
+
+
+ENGINE_COMMANDS = (["serve"], ["run"], ["generate", "--prompts-file", "p"], ["bench", "--json", "o.json"])
+
+
+@pytest.mark.parametrize("command", ENGINE_COMMANDS)
+def test_every_engine_command_takes_the_gpu_flags(command):
+    from minedraft.cli import build_parser, settings_from_args
+
+    args = build_parser().parse_args([
+        *command, "--model", "t", "--draft", "d", "--dtype", "bfloat16", "--tensor-parallel-size", "4",
+        "--gpu-memory-utilization", "0.85", "--drafter-gpu", "4", "--drafter-backend", "vllm",
+        "--drafter-gpu-memory-utilization", "0.5", "--max-model-len", "32768",
+        "--vllm-arg=--enable-prefix-caching", "--vllm-arg=--max-num-batched-tokens=8192"])
+    settings = settings_from_args(args)
+    assert (settings.dtype, settings.tensor_parallel_size, settings.gpu_memory_utilization) == ("bfloat16", 4, 0.85)
+    assert (settings.drafter.gpu_index, settings.drafter.backend, settings.drafter.gpu_memory_utilization) == (
+        4, "vllm", 0.5)
+    assert settings.max_model_len == 32768
+    assert settings.extra_vllm_args == {"enable_prefix_caching": True, "max_num_batched_tokens": 8192}
+
+
+def test_engine_flag_defaults_leave_the_choices_to_the_machine_and_the_model():
+    from minedraft.cli import build_parser, settings_from_args
+
+    settings = settings_from_args(build_parser().parse_args(["run", "--model", "t", "--draft", "d"]))
+    assert (settings.dtype, settings.drafter.backend, settings.max_model_len) == ("auto", "auto", 0)
+    assert (settings.tensor_parallel_size, settings.target_gpus, settings.extra_vllm_args) == (1, (), {})
+
+
+@pytest.mark.parametrize(
+    ("vllm_args", "field"),
+    [
+        (["--max-num-batched-tokns=8192"], "vllm_args"),  # a typo: vLLM's own parser refuses it
+        (["--max-num-batched-tokens=lots"], "vllm_args"),
+        (["--pipeline-parallel-size=2"], "vllm_args.pipeline_parallel_size"),
+        (["--async-scheduling"], "vllm_args.async_scheduling"),
+        (["--data-parallel-size=2"], "vllm_args.data_parallel_size"),
+        (["--tensor-parallel-size=2"], "vllm_args.tensor_parallel_size"),
+        (["--dtype=half"], "vllm_args.dtype"),
+        (["--speculative-config", '{"method": "ngram"}'], "vllm_args.speculative_config"),
+    ],
+)
+def test_vllm_pass_through_is_checked_by_vllms_parser_and_our_rules(vllm_args, field):
+    from minedraft.engine.settings import parse_vllm_args
+
+    with pytest.raises(SettingsError) as info:
+        parse_vllm_args(vllm_args)
+    assert info.value.field_name == field
+
+
+def test_pipeline_parallelism_is_refused_even_when_set_directly():
+    with pytest.raises(SettingsError) as info:
+        make(extra_vllm_args={"pipeline_parallel_size": 2})
+    assert info.value.field_name == "vllm_args.pipeline_parallel_size"
+    assert "batch queue" in str(info.value)
+    assert make(extra_vllm_args={"pipeline_parallel_size": 1}).extra_vllm_args == {"pipeline_parallel_size": 1}
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"dtype": "fp8"}, "dtype"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"tensor_parallel_size": 9}, "tensor_parallel_size"),
+        ({"tensor_parallel_size": 2, "target_gpus": (0,)}, "target_gpus"),
+        ({"tensor_parallel_size": 2, "target_gpus": (1, 1)}, "target_gpus"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"drafter": DrafterSettings(model="d", gpu_memory_utilization=0.0)}, "drafter.gpu_memory_utilization"),
+        ({"drafter": DrafterSettings(model="d", backend="onnx")}, "drafter.backend"),
+        ({"drafter": DrafterSettings(model="d", backend="torch", gpu_index=1)}, "drafter.backend"),
+        ({"tensor_parallel_size": 2, "target_gpus": (0, 1), "drafter": DrafterSettings(model="d", gpu_index=1)},
+         "drafter.gpu_index"),
+        ({"target_gpus": (3,), "drafter": DrafterSettings(model="d", gpu_index=3)}, "drafter.gpu_index"),
+        ({"max_model_len": 8}, "max_model_len"),
+    ],
+)
+def test_invalid_gpu_settings_name_the_field(changes, field):
+    with pytest.raises(SettingsError) as info:
+        make(**changes)
+    assert info.value.field_name == field
+
+
+def test_the_pod_command_for_the_papers_layout_is_accepted_and_maps_devices():
+    """The engine command the operator renders for targetGPUs 4, dtype bfloat16 and a Qwen3 pair: our parser and
+    settings validation accept it, vLLM's EngineArgs take the arguments, and the five GPUs of the pod split 4 + 1."""
+    from minedraft.cli import build_parser, settings_from_args
+    from minedraft.engine.core import engine_args
+    from minedraft.engine.placement import DeviceInfo, plan_devices
+
+    command = ["serve", "--host", "0.0.0.0", "--grpc-port", "50051", "--model", "/models/target/Qwen3-32B",
+               "--draft", "/models/draft/Qwen3-1.7B", "--mode", "psd", "--num-speculative-tokens", "3",
+               "--dtype", "bfloat16", "--tensor-parallel-size", "4", "--drafter-gpu", "4", "--drafter-backend",
+               "vllm", "--max-num-seqs", "64", "--max-model-len", "32768"]
+    settings = settings_from_args(build_parser().parse_args(command))
+    args = engine_args(settings)
+    assert (args.tensor_parallel_size, args.dtype, args.max_model_len) == (4, "bfloat16", 32768)
+    assert args.pipeline_parallel_size == 1 and not args.async_scheduling
+    plan = plan_devices(settings, DeviceInfo(visible_gpus=("0", "1", "2", "3", "4")))
+    assert (plan.target_visible_devices, plan.drafter_visible_devices) == ("0,1,2,3", "4")
+
+
+def test_a_vllm_argument_typo_is_a_one_line_cli_error(capsys):
+    from minedraft.cli import main
+
+    code = main(["run", "--model", "t", "--draft", "d", "--vllm-arg=--max-num-batched-tokns=8192"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("minedraft: error: vllm_args: ") and "max-num-batched-tokns" in err[-1]

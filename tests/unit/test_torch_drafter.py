@@ -49,3 +49,34 @@ def test_slots_are_reused_and_evicted(models):
         assert drafter.draft([(f"evict-{i}", ctx, 2)], want_logprobs=False)[0][0] == greedy(reference, ctx, 2)
     drafter.forget([f"evict-{i}" for i in range(6)])
     assert len(drafter.slots) == 0
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
+def test_real_architectures_draft_what_transformers_decodes(architecture):
+    """Qwen3's per-head q/k RMSNorm (and GQA) in the torch drafter, against transformers' own model."""
+    from transformers import AutoModelForCausalLM
+
+    from minedraft.engine.torch_drafter import TorchLlamaDrafter
+    from minedraft.models.tiny import tiny_pair
+
+    draft_dir = tiny_pair(architecture) / "draft"
+    drafter = TorchLlamaDrafter(str(draft_dir), max_slots=4, max_model_len=256)
+    reference = AutoModelForCausalLM.from_pretrained(str(draft_dir)).eval()
+    rng = random.Random(1)
+    contexts = {f"q{i}": [rng.randrange(2048) for _ in range(rng.randrange(5, 40))] for i in range(3)}
+    for _ in range(2):
+        items = [(rid, list(ctx), 4) for rid, ctx in contexts.items()]
+        for (rid, ctx, n), (tokens, _) in zip(items, drafter.draft(items, want_logprobs=False), strict=True):
+            assert tokens == greedy(reference, ctx, n), rid
+            contexts[rid] = ctx + tokens[:2] + [rng.randrange(2048)]
+
+
+def test_an_architecture_it_does_not_implement_is_refused_by_name(tmp_path):
+    from transformers import MistralConfig
+
+    from minedraft.engine.torch_drafter import TorchLlamaDrafter
+
+    MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="'mistral'"):
+        TorchLlamaDrafter(str(tmp_path), max_slots=1, max_model_len=32)

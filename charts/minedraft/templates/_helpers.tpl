@@ -29,6 +29,22 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
+{{/*
+Whether to render a monitoring.coreos.com/v1 object of a kind: (list SETTING KIND $). SETTING true or false decides;
+"auto" renders it only when the cluster serves that kind (the Prometheus operator's CRDs are installed), so the
+default install succeeds on a plain cluster. Prints "true" or nothing.
+*/}}
+{{- define "minedraft.monitoringEnabled" -}}
+{{- $setting := toString (index . 0) -}}
+{{- $kind := index . 1 -}}
+{{- $root := index . 2 -}}
+{{- if eq $setting "true" -}}
+true
+{{- else if and (eq $setting "auto") ($root.Capabilities.APIVersions.Has (printf "monitoring.coreos.com/v1/%s" $kind)) -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{/* k=v,k2=v2 from a map, for the operator's label flags. */}}
 {{- define "minedraft.labelArg" -}}
 {{- $pairs := list -}}
@@ -40,8 +56,11 @@ app.kubernetes.io/component: operator
 
 {{/*
 The operator's permissions: exactly minedraft.operator.kube.PERMISSIONS (a test compares them).
-Server-side apply needs patch, plus create for objects that do not exist yet. endpointslices: the operator creates
-each gateway's Role granting these, and Kubernetes only lets it grant what it holds itself.
+Server-side apply needs patch, plus create for objects that do not exist yet; delete removes objects no longer
+rendered and replaces a Deployment whose (immutable) selector changed. endpointslices: the operator creates each
+gateway's Role granting these, and Kubernetes only lets it grant what it holds itself. pods list: why a rollout is
+stuck (the Progressing condition). minedrafts/finalizers update: OwnerReferencesPermissionEnforcement (OpenShift)
+requires it to set blockOwnerDeletion. No Secrets: pods reference them and the kubelet reads them.
 */}}
 {{- define "minedraft.rules" -}}
 - apiGroups: ["minedraft.io"]
@@ -53,30 +72,33 @@ each gateway's Role granting these, and Kubernetes only lets it grant what it ho
 - apiGroups: ["minedraft.io"]
   resources: ["minedrafts/scale"]
   verbs: ["patch"]
+- apiGroups: ["minedraft.io"]
+  resources: ["minedrafts/finalizers"]
+  verbs: ["update"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
 - apiGroups: [""]
-  resources: ["secrets"]
-  verbs: ["get"]
+  resources: ["pods"]
+  verbs: ["list"]
 - apiGroups: [""]
   resources: ["services", "serviceaccounts"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]
   verbs: ["get", "list", "watch"]

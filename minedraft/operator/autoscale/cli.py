@@ -52,6 +52,38 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from minedraft.operator.autoscale.bench import bench, markdown, write
+
+    summary = bench(Path(args.replica_model), Path(args.traces), family_size=args.family_size, seed=args.seed,
+                    utilization=args.target_utilization, workers=args.workers)
+    command = "minedraft autoscale bench " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else \
+        "minedraft autoscale bench"
+    write(summary, Path(args.out), command, plots=not args.no_plots)
+    print(markdown(summary, command))
+    return 0
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    import asyncio
+    import time
+
+    from minedraft.operator.autoscale.history import fetch, runs_from_points
+
+    end = time.time()
+    points = asyncio.run(fetch(args.prometheus, args.namespace, f"{args.name}-engine", end - args.hours * 3600, end,
+                               args.step_seconds))
+    runs = runs_from_points(points, args.min_points)
+    if not runs:
+        raise SystemExit(f"history: no (mode, k, load) seen at least {args.min_points} times in {len(points)} points "
+                         f"of {args.namespace}/{args.name}-engine over {args.hours:g} h")
+    report = {"source": f"prometheus history of {args.namespace}/{args.name}-engine, {args.hours:g} h",
+              "runs": runs}
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"history: {len(runs)} measured runs from {len(points)} points -> {args.out}", file=sys.stderr)
+    return 0
+
+
 def cmd_make_traces(args: argparse.Namespace) -> int:
     from minedraft.operator.autoscale.traces import write_traces
 
@@ -98,14 +130,36 @@ def add_subcommands(sub: Any) -> None:
     cmp.add_argument("--workers", type=int, help="simulations in parallel (default: one per CPU)")
     cmp.add_argument("--no-plots", action="store_true")
     cmp.set_defaults(func=cmd_compare)
+    bench = commands.add_parser("bench", help="minedraft, the HPA and the oracle over the generated family and the "
+                                              "committed traces: table + plot of per-trace ratios")
+    bench.add_argument("--out", required=True)
+    bench.add_argument("--traces", default=str(DEFAULT_TRACES))
+    bench.add_argument("--replica-model", default=str(DEFAULT_MODEL))
+    bench.add_argument("--family-size", type=int, default=210, help="generated traces (default 210: 30 per shape)")
+    bench.add_argument("--seed", type=int, default=0, help="the family's seed")
+    bench.add_argument("--target-utilization", type=float, default=0.8)
+    bench.add_argument("--workers", type=int, help="simulations in parallel (default: one per CPU)")
+    bench.add_argument("--no-plots", action="store_true")
+    bench.set_defaults(func=cmd_bench)
+    hist = commands.add_parser("history", help="measured runs for calibrate from a deployment's Prometheus history")
+    hist.add_argument("--prometheus", required=True, help="Prometheus HTTP API address")
+    hist.add_argument("--namespace", required=True)
+    hist.add_argument("--name", required=True, help="the MineDraft's name (its engines are <name>-engine)")
+    hist.add_argument("--hours", type=float, default=168.0, help="how far back (default a week)")
+    hist.add_argument("--step-seconds", type=float, default=30.0)
+    hist.add_argument("--min-points", type=int, default=5, help="points a (mode, k, load) needs to count")
+    hist.add_argument("--out", required=True, help="JSON for `calibrate --bench`")
+    hist.set_defaults(func=cmd_history)
     make = commands.add_parser("make-traces", help="write the committed traces (deterministic)")
     make.add_argument("--out", default=str(DEFAULT_TRACES))
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(func=cmd_make_traces)
     cal = commands.add_parser("calibrate", help="fit the replica model to engine benchmark JSONs")
-    cal.add_argument("--bench", nargs="+", required=True, help="minedraft bench --json outputs")
+    cal.add_argument("--bench", nargs="+", required=True,
+                     help="minedraft bench --json, minedraft doctor --json or minedraft autoscale history outputs")
     cal.add_argument("--startup-seconds", type=float, default=40.0,
-                     help="scale-up to serving (design.md §4: an engine starts in ~35-40 s here)")
+                     help="scale-up to serving: pod start plus model load (an engine starts in ~35-40 s on the CI "
+                     "machines)")
     cal.add_argument("--speedup", type=float, default=1.0,
                      help="divide every step's seconds by this: the benchmark's shape on a faster device")
     cal.add_argument("--max-batch", type=int, help="requests per replica (default: the largest concurrency measured)")

@@ -1,7 +1,12 @@
 """One autoscaling evaluation for one MineDraft: observe, decide, and say what to write (scale, status, events).
 
 The kopf timer (handlers.py) calls `Autoscaler.evaluate` every tick; it acts only when the MineDraft's
-`intervalSeconds` have passed. Per-MineDraft memory (policy state, the previous direct scrape) lives in the
+`intervalSeconds` have passed — except at zero replicas, where every tick is due: then the only signal is the
+gateway's `minedraft_gateway_streams_waiting` (streams held at the gateway until an engine is ready), read from
+Prometheus or scraped from the gateway pods, and one waiting stream scales to one replica at once (a stream's wait
+is then a tick plus a replica's startup, not an interval more).
+
+Per-MineDraft memory (policy state, the previous direct scrape) lives in the
 Autoscaler object held in the operator's memo, not at module level.
 """
 
@@ -15,7 +20,14 @@ from typing import Any
 from minedraft.operator import render
 from minedraft.operator import spec as s
 from minedraft.operator.autoscale import observe
-from minedraft.operator.autoscale.policy import Decision, Observations, PolicyConfig, PolicyState, decide
+from minedraft.operator.autoscale.policy import (
+    Decision,
+    Observations,
+    PolicyConfig,
+    PolicyState,
+    decide,
+    wake_from_zero,
+)
 
 # Replica changes kept in status.scaling.decisions (oldest dropped first).
 MAX_RECORDED_DECISIONS = 10
@@ -99,6 +111,8 @@ class _Memory:
     state: PolicyState = field(default_factory=PolicyState)
     last_evaluation_seconds: float | None = None
     scrapes: dict[str, observe.Scrape] = field(default_factory=dict)
+    # The last evaluation found zero replicas and left them so: every tick is due (the gateway is polled).
+    at_zero: bool = False
 
 
 Fetch = Callable[[str, str, float], Awaitable[Observations]]
@@ -117,7 +131,10 @@ class Autoscaler:
         self._memory.pop((namespace, name), None)
 
     def due(self, namespace: str, name: str, interval_seconds: float, now_seconds: float) -> bool:
-        last = self._memory.get((namespace, name), _Memory()).last_evaluation_seconds
+        memory = self._memory.get((namespace, name), _Memory())
+        if memory.at_zero:
+            return True
+        last = memory.last_evaluation_seconds
         # A little slack: a timer tick that lands just short of the interval should not wait a whole extra tick.
         return last is None or now_seconds - last >= interval_seconds - 0.25
 
@@ -136,11 +153,52 @@ class Autoscaler:
         previous, memory.scrapes = memory.scrapes, scrapes
         return observe.observations_from_scrapes(scrapes, previous)
 
+    async def _gateway_waiting(self, session: Any, spec: s.MineDraftSpec, meta: s.ObjectMeta) -> float | None:
+        assert spec.autoscaling is not None
+        gateway_service = render.names(meta)["gateway"]
+        address = spec.autoscaling.prometheus_address or self.default_prometheus
+        if address:
+            return await observe.query_gateway_waiting(session, address, meta.namespace, gateway_service)
+        hosts = await self.engine_addresses(meta.namespace, gateway_service)
+        return await observe.scrape_gateway_waiting(session, [f"{h}:{render.GATEWAY_METRICS_PORT}" for h in hosts])
+
+    async def _evaluate_at_zero(self, session: Any, spec: s.MineDraftSpec, meta: s.ObjectMeta, memory: _Memory,
+                                previous_scaling: Mapping[str, Any] | None, now_seconds: float) -> Evaluation:
+        unavailable: observe.MetricsUnavailable | None = None
+        try:
+            waiting = await self._gateway_waiting(session, spec, meta)
+        except observe.MetricsUnavailable as exc:
+            waiting, unavailable = None, exc
+        config = policy_config(spec)
+        wake = wake_from_zero(config, 0, waiting)
+        if wake is not None:
+            decision = wake
+            # The idle history before zero must not hold the new replica back nor size it: start afresh, keeping
+            # what was learned about the replicas (speed, startup).
+            memory.state = PolicyState(speed_samples=memory.state.speed_samples,
+                                       startup_seconds=memory.state.startup_seconds,
+                                       pending_scale_up=(now_seconds, wake.desired))
+        elif unavailable is not None:
+            decision = Decision(0, 0, str(unavailable), False)
+        elif waiting is None:
+            decision = Decision(0, 0, "at zero replicas: the gateway reports no minedraft_gateway_streams_waiting",
+                                False)
+        else:
+            decision = Decision(0, 0, "at zero replicas: no stream waits at the gateway", True)
+        memory.at_zero = not decision.changed
+        reason = "ScaledUp" if decision.changed else (unavailable.reason if unavailable is not None else
+                                                      "Steady" if decision.metrics_available else "NoGatewayMetrics")
+        return Evaluation(decision=decision, scaling=scaling_status(previous_scaling, decision, reason, now_seconds,
+                                                                    None), speculation=None, observations=None)
+
     async def evaluate(self, session: Any, spec: s.MineDraftSpec, meta: s.ObjectMeta,
                        previous_scaling: Mapping[str, Any] | None, now_seconds: float) -> Evaluation:
         assert spec.autoscaling is not None
         memory = self._memory.setdefault((meta.namespace, meta.name), _Memory())
         memory.last_evaluation_seconds = now_seconds
+        if spec.desired_replicas == 0:
+            return await self._evaluate_at_zero(session, spec, meta, memory, previous_scaling, now_seconds)
+        memory.at_zero = False
         unavailable: observe.MetricsUnavailable | None = None
         observations: Observations | None
         try:
@@ -149,6 +207,8 @@ class Autoscaler:
             observations, unavailable = None, exc
         current = spec.desired_replicas
         decision, memory.state = decide(policy_config(spec), memory.state, current, observations, now_seconds)
+        # Gone to zero: from the next tick on, the gateway is polled every tick.
+        memory.at_zero = decision.desired == 0
         if unavailable is not None and not decision.changed:
             decision = Decision(current, current, str(unavailable), False)
         reason = _reason_code(decision, unavailable)

@@ -202,3 +202,63 @@ async def scrape_engines(session: aiohttp.ClientSession, addresses: Sequence[str
 
     answers = await asyncio.gather(*(one(a) for a in addresses))
     return {address: scrape for address, scrape in answers if scrape is not None}
+
+
+# -- the gateway's waiting streams (scale from zero) ---------------------------------------------------------------
+
+GATEWAY_WAITING_METRIC = "minedraft_gateway_streams_waiting"
+
+
+def gateway_waiting_query(namespace: str, gateway_service: str) -> str:
+    """The operator's PodMonitor scrapes engines and gateway under one job, "<namespace>/<MineDraft name>"; a plain
+    scrape config conventionally names the job after the gateway Service. Both match."""
+    name = gateway_service.removesuffix("-gateway")
+    sel = f'namespace=~"{namespace}|",job=~"(.+/)?({gateway_service}|{name})"'
+    return f"sum({GATEWAY_WAITING_METRIC}{{{sel}}})"
+
+
+def gateway_waiting_from_prometheus(result: Sequence[Mapping[str, Any]]) -> float | None:
+    """Streams waiting for an engine, summed over the gateway pods; None: no gateway series (not scraped yet, or a
+    gateway without the gauge)."""
+    return _scalar(result)
+
+
+def gateway_waiting_from_exposition(text: str) -> float | None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = [sample.value for family in text_string_to_metric_families(text) if family.name == GATEWAY_WAITING_METRIC
+              for sample in family.samples if sample.name == GATEWAY_WAITING_METRIC]
+    return sum(values) if values else None
+
+
+async def query_gateway_waiting(session: aiohttp.ClientSession, address: str, namespace: str,
+                                gateway_service: str) -> float | None:
+    url = address.rstrip("/") + "/api/v1/query"
+    try:
+        async with session.get(url, params={"query": gateway_waiting_query(namespace, gateway_service)},
+                               timeout=aiohttp.ClientTimeout(total=QUERY_TIMEOUT_SECONDS)) as response:
+            body = await response.json(content_type=None)
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        raise MetricsUnavailable("PrometheusUnreachable", f"Prometheus at {address}: {exc or type(exc).__name__}"
+                                 ) from exc
+    if response.status != 200 or body.get("status") != "success":
+        raise MetricsUnavailable("QueryFailed", f"Prometheus at {address}: HTTP {response.status}: "
+                                                f"{str(body.get('error', ''))[:200]}")
+    return gateway_waiting_from_prometheus(body["data"]["result"])
+
+
+async def scrape_gateway_waiting(session: aiohttp.ClientSession, addresses: Sequence[str]) -> float | None:
+    """The gauge summed over the gateway pods that answer (host:port each); None if none answers with it."""
+
+    async def one(address: str) -> float | None:
+        try:
+            async with session.get(f"http://{address}/metrics",
+                                   timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_SECONDS)) as response:
+                if response.status != 200:
+                    return None
+                return gateway_waiting_from_exposition(await response.text())
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return None
+
+    answers = [a for a in await asyncio.gather(*(one(a) for a in addresses)) if a is not None]
+    return sum(answers) if answers else None

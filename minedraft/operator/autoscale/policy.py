@@ -26,6 +26,10 @@ A sudden rise shows in the requests in the system before it shows in the rates (
 minute): when that count exceeds the target utilisation of the replicas' slots, is rising and no replica is
 starting, the replicas are sized for those requests at the batch each is planned to run (`surge_replicas`).
 
+A replica's capacity is a property of the replica: when nothing decodes at an evaluation (idle between requests,
+normal at a light load) it is the last speed measured, or before any, the configured prior from the replica model;
+never 0 because the replicas happen to be idle. Unknown (no measurement, no prior): no scale-up on it.
+
 Scale-up: at once, by at most the larger of ``max_scale_up_step`` replicas and ``max_scale_up_percent`` of the
 current count per decision (the Kubernetes HPA's default: 4 pods or 100%). Scale-down: to the highest
 recommendation of the stabilisation window, and at most once per window (so a dip does not remove replicas a
@@ -49,6 +53,12 @@ MAX_SPEED_SAMPLES = 64
 # Arrival rates over this long give the trend (20 evaluations at 15 s: enough to average Poisson noise, short enough
 # to follow a daily curve; the HPA's scale-down window).
 TREND_WINDOW_SECONDS = 300.0
+# A rising arrival trend is extrapolated only when its slope is this many standard errors above 0.
+TREND_T = 3.0
+# No scale-up while no request waits and the requests in the system fill less than this share of the replicas'
+# slots: the replicas have clearly spare capacity, and a demand estimate above it is noise (a few long requests
+# arriving together at a light load) rather than load.
+SPARE_OCCUPANCY = 0.5
 # How long a new replica takes to serve (pod start + model load) until the policy has measured it.
 PRIOR_STARTUP_SECONDS = 60.0
 
@@ -75,6 +85,10 @@ class PolicyConfig:
     backlog_drain_seconds: float = 30.0
     # How a request's seconds per token grow with the batch (see batch_slowdown); None: learned from observations.
     batch_slowdown: float | None = None
+    # Output tokens/s one replica gives at its full batch, before any speed was measured (after an operator restart
+    # while idle, or at zero replicas): the replica model's figure for the deployment. None: unknown until the
+    # engines have decoded something.
+    prior_capacity_tokens_per_second_per_replica: float | None = None
 
 
 @dataclass(frozen=True)
@@ -160,7 +174,7 @@ def per_request_speed(obs: Observations) -> tuple[float, str] | None:
     costs only its part not hidden behind verification.
     """
     running = obs.running_requests
-    if obs.predicted_tokens_per_second is not None and obs.predicted_tokens_per_second > 0 and running >= 1:
+    if obs.predicted_tokens_per_second is not None and obs.predicted_tokens_per_second > 0 and running > 0:
         return obs.predicted_tokens_per_second / running, "predicted"
     sp = obs.speculation
     if sp.verify_seconds_per_step is None or sp.verify_seconds_per_step <= 0:
@@ -225,6 +239,13 @@ def forecast_arrivals(samples: tuple[tuple[float, float], ...], now_seconds: flo
     slope = sum((t - mean_t) * (a - mean_a) for t, a in samples) / sxx
     if slope <= 0:
         return None
+    # Only a trend the samples show beyond their noise (slope over its standard error above TREND_T): arrival
+    # estimates over one interval are Poisson-noisy, and extrapolating noise a startup ahead asks for replicas no
+    # load needs.
+    intercept = mean_a - slope * mean_t
+    residual = sum((a - intercept - slope * t) ** 2 for t, a in samples) / (n - 2)
+    if residual > 0 and slope <= TREND_T * math.sqrt(residual / sxx):
+        return None
     return mean_a + slope * (now_seconds + lead_seconds - mean_t)
 
 
@@ -236,6 +257,18 @@ def arrival_rate(state: PolicyState, obs: Observations, now_seconds: float) -> f
         return None
     in_system = obs.running_requests + obs.waiting_requests
     return max(finished + (in_system - last[1]) / (now_seconds - last[0]), 0.0)
+
+
+def remembered_speed(config: PolicyConfig, state: PolicyState) -> tuple[float, str] | None:
+    """A request's tokens/s when nothing decodes now: the newest measured (speed_samples), else the prior."""
+    if state.speed_samples:
+        seconds_per_token = state.speed_samples[-1][1]
+        if seconds_per_token > 0:
+            return 1.0 / seconds_per_token, "last measured"
+    prior = config.prior_capacity_tokens_per_second_per_replica
+    if prior is not None and prior > 0:
+        return prior / config.requests_per_replica, "prior"
+    return None
 
 
 def lead_seconds(config: PolicyConfig, state: PolicyState) -> float:
@@ -338,6 +371,19 @@ def _no_decision(current: int, reason: str) -> Decision:
     return Decision(current=current, desired=current, reason=reason, metrics_available=False)
 
 
+def wake_from_zero(config: PolicyConfig, current: int, streams_waiting: float | None) -> Decision | None:
+    """At zero replicas: one replica (or the minimum, if higher) at once when a stream waits at the gateway; else
+    None (nothing to do). Meant to be polled more often than the interval: the waiting stream's time to first token
+    is this poll's delay plus a replica's startup, so the interval is not added to it. Sizing beyond one replica
+    is left to the regular evaluations once that replica reports.
+    """
+    if current != 0 or streams_waiting is None or streams_waiting <= 0 or config.max_replicas < 1:
+        return None
+    desired = max(1, config.min_replicas)
+    return Decision(current, desired, f"scale up from zero: {streams_waiting:.0f} streams waiting at the gateway "
+                                      "for an engine", True)
+
+
 def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observations | None,
            now_seconds: float) -> tuple[Decision, PolicyState]:
     """The replica count to run next, why, and the state to pass to the next call.
@@ -357,11 +403,20 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
     if obs.reporting_replicas == 0:
         return _no_decision(current, "no engine replica reports metrics yet"), state
     speed = per_request_speed(obs)
-    if speed is None:
-        if obs.running_requests + obs.waiting_requests == 0:
-            speed = (0.0, "idle")  # nothing to serve: the demand term is 0 whatever the speed
-        else:
+    measured = speed is not None and speed[0] > 0 and obs.running_requests > 0
+    if not measured:
+        # Nothing decoding now (idle between requests, normal at light load) or no figure: a replica's capacity is
+        # a property of the replica, not of this instant's load, so it comes from the last speed measured (or the
+        # configured prior), never 0 because the replicas happen to be idle.
+        remembered = remembered_speed(config, state)
+        if remembered is not None:
+            speed = remembered
+        elif speed is None and obs.running_requests + obs.waiting_requests > 0:
             return _no_decision(current, "no capacity figure: neither predicted goodput nor step seconds"), state
+    if speed is None or speed[0] <= 0:
+        # Never measured and no prior: the count stays (no scale-up on a capacity that is not known; the demand
+        # of an idle system is 0 so the stabilised scale-down may still act).
+        speed = (0.0, "unknown")
     per_request, source = speed
     in_system = obs.running_requests + obs.waiting_requests
     # A startup measured: the replicas of the last scale-up all report (the trend's lead time follows it).
@@ -372,18 +427,29 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
     demand, demand_basis = estimate_demand(config, state, obs, per_request, now_seconds)
     batch = obs.running_requests / obs.reporting_replicas
     samples = state.speed_samples
-    if per_request > 0 and batch >= 1:
+    if measured:
         # The newest sample of each batch size: the fit spans every batch seen (also hours ago), not only the
-        # narrow range of the last minutes, which leaves the slope to noise (or to the prior).
-        samples = (*(x for x in samples if round(x[0]) != round(batch)),
-                   (batch, 1.0 / per_request))[-MAX_SPEED_SAMPLES:]
+        # narrow range of the last minutes, which leaves the slope to noise (or to the prior). Less than one
+        # request per replica on average is requests decoding alone: batch 1.
+        sample_batch = max(batch, 1.0)
+        samples = (*(x for x in samples if round(x[0]) != round(sample_batch)),
+                   (sample_batch, 1.0 / per_request))[-MAX_SPEED_SAMPLES:]
     # Never flatter than the prior: a fit over light batches extrapolated to full ones must not consolidate too far.
     shape = (config.batch_slowdown if config.batch_slowdown is not None
              else max(batch_slowdown(samples), PRIOR_BATCH_SLOWDOWN))
-    capacity = full_batch_capacity(per_request, max(batch, 1.0), shape, config.requests_per_replica)
+    if measured:
+        capacity = full_batch_capacity(per_request, max(batch, 1.0), shape, config.requests_per_replica)
+    elif source == "last measured":
+        last_batch = samples[-1][0] if samples else 1.0
+        capacity = full_batch_capacity(per_request, max(last_batch, 1.0), shape, config.requests_per_replica)
+    elif source == "prior":
+        capacity = config.prior_capacity_tokens_per_second_per_replica or 0.0
+    else:
+        capacity = 0.0
     surge_note = ""
-    if per_request <= 0:
-        recommended = config.max_replicas if demand > 0 else config.min_replicas
+    if capacity <= 0:
+        # Capacity unknown: no scale-up on it; an idle system (demand 0) may still go to its minimum.
+        recommended = current if demand > 0 or in_system > 0 else 0
     else:
         raw = demand / (config.target_utilization * capacity)
         surge = surge_replicas(config, state, obs, current, shape)
@@ -412,6 +478,11 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
                     last_in_system=(now_seconds, in_system), arrival_samples=arrival_samples)
     figures = (f"demand {demand:.0f} tok/s ({demand_basis}), capacity {capacity:.0f} tok/s per replica ({source})"
                f"{surge_note}")
+    spare = obs.waiting_requests <= 0 and in_system < SPARE_OCCUPANCY * config.requests_per_replica * current
+    if recommended > current and spare:
+        return Decision(current, current, f"hold: {figures} needs {recommended}, but no request waits and the "
+                                          f"{in_system:.0f} in the system fill less than half the replicas' slots",
+                        True, inputs), state
     if recommended > current:
         step = max(config.max_scale_up_step, math.floor(current * config.max_scale_up_percent / 100))
         desired = min(recommended, current + step)

@@ -163,6 +163,41 @@ def fit_curve(points: list[tuple[float, float]], nondecreasing: bool = True, dig
     return tuple((round(sx / n, digits), round(sy / n, digits)) for sx, sy, n in blocks)
 
 
+def bench_datasets(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """A measurement file as the benchmark's shape: one {"config": {"num_speculative_tokens": k}, "runs": [{
+    "concurrency": c, "modes": {mode: figures}}]} per k.
+
+    `minedraft bench --json` already has it. `minedraft doctor --json` (and `minedraft autoscale history`) list flat
+    runs, {"mode", "k", "concurrency", "tokens_per_second", "mean_accepted_length"[, "draft_seconds_per_step"]}:
+    grouped by k, each sd/psd point beside the ar point of the same load. Without draft seconds (doctor does not
+    record them) drafting is folded into verification: each measured point is still priced as measured.
+    """
+    runs = data.get("runs") or []
+    if not runs or "modes" in runs[0] or "mode" not in runs[0]:
+        return [data]
+    ar = {int(r["concurrency"]): r for r in runs if r["mode"] == "ar"}
+    ks = sorted({int(r["k"]) for r in runs if r["mode"] != "ar"}) or [1]
+
+    def figures(r: dict[str, Any]) -> dict[str, Any]:
+        out = {"output_tokens_per_s": float(r["tokens_per_second"]),
+               "mean_accepted_length": float(r.get("mean_accepted_length") or 1.0)}
+        if r.get("draft_seconds_per_step"):
+            out["draft_seconds_per_step"] = float(r["draft_seconds_per_step"])
+        return out
+
+    datasets = []
+    for k in ks:
+        by_load: dict[int, dict[str, Any]] = {}
+        for c, r in ar.items():
+            by_load.setdefault(c, {})["ar"] = {**figures(r), "mean_accepted_length": 1.0}
+        for r in runs:
+            if r["mode"] in ("sd", "psd") and int(r["k"]) == k:
+                by_load.setdefault(int(r["concurrency"]), {})[r["mode"]] = figures(r)
+        datasets.append({"config": {"num_speculative_tokens": k},
+                         "runs": [{"concurrency": c, "modes": modes} for c, modes in sorted(by_load.items())]})
+    return datasets
+
+
 def _cycle(concurrency: int, figures: dict[str, Any]) -> float:
     """Measured seconds per verification of every request: requests x tokens per verification / tokens/s."""
     return concurrency * float(figures.get("mean_accepted_length", 1.0)) / float(figures["output_tokens_per_s"])
@@ -187,8 +222,8 @@ def calibrate(bench_files: list[Path], startup_seconds: float, speedup: float = 
     psd_points: list[tuple[int, int, float]] = []
     batches: list[int] = []
     ks: list[int] = []
-    for path in bench_files:
-        data = json.loads(path.read_text())
+    datasets = [d for path in bench_files for d in bench_datasets(json.loads(path.read_text()))]
+    for data in datasets:
         k = int(data["config"]["num_speculative_tokens"])
         ks.append(k)
         for run in data["runs"]:

@@ -31,10 +31,17 @@ from pathlib import Path
 from typing import Any
 
 from minedraft.operator.autoscale.hpa import SYNC_PERIOD_SECONDS, HpaConfig, HpaState, hpa_decide
-from minedraft.operator.autoscale.policy import Observations, PolicyConfig, PolicyState, SpeculationFigures, decide
+from minedraft.operator.autoscale.policy import (
+    Observations,
+    PolicyConfig,
+    PolicyState,
+    SpeculationFigures,
+    decide,
+    wake_from_zero,
+)
 from minedraft.operator.autoscale.replica_model import ReplicaModel, acceptance_rate_metric, accepted_length
 
-POLICIES = ("minedraft", "hpa-queue")
+POLICIES = ("minedraft", "hpa-queue", "oracle")
 DEFAULT_SLO_TTFT_SECONDS = 2.5
 RATE_WINDOW_SECONDS = 60  # the recording rules' rate1m
 # The engine's acceptance profile forgets with this factor per decoding step (cost_model.AcceptanceProfile).
@@ -42,6 +49,9 @@ ENGINE_ACCEPTANCE_DECAY = 0.995
 DEFAULT_SEED = 0
 # Cohorts finishing within one tick, at most (each frees slots that queued requests take at once).
 MAX_EVENTS_PER_TICK = 1000
+# The policy's prior capacity (before any speed is measured): the replica model's full batch at this acceptance, a
+# middle value, not the trace's (the operator would not know it in advance).
+PRIOR_ACCEPTANCE = 0.55
 
 
 @dataclass(frozen=True)
@@ -147,6 +157,10 @@ def _poisson(rng: random.Random, mean: float) -> int:
         k += 1
 
 
+_BEST_CACHE: dict[tuple[int, float, float], tuple[float, str, int]] = {}
+MAX_BEST_CACHE = 500_000
+
+
 @dataclass(frozen=True)
 class SimConfig:
     policy: str = "minedraft"
@@ -157,6 +171,8 @@ class SimConfig:
     max_scale_up_step: int = 4
     seed: int = DEFAULT_SEED
     initial_replicas: int | None = None  # default: what the trace's first row needs at the target utilisation
+    # policy "oracle": replicas existing (serving or starting) per second, decided with perfect foresight.
+    schedule: tuple[int, ...] | None = None
 
 
 def initial_replicas(trace: Trace, model: ReplicaModel, target_utilization: float) -> int:
@@ -169,7 +185,22 @@ def initial_replicas(trace: Trace, model: ReplicaModel, target_utilization: floa
 def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
     if config.policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)} (got {config.policy!r})")
+    if config.policy == "oracle" and not config.schedule:
+        raise ValueError("policy oracle needs a schedule")
     rng = random.Random(config.seed)
+    # The replica model's best mode at a (batch, acceptance): pure and asked about the same few batches over and
+    # over (requests per replica change by whole cohorts), so remembered across runs of the same model.
+    model_key = hash(model)
+    if len(_BEST_CACHE) > MAX_BEST_CACHE:
+        _BEST_CACHE.clear()
+
+    def best(batch: float, acceptance: float) -> tuple[float, str, int]:
+        key = (model_key, batch, acceptance)
+        found = _BEST_CACHE.get(key)
+        if found is None:
+            found = _BEST_CACHE[key] = model.best(batch, acceptance)
+        return found
+
     start = config.initial_replicas or initial_replicas(trace, model, config.target_utilization)
     ready_at: list[float] = [0.0] * start  # per replica: when it serves (0: from the start)
     queue: deque[_Cohort] = deque()
@@ -179,7 +210,9 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
                                  interval_seconds=config.interval_seconds,
                                  scale_down_stabilization_seconds=config.scale_down_stabilization_seconds,
                                  max_scale_up_step=config.max_scale_up_step, requests_per_replica=model.max_batch,
-                                 max_metrics_age_seconds=3 * config.interval_seconds)
+                                 max_metrics_age_seconds=3 * config.interval_seconds,
+                                 prior_capacity_tokens_per_second_per_replica=model.best(model.max_batch,
+                                                                                         PRIOR_ACCEPTANCE)[0])
     hpa_config = HpaConfig(target_per_pod=config.hpa_target_per_pod, min_replicas=trace.min_replicas,
                            max_replicas=trace.max_replicas)
     policy_state, hpa_state = PolicyState(), HpaState()
@@ -190,7 +223,7 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
     replica_seconds = violations = total = max_queue = 0.0
     decisions: list[dict[str, Any]] = []
     timeline: dict[str, list[float]] = {k: [] for k in ("t", "arrival_rps", "acceptance", "replicas", "ready",
-                                                        "queue", "ttft_p_max")}
+                                                        "queue", "in_system", "ttft_p_max")}
     last_direction = 0
     direction_changes = 0
     # Reaction to the trace's event: the first decision after it that asks for more replicas than ran at it.
@@ -226,7 +259,7 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
             running.extend(admitted)
             in_flight = sum(c.count for c in running)
             batch = in_flight / ready if ready else 0.0
-            tps, mode, k = model.best(batch, row.acceptance_rate) if batch > 0 else (0.0, "ar", 0)
+            tps, mode, k = best(batch, row.acceptance_rate) if batch > 0 else (0.0, "ar", 0)
             speed = tps / batch if batch > 0 else 0.0
             step_seconds = (1.0 / speed) if speed > 0 else 0.0
             for cohort in admitted:
@@ -264,13 +297,22 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
         current = len(ready_at)
         if trace.event_seconds is not None and t == float(int(trace.event_seconds)):
             replicas_at_event = current
-        if tick > 0 and tick % int(config.interval_seconds) == 0:
+        desired, reason = current, ""
+        if config.policy == "oracle":
+            assert config.schedule is not None
+            desired, reason = config.schedule[min(tick, len(config.schedule) - 1)], "oracle schedule"
+        elif config.policy == "minedraft" and current == 0 and waiting > 0:
+            # At zero replicas the gateway's waiting-streams gauge is polled every second, not every interval.
+            wake = wake_from_zero(policy_config, current, waiting)
+            if wake is not None:
+                desired, reason = wake.desired, wake.reason
+        elif tick > 0 and tick % int(config.interval_seconds) == 0:
             in_flight = busy
             if config.policy == "minedraft":
                 # The engines' gauge: their cost model's tokens/s at the batch they run now, with the acceptance of
                 # the last seconds; per running request (as the running gauge counts them) that is their speed.
                 recent_acceptance = acceptance_estimate
-                best_tps, best_mode, best_k = model.best(batch, recent_acceptance)
+                best_tps, best_mode, best_k = best(batch, recent_acceptance)
                 predicted = best_tps / batch * in_flight if batch > 0 else None
                 length = accepted_length(recent_acceptance, best_k) if best_mode != "ar" else 1.0
                 obs = Observations(age_seconds=0.0, reporting_replicas=ready, running_requests=in_flight,
@@ -287,26 +329,27 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
             else:
                 desired, reason, hpa_state = hpa_decide(hpa_config, hpa_state, current, ready,
                                                         in_flight + waiting, t)
-            if desired != current:
-                direction = 1 if desired > current else -1
-                if last_direction and direction != last_direction:
-                    direction_changes += 1
-                last_direction = direction
-                decisions.append({"t": t, "from": current, "to": desired, "reason": reason})
-                if (first_reaction is None and trace.event_seconds is not None and t >= trace.event_seconds
-                        and desired > replicas_at_event):
-                    first_reaction = t - trace.event_seconds
-                if desired > current:
-                    ready_at += [t + model.startup_seconds] * (desired - current)
-                else:
-                    # Starting replicas go first (latest ready time first), then ready ones.
-                    ready_at = sorted(ready_at)[: desired]
+        if desired != current:
+            direction = 1 if desired > current else -1
+            if last_direction and direction != last_direction:
+                direction_changes += 1
+            last_direction = direction
+            decisions.append({"t": t, "from": current, "to": desired, "reason": reason})
+            if (first_reaction is None and trace.event_seconds is not None and t >= trace.event_seconds
+                    and desired > replicas_at_event):
+                first_reaction = t - trace.event_seconds
+            if desired > current:
+                ready_at += [t + model.startup_seconds] * (desired - current)
+            else:
+                # Starting replicas go first (latest ready time first), then ready ones.
+                ready_at = sorted(ready_at)[: desired]
         timeline["t"].append(t)
         timeline["arrival_rps"].append(row.arrival_rps)
         timeline["acceptance"].append(row.acceptance_rate)
         timeline["replicas"].append(float(len(ready_at)))
         timeline["ready"].append(float(ready))
         timeline["queue"].append(waiting)
+        timeline["in_system"].append(waiting + sum(c.count for c in running))
         timeline["ttft_p_max"].append(worst_ttft)
     # Requests never admitted by the end of the trace: counted as violations if they already waited too long.
     end = float(duration)

@@ -149,3 +149,82 @@ def test_evaluation_with_prometheus_down_decides_nothing() -> None:
     evaluation = asyncio.run(run())
     assert not evaluation.decision.changed and not evaluation.decision.metrics_available
     assert evaluation.scaling["reason"] == "PrometheusUnreachable" and evaluation.scaling["decisions"] == []
+
+
+def test_gateway_waiting_gauge_is_read_from_an_exposition() -> None:
+    registry = CollectorRegistry()
+    Gauge("minedraft_gateway_streams_waiting", "waiting", registry=registry).set(3)
+    assert observe.gateway_waiting_from_exposition(generate_latest(registry).decode()) == 3.0
+    assert observe.gateway_waiting_from_exposition("") is None
+    assert observe.gateway_waiting_query("ns", "q-gateway") == (
+        'sum(minedraft_gateway_streams_waiting{namespace=~"ns|",job=~"(.+/)?(q-gateway|q)"})')
+
+
+def test_at_zero_a_waiting_stream_scales_to_one_at_the_next_tick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """minReplicas 0 and spec.replicas 0: no engine to observe; every tick is due and reads the gateway's waiting
+    streams (scraped from the gateway pods without Prometheus); one waiting stream -> 1 replica at once."""
+    asked: list[tuple[str, str]] = []
+    waiting = [0.0]
+
+    async def addresses(namespace: str, service: str) -> list[str]:
+        asked.append((namespace, service))
+        return ["10.0.0.9"]
+
+    async def scrape(session: Any, addrs: list[str]) -> float | None:
+        assert addrs == ["10.0.0.9:9401"]
+        return waiting[0]
+
+    monkeypatch.setattr(observe, "scrape_gateway_waiting", scrape)
+    scaler = Autoscaler(None, addresses)
+    meta = s.ObjectMeta("qwen", "serving", "uid")
+    spec = autoscaled_spec(minReplicas=0, intervalSeconds=60)
+    assert spec.desired_replicas == 0
+    first = asyncio.run(scaler.evaluate(None, spec, meta, None, 1000.0))
+    assert not first.decision.changed and first.decision.metrics_available
+    assert asked == [("serving", "qwen-gateway")]
+    # Due at the next tick, not an interval later.
+    assert scaler.due("serving", "qwen", 60, 1005.0)
+    waiting[0] = 2.0
+    woken = asyncio.run(scaler.evaluate(None, spec, meta, first.scaling, 1005.0))
+    assert woken.decision.current == 0 and woken.decision.desired == 1
+    assert "streams waiting at the gateway" in woken.decision.reason
+    assert woken.scaling["reason"] == "ScaledUp" and woken.scaling["decisions"][-1]["to"] == 1
+    # Back on the interval once a replica is asked for.
+    assert not scaler.due("serving", "qwen", 60, 1010.0)
+
+
+def test_at_zero_with_prometheus_the_gateway_gauge_is_queried() -> None:
+    """A real HTTP round trip to a Prometheus-shaped API on loopback answering the gateway query."""
+    from aiohttp import web
+
+    queries: list[str] = []
+
+    async def query(request: web.Request) -> web.Response:
+        queries.append(request.query["query"])
+        return web.json_response({"status": "success", "data": {"resultType": "vector",
+                                                                "result": [sample(1)]}})
+
+    async def run() -> Any:
+        import aiohttp
+
+        app = web.Application()
+        app.router.add_get("/api/v1/query", query)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            async def no_scrape(namespace: str, service: str) -> list[str]:
+                raise AssertionError("Prometheus is configured: no scraping")
+
+            scaler = Autoscaler(f"http://127.0.0.1:{port}", no_scrape)
+            spec = autoscaled_spec(minReplicas=0)
+            async with aiohttp.ClientSession() as session:
+                return await scaler.evaluate(session, spec, s.ObjectMeta("q", "ns", "u"), None, 0.0)
+        finally:
+            await runner.cleanup()
+
+    evaluation = asyncio.run(run())
+    assert evaluation.decision.desired == 1
+    assert queries == [observe.gateway_waiting_query("ns", "q-gateway")]

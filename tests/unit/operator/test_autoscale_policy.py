@@ -371,3 +371,69 @@ def test_a_surge_of_requests_scales_up_before_the_rates_show_it() -> None:
     assert surge_replicas(config, PolicyState(), o, 2) == 0.0
     starting, _ = decide(config, state, 3, o, 15.0)
     assert starting.desired == 9 and "surge" not in starting.reason
+
+
+def _idle_light_load(replicas: int = 2) -> Observations:
+    """Nothing running at this instant, at a light load: the last minute finished 3.7 requests/s of 128 tokens."""
+    return Observations(age_seconds=5, reporting_replicas=replicas, running_requests=0, waiting_requests=0,
+                        output_tokens_per_second=476.0, finished_requests_per_second=476.0 / 128)
+
+
+def test_idle_replicas_keep_their_measured_capacity() -> None:
+    """Issue 19: idle at an evaluation (normal at light load) made the capacity 0 and the policy ask for
+    maxReplicas ("capacity 0 tok/s per replica (idle) needs 20"). The capacity is the replica's: the last speed
+    measured, rescaled to a full batch."""
+    config = replace(CONFIG, max_replicas=20)
+    # A minute ago the two replicas decoded 4 requests at 40 tok/s each.
+    _, state = run(config, 2, [obs(4)])
+    decision, _ = decide(config, replace(state, last_in_system=(15.0, 0.0)), 2, _idle_light_load(), 30.0)
+    assert decision.inputs is not None
+    assert decision.inputs.capacity_tokens_per_second_per_replica == pytest.approx(32 * 40)
+    assert decision.inputs.capacity_source == "last measured"
+    # 476 tok/s on 2 x 1280 tok/s at 0.8: one replica would do; nothing is added.
+    assert decision.desired <= 2
+    assert not decision.reason.startswith("scale up")
+
+
+def test_idle_replicas_with_nothing_measured_do_not_scale_up() -> None:
+    """No speed measured yet (an operator restarted while idle) and no prior: capacity unknown, the count stays."""
+    config = replace(CONFIG, max_replicas=20)
+    decision, _ = decide(config, PolicyState(last_in_system=(15.0, 0.0)), 2, _idle_light_load(), 30.0)
+    assert decision.desired == 2 and decision.metrics_available
+    # With the replica model's prior, the capacity is that prior.
+    prior = replace(config, prior_capacity_tokens_per_second_per_replica=2000.0)
+    decision, _ = decide(prior, PolicyState(last_in_system=(15.0, 0.0)), 2, _idle_light_load(), 30.0)
+    assert decision.inputs is not None and decision.inputs.capacity_source == "prior"
+    assert decision.inputs.capacity_tokens_per_second_per_replica == 2000.0
+    assert decision.desired == 2
+
+
+def test_fractional_running_requests_measure_the_speed() -> None:
+    """A time-averaged gauge below one request (a light load) still gives a speed: requests decoding alone."""
+    config = replace(CONFIG, max_replicas=20)
+    o = replace(obs(0.4, replicas=1), finished_requests_per_second=0.3, output_tokens_per_second=16.0)
+    decision, state = decide(config, PolicyState(), 1, o, 0.0)
+    assert decision.inputs is not None and decision.inputs.capacity_source == "predicted"
+    assert state.speed_samples == ((1.0, 1 / 40),)
+    assert decision.desired == 1
+
+
+def test_wake_from_zero_on_a_waiting_stream_only() -> None:
+    from minedraft.operator.autoscale.policy import wake_from_zero
+
+    config = replace(CONFIG, min_replicas=0)
+    assert wake_from_zero(config, 0, None) is None  # no gateway figure: nothing to act on
+    assert wake_from_zero(config, 0, 0.0) is None
+    assert wake_from_zero(config, 1, 5.0) is None  # not at zero: the regular evaluation sizes it
+    woken = wake_from_zero(config, 0, 3.0)
+    assert woken is not None and (woken.current, woken.desired) == (0, 1) and woken.metrics_available
+
+
+def test_idle_for_a_whole_window_goes_to_zero_when_min_is_zero() -> None:
+    """Measured once busy, then idle: zero once every recommendation of the window says so (not before)."""
+    config = replace(CONFIG, min_replicas=0)
+    idle = Observations(age_seconds=1, reporting_replicas=1, running_requests=0, waiting_requests=0,
+                        output_tokens_per_second=0, finished_requests_per_second=0.0)
+    counts, _ = run(config, 1, [obs(4, replicas=1)] + [idle] * 25)
+    assert counts[0] == 1 and 0 in counts
+    assert counts.index(0) * config.interval_seconds >= config.scale_down_stabilization_seconds

@@ -49,6 +49,10 @@ def walk(schema: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str
 
 def test_structural_and_described() -> None:
     for path, node in walk(SCHEMA):
+        if node.get("x-kubernetes-int-or-string"):
+            # The one form structural schemas allow for int-or-string (as every Kubernetes quantity).
+            assert "type" not in node and node["anyOf"] == [{"type": "integer"}, {"type": "string"}], path
+            continue
         assert "type" in node, f"{path}: structural schemas need a type"
         if path.count(".") >= 1 and not path.startswith(".metadata"):
             assert node.get("description"), f"{path}: every field needs a description"
@@ -120,7 +124,9 @@ def cel_errors(schema: dict[str, Any], value: Any, old: Any, path: str = "") -> 
             else:
                 variables["oldSelf"] = old
         if cel.evaluate(expression, variables) is not True:
-            found.append(f"{path or '<root>'}: {rule['message']}")
+            # As the API server reports it: the rule's node plus its fieldPath.
+            where = f"{path}{rule.get('fieldPath', '')}".lstrip(".")
+            found.append(f"{where or '<root>'}: {rule['message']}")
     if isinstance(value, dict):
         for name, sub in schema.get("properties", {}).items():
             if name in value:
@@ -175,44 +181,118 @@ def with_spec(name: str, **changes: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("doc", "message"), [
     (with_spec("autoscaled", autoscaling__minReplicas=5, autoscaling__maxReplicas=2),
-     "spec.autoscaling: minReplicas must not exceed maxReplicas"),
+     "spec.autoscaling.minReplicas: minReplicas must not exceed maxReplicas"),
     (with_spec("autoscaled", replicas=2),
-     "spec: set either replicas or autoscaling, not both (the autoscaler owns replicas)"),
+     "spec.replicas: set either replicas or autoscaling, not both (the autoscaler owns replicas)"),
     (with_spec("minimal", speculation__mode="ar", speculation__numExtraDraftTokens=2),
-     "spec.speculation: numExtraDraftTokens needs mode psd or sd"),
+     "spec.speculation.numExtraDraftTokens: numExtraDraftTokens needs mode psd or sd"),
+    (with_spec("minimal", speculation__numSpeculativeTokens=12, speculation__numExtraDraftTokens=5),
+     "spec.speculation.numExtraDraftTokens: numSpeculativeTokens + numExtraDraftTokens must be at most 16"),
     (with_spec("minimal", target__source__image={"path": "/m"}),
      "spec.target.source: exactly one of huggingFace, persistentVolumeClaim or image must be set"),
     (with_spec("autoscaled", autoscaling__speculation__minSpeculativeTokens=6,
+               autoscaling__speculation__maxSpeculativeTokens=7),
+     "spec.speculation.numSpeculativeTokens: auto mode starts at a numSpeculativeTokens within "
+     "autoscaling.speculation's min..max"),
+    (with_spec("autoscaled", autoscaling__speculation__minSpeculativeTokens=6,
                autoscaling__speculation__maxSpeculativeTokens=3),
-     "spec.autoscaling.speculation: minSpeculativeTokens must not exceed maxSpeculativeTokens"),
-], ids=["min>max", "replicas+autoscaling", "extra-drafts-ar", "two-sources", "k-range"])
+     "spec.autoscaling.speculation.minSpeculativeTokens: minSpeculativeTokens must not exceed maxSpeculativeTokens"),
+    (with_spec("minimal", autoscaling={"speculation": {"allowedModes": ["ar", "sd"]}}),
+     "spec.autoscaling.speculation.allowedModes: autoscaling.speculation.allowedModes must include the fixed "
+     "speculation.mode (or use mode auto)"),
+    (with_spec("minimal", engine__drafterBackend="torch"),
+     "spec.engine.drafterBackend: torch is the CPU drafter; engine pods run on GPUs: use vllm"),
+    (with_spec("minimal", engine__extraArgs=["--enforce-eager", "--tensor-parallel-size=2"]),
+     "spec.engine.extraArgs: extraArgs must not set flags the operator sets from the MineDraft's own fields "
+     "(--model, --dtype, --tensor-parallel-size, --max-model-len, ...): set those fields"),
+    (with_spec("minimal", engine__extraArgs=["--max-model-len", "4096"]), "spec.engine.extraArgs: extraArgs must not"),
+], ids=["min>max", "replicas+autoscaling", "extra-drafts-ar", "k+e>16", "two-sources", "auto-k-outside",
+        "k-range", "fixed-mode-not-allowed", "torch-drafter", "reserved-flag", "reserved-flag-split"])
 def test_cel_rules_reject_with_their_message(doc: dict[str, Any], message: str) -> None:
-    assert message in admit(doc)
+    found = admit(doc)
+    assert any(f.startswith(message) for f in found), found
+
+
+def test_metadata_name_must_make_valid_service_names() -> None:
+    """DNS-1035 (a letter first) and room for the "-gateway" suffix within 63 characters."""
+    message = "<root>: metadata.name must be a DNS-1035 label"
+    for bad in ("7b-qwen", "x" * (s.MAX_NAME_LENGTH + 1), "qwen.3"):
+        doc = example("minimal")
+        doc["metadata"]["name"] = bad
+        assert any(f.startswith(message) for f in admit(doc)), bad
+    doc = example("minimal")
+    doc["metadata"]["name"] = "q" * s.MAX_NAME_LENGTH
+    assert admit(doc) == []
+
+
+def test_every_rule_names_its_field_and_reason() -> None:
+    """Each CEL rule sets a reason, and a fieldPath that exists in the schema (the API server rejects a CRD whose
+    fieldPath does not resolve), except rules about a whole object (one of several fields, the metadata name)."""
+    whole_object = {"exactly one of huggingFace, persistentVolumeClaim or image must be set"}
+    for path, node in walk(SCHEMA):
+        for rule in node.get("x-kubernetes-validations", []):
+            assert rule.get("reason") in ("FieldValueInvalid", "FieldValueForbidden", "FieldValueRequired",
+                                          "FieldValueNotSupported"), rule
+            if rule["message"] in whole_object or rule["message"].startswith("metadata.name"):
+                continue
+            target = node
+            for part in rule["fieldPath"].lstrip(".").split("."):
+                target = target["properties"][part]
+            assert target, (path, rule)
 
 
 @pytest.mark.parametrize(("doc", "fragment"), [
     (with_spec("minimal", speculation__numSpeculativeTokens=17), "speculation.numSpeculativeTokens"),
     (with_spec("minimal", speculation__numSpeculativeTokens=0), "speculation.numSpeculativeTokens"),
     (with_spec("minimal", speculation__mode="fast"), "speculation.mode"),
-    (with_spec("minimal", engine__targetGPUs=2), "engine.targetGPUs"),
+    (with_spec("minimal", engine__targetGPUs=9), "engine.targetGPUs"),
+    (with_spec("minimal", engine__dtype="fp8"), "engine.dtype"),
+    (with_spec("minimal", engine__maxModelLen=8), "engine.maxModelLen"),
+    (with_spec("minimal", engine__cpu=0.5), "engine.cpu"),
+    (with_spec("autoscaled", autoscaling__speculation__allowedModes=["vllm-sd"]), "allowedModes"),
     (with_spec("minimal", engine__memory="lots"), "engine.memory"),
     (with_spec("minimal", gateway__tlsSecretRef={}), "gateway.tlsSecretRef"),
     (with_spec("minimal", replicas=-1), "spec.replicas"),
     (with_spec("minimal", autoscaling={"targetUtilization": 0}), "autoscaling.targetUtilization"),
     (with_spec("minimal", speculaton={"mode": "psd"}), "speculaton"),
     (with_spec("minimal", target=None), "target"),
-], ids=["k-high", "k-zero", "mode", "gpus", "quantity", "tls-name", "replicas", "utilization", "typo", "no-target"])
+], ids=["k-high", "k-zero", "mode", "gpus", "dtype", "context-len", "float-cpu", "auto-vllm-sd",
+        "quantity", "tls-name", "replicas", "utilization", "typo", "no-target"])
 def test_schema_rejects(doc: dict[str, Any], fragment: str) -> None:
     problems = admit(doc)
     assert any(fragment in p for p in problems), problems
 
 
-def test_autoscaler_may_write_replicas_through_scale_within_bounds() -> None:
-    """After creation the autoscaler sets spec.replicas (via /scale): allowed within bounds, not outside."""
+def test_autoscaler_may_write_replicas_and_users_may_then_edit_the_bounds() -> None:
+    """After creation the autoscaler sets spec.replicas (via /scale); a user who then narrows min/maxReplicas below
+    or above it is admitted (the operator clamps replicas into the new bounds)."""
     old = example("autoscaled")
     scaled = with_spec("autoscaled", replicas=4)
     assert admit(scaled, old=old) == []
-    outside = with_spec("autoscaled", replicas=9)
-    assert "spec: replicas must lie within autoscaling minReplicas..maxReplicas" in admit(outside, old=old)
+    narrowed = with_spec("autoscaled", replicas=4, autoscaling__maxReplicas=2)
+    assert admit(narrowed, old=scaled) == []
+    raised = with_spec("autoscaled", replicas=4, autoscaling__minReplicas=5, autoscaling__maxReplicas=8)
+    assert admit(raised, old=scaled) == []
+    assert s.parse_spec(apply_defaults(SCHEMA, narrowed)["spec"]).desired_replicas == 2
+    assert s.parse_spec(apply_defaults(SCHEMA, raised)["spec"]).desired_replicas == 5
     # A user's update of a fixed-replica MineDraft is unaffected.
     assert admit(with_spec("minimal", replicas=5), old=example("minimal")) == []
+
+
+def test_users_write_quantities_as_numbers() -> None:
+    doc = with_spec("minimal", engine__cpu=16, engine__memory="64Gi", engine__ephemeralStorage=200,
+                    gateway__cpu=2, engine__extraArgs=["--gpu-memory-utilization", "0.85", "--enforce-eager"])
+    assert admit(doc) == []
+    assert s.parse_spec(apply_defaults(SCHEMA, doc)["spec"]).engine.cpu == "16"
+
+
+def test_scale_to_zero_is_admitted_and_renders_engines_at_zero_with_the_gateway_up() -> None:
+    from minedraft.operator import render
+
+    doc = with_spec("autoscaled", autoscaling__minReplicas=0)
+    assert admit(doc) == []
+    doc["metadata"].update(namespace="serving", uid="u")
+    manifests = render.render_resource(apply_defaults(SCHEMA, doc))
+    deployments = {m["metadata"]["name"]: m for m in manifests if m["kind"] == "Deployment"}
+    assert deployments["qwen3-14b-engine"]["spec"]["replicas"] == 0
+    assert deployments["qwen3-14b-gateway"]["spec"]["replicas"] >= 1

@@ -88,7 +88,7 @@ def test_cli_render_prints_a_yaml_stream(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["operator", "render", "-f", str(ROOT / "examples" / "minimal.yaml")]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert [d["kind"] for d in docs] == ["Service", "Deployment", "PodDisruptionBudget", "ServiceAccount", "Role",
-                                         "RoleBinding", "Service", "Deployment", "NetworkPolicy"]
+                                         "RoleBinding", "Service", "Deployment", "NetworkPolicy", "NetworkPolicy"]
     assert main(["operator", "render", "--monitoring", "on", "--network-policy", "off", "-f",
                  str(ROOT / "examples" / "minimal.yaml")]) == 0
     kinds = [d["kind"] for d in yaml.safe_load_all(capsys.readouterr().out)]
@@ -113,7 +113,9 @@ def test_cli_render_reports_errors_with_exit_2(tmp_path: Path, capsys: pytest.Ca
 
 def test_cli_crd_prints_the_chart_crd(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["operator", "crd"]) == 0
-    assert capsys.readouterr().out == (ROOT / "charts/minedraft/crds/minedrafts.minedraft.io.yaml").read_text()
+    from minedraft.operator.crd import CRD_FILE
+
+    assert capsys.readouterr().out == (ROOT / CRD_FILE).read_text()
 
 
 def test_operator_cli_runs_without_vllm_or_torch() -> None:

@@ -78,13 +78,14 @@ def test_engine_pod_minimal() -> None:
     assert flag(c["command"], "--model") == "Qwen/Qwen3-8B" and flag(c["command"], "--draft") == "Qwen/Qwen3-0.6B"
     assert flag(c["command"], "--mode") == "psd" and flag(c["command"], "--num-speculative-tokens") == "3"
     # gRPC probes on the health service, startup long enough for loading the weights.
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["grpc"] == {"port": render.ENGINE_GRPC_PORT}
+    assert c["livenessProbe"]["grpc"] == {"port": render.ENGINE_GRPC_PORT, "service": "minedraft.liveness"}
+    for probe in ("startupProbe", "readinessProbe"):
+        assert c[probe]["grpc"] == {"port": render.ENGINE_GRPC_PORT, "service": ""}
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= s.EngineSpec().startup_timeout_seconds
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "metrics": 9400}
     # Non-root, read-only root, writable paths on emptyDirs, shm in memory.
-    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 1000
+    assert pod["securityContext"]["runAsNonRoot"] is True and "runAsUser" not in pod["securityContext"]
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
@@ -185,13 +186,15 @@ def test_autoscaled_pvc_models_and_auto_mode() -> None:
 
 def test_edge_cases() -> None:
     doc = load("minimal")
-    doc["spec"]["engine"] = {"extraArgs": ["--kv-cache-gib", "40"], "modelCache": {"claimName": "hf-cache"},
+    doc["spec"]["engine"] = {"extraArgs": ["--gpu-memory-utilization", "0.85", "--enforce-eager"],
+                             "modelCache": {"claimName": "hf-cache"},
                              "affinity": {"nodeAffinity": {}}, "cpu": "0.5", "terminationGracePeriodSeconds": 5}
     doc["spec"]["gateway"] = {"replicas": 0, "maxInFlight": 7}
     doc["spec"]["target"]["source"] = {"image": {"path": "/models/target"}}
     manifests = render.render_resource(doc)
     c = engine_container(manifests)
-    assert c["command"][-2:] == ["--kv-cache-gib", "40"]
+    # The engine's own flag stays one (the engine sets vLLM's from it); other vLLM arguments pass through.
+    assert c["command"][-2:] == ["--gpu-memory-utilization=0.85", "--vllm-arg=--enforce-eager"]
     assert flag(c["command"], "--model") == "/models/target"
     assert flag(c["command"], "--grace-seconds") == "1"
     pod = next(m for m in manifests if m["metadata"]["name"] == "qwen3-8b-engine"
@@ -231,3 +234,240 @@ def test_rendered_commands_parse_with_the_real_cli(name: str) -> None:
     gateway = parser.parse_args(gateway_pod["containers"][0]["command"][1:])
     assert gateway.port == render.GATEWAY_GRPC_PORT and gateway.metrics_port == render.GATEWAY_METRICS_PORT
     assert gateway.kubernetes_service == f"serving/{load(name)['metadata']['name']}-engine"
+
+
+# -- issue 16: what a real cluster enforces, checked on every rendered pod -------------------------------------------
+
+def variants() -> list[tuple[str, dict[str, Any]]]:
+    """Every example, plus the options that change pods (TLS, modes, GPUs, pod fields)."""
+    out = [(p.stem, load(p.stem)) for p in EXAMPLES]
+    doc = load("minimal")
+    doc["spec"]["engine"] = {"targetGPUs": 4, "dtype": "bfloat16", "runtimeClassName": "nvidia",
+                             "ephemeralStorage": "50Gi", "env": [{"name": "NCCL_DEBUG", "value": "WARN"}],
+                             "extraArgs": ["--enforce-eager"], "terminationGracePeriodSeconds": 600}
+    doc["spec"]["imagePullSecrets"] = [{"name": "registry"}]
+    out.append(("tp4-fields", doc))
+    for mode in ("ar", "vllm-sd", "sd"):
+        doc = load("minimal")
+        doc["spec"]["speculation"] = {"mode": mode}
+        out.append((mode, doc))
+    return out
+
+
+VARIANTS = variants()
+
+
+def pod_templates(manifests: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    return [(m["metadata"]["name"], m["spec"]["template"]["spec"]) for m in manifests if m["kind"] == "Deployment"]
+
+
+@pytest.mark.parametrize(("name", "doc"), VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_every_probe_asks_its_own_question(name: str, doc: dict[str, Any]) -> None:
+    """liveness = "the process answers" (never a readiness signal: that restarted the gateway while engines loaded);
+    readiness = "route to me"; startup only where loading takes long (the engine), bounded by startupTimeoutSeconds;
+    no liveness window shorter than a drain."""
+    spec = s.parse_spec(doc["spec"])
+    for deployment, pod in pod_templates(render.render_resource(doc)):
+        (c,) = pod["containers"]
+        live, ready = c["livenessProbe"], c["readinessProbe"]
+        if "grpc" in live:
+            assert live["grpc"]["service"] == render.LIVENESS_SERVICE, deployment
+        else:  # TLS: kubelet gRPC probes cannot handshake
+            assert spec.gateway.tls_secret_name is not None and deployment.endswith("-gateway")
+            assert live == {**live, "tcpSocket": {"port": render.GATEWAY_GRPC_PORT}}
+        if "grpc" in ready:
+            assert ready["grpc"]["service"] == render.READINESS_SERVICE, deployment
+        else:
+            assert spec.gateway.tls_secret_name is not None and "tcpSocket" in ready
+        live_window = live["periodSeconds"] * live["failureThreshold"]
+        assert live_window > pod["terminationGracePeriodSeconds"], deployment  # a drain is never cut short
+        assert live["timeoutSeconds"] >= 5  # a busy event loop answers late, not never
+        if deployment.endswith("-engine"):
+            startup = c["startupProbe"]
+            assert startup["grpc"]["service"] == render.READINESS_SERVICE
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= spec.engine.startup_timeout_seconds
+        else:
+            assert "startupProbe" not in c  # the gateway binds in seconds: liveness alone
+
+
+@pytest.mark.parametrize(("name", "doc"), VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_pods_meet_pod_security_restricted_with_any_uid(name: str, doc: dict[str, Any]) -> None:
+    """The Pod Security Standards' baseline and restricted controls, as the PodSecurity admission checks them,
+    plus what OpenShift's restricted-v2 (an arbitrary UID per namespace) needs: no fixed UID/GID/fsGroup."""
+    restricted_volume_kinds = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                               "projected", "secret"}
+    baseline_capabilities = {"NET_BIND_SERVICE"}  # restricted: at most this one may be added
+    for deployment, pod in pod_templates(render.render_resource(doc)):
+        psc = pod.get("securityContext", {})
+        # Baseline: host namespaces, host ports, hostPath, privileged, proc mount, sysctls, seccomp, SELinux.
+        assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), deployment
+        assert not psc.get("sysctls") and "seLinuxOptions" not in psc
+        for volume in pod.get("volumes", []):
+            kinds = set(volume) - {"name"}
+            assert kinds <= restricted_volume_kinds, (deployment, volume)
+        containers = pod["containers"] + pod.get("initContainers", [])
+        for c in containers:
+            csc = c.get("securityContext", {})
+            assert not csc.get("privileged") and csc.get("procMount", "Default") == "Default"
+            assert all(not p.get("hostPort") for p in c.get("ports", []))
+            # Restricted.
+            assert csc.get("allowPrivilegeEscalation") is False, deployment
+            assert csc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True
+            assert csc.get("runAsUser", psc.get("runAsUser", 1)) != 0
+            seccomp = csc.get("seccompProfile", psc.get("seccompProfile", {}))
+            assert seccomp.get("type") in ("RuntimeDefault", "Localhost")
+            assert "ALL" in csc.get("capabilities", {}).get("drop", [])
+            assert set(csc.get("capabilities", {}).get("add", [])) <= baseline_capabilities
+            # Any UID: nothing fixes it.
+            assert "runAsUser" not in csc and "runAsGroup" not in csc
+            # Read-only root; every path the process writes is a volume.
+            assert csc.get("readOnlyRootFilesystem") is True
+        assert not {"runAsUser", "runAsGroup", "fsGroup"} & set(psc), deployment
+
+
+def test_every_writable_path_is_on_a_volume() -> None:
+    """HOME, TMPDIR and every cache vLLM, torch, Triton, CUDA and Hugging Face write lie on writable volumes (the
+    root filesystem is read-only and an arbitrary UID has no home directory)."""
+    for manifests in (render.render_resource(doc) for _, doc in VARIANTS):
+        for deployment, pod in pod_templates(manifests):
+            (c,) = pod["containers"]
+            writable = [m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")]
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            assert env["HOME"] == render.TMP_DIR, deployment
+            if deployment.endswith("-engine"):
+                assert set(render.WRITABLE_ENV) <= set(env)
+                for name in render.WRITABLE_ENV:
+                    value = env[name]
+                    assert any(value == m or value.startswith(m + "/") for m in writable), (name, value)
+
+
+@pytest.mark.parametrize(("mode", "allowed", "gpus"), [
+    ("psd", None, 2), ("sd", None, 2), ("ar", None, 1), ("vllm-sd", None, 1), ("auto", ["ar"], 1),
+    ("auto", ["psd", "ar"], 2),
+])
+def test_drafter_gpu_only_for_modes_that_draft_on_it(mode: str, allowed: list[str] | None, gpus: int) -> None:
+    doc = load("minimal")
+    doc["spec"]["speculation"] = {"mode": mode, "numSpeculativeTokens": 3}
+    if allowed:
+        doc["spec"]["autoscaling"] = {"speculation": {"allowedModes": allowed}}
+    c = engine_container(render.render_resource(doc))
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == str(gpus)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
+    assert (flag(c["command"], "--drafter-gpu") == "1") is (gpus == 2)
+    if mode == "auto":
+        assert flag(c["command"], "--auto-modes") == ",".join(m for m in s.AUTO_MODES if m in (allowed or []))
+
+
+def test_target_gpus_are_tensor_parallel_and_the_drafter_takes_the_next_device() -> None:
+    doc = load("minimal")
+    doc["spec"]["engine"] = {"targetGPUs": 4, "dtype": "bfloat16"}
+    c = engine_container(render.render_resource(doc))
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "5"
+    assert flag(c["command"], "--tensor-parallel-size") == "4" and flag(c["command"], "--drafter-gpu") == "4"
+    assert flag(c["command"], "--dtype") == "bfloat16"
+    assert "--max-model-len" not in c["command"]  # unset: the model's own context length
+    doc["spec"]["engine"]["maxModelLen"] = 4096
+    assert flag(engine_container(render.render_resource(doc))["command"], "--max-model-len") == "4096"
+
+
+def test_optional_pod_fields_appear_only_when_set() -> None:
+    bare = render.render_resource(load("minimal"))
+    _, doc = next(v for v in VARIANTS if v[0] == "tp4-fields")
+    full = render.render_resource(doc)
+    (_, engine_bare), _ = pod_templates(bare)
+    (_, engine_full), (_, gateway_full) = pod_templates(full)
+    for key in ("runtimeClassName", "imagePullSecrets", "nodeSelector", "tolerations", "affinity",
+                "priorityClassName"):
+        assert key not in engine_bare, key
+    assert engine_full["runtimeClassName"] == "nvidia"
+    assert engine_full["imagePullSecrets"] == gateway_full["imagePullSecrets"] == [{"name": "registry"}]
+    c = engine_full["containers"][0]
+    assert c["resources"]["requests"]["ephemeral-storage"] == c["resources"]["limits"]["ephemeral-storage"] == "50Gi"
+    assert "ephemeral-storage" not in engine_bare["containers"][0]["resources"]["requests"]
+    assert c["env"][-1] == {"name": "NCCL_DEBUG", "value": "WARN"}
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+def label_match(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    ok = all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "In"
+        ok = ok and labels.get(expr["key"]) in expr["values"]
+    return ok
+
+
+def test_each_component_selects_only_its_own_pods() -> None:
+    manifests = render.render_resource(load("minimal"))
+    deployments = {m["metadata"]["name"]: m for m in manifests if m["kind"] == "Deployment"}
+    templates = {n: d["spec"]["template"]["metadata"]["labels"] for n, d in deployments.items()}
+    for name, dep in deployments.items():
+        for other, labels in templates.items():
+            assert label_match(dep["spec"]["selector"], labels) is (other == name), (name, other)
+    for m in manifests:
+        if m["kind"] in ("Service", "PodDisruptionBudget"):
+            selector = m["spec"]["selector"]
+            selector = selector if "matchLabels" in selector else {"matchLabels": selector}
+            matched = [n for n, labels in templates.items() if label_match(selector, labels)]
+            assert matched == [m["metadata"]["name"]], m["kind"]
+
+
+def test_unwanted_objects_are_not_rendered_and_every_object_is_prunable() -> None:
+    doc = load("minimal")
+    doc["spec"]["gateway"] = {"enabled": False}
+    doc["spec"]["engine"] = {"podDisruptionBudget": False}
+    kinds = {(m["kind"], m["metadata"]["name"]) for m in render.render_resource(doc)}
+    assert kinds == {("Service", "qwen3-8b-engine"), ("Deployment", "qwen3-8b-engine"),
+                     ("NetworkPolicy", "qwen3-8b-engine")}
+    meta = s.parse_meta(doc["metadata"])
+    everything = render.render(s.parse_spec(load("auth-tls")["spec"]), meta, render.RenderOptions(monitoring=True))
+    assert {(m["kind"], m["metadata"]["name"]) for m in everything} == set(render.all_kinds_and_names(meta))
+
+
+def test_qwen3_on_four_gpus_in_bf16_is_accepted_by_the_engine_parser_and_settings() -> None:
+    """Issue 17: targetGPUs 4, dtype bfloat16, a Qwen3 pair. The command the operator renders (not a hand-written
+    one) passes `minedraft serve`'s parser, the engine settings validation, vLLM's own EngineArgs (the pass-through
+    argument included), and the pod's five GPUs split 4 + 1 as the device plugin numbers them."""
+    from minedraft.cli import build_parser, settings_from_args
+    from minedraft.engine.core import engine_args
+    from minedraft.engine.placement import DeviceInfo, plan_devices
+    from minedraft.engine.settings import validate
+
+    doc = load("minimal")
+    doc["spec"]["target"] = {"source": {"huggingFace": {"id": "Qwen/Qwen3-32B"}}}
+    doc["spec"]["draft"] = {"source": {"huggingFace": {"id": "Qwen/Qwen3-1.7B"}}}
+    doc["spec"]["engine"] = {"targetGPUs": 4, "dtype": "bfloat16",
+                             "extraArgs": ["--gpu-memory-utilization", "0.9", "--enable-prefix-caching"]}
+    c = engine_container(render.render_resource(doc))
+    args = build_parser().parse_args(c["command"][1:])
+    assert (args.tensor_parallel_size, args.dtype, args.drafter_gpu, args.max_model_len) == (4, "bfloat16", 4, None)
+    settings = settings_from_args(args)
+    validate(settings)
+    vllm = engine_args(settings)
+    assert (vllm.tensor_parallel_size, vllm.dtype, vllm.gpu_memory_utilization) == (4, "bfloat16", 0.9)
+    assert vllm.enable_prefix_caching is True
+    gpus = int(c["resources"]["limits"]["nvidia.com/gpu"])
+    plan = plan_devices(settings, DeviceInfo(visible_gpus=tuple(str(i) for i in range(gpus))))
+    assert (plan.target_visible_devices, plan.drafter_visible_devices) == ("0,1,2,3", "4")
+
+
+@pytest.mark.parametrize(("name", "doc"), VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_every_rendered_engine_flag_passes_the_engine_parser_and_settings(name: str, doc: dict[str, Any]) -> None:
+    from minedraft.cli import build_parser, settings_from_args
+    from minedraft.engine.settings import validate
+
+    command = engine_container(render.render_resource(doc))["command"]
+    validate(settings_from_args(build_parser().parse_args(command[1:])))
+
+
+def test_cli_render_shows_the_resource_with_the_crds_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    """`minedraft operator render --resource` prints the MineDraft as the API server stores it, then its objects,
+    rendered from that defaulted MineDraft."""
+    from minedraft.cli import main
+
+    assert main(["operator", "render", "--resource", "-f", str(ROOT / "examples" / "minimal.yaml")]) == 0
+    first, *objects = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert first["kind"] == s.KIND
+    assert first["spec"]["engine"]["dtype"] == "auto" and first["spec"]["gateway"]["enabled"] is True
+    assert first["spec"]["engine"]["maxNumSeqs"] == s.EngineSpec().max_num_seqs
+    assert "maxModelLen" not in first["spec"]["engine"]  # no default: the model's own context length
+    assert [o["kind"] for o in objects][:2] == ["Service", "Deployment"]

@@ -42,14 +42,32 @@ def test_defaults() -> None:
     (minimal(speculation={"mode": "ar", "numExtraDraftTokens": 2}),
      "spec.speculation.numExtraDraftTokens: extra drafts need mode psd or sd"),
     (minimal(autoscaling={"minReplicas": 5, "maxReplicas": 2}), "spec.autoscaling.minReplicas: must not exceed"),
-    (minimal(autoscaling={"maxReplicas": 3}, replicas=7), "spec.replicas: must lie within autoscaling bounds"),
+    (minimal(speculation={"numSpeculativeTokens": 10, "numExtraDraftTokens": 7}),
+     "spec.speculation.numExtraDraftTokens: numSpeculativeTokens + numExtraDraftTokens must be at most 16"),
+    (minimal(speculation={"mode": "auto", "numSpeculativeTokens": 9}, autoscaling={}),
+     "spec.speculation.numSpeculativeTokens: auto mode starts at k within autoscaling.speculation 1..8"),
+    (minimal(speculation={"mode": "auto"}, autoscaling={"speculation": {"allowedModes": ["vllm-sd"]}}),
+     "spec.autoscaling.speculation.allowedModes: must be a non-empty list of psd, sd, ar"),
+    (minimal(speculation={"mode": "psd"}, autoscaling={"speculation": {"allowedModes": ["ar"]}}),
+     "spec.autoscaling.speculation.allowedModes: must include the fixed mode psd"),
+    (minimal(engine={"drafterBackend": "torch"}), "spec.engine.drafterBackend: torch is the CPU drafter"),
+    (minimal(engine={"extraArgs": ["--max-model-len", "4096"]}), "spec.engine.extraArgs: --max-model-len is set by"),
+    (minimal(engine={"extraArgs": ["--dtype=half"]}), "spec.engine.extraArgs: --dtype is set by"),
+    (minimal(engine={"extraArgs": ["enforce-eager"]}), "spec.engine.extraArgs: 'enforce-eager' is not a vLLM"),
+    (minimal(engine={"dtype": "fp8"}), "spec.engine.dtype: must be one of auto, bfloat16, float16, float32"),
+    (minimal(engine={"maxModelLen": 8}), "spec.engine.maxModelLen: must be between 16"),
+    (minimal(engine={"env": [{"name": "1X", "value": "a"}]}), "spec.engine.env[0].name"),
+    (minimal(engine={"runtimeClassName": "Bad_Name"}), "spec.engine.runtimeClassName: must be a DNS subdomain"),
+    (minimal(engine={"ephemeralStorage": "lots"}), "spec.engine.ephemeralStorage: must be a Kubernetes quantity"),
+    (minimal(imagePullSecrets=[{"name": "Bad_Name"}]), "spec.imagePullSecrets[0].name: must be a DNS subdomain"),
+    (minimal(gateway={"enabled": "no"}), "spec.gateway.enabled: must be true or false"),
     (minimal(autoscaling={"speculation": {"minSpeculativeTokens": 6, "maxSpeculativeTokens": 2}}),
      "spec.autoscaling.speculation.minSpeculativeTokens: must not exceed"),
     (minimal(autoscaling={"speculation": {"allowedModes": ["psd", "warp"]}}),
      "spec.autoscaling.speculation.allowedModes"),
     (minimal(autoscaling={"targetUtilization": 1.5}), "spec.autoscaling.targetUtilization"),
     (minimal(engine={"memory": "lots"}), "spec.engine.memory: must be a Kubernetes quantity"),
-    (minimal(engine={"targetGPUs": 2}), "spec.engine.targetGPUs: must be between 1 and 1"),
+    (minimal(engine={"targetGPUs": 9}), "spec.engine.targetGPUs: must be between 1 and 8"),
     (minimal(engine={"drafterGPUs": 2}), "spec.engine.drafterGPUs: must be between 1 and 1"),
     (minimal(target={"source": {"persistentVolumeClaim": {"claimName": "w", "path": "../etc"}}}),
      "spec.target.source.persistentVolumeClaim.path: must be relative"),
@@ -92,4 +110,34 @@ def test_secret_refs_name_their_fields() -> None:
 def test_name_must_leave_room_for_suffixes() -> None:
     with pytest.raises(s.SpecError, match=r"metadata.name"):
         s.parse_meta({"name": "x" * 60, "namespace": "ns"})
+    with pytest.raises(s.SpecError, match=r"DNS-1035"):
+        s.parse_meta({"name": "7b-model", "namespace": "ns"})  # a Service name must start with a letter
+    assert s.parse_meta({"name": "x" * s.MAX_NAME_LENGTH, "namespace": "ns"}).name
     assert s.parse_meta({"name": "ok", "namespace": "ns", "uid": "u", "generation": 4}).generation == 4
+
+
+def test_replicas_are_clamped_into_edited_autoscaling_bounds() -> None:
+    """The autoscaler wrote spec.replicas; the user then narrows min/maxReplicas: admitted, and clamped at once."""
+    assert s.parse_spec(minimal(autoscaling={"minReplicas": 1, "maxReplicas": 3}, replicas=7)).desired_replicas == 3
+    assert s.parse_spec(minimal(autoscaling={"minReplicas": 4, "maxReplicas": 6}, replicas=2)).desired_replicas == 4
+    assert s.parse_spec(minimal(autoscaling={"minReplicas": 0, "maxReplicas": 6}, replicas=0)).desired_replicas == 0
+
+
+def test_users_write_quantities_as_numbers_and_vllm_flags_either_way() -> None:
+    spec = s.parse_spec(minimal(engine={"cpu": 16, "memory": "64Gi", "ephemeralStorage": 100,
+                                        "extraArgs": ["--gpu-memory-utilization", "0.85", "--enforce-eager",
+                                                      "--kv-cache-dtype=fp8"]}))
+    assert spec.engine.cpu == "16" and spec.engine.ephemeral_storage == "100"
+    assert s.split_extra_args(spec.engine.extra_args) == ["--gpu-memory-utilization=0.85", "--enforce-eager",
+                                                          "--kv-cache-dtype=fp8"]
+    assert spec.engine.max_model_len is None  # the model's own context length
+
+
+@pytest.mark.parametrize(("mode", "allowed", "needs"), [
+    ("psd", None, True), ("sd", None, True), ("ar", None, False), ("vllm-sd", None, False),
+    ("auto", None, True), ("auto", ["ar"], False), ("auto", ["ar", "sd"], True),
+])
+def test_drafter_gpu_only_for_modes_that_draft_on_it(mode: str, allowed: list[str] | None, needs: bool) -> None:
+    autoscaling = {"speculation": {"allowedModes": allowed}} if allowed else None
+    spec = s.parse_spec(minimal(speculation={"mode": mode}, autoscaling=autoscaling))
+    assert spec.needs_drafter_gpu is needs

@@ -1,0 +1,176 @@
+"""The engine's command-line options, shared by every engine command (serve, run, generate, bench, doctor).
+
+A module of its own so `minedraft.cli` and `minedraft.server.cli` both import it instead of each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from minedraft.engine.settings import DRAFTER_BACKENDS, DTYPES
+
+
+def _pair_dir(value: str | None) -> Path:
+    from minedraft.models.spec import default_pair_dir
+
+    return Path(value) if value else default_pair_dir()
+
+
+def ensure_pair(pair_dir: Path) -> Path:
+    """The local pair, built on demand when neither the committed copy nor the cache has it."""
+    from minedraft.models.spec import is_complete_pair
+
+    if not is_complete_pair(pair_dir):
+        from minedraft.models.build import build_pair
+
+        print(f"building the local model pair into {pair_dir} (one time)", file=sys.stderr)
+        build_pair(pair_dir)
+    return pair_dir
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "psd") -> None:
+    parser.add_argument("--pair", help="local pair directory (default: the committed pair, else the cache)")
+    parser.add_argument("--model", help="target model directory or id (default: the local pair's target)")
+    parser.add_argument("--draft", help="draft model directory or id (default: the local pair's draft)")
+    parser.add_argument("--mode", default=default_mode, help="psd | sd | ar | vllm-sd")
+    parser.add_argument("--num-speculative-tokens", "-k", type=int, default=3, help="draft length k")
+    parser.add_argument("--num-extra-draft-tokens", type=int, default=0,
+                        help="extra drafts e (top-C selection by cumulative draft log-probability)")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest context in tokens (default: the model's own, capped by what the KV cache holds)")
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache size on CPUs (GiB)")
+    parser.add_argument("--dtype", default="auto", choices=list(DTYPES),
+                        help="target and drafter dtype (auto: each model's own on GPUs; float32 on CPUs without fast "
+                        "bfloat16)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="target GPUs (tensor parallel; on CPUs, worker processes)")
+    parser.add_argument("--target-gpus", help="comma-separated indices into the visible GPUs (CUDA_VISIBLE_DEVICES) "
+                        "for the target (default: the first --tensor-parallel-size ones not the drafter's)")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help="share of each target GPU's memory vLLM may use (default: vLLM's)")
+    parser.add_argument("--target-cores", help="comma-separated CPU cores for the target (default: first half)")
+    parser.add_argument("--drafter-cores", help="comma-separated CPU cores for the drafter (default: the rest)")
+    parser.add_argument("--drafter-gpu", type=int,
+                        help="index into the visible GPUs for the drafter (default on GPU machines: the first one "
+                        "after the target's)")
+    parser.add_argument("--drafter-gpu-memory-utilization", type=float,
+                        help="share of the drafter GPU's memory its vLLM may use (default: vLLM's)")
+    parser.add_argument("--draft-deadline-seconds", type=float, default=5.0)
+    parser.add_argument("--drafter-backend", default="auto", choices=list(DRAFTER_BACKENDS),
+                        help="auto: vllm on GPU machines, torch on CPUs; torch: plain-torch Llama/Qwen3 drafter with "
+                        "a per-request KV cache (CPUs only); vllm: the draft model in vLLM (any architecture)")
+    parser.add_argument("--vllm-arg", action="append", default=[], metavar="--FLAG[=VALUE]",
+                        help="any other vLLM engine argument, checked by vLLM's own parser; repeat for more "
+                        "(e.g. --vllm-arg=--enable-prefix-caching --vllm-arg=--max-num-batched-tokens=8192)")
+    parser.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds are separate)")
+    parser.add_argument("--max-num-speculative-tokens", type=int,
+                        help="the longest draft the engine can switch to at run time (auto mode's k range)")
+    parser.add_argument("--auto-modes", help="the modes auto mode chooses among (comma-separated subset of ar, sd, "
+                        "psd; default all three)")
+    parser.add_argument("--auto-k", help="the draft lengths auto mode chooses among (comma-separated; default 1 to "
+                        "the engine's longest draft)")
+    parser.add_argument("--constructed-acceptance", type=float,
+                        help="use the cost-realistic constructed pair with this per-position acceptance "
+                        "(built into the cache on first use; see `minedraft models build-constructed`)")
+
+
+def _cores(value: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(c) for c in value.split(",")) if value else default
+
+
+def constructed_pair(acceptance: float) -> Path:
+    """The cost-realistic pair with the given acceptance, built into the cache on first use (about a minute)."""
+    from minedraft.models.constructed import ConstructedRecipe, build_constructed_pair, constructed_pair_dir
+    from minedraft.models.spec import cache_root, is_complete_pair
+
+    if not 0.0 <= acceptance <= 1.0:
+        from minedraft.engine.settings import SettingsError
+
+        raise SettingsError("constructed_acceptance", f"must be within [0, 1], got {acceptance}")
+    out = constructed_pair_dir(cache_root(), acceptance)
+    if not is_complete_pair(out):
+        print(f"building the constructed pair (acceptance {acceptance}) into {out} (one time)", file=sys.stderr)
+        build_constructed_pair(out, ensure_pair(_pair_dir(None)) / "target", ConstructedRecipe(acceptance=acceptance))
+    return out
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    from minedraft.engine.settings import (
+        DrafterSettings,
+        EngineSettings,
+        Mode,
+        SettingsError,
+        default_core_split,
+        parse_vllm_args,
+    )
+
+    if getattr(args, "constructed_acceptance", None) is not None:
+        built = constructed_pair(args.constructed_acceptance)
+        args.model, args.draft = args.model or str(built / "target"), args.draft or str(built / "draft")
+    pair = None if (args.model and args.draft) else ensure_pair(_pair_dir(getattr(args, "pair", None)))
+    target_default, drafter_default = default_core_split()
+    mode = Mode.parse(args.mode)
+    auto: dict[str, Any] = {}
+    if getattr(args, "auto_modes", None):
+        auto["allowed_modes"] = tuple(m.strip() for m in args.auto_modes.split(",") if m.strip())
+    if getattr(args, "auto_k", None):
+        try:
+            auto["k_candidates"] = tuple(int(k) for k in args.auto_k.split(",") if k.strip())
+        except ValueError:
+            raise SettingsError("auto.k_candidates",
+                                f"expected comma-separated integers, got {args.auto_k!r}") from None
+    # The engine is built for the longest draft auto may switch to.
+    max_k = args.max_num_speculative_tokens
+    if auto.get("k_candidates") and not max_k:
+        max_k = max(max(auto["k_candidates"]), args.num_speculative_tokens + args.num_extra_draft_tokens)
+    return EngineSettings(
+        model=args.model or str(pair / "target"),  # type: ignore[operator]
+        drafter=DrafterSettings(
+            model=args.draft or str(pair / "draft"),  # type: ignore[operator]
+            cpu_cores=_cores(args.drafter_cores, drafter_default),
+            gpu_index=args.drafter_gpu,
+            deadline_seconds=args.draft_deadline_seconds,
+            backend=args.drafter_backend,
+            gpu_memory_utilization=args.drafter_gpu_memory_utilization,
+        ),
+        mode=mode,
+        num_speculative_tokens=args.num_speculative_tokens,
+        num_extra_draft_tokens=args.num_extra_draft_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len or 0,
+        kv_cache_gib=args.kv_cache_gib,
+        target_cpu_cores=_cores(args.target_cores, target_default),
+        seed=args.seed,
+        max_num_speculative_tokens=max_k,
+        auto=auto,
+        dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        target_gpus=_indices("target_gpus", args.target_gpus),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        extra_vllm_args=parse_vllm_args(_split_vllm_args(args.vllm_arg)),
+    )
+
+
+def _indices(field_name: str, value: str | None) -> tuple[int, ...]:
+    from minedraft.engine.settings import SettingsError
+
+    if not value:
+        return ()
+    try:
+        return tuple(int(c) for c in value.split(",") if c.strip())
+    except ValueError:
+        raise SettingsError(field_name, f"expected comma-separated integers, got {value!r}") from None
+
+
+def _split_vllm_args(values: list[str]) -> list[str]:
+    """`--vllm-arg=--flag=value` and `--vllm-arg "--flag value"` both reach vLLM's parser as its own argv."""
+    argv: list[str] = []
+    for value in values:
+        argv.extend(value.split(" ", 1) if " " in value and value.startswith("--") else [value])
+    return argv
+
+

@@ -1,0 +1,443 @@
+"""OpenAI HTTP API <-> minedraft.v1 messages: pure translations, no I/O.
+
+A request body becomes a pb.GenerateRequest (the one request type the engine server validates, whichever front end
+it came through); pb.GenerateResponse messages become OpenAI's response objects and Server-Sent Event chunks; a gRPC
+status becomes OpenAI's error object and HTTP status. Every field MineDraft cannot honour is rejected with a 400
+naming it, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import grpc
+import msgspec
+
+from minedraft.api import pb
+
+# Proto field limits (int32 / int64 / uint32): a larger JSON number is a 400, not an exception while converting.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+UINT32_MAX = 2**32 - 1
+# OpenAI's completions API defaults max_tokens to 16 (chat defaults to the rest of the context).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# OpenAI accepts up to 4 stop sequences; more are refused there too.
+MAX_STOP_SEQUENCES = 4
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+_encoder = msgspec.json.Encoder()
+
+
+class Kind(StrEnum):
+    COMPLETION = "completion"
+    CHAT = "chat"
+
+
+class ApiError(Exception):
+    """An OpenAI error: HTTP status and the {"error": {message, type, param, code}} body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, error_type: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.error_type = error_type or _ERROR_TYPES.get(status, "server_error")
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                429: "rate_limit_exceeded", 503: "service_unavailable", 504: "timeout"}
+
+
+def invalid(param: str | None, message: str, code: str | None = None) -> ApiError:
+    return ApiError(400, f"{param}: {message}" if param else message, param, code=code)
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """An OpenAI request translated: the engine request plus what shapes the HTTP response."""
+
+    kind: Kind
+    model: str
+    request: pb.GenerateRequest
+    stream: bool
+    include_usage: bool
+    # Engine field name -> the OpenAI parameter the client set it with (for 400s the engine raises).
+    params: dict[str, str] = field(default_factory=dict)
+    # vLLM's extension: each choice (and chunk) also carries the generated `token_ids`.
+    return_token_ids: bool = False
+
+
+# Fields accepted and ignored because they do not change the output (OpenAI's own bookkeeping fields).
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
+# Fields that change the output and that MineDraft can only honour at their neutral value.
+_NEUTRAL: dict[str, Any] = {
+    "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "best_of": 1, "echo": False,
+    "suffix": None, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
+    "response_format": None, "parallel_tool_calls": None, "top_logprobs": None, "modalities": None,
+    "audio": None, "prediction": None, "reasoning_effort": None, "web_search_options": None,
+}
+_COMMON = frozenset({"model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
+                     "logprobs", "top_k", "ignore_eos", "stop_token_ids", "return_token_ids"})
+_ALLOWED = {
+    Kind.COMPLETION: _COMMON | {"prompt"},
+    Kind.CHAT: _COMMON | {"messages", "max_completion_tokens"},
+}
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise invalid(None, f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise invalid(None, "the request body must be a JSON object")
+    return body
+
+
+def _int(body: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    # JSON true/false decode to bool, a subclass of int: not a number here.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(name, f"must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise invalid(name, f"must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise invalid(name, f"must be a number, got {value!r}")
+    return float(value)
+
+
+def _bool(body: Mapping[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise invalid(name, f"must be true or false, got {value!r}")
+    return value
+
+
+def _check_fields(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool) -> None:
+    for name, value in body.items():
+        if name in _IGNORED:
+            continue
+        if name in _NEUTRAL:
+            neutral = _NEUTRAL[name]
+            if value is not None and value != neutral and not (neutral is None and value in ({}, [], False)):
+                raise invalid(name, f"is not supported by this server (only {neutral!r})", "unsupported_parameter")
+            continue
+        if name not in _ALLOWED[kind]:
+            raise invalid(name, "is not a known parameter of this endpoint", "unknown_parameter")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and logprobs is not False and not logprobs_supported:
+        raise invalid("logprobs", "this server's engine does not produce log-probabilities", "unsupported_parameter")
+
+
+def _stop(body: Mapping[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid("stop", "must be a string or a list of strings")
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise invalid("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
+    if any(not s for s in stops):
+        raise invalid("stop", "stop strings must be non-empty")
+    return stops
+
+
+def _token_ids(value: Any, name: str) -> list[int] | None:
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if any(not 0 <= t <= UINT32_MAX for t in value):
+            raise invalid(name, "token ids must be non-negative")
+        return value
+    return None
+
+
+def _prompt(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
+    if "prompt" not in body or body["prompt"] is None:
+        raise invalid("prompt", "is required")
+    prompt = body["prompt"]
+    # OpenAI's batch forms (a list of strings or of token id lists) with exactly one element are one prompt.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        request.prompt = prompt
+        return
+    token_ids = _token_ids(prompt, "prompt")
+    if token_ids is None:
+        raise invalid("prompt", "must be a string or a list of token ids (one prompt per request: n=1 batches)")
+    request.prompt_token_ids.extend(token_ids)
+
+
+def _content(value: Any, index: int) -> str:
+    if isinstance(value, str):
+        return value
+    # OpenAI's content parts: only text parts can be rendered by a text model's template.
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise invalid(f"messages[{index}].content", "only text content parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(f"messages[{index}].content", "must be a string or a list of text parts")
+
+
+def _messages(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "is required: a non-empty list of {role, content}")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise invalid(f"messages[{index}]", "must be an object with role and content")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise invalid(f"messages[{index}].role", "must be a non-empty string")
+        content = message.get("content")
+        request.messages.add(role=role, content="" if content is None else _content(content, index))
+
+
+def parse_request(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool = False) -> ParsedRequest:
+    """Translate a completions or chat completions body (already JSON-decoded) into the engine request.
+
+    Raises ApiError(400) naming the OpenAI parameter. Range checks the engine makes itself (temperature, top_p,
+    max_tokens against the context, token ids against the vocabulary) are left to it, so both APIs share them.
+    """
+    _check_fields(body, kind, logprobs_supported)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model", "is required: one of the ids GET /v1/models lists")
+    n = _int(body, "n", 1, INT32_MAX)
+    if n not in (None, 1):
+        raise invalid("n", f"only n=1 is supported, got {n}", "unsupported_parameter")
+    stream = _bool(body, "stream")
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise invalid("stream_options", "is only allowed with stream: true")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+            raise invalid("stream_options", "must be an object with include_usage")
+        include_usage = _bool(options, "include_usage")
+
+    request = pb.GenerateRequest(request_id=new_request_id(kind))
+    params: dict[str, str] = {}
+    if kind is Kind.COMPLETION:
+        _prompt(body, request)
+        params["prompt_token_ids"] = "prompt"
+    else:
+        _messages(body, request)
+        params["prompt"] = params["prompt_token_ids"] = "messages"
+
+    sampling = request.sampling_params
+    max_tokens_name = "max_tokens"
+    max_tokens = _int(body, "max_tokens", -INT32_MAX, INT32_MAX)
+    if kind is Kind.CHAT and body.get("max_completion_tokens") is not None:
+        if max_tokens is not None:
+            raise invalid("max_completion_tokens", "set max_completion_tokens or max_tokens, not both")
+        max_tokens_name = "max_completion_tokens"
+        max_tokens = _int(body, "max_completion_tokens", -INT32_MAX, INT32_MAX)
+    if max_tokens is None and kind is Kind.COMPLETION:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    if max_tokens is not None:
+        sampling.max_tokens = max_tokens
+    params["sampling_params.max_tokens"] = max_tokens_name
+    if (temperature := _number(body, "temperature")) is not None:
+        sampling.temperature = temperature
+    if (top_p := _number(body, "top_p")) is not None:
+        sampling.top_p = top_p
+    if (top_k := _int(body, "top_k", -INT32_MAX, INT32_MAX)) is not None:
+        # vLLM's extension: -1 means disabled there, 0 here.
+        sampling.top_k = 0 if top_k == -1 else top_k
+    if (seed := _int(body, "seed", -INT64_MAX, INT64_MAX)) is not None:
+        sampling.seed = seed
+    sampling.stop.extend(_stop(body))
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is not None:
+        ids = _token_ids(stop_token_ids, "stop_token_ids")
+        if ids is None:
+            raise invalid("stop_token_ids", "must be a list of token ids")
+        sampling.stop_token_ids.extend(ids)
+    sampling.ignore_eos = _bool(body, "ignore_eos")
+    return ParsedRequest(kind, model, request, stream, include_usage, params, _bool(body, "return_token_ids"))
+
+
+def new_request_id(kind: Kind) -> str:
+    return f"{'chatcmpl' if kind is Kind.CHAT else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+# -- errors ------------------------------------------------------------------------------------------------------
+
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    # An engine-side cancel (the client's own never gets an answer): the service failed this request, retryable.
+    grpc.StatusCode.CANCELLED: 503,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+}
+
+
+def param_name(engine_field: str | None, params: Mapping[str, str]) -> str | None:
+    """The OpenAI parameter behind an engine field name (`sampling_params.top_p` -> `top_p`)."""
+    if not engine_field:
+        return None
+    if engine_field in params:
+        return params[engine_field]
+    if engine_field == "request_id":
+        return None  # made up by this server, never the client's
+    return engine_field.removeprefix("sampling_params.")
+
+
+def error_from_status(code: grpc.StatusCode, message: str, engine_field: str | None = None,
+                      params: Mapping[str, str] | None = None) -> ApiError:
+    """A gRPC failure (engine or gateway) as the OpenAI error a client of the HTTP API gets."""
+    status = _HTTP_STATUS.get(code, 500)
+    param = param_name(engine_field, params or {}) if status == 400 else None
+    if param is not None and engine_field and message.startswith(f"{engine_field}:"):
+        message = f"{param}:{message[len(engine_field) + 1:]}"
+    return ApiError(status, message, param, code=code.name.lower())
+
+
+# -- responses ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class ResponseState:
+    """What accumulates over one request's engine responses."""
+
+    parsed: ParsedRequest
+    created: int = field(default_factory=lambda: int(time.time()))
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    role_sent: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.parsed.request.request_id
+
+    def absorb(self, response: pb.GenerateResponse) -> None:
+        if response.finish_reason:
+            self.finish_reason = finish_reason(response.finish_reason)
+            self.prompt_tokens = response.usage.prompt_tokens
+            self.completion_tokens = response.usage.completion_tokens
+            self.num_draft_tokens = response.speculation.num_draft_tokens
+            self.num_accepted_tokens = response.speculation.num_accepted_tokens
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def speculation(self) -> dict[str, int]:
+        # A top-level field OpenAI's SDKs keep as an extra attribute (`response.speculation`) and otherwise ignore.
+        return {"num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens}
+
+
+def finish_reason(engine_reason: str) -> str:
+    # The engine's "abort" ends a request nobody waits for any more; OpenAI has no such reason.
+    return engine_reason if engine_reason in ("stop", "length") else "stop"
+
+
+def full_response(state: ResponseState, text: str) -> dict[str, Any]:
+    parsed = state.parsed
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": state.finish_reason}
+    if parsed.return_token_ids:
+        choice["token_ids"] = state.token_ids
+    if parsed.kind is Kind.CHAT:
+        choice["message"] = {"role": "assistant", "content": text}
+        obj = "chat.completion"
+    else:
+        choice["text"] = text
+        obj = "text_completion"
+    return {"id": state.id, "object": obj, "created": state.created, "model": parsed.model, "choices": [choice],
+            "usage": state.usage(), "speculation": state.speculation()}
+
+
+def _chunk(state: ResponseState, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    parsed = state.parsed
+    chunk: dict[str, Any] = {"id": state.id,
+                             "object": "chat.completion.chunk" if parsed.kind is Kind.CHAT else "text_completion",
+                             "created": state.created, "model": parsed.model, "choices": choices}
+    if parsed.include_usage:
+        chunk["usage"] = None  # OpenAI's chunks carry usage: null until the final usage chunk
+    return chunk
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + _encoder.encode(payload) + b"\n\n"
+
+
+def stream_events(state: ResponseState, response: pb.GenerateResponse) -> list[bytes]:
+    """The SSE events one engine response becomes (OpenAI's sequence: a chat's first chunk carries the role; text
+    chunks; a final chunk with an empty delta and the finish reason, plus `speculation`; with include_usage a last
+    chunk with `choices: []` and the usage)."""
+    state.absorb(response)
+    chat = state.parsed.kind is Kind.CHAT
+    events: list[bytes] = []
+    if chat and not state.role_sent:
+        state.role_sent = True
+        events.append(sse(_chunk(state, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}])))
+    # A token whose text is not complete yet (part of a character) has no text of its own; its id still goes out.
+    if response.text or (state.parsed.return_token_ids and response.token_ids):
+        piece = {"content": response.text} if chat else None
+        choice: dict[str, Any] = ({"index": 0, "delta": piece, "logprobs": None, "finish_reason": None} if chat
+                                  else {"index": 0, "text": response.text, "logprobs": None, "finish_reason": None})
+        if state.parsed.return_token_ids:
+            choice["token_ids"] = list(response.token_ids)
+        events.append(sse(_chunk(state, [choice])))
+    if response.finish_reason:
+        final: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": state.finish_reason}
+        if chat:
+            final["delta"] = {}
+        else:
+            final["text"] = ""
+        chunk = _chunk(state, [final])
+        chunk["speculation"] = state.speculation()
+        events.append(sse(chunk))
+        if state.parsed.include_usage:
+            usage_chunk = _chunk(state, [])
+            usage_chunk["usage"] = state.usage()
+            usage_chunk["speculation"] = state.speculation()
+            events.append(sse(usage_chunk))
+        events.append(SSE_DONE)
+    return events
+
+
+def models_list(model_ids: list[str], created: int, owned_by: str = "minedraft") -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": m, "object": "model", "created": created, "owned_by": owned_by}
+                                       for m in model_ids]}
+
+
+def encode(payload: dict[str, Any]) -> bytes:
+    return _encoder.encode(payload)

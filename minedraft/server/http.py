@@ -1,0 +1,108 @@
+"""The engine server's OpenAI HTTP API: the shared front end (minedraft.openai_api) over this replica's engine.
+
+Requests go through the same checks as the gRPC API's (convert.prepare_request) and are counted in the same stream
+bookkeeping (drain waits for them) and metrics (protocol="http").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Mapping
+
+import grpc
+
+from minedraft.api import pb
+from minedraft.engine.requests import EngineDeadError, RequestError
+from minedraft.openai_api.app import BackendError, OpenAiApp
+from minedraft.openai_api.protocol import ApiError
+from minedraft.server.convert import chat_renderer, check_before_tokenizing, prepare_request, response_from_delta
+from minedraft.server.servicer import EngineService, ServerState
+
+
+class EngineBackend:
+    error_types: tuple[type[Exception], ...] = (BackendError,)
+
+    def __init__(self, service: EngineService, serving: Callable[[], bool]) -> None:
+        self.service = service
+        self.serving = serving
+
+    def backend_error(self, error: Exception) -> BackendError:
+        assert isinstance(error, BackendError)
+        return error
+
+    def live(self) -> bool:
+        return True
+
+    def refused(self, error: ApiError) -> None:
+        pass  # the engine's request metrics count admitted requests only (as on its gRPC side)
+
+    def ready(self) -> bool:
+        # The server's readiness (loaded, engine loop answering, not draining), as its gRPC health reports it.
+        return self.serving()
+
+    def authorize(self, authorization: str | None, stream: bool) -> bool:
+        # The engine's port is cluster-internal (the operator's NetworkPolicy admits the gateway and the
+        # inference gateway only); bearer tokens are the gateway's.
+        return True
+
+    async def model_ids(self) -> list[str]:
+        engine = self.service.engine
+        if engine is None:
+            raise BackendError(grpc.StatusCode.UNAVAILABLE, f"replica {self.service.replica_id} is loading")
+        return [engine.settings.model]
+
+    def known_model_ids(self) -> list[str]| None:
+        engine = self.service.engine
+        return None if engine is None else [engine.settings.model]
+
+    async def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str], protocol: str,
+                       timeout_seconds: float | None) -> AsyncIterator[pb.GenerateResponse]:
+        service = self.service
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_seconds is None else loop.time() + timeout_seconds
+        engine, limits = service.engine, service.limits
+        if service.state is not ServerState.SERVING or engine is None or limits is None:
+            raise BackendError(grpc.StatusCode.UNAVAILABLE,
+                               f"replica {service.replica_id} is {service.state.value}")
+        tokenizer = engine.engine.tokenizer
+        try:
+            # As on the gRPC side: the cheap bounds on the loop, tokenizing (or rendering the chat) in a thread.
+            check_before_tokenizing(request, limits)
+            prepared = await asyncio.to_thread(prepare_request, request, limits,
+                                               lambda text: list(tokenizer.encode(text)), chat_renderer(tokenizer))
+        except RequestError as exc:
+            raise BackendError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field_name) from exc
+        service.stream_opened()
+        try:
+            stream = engine.generate(prepared.prompt_token_ids, prepared.sampling, prepared.request_id)
+            if service.request_metrics is not None:
+                stream = service.request_metrics.observe(stream, len(prepared.prompt_token_ids), protocol)
+            # Closing this generator (the client went away) closes the engine stream, which aborts the request.
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                if deadline is None:
+                    async for delta in stream:
+                        yield response_from_delta(delta)
+                    return
+                # Each wait bounded by what is left (a timeout around the yields would cancel the consumer instead).
+                tokens_sent = 0
+                while True:
+                    try:
+                        delta = await asyncio.wait_for(anext(stream), max(0.0, deadline - loop.time()))
+                    except StopAsyncIteration:
+                        return
+                    except TimeoutError:
+                        raise BackendError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                           f"deadline exceeded after {tokens_sent} tokens") from None
+                    tokens_sent += len(delta.token_ids)
+                    yield response_from_delta(delta)
+        except RequestError as exc:
+            raise BackendError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field_name) from exc
+        except EngineDeadError as exc:
+            raise BackendError(grpc.StatusCode.UNAVAILABLE, f"replica {service.replica_id}: {exc}") from exc
+        finally:
+            service.stream_closed()
+
+
+def engine_http_app(service: EngineService, serving: Callable[[], bool]) -> OpenAiApp:
+    return OpenAiApp(EngineBackend(service, serving))

@@ -1,0 +1,322 @@
+"""The OpenAI HTTP API of the engine server over the shared PSD engine (real vLLM), with the official `openai` client
+and raw sockets: the same tokens as the gRPC API, OpenAI's SSE framing byte for byte, 400s naming the parameter,
+and a client that goes away aborting the request in the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import httpx
+import openai
+import pytest
+from prometheus_client import CollectorRegistry
+
+from minedraft.api import pb, pb_grpc
+from minedraft.engine.async_engine import AsyncEngine
+from minedraft.gateway.app import Gateway, GatewayConfig
+from minedraft.server.app import EngineServer
+
+from .grpc_helpers import wait_for
+from .test_server import engine_calls, no_unfinished  # noqa: F401  (fixtures and helpers shared with the gRPC tests)
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 12
+PROMPT = "def parse_args(argv):\n    "
+
+
+@pytest.fixture
+async def http_served(psd, engine_calls):  # noqa: F811
+    """(grpc target, http base url, engine): one engine server with both APIs on loopback ports."""
+    engine = AsyncEngine(psd)
+    server = EngineServer("replica-http", CollectorRegistry())
+    await server.start()
+    http_port = await server.start_http("127.0.0.1", 0)
+    await server.attach(engine)
+    yield f"127.0.0.1:{server.port}", f"http://127.0.0.1:{http_port}", engine, server.registry
+    await server.stop()
+    await engine.shutdown(shutdown_engine=False)
+
+
+def client(base_url: str, **kwargs) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=kwargs.pop("api_key", "unused"), max_retries=0,
+                              **kwargs)
+
+
+async def grpc_generate(target: str, request: pb.GenerateRequest) -> tuple[list[int], str]:
+    async with grpc.aio.insecure_channel(target) as channel:
+        responses = [r async for r in pb_grpc.GenerationStub(channel).Generate(request, timeout=120)]
+    return [t for r in responses for t in r.token_ids], "".join(r.text for r in responses)
+
+
+async def test_models_completion_and_chat_match_the_grpc_api(http_served):
+    grpc_target, base_url, engine, registry = http_served
+    api = client(base_url)
+    models = await api.models.list()
+    assert [m.id for m in models.data] == [engine.settings.model]
+    model = models.data[0].id
+
+    tokens, text = await grpc_generate(grpc_target, pb.GenerateRequest(
+        prompt=PROMPT, sampling_params=pb.SamplingParams(max_tokens=MAX_TOKENS)))
+    completion = await api.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                              extra_body={"return_token_ids": True})
+    assert completion.choices[0].model_extra["token_ids"] == tokens, "not token-identical to the gRPC API"
+    assert completion.choices[0].text == text
+    assert completion.usage.completion_tokens == len(tokens) == MAX_TOKENS
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.model_extra["speculation"]["num_draft_tokens"] > 0, "psd drafted nothing"
+
+    # The same prompt as token ids, streamed: the same text, chunk by chunk.
+    prompt_ids = list(engine.engine.tokenizer.encode(PROMPT))
+    streamed = await api.completions.create(model=model, prompt=prompt_ids, max_tokens=MAX_TOKENS, stream=True)
+    chunks = [chunk async for chunk in streamed]
+    assert "".join(c.choices[0].text for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def main():"}]
+    chat_tokens, chat_text = await grpc_generate(grpc_target, pb.GenerateRequest(
+        messages=[pb.ChatMessage(**m) for m in messages], sampling_params=pb.SamplingParams(max_tokens=MAX_TOKENS)))
+    chat = await api.chat.completions.create(model=model, messages=messages, max_completion_tokens=MAX_TOKENS)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == chat_text
+    assert chat.usage.completion_tokens == len(chat_tokens)
+    assert chat.usage.prompt_tokens == len(engine.engine.tokenizer.encode(
+        "# system:\nYou write Python.\n# user:\ndef main():\n# assistant:\n", add_special_tokens=False))
+
+    # The engine's request metrics tell the APIs apart.
+    def finished(protocol: str) -> float:
+        return sum(registry.get_sample_value("minedraft_engine_requests_finished_total", {
+            "model": engine.settings.model, "protocol": protocol, "finish_reason": reason}) or 0.0
+            for reason in ("stop", "length"))
+
+    assert finished("http") == 3 and finished("grpc") == 2
+
+
+async def test_through_the_gateway_greedy_output_matches_the_grpc_api(http_served):
+    """openai client -> gateway (HTTP) -> engine server (gRPC) -> PSD engine: the gRPC API's greedy output."""
+    grpc_target, _, engine, _ = http_served
+    gateway = Gateway(GatewayConfig(health_retry_seconds=0.05))
+    await gateway.start()
+    port = await gateway.start_http("127.0.0.1", 0)
+    try:
+        gateway.set_engines([grpc_target])
+        await wait_for(lambda: any(e.healthy for e in gateway.endpoints), what="engine healthy at the gateway")
+        api = client(f"http://127.0.0.1:{port}")
+        tokens, text = await grpc_generate(grpc_target, pb.GenerateRequest(
+            prompt=PROMPT, sampling_params=pb.SamplingParams(max_tokens=MAX_TOKENS)))
+        stream = await api.completions.create(model=engine.settings.model, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_body={"return_token_ids": True})
+        chunks = [chunk async for chunk in stream]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+        assert [t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids") or []] == tokens
+        assert chunks[-1].usage.completion_tokens == len(tokens) == MAX_TOKENS
+        assert chunks[-1].model_extra["speculation"]["num_draft_tokens"] > 0
+        chat = await api.chat.completions.create(model=engine.settings.model, max_tokens=4,
+                                                 messages=[{"role": "user", "content": "import sys"}])
+        assert chat.usage.completion_tokens == 4 and chat.choices[0].message.content
+    finally:
+        await gateway.stop()
+
+
+async def test_streamed_chat_with_include_usage(http_served):
+    _, base_url, engine, _ = http_served
+    api = client(base_url)
+    stream = await api.chat.completions.create(
+        model=engine.settings.model, messages=[{"role": "user", "content": "import os"}], max_tokens=MAX_TOKENS,
+        stream=True, stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.usage is None for c in chunks[:-1])
+    final, usage_chunk = chunks[-2], chunks[-1]
+    assert final.choices[0].finish_reason == "length" and final.model_extra["speculation"]["num_draft_tokens"] > 0
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage.completion_tokens == MAX_TOKENS
+    assert usage_chunk.usage.total_tokens == usage_chunk.usage.prompt_tokens + MAX_TOKENS
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+
+
+async def test_sse_framing_byte_for_byte(http_served):
+    """A raw HTTP/1.1 client: the exact bytes OpenAI sends (`data: <json>\\n\\n` events, `data: [DONE]\\n\\n`)."""
+    _, base_url, engine, _ = http_served
+    port = int(base_url.rsplit(":", 1)[1])
+    body = json.dumps({"model": engine.settings.model, "prompt": PROMPT, "max_tokens": 4, "stream": True}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), 120)
+    writer.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert b"content-type: text/event-stream" in head.lower()
+    assert b"transfer-encoding: chunked" in head.lower()
+    # De-chunk the HTTP/1.1 body.
+    data, rest = b"", payload
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        data, rest = data + rest[:size], rest[size + 2:]
+    assert data.endswith(b"\n\ndata: [DONE]\n\n")
+    events = data.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    for event in events[:-2]:
+        assert event.startswith(b"data: {") and b"\n" not in event
+        chunk = json.loads(event[len(b"data: "):])
+        assert chunk["object"] == "text_completion" and "usage" not in chunk
+    last = json.loads(events[-3][len(b"data: "):])
+    assert last["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]
+    assert set(last["speculation"]) == {"num_draft_tokens", "num_accepted_tokens"}
+
+
+INVALID = [
+    # (endpoint, body changes, param named in the 400)
+    ("completions", {"temperature": -1}, "temperature"),
+    ("completions", {"top_p": 0}, "top_p"),
+    ("completions", {"top_p": 1.5}, "top_p"),
+    ("completions", {"max_tokens": 0}, "max_tokens"),
+    ("completions", {"max_tokens": 100_000}, "max_tokens"),
+    ("completions", {"seed": -3}, "seed"),
+    ("completions", {"n": 2}, "n"),
+    ("completions", {"logprobs": 2}, "logprobs"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"best_of": 3}, "best_of"),
+    ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("completions", {"stop": ["a", ""]}, "stop"),
+    ("completions", {"stop": 7}, "stop"),
+    ("completions", {"prompt": [1, 2, 99_999]}, "prompt"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"prompt": " word" * 2000}, "prompt"),
+    ("completions", {"stop_token_ids": [99_999]}, "stop_token_ids"),
+    ("completions", {"top_k": -5}, "top_k"),
+    ("completions", {"max_tokens": "8"}, "max_tokens"),
+    ("completions", {"stream": "yes"}, "stream"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("completions", {"frobnicate": 1}, "frobnicate"),
+    ("completions", {"model": None}, "model"),
+    ("chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("chat/completions", {"max_completion_tokens": 4, "max_tokens": 4}, "max_completion_tokens"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
+    ("chat/completions", {"logprobs": True}, "logprobs"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat/completions", {"messages": [{"role": "user", "content": " word" * 2000}]}, "messages"),
+]
+
+
+async def test_every_invalid_field_is_a_400_naming_the_param_and_touches_no_engine(http_served, engine_calls):  # noqa: F811
+    _, base_url, engine, _ = http_served
+    bases = {"completions": {"model": engine.settings.model, "prompt": "abc"},
+             "chat/completions": {"model": engine.settings.model, "messages": [{"role": "user", "content": "hi"}]}}
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        for endpoint, changes, param in INVALID:
+            response = await http.post(f"/v1/{endpoint}", json={**bases[endpoint], **changes})
+            assert response.status_code == 400, (endpoint, changes, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param, (endpoint, changes, error)
+            assert error["type"] == "invalid_request_error" and error["message"]
+        response = await http.post("/v1/completions", content=b"{not json")
+        assert response.status_code == 400 and response.json()["error"]["param"] is None
+        response = await http.post("/v1/completions", json={**bases["completions"], "model": "other"})
+        assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+    assert engine_calls["added"] == []
+
+    # The official client surfaces them as BadRequestError with the param.
+    with pytest.raises(openai.BadRequestError) as info:
+        await client(base_url).completions.create(model=engine.settings.model, prompt="abc", top_p=2)
+    assert info.value.body["param"] == "top_p"
+
+
+async def test_chat_without_a_template_is_a_400_and_completions_still_work(http_served, monkeypatch):
+    _, base_url, engine, _ = http_served
+    monkeypatch.setattr(engine.engine.tokenizer, "chat_template", None, raising=False)
+    api = client(base_url)
+    with pytest.raises(openai.BadRequestError) as info:
+        await api.chat.completions.create(model=engine.settings.model, messages=[{"role": "user", "content": "x"}])
+    assert info.value.body["param"] == "messages" and "chat template" in info.value.body["message"]
+    completion = await api.completions.create(model=engine.settings.model, prompt="abc", max_tokens=2)
+    assert completion.usage.completion_tokens == 2
+
+
+async def test_client_disconnect_aborts_the_request_in_the_engine(http_served, engine_calls):  # noqa: F811
+    _, base_url, engine, _ = http_served
+    for stream in (True, False):
+        engine_calls["added"].clear()
+        body = {"model": engine.settings.model, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+                "stream": stream}
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+            if stream:
+                async with http.stream("POST", "/v1/completions", json=body) as response:
+                    assert response.status_code == 200
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: "):
+                            break  # one chunk received: go away
+            else:
+                task = asyncio.create_task(http.post("/v1/completions", json=body))
+                await wait_for(lambda: bool(engine_calls["added"]), timeout_seconds=30, what="the engine request")
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+        request_id = engine_calls["added"][0]
+        await wait_for(lambda rid=request_id: rid in engine_calls["aborted"], timeout_seconds=30,
+                       what=f"the engine abort (stream={stream})")
+    await no_unfinished(engine)
+
+
+async def test_deadline_header_is_a_504_and_aborts_in_the_engine(http_served, engine_calls):  # noqa: F811
+    _, base_url, engine, _ = http_served
+    body = {"model": engine.settings.model, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        response = await http.post("/v1/completions", json=body, headers={"minedraft-timeout-seconds": "0.5"})
+    assert response.status_code == 504, response.text
+    assert response.json()["error"]["message"].startswith("deadline exceeded after")
+    request_id = engine_calls["added"][0]
+    await wait_for(lambda: request_id in engine_calls["aborted"], timeout_seconds=30, what="the engine abort")
+    await no_unfinished(engine)
+
+
+async def test_health_and_ready_through_load_and_drain(psd):
+    """Liveness (/health) answers from the bind to the end, readiness (/ready) only while serving: not while the
+    engine loads, not while draining (an open stream holds the drain; new requests are refused with 503)."""
+    engine = AsyncEngine(psd)
+    server = EngineServer("replica-probe")
+    await server.start()
+    port = await server.start_http("127.0.0.1", 0)
+    drain: asyncio.Task | None = None
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            assert (await http.get("/health")).status_code == 200
+            assert (await http.get("/ready")).status_code == 503
+            body = {"model": engine.settings.model, "prompt": PROMPT, "max_tokens": 4}
+            assert (await http.post("/v1/completions", json=body)).status_code == 503  # loading
+            await server.attach(engine)
+            assert (await http.get("/ready")).status_code == 200
+            models = (await http.get("/v1/models")).json()
+            assert models["object"] == "list" and models["data"][0]["id"] == engine.settings.model
+            # A stream held open on a raw connection (an httpx stream left mid-iteration closes its connection).
+            held = json.dumps({**body, "max_tokens": 400, "ignore_eos": True, "stream": True}).encode()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(held)).encode() + b"\r\n\r\n" + held)
+            while not (await asyncio.wait_for(reader.readline(), 60)).startswith(b"data: "):
+                pass
+            drain = asyncio.create_task(server.drain(60))
+            await wait_for(lambda: not server.serving, what="readiness off at the drain")
+            assert (await http.get("/ready")).status_code == 503
+            assert (await http.get("/health")).status_code == 200
+            refused = await http.post("/v1/completions", json=body)
+            assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
+            assert not drain.done(), "the drain did not wait for the open stream"
+            writer.close()
+            # The held stream is gone (client closed it): the drain completes.
+            await asyncio.wait_for(drain, 60)
+    finally:
+        if drain is None:
+            await server.stop()
+        await engine.shutdown(shutdown_engine=False)

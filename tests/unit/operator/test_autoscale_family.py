@@ -1,0 +1,198 @@
+"""The generated family, the oracle, the policy's properties over a subsample of the family, and scale to zero and
+back in the simulator (the simulator only: seconds, no engines)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from minedraft.operator.autoscale.bench import bench, markdown
+from minedraft.operator.autoscale.family import (
+    FAMILY_SIZE,
+    MAX_RPS,
+    MAX_TOKENS,
+    MIN_RPS,
+    MIN_TOKENS,
+    SHAPES,
+    check_properties,
+    make_family,
+    make_member,
+    oracle,
+    requirement,
+    subsample,
+)
+from minedraft.operator.autoscale.hpa import SCALE_UP_PERCENT
+from minedraft.operator.autoscale.replica_model import ReplicaModel
+from minedraft.operator.autoscale.simulate import SimConfig, SimResult, Trace, parse_trace, simulate
+
+ROOT = Path(__file__).resolve().parents[3]
+MODEL = ReplicaModel.load(ROOT / "benchmarks" / "autoscale" / "replica-model.json")
+# Two members of each shape, spread over the family (the bench command runs all of it).
+SUBSAMPLE = subsample(FAMILY_SIZE, 14)
+
+
+def test_the_family_spans_the_ranges_of_the_issue() -> None:
+    family = make_family(MODEL)
+    assert len(family) >= 200
+    rates = [r.arrival_rps for t in family for r in t.rows]
+    outputs = [t.rows[0].output_tokens for t in family]
+    prompts = [t.rows[0].prompt_tokens for t in family]
+    acceptances = [r.acceptance_rate for t in family for r in t.rows]
+    assert min(rates) >= 0 and max(rates) <= MAX_RPS
+    # Peaks from near the lowest to near the highest rate; lengths and acceptance over their whole ranges.
+    peaks = [max(r.arrival_rps for r in t.rows) for t in family]
+    assert min(peaks) < 2 * MIN_RPS and max(peaks) > MAX_RPS / 2
+    assert min(prompts) < 2 * MIN_TOKENS and max(prompts) > MAX_TOKENS / 2
+    assert min(outputs) < 2 * MIN_TOKENS and max(outputs) > MAX_TOKENS / 4
+    assert 0.2 <= min(acceptances) < 0.25 and 0.85 < max(acceptances) <= 0.9
+    # Every shape; collapses (acceptance changing within a trace) and quiet periods (no arrivals) occur.
+    assert {t.name.rsplit("-", 1)[1] for t in family} == set(SHAPES)
+    assert sum(1 for t in family if len({r.acceptance_rate for r in t.rows}) > 1) > len(family) // 3
+    assert any(r.arrival_rps == 0 for t in family for r in t.rows)
+
+
+def test_the_family_is_seeded_and_a_member_does_not_depend_on_the_others() -> None:
+    assert make_member(37, 0, MODEL) == make_family(MODEL, indices=[37])[0] == make_family(MODEL)[37]
+    assert make_member(37, 1, MODEL) != make_member(37, 0, MODEL)
+
+
+def _brute_force(need: list[int], startup: int) -> float:
+    """Least cost over every count sequence m >= need (m at -1 = need[0], free): sum of m + startup per increase."""
+    top = max(need)
+    best: dict[int, float] = {need[0]: 0.0}
+    for n in need:
+        step: dict[int, float] = {}
+        for m in range(n, top + 1):
+            step[m] = m + min(cost + startup * max(0, m - prev) for prev, cost in best.items())
+        best = step
+    return min(best.values())
+
+
+def test_the_oracle_is_the_least_cost_schedule() -> None:
+    """Exact against a brute-force search over every schedule, on small random requirements."""
+    rng = random.Random(5)
+    for _ in range(40):
+        need = [rng.choice((0, 1, 1, 2, 3)) for _ in range(rng.randint(5, 30))]
+        startup = rng.randint(1, 6)
+        assert oracle(need, startup).replica_seconds == pytest.approx(_brute_force(need, startup)), (need, startup)
+    # A dip shorter than a startup is bridged; a longer one is not.
+    assert oracle([2, 2, 1, 2, 2], 3).ready == (2, 2, 2, 2, 2)
+    assert oracle([2, 1, 1, 1, 1, 2], 3).ready == (2, 1, 1, 1, 1, 2)
+    assert oracle([2, 1, 1, 1, 1, 2], 3).existing == (2, 1, 2, 2, 2, 2)  # started 3 s ahead, costing from then
+    # Level 1: 6 s; level 2: its first second (there at the start) and its last plus a startup.
+    schedule = oracle([2, 1, 1, 1, 1, 2], 3)
+    assert schedule.replica_seconds == 6 + 1 + (1 + 3) == sum(schedule.existing)
+
+
+def test_the_oracle_requirement_follows_load_and_acceptance() -> None:
+    trace = parse_trace("\n".join(json.dumps(r) for r in [
+        {"config": {"duration_seconds": 30, "max_replicas": 50}},
+        {"t": 0, "arrival_rps": 10, "prompt_tokens": 64, "output_tokens": 1000, "acceptance_rate": 0.9},
+        {"t": 10, "arrival_rps": 10, "prompt_tokens": 64, "output_tokens": 1000, "acceptance_rate": 0.2},
+        {"t": 20, "arrival_rps": 0, "prompt_tokens": 64, "output_tokens": 1000, "acceptance_rate": 0.2}]), "t")
+    need = requirement(trace, MODEL)
+    capacity = {a: max(MODEL.best(c, a)[0] for c in range(1, MODEL.max_batch + 1)) for a in (0.9, 0.2)}
+    assert need[0] == math.ceil(10_000 / capacity[0.9]) and need[10] == math.ceil(10_000 / capacity[0.2])
+    assert need[10] >= need[0] and need[25] == trace.min_replicas
+
+
+Run = tuple[Trace, list[int], SimConfig, SimResult]
+
+
+@pytest.fixture(scope="module")
+def subsample_runs() -> list[Run]:
+    runs = []
+    for trace in make_family(MODEL, indices=SUBSAMPLE):
+        config = SimConfig(policy="minedraft")
+        runs.append((trace, requirement(trace, MODEL), config, simulate(trace, MODEL, config)))
+    return runs
+
+
+def test_properties_hold_over_the_family_subsample(subsample_runs: list[Run]) -> None:
+    """Over two members of every shape: within bounds always; never above the oracle (at the target utilisation) by
+    more than one decision's step for longer than the stabilisation window; no scale-up with clearly spare capacity
+    and no queue; no scale-down while a queue grows (definitions in family.check_properties)."""
+    failures = {}
+    for trace, need, config, result in subsample_runs:
+        report = check_properties(result, trace, MODEL, need, target_utilization=config.target_utilization,
+                                  step=config.max_scale_up_step, interval_seconds=config.interval_seconds,
+                                  stabilization_seconds=config.scale_down_stabilization_seconds,
+                                  step_percent=SCALE_UP_PERCENT)
+        if not report.ok:
+            failures[trace.name] = report.to_json()
+    assert not failures
+
+
+def test_a_light_load_that_is_often_idle_is_not_scaled_up(subsample_runs: list[Run]) -> None:
+    """Issue 19's light loads: at a fraction of one replica's capacity, minedraft stays at its minimum."""
+    light = [(trace, result) for trace, need, _, result in subsample_runs if max(need) <= 1]
+    assert light
+    for trace, result in light:
+        assert max(result.timeline["replicas"]) == trace.min_replicas, (trace.name, result.decisions[:3])
+
+
+def test_bench_reports_the_three_policies_side_by_side(tmp_path: Path) -> None:
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    (traces / "steady.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"config": {"duration_seconds": 600, "max_replicas": 10}},
+        {"t": 0, "arrival_rps": 20, "prompt_tokens": 64, "output_tokens": 128, "acceptance_rate": 0.6}]) + "\n")
+    summary = bench(ROOT / "benchmarks" / "autoscale" / "replica-model.json", traces, indices=[1],
+                    hpa_targets=(8.0, 16.0), workers=1)
+    assert summary["variants"][:3] == ["oracle", "minedraft", "hpa-queue"]
+    for group, size in (("family", 1), ("committed", 1)):
+        overall = summary["groups"][group]["overall"]
+        assert len(summary["groups"][group]["traces"]) == size
+        assert overall["oracle"]["ratio_to_oracle"] == pytest.approx(1.0, abs=0.02)
+        assert overall["minedraft"]["ratio_to_oracle"] >= 1.0
+    text = markdown(summary, "minedraft autoscale bench --out x")
+    assert "## family" in text and "## committed" in text and "hpa-queue" in text
+
+
+# -- scale to zero and back, in the simulator --------------------------------------------------------------------
+
+ZERO = parse_trace("\n".join(json.dumps(r) for r in [
+    {"config": {"duration_seconds": 1800, "min_replicas": 0, "max_replicas": 10}},
+    {"t": 0, "arrival_rps": 10, "prompt_tokens": 64, "output_tokens": 128, "acceptance_rate": 0.6},
+    {"t": 300, "arrival_rps": 0, "prompt_tokens": 64, "output_tokens": 128, "acceptance_rate": 0.6},
+    {"t": 1200, "arrival_rps": 10, "prompt_tokens": 64, "output_tokens": 128, "acceptance_rate": 0.6}]), "zero")
+
+
+def test_scale_to_zero_after_an_idle_window_and_back_on_the_first_waiting_request() -> None:
+    result = simulate(ZERO, MODEL, SimConfig(policy="minedraft"))
+    replicas, ready, queue = result.timeline["replicas"], result.timeline["ready"], result.timeline["queue"]
+    # Idle from 300 s: zero replicas once a whole stabilisation window has seen no load, well before 1200 s.
+    went_to_zero = next(i for i, r in enumerate(replicas) if r == 0)
+    assert 300 + 300 <= went_to_zero < 1200
+    assert all(r == 0 for r in replicas[went_to_zero:1200])
+    # Load again at 1200 s: the first arrival waits; the scale-up from zero follows in the same second (not at the
+    # next 15 s evaluation), and the replica serves a startup later.
+    first_wait = next(i for i in range(1200, 1800) if queue[i] > 0)
+    woke = next(d for d in result.decisions if d["from"] == 0)
+    assert woke["t"] == first_wait and woke["to"] == 1 and "waiting" in woke["reason"]
+    assert ready[first_wait + int(MODEL.startup_seconds)] >= 1
+    # Every request is served by the end (nothing left queued). The violations are the cold start's: requests that
+    # arrived while the first replica started, and the backlog they left; within a stabilisation window after the
+    # wake every admitted request meets the SLO again, and before the idle period none missed it.
+    assert queue[-1] == 0 and result.slo_violation_fraction > 0
+    worst = result.timeline["ttft_p_max"]
+    assert max(worst[:300]) <= ZERO.slo_ttft_seconds
+    assert max(worst[first_wait + 300:]) <= ZERO.slo_ttft_seconds
+
+
+def test_min_replicas_one_never_goes_to_zero() -> None:
+    result = simulate(replace(ZERO, min_replicas=1), MODEL, SimConfig(policy="minedraft"))
+    assert min(result.timeline["replicas"]) == 1 and not any(d["from"] == 0 for d in result.decisions)
+
+
+def test_subsample_covers_every_shape() -> None:
+    shapes = {make_member(i, 0, MODEL).name.rsplit("-", 1)[1] for i in SUBSAMPLE}
+    assert shapes == set(SHAPES)
+    assert len(SUBSAMPLE) == len(set(SUBSAMPLE)) and all(0 <= i < FAMILY_SIZE for i in SUBSAMPLE)
+    assert list(itertools.islice(SUBSAMPLE, 2)) == [0, FAMILY_SIZE // 14]

@@ -1,0 +1,53 @@
+"""minedraft doctor's pure parts: the memory arithmetic and the verdict."""
+
+import pytest
+
+from minedraft.doctor import model_size, verdict
+
+# Published configs (Hugging Face Qwen/Qwen3-32B and Qwen/Qwen3-1.7B config.json), the paper's pair.
+QWEN3_32B = {"hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
+             "head_dim": 128, "intermediate_size": 25600, "vocab_size": 151936, "tie_word_embeddings": False}
+QWEN3_1_7B = {"hidden_size": 2048, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "head_dim": 128, "intermediate_size": 6144, "vocab_size": 151936, "tie_word_embeddings": True}
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
+def test_parameter_count_matches_the_built_model(architecture):
+    from transformers import AutoModelForCausalLM
+
+    from minedraft.models.tiny import TARGET_SHAPE, tiny_config
+
+    config = tiny_config(architecture, TARGET_SHAPE, vocab_size=2048)
+    model = AutoModelForCausalLM.from_config(config)
+    assert model_size(config).parameters == sum(p.numel() for p in model.parameters())
+
+
+def test_the_papers_pair_in_bf16():
+    from transformers import Qwen3Config
+
+    target, draft = model_size(Qwen3Config(**QWEN3_32B)), model_size(Qwen3Config(**QWEN3_1_7B))
+    assert round(target.parameters / 1e9, 1) == 32.8  # Qwen's model card: 32.8B
+    assert round(draft.parameters / 1e9, 1) == 1.7  # the model card: 1.7B (1.4B without embeddings)
+    assert round(target.weight_bytes(2) / 2**30, 1) == 61.0  # GiB of bf16 weights, 15.3 per GPU at TP=4
+    assert target.kv_bytes_per_token(2) == 256 * 1024  # 64 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
+
+
+def run(mode, k, concurrency, rate):
+    return {"mode": mode, "k": k, "concurrency": concurrency, "tokens_per_second": rate}
+
+
+def test_verdict_names_where_psd_pays_and_with_which_k():
+    runs = [run("ar", 0, 4, 100), run("sd", 3, 4, 120), run("psd", 3, 4, 118), run("psd", 2, 4, 110),
+            run("ar", 0, 16, 200), run("sd", 3, 16, 210), run("psd", 2, 16, 260), run("psd", 3, 16, 250)]
+    result = verdict(runs)
+    assert result["psd_pays"]
+    at4, at16 = result["per_load"]
+    assert (at4["psd_pays"], at4["best"]) == (False, "sd k=3")
+    assert (at16["psd_pays"], at16["psd_k"], at16["psd_vs_sd"]) == (True, 2, round(260 / 210, 3))
+    assert "16 requests (k=2" in result["summary"]
+
+
+def test_verdict_says_so_when_psd_never_pays():
+    result = verdict([run("ar", 0, 1, 100), run("sd", 3, 1, 90), run("psd", 3, 1, 95)])
+    assert not result["psd_pays"]
+    assert "does not pay" in result["summary"] and "ar k=0 at 1" in result["summary"]

@@ -1,0 +1,212 @@
+"""The OpenAI <-> minedraft.v1 translations (pure): request fields, parameter names in errors, SSE event sequences."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from minedraft.api import pb
+from minedraft.openai_api.protocol import (
+    SSE_DONE,
+    ApiError,
+    Kind,
+    ResponseState,
+    decode_body,
+    error_from_status,
+    full_response,
+    parse_request,
+    stream_events,
+)
+
+
+def parse(kind: Kind = Kind.COMPLETION, **body):
+    base = {"model": "m", "prompt": "hi"} if kind is Kind.COMPLETION else {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    return parse_request({**base, **body}, kind)
+
+
+def param_of(kind: Kind = Kind.COMPLETION, **body) -> str | None:
+    with pytest.raises(ApiError) as info:
+        parse(kind, **body)
+    assert info.value.status == 400
+    return info.value.param
+
+
+def test_completion_fields_become_the_engine_request():
+    parsed = parse(max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop=["\n", "x"], top_k=-1, ignore_eos=True,
+                   stop_token_ids=[5], user="u", presence_penalty=0, logprobs=None, echo=False, n=1)
+    request = parsed.request
+    assert request.prompt == "hi" and request.request_id.startswith("cmpl-")
+    params = request.sampling_params
+    assert (params.max_tokens, params.seed, list(params.stop), params.top_k) == (7, 3, ["\n", "x"], 0)
+    assert params.temperature == pytest.approx(0.5) and params.top_p == pytest.approx(0.9)
+    assert params.ignore_eos and list(params.stop_token_ids) == [5]
+    assert not parsed.stream and not parsed.include_usage
+
+
+def test_defaults_follow_openai():
+    # Completions default to 16 tokens (OpenAI's default); chat to the rest of the context (left unset).
+    assert parse().request.sampling_params.max_tokens == 16
+    assert not parse(Kind.CHAT).request.sampling_params.HasField("max_tokens")
+    assert not parse().request.sampling_params.HasField("temperature")
+
+
+def test_prompt_forms():
+    assert list(parse(prompt=[1, 2, 3]).request.prompt_token_ids) == [1, 2, 3]
+    assert parse(prompt=["one"]).request.prompt == "one"
+    assert list(parse(prompt=[[4, 5]]).request.prompt_token_ids) == [4, 5]
+    assert param_of(prompt=["a", "b"]) == "prompt"
+    assert param_of(prompt=[1, True]) == "prompt"
+    assert param_of(prompt=None) == "prompt"
+
+
+def test_chat_messages_and_max_completion_tokens():
+    parsed = parse(Kind.CHAT, messages=[{"role": "system", "content": "s"},
+                                        {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                     {"type": "text", "text": "b"}]}],
+                   max_completion_tokens=9, stream=True, stream_options={"include_usage": True})
+    assert [(m.role, m.content) for m in parsed.request.messages] == [("system", "s"), ("user", "ab")]
+    assert parsed.request.request_id.startswith("chatcmpl-")
+    assert parsed.request.sampling_params.max_tokens == 9 and parsed.include_usage
+    assert parsed.params["sampling_params.max_tokens"] == "max_completion_tokens"
+
+
+@pytest.mark.parametrize(("kind", "body", "param"), [
+    (Kind.COMPLETION, {"n": 2}, "n"),
+    (Kind.COMPLETION, {"logprobs": 1}, "logprobs"),
+    (Kind.CHAT, {"logprobs": True}, "logprobs"),
+    (Kind.COMPLETION, {"echo": True}, "echo"),
+    (Kind.COMPLETION, {"best_of": 2}, "best_of"),
+    (Kind.COMPLETION, {"frequency_penalty": 1.0}, "frequency_penalty"),
+    (Kind.COMPLETION, {"logit_bias": {"5": 1}}, "logit_bias"),
+    (Kind.COMPLETION, {"suffix": "x"}, "suffix"),
+    (Kind.CHAT, {"tools": [{"type": "function"}]}, "tools"),
+    (Kind.CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (Kind.COMPLETION, {"max_completion_tokens": 5}, "max_completion_tokens"),  # chat only
+    (Kind.COMPLETION, {"messages": []}, "messages"),
+    (Kind.COMPLETION, {"bogus": 1}, "bogus"),
+    (Kind.COMPLETION, {"max_tokens": 1.5}, "max_tokens"),
+    (Kind.COMPLETION, {"max_tokens": True}, "max_tokens"),
+    (Kind.COMPLETION, {"max_tokens": 2**40}, "max_tokens"),
+    (Kind.COMPLETION, {"seed": 2**70}, "seed"),
+    (Kind.COMPLETION, {"temperature": "hot"}, "temperature"),
+    (Kind.COMPLETION, {"stop": ["a"] * 5}, "stop"),
+    (Kind.COMPLETION, {"stop": [""]}, "stop"),
+    (Kind.COMPLETION, {"stop_token_ids": [-1]}, "stop_token_ids"),
+    (Kind.COMPLETION, {"stream": 1}, "stream"),
+    (Kind.COMPLETION, {"stream_options": {"include_usage": True}}, "stream_options"),
+    (Kind.COMPLETION, {"stream": True, "stream_options": {"bogus": 1}}, "stream_options"),
+    (Kind.COMPLETION, {"model": ""}, "model"),
+    (Kind.CHAT, {"messages": "hi"}, "messages"),
+    (Kind.CHAT, {"messages": [{"content": "x"}]}, "messages[0].role"),
+    (Kind.CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    (Kind.CHAT, {"max_tokens": 3, "max_completion_tokens": 3}, "max_completion_tokens"),
+])
+def test_unsupported_or_malformed_fields_name_the_param(kind, body, param):
+    assert param_of(kind, **body) == param
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted():
+    parse(presence_penalty=0.0, frequency_penalty=0, logit_bias={}, best_of=1, echo=False, suffix=None)
+    parse(Kind.CHAT, tools=[], tool_choice=None, logprobs=False, metadata={"a": "b"}, store=False)
+
+
+def test_body_must_be_a_json_object():
+    for raw in (b"{", b"[1]", b"NaN"):
+        with pytest.raises(ApiError) as info:
+            decode_body(raw)
+        assert info.value.status == 400 and info.value.param is None
+
+
+def test_engine_errors_map_to_openai_statuses_and_params():
+    params = parse(Kind.CHAT, max_completion_tokens=0).params
+    error = error_from_status(grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.max_tokens: must be positive",
+                              "sampling_params.max_tokens", params)
+    assert (error.status, error.param, error.message) == (400, "max_completion_tokens",
+                                                           "max_completion_tokens: must be positive")
+    assert error.body()["error"]["type"] == "invalid_request_error"
+    chat_prompt = error_from_status(grpc.StatusCode.INVALID_ARGUMENT, "prompt: too long", "prompt", params)
+    assert chat_prompt.param == "messages"
+    completion = parse().params
+    assert error_from_status(grpc.StatusCode.INVALID_ARGUMENT, "x", "prompt_token_ids", completion).param == "prompt"
+    assert error_from_status(grpc.StatusCode.INVALID_ARGUMENT, "x", "sampling_params.top_p", completion).param == \
+        "top_p"
+    assert error_from_status(grpc.StatusCode.INVALID_ARGUMENT, "x", "request_id", completion).param is None
+    statuses = {grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+                grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+                grpc.StatusCode.INTERNAL: 500, grpc.StatusCode.UNKNOWN: 500}
+    for code, status in statuses.items():
+        error = error_from_status(code, "m", "prompt", completion)
+        assert error.status == status and error.param is None
+
+
+def responses(texts: list[str]) -> list[pb.GenerateResponse]:
+    out = [pb.GenerateResponse(request_id="r", token_ids=[i], text=t) for i, t in enumerate(texts)]
+    last = out[-1]
+    last.finish_reason = "length"
+    last.usage.prompt_tokens = 4
+    last.usage.completion_tokens = len(texts)
+    last.speculation.num_draft_tokens = 6
+    last.speculation.num_accepted_tokens = 2
+    return out
+
+
+def events_of(parsed, texts) -> list[dict | str]:
+    state = ResponseState(parsed)
+    raw = b"".join(b"".join(stream_events(state, r)) for r in responses(texts))
+    assert raw.endswith(SSE_DONE)
+    out: list[dict | str] = []
+    for event in raw.split(b"\n\n")[:-1]:
+        assert event.startswith(b"data: ")
+        data = event[len(b"data: "):]
+        out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return out
+
+
+def test_chat_stream_sequence_with_usage():
+    events = events_of(parse(Kind.CHAT, stream=True, stream_options={"include_usage": True}), ["a", "b"])
+    assert [e if e == "[DONE]" else e["choices"] for e in events] == [
+        [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+        [{"index": 0, "delta": {"content": "a"}, "logprobs": None, "finish_reason": None}],
+        [{"index": 0, "delta": {"content": "b"}, "logprobs": None, "finish_reason": None}],
+        [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}],
+        [],
+        "[DONE]",
+    ]
+    chunks = [e for e in events if e != "[DONE]"]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert [c["usage"] for c in chunks[:-1]] == [None] * 4
+    assert chunks[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    assert chunks[-2]["speculation"] == chunks[-1]["speculation"] == {"num_draft_tokens": 6,
+                                                                      "num_accepted_tokens": 2}
+
+
+def test_completion_stream_without_usage_has_no_usage_key():
+    events = events_of(parse(stream=True), ["x", ""])
+    chunks = [e for e in events if e != "[DONE]"]
+    assert [c["choices"][0]["text"] for c in chunks] == ["x", ""]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in c for c in chunks)
+
+
+def test_full_response():
+    state = ResponseState(parse(Kind.CHAT))
+    for response in responses(["a", "b"]):
+        state.absorb(response)
+    body = full_response(state, "ab")
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"] == {"role": "assistant",
+                                                                                       "content": "ab"}
+    assert body["usage"]["total_tokens"] == 6 and body["speculation"]["num_accepted_tokens"] == 2
+
+
+def test_return_token_ids_extension():
+    parsed = parse(stream=True, return_token_ids=True)
+    events = [e for e in events_of(parsed, ["x", "", "y"]) if e != "[DONE]"]
+    # The token with no text of its own still carries its id.
+    assert [c["choices"][0].get("token_ids") for c in events] == [[0], [1], [2], None]
+    state = ResponseState(parse(return_token_ids=True))
+    state.token_ids.extend([4, 5])
+    assert full_response(state, "ab")["choices"][0]["token_ids"] == [4, 5]
+    assert "token_ids" not in full_response(ResponseState(parse()), "ab")["choices"][0]
