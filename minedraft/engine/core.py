@@ -56,6 +56,12 @@ def _configure_process(settings: EngineSettings, plan: DevicePlan) -> None:
         import torch
 
         torch.set_num_threads(len(settings.target_cpu_cores))
+    # vLLM caches its environment once an engine is up (vllm.envs.enable_envs_cache): a later engine in this process
+    # (the test suite, bench, doctor) would read the first one's values, e.g. a TP=2 engine getting a TP=1 engine's
+    # one-core thread binding ("CPU id list ['0'] doesn't match local world size 2").
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
 
 
 def drafter_process_settings(settings: EngineSettings, plan: DevicePlan | None = None) -> dict[str, Any]:
@@ -138,6 +144,7 @@ def engine_args(settings: EngineSettings) -> Any:
                 and settings.tensor_parallel_size == 1 else [],
                 "drafter": drafter_process_settings(settings),
                 "drafter_prestarted": True,
+                "pad_drafts_to_k": settings.pad_drafts_to_k,
             }
         },
     )

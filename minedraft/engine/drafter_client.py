@@ -171,8 +171,14 @@ class DrafterClient:
         return JobTicket(job_id, frozenset(i.request_id for i in items), time.monotonic())
 
     def cancel(self, request_ids: list[str]) -> None:
+        """These requests are gone: the drafter drops their work and forgets their tokens and KV."""
         if self.state is DrafterState.UP and self._socket is not None and request_ids:
             self._send(protocol.CancelRequests(request_ids))
+
+    def cancel_jobs(self, job_ids: list[int]) -> None:
+        """Drafts of these jobs are no longer wanted; the drafter keeps their requests' tokens and KV."""
+        if self.state is DrafterState.UP and self._socket is not None and job_ids:
+            self._send(protocol.CancelJobs(job_ids))
 
     def _send(self, message: protocol.ToDrafter) -> bool:
         """Never block the engine on the drafter: a peer that cannot take a message is treated as down."""

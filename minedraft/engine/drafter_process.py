@@ -1,8 +1,12 @@
 """The drafter: a process of its own, on its own device, drafting greedily with vLLM.
 
-Each job carries the committed context of every request to draft; the drafter is stateless per job and vLLM's
-prefix cache keeps the already-seen context cheap. Greedy drafting makes each proposal deterministic, which is
-what lets the verifier's rejection sampler stay exactly lossless without draft probabilities.
+Each job carries, per request, only the tokens committed since the previous job (DrafterServer keeps the rest).
+The vLLM backend still re-admits each request per job (vLLM's engine cannot append tokens to a live request, so a
+request cannot stay resident between jobs); its prefix cache keeps the already-seen context cheap, at a per-job
+cost that grows with context (block hashing). The torch backend keeps each request's KV cache between jobs.
+
+Greedy drafting makes each proposal deterministic, which is what lets the verifier's rejection sampler stay
+exactly lossless without draft probabilities.
 
 Run as `python -m minedraft.engine.drafter_process ADDRESS SETTINGS_JSON`; the scheduler starts it.
 """
@@ -74,8 +78,8 @@ class Drafter:
         for item in job.items:
             room = self.max_model_len - len(item.token_ids)
             num = min(item.num_draft_tokens, room)
-            if num <= 0 or not item.token_ids or max(item.token_ids) >= self.vocab_size or min(item.token_ids) < 0:
-                continue  # skipped alone: that request goes undrafted, the rest of the job proceeds
+            if num <= 0 or not item.token_ids:
+                continue  # (token ids were checked against the vocabulary on receipt, in DrafterServer)
             params = SamplingParams(
                 max_tokens=num,
                 temperature=0.0,
@@ -86,7 +90,8 @@ class Drafter:
             )
             key = f"{job.job_id}:{item.request_id}"
             self.engine.add_request(key, TokensPrompt(prompt_token_ids=list(item.token_ids)), params)
-            live[key] = item
+            # The length now: a newer job taken in mid-job (poll_messages) extends the stored context in place.
+            live[key] = (item, len(item.token_ids))
         results: list[DraftResult] = []
         first_token_seconds = 0.0
         while self.engine.has_unfinished_requests():
@@ -96,7 +101,7 @@ class Drafter:
             for output in outputs:
                 if not output.finished or output.request_id not in live:
                     continue
-                item = live.pop(output.request_id)
+                item, context_num_tokens = live.pop(output.request_id)
                 completion = output.outputs[0]  # type: ignore[index]
                 logprobs = None
                 if job.want_logprobs and completion.logprobs is not None:
@@ -107,7 +112,7 @@ class Drafter:
                 results.append(
                     DraftResult(
                         request_id=item.request_id,
-                        context_num_tokens=len(item.token_ids),
+                        context_num_tokens=context_num_tokens,
                         token_ids=list(completion.token_ids),
                         logprobs=logprobs,
                     )
@@ -115,7 +120,7 @@ class Drafter:
             # Cancels that arrive mid-job drop those requests here too, not just on the verifier's side.
             poll_messages()
             if self.cancelled:
-                doomed = [key for key, item in live.items() if item.request_id in self.cancelled]
+                doomed = [key for key, (item, _) in live.items() if item.request_id in self.cancelled]
                 if doomed:
                     self.engine.abort_request(doomed)
                     for key in doomed:
@@ -135,6 +140,10 @@ class TorchDrafter:
         self.model = make_torch_drafter(settings)
         self.cancelled: set[str] = set()
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.vocab_size)
+
     def draft(self, job: Any, poll_messages: Any) -> tuple[list[Any], float, float]:
         from minedraft.engine.protocol import DraftResult
 
@@ -142,10 +151,8 @@ class TorchDrafter:
         if self.cancelled:
             self.model.forget(sorted(self.cancelled))
             self.cancelled.clear()
-        vocab = self.model.vocab_size
-        # A context the draft model cannot read is skipped alone (that request goes undrafted), not the whole job.
-        items = [(i.request_id, list(i.token_ids), i.num_draft_tokens) for i in job.items
-                 if i.token_ids and max(i.token_ids) < vocab and min(i.token_ids) >= 0]
+        # (Token ids were checked against the vocabulary on receipt, in DrafterServer.)
+        items = [(i.request_id, i.token_ids, i.num_draft_tokens) for i in job.items if i.token_ids]
         try:
             drafts = self.model.draft(items, job.want_logprobs) if items else []
         except Exception:
@@ -165,6 +172,97 @@ def make_drafter(settings: dict[str, Any]) -> Drafter | TorchDrafter:
     return Drafter(settings)
 
 
+class DrafterServer:
+    """The drafter's message loop without the socket: keeps each request's committed tokens between jobs (jobs carry
+    deltas), drops cancelled jobs' work without forgetting their requests, forgets finished requests, and isolates a
+    request that makes jobs fail."""
+
+    def __init__(self, drafter: Any, vocab_size: int) -> None:
+        self.drafter = drafter
+        self.vocab_size = vocab_size
+        # Committed tokens per live request, as taken in from jobs (on receipt, so a cancelled job still counts).
+        self.contexts: dict[str, list[int]] = {}
+        self.queued: list[Any] = []
+        self.stop = False
+        self._need_context: dict[int, list[str]] = {}
+
+    def handle(self, message: Any) -> None:
+        from minedraft.engine import protocol
+
+        if isinstance(message, protocol.DraftJob):
+            self.queued.append(self._take_in(message))
+        elif isinstance(message, protocol.CancelJobs):
+            doomed = set(message.job_ids)
+            self.queued = [job for job in self.queued if job.job_id not in doomed]
+        elif isinstance(message, protocol.CancelRequests):
+            gone = set(message.request_ids)
+            for request_id in gone:
+                self.contexts.pop(request_id, None)
+            self.drafter.cancelled.update(gone)
+            for job in self.queued:
+                job.items[:] = [i for i in job.items if i.request_id not in gone]
+        else:
+            self.stop = True
+
+    def _take_in(self, job: Any) -> Any:
+        """Apply the job's deltas to the stored contexts; returns the job with whole contexts (the stored lists
+        themselves, not copies: backends only read them)."""
+        from minedraft.engine import protocol
+
+        items: list[protocol.DraftItem] = []
+        missing: list[str] = []
+        for item in job.items:
+            new = item.token_ids
+            if new and (max(new) >= self.vocab_size or min(new) < 0):
+                # A context the draft model cannot read: that request goes undrafted, the rest of the job proceeds.
+                self.contexts.pop(item.request_id, None)
+                continue
+            held = self.contexts.get(item.request_id)
+            if item.base_num_tokens == 0:
+                held = self.contexts[item.request_id] = list(new)
+            elif held is None or len(held) < item.base_num_tokens:
+                missing.append(item.request_id)
+                self.contexts.pop(item.request_id, None)
+                continue
+            else:
+                del held[item.base_num_tokens:]
+                held.extend(new)
+            if held:
+                items.append(protocol.DraftItem(item.request_id, held, item.num_draft_tokens))
+        if missing:
+            self._need_context[job.job_id] = missing
+        return protocol.DraftJob(job.job_id, items, job.want_logprobs)
+
+    def run_job(self, job: Any, idle_seconds: float, poll_messages: Any) -> Any:
+        from minedraft.engine import protocol
+
+        need_context = self._need_context.pop(job.job_id, [])
+        try:
+            results, seconds, first_token_seconds = self.drafter.draft(job, poll_messages)
+            return protocol.DraftReply(job.job_id, results, seconds, idle_seconds, first_token_seconds,
+                                       need_context)
+        except Exception as exc:  # a bad job must not take the drafter down with it
+            log.exception("draft job %d failed", job.job_id)
+            return protocol.DrafterError(job.job_id, f"{type(exc).__name__}: {exc}", self._culprits(job))
+
+    def _culprits(self, job: Any) -> list[str]:
+        """Retry a failed job's requests one at a time: those that still fail are named (and forgotten here)."""
+        from minedraft.engine import protocol
+
+        if len(job.items) <= 1:
+            culprits = [i.request_id for i in job.items]
+        else:
+            culprits = []
+            for item in job.items:
+                try:
+                    self.drafter.draft(protocol.DraftJob(job.job_id, [item], job.want_logprobs), lambda: None)
+                except Exception:
+                    culprits.append(item.request_id)
+        for request_id in culprits:
+            self.contexts.pop(request_id, None)
+        return culprits
+
+
 def main(argv: list[str]) -> int:
     address, settings_json = argv[1], argv[2]
     settings = json.loads(settings_json)
@@ -181,46 +279,30 @@ def main(argv: list[str]) -> int:
     socket = context.socket(zmq.PAIR)
     socket.connect(address)
     drafter = make_drafter(settings)
+    server = DrafterServer(drafter, drafter.vocab_size)
     socket.send(protocol.encode(protocol.Ready(os.getpid(), settings["model"], time.perf_counter() - started)))
     log.info("drafter ready in %.1fs", time.perf_counter() - started)
 
-    queued: list[protocol.DraftJob] = []
-    stop = False
-
-    def handle(message: protocol.ToDrafter) -> None:
-        nonlocal stop
-        if isinstance(message, protocol.DraftJob):
-            queued.append(message)
-        elif isinstance(message, protocol.CancelRequests):
-            drafter.cancelled.update(message.request_ids)
-            for job in queued:
-                job.items[:] = [i for i in job.items if i.request_id not in drafter.cancelled]
-        else:
-            stop = True
-
     def poll_messages() -> None:
         while socket.poll(0):
-            handle(protocol.decode_to_drafter(socket.recv()))
+            server.handle(protocol.decode_to_drafter(socket.recv()))
 
     idle_since = time.perf_counter()
-    while not stop:
-        if not queued:
+    while not server.stop:
+        if not server.queued:
             if socket.poll(1000) == 0:
                 if os.getppid() != parent_pid:
                     log.warning("parent process exited; drafter stopping")
                     break
                 continue
-            handle(protocol.decode_to_drafter(socket.recv()))
+            server.handle(protocol.decode_to_drafter(socket.recv()))
             continue
-        job = queued.pop(0)
-        idle_seconds = time.perf_counter() - idle_since
-        try:
-            results, seconds, first_token_seconds = drafter.draft(job, poll_messages)
-            reply: protocol.FromDrafter = protocol.DraftReply(job.job_id, results, seconds, idle_seconds,
-                                                              first_token_seconds)
-        except Exception as exc:  # a bad job must not take the drafter down with it
-            log.exception("draft job %d failed", job.job_id)
-            reply = protocol.DrafterError(job.job_id, f"{type(exc).__name__}: {exc}")
+        # Take in everything already sent first: cancels of queued jobs, and newer jobs' tokens.
+        poll_messages()
+        if not server.queued:
+            continue
+        job = server.queued.pop(0)
+        reply = server.run_job(job, time.perf_counter() - idle_since, poll_messages)
         socket.send(protocol.encode(reply))
         idle_since = time.perf_counter()
     socket.close(linger=0)

@@ -10,9 +10,13 @@ import msgspec
 
 class DraftItem(msgspec.Struct, frozen=True, array_like=True):
     request_id: str
-    # The committed context: prompt and verified output tokens, nothing speculative.
+    # Committed tokens (prompt and verified output, nothing speculative) from position base_num_tokens on: the
+    # drafter keeps each request's earlier tokens between jobs, so a job carries only what was committed since.
     token_ids: list[int]
     num_draft_tokens: int
+    # 0: token_ids is the whole context. Otherwise the drafter must already hold at least this many tokens of the
+    # request (it answers `need_context` if it does not: after a restart or an eviction).
+    base_num_tokens: int = 0
 
 
 class DraftJob(msgspec.Struct, frozen=True, array_like=True, tag="job"):
@@ -22,7 +26,16 @@ class DraftJob(msgspec.Struct, frozen=True, array_like=True, tag="job"):
 
 
 class CancelRequests(msgspec.Struct, frozen=True, array_like=True, tag="cancel"):
+    """These requests finished or were aborted: drop their work and forget their tokens and KV."""
+
     request_ids: list[str]
+
+
+class CancelJobs(msgspec.Struct, frozen=True, array_like=True, tag="cancel_jobs"):
+    """The verifier went ahead without these jobs' drafts: skip their drafting, keep every request's tokens and KV
+    (the requests are alive and will be drafted again next step)."""
+
+    job_ids: list[int]
 
 
 class Shutdown(msgspec.Struct, frozen=True, array_like=True, tag="shutdown"):
@@ -47,6 +60,9 @@ class DraftReply(msgspec.Struct, frozen=True, array_like=True, tag="reply"):
     # (a whole prompt for a new request) and proposing position 1. Each further position costs one small forward,
     # so a draft of length k costs first + (k - 1) * next, not k times a forward. 0 when not measured.
     first_token_seconds: float = 0.0
+    # Requests of the job whose earlier tokens the drafter does not hold (restarted, evicted): not drafted; the
+    # verifier sends their whole context next time.
+    need_context: list[str] = []
 
 
 class Ready(msgspec.Struct, frozen=True, array_like=True, tag="ready"):
@@ -58,9 +74,12 @@ class Ready(msgspec.Struct, frozen=True, array_like=True, tag="ready"):
 class DrafterError(msgspec.Struct, frozen=True, array_like=True, tag="error"):
     job_id: int
     message: str
+    # Requests that fail even when drafted alone (the drafter retries a failed job's requests one by one): the
+    # verifier stops drafting them, and the drafter stays up for the rest. Empty when it could not tell.
+    request_ids: list[str] = []
 
 
-ToDrafter = DraftJob | CancelRequests | Shutdown
+ToDrafter = DraftJob | CancelRequests | CancelJobs | Shutdown
 FromDrafter = DraftReply | Ready | DrafterError
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1,12 +1,14 @@
-"""vLLM V1 scheduler subclass that runs batch-parallel speculative decoding.
+"""vLLM V1 scheduler subclass that runs batch-parallel speculative decoding: a thin adapter.
 
-Per step (docs/architecture.md, One step):
-  schedule():            pick the sub-batch whose turn it is, attach the drafts the drafter made for it during the
-                         previous step (waiting for them with a deadline if the drafter is late), keep the other
-                         sub-batch out of the step (vLLM's per-request `next_decode_eligible_step`).
+The decisions live in planner.py (pure, over plain dataclasses) and the drafter plumbing in drafter_link.py; this
+class translates between them and vLLM's Request objects. Per step:
+  schedule():            the planner picks the sub-batch whose turn it is; wait for its drafts at most the planner's
+                         budget (a fraction of a measured step; a late job is abandoned and the sub-batch decodes
+                         without drafts this once); attach the planned proposals; hold out the other sub-batch's
+                         requests whose drafts are coming (vLLM's per-request `next_decode_eligible_step`).
   (target verifies)      vLLM's rejection sampler, proposals treated as deterministic: lossless.
-  update_from_output():  commit accepted tokens (vLLM), then send the just-verified sub-batch's committed context
-                         to the drafter, which drafts it while the next step verifies the other sub-batch.
+  update_from_output():  commit accepted tokens (vLLM), then send the just-verified sub-batch's newly committed tokens
+                         (deltas) to the drafter, which drafts it while the next step verifies the other sub-batch.
 
 Drafts are keyed by the context length they were made from and used only if the request still has exactly that
 many tokens: nothing is drafted on unverified tokens and nothing needs rolling back.
@@ -27,33 +29,30 @@ from vllm.v1.request import Request, RequestStatus
 from minedraft.engine import protocol
 from minedraft.engine.auto import AutoController, AutoSettings, Decision
 from minedraft.engine.cost_model import CostModel
-from minedraft.engine.drafter_client import DrafterClient, DrafterState, JobTicket
+from minedraft.engine.drafter_client import DrafterClient, DrafterState
+from minedraft.engine.drafter_link import DrafterLink
 from minedraft.engine.placement import ComputePlacement
+from minedraft.engine.planner import Draft, PSDPlanner, RequestState, StepPlan, WaitPolicy
 from minedraft.engine.settings import Mode
 from minedraft.engine.stats import StatsRecorder, StepRecord
-from minedraft.engine.subbatch import SubBatches, select_draft_lengths
+from minedraft.engine.subbatch import SubBatches
 
 log = logging.getLogger(__name__)
 
 CONFIG_KEY = "minedraft"
 
 
-@dataclass(frozen=True)
-class Draft:
-    context_num_tokens: int
-    token_ids: list[int]
-    logprobs: list[float] | None
 
 
 @dataclass
 class _StepTiming:
     started_at: float = 0.0
     wait_seconds: float = 0.0
+    wait_budget_seconds: float = 0.0
     scheduled_at: float = 0.0
     draft_seconds: float = 0.0
     draft_first_token_seconds: float = 0.0
     drafter_idle_seconds: float = 0.0
-    draft_token_budget: int = 0
     draft_jobs_in_flight: int = 0
 
 
@@ -74,7 +73,12 @@ class PSDScheduler(Scheduler):
         configured_mode = Mode(config.get("mode", Mode.PSD.value))
         # The concrete mode of the coming steps (psd, sd or ar); auto mode changes it through its controller.
         self.mode: Mode = Mode.PSD if configured_mode is Mode.AUTO else configured_mode
-        self.k = int(config.get("num_speculative_tokens", self.num_spec_tokens))
+        self.planner = PSDPlanner(
+            k=int(config.get("num_speculative_tokens", self.num_spec_tokens)),
+            num_extra_draft_tokens=int(config.get("num_extra_draft_tokens", 0)),
+            draft_token_budget=config.get("draft_token_budget"),
+            pad_to_k=bool(config.get("pad_drafts_to_k", True)),
+        )
         self.auto_settings = AutoSettings(**{
             "k_candidates": tuple(range(1, self.num_spec_tokens + 1)),
             **config.get("auto", {}),
@@ -86,37 +90,68 @@ class PSDScheduler(Scheduler):
         self._auto_parked: AutoController | None = None
         if configured_mode is Mode.AUTO:
             self.auto = self._new_auto_controller()
-        self.num_extra_draft_tokens = int(config.get("num_extra_draft_tokens", 0))
-        self.draft_token_budget: int | None = config.get("draft_token_budget")
-        self.deadline_seconds = float(config.get("deadline_seconds", 5.0))
-        self.max_missed_deadlines = int(config.get("max_missed_deadlines", 3))
+        deadline_seconds = float(config.get("deadline_seconds", 5.0))
+        self.wait_policy = WaitPolicy(cap_seconds=deadline_seconds)
         self.check_invariants = bool(config.get("check_invariants", False))
         self.stats = StatsRecorder(int(config.get("stats_history", 4096)))
-        self.subbatches = SubBatches()
-        self.drafts: dict[str, Draft] = {}
-        # At most one job in flight per sub-batch; in sd mode only sub-batch 0 is used.
-        self.tickets: dict[int, JobTicket] = {}
-        self.turn = 0
-        self.missed_deadlines = 0
         self._verified_group: int | None = None
         self._effective_mode: Mode = self.mode
+        self._plan = StepPlan(self.mode, None, {}, {}, frozenset())
         self._timing = _StepTiming()
         self._num_steps = 0
-        self.drafter: DrafterClient | None = None
+        self.link = DrafterLink(None, hang_seconds=deadline_seconds,
+                                max_failed_jobs=int(config.get("max_missed_deadlines", 3)))
         self.placement = ComputePlacement(tuple(config.get("target_cpu_cores", ())),
                                           tuple(config.get("lend_cpu_cores", ())))
         drafter_settings = config.get("drafter")
         if config.get("drafter_prestarted"):
             pass  # the in-process Engine started it in parallel with model loading and attaches it next
         elif drafter_settings and self.mode is not Mode.AR:
-            self.drafter = DrafterClient(
+            drafter = DrafterClient(
                 drafter_settings,
                 restart=bool(config.get("drafter_restart", True)),
                 startup_timeout_seconds=float(config.get("drafter_startup_timeout_seconds", 300.0)),
             )
-            self.drafter.start()
+            drafter.start()
+            self.link.attach(drafter)
         elif self.mode is not Mode.AR:
             log.warning("no drafter configured: serving without drafts")
+
+    # -- views the engine and tests read --------------------------------------------------------------------------
+
+    @property
+    def drafter(self) -> DrafterClient | None:
+        return self.link.client
+
+    @property
+    def subbatches(self) -> SubBatches:
+        return self.planner.subbatches
+
+    @property
+    def drafts(self) -> dict[str, Draft]:
+        return self.planner.drafts
+
+    @property
+    def tickets(self) -> dict[int, Any]:
+        return self.link.tickets
+
+    @property
+    def k(self) -> int:
+        return self.planner.k
+
+    @property
+    def num_extra_draft_tokens(self) -> int:
+        return self.planner.num_extra_draft_tokens
+
+    @property
+    def deadline_seconds(self) -> float:
+        """The longest a step waits for drafts (before anything is measured), and the silence that means hung."""
+        return self.wait_policy.cap_seconds
+
+    @deadline_seconds.setter
+    def deadline_seconds(self, seconds: float) -> None:
+        self.wait_policy.cap_seconds = seconds
+        self.link.hang_seconds = seconds
 
     # -- control (called between steps by the engine thread) -------------------------------------------------
 
@@ -172,16 +207,16 @@ class PSDScheduler(Scheduler):
                 f"num_extra_draft_tokens: {new_e} is outside 0..{self.num_spec_tokens - new_k} (k + e <= "
                 f"{self.num_spec_tokens}, the engine's max_num_speculative_tokens)"
             )
-        self.k, self.num_extra_draft_tokens = new_k, new_e
+        self.planner.k, self.planner.num_extra_draft_tokens = new_k, new_e
         if mode is Mode.SD:
             self.subbatches.merge_into(0)
-            self.turn = 0
+            self.planner.turn = 0
         elif mode is Mode.PSD and self.mode is not Mode.PSD:
             self.subbatches.rebalance()
         self.mode = mode
 
     def attach_drafter(self, drafter: DrafterClient) -> None:
-        self.drafter = drafter
+        self.link.attach(drafter)
 
     @property
     def drafter_up(self) -> bool:
@@ -189,165 +224,115 @@ class PSDScheduler(Scheduler):
 
     # -- schedule ----------------------------------------------------------------------------------------------
 
+    def _states(self) -> list[RequestState]:
+        max_len = self.max_model_len
+        states = []
+        for request in self.running:
+            num_tokens = request.num_tokens
+            pad_room = max_len - num_tokens - 1
+            states.append(RequestState(
+                request_id=request.request_id,
+                num_tokens=num_tokens,
+                decoding=_is_decoding(request),
+                draft_room=min(request.max_tokens - request.num_output_tokens - 1, pad_room),
+                pad_room=pad_room,
+                last_token_id=request.all_token_ids[-1] if num_tokens else 0,
+            ))
+        return states
+
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         timing = _StepTiming(started_at=time.perf_counter())
         self._timing = timing
         mode = self._current_mode()
         self._effective_mode = mode
-
-        verified_group: int | None = None
-        if mode in (Mode.PSD, Mode.SD):
-            verified_group = self._pick_group(mode)
+        states = self._states()
+        verified_group = self.planner.pick_group(states, mode)
+        if verified_group is not None:
             self._await_drafts(verified_group, timing)
         self._verified_group = verified_group
         # With no draft job in flight nothing drafts during this verification (ar; sd; psd with one side empty):
         # the target may compute on the drafter's cores too. A job in flight (psd's other side) keeps them apart.
-        timing.draft_jobs_in_flight = len(self.tickets)
-        self.placement.apply(wide=mode is Mode.AR or not self.tickets)
+        timing.draft_jobs_in_flight = len(self.link.tickets)
+        self.placement.apply(wide=mode is Mode.AR or not self.link.tickets)
 
-        budget = self._draft_budget(verified_group)
-        timing.draft_token_budget = budget or 0
-        drafts_for_step: dict[str, list[int]] = {}
+        plan = self.planner.plan(states, mode, verified_group, pad=self.auto is None)
+        self._plan = plan
+        step_after_next = self.current_step + 2  # schedule() increments current_step before its running loop
         for request in self.running:
-            request.spec_token_ids = []
-            decoding = _is_decoding(request)
-            group = self.subbatches.group_of(request.request_id)
-            if mode is Mode.PSD and decoding and group is not None and group != verified_group:
-                # Skip this request for one step: schedule() increments current_step before its running loop.
-                request.next_decode_eligible_step = self.current_step + 2
-                continue
-            request.next_decode_eligible_step = 0
-            if verified_group is not None and decoding:
-                tokens = self._usable_draft(request)
-                if tokens:
-                    drafts_for_step[request.request_id] = tokens
-        if drafts_for_step:
-            lengths = select_draft_lengths(
-                {rid: self._draft_logprobs(rid, len(tokens)) for rid, tokens in drafts_for_step.items()},
-                self.k,
-                budget,
-            )
-            for request in self.running:
-                selected = drafts_for_step.get(request.request_id)
-                if selected:
-                    request.spec_token_ids = selected[: lengths[request.request_id]]
+            request_id = request.request_id
+            # A fresh list: vLLM trims spec_token_ids in place.
+            request.spec_token_ids = list(plan.proposals.get(request_id, ()))
+            request.next_decode_eligible_step = step_after_next if request_id in plan.held_out else 0
 
         output = super().schedule(*args, **kwargs)
         timing.scheduled_at = time.perf_counter()
+        if self.check_invariants:
+            self.planner.check_step(plan, states, output.scheduled_spec_decode_tokens)
         return output
 
     def _current_mode(self) -> Mode:
         if self.mode is Mode.AR or self.drafter is None:
             return Mode.AR
-        self._poll_drafter(timeout_seconds=0.0)
-        if not self.drafter.check_alive():
-            self.tickets.clear()
+        self.link.poll(0.0, self._on_message)
+        alive = self.link.check()
+        if self.link.take_restarted():
+            self.planner.drafter_restarted()
+        if not alive:
+            self.planner.in_flight.clear()
             # Without a drafter, verifying half the batch per step would only halve throughput.
             return Mode.AR
         return self.mode
 
-    def _pick_group(self, mode: Mode) -> int:
-        if mode is Mode.SD:
-            return 0
-        decoding_members = [0, 0]
-        for request in self.running:
-            group = self.subbatches.group_of(request.request_id)
-            if group is not None and _is_decoding(request):
-                decoding_members[group] += 1
-        if decoding_members[self.turn] == 0 and decoding_members[1 - self.turn] > 0:
-            # One side empty: fall back to sequential SD on the other instead of stalling.
-            self.turn = 1 - self.turn
-        return self.turn
-
     def _await_drafts(self, group: int, timing: _StepTiming) -> None:
-        ticket = self.tickets.get(group)
-        if ticket is None or self.drafter is None:
+        if group not in self.link.tickets:
             return
-        waited_from = time.perf_counter()
-        deadline = waited_from + self.deadline_seconds
-        while group in self.tickets:
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0:
-                break
-            self._poll_drafter(timeout_seconds=min(remaining, 0.5))
-            if self.drafter.state is not DrafterState.UP or not self.drafter.check_alive():
-                self.tickets.clear()
-                break
-        timing.wait_seconds = time.perf_counter() - waited_from
-        if group in self.tickets:
-            # Late drafts would be stale by the time they arrive (the step goes ahead without them): drop them,
-            # and tell the drafter so it does not spend the next step on them.
-            ticket = self.tickets.pop(group)
-            self.drafter.cancel(sorted(ticket.request_ids))
+        budget = self.wait_policy.budget_seconds()
+        timing.wait_budget_seconds = budget
+        result = self.link.wait_for(group, budget, self._on_message)
+        timing.wait_seconds = result.waited_seconds
+        if self.link.take_restarted():
+            self.planner.drafter_restarted()
+        if group in self.link.tickets:
+            # Later than the step is expected to take: verify this sub-batch without drafts now (plain decoding,
+            # one step) instead of holding the whole replica. The drafter skips the job but keeps the requests'
+            # tokens and KV, so the next job is a small delta again.
+            self.link.abandon(group)
+            self.planner.job_done(group)
             self.stats.count(deadline_misses=1)
-            log.warning("drafter missed its %.1fs deadline", self.deadline_seconds)
-            self._note_miss("missed deadlines")
-        else:
-            self.missed_deadlines = 0
+            log.debug("drafts for sub-batch %d later than %.3fs: verifying without them", group, budget)
+        elif not result.arrived:
+            self.planner.in_flight.clear()
 
-    def _note_miss(self, reason: str) -> None:
-        assert self.drafter is not None
-        self.missed_deadlines += 1
-        if self.missed_deadlines >= self.max_missed_deadlines:
-            self.tickets.clear()
-            self.drafter.mark_hung(f"{self.missed_deadlines} in a row: {reason}")
-            self.missed_deadlines = 0
-
-    def _poll_drafter(self, timeout_seconds: float) -> None:
-        assert self.drafter is not None
-        for message in self.drafter.receive(timeout_seconds):
-            if isinstance(message, protocol.DrafterError):
-                self.stats.count(drafter_errors=1)
-                log.error("draft job %d failed in the drafter: %s", message.job_id, message.message)
-                self._drop_ticket(message.job_id)
-                # Failing jobs cost as much as late ones: the same escalation applies (restart, then AR meanwhile).
-                self._note_miss(f"draft job failed: {message.message}")
-                continue
-            if not isinstance(message, protocol.DraftReply):
-                continue
-            group = self._drop_ticket(message.job_id)
-            if group is None:
-                continue  # a job abandoned after a deadline: its drafts are stale
-            self._timing.draft_seconds += message.draft_seconds
-            self._timing.draft_first_token_seconds += message.first_token_seconds
-            self._timing.drafter_idle_seconds += message.idle_seconds
-            for result in message.results:
-                request = self.requests.get(result.request_id)
-                if request is None or request.is_finished():
-                    continue
-                self.drafts[result.request_id] = Draft(result.context_num_tokens, result.token_ids, result.logprobs)
-
-    def _drop_ticket(self, job_id: int) -> int | None:
-        for group, ticket in list(self.tickets.items()):
-            if ticket.job_id == job_id:
-                del self.tickets[group]
-                return group
-        return None
-
-    def _usable_draft(self, request: Request) -> list[int]:
-        draft = self.drafts.get(request.request_id)
-        if draft is None or draft.context_num_tokens != request.num_tokens:
-            return []
-        room = min(
-            request.max_tokens - request.num_output_tokens - 1,
-            self.max_model_len - request.num_tokens - 1,
-            self.k + self.num_extra_draft_tokens,
+    def _on_message(self, group: int | None, message: protocol.FromDrafter) -> None:
+        if isinstance(message, protocol.DrafterError):
+            self.stats.count(drafter_errors=1)
+            log.error("draft job %d failed in the drafter: %s", message.job_id, message.message)
+            quarantined = self.planner.job_failed(group, message.request_ids)
+            if quarantined:
+                log.warning("no more drafts for %s: every job that carried them failed", quarantined)
+            if not message.request_ids:
+                self.link.job_failed_unattributed()
+            return
+        if not isinstance(message, protocol.DraftReply):
+            return
+        self.planner.need_full_context(message.need_context)
+        # Late replies count too: a drafter slower than the budget would otherwise never be measured, every job
+        # abandoned, and the budget never grow to fit it (a hung drafter sends nothing, so it cannot inflate it).
+        self.wait_policy.observe_draft(message.draft_seconds)
+        if group is None:
+            return  # a job abandoned after its deadline: its drafts are stale
+        self.planner.job_done(group)
+        self._timing.draft_seconds += message.draft_seconds
+        self._timing.draft_first_token_seconds += message.first_token_seconds
+        self._timing.drafter_idle_seconds += message.idle_seconds
+        self.planner.store_drafts(
+            ((r.request_id, Draft(r.context_num_tokens, r.token_ids, r.logprobs)) for r in message.results),
+            self._is_live,
         )
-        return draft.token_ids[: max(0, room)]
 
-    def _draft_logprobs(self, request_id: str, length: int) -> list[float]:
-        draft = self.drafts[request_id]
-        if draft.logprobs is None:
-            return [0.0] * length
-        return draft.logprobs[:length]
-
-    def _draft_budget(self, group: int | None) -> int | None:
-        if not self.num_extra_draft_tokens or group is None:
-            return None
-        if self.draft_token_budget is not None:
-            return self.draft_token_budget
-        members = sum(1 for r in self.running if self.subbatches.group_of(r.request_id) == group)
-        return self.k * max(1, members)
+    def _is_live(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        return request is not None and not request.is_finished()
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
         """The in-worker proposer proposes nothing; drafts come from our drafter, so ignore its empty lists."""
@@ -362,9 +347,10 @@ class PSDScheduler(Scheduler):
     ) -> Any:
         verify_done = time.perf_counter()
         timing = self._timing
+        plan = self._plan
         drafted_per_position: list[int] = []
         accepted_per_position: list[int] = []
-        num_draft_tokens = num_accepted_tokens = num_output_tokens = 0
+        num_draft_tokens = num_accepted_tokens = num_output_tokens = num_pad_tokens = num_with_drafts = 0
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -373,36 +359,41 @@ class PSDScheduler(Scheduler):
         for req_id, spec in scheduler_output.scheduled_spec_decode_tokens.items():
             if req_id not in index or not sampled:
                 continue
-            accepted = max(0, len(sampled[index[req_id]]) - 1)
-            num_draft_tokens += len(spec)
+            # Padding only fixes the batch's shape: acceptance counts the drafted tokens.
+            drafted = min(len(spec), plan.drafted_lengths.get(req_id, 0))
+            num_pad_tokens += len(spec) - drafted
+            if not drafted:
+                continue
+            accepted = min(drafted, max(0, len(sampled[index[req_id]]) - 1))
+            num_with_drafts += 1
+            num_draft_tokens += drafted
             num_accepted_tokens += accepted
-            _bump(drafted_per_position, len(spec))
+            _bump(drafted_per_position, drafted)
             _bump(accepted_per_position, accepted)
         new_request_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
         num_decode = sum(1 for rid in scheduler_output.num_scheduled_tokens if rid not in new_request_ids)
+        verified_group = self._verified_group
+        num_verified_members = sum(
+            1 for rid in scheduler_output.num_scheduled_tokens
+            if rid not in new_request_ids and self.subbatches.group_of(rid) == verified_group
+        ) if verified_group is not None else 0
 
         outputs = super().update_from_output(scheduler_output, model_runner_output)
 
         mode = self._effective_mode
         self._forget_finished()
-        verified_group = self._verified_group
-        preferred = verified_group if verified_group is not None else self.turn
-        for request in self.running:
-            if _is_decoding(request) and request.request_id not in self.subbatches:
-                if self.mode is Mode.SD:
-                    self.subbatches.admit(request.request_id, 0, balance=False)
-                else:
-                    self.subbatches.admit(request.request_id, preferred)
-        if self.mode is Mode.PSD:
-            self.subbatches.rebalance()
+        states = self._states()
+        self.planner.after_step(states, mode, verified_group, self.mode)
         if mode in (Mode.PSD, Mode.SD) and verified_group is not None:
-            self._submit_drafts(verified_group)
-        if mode is Mode.PSD and verified_group is not None:
-            self.turn = 1 - verified_group
+            self._submit_drafts(verified_group, states)
         if self.check_invariants:
-            self._check_invariants()
+            alive = {rid for rid, r in self.requests.items() if not r.is_finished()}
+            self.planner.check_invariants(states, alive, self.mode)
 
         finished = time.perf_counter()
+        verify_seconds = max(0.0, verify_done - timing.scheduled_at)
+        if mode is not Mode.AR:
+            self.wait_policy.observe_verify(verify_seconds)
         self._num_steps += 1
         record = StepRecord(
             step=self._num_steps,
@@ -412,14 +403,14 @@ class PSDScheduler(Scheduler):
             group_sizes=self.subbatches.sizes(),
             num_decode_requests=num_decode,
             num_prefill_requests=len(scheduler_output.scheduled_new_reqs),
-            num_requests_with_drafts=len(scheduler_output.scheduled_spec_decode_tokens),
+            num_requests_with_drafts=num_with_drafts,
             num_draft_tokens=num_draft_tokens,
             num_accepted_tokens=num_accepted_tokens,
             drafted_per_position=tuple(drafted_per_position),
             accepted_per_position=tuple(accepted_per_position),
             num_output_tokens=num_output_tokens,
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
-            verify_seconds=max(0.0, verify_done - timing.scheduled_at),
+            verify_seconds=verify_seconds,
             wait_seconds=timing.wait_seconds,
             draft_seconds=timing.draft_seconds,
             draft_first_token_seconds=timing.draft_first_token_seconds,
@@ -428,10 +419,15 @@ class PSDScheduler(Scheduler):
             step_seconds=finished - timing.started_at,
             drafter_up=self.drafter_up,
             k=self.k,
-            draft_token_budget=timing.draft_token_budget,
+            draft_token_budget=plan.draft_token_budget or 0,
             auto=self.auto is not None,
             widened=bool(self.placement.wide) and self.placement.can_widen,
             draft_jobs_in_flight=timing.draft_jobs_in_flight,
+            num_held_out=len(plan.held_out),
+            num_verified_members=num_verified_members,
+            num_pad_tokens=num_pad_tokens,
+            wait_budget_seconds=timing.wait_budget_seconds,
+            update_seconds=max(0.0, finished - verify_done),
         )
         self.stats.record(record)
         if self.auto is not None:
@@ -455,48 +451,43 @@ class PSDScheduler(Scheduler):
         log.info("auto: %s k=%d -> %s k=%d (%s)", decision.previous_mode, decision.previous_k, decision.mode,
                  decision.k, decision.reason)
 
-    def _submit_drafts(self, group: int) -> None:
-        if self.drafter is None or group in self.tickets:
+    def _submit_drafts(self, group: int, states: list[RequestState]) -> None:
+        if self.drafter is None or not self.link.up:
+            return
+        if self.link.take_restarted():
+            self.planner.drafter_restarted()
+        plans = self.planner.draft_job(states, group)
+        if not plans:
             return
         items: list[protocol.DraftItem] = []
-        num_draft_tokens = self.k + self.num_extra_draft_tokens
-        for request in self.running:
-            if self.subbatches.group_of(request.request_id) != group or not _is_decoding(request):
-                continue
-            existing = self.drafts.get(request.request_id)
-            if existing is not None and existing.context_num_tokens == request.num_tokens:
-                continue  # still holds valid drafts (it was not verified this step)
-            room = min(num_draft_tokens, request.max_tokens - request.num_output_tokens - 1,
-                       self.max_model_len - request.num_tokens - 1)
-            if room <= 0:
-                continue
-            token_ids = list(request.all_token_ids)
-            if self.check_invariants and (request.spec_token_ids or len(token_ids) != request.num_tokens):
-                raise AssertionError(f"{request.request_id}: drafting would build on unverified tokens")
-            items.append(protocol.DraftItem(request.request_id, token_ids, room))
-        ticket = self.drafter.submit(items, want_logprobs=self.num_extra_draft_tokens > 0)
-        if ticket is not None:
-            self.tickets[group] = ticket
+        for item in plans:
+            request = self.requests[item.request_id]
+            if self.check_invariants and (request.spec_token_ids or len(request.all_token_ids) != item.num_tokens):
+                raise AssertionError(f"{item.request_id}: drafting would build on unverified tokens")
+            # Only what the drafter does not hold yet: O(new tokens), not O(context), per request per step.
+            new_tokens = request.all_token_ids[item.base_num_tokens:item.num_tokens]
+            items.append(protocol.DraftItem(item.request_id, new_tokens, item.num_draft_tokens,
+                                            item.base_num_tokens))
+        if self.link.submit(group, items, want_logprobs=self.num_extra_draft_tokens > 0):
+            self.planner.job_sent(group, plans)
+        elif self.link.take_restarted():
+            self.planner.drafter_restarted()
 
     def _forget_finished(self) -> None:
-        """Drop the sub-batch slot, stored drafts and drafter-side work of requests that left the running set."""
+        """Drop the sub-batch slot, stored drafts and drafter-side tokens of requests that left the running set."""
+        planner = self.planner
         gone: list[str] = []
-        for request_id in self.subbatches.all_members():
-            request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                self.subbatches.remove(request_id)
-                if request is None or request.is_finished():
-                    gone.append(request_id)
-        for request_id in list(self.drafts):
+        preempted: list[str] = []
+        for request_id in planner.subbatches.all_members() | set(planner.drafts) | set(planner.drafter_holds):
             request = self.requests.get(request_id)
             if request is None or request.is_finished():
-                del self.drafts[request_id]
                 gone.append(request_id)
-        if gone and self.drafter is not None:
-            in_flight = {rid for t in self.tickets.values() for rid in t.request_ids}
-            doomed = sorted(set(gone) & in_flight)
-            if doomed:
-                self.drafter.cancel(doomed)
+            elif request.status != RequestStatus.RUNNING:
+                preempted.append(request_id)
+        planner.leave_sub_batches(preempted)
+        if gone:
+            # Finished requests are forgotten in the drafter too (their tokens and KV), not only here.
+            self.link.forget(planner.forget(gone))
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super()._preempt_request(request, *args, **kwargs)
@@ -508,26 +499,8 @@ class PSDScheduler(Scheduler):
             self._forget_finished()
         return finished
 
-    def _check_invariants(self) -> None:
-        running_decoding = {r.request_id for r in self.running if _is_decoding(r)}
-        members = self.subbatches.all_members()
-        missing = running_decoding - members
-        if missing:
-            raise AssertionError(f"decoding requests outside both sub-batches: {sorted(missing)}")
-        stale = members - {r.request_id for r in self.running}
-        if stale:
-            raise AssertionError(f"sub-batch members that are not running: {sorted(stale)}")
-        if self.mode is Mode.PSD:
-            self.subbatches.check_balanced()
-        elif self.mode is Mode.SD and self.subbatches.sizes()[1]:
-            raise AssertionError("sd mode keeps every request in sub-batch 0")
-        leaked = [rid for rid in self.drafts if rid not in self.requests or self.requests[rid].is_finished()]
-        if leaked:
-            raise AssertionError(f"drafts kept for finished requests: {leaked}")
-
     def shutdown(self) -> None:
-        if self.drafter is not None:
-            self.drafter.shutdown()
+        self.link.shutdown()
         super().shutdown()
 
 

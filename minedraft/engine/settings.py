@@ -81,9 +81,11 @@ class DrafterSettings:
     cpu_cores: tuple[int, ...] = ()
     gpu_index: int | None = None
     kv_cache_gib: float = 1.0
-    # How long schedule() may block on a draft job before verifying without drafts.
+    # The longest schedule() may block on a draft job before verifying without drafts; once step times are
+    # measured the wait is a fraction of a step (planner.WaitPolicy) and this is only its cap. A drafter silent
+    # this long with a job outstanding is taken for hung and restarted in the background.
     deadline_seconds: float = 5.0
-    # A drafter that misses this many deadlines in a row is treated as hung and restarted.
+    # Draft jobs failing in a row (the drafter naming no request to blame) before the drafter is restarted.
     max_missed_deadlines: int = 3
     startup_timeout_seconds: float = 300.0
     restart: bool = True
@@ -135,6 +137,9 @@ class EngineSettings:
     lend_drafter_cores: bool = True
     # Overrides of auto mode's policy settings (minedraft.engine.auto.AutoSettings field names).
     auto: dict[str, Any] = field(default_factory=dict)
+    # Fixed modes: pad every verified decoding request's proposal to exactly k (any proposal is lossless), so a
+    # decode step has one shape (1 + k query tokens each): the one vLLM captures full CUDA graphs for.
+    pad_drafts_to_k: bool = True
 
     def __post_init__(self) -> None:
         validate(self)

@@ -52,6 +52,16 @@ class StepRecord:
     # Draft jobs in flight while this step verified (psd: the other side's, when its drafter had not finished it by
     # the time this step started). None in flight is what lets the target widen onto the drafter's cores.
     draft_jobs_in_flight: int = 0
+    # Decoding requests of the other sub-batch kept out of this step because their drafts were coming.
+    num_held_out: int = 0
+    # Decoding requests of the verified sub-batch that this step actually verified (balance is measured from these).
+    num_verified_members: int = 0
+    # Proposal tokens that only padded drafts to k (one decode shape per step); not counted as drafted.
+    num_pad_tokens: int = 0
+    # How long this step would wait for late drafts (from measured step times) before verifying without them.
+    wait_budget_seconds: float = 0.0
+    # The engine's own work after the forward pass: committing tokens, sub-batch bookkeeping, sending draft jobs.
+    update_seconds: float = 0.0
 
 
 @dataclass

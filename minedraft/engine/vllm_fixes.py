@@ -46,6 +46,7 @@ def apply_cpu_fixes() -> bool:
     from vllm.triton_utils.dispatcher import register_kernels
 
     register_kernels({EXPAND_KERNEL: expand_batch_values})
+    install_empty_safe_top_k()
     log.info("installed the dtype-preserving expand kernel for CPU speculative sampling")
     return True
 
@@ -74,6 +75,30 @@ def cpu_fixes_installed() -> bool:
 
     entry = dispatcher._registry.get(EXPAND_KERNEL)
     return entry is not None and entry[1] is expand_batch_values
+
+
+TOP_K_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"
+
+
+def install_empty_safe_top_k() -> None:
+    """vLLM 0.32's CPU top-k (`apply_top_k_only`) calls `k.max()` on an empty tensor when the rejection sampler has
+    no draft positions for the batch's non-greedy requests (a top-k request prefilling, or decoding without drafts,
+    beside requests that carry drafts) and raises: the step is lost and those requests never finish. An empty batch
+    needs no masking, so it is returned as is. Idempotent."""
+    import importlib
+
+    namespace = vars(importlib.import_module(TOP_K_MODULE))
+    original = namespace["apply_top_k_only"]
+    if getattr(original, "minedraft_empty_safe", False):
+        return
+
+    def apply_top_k_only(logits: Any, k: Any) -> Any:
+        if logits.shape[0] == 0:
+            return logits
+        return original(logits, k)
+
+    apply_top_k_only.minedraft_empty_safe = True  # type: ignore[attr-defined]
+    namespace["apply_top_k_only"] = apply_top_k_only
 
 
 # Runs when vLLM imports this module in a worker (see CpuFixesWorkerExtension); idempotent, no-op on GPUs.

@@ -55,9 +55,13 @@ def psd(psd_engine):
     psd_engine.set_mode(Mode.PSD, 3, 0)
     assert psd_engine.wait_for_drafter(300)
     yield psd_engine
-    # Leave nothing in flight for the next test.
-    while psd_engine.has_unfinished_requests():
+    # Leave nothing in flight for the next test (bounded: a request that can never finish must fail, not hang).
+    for _ in range(5000):
+        if not psd_engine.has_unfinished_requests():
+            break
         psd_engine.step()
+    else:
+        raise AssertionError("requests left by the test never finished")
     psd_engine.set_mode(Mode.PSD, 3, 0)
 
 

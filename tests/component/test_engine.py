@@ -7,6 +7,7 @@ the test that broke it.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from itertools import pairwise
@@ -35,6 +36,16 @@ def prompts(pair_dir, ar_engine) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def references(ar_engine, prompts) -> list[list[int]]:
     return reference(ar_engine, prompts, GREEDY)
+
+
+@pytest.fixture
+def psd(psd):
+    """The shared psd engine, waiting up to 4 measured steps for drafts: the CI machine is shared and its step
+    times jump, and these tests are about what the drafts do (the hang test checks the budget itself)."""
+    policy = psd.psd_scheduler.wait_policy
+    saved, policy.slack = policy.slack, 4.0
+    yield psd
+    policy.slack = saved
 
 
 def last_step(engine) -> int:
@@ -94,14 +105,32 @@ def test_psd_alternates_sub_batches_under_load(psd, prompts, references):
     assert all(r.num_decode_requests <= 4 for r in full), "each step verifies one sub-batch, not both"
     groups = [r.verified_group for r in full]
     assert sum(a != b for a, b in pairwise(groups)) >= len(groups) // 2
-    # While the other side is being drafted the target keeps to its own cores; it widens exactly when no draft job
-    # is in flight as a step verifies. Under load that is rare but not impossible: a drafter that finishes the
-    # other side's job in the gap between two steps leaves nothing drafting beside the next one.
-    can_widen = psd.psd_scheduler.placement.can_widen
-    assert all(r.widened == (can_widen and r.draft_jobs_in_flight == 0) for r in full), \
-        [(r.step, r.widened, r.draft_jobs_in_flight) for r in full]
+    # Balance measured from the requests each step actually verified (not the sizes recorded after rebalancing).
+    assert all(r.num_verified_members in (3, 4, 5) for r in full), [r.num_verified_members for r in full]
+    # Drafts made during the previous step reach the step that verifies them: most verified requests carry one.
+    # (Stale or mis-keyed drafts fail this: they are never used.)
+    carried = sum(r.num_requests_with_drafts for r in full)
+    verified = sum(r.num_verified_members for r in full)
+    assert carried >= 0.7 * verified, (carried, verified)
+    # The other side was drafting meanwhile in most steps: the overlap happened.
     in_flight = [r.draft_jobs_in_flight for r in full]
     assert sum(n > 0 for n in in_flight) > len(in_flight) // 2, in_flight
+
+
+def test_psd_acceptance_matches_sd_on_the_same_prompts(psd, prompts, references):
+    """Both verify the same drafter's greedy drafts of the same committed contexts, so their acceptance agrees; a
+    draft verified against a context other than the one it was made from (shifted, stale) is accepted far less."""
+    rates = {}
+    for mode in (Mode.SD, Mode.PSD):
+        psd.set_mode(mode, 3, 0)
+        before = psd.totals()
+        run = drive(psd, [Planned(f"acc-{mode.value}-{i}", prompts[i], GREEDY) for i in range(8)])
+        for i in range(8):
+            assert run.completions[f"acc-{mode.value}-{i}"].token_ids == references[i]
+        delta = psd.totals() - before
+        assert delta.draft_tokens > 100, delta.draft_tokens
+        rates[mode] = delta.acceptance_rate
+    assert abs(rates[Mode.PSD] - rates[Mode.SD]) <= 0.05, rates
 
 
 def test_sd_mode_matches_and_runs_draft_then_verify(psd, prompts, references):
@@ -132,14 +161,17 @@ def test_ar_mode_on_the_psd_engine_drafts_nothing(psd, prompts, references):
         # Nothing drafted: the target computed on the drafter's cores too, and narrows back for psd.
         assert placement.wide is True and placement.num_threads == len(placement.wide_cores)
         psd.set_mode(Mode.PSD)
-        first_step = last_step(psd)
-        drive(psd, [Planned(f"narrow-{i}", prompts[i], SamplingSettings(max_tokens=8)) for i in range(4)])
-        both_sides = [r for r in psd.step_records(first_step) if r.num_draft_tokens and min(r.group_sizes) >= 2]
-        # Steady psd: while the other side's job is in flight the target keeps to its cores, and widens only when
-        # none is (a drafter that finished it between two steps; seen in one fresh-clone CI run).
-        assert both_sides and any(r.draft_jobs_in_flight for r in both_sides)
-        assert all(r.widened == (r.draft_jobs_in_flight == 0) for r in both_sides), \
-            [(r.step, r.widened, r.draft_jobs_in_flight) for r in both_sides]
+        for i in range(4):
+            psd.add_request(f"narrow-{i}", prompts[i], SamplingSettings(max_tokens=8))
+        # The step thread's real CPU affinity (what the OS enforces, not what the record says) after each step.
+        narrow_steps = 0
+        while psd.has_unfinished_requests():
+            psd.step()
+            record = psd.step_records()[-1]
+            if record.draft_jobs_in_flight:
+                narrow_steps += 1
+                assert os.sched_getaffinity(0) == set(placement.target_cores), "target computed beside the drafter"
+        assert narrow_steps, "no step verified while the other side was drafting"
 
 
 def test_extra_drafts_with_top_c_selection_stay_lossless(psd, prompts, references):
@@ -213,21 +245,132 @@ def test_temperature_one_matches_the_target_distribution(psd, ar_engine, prompts
     A wrong acceptance rule (accepting drafts too often) would pull these tokens towards the draft's greedy
     choices and fail this test; the target alone and a correct PSD draw from the same distribution.
     """
-    from scipy.stats import chi2_contingency
-
     n = 400
     prompt = prompts[5]
     before = psd.totals()
     psd_hist = _token_histograms(psd, prompt, n, 2, "t-psd")
     assert psd.totals().accepted_tokens > before.accepted_tokens, "drafts took part"
     ar_hist = _token_histograms(ar_engine, prompt, n, 2, "t-ar")
-    for position, (a, b) in enumerate(zip(psd_hist, ar_hist, strict=True), start=1):
+    for position, p_value in enumerate(_chi_square_p_values(psd_hist, ar_hist, n), start=1):
+        assert p_value > 0.001, f"token {position}: PSD and target-alone distributions differ (p={p_value:.2g})"
+
+
+def _chi_square_p_values(first, second, n):
+    from scipy.stats import chi2_contingency
+
+    p_values = []
+    for a, b in zip(first, second, strict=True):
         common = [t for t in set(a) | set(b) if a[t] + b[t] >= 10]
         rows = [[a[t] for t in common] + [n - sum(a[t] for t in common)],
                 [b[t] for t in common] + [n - sum(b[t] for t in common)]]
         rows = [list(col) for col in zip(*[c for c in zip(*rows, strict=True) if sum(c) > 0], strict=True)]
-        _, p_value, _, _ = chi2_contingency(rows)
-        assert p_value > 0.001, f"token {position}: PSD and target-alone distributions differ (p={p_value:.2g})"
+        p_values.append(chi2_contingency(rows)[1])
+    return p_values
+
+
+def test_the_distribution_test_rejects_a_wrong_sampler(ar_engine, prompts):
+    """Power check: the chi-square test above, at the same n, tells the target at temperature 0.5 from the target at
+    temperature 1. A sampler pulled towards the draft's greedy choices differs from the target in the same way."""
+    n = 400
+    prompt = prompts[5]
+
+    def histograms(temperature, tag):
+        sampling = [SamplingSettings(max_tokens=3, temperature=temperature, seed=20_000 + i, ignore_eos=True)
+                    for i in range(n)]
+        run = drive(ar_engine, [Planned(f"{tag}-{i}", prompt, s) for i, s in enumerate(sampling)])
+        return [Counter(run.completions[f"{tag}-{i}"].token_ids[pos] for i in range(n)) for pos in (1, 2)]
+
+    p_values = _chi_square_p_values(histograms(1.0, "pw-right"), histograms(0.5, "pw-wrong"), n)
+    assert min(p_values) < 0.001, p_values
+
+
+def test_mixed_greedy_top_k_top_p_and_random_requests_in_one_batch(psd, prompts, references):
+    """Greedy requests match the target alone beside sampled ones; top_k=1 at temperature 1 is greedy too (the
+    verifier applies top-k to the target's distribution, drafts or not); top-p and random requests run to length."""
+    plan = []
+    for i in range(8):
+        if i % 4 == 0:
+            sampling = GREEDY
+        elif i % 4 == 1:
+            sampling = SamplingSettings(max_tokens=40, temperature=1.0, top_k=1, seed=i)
+        elif i % 4 == 2:
+            sampling = SamplingSettings(max_tokens=40, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+        else:
+            sampling = SamplingSettings(max_tokens=40, temperature=1.0, top_k=20, seed=i, ignore_eos=True)
+        plan.append(Planned(f"mixed-{i}", prompts[i], sampling))
+    before = psd.totals()
+    run = drive(psd, plan)
+    for i in range(8):
+        tokens = run.completions[f"mixed-{i}"].token_ids
+        if i % 4 in (0, 1):
+            assert tokens == references[i], f"request {i} ({plan[i].sampling}) diverged from greedy"
+        else:
+            assert len(tokens) == 40
+    assert psd.totals().accepted_tokens > before.accepted_tokens
+    assert_clean(psd)
+
+
+def test_stop_strings_end_where_the_target_alone_ends(psd, ar_engine, prompts):
+    texts = [ar_engine.tokenizer.decode(r) for r in reference(ar_engine, prompts[:4], GREEDY)]
+    # A stop string from the middle of each reference output: it ends the output inside a verified run of tokens.
+    stops = [t[len(t) // 2: len(t) // 2 + 3] for t in texts]
+    plans = [Planned(f"stop-{i}", prompts[i], SamplingSettings(max_tokens=40, stop=(stops[i],))) for i in range(4)]
+    expected = drive(ar_engine, [Planned(f"ar-{p.request_id}", p.prompt_token_ids, p.sampling) for p in plans])
+    got = drive(psd, plans)
+    for i in range(4):
+        want = expected.completions[f"ar-stop-{i}"]
+        have = got.completions[f"stop-{i}"]
+        assert (have.token_ids, have.text, have.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+        assert want.finish_reason == "stop"
+    assert_clean(psd)
+
+
+def test_chunked_prefill_of_long_prompts_beside_decoding_requests(psd, ar_engine, pair_dir, prompts):
+    """Long prompts arrive while others decode and are prefilled in chunks over several steps (a small token
+    budget per step): requests mid-prefill are in neither sub-batch, and everything stays lossless."""
+    from minedraft.bench.workload import bench_prompts
+
+    scheduler = psd.psd_scheduler
+    if not scheduler.scheduler_config.enable_chunked_prefill:
+        pytest.skip("chunked prefill is off in this vLLM build")
+    long_prompts = [(ar_engine.encode_prompt(t) * 20)[:300] for t in bench_prompts(pair_dir, 2, chars=400)]
+    assert all(len(p) == 300 for p in long_prompts)
+    plan = [Planned(f"chunk-short-{i}", prompts[i], GREEDY) for i in range(6)]
+    plan += [Planned(f"chunk-long-{i}", p, GREEDY, arrive_at_step=3 + i) for i, p in enumerate(long_prompts)]
+    budgets = {}
+    for engine in (ar_engine, psd):
+        budgets[engine] = engine.scheduler.max_num_scheduled_tokens
+        engine.scheduler.max_num_scheduled_tokens = 64
+    try:
+        expected = drive(ar_engine, [Planned(f"ar-{p.request_id}", p.prompt_token_ids, p.sampling, p.arrive_at_step)
+                                     for p in plan])
+        first_step = last_step(psd)
+        run = drive(psd, plan)
+    finally:
+        for engine, budget in budgets.items():
+            engine.scheduler.max_num_scheduled_tokens = budget
+    for p in plan:
+        assert run.completions[p.request_id].token_ids == expected.completions[f"ar-{p.request_id}"].token_ids, \
+            p.request_id
+    records = psd.step_records(first_step)
+    assert max(r.num_scheduled_tokens for r in records) <= 64, "a 300-token prompt was prefilled in chunks"
+    assert any(r.num_draft_tokens for r in records)
+    assert_clean(psd)
+
+
+def test_an_abort_storm_leaves_nothing_behind(psd, prompts, references):
+    ids = [f"storm-{i}" for i in range(300)]
+    for i, rid in enumerate(ids):
+        psd.add_request(rid, prompts[i % len(prompts)], SamplingSettings(max_tokens=64, ignore_eos=True))
+    for _ in range(6):
+        psd.step()
+    psd.abort(ids)
+    while psd.has_unfinished_requests():
+        psd.step()
+    assert_clean(psd)
+    assert psd.psd_scheduler.planner.drafter_holds == {}, "aborted requests were not forgotten for the drafter"
+    run = drive(psd, [Planned("after-storm", prompts[0], GREEDY)])
+    assert run.completions["after-storm"].token_ids == references[0]
 
 
 def test_bad_requests_get_field_named_errors_and_the_engine_keeps_serving(psd, prompts, references):
@@ -299,22 +442,34 @@ async def test_async_generate_streams_and_cancel_aborts(psd, prompts, references
         await engine.call(lambda e: e.load())
 
 
-def test_hung_drafter_misses_deadlines_then_is_replaced(psd, prompts, references):
-    import os
+def test_hung_drafter_costs_a_fraction_of_a_step_then_is_replaced_in_the_background(psd, prompts, references):
     import signal
 
     scheduler = psd.psd_scheduler
     restarts_before = scheduler.drafter.num_restarts
     misses_before = psd.totals().deadline_misses
-    scheduler.deadline_seconds = 0.3
+    hangs_before = scheduler.link.num_hangs
+    first_step = last_step(psd)
+    # Warm the measured step times, then stop the drafter: alive but silent, only the clock can tell.
+    drive(psd, [Planned(f"warm-{i}", prompts[i], SamplingSettings(max_tokens=8)) for i in range(6)])
+    scheduler.link.hang_seconds = 1.0
     try:
-        os.kill(scheduler.drafter.pid(), signal.SIGSTOP)  # alive but silent: only the deadline can tell
-        run = drive(psd, [Planned(f"hung-{i}", prompts[i], GREEDY) for i in range(6)])
+        os.kill(scheduler.drafter.pid(), signal.SIGSTOP)
+        # Serve batches until the silence is taken for a hang (about a second of outstanding work).
+        for batch in range(10):
+            run = drive(psd, [Planned(f"hung-{batch}-{i}", prompts[i], GREEDY) for i in range(6)])
+            for i in range(6):
+                assert run.completions[f"hung-{batch}-{i}"].token_ids == references[i]
+            if scheduler.link.num_hangs > hangs_before:
+                break
     finally:
-        scheduler.deadline_seconds = 10.0
-    for i in range(6):
-        assert run.completions[f"hung-{i}"].token_ids == references[i]
-    assert psd.totals().deadline_misses - misses_before >= scheduler.max_missed_deadlines
+        scheduler.link.hang_seconds = scheduler.deadline_seconds
+    assert psd.totals().deadline_misses > misses_before
+    missed = [r for r in psd.step_records(first_step) if r.wait_budget_seconds and not r.num_draft_tokens]
+    # A step waits for late drafts at most its budget, which comes from measured step times, not the configured
+    # 10 s deadline that used to hold every request of the replica.
+    assert missed and max(r.wait_budget_seconds for r in missed) < 0.5 * scheduler.deadline_seconds
+    assert scheduler.link.num_hangs > hangs_before, "silence with work outstanding was taken for a hang"
     assert psd.wait_for_drafter(300)
     assert scheduler.drafter.num_restarts > restarts_before, "the hung drafter was replaced"
     before = psd.totals().draft_tokens

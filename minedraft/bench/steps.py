@@ -1,0 +1,259 @@
+"""Where an engine step's time goes, at 32 requests with long contexts.
+
+    python -m minedraft.bench.steps --out benchmarks/results/step-breakdown [--contexts 512,2048,8192]
+
+Per decode step (prefill steps excluded) it reports, from the scheduler's step records and timers wrapped around
+vLLM's model runner (this benchmark only):
+  forward        the target's forward pass (vLLM's `_model_forward`)
+  runner_states  the model runner's persistent-batch update (`_update_states`): requests left out of a step are
+                 removed from vLLM's persistent batch and re-added when next scheduled, so PSD's alternating
+                 sub-batches pay for it every step
+  runner_inputs  building the step's inputs (`_prepare_inputs`)
+  runner_other   the rest of the model runner's step (sampling, rejection sampling, output bookkeeping)
+  schedule       our schedule() without the wait for drafts (planning, vLLM's scheduler)
+  update         our update_from_output() (committing tokens, sub-batch bookkeeping, sending the draft job)
+  wait           waiting for late drafts
+and "engine_own" = everything but forward and wait, as a share of the step. Modes run side by side on one engine:
+psd with delta draft jobs, psd with whole contexts (the old protocol), and ar. A second layout, the paper's (the
+drafter on a device the target may not use: here the target never widens onto the drafter's core), runs psd and sd
+beside the equal-cores layout and reports psd/sd against the ceiling (t_draft + t_verify) / max(t_draft, t_verify).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+COLUMNS = ("forward", "runner_states", "runner_inputs", "runner_other", "schedule", "update", "wait")
+
+
+class RunnerTimers:
+    """Seconds spent in chosen model-runner methods, per step (wraps the bound methods of one runner)."""
+
+    def __init__(self, runner: Any, names: dict[str, str]) -> None:
+        self.totals = dict.fromkeys(names, 0.0)
+        for label, method in names.items():
+            setattr(runner, method, self._timed(label, getattr(runner, method)))
+
+    def _timed(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[label] += time.perf_counter() - started
+        return wrapper
+
+    def take(self) -> dict[str, float]:
+        out = dict(self.totals)
+        for label in self.totals:
+            self.totals[label] = 0.0
+        return out
+
+
+def _model_runner(engine: Any) -> Any:
+    executor = engine._llm.engine_core.engine_core.model_executor
+    return executor.driver_worker.worker.model_runner
+
+
+def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_requests: int, max_tokens: int,
+                tag: str) -> dict[str, Any]:
+    from minedraft.engine.requests import SamplingSettings
+
+    sampling = SamplingSettings(max_tokens=max_tokens, ignore_eos=True)
+    for i in range(num_requests):
+        # Requests share all but their last 16 tokens: the target's prefix cache spares most of the prefill (the
+        # per-step costs measured here depend on context length, not content), and each context is still its own.
+        tail = prompt_ids[16 * (i + 1): 16 * (i + 2)]
+        engine.add_request(f"{tag}-{i}", prompt_ids[: len(prompt_ids) - len(tail)] + tail, sampling)
+    first = engine.step_records()[-1].step if engine.step_records() else 0
+    rows: list[dict[str, float]] = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        runner = timers.take()
+        records = engine.step_records(first)
+        if not records:
+            continue
+        record = records[-1]
+        first = record.step
+        if record.num_prefill_requests or not record.num_decode_requests:
+            continue
+        forward = runner["forward"]
+        rows.append({
+            "forward": forward,
+            "runner_states": runner["runner_states"],
+            "runner_inputs": runner["runner_inputs"],
+            "runner_other": max(0.0, record.verify_seconds - forward - runner["runner_states"]
+                                - runner["runner_inputs"]),
+            "schedule": record.schedule_seconds,
+            "update": record.update_seconds,
+            "wait": record.wait_seconds,
+            "step": record.step_seconds,
+            "draft": record.draft_seconds,
+            "decode_requests": record.num_decode_requests,
+            "with_drafts": record.num_requests_with_drafts,
+            "output_tokens": record.num_output_tokens,
+        })
+    if not rows:
+        return {"steps": 0}
+    summary: dict[str, Any] = {"steps": len(rows)}
+    for column in (*COLUMNS, "step", "draft", "decode_requests", "with_drafts"):
+        summary[column] = statistics.median(r[column] for r in rows)
+    summary["tokens_per_second"] = sum(r["output_tokens"] for r in rows) / sum(r["step"] for r in rows)
+    own = [r["step"] - r["forward"] - r["wait"] for r in rows]
+    summary["engine_own"] = statistics.median(own)
+    summary["engine_own_share"] = statistics.median(o / r["step"] for o, r in zip(own, rows, strict=True))
+    return summary
+
+
+def _pair_for_context(pair: Path, positions: int) -> Path:
+    """The pair itself, or (for contexts beyond its position table, e.g. the local pair's 2048) a temporary copy whose
+    configs allow `positions`: weights linked, configs rewritten. Random-position RoPE extrapolation changes what the
+    models say, not what a step costs, which is all this benchmark measures."""
+    import tempfile
+
+    configs = {role: json.loads((pair / role / "config.json").read_text()) for role in ("target", "draft")}
+    if all(c.get("max_position_embeddings", positions) >= positions for c in configs.values()):
+        return pair
+    copy = Path(tempfile.mkdtemp(prefix="minedraft-long-pair-"))
+    for role, config in configs.items():
+        (copy / role).mkdir()
+        for item in (pair / role).iterdir():
+            if item.name != "config.json":
+                (copy / role / item.name).symlink_to(item.resolve())
+        config["max_position_embeddings"] = positions
+        (copy / role / "config.json").write_text(json.dumps(config, indent=2))
+    print(f"contexts beyond the pair's positions: using {copy} (max_position_embeddings {positions})",
+          file=sys.stderr)
+    return copy
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="path prefix of the .json and .md results")
+    parser.add_argument("--contexts", default="512,2048,8192")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--modes", default="psd,psd-full,ar,layout")
+    parser.add_argument("--pair-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # the local pair says 2048; RoPE extrapolates
+    from minedraft.bench.workload import bench_prompts
+    from minedraft.engine.core import Engine
+    from minedraft.engine.placement import ComputePlacement
+    from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode, default_core_split
+    from minedraft.models.spec import default_pair_dir
+
+    contexts = [int(c) for c in args.contexts.split(",")]
+    pair = _pair_for_context(args.pair_dir or default_pair_dir(), max(contexts) + args.max_tokens + 128)
+    modes = args.modes.split(",")
+    target_cores, drafter_cores = default_core_split()
+    settings = EngineSettings(
+        model=str(pair / "target"),
+        drafter=DrafterSettings(model=str(pair / "draft"), cpu_cores=drafter_cores, kv_cache_gib=1,
+                                deadline_seconds=30.0, backend="torch"),
+        mode=Mode.PSD, num_speculative_tokens=args.k, max_num_seqs=args.requests,
+        max_model_len=max(contexts) + args.max_tokens + 64,
+        kv_cache_gib=max(2.0, 8e-6 * args.requests * (max(contexts) + args.max_tokens) + 1),
+        target_cpu_cores=target_cores,
+    )
+    engine = Engine(settings)
+    if not engine.wait_for_drafter(600):
+        print("drafter did not start", file=sys.stderr)
+        return 1
+    scheduler = engine.psd_scheduler
+    assert scheduler is not None
+    timers = RunnerTimers(_model_runner(engine), {"forward": "_model_forward", "runner_states": "_update_states",
+                                                  "runner_inputs": "_prepare_inputs"})
+    text = " ".join(bench_prompts(pair, 64, chars=400))
+    base_ids = list(engine.tokenizer.encode(text))
+    wide_placement = scheduler.placement
+    narrow_placement = ComputePlacement(wide_placement.target_cores, ())
+    results: dict[str, Any] = {"config": {**vars(args), "out": str(args.out), "pair_dir": str(pair),
+                                          "cores": {"target": target_cores, "drafter": drafter_cores},
+                                          "machine": "shared 2-core CPU, contended by other jobs"},
+                               "runs": []}
+    try:
+        for context in contexts:
+            prompt = (base_ids * (context // len(base_ids) + 1))[:context]
+            plan: list[tuple[str, str, Mode, bool]] = []
+            if "psd" in modes:
+                plan.append(("psd", "equal-cores", Mode.PSD, True))
+            if "psd-full" in modes:
+                plan.append(("psd-full-context", "equal-cores", Mode.PSD, False))
+            if "ar" in modes:
+                plan.append(("ar", "equal-cores", Mode.AR, True))
+            if "layout" in modes:
+                plan += [("sd", "equal-cores", Mode.SD, True), ("psd", "own-drafter-core", Mode.PSD, True),
+                         ("sd", "own-drafter-core", Mode.SD, True)]
+            for label, layout, mode, deltas in plan:
+                engine.set_mode(mode, args.k, 0)
+                scheduler.planner.send_deltas = deltas
+                scheduler.placement = narrow_placement if layout == "own-drafter-core" else wide_placement
+                # Start each run from an empty drafter and cache state of this engine: nothing carried between runs.
+                summary = run_context(engine, timers, prompt, args.requests, args.max_tokens,
+                                      f"{label}-{layout}-{context}")
+                row = {"context": context, "mode": label, "layout": layout, **summary}
+                results["runs"].append(row)
+                print(json.dumps(row), file=sys.stderr)
+    finally:
+        scheduler.planner.send_deltas = True
+        scheduler.placement = wide_placement
+        engine.shutdown()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    args.out.with_suffix(".md").write_text(markdown(results))
+    print(markdown(results))
+    return 0
+
+
+def markdown(results: dict[str, Any]) -> str:
+    ms = 1000.0
+    lines = [
+        "# Per-step breakdown (median per decode step, milliseconds)",
+        "",
+        f"Config: `{json.dumps(results['config'])}`",
+        "",
+        "| context | mode | layout | steps | step | forward | runner_states | runner_inputs | runner_other | schedule"
+        " | update | wait | engine own | own share | verified w/ drafts |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["runs"]:
+        if not r.get("steps"):
+            continue
+        lines.append(
+            f"| {r['context']} | {r['mode']} | {r['layout']} | {r['steps']} | {r['step'] * ms:.1f} | "
+            + " | ".join(f"{r[c] * ms:.2f}" for c in COLUMNS)
+            + f" | {r['engine_own'] * ms:.2f} | {r['engine_own_share']:.1%} | "
+            f"{r['with_drafts']:.0f}/{r['decode_requests']:.0f} |"
+        )
+    ceilings = []
+    for context in sorted({r["context"] for r in results["runs"]}):
+        by = {(r["mode"], r["layout"]): r for r in results["runs"] if r["context"] == context and r.get("steps")}
+        for layout in ("equal-cores", "own-drafter-core"):
+            psd, sd = by.get(("psd", layout)), by.get(("sd", layout))
+            if psd and sd and sd["tokens_per_second"]:
+                # sd drafts then verifies: its wait is the draft time, the rest of its step the verification.
+                t_draft, t_verify = sd["wait"], sd["step"] - sd["wait"]
+                ceiling = (t_draft + t_verify) / max(t_draft, t_verify) if max(t_draft, t_verify) else 0.0
+                speedup = psd["tokens_per_second"] / sd["tokens_per_second"]
+                ceilings.append(f"| {context} | {layout} | {speedup:.2f} | {ceiling:.2f} |")
+    if ceilings:
+        lines += ["", "psd/sd output tokens per second of decode steps, against the ceiling "
+                  "(t_draft + t_verify) / max(t_draft, t_verify) measured from sd's steps:", "",
+                  "| context | layout | psd/sd | ceiling |", "|---|---|---|---|", *ceilings]
+    lines += ["", "Measured on a shared, contended 2-core machine: read ratios, not absolute times."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

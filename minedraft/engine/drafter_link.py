@@ -1,0 +1,158 @@
+"""The verifier's link to the drafter: job tickets per sub-batch, bounded waits, hang detection and restarts.
+
+No policy lives here (the planner decides what to draft and how long a step may wait); this module only knows
+which job is in flight for which sub-batch, routes the drafter's messages to their sub-batch, and notices a drafter
+that has gone silent with work outstanding, which it restarts in the background (the new process loads while the
+engine keeps serving without drafts).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from minedraft.engine import protocol
+from minedraft.engine.drafter_client import DrafterClient, DrafterState, JobTicket
+
+log = logging.getLogger(__name__)
+
+# (sub-batch of the job the message answers, or None for an abandoned job; the message)
+MessageHandler = Callable[[int | None, protocol.FromDrafter], None]
+
+
+@dataclass(frozen=True)
+class WaitResult:
+    waited_seconds: float
+    arrived: bool
+
+
+class DrafterLink:
+    def __init__(self, client: DrafterClient | None, hang_seconds: float, max_failed_jobs: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.client = client
+        self.tickets: dict[int, JobTicket] = {}
+        # Work outstanding and no word from the drafter for this long: it is hung (alive but silent).
+        self.hang_seconds = hang_seconds
+        self.max_failed_jobs = max_failed_jobs
+        self._clock = clock
+        self._starts_seen = client.num_starts if client is not None else 0
+        self._busy_since: float | None = None
+        self._last_heard_at = clock()
+        self.consecutive_failed_jobs = 0
+        self.num_hangs = 0
+
+    def attach(self, client: DrafterClient) -> None:
+        self.client = client
+        self._starts_seen = client.num_starts
+        self.tickets.clear()
+
+    @property
+    def up(self) -> bool:
+        return self.client is not None and self.client.state is DrafterState.UP
+
+    # -- health ----------------------------------------------------------------------------------------------------
+
+    def check(self) -> bool:
+        """Whether the drafter can take jobs now; restarts a dead or hung one (without waiting for it)."""
+        if self.client is None:
+            return False
+        now = self._clock()
+        if (self.tickets and self._busy_since is not None
+                and now - max(self._busy_since, self._last_heard_at) > self.hang_seconds):
+            self.num_hangs += 1
+            self._restart(f"no reply for {now - max(self._busy_since, self._last_heard_at):.1f}s with a job "
+                          "outstanding")
+        alive = self.client.check_alive()
+        if not alive:
+            self._clear()
+        return alive
+
+    def take_restarted(self) -> bool:
+        """True once after each new drafter process started (it holds no request's tokens)."""
+        if self.client is None or self.client.num_starts == self._starts_seen:
+            return False
+        self._starts_seen = self.client.num_starts
+        self._clear()
+        return True
+
+    def job_failed_unattributed(self) -> None:
+        """A job failed and the drafter could not name a request: after enough in a row, restart it."""
+        self.consecutive_failed_jobs += 1
+        if self.consecutive_failed_jobs >= self.max_failed_jobs:
+            self._restart(f"{self.consecutive_failed_jobs} draft jobs failed in a row")
+
+    def _restart(self, reason: str) -> None:
+        assert self.client is not None
+        self._clear()
+        self.consecutive_failed_jobs = 0
+        self.client.mark_hung(reason)
+
+    def _clear(self) -> None:
+        self.tickets.clear()
+        self._busy_since = None
+
+    # -- jobs ------------------------------------------------------------------------------------------------------
+
+    def submit(self, group: int, items: list[protocol.DraftItem], want_logprobs: bool) -> bool:
+        if self.client is None or group in self.tickets:
+            return False
+        ticket = self.client.submit(items, want_logprobs)
+        if ticket is None:
+            return False
+        if not self.tickets:
+            self._busy_since = self._clock()
+        self.tickets[group] = ticket
+        return True
+
+    def abandon(self, group: int) -> None:
+        """Go ahead without this job's drafts: the drafter skips it but keeps its requests' tokens and KV."""
+        ticket = self.tickets.pop(group, None)
+        if not self.tickets:
+            self._busy_since = None
+        if ticket is not None and self.client is not None:
+            self.client.cancel_jobs([ticket.job_id])
+
+    def forget(self, request_ids: list[str]) -> None:
+        if self.client is not None and request_ids:
+            self.client.cancel(sorted(request_ids))
+
+    def poll(self, timeout_seconds: float, handle: MessageHandler) -> None:
+        if self.client is None:
+            return
+        for message in self.client.receive(timeout_seconds):
+            self._last_heard_at = self._clock()
+            group = None
+            if isinstance(message, protocol.DraftReply | protocol.DrafterError):
+                group = self._drop_ticket(message.job_id)
+                if isinstance(message, protocol.DraftReply):
+                    self.consecutive_failed_jobs = 0
+            handle(group, message)
+
+    def wait_for(self, group: int, budget_seconds: float, handle: MessageHandler) -> WaitResult:
+        """Wait at most `budget_seconds` for the job of `group`, handling every message meanwhile."""
+        started = time.perf_counter()
+        deadline = started + budget_seconds
+        down = False
+        while group in self.tickets:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                break
+            self.poll(min(remaining, 0.05), handle)
+            if not self.check():
+                down = True
+                break
+        return WaitResult(time.perf_counter() - started, not down and group not in self.tickets)
+
+    def _drop_ticket(self, job_id: int) -> int | None:
+        for group, ticket in list(self.tickets.items()):
+            if ticket.job_id == job_id:
+                del self.tickets[group]
+                self._busy_since = self._clock() if self.tickets else None
+                return group
+        return None
+
+    def shutdown(self) -> None:
+        if self.client is not None:
+            self.client.shutdown()

@@ -1,0 +1,359 @@
+"""The PSD policy of one engine step, over plain dataclasses: no vLLM, no I/O, no clocks.
+
+Each step the vLLM adapter (scheduler.py) describes the running requests as `RequestState`s and asks the planner:
+  - which sub-batch is verified (`pick_group`), and how long it may wait for that sub-batch's drafts
+    (`WaitPolicy`, from measured step times);
+  - which requests run in this step and with which proposals (`plan`): the verified sub-batch with the drafts made
+    from exactly its committed context, padded to k in fixed modes so decode steps have one shape; the other
+    sub-batch is held out only where a draft is coming for it (a request with nothing coming decodes now);
+  - after the step, where newcomers go and how balance is restored (`after_step`), and what the next draft job
+    sends (`draft_job`): per request, the number of tokens the drafter already holds and only the new ones.
+Padding and CUDA graphs: vLLM 0.32 captures full decode graphs only for batches where every request has exactly
+1 + num_speculative_tokens query tokens, num_speculative_tokens being the engine's maximum (max_num_speculative_tokens;
+equal to k for an engine built for one fixed k). Padding to k therefore gives fixed-mode steps that shape. Auto mode
+and engines built with a larger maximum run k below it: such steps fall back to vLLM's piecewise graphs (attention
+outside the graph) whatever the padding, so auto's switches to a smaller k cost that fallback on every step at that
+k, and a switch itself costs nothing more (no capture at run time). Not measured here: there is no GPU.
+
+The planner also remembers what the drafter holds of each request (deltas), which requests it must forget, and
+which requests are quarantined because every job that carried them failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from minedraft.engine.settings import Mode
+from minedraft.engine.subbatch import SubBatches, select_draft_lengths
+
+# Jobs that carried a request and failed (the drafter naming no culprit) before that request is drafted no more.
+QUARANTINE_AFTER_FAILED_JOBS = 3
+
+
+@dataclass(frozen=True)
+class RequestState:
+    """What the planner needs of one running request."""
+
+    request_id: str
+    # Committed tokens: prompt and verified output, nothing speculative.
+    num_tokens: int
+    # Past its prompt with exactly one uncomputed (just sampled) token: it can decode, and be drafted.
+    decoding: bool
+    # Most proposal tokens a verification of it can use: the output budget and the context limit, less the bonus
+    # token. Drafting beyond it is wasted.
+    draft_room: int
+    # Most proposal tokens vLLM can schedule for it (the context limit only); padding may go up to it, since
+    # vLLM drops whatever is verified past the output budget.
+    pad_room: int
+    last_token_id: int
+
+
+@dataclass(frozen=True)
+class Draft:
+    context_num_tokens: int
+    token_ids: list[int]
+    logprobs: list[float] | None
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    mode: Mode
+    verified_group: int | None
+    # The proposal each request carries into this step (drafted tokens first, then padding).
+    proposals: dict[str, list[int]]
+    # Of each proposal, the drafted tokens at its front (the rest is padding that only fixes the batch's shape).
+    drafted_lengths: dict[str, int]
+    # Decoding requests kept out of this step: their drafts are coming (or waiting) for their own turn.
+    held_out: frozenset[str]
+    draft_token_budget: int | None = None
+
+    @property
+    def num_drafted_tokens(self) -> int:
+        return sum(self.drafted_lengths.values())
+
+
+@dataclass(frozen=True)
+class JobItemPlan:
+    request_id: str
+    # Committed tokens the drafter already holds of this request: the job sends only tokens[base:num_tokens].
+    base_num_tokens: int
+    num_tokens: int
+    num_draft_tokens: int
+
+
+@dataclass
+class WaitPolicy:
+    """How long a step may wait for late drafts: a fraction of the step, from measured times.
+
+    The drafter had the whole previous step to draft this sub-batch; once it is later than the step is expected to
+    take (the larger of measured verify and draft times, times `slack`) the sub-batch is verified without drafts
+    (plain decoding for one step) rather than holding every request of the replica. Until anything is measured the
+    configured `cap_seconds` applies (first jobs carry whole prompts).
+    """
+
+    cap_seconds: float
+    slack: float = 1.5
+    floor_seconds: float = 0.002
+    # Exponential moving average weight of the newest sample.
+    alpha: float = 0.2
+    verify_seconds: float | None = None
+    draft_seconds: float | None = None
+
+    def observe_verify(self, seconds: float) -> None:
+        self.verify_seconds = _ema(self.verify_seconds, seconds, self.alpha)
+
+    def observe_draft(self, seconds: float) -> None:
+        self.draft_seconds = _ema(self.draft_seconds, seconds, self.alpha)
+
+    def budget_seconds(self) -> float:
+        if self.verify_seconds is None:
+            return self.cap_seconds
+        expected = max(self.verify_seconds, self.draft_seconds or 0.0)
+        return min(self.cap_seconds, max(self.floor_seconds, self.slack * expected))
+
+
+def _ema(old: float | None, sample: float, alpha: float) -> float:
+    return sample if old is None else (1 - alpha) * old + alpha * sample
+
+
+@dataclass
+class PSDPlanner:
+    k: int
+    num_extra_draft_tokens: int = 0
+    draft_token_budget: int | None = None
+    # Pad every verified decoding request's proposal to exactly k in fixed modes (one decode shape per step).
+    pad_to_k: bool = True
+    # Jobs carry only the tokens committed since the drafter last saw a request (off: whole contexts every job, the
+    # old protocol, kept for side-by-side benchmarks).
+    send_deltas: bool = True
+    subbatches: SubBatches = field(default_factory=SubBatches)
+    turn: int = 0
+    drafts: dict[str, Draft] = field(default_factory=dict)
+    # Request ids of the draft job in flight for each sub-batch (at most one job per sub-batch).
+    in_flight: dict[int, frozenset[str]] = field(default_factory=dict)
+    # Committed tokens the drafter holds of each request (sent in earlier jobs): the base of the next delta.
+    drafter_holds: dict[str, int] = field(default_factory=dict)
+    quarantined: set[str] = field(default_factory=set)
+    failed_jobs: dict[str, int] = field(default_factory=dict)
+
+    # -- the step ------------------------------------------------------------------------------------------------
+
+    def pick_group(self, requests: Sequence[RequestState], mode: Mode) -> int | None:
+        if mode is Mode.SD:
+            return 0
+        if mode is not Mode.PSD:
+            return None
+        decoding_members = [0, 0]
+        for request in requests:
+            group = self.subbatches.group_of(request.request_id)
+            if group is not None and request.decoding:
+                decoding_members[group] += 1
+        if decoding_members[self.turn] == 0 and decoding_members[1 - self.turn] > 0:
+            # One side empty: sequential SD on the other instead of stalling.
+            self.turn = 1 - self.turn
+        return self.turn
+
+    def usable_draft(self, request: RequestState) -> list[int]:
+        """The held draft for exactly this request's committed context, cut to what the step can use."""
+        draft = self.drafts.get(request.request_id)
+        if draft is None or draft.context_num_tokens != request.num_tokens or request.request_id in self.quarantined:
+            return []
+        return draft.token_ids[: max(0, min(request.draft_room, self.k + self.num_extra_draft_tokens))]
+
+    def plan(self, requests: Sequence[RequestState], mode: Mode, verified_group: int | None,
+             pad: bool = True) -> StepPlan:
+        """Who runs in this step and with which proposals. `pad`: the mode is fixed (auto varies k anyway)."""
+        if mode not in (Mode.PSD, Mode.SD) or verified_group is None:
+            return StepPlan(mode, None, {}, {}, frozenset())
+        coming = self.in_flight.get(1 - verified_group, frozenset()) if mode is Mode.PSD else frozenset()
+        held_out: set[str] = set()
+        drafted: dict[str, list[int]] = {}
+        running: list[RequestState] = []
+        for request in requests:
+            if not request.decoding:
+                continue
+            group = self.subbatches.group_of(request.request_id)
+            other_side = mode is Mode.PSD and group is not None and group != verified_group
+            if other_side and (request.request_id in coming or self.usable_draft(request)):
+                held_out.add(request.request_id)
+                continue
+            # (Another side's request with nothing coming, its last token or a context the drafter skipped, decodes
+            # now rather than sit out a step for nothing.)
+            running.append(request)
+            tokens = self.usable_draft(request) if group == verified_group else []
+            if tokens:
+                drafted[request.request_id] = tokens
+        budget = self.budget(requests, verified_group)
+        lengths = select_draft_lengths(
+            {rid: self._logprobs(rid, len(tokens)) for rid, tokens in drafted.items()}, self.k, budget
+        )
+        proposals = {rid: tokens[: lengths[rid]] for rid, tokens in drafted.items() if lengths[rid]}
+        drafted_lengths = {rid: len(tokens) for rid, tokens in proposals.items()}
+        if pad and self.pad_to_k and not self.num_extra_draft_tokens and proposals:
+            # Any proposal is lossless, so padding costs only the verification of the pad tokens; in return every
+            # decoding request in the step has 1 + k query tokens: the one shape vLLM captures full graphs for.
+            for request in running:
+                proposal = proposals.get(request.request_id, [])
+                want = min(self.k, request.pad_room)
+                if len(proposal) < want:
+                    filler = proposal[-1] if proposal else request.last_token_id
+                    proposals[request.request_id] = proposal + [filler] * (want - len(proposal))
+                    drafted_lengths.setdefault(request.request_id, 0)
+        return StepPlan(mode, verified_group, proposals, drafted_lengths, frozenset(held_out), budget)
+
+    def budget(self, requests: Sequence[RequestState], group: int) -> int | None:
+        """Extra drafts: the C positions kept in a sub-batch (k per member unless configured)."""
+        if not self.num_extra_draft_tokens:
+            return None
+        if self.draft_token_budget is not None:
+            return self.draft_token_budget
+        members = sum(1 for r in requests if self.subbatches.group_of(r.request_id) == group)
+        return self.k * max(1, members)
+
+    def _logprobs(self, request_id: str, length: int) -> list[float]:
+        draft = self.drafts[request_id]
+        return [0.0] * length if draft.logprobs is None else draft.logprobs[:length]
+
+    def after_step(self, requests: Sequence[RequestState], mode: Mode, verified_group: int | None,
+                   configured_mode: Mode) -> None:
+        """Admit new decoders (to the side drafted next), restore balance, pass the turn."""
+        preferred = verified_group if verified_group is not None else self.turn
+        for request in requests:
+            if request.decoding and request.request_id not in self.subbatches:
+                if configured_mode is Mode.SD:
+                    self.subbatches.admit(request.request_id, 0, balance=False)
+                else:
+                    self.subbatches.admit(request.request_id, preferred)
+        if configured_mode is Mode.PSD:
+            self.subbatches.rebalance()
+        if mode is Mode.PSD and verified_group is not None:
+            self.turn = 1 - verified_group
+
+    # -- draft jobs ----------------------------------------------------------------------------------------------
+
+    def draft_job(self, requests: Sequence[RequestState], group: int) -> list[JobItemPlan]:
+        """The next job for `group`: its decoding members without a valid draft, each as a delta."""
+        if group in self.in_flight:
+            return []
+        items: list[JobItemPlan] = []
+        num_draft_tokens = self.k + self.num_extra_draft_tokens
+        for request in requests:
+            rid = request.request_id
+            if self.subbatches.group_of(rid) != group or not request.decoding or rid in self.quarantined:
+                continue
+            existing = self.drafts.get(rid)
+            if existing is not None and existing.context_num_tokens == request.num_tokens:
+                continue  # still holds valid drafts (it was not verified this step)
+            room = min(num_draft_tokens, request.draft_room)
+            if room <= 0:
+                continue
+            base = self.drafter_holds.get(rid, 0) if self.send_deltas else 0
+            if base > request.num_tokens:
+                base = 0  # cannot happen without a bug elsewhere (committed tokens never shrink): resend all
+            items.append(JobItemPlan(rid, base, request.num_tokens, room))
+        return items
+
+    def job_sent(self, group: int, items: Sequence[JobItemPlan]) -> None:
+        self.in_flight[group] = frozenset(i.request_id for i in items)
+        for item in items:
+            # The drafter takes in a job's tokens on receipt, even if it is later told to drop the job's work.
+            self.drafter_holds[item.request_id] = item.num_tokens
+
+    def job_done(self, group: int) -> None:
+        self.in_flight.pop(group, None)
+
+    def store_drafts(self, drafts: Iterable[tuple[str, Draft]], is_live: Callable[[str], bool]) -> None:
+        """Keep drafts of requests that have not finished."""
+        for request_id, draft in drafts:
+            if is_live(request_id):
+                self.drafts[request_id] = draft
+                self.failed_jobs.pop(request_id, None)
+
+    def need_full_context(self, request_ids: Iterable[str]) -> None:
+        """The drafter lost these requests (evicted, or an unexpected base): the next job sends everything."""
+        for request_id in request_ids:
+            self.drafter_holds.pop(request_id, None)
+
+    def drafter_restarted(self) -> None:
+        """A new drafter process holds nothing and owes nothing."""
+        self.drafter_holds.clear()
+        self.in_flight.clear()
+
+    def job_failed(self, group: int | None, culprits: Sequence[str]) -> list[str]:
+        """A job failed. Named culprits are quarantined at once; without names every request it carried is
+        suspect, and one carried by QUARANTINE_AFTER_FAILED_JOBS failed jobs in a row is quarantined. Returns the
+        newly quarantined ids. Quarantined requests decode without drafts; the drafter keeps serving the rest."""
+        carried = self.in_flight.pop(group, frozenset()) if group is not None else frozenset()
+        newly: list[str] = []
+        suspects = list(culprits) if culprits else sorted(carried)
+        for request_id in suspects:
+            count = self.failed_jobs.get(request_id, 0) + 1
+            self.failed_jobs[request_id] = count
+            if culprits or count >= QUARANTINE_AFTER_FAILED_JOBS:
+                if request_id not in self.quarantined:
+                    self.quarantined.add(request_id)
+                    newly.append(request_id)
+                self.drafts.pop(request_id, None)
+        # The drafter may have half taken in a failed job's tokens: resend whole contexts next time.
+        self.need_full_context(carried)
+        return newly
+
+    # -- leaving -------------------------------------------------------------------------------------------------
+
+    def forget(self, request_ids: Iterable[str]) -> list[str]:
+        """Requests that finished, were aborted or were preempted out of the running set. Returns those the drafter
+        holds tokens of (to be forgotten there too)."""
+        drop_in_drafter: list[str] = []
+        for request_id in request_ids:
+            self.subbatches.remove(request_id)
+            self.drafts.pop(request_id, None)
+            self.failed_jobs.pop(request_id, None)
+            self.quarantined.discard(request_id)
+            if self.drafter_holds.pop(request_id, None) is not None:
+                drop_in_drafter.append(request_id)
+        return drop_in_drafter
+
+    def leave_sub_batches(self, request_ids: Iterable[str]) -> None:
+        """Preempted (back to waiting) but alive: out of the sub-batches, tokens kept on both sides."""
+        for request_id in request_ids:
+            self.subbatches.remove(request_id)
+
+    # -- invariants ----------------------------------------------------------------------------------------------
+
+    def check_step(self, plan: StepPlan, requests: Sequence[RequestState], scheduled: dict[str, list[int]]) -> None:
+        """What vLLM scheduled matches the plan: drafted positions are exactly the held draft for the request's
+        current context, and no held-out request ran."""
+        by_id = {r.request_id: r for r in requests}
+        for request_id, tokens in scheduled.items():
+            if request_id in plan.held_out:
+                raise AssertionError(f"{request_id}: held out of the step but scheduled")
+            if request_id not in plan.proposals and all(t == -1 for t in tokens):
+                continue  # vLLM's own placeholder padding of a request resumed from its waiting queue
+            proposal = plan.proposals.get(request_id)
+            if proposal is None or tokens != proposal[: len(tokens)]:
+                raise AssertionError(f"{request_id}: verified {tokens}, planned {proposal}")
+            drafted = plan.drafted_lengths.get(request_id, 0)
+            draft = self.drafts.get(request_id)
+            request = by_id.get(request_id)
+            if drafted and (draft is None or request is None or draft.context_num_tokens != request.num_tokens
+                            or draft.token_ids[:drafted] != proposal[:drafted]):
+                raise AssertionError(f"{request_id}: verified a draft not made from its committed context")
+
+    def check_invariants(self, requests: Sequence[RequestState], alive: set[str], configured_mode: Mode) -> None:
+        """`requests`: the running ones; `alive`: every unfinished request (running, waiting, preempted)."""
+        running = {r.request_id for r in requests}
+        decoding = {r.request_id for r in requests if r.decoding}
+        members = self.subbatches.all_members()
+        if decoding - members:
+            raise AssertionError(f"decoding requests outside both sub-batches: {sorted(decoding - members)}")
+        if members - running:
+            raise AssertionError(f"sub-batch members that are not running: {sorted(members - running)}")
+        if configured_mode is Mode.PSD:
+            self.subbatches.check_balanced()
+        elif configured_mode is Mode.SD and self.subbatches.sizes()[1]:
+            raise AssertionError("sd mode keeps every request in sub-batch 0")
+        for name, kept in (("drafts", self.drafts), ("drafter tokens", self.drafter_holds)):
+            leaked = sorted(set(kept) - alive)
+            if leaked:
+                raise AssertionError(f"{name} kept for requests that finished: {leaked}")

@@ -1,0 +1,226 @@
+"""The drafter's job loop (DrafterServer) and the verifier's link (DrafterLink) without processes or sockets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minedraft.engine import protocol
+from minedraft.engine.drafter_client import DrafterState, JobTicket
+from minedraft.engine.drafter_link import DrafterLink
+from minedraft.engine.drafter_process import DrafterServer
+
+
+class RecordingBackend:
+    """Drafts token len(context) for each request; fails on any context holding a poison token."""
+
+    POISON = 666
+
+    def __init__(self) -> None:
+        self.cancelled: set[str] = set()
+        self.seen: list[list[tuple[str, list[int]]]] = []
+
+    def draft(self, job, poll_messages):
+        self.seen.append([(i.request_id, list(i.token_ids)) for i in job.items])
+        if any(self.POISON in i.token_ids for i in job.items):
+            raise RuntimeError("bad context")
+        results = [protocol.DraftResult(i.request_id, len(i.token_ids), [len(i.token_ids)] * i.num_draft_tokens)
+                   for i in job.items]
+        return results, 0.01, 0.005
+
+
+def job(job_id, *items, want_logprobs=False):
+    return protocol.DraftJob(job_id, [protocol.DraftItem(*i) for i in items], want_logprobs)
+
+
+def test_jobs_carry_deltas_and_the_drafter_rebuilds_whole_contexts():
+    backend = RecordingBackend()
+    server = DrafterServer(backend, vocab_size=1000)
+    server.handle(job(1, ("a", [1, 2, 3], 2), ("b", [9], 2)))
+    reply = server.run_job(server.queued.pop(0), 0.0, lambda: None)
+    assert [(r.request_id, r.context_num_tokens) for r in reply.results] == [("a", 3), ("b", 1)]
+    # Next job: a's 2 new tokens after its first 3 (the drafter's own drafted tail is not context).
+    server.handle(job(2, ("a", [4, 5], 2, 3)))
+    reply = server.run_job(server.queued.pop(0), 0.0, lambda: None)
+    assert backend.seen[-1] == [("a", [1, 2, 3, 4, 5])]
+    assert reply.results[0].context_num_tokens == 5 and reply.need_context == []
+
+
+def test_an_unknown_base_is_answered_with_need_context_not_a_wrong_draft():
+    server = DrafterServer(RecordingBackend(), vocab_size=1000)
+    server.handle(job(1, ("a", [4, 5], 2, 3), ("b", [1], 1)))
+    reply = server.run_job(server.queued.pop(0), 0.0, lambda: None)
+    assert reply.need_context == ["a"]
+    assert [r.request_id for r in reply.results] == ["b"]
+
+
+def test_a_cancelled_job_is_skipped_but_its_requests_tokens_are_kept():
+    backend = RecordingBackend()
+    server = DrafterServer(backend, vocab_size=1000)
+    server.handle(job(1, ("a", [1, 2, 3], 2)))
+    server.handle(protocol.CancelJobs([1]))
+    assert server.queued == [] and backend.seen == []
+    assert server.contexts == {"a": [1, 2, 3]}, "a deadline miss must not make the drafter forget a live request"
+    assert not backend.cancelled, "the backend was not told to drop the request's KV"
+    server.handle(job(2, ("a", [4], 2, 3)))
+    reply = server.run_job(server.queued.pop(0), 0.0, lambda: None)
+    assert reply.need_context == [] and reply.results[0].context_num_tokens == 4
+
+
+def test_finished_requests_are_forgotten_on_the_drafter_side():
+    backend = RecordingBackend()
+    server = DrafterServer(backend, vocab_size=1000)
+    server.handle(job(1, ("a", [1, 2], 2), ("b", [3], 2)))
+    server.handle(protocol.CancelRequests(["a"]))
+    assert "a" not in server.contexts and "a" in backend.cancelled
+    assert [i.request_id for i in server.queued[0].items] == ["b"]
+
+
+def test_a_request_that_fails_every_job_is_named_and_the_rest_of_the_job_is_unharmed():
+    backend = RecordingBackend()
+    server = DrafterServer(backend, vocab_size=1000)
+    server.handle(job(1, ("good", [1, 2], 2), ("bad", [RecordingBackend.POISON], 2)))
+    reply = server.run_job(server.queued.pop(0), 0.0, lambda: None)
+    assert isinstance(reply, protocol.DrafterError) and reply.request_ids == ["bad"]
+    assert "bad" not in server.contexts and "good" in server.contexts
+
+
+def test_token_ids_outside_the_vocabulary_skip_only_that_request():
+    server = DrafterServer(RecordingBackend(), vocab_size=10)
+    server.handle(job(1, ("a", [1, 2], 2), ("b", [3, 50], 2)))
+    reply = server.run_job(server.queued.pop(0), 0.0, lambda: None)
+    assert [r.request_id for r in reply.results] == ["a"]
+
+
+def test_protocol_round_trips_the_new_fields():
+    for message in (job(3, ("a", [4], 2, 9)), protocol.CancelJobs([1, 2])):
+        assert protocol.decode_to_drafter(protocol.encode(message)) == message
+    for message in (protocol.DraftReply(1, [], 0.1, 0.0, 0.0, ["x"]), protocol.DrafterError(1, "boom", ["y"])):
+        assert protocol.decode_from_drafter(protocol.encode(message)) == message
+
+
+# -- the verifier's side -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeClient:
+    """A DrafterClient stand-in: messages are queued by the test; restarts are counted."""
+
+    state: DrafterState = DrafterState.UP
+    num_starts: int = 1
+    inbox: list[protocol.FromDrafter] = field(default_factory=list)
+    sent_jobs: list[int] = field(default_factory=list)
+    cancelled_jobs: list[int] = field(default_factory=list)
+    hung_reasons: list[str] = field(default_factory=list)
+    next_job: int = 1
+
+    def submit(self, items, want_logprobs):
+        ticket = JobTicket(self.next_job, frozenset(i.request_id for i in items), 0.0)
+        self.sent_jobs.append(self.next_job)
+        self.next_job += 1
+        return ticket
+
+    def cancel_jobs(self, job_ids):
+        self.cancelled_jobs.extend(job_ids)
+
+    def cancel(self, request_ids):
+        pass
+
+    def receive(self, timeout_seconds):
+        out, self.inbox = self.inbox, []
+        return out
+
+    def check_alive(self):
+        return self.state is DrafterState.UP
+
+    def mark_hung(self, reason):
+        self.hung_reasons.append(reason)
+        self.num_starts += 1
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def item(rid):
+    return protocol.DraftItem(rid, [1], 2)
+
+
+def test_a_silent_drafter_with_work_outstanding_is_restarted_and_a_slow_but_alive_one_is_not():
+    clock = Clock()
+    client = FakeClient()
+    link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3, clock=clock)  # type: ignore[arg-type]
+    assert link.submit(0, [item("a")], False)
+    for _ in range(10):  # slow but alive: replies keep coming, every 2 s, each job late
+        clock.now += 2.0
+        client.inbox.append(protocol.DraftReply(client.sent_jobs[-1], [], 2.0, 0.0))
+        link.poll(0.0, lambda group, message: None)
+        assert link.check() and client.hung_reasons == []
+        assert link.submit(0, [item("a")], False)
+    clock.now += 4.0
+    assert link.check() and client.hung_reasons == []
+    clock.now += 1.5  # 5.5 s without a word while a job is outstanding
+    link.check()
+    assert len(client.hung_reasons) == 1 and link.tickets == {}
+    assert link.take_restarted() and not link.take_restarted()
+
+
+def test_an_idle_drafter_is_never_taken_for_hung():
+    clock = Clock()
+    client = FakeClient()
+    link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3, clock=clock)  # type: ignore[arg-type]
+    clock.now += 60
+    assert link.check() and client.hung_reasons == []
+
+
+def test_abandoning_a_late_job_cancels_its_work_and_routes_its_late_reply_nowhere():
+    client = FakeClient()
+    link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3)  # type: ignore[arg-type]
+    link.submit(0, [item("a")], False)
+    link.submit(1, [item("b")], False)
+    result = link.wait_for(0, 0.01, lambda group, message: None)
+    assert not result.arrived and 0 in link.tickets
+    link.abandon(0)
+    assert client.cancelled_jobs == [1]
+    routed: list[int | None] = []
+    client.inbox = [protocol.DraftReply(1, [], 0.1, 0.0), protocol.DraftReply(2, [], 0.1, 0.0)]
+    link.poll(0.0, lambda group, message: routed.append(group))
+    assert routed == [None, 1] and link.tickets == {}
+
+
+def test_unattributed_failed_jobs_restart_the_drafter_after_a_run_of_them():
+    client = FakeClient()
+    link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3)  # type: ignore[arg-type]
+    link.job_failed_unattributed()
+    link.job_failed_unattributed()
+    assert client.hung_reasons == []
+    link.job_failed_unattributed()
+    assert len(client.hung_reasons) == 1 and link.consecutive_failed_jobs == 0
+
+
+def test_a_drafter_that_never_starts_is_reported_and_retried_with_backoff(tmp_path):
+    """A real drafter process that cannot start (bound to a core that does not exist: it fails before loading
+    anything): the client reports why, serves without drafts (not up) and schedules the next start after a back-off
+    instead of respawning every step."""
+    import time as _time
+
+    from minedraft.engine.drafter_client import DrafterClient
+
+    client = DrafterClient({"model": str(tmp_path / "no-such-model"), "backend": "torch", "max_model_len": 64,
+                            "max_num_seqs": 2, "cpu_cores": [4095]}, restart=True)
+    try:
+        client.start()
+        assert client._process is not None
+        client._process.wait(timeout=300)
+        assert not client.check_alive()
+        assert client.state is DrafterState.DOWN
+        assert client.last_error is not None and "exited with code" in client.last_error
+        assert client.num_restarts == 0 and client._next_start_at > _time.monotonic(), "no respawn before back-off"
+        for _ in range(5):
+            assert not client.check_alive()
+        assert client.num_starts == 1
+    finally:
+        client.shutdown()

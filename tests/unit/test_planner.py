@@ -1,0 +1,208 @@
+"""The PSD planner without vLLM: which requests run, with which proposals, what the drafter is sent."""
+
+import pytest
+
+from minedraft.engine.planner import (
+    QUARANTINE_AFTER_FAILED_JOBS,
+    Draft,
+    JobItemPlan,
+    PSDPlanner,
+    RequestState,
+    StepPlan,
+    WaitPolicy,
+)
+from minedraft.engine.settings import Mode
+
+
+def req(rid: str, num_tokens: int = 10, decoding: bool = True, room: int = 50, last: int = 7) -> RequestState:
+    return RequestState(rid, num_tokens, decoding, draft_room=room, pad_room=room + 100, last_token_id=last)
+
+
+def planner_with(groups: dict[str, int], k: int = 3) -> PSDPlanner:
+    planner = PSDPlanner(k=k)
+    for rid, group in groups.items():
+        planner.subbatches.groups[group][rid] = None
+    return planner
+
+
+def test_only_the_verified_side_carries_drafts_and_only_requests_with_drafts_coming_sit_out():
+    planner = planner_with({"a": 0, "b": 0, "c": 1, "d": 1})
+    requests = [req("a"), req("b"), req("c"), req("d")]
+    planner.drafts = {"a": Draft(10, [1, 2, 3], None), "b": Draft(10, [4, 5, 6], None)}
+    planner.in_flight = {1: frozenset({"c"})}  # d: the drafter was not asked (say its last token)
+    plan = planner.plan(requests, Mode.PSD, 0)
+    assert plan.held_out == {"c"}
+    assert plan.proposals["a"] == [1, 2, 3] and plan.proposals["b"] == [4, 5, 6]
+    # d runs now instead of sitting out a step for nothing; padded to k like every request in the step.
+    assert plan.drafted_lengths["d"] == 0 and plan.proposals["d"] == [7, 7, 7]
+
+
+def test_a_draft_is_used_only_for_exactly_the_context_it_was_made_from():
+    planner = planner_with({"a": 0, "b": 0})
+    planner.drafts = {"a": Draft(9, [1, 2, 3], None), "b": Draft(10, [4, 5, 6], None)}
+    plan = planner.plan([req("a", 10), req("b", 10)], Mode.PSD, 0, pad=False)
+    assert "a" not in plan.proposals, "a stale draft (made from 9 tokens) was verified"
+    assert plan.proposals == {"b": [4, 5, 6]}
+
+
+def test_other_side_requests_holding_drafts_wait_for_their_turn():
+    planner = planner_with({"a": 0, "c": 1})
+    planner.drafts = {"c": Draft(10, [1, 2, 3], None)}
+    plan = planner.plan([req("a"), req("c")], Mode.PSD, 0)
+    assert plan.held_out == {"c"}
+
+
+def test_padding_gives_every_decoding_request_exactly_k_in_fixed_modes_only():
+    planner = planner_with({"a": 0, "b": 0, "n": 0})
+    planner.drafts = {"a": Draft(10, [1, 2, 3], None), "b": Draft(10, [4], None)}
+    requests = [req("a"), req("b"), req("n"), req("p", decoding=False)]
+    plan = planner.plan(requests, Mode.PSD, 0)
+    assert plan.proposals == {"a": [1, 2, 3], "b": [4, 4, 4], "n": [7, 7, 7]}
+    assert plan.drafted_lengths == {"a": 3, "b": 1, "n": 0}
+    assert plan.num_drafted_tokens == 4
+    # Auto varies k anyway: no padding there; nor without any draft in the step (a plain step is uniform too).
+    assert planner.plan(requests, Mode.PSD, 0, pad=False).proposals == {"a": [1, 2, 3], "b": [4]}
+    planner.drafts = {}
+    assert planner.plan(requests, Mode.PSD, 0).proposals == {}
+
+
+def test_padding_stops_at_the_context_limit():
+    planner = planner_with({"a": 0, "b": 0})
+    planner.drafts = {"a": Draft(10, [1, 2, 3], None)}
+    tight = RequestState("b", 10, True, draft_room=0, pad_room=1, last_token_id=5)
+    plan = planner.plan([req("a"), tight], Mode.PSD, 0)
+    assert plan.proposals["b"] == [5]
+
+
+def test_drafts_are_cut_to_the_output_budget():
+    planner = planner_with({"a": 0})
+    planner.pad_to_k = False
+    planner.drafts = {"a": Draft(10, [1, 2, 3], None)}
+    assert planner.plan([req("a", room=1)], Mode.PSD, 0).proposals == {"a": [1]}
+
+
+def test_ar_plans_nothing_and_holds_nothing():
+    planner = planner_with({"a": 0, "c": 1})
+    planner.in_flight = {1: frozenset({"c"})}
+    assert planner.plan([req("a"), req("c")], Mode.AR, None) == StepPlan(Mode.AR, None, {}, {}, frozenset())
+
+
+def test_one_empty_side_falls_back_to_the_other_instead_of_stalling():
+    planner = planner_with({"a": 1, "b": 1})
+    assert planner.pick_group([req("a"), req("b")], Mode.PSD) == 1
+    assert planner.pick_group([req("a")], Mode.SD) == 0
+
+
+def test_after_step_admits_newcomers_rebalances_and_passes_the_turn():
+    planner = planner_with({"a": 0, "b": 0, "c": 0, "d": 1})
+    planner.after_step([req("a"), req("b"), req("c"), req("d"), req("e")], Mode.PSD, 0, Mode.PSD)
+    assert sorted(planner.subbatches.sizes()) == [2, 3]
+    assert planner.turn == 1
+    planner.check_invariants([req(r) for r in "abcde"], set("abcde"), Mode.PSD)
+
+
+def test_draft_jobs_send_deltas_and_whole_contexts_after_a_restart():
+    planner = planner_with({"a": 0, "b": 0})
+    requests = [req("a", 100), req("b", 40)]
+    first = planner.draft_job(requests, 0)
+    assert first == [JobItemPlan("a", 0, 100, 3), JobItemPlan("b", 0, 40, 3)]
+    planner.job_sent(0, first)
+    assert planner.draft_job(requests, 0) == [], "one job in flight per sub-batch"
+    planner.job_done(0)
+    later = planner.draft_job([req("a", 103), req("b", 41)], 0)
+    assert [(i.base_num_tokens, i.num_tokens) for i in later] == [(100, 103), (40, 41)]
+    planner.job_sent(0, later)
+    planner.job_done(0)
+    planner.need_full_context(["b"])
+    assert [i.base_num_tokens for i in planner.draft_job([req("a", 104), req("b", 42)], 0)] == [103, 0]
+    planner.drafter_restarted()
+    assert planner.in_flight == {}
+    assert [i.base_num_tokens for i in planner.draft_job([req("a", 104), req("b", 42)], 0)] == [0, 0]
+
+
+def test_draft_jobs_skip_requests_with_valid_drafts_no_room_or_in_quarantine():
+    planner = planner_with({"a": 0, "b": 0, "c": 0, "d": 1})
+    planner.drafts = {"a": Draft(10, [1], None)}
+    planner.quarantined = {"c"}
+    items = planner.draft_job([req("a"), req("b", room=0), req("c"), req("d"), req("e")], 0)
+    assert items == []
+    assert [i.num_draft_tokens for i in planner.draft_job([req("b", room=2)], 0)] == [2]
+
+
+def test_finished_requests_are_forgotten_everywhere_and_named_for_the_drafter():
+    planner = planner_with({"a": 0, "b": 1})
+    planner.drafts = {"a": Draft(10, [1], None)}
+    planner.job_sent(0, [JobItemPlan("a", 0, 10, 3)])
+    assert planner.forget(["a", "b"]) == ["a"]
+    assert planner.drafts == {} and planner.drafter_holds == {} and planner.subbatches.sizes() == (0, 0)
+    with pytest.raises(AssertionError, match="finished"):
+        planner.drafter_holds["zombie"] = 5
+        planner.check_invariants([], set(), Mode.PSD)
+
+
+def test_a_named_culprit_is_quarantined_at_once_and_the_rest_keep_drafting():
+    planner = planner_with({"a": 0, "b": 0})
+    planner.job_sent(0, [JobItemPlan("a", 0, 10, 3), JobItemPlan("b", 0, 10, 3)])
+    assert planner.job_failed(0, ["b"]) == ["b"]
+    assert [i.request_id for i in planner.draft_job([req("a"), req("b")], 0)] == ["a"]
+    planner.drafts = {"b": Draft(10, [1, 2, 3], None)}
+    assert "b" not in planner.plan([req("b")], Mode.PSD, 0, pad=False).proposals
+
+
+def test_unattributed_failures_quarantine_a_request_after_repeated_failed_jobs():
+    planner = planner_with({"a": 0})
+    for attempt in range(QUARANTINE_AFTER_FAILED_JOBS):
+        assert planner.quarantined == set()
+        planner.job_sent(0, planner.draft_job([req("a", 10 + attempt)], 0))
+        newly = planner.job_failed(0, [])
+    assert newly == ["a"] and planner.draft_job([req("a", 20)], 0) == []
+    # A success in between resets the count.
+    other = planner_with({"b": 0})
+    for _ in range(QUARANTINE_AFTER_FAILED_JOBS - 1):
+        other.job_sent(0, other.draft_job([req("b")], 0))
+        other.job_failed(0, [])
+    other.store_drafts([("b", Draft(10, [1], None))], lambda rid: True)
+    other.job_sent(0, [JobItemPlan("b", 10, 11, 3)])
+    assert other.job_failed(0, []) == []
+
+
+def test_drafts_of_finished_requests_are_not_stored():
+    planner = PSDPlanner(k=3)
+    planner.store_drafts([("gone", Draft(3, [1], None)), ("live", Draft(3, [2], None))], lambda rid: rid == "live")
+    assert set(planner.drafts) == {"live"}
+
+
+def test_check_step_catches_a_held_out_request_run_and_a_stale_draft_verified():
+    planner = planner_with({"a": 0, "c": 1})
+    planner.drafts = {"a": Draft(10, [1, 2, 3], None)}
+    planner.in_flight = {1: frozenset({"c"})}
+    requests = [req("a"), req("c")]
+    plan = planner.plan(requests, Mode.PSD, 0)
+    planner.check_step(plan, requests, {"a": [1, 2, 3]})
+    planner.check_step(plan, requests, {"a": [1, 2]})  # vLLM may trim at the context limit
+    planner.check_step(plan, requests, {"a": [1, 2, 3], "resumed": [-1, -1, -1]})  # vLLM's own padding
+    with pytest.raises(AssertionError, match="held out"):
+        planner.check_step(plan, requests, {"a": [1, 2, 3], "c": [9]})
+    with pytest.raises(AssertionError, match="planned"):
+        planner.check_step(plan, requests, {"a": [1, 9, 3]})
+    # The draft was replaced by one for another context after planning: what ran was not made from this context.
+    planner.drafts["a"] = Draft(11, [1, 2, 3], None)
+    with pytest.raises(AssertionError, match="committed context"):
+        planner.check_step(plan, requests, {"a": [1, 2, 3]})
+
+
+def test_wait_budget_is_a_fraction_of_the_measured_step_not_the_configured_cap():
+    policy = WaitPolicy(cap_seconds=5.0, slack=1.5, floor_seconds=0.002)
+    assert policy.budget_seconds() == 5.0, "before anything is measured (first jobs carry whole prompts)"
+    for _ in range(50):
+        policy.observe_verify(0.020)
+    assert policy.budget_seconds() == pytest.approx(0.030)
+    for _ in range(50):
+        policy.observe_draft(0.040)
+    assert policy.budget_seconds() == pytest.approx(0.060), "a drafter slower than verification sets the pace"
+    for _ in range(200):
+        policy.observe_verify(0.0)
+        policy.observe_draft(0.0)
+    assert policy.budget_seconds() == pytest.approx(0.002, abs=1e-4)
+    policy.observe_verify(100.0)
+    assert policy.budget_seconds() == 5.0
