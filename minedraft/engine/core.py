@@ -6,9 +6,11 @@ rest of the product reads directly. The target worker is bound to its own cores,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from minedraft.engine.auto import AutoSettings, Decision
@@ -62,6 +64,22 @@ def _configure_process(settings: EngineSettings, plan: DevicePlan) -> None:
     import vllm.envs
 
     vllm.envs.disable_envs_cache()
+
+
+# Engines alive in this process (ids): the last one to shut down tears down vLLM's process-wide state.
+_LIVE_ENGINES: set[int] = set()
+
+
+@contextlib.contextmanager
+def _keep_distributed_state() -> Iterator[None]:
+    import vllm.v1.engine.core as vllm_core
+
+    cleanup = vllm_core.cleanup_dist_env_and_memory
+    vllm_core.cleanup_dist_env_and_memory = lambda *args, **kwargs: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        vllm_core.cleanup_dist_env_and_memory = cleanup
 
 
 def drafter_process_settings(settings: EngineSettings, plan: DevicePlan | None = None) -> dict[str, Any]:
@@ -180,6 +198,7 @@ class Engine:
             if drafter is not None:
                 drafter.shutdown()
             raise
+        _LIVE_ENGINES.add(id(self))
         # From here on settings.max_model_len is the length vLLM chose (the servicer's limits read it).
         self.settings = settings = settings.with_changes(max_model_len=int(self._llm.model_config.max_model_len))
         if settings.mode.uses_drafter and drafter_after_target:
@@ -384,7 +403,16 @@ class Engine:
         return float(self.scheduler.get_kv_cache_usage())
 
     def shutdown(self) -> None:
+        _LIVE_ENGINES.discard(id(self))
         try:
-            self._llm.engine_core.shutdown()
+            if _LIVE_ENGINES:
+                # The engine core runs in this process, and its shutdown tears down vLLM's process-wide
+                # distributed state (parallel groups): another engine still running here (bench and doctor run
+                # several, the test suite shares some) would then fail its next step with "pipeline model parallel
+                # group is not initialized". Leave that state to the last engine.
+                with _keep_distributed_state():
+                    self._llm.engine_core.shutdown()
+            else:
+                self._llm.engine_core.shutdown()
         except Exception:  # shutting down: report, do not mask the caller's own error
             log.exception("engine shutdown failed")

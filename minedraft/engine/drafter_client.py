@@ -21,6 +21,20 @@ from minedraft.engine import protocol
 log = logging.getLogger(__name__)
 
 
+# A Unix socket path must fit sockaddr_un.sun_path (108 bytes with its NUL); the socket file is "drafter-N.sock".
+_MAX_SOCKET_DIR_CHARS = 80
+
+
+def _socket_dir() -> Path:
+    """A private folder for the drafter's socket: under TMPDIR unless that path is too long for a Unix socket (a
+    deep TMPDIR, as pods and test runners set), then under /tmp."""
+    path = Path(tempfile.mkdtemp(prefix="minedraft-drafter-"))
+    if len(str(path)) <= _MAX_SOCKET_DIR_CHARS:
+        return path
+    path.rmdir()
+    return Path(tempfile.mkdtemp(prefix="minedraft-drafter-", dir="/tmp"))
+
+
 class DrafterState(StrEnum):
     STARTING = "starting"
     UP = "up"
@@ -45,7 +59,7 @@ class DrafterClient:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket: zmq.Socket | None = None
         self._process: subprocess.Popen[bytes] | None = None
-        self._tmpdir = Path(tempfile.mkdtemp(prefix="minedraft-drafter-"))
+        self._tmpdir = _socket_dir()
         self._next_job_id = 1
         self._started_at = 0.0
         self.state = DrafterState.DOWN

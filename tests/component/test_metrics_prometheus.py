@@ -244,15 +244,19 @@ def test_vllm_own_metrics_are_exposed(run):
 
 
 def test_our_counters_equal_vllms_own_spec_decode_counters(run):
-    """vLLM counts the drafts it verifies too (vllm:spec_decode_*): ours, from the scheduler's step records, agree."""
+    """vLLM counts the drafts it verifies too (vllm:spec_decode_*): ours, from the scheduler's step records, are
+    exported unchanged and never exceed vLLM's (which include padding)."""
     drafted, accepted = run.vllm_spec_decode
     if drafted == 0:
         # vLLM re-registers its metrics for each engine it creates: with several engines in one test process the
         # global registry may hold another engine's (e.g. the ar engine's, which drafts nothing).
         pytest.skip("vLLM's global registry holds another engine's metrics in this process")
     value = run.prometheus.value
-    assert value("sum(minedraft_engine_draft_tokens_total)") == drafted == run.totals.draft_tokens
-    assert value("sum(minedraft_engine_accepted_tokens_total)") == accepted == run.totals.accepted_tokens
+    assert value("sum(minedraft_engine_draft_tokens_total)") == run.totals.draft_tokens
+    assert value("sum(minedraft_engine_accepted_tokens_total)") == run.totals.accepted_tokens
+    # vLLM also counts the tokens that only pad drafts to k (one decode shape per step; ours leave them out), and a
+    # pad token the target happens to accept: its counts bound ours from above.
+    assert drafted >= run.totals.draft_tokens and accepted >= run.totals.accepted_tokens
 
 
 def test_dashboard_expressions_return_series(run):

@@ -109,8 +109,11 @@ async def test_first_request_after_zero_replicas_completes(cluster: Cluster, eng
         await cluster.apply_minedraft(doc)
         await wait_for("the engine Deployment at zero replicas", lambda: (
             cluster.obj("Deployment", f"{NAME}-engine") or {}).get("spec", {}).get("replicas") == 0)
+        # The autoscaler's first evaluation (its status), not only the reconcile's ScalingReady condition: the
+        # operator's periodic pass writes them separately.
         await wait_for("a first evaluation at zero", lambda: condition(
-            cluster.minedraft(NAME), "ScalingReady").get("reason"))
+            cluster.minedraft(NAME), "ScalingReady").get("reason")
+            and "scaling" in ((cluster.minedraft(NAME) or {}).get("status") or {}))
         md = cluster.minedraft(NAME) or {}
         assert md["spec"].get("replicas", 0) == 0 and md["status"]["scaling"]["decisions"] == []
 
