@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from minedraft.operator.autoscale.observe import MetricsUnavailable, selector
+from minedraft.operator.autoscale.observe import prometheus_api, selector
 
 QUERY_TIMEOUT_SECONDS = 60.0
 HISTORY_QUERIES: Mapping[str, str] = {
@@ -94,17 +94,11 @@ def points_from_matrices(results: Mapping[str, Sequence[Mapping[str, Any]]]) -> 
 async def fetch(address: str, namespace: str, engine_service: str, start_seconds: float, end_seconds: float,
                 step_seconds: float = 30.0) -> list[Point]:
     sel = selector(namespace, engine_service)
-    url = address.rstrip("/") + "/api/v1/query_range"
     async with aiohttp.ClientSession() as session:
         async def one(expr: str) -> list[dict[str, Any]]:
-            params = {"query": expr, "start": str(start_seconds), "end": str(end_seconds), "step": str(step_seconds)}
-            async with session.get(url, params=params,
-                                   timeout=aiohttp.ClientTimeout(total=QUERY_TIMEOUT_SECONDS)) as response:
-                body = await response.json(content_type=None)
-                if response.status != 200 or body.get("status") != "success":
-                    raise MetricsUnavailable("QueryFailed", f"Prometheus at {address}: HTTP {response.status}: "
-                                                            f"{str(body.get('error', ''))[:200]}")
-                return list(body["data"]["result"])
+            return await prometheus_api(session, address, "query_range", {
+                "query": expr, "start": str(start_seconds), "end": str(end_seconds), "step": str(step_seconds)},
+                timeout_seconds=QUERY_TIMEOUT_SECONDS)
 
         names = list(HISTORY_QUERIES)
         answers = await asyncio.gather(*(one(HISTORY_QUERIES[n].format(sel=sel)) for n in names))

@@ -92,23 +92,26 @@ def observations_from_prometheus(results: Mapping[str, Sequence[Mapping[str, Any
     )
 
 
+async def prometheus_api(session: aiohttp.ClientSession, address: str, endpoint: str,
+                         params: dict[str, str],
+                         timeout_seconds: float = QUERY_TIMEOUT_SECONDS) -> list[dict[str, Any]]:
+    """One Prometheus HTTP API call (`/api/v1/<endpoint>`): its result list, or MetricsUnavailable naming why."""
+    async with session.get(address.rstrip("/") + f"/api/v1/{endpoint}", params=params,
+                           timeout=aiohttp.ClientTimeout(total=timeout_seconds)) as response:
+        body = await response.json(content_type=None)
+        if response.status != 200 or body.get("status") != "success":
+            raise MetricsUnavailable("QueryFailed", f"Prometheus at {address}: HTTP {response.status}: "
+                                                    f"{str(body.get('error', ''))[:200]}")
+        return list(body["data"]["result"])
+
+
 async def query_prometheus(session: aiohttp.ClientSession, address: str, namespace: str, engine_service: str,
                            now_seconds: float) -> Observations:
     sel = selector(namespace, engine_service)
-    url = address.rstrip("/") + "/api/v1/query"
-
-    async def one(expr: str) -> list[dict[str, Any]]:
-        async with session.get(url, params={"query": expr},
-                               timeout=aiohttp.ClientTimeout(total=QUERY_TIMEOUT_SECONDS)) as response:
-            body = await response.json(content_type=None)
-            if response.status != 200 or body.get("status") != "success":
-                raise MetricsUnavailable("QueryFailed", f"Prometheus at {address}: HTTP {response.status}: "
-                                                        f"{str(body.get('error', ''))[:200]}")
-            return list(body["data"]["result"])
-
     names = list(PROMETHEUS_QUERIES)
     try:
-        answers = await asyncio.gather(*(one(PROMETHEUS_QUERIES[n].format(sel=sel)) for n in names))
+        answers = await asyncio.gather(*(prometheus_api(session, address, "query", {
+            "query": PROMETHEUS_QUERIES[n].format(sel=sel)}) for n in names))
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         raise MetricsUnavailable("PrometheusUnreachable", f"Prometheus at {address}: {exc or type(exc).__name__}"
                                  ) from exc
