@@ -146,6 +146,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if not args.json:
+        # Optional only so that `minedraft bench steps|stall` (which write their own files) parse without it.
+        print("minedraft bench: error: the following arguments are required: --json (or a subcommand: "
+              f"{', '.join(BENCH_SUBCOMMANDS)})", file=sys.stderr)
+        return 2
     from minedraft.bench.runner import BenchConfig, run_bench, write_outputs
     from minedraft.bench.workload import bench_prompts
     from minedraft.engine.settings import Mode, SettingsError
@@ -189,6 +194,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     write_outputs(report, Path(args.json))
     print(Path(args.json).with_suffix(".md").read_text(), file=sys.stderr)
     return 0 if report["greedy_outputs_identical"] else 3
+
+
+# `minedraft bench NAME`: module under minedraft.bench with add_arguments(parser) and run(args, command) -> exit code.
+BENCH_SUBCOMMANDS = {
+    "steps": "where a decode step's time goes at 32 requests and long contexts (forward, engine work, waits, overlap)",
+    "stall": "inter-token gaps of every stream while the drafter is SIGSTOPped, and the hung-drafter restart path",
+}
+
+
+def cmd_bench_module(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"minedraft.bench.{args.bench_command}")
+    return int(module.run(args, command="minedraft " + " ".join(args.argv)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,8 +262,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--trace", help="also run a load that changes over time: phases C:N,C:N,... (N requests at "
                        "concurrency C each, back to back)")
     bench.add_argument("--regime", help="label for the results (default: from the model pair)")
-    bench.add_argument("--json", required=True, help="output JSON path (.md and .png written beside it)")
+    bench.add_argument("--json", help="output JSON path (.md and .png written beside it); required without a "
+                       "subcommand")
     bench.set_defaults(func=cmd_bench)
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{" + ",".join(BENCH_SUBCOMMANDS) + "}",
+                                     help="other engine benchmarks (without one: modes side by side)")
+    for name, help_text in BENCH_SUBCOMMANDS.items():
+        sub_parser = bench_sub.add_parser(name, help=help_text, description=help_text)
+        # Light imports only at parse time: the modules import the engine inside run().
+        importlib.import_module(f"minedraft.bench.{name}").add_arguments(sub_parser)
+        sub_parser.set_defaults(func=cmd_bench_module)
     importlib.import_module("minedraft.operator.cli").add_subcommands(sub)  # operator: run, render, crd
     importlib.import_module("minedraft.operator.autoscale.cli").add_subcommands(sub)  # autoscale simulate, compare
     importlib.import_module("minedraft.server.cli").add_subcommands(sub)  # serve
@@ -259,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in benchmark results
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from minedraft.engine.requests import RequestError

@@ -31,6 +31,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from minedraft.bench.output import stdout_to_stderr
+
+# The options recorded in a result's config (the CLI's namespace also holds the `minedraft bench` parser's own).
+_OPTION_NAMES = ("contexts", "requests", "max_tokens", "k", "modes")
 COLUMNS = ("forward", "runner_states", "runner_inputs", "runner_other", "schedule", "update", "wait")
 
 
@@ -75,6 +79,7 @@ def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_re
         engine.add_request(f"{tag}-{i}", prompt_ids[: len(prompt_ids) - len(tail)] + tail, sampling)
     first = engine.step_records()[-1].step if engine.step_records() else 0
     rows: list[dict[str, float]] = []
+    decode_records: list[Any] = []
     while engine.has_unfinished_requests():
         engine.step()
         runner = timers.take()
@@ -85,6 +90,7 @@ def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_re
         first = record.step
         if record.num_prefill_requests or not record.num_decode_requests:
             continue
+        decode_records.append(record)
         forward = runner["forward"]
         rows.append({
             "forward": forward,
@@ -110,7 +116,44 @@ def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_re
     own = [r["step"] - r["forward"] - r["wait"] for r in rows]
     summary["engine_own"] = statistics.median(own)
     summary["engine_own_share"] = statistics.median(o / r["step"] for o, r in zip(own, rows, strict=True))
+    summary.update(overlap(decode_records))
     return summary
+
+
+def overlap(records: list[Any]) -> dict[str, float]:
+    """The overlap fraction (stats.py's definition, pooled over the steps) and what explains it.
+
+    overlap = 1 - wait / draft: below 1 exactly when the verifier waited for drafts. In psd a job drafts while the
+    other sub-batch verifies, so the wait is what drafting took beyond the rest of that step: the drafter's time
+    against the verifier's (draft_per_verify > 1 means this k drafts longer than a verification takes: the wait is
+    the imbalance, not a scheduling fault; at the balanced k the two are about equal). The ratio is taken over the
+    steps that verified drafts; the overlap over every step given (a wait that ended without drafts counts).
+
+    To tell imbalance from delay in the link, each wait is compared with what drafting alone explains: the job for
+    step m's sub-batch was sent at the end of step m-2 (psd alternates), so it had until step m started to draft;
+    `wait_explained_share` is the part of the total wait that max(0, draft - that time) accounts for. Near 1: the
+    waits are the drafter being slower than the verifier on those steps; well below 1: time lost outside drafting
+    (sending, the drafter picking the job up, replies).
+    """
+    from minedraft.engine.stats import summarize
+
+    drafted = [r for r in records if r.draft_seconds > 0]
+    verify = sum(r.verify_seconds for r in drafted)
+    by_step = {r.step: r for r in records}
+    explained = waited = 0.0
+    for r in drafted:
+        sent = by_step.get(r.step - 2)
+        if sent is None or sent.verified_group != r.verified_group or r.mode != "psd":
+            continue
+        available = r.started_at - (sent.started_at + sent.step_seconds)
+        waited += r.wait_seconds
+        explained += min(r.wait_seconds, max(0.0, r.draft_seconds - available))
+    return {
+        "overlap_fraction": float(summarize(records)["overlap_fraction"]) if records else 0.0,
+        "draft_per_verify": sum(r.draft_seconds for r in drafted) / verify if verify else 0.0,
+        "steps_with_drafts_share": len(drafted) / len(records) if records else 0.0,
+        "wait_explained_share": explained / waited if waited else 1.0,
+    }
 
 
 def _pair_for_context(pair: Path, positions: int) -> Path:
@@ -135,17 +178,40 @@ def _pair_for_context(pair: Path, positions: int) -> Path:
     return copy
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options (shared by `minedraft bench steps` and `python -m minedraft.bench.steps`)."""
     parser.add_argument("--out", type=Path, required=True, help="path prefix of the .json and .md results")
-    parser.add_argument("--contexts", default="512,2048,8192")
+    parser.add_argument("--contexts", default="512,2048,8192", help="context lengths in tokens, comma-separated")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("-k", "--k", type=int, default=3, dest="k")
     parser.add_argument("--modes", default="psd,psd-full,ar,layout")
     parser.add_argument("--pair-dir", type=Path, default=None)
-    args = parser.parse_args(argv)
+    parser.add_argument("--json", action="store_true",
+                        help="print the results as JSON on stdout (default: the Markdown table); progress on stderr")
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run(args, command="python -m minedraft.bench.steps " + " ".join(sys.argv[1:] if argv is None else argv))
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    """Run the benchmark; write `<out>.json` and `<out>.md`; print the JSON (--json) or the table on stdout."""
+    with stdout_to_stderr():
+        results = _measure(args, command)
+    if results is None:
+        return 1
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    args.out.with_suffix(".md").write_text(markdown(results))
+    print(json.dumps(results, indent=2) if args.json else markdown(results), flush=True)
+    return 0
+
+
+def _measure(args: argparse.Namespace, command: str) -> dict[str, Any] | None:
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # the local pair says 2048; RoPE extrapolates
     from minedraft.bench.workload import bench_prompts
     from minedraft.engine.core import Engine
@@ -169,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(settings)
     if not engine.wait_for_drafter(600):
         print("drafter did not start", file=sys.stderr)
-        return 1
+        engine.shutdown()
+        return None
     scheduler = engine.psd_scheduler
     assert scheduler is not None
     timers = RunnerTimers(_model_runner(engine), {"forward": "_model_forward", "runner_states": "_update_states",
@@ -178,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     base_ids = list(engine.tokenizer.encode(text))
     wide_placement = scheduler.placement
     narrow_placement = ComputePlacement(wide_placement.target_cores, ())
-    results: dict[str, Any] = {"config": {**vars(args), "out": str(args.out), "pair_dir": str(pair),
+    options = {k: v for k, v in vars(args).items() if k in _OPTION_NAMES}
+    results: dict[str, Any] = {"config": {"command": command, **options, "out": str(args.out), "pair_dir": str(pair),
                                           "cores": {"target": target_cores, "drafter": drafter_cores},
                                           "machine": "shared 2-core CPU, contended by other jobs"},
                                "runs": []}
@@ -198,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
             for label, layout, mode, deltas in plan:
                 engine.set_mode(mode, args.k, 0)
                 scheduler.planner.send_deltas = deltas
-                scheduler.placement = narrow_placement if layout == "own-drafter-core" else wide_placement
+                placement = narrow_placement if layout == "own-drafter-core" else wide_placement
+                # Forget what the placement last applied: the other one may have moved the thread's cores since.
+                placement.wide = None
+                scheduler.placement = placement
                 # Start each run from an empty drafter and cache state of this engine: nothing carried between runs.
                 summary = run_context(engine, timers, prompt, args.requests, args.max_tokens,
                                       f"{label}-{layout}-{context}")
@@ -207,13 +278,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(row), file=sys.stderr)
     finally:
         scheduler.planner.send_deltas = True
+        wide_placement.wide = None
         scheduler.placement = wide_placement
         engine.shutdown()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    args.out.with_suffix(".md").write_text(markdown(results))
-    print(markdown(results))
-    return 0
+    return results
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -224,8 +292,9 @@ def markdown(results: dict[str, Any]) -> str:
         f"Config: `{json.dumps(results['config'])}`",
         "",
         "| context | mode | layout | steps | step | forward | runner_states | runner_inputs | runner_other | schedule"
-        " | update | wait | engine own | own share | verified w/ drafts |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " | update | wait | engine own | own share | verified w/ drafts | draft | draft/verify | overlap | wait"
+        " explained |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["runs"]:
         if not r.get("steps"):
@@ -234,7 +303,9 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {r['context']} | {r['mode']} | {r['layout']} | {r['steps']} | {r['step'] * ms:.1f} | "
             + " | ".join(f"{r[c] * ms:.2f}" for c in COLUMNS)
             + f" | {r['engine_own'] * ms:.2f} | {r['engine_own_share']:.1%} | "
-            f"{r['with_drafts']:.0f}/{r['decode_requests']:.0f} |"
+            f"{r['with_drafts']:.0f}/{r['decode_requests']:.0f} | {r['draft'] * ms:.1f} | "
+            + (f"{r['draft_per_verify']:.2f} | {r['overlap_fraction']:.2f} | {r['wait_explained_share']:.2f} |"
+               if r.get("draft_per_verify") else "- | - | - |")
         )
     ceilings = []
     for context in sorted({r["context"] for r in results["runs"]}):
