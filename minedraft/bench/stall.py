@@ -77,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the hang scenario's hang threshold (below --hang-stop-seconds: the restart path)")
     parser.add_argument("--after-seconds", type=float, default=12.0,
                         help="serving after SIGCONT (long enough for a restarted drafter to come up)")
+    parser.add_argument("--resume-timeout-seconds", type=float, default=90.0,
+                        help="after SIGCONT, serve on until steps verify drafts again, at most this long")
     parser.add_argument("--scenarios", default="stop,hang,hang-own-core")
     parser.add_argument("--deadline-seconds", type=float, default=5.0,
                         help="the engine's drafter deadline (its hang threshold outside the hang scenario)")
@@ -189,9 +191,11 @@ def analyse(deliveries: dict[str, list[float]], records: Sequence[Any], window: 
 
 
 def run_scenario(engine: Any, prompts: list[list[int]], scenario: Scenario, baseline_seconds: float,
-                 after_seconds: float, tag: str) -> dict[str, Any]:
+                 after_seconds: float, tag: str, resume_timeout_seconds: float = 90.0) -> dict[str, Any]:
     """Serve one stream per prompt; SIGSTOP the drafter `baseline_seconds` after every stream has its first token,
-    SIGCONT it `scenario.stop_seconds` later, serve `after_seconds` more, then abort what is left."""
+    SIGCONT it `scenario.stop_seconds` later, serve `after_seconds` more (and on until steps verify drafts again, at
+    most `resume_timeout_seconds`: a restarted drafter loads meanwhile), then abort what is left. A stream that
+    reaches its length is replaced by a new one on the same prompt, so the load stays at one stream per prompt."""
     from minedraft.engine.requests import SamplingSettings
 
     scheduler = engine.psd_scheduler
@@ -205,23 +209,43 @@ def run_scenario(engine: Any, prompts: list[list[int]], scenario: Scenario, base
     if scenario.hang_seconds is not None:
         link.hang_seconds = scenario.hang_seconds
     restarts, hangs, misses = drafter.num_restarts, link.num_hangs, engine.totals().deadline_misses
-    first_step = max((r.step for r in engine.step_records()), default=0)
-    ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    for request_id, prompt in zip(ids, prompts, strict=True):
-        room = engine.max_model_len - len(prompt) - 1
-        engine.add_request(request_id, prompt, SamplingSettings(max_tokens=room, ignore_eos=True))
-    deliveries: dict[str, list[float]] = {i: [] for i in ids}
+    last_step = max((r.step for r in engine.step_records()), default=0)
+    records: list[Any] = []
+    live: dict[str, int] = {}  # request id -> prompt index
+
+    def add(index: int, generation: int) -> None:
+        request_id = f"{tag}-{index}" + (f"-r{generation}" if generation else "")
+        room = engine.max_model_len - len(prompts[index]) - 1
+        engine.add_request(request_id, prompts[index], SamplingSettings(max_tokens=room, ignore_eos=True))
+        live[request_id] = index
+
+    for index in range(len(prompts)):
+        add(index, 0)
+    generations = [0] * len(prompts)
+    deliveries: dict[str, list[float]] = {request_id: [] for request_id in live}
     started = time.perf_counter()
-    baseline_from = stopped_at = continued_at = ended_at = None
+    baseline_from = stopped_at = continued_at = ended_at = resumed_at = None
     pid = None
     try:
         while engine.has_unfinished_requests():
             for delta in engine.step():
                 if delta.token_ids and delta.request_id in deliveries:
                     deliveries[delta.request_id].append(time.perf_counter())
+                if delta.finished and delta.request_id in live:
+                    index = live.pop(delta.request_id)
+                    generations[index] += 1
+                    add(index, generations[index])
+                    deliveries[f"{tag}-{index}-r{generations[index]}"] = []
             now = time.perf_counter()
+            # Collected as they come: the engine keeps a bounded history, and a long scenario outlasts it.
+            new = engine.step_records(last_step)
+            if new:
+                records += new
+                last_step = new[-1].step
+            if continued_at is not None and resumed_at is None and any(r.num_requests_with_drafts for r in new):
+                resumed_at = now
             if baseline_from is None:
-                if all(deliveries.values()):
+                if all(deliveries[request_id] for request_id in live):
                     baseline_from = now  # every prompt prefilled: steady decoding from here
                     print(f"{scenario.name}: streams decoding after {now - started:.1f}s", file=sys.stderr)
             elif stopped_at is None and now - baseline_from >= baseline_seconds:
@@ -236,30 +260,34 @@ def run_scenario(engine: Any, prompts: list[list[int]], scenario: Scenario, base
                 continued_at = time.perf_counter()
                 print(f"{scenario.name}: drafter {pid} continued after {continued_at - stopped_at:.2f}s "
                       f"({drafter.num_restarts - restarts} restarts)", file=sys.stderr)
-            elif continued_at is not None and now - continued_at >= after_seconds:
+            elif continued_at is not None and now - continued_at >= after_seconds and (
+                    resumed_at is not None or now - continued_at >= resume_timeout_seconds):
                 ended_at = now
                 break
         if ended_at is None:
-            raise RuntimeError("streams finished before the scenario did: lower the phases' seconds")
+            raise RuntimeError("every stream finished before the scenario did")
     finally:
         if stopped_at is not None and continued_at is None:
             _continue(pid)
         link.hang_seconds = saved_hang
         saved_placement.wide = None  # re-applied at the next step: the narrow placement moved the thread meanwhile
         scheduler.placement = saved_placement
-        engine.abort([i for i in ids])
+        engine.abort(list(live))
         while engine.has_unfinished_requests():
             engine.step()
     assert baseline_from is not None and stopped_at is not None and continued_at is not None
     window = Window(baseline_from, stopped_at, continued_at, ended_at)
-    records = engine.step_records(first_step)
     summary = analyse(deliveries, records, window, drafter.num_restarts - restarts, link.num_hangs - hangs,
                       engine.totals().deadline_misses - misses)
     # Enough of the raw timeline to plot and to re-analyse: deliveries and steps relative to the scenario's start.
     timeline = {
         "deliveries": {rid: [round(t - started, 4) for t in times] for rid, times in deliveries.items()},
         "steps": [[round(r.started_at - started, 4), round(r.step_seconds, 4), round(r.wait_seconds, 4),
-                   r.num_requests_with_drafts, int(r.drafter_up)] for r in records],
+                   r.num_requests_with_drafts, int(r.drafter_up), round(r.wait_budget_seconds, 4),
+                   round(r.verify_seconds, 4), round(r.draft_seconds, 4), r.num_decode_requests, int(r.widened)]
+                  for r in records],
+        "step_columns": ["started_at", "step_seconds", "wait_seconds", "requests_with_drafts", "drafter_up",
+                         "wait_budget_seconds", "verify_seconds", "draft_seconds", "decode_requests", "widened"],
         "window": {name: round(getattr(window, name) - started, 4) for name in window.__dataclass_fields__},
     }
     return {"scenario": scenario.name, "stop_seconds": scenario.stop_seconds, "target_widens": scenario.widen,
@@ -311,7 +339,7 @@ def _measure(args: argparse.Namespace, scenarios: list[Scenario], command: str) 
                 print(f"{scenario.name}: drafter not up", file=sys.stderr)
                 return None
             row = run_scenario(engine, prompts, scenario, args.baseline_seconds, args.after_seconds,
-                               f"stall-{scenario.name}")
+                               f"stall-{scenario.name}", args.resume_timeout_seconds)
             results["scenarios"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("streams", "timeline")}), file=sys.stderr)
         return results
@@ -376,7 +404,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.axvspan(window["stopped_at"], window["continued_at"], color="red", alpha=0.15, label="drafter stopped")
         ax.axhline(s["target_gap_seconds"] * 1000, color="black", linestyle="--", linewidth=1,
                    label="target: 2 x step + 100 ms")
-        restarts = [t for t, _, _, _, up in timeline["steps"] if not up]
+        restarts = [step[0] for step in timeline["steps"] if not step[4]]
         if restarts:
             ax.plot(restarts, [0] * len(restarts), "|", color="grey", label="steps with the drafter down")
         ax.set_xlim(window["baseline_from"] - 1, window["ended_at"])

@@ -106,6 +106,11 @@ def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_re
             "decode_requests": record.num_decode_requests,
             "with_drafts": record.num_requests_with_drafts,
             "output_tokens": record.num_output_tokens,
+            # For re-reading the overlap step by step (steps.overlap): when, which side, how long each part took.
+            "started_at": record.started_at,
+            "step_number": record.step,
+            "verified_group": -1 if record.verified_group is None else record.verified_group,
+            "verify": record.verify_seconds,
         })
     if not rows:
         return {"steps": 0}
@@ -117,6 +122,8 @@ def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_re
     summary["engine_own"] = statistics.median(own)
     summary["engine_own_share"] = statistics.median(o / r["step"] for o, r in zip(own, rows, strict=True))
     summary.update(overlap(decode_records))
+    first_started = rows[0]["started_at"]
+    summary["per_step"] = [{**r, "started_at": round(r["started_at"] - first_started, 5)} for r in rows]
     return summary
 
 
@@ -131,9 +138,11 @@ def overlap(records: list[Any]) -> dict[str, float]:
 
     To tell imbalance from delay in the link, each wait is compared with what drafting alone explains: the job for
     step m's sub-batch was sent at the end of step m-2 (psd alternates), so it had until step m started to draft;
-    `wait_explained_share` is the part of the total wait that max(0, draft - that time) accounts for. Near 1: the
-    waits are the drafter being slower than the verifier on those steps; well below 1: time lost outside drafting
-    (sending, the drafter picking the job up, replies).
+    `wait_explained_share` is the part of the total wait that max(0, draft - that time) accounts for. The drafter
+    takes jobs in order, so a job sent while the previous one was still drafting starts when that one ended (the
+    end of step m-1's wait, when it waited). Near 1: the waits are the drafter being slower than the verifier on
+    those steps; well below 1: time lost outside drafting (sending, the drafter picking the job up, replies, the
+    drafter's process not running: other load on its cores).
     """
     from minedraft.engine.stats import summarize
 
@@ -145,7 +154,11 @@ def overlap(records: list[Any]) -> dict[str, float]:
         sent = by_step.get(r.step - 2)
         if sent is None or sent.verified_group != r.verified_group or r.mode != "psd":
             continue
-        available = r.started_at - (sent.started_at + sent.step_seconds)
+        job_started = sent.started_at + sent.step_seconds
+        previous = by_step.get(r.step - 1)
+        if previous is not None and previous.wait_seconds > 0:
+            job_started = max(job_started, previous.started_at + previous.wait_seconds)
+        available = r.started_at - job_started
         waited += r.wait_seconds
         explained += min(r.wait_seconds, max(0.0, r.draft_seconds - available))
     return {

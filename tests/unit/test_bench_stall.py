@@ -92,6 +92,10 @@ def test_step_breakdown_tells_waits_drafting_explains_from_time_lost_elsewhere()
         record(0.18, step=4, group=1, draft=0.02, wait=0.02),
     ]
     assert steps.overlap(records)["wait_explained_share"] == pytest.approx(0.03 / 0.05)
+    # Step 4's job was sent at 0.10 but queued behind step 3's, which the drafter finished at 0.13 (step 3 waited
+    # until then): had the job drafted 70 ms, 20 ms of step 4's wait would be drafting's.
+    queued = [*records[:3], record(0.18, step=4, group=1, draft=0.07, wait=0.02)]
+    assert steps.overlap(queued)["wait_explained_share"] == pytest.approx(1.0)
 
 
 def _results() -> dict[str, Any]:
