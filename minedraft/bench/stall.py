@@ -181,6 +181,7 @@ def analyse(deliveries: dict[str, list[float]], records: Sequence[Any], window: 
         "drafting_resumed": bool(resumed),
         "drafts_resumed_after_seconds": resumed[0].started_at - window.continued_at if resumed else None,
         "baseline_overlap_fraction": baseline_overlap["overlap_fraction"],
+        "baseline_steady_overlap_fraction": baseline_overlap["steady_overlap_fraction"],
         "baseline_draft_per_verify": baseline_overlap["draft_per_verify"] or None,
         "baseline_wait_explained_share": baseline_overlap["wait_explained_share"],
         "streams": streams,

@@ -35,6 +35,8 @@ from minedraft.bench.output import stdout_to_stderr
 
 # The options recorded in a result's config (the CLI's namespace also holds the `minedraft bench` parser's own).
 _OPTION_NAMES = ("contexts", "requests", "max_tokens", "k", "modes")
+# A draft job that spent more than this share of its time before its first drafted token was catching up on context.
+CATCH_UP_SHARE = 0.5
 COLUMNS = ("forward", "runner_states", "runner_inputs", "runner_other", "schedule", "update", "wait")
 
 
@@ -111,6 +113,7 @@ def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_re
             "step_number": record.step,
             "verified_group": -1 if record.verified_group is None else record.verified_group,
             "verify": record.verify_seconds,
+            "draft_first_token": record.draft_first_token_seconds,
         })
     if not rows:
         return {"steps": 0}
@@ -161,8 +164,13 @@ def overlap(records: list[Any]) -> dict[str, float]:
         available = r.started_at - job_started
         waited += r.wait_seconds
         explained += min(r.wait_seconds, max(0.0, r.draft_seconds - available))
+    # Catch-up jobs: most of the drafter's time went to reading context (a new request's whole prompt) rather than
+    # drafting k tokens. A run of a few steps starts with them; steady decoding has none.
+    steady = [r for r in records if not r.draft_first_token_seconds > CATCH_UP_SHARE * r.draft_seconds]
     return {
         "overlap_fraction": float(summarize(records)["overlap_fraction"]) if records else 0.0,
+        "steady_overlap_fraction": float(summarize(steady)["overlap_fraction"]) if steady else 0.0,
+        "catch_up_steps": len(records) - len(steady),
         "draft_per_verify": sum(r.draft_seconds for r in drafted) / verify if verify else 0.0,
         "steps_with_drafts_share": len(drafted) / len(records) if records else 0.0,
         "wait_explained_share": explained / waited if waited else 1.0,
@@ -305,9 +313,9 @@ def markdown(results: dict[str, Any]) -> str:
         f"Config: `{json.dumps(results['config'])}`",
         "",
         "| context | mode | layout | steps | step | forward | runner_states | runner_inputs | runner_other | schedule"
-        " | update | wait | engine own | own share | verified w/ drafts | draft | draft/verify | overlap | wait"
-        " explained |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " | update | wait | engine own | own share | verified w/ drafts | draft | draft/verify | overlap | steady"
+        " overlap (catch-up steps) | wait explained |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["runs"]:
         if not r.get("steps"):
@@ -317,8 +325,9 @@ def markdown(results: dict[str, Any]) -> str:
             + " | ".join(f"{r[c] * ms:.2f}" for c in COLUMNS)
             + f" | {r['engine_own'] * ms:.2f} | {r['engine_own_share']:.1%} | "
             f"{r['with_drafts']:.0f}/{r['decode_requests']:.0f} | {r['draft'] * ms:.1f} | "
-            + (f"{r['draft_per_verify']:.2f} | {r['overlap_fraction']:.2f} | {r['wait_explained_share']:.2f} |"
-               if r.get("draft_per_verify") else "- | - | - |")
+            + (f"{r['draft_per_verify']:.2f} | {r['overlap_fraction']:.2f} | {r['steady_overlap_fraction']:.2f} "
+               f"({r['catch_up_steps']}) | {r['wait_explained_share']:.2f} |"
+               if r.get("draft_per_verify") else "- | - | - | - |")
         )
     ceilings = []
     for context in sorted({r["context"] for r in results["runs"]}):

@@ -12,7 +12,8 @@ from minedraft.engine.stats import StepRecord
 
 
 def record(started_at: float, step_seconds: float = 0.05, wait: float = 0.0, draft: float = 0.04,
-           with_drafts: int = 4, prefill: int = 0, step: int | None = None, group: int = 0) -> StepRecord:
+           with_drafts: int = 4, prefill: int = 0, step: int | None = None, group: int = 0,
+           first_token: float = 0.0) -> StepRecord:
     return StepRecord(
         step=int(started_at * 1000) if step is None else step, started_at=started_at, mode="psd",
         verified_group=group, group_sizes=(4, 4),
@@ -20,7 +21,7 @@ def record(started_at: float, step_seconds: float = 0.05, wait: float = 0.0, dra
         num_draft_tokens=3 * with_drafts, num_accepted_tokens=with_drafts, drafted_per_position=(),
         accepted_per_position=(), num_output_tokens=8, num_scheduled_tokens=16, verify_seconds=0.04,
         wait_seconds=wait, draft_seconds=draft, drafter_idle_seconds=0.0, schedule_seconds=0.001,
-        step_seconds=step_seconds, drafter_up=True, k=3,
+        step_seconds=step_seconds, drafter_up=True, k=3, draft_first_token_seconds=first_token,
     )
 
 
@@ -81,6 +82,16 @@ def test_overlap_in_the_step_breakdown_counts_waits_that_ended_without_drafts() 
     assert figures["overlap_fraction"] == pytest.approx(1 - 0.05 / 0.08)
     assert figures["draft_per_verify"] == pytest.approx(0.08 / 0.08)
     assert figures["steps_with_drafts_share"] == pytest.approx(2 / 3)
+    assert figures["catch_up_steps"] == 0 and figures["steady_overlap_fraction"] == figures["overlap_fraction"]
+
+
+def test_steady_overlap_leaves_out_jobs_that_caught_up_on_prompts() -> None:
+    # A short run's first job reads whole prompts (400 of its 500 ms before the first drafted token) and is waited
+    # for; the steady steps behind it draft 40 ms each and never wait.
+    records = [record(0.0, wait=0.45, draft=0.5, first_token=0.4), *(record(0.1 * i) for i in range(1, 5))]
+    figures = steps.overlap(records)
+    assert figures["overlap_fraction"] == pytest.approx(1 - 0.45 / 0.66)
+    assert figures["steady_overlap_fraction"] == pytest.approx(1.0) and figures["catch_up_steps"] == 1
 
 
 def test_step_breakdown_tells_waits_drafting_explains_from_time_lost_elsewhere() -> None:
