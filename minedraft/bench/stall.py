@@ -408,11 +408,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.axvspan(window["stopped_at"], window["continued_at"], color="red", alpha=0.15, label="drafter stopped")
         ax.axhline(s["target_gap_seconds"] * 1000, color="black", linestyle="--", linewidth=1,
                    label="target: 2 x step + 100 ms")
-        restarts = [step[0] for step in timeline["steps"] if not step[4]]
-        if restarts:
-            ax.plot(restarts, [0] * len(restarts), "|", color="grey", label="steps with the drafter down")
+        down = [step[0] for step in timeline["steps"] if not step[4]]
+        if down:
+            # Along the bottom edge (axes coordinates), whatever the gaps' scale.
+            ax.plot(down, [0.03] * len(down), "|", color="grey", transform=ax.get_xaxis_transform(),
+                    label="steps with the drafter down")
         ax.set_xlim(window["baseline_from"] - 1, window["ended_at"])
-        ax.set_yscale("symlog", linthresh=100)
+        ax.set_yscale("log")
         ax.set_ylabel("inter-token gap (ms)")
         ax.set_title(f"{s['scenario']}: SIGSTOP {s['stop_seconds']:g}s, hang threshold {s['hang_seconds']:g}s, "
                      f"{len(timeline['deliveries'])} streams")
