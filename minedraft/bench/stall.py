@@ -115,13 +115,26 @@ def run(args: argparse.Namespace, command: str) -> int:
         results = _measure(args, scenarios, command)
         if results is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+            args.out.with_suffix(".json").write_text(to_json(results))
             args.out.with_suffix(".md").write_text(markdown(results))
             plot(results, args.out.with_suffix(".png"))
     if results is None:
         return 1
-    print(json.dumps(results, indent=1) if args.json else markdown(results), flush=True)
+    print(to_json(results) if args.json else markdown(results), flush=True)
     return 0
+
+
+def to_json(results: dict[str, Any]) -> str:
+    """Indented, except each scenario's timeline (tens of thousands of numbers), which goes on one line."""
+    timelines = []
+    shallow = {**results, "scenarios": []}
+    for index, scenario in enumerate(results["scenarios"]):
+        timelines.append(json.dumps(scenario.get("timeline"), separators=(",", ":")))
+        shallow["scenarios"].append({**scenario, "timeline": f"@timeline-{index}@"})
+    text = json.dumps(shallow, indent=1)
+    for index, timeline in enumerate(timelines):
+        text = text.replace(f'"@timeline-{index}@"', timeline, 1)
+    return text
 
 
 # -- analysis (pure: timestamps and step records in, figures out) ----------------------------------------------------

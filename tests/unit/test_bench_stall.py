@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -126,5 +127,6 @@ def test_report_and_plot(tmp_path: Path) -> None:
     text = stall.markdown(results)
     assert "| hang | 1 | 0.5 | 50 | 200 | 1600 | 8.00 | 1/2 | 1 | 1 | 3 | never |" in text
     assert "| s-1 | 100 | 100 | 1600 | 0 | 100 | 8.00 |" in text
+    assert json.loads(stall.to_json(results)) == results
     stall.plot(results, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
