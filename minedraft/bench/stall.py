@@ -348,7 +348,8 @@ def _measure(args: argparse.Namespace, scenarios: list[Scenario], command: str) 
                        "cores": {"target": target_cores, "drafter": drafter_cores},
                        "target": f"max gap <= {TARGET_STEP_FACTOR:g} x median step before the stop + "
                                  f"{TARGET_SLACK_SECONDS * 1000:.0f} ms",
-                       "machine": "shared 2-core CPU, contended by other jobs"},
+                       "machine": "shared 2-core CPU, contended by other jobs",
+                       "load_average_at_start": os.getloadavg()[0]},
             "scenarios": [],
         }
         for scenario in scenarios:
@@ -359,6 +360,7 @@ def _measure(args: argparse.Namespace, scenarios: list[Scenario], command: str) 
                                f"stall-{scenario.name}", args.resume_timeout_seconds)
             results["scenarios"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("streams", "timeline")}), file=sys.stderr)
+        results["config"]["load_average_at_end"] = os.getloadavg()[0]
         return results
     finally:
         engine.shutdown()

@@ -269,7 +269,8 @@ def _measure(args: argparse.Namespace, command: str) -> dict[str, Any] | None:
     options = {k: v for k, v in vars(args).items() if k in _OPTION_NAMES}
     results: dict[str, Any] = {"config": {"command": command, **options, "out": str(args.out), "pair_dir": str(pair),
                                           "cores": {"target": target_cores, "drafter": drafter_cores},
-                                          "machine": "shared 2-core CPU, contended by other jobs"},
+                                          "machine": "shared 2-core CPU, contended by other jobs",
+                                          "load_average_at_start": os.getloadavg()[0]},
                                "runs": []}
     try:
         for context in contexts:
@@ -302,6 +303,7 @@ def _measure(args: argparse.Namespace, command: str) -> dict[str, Any] | None:
         wide_placement.wide = None
         scheduler.placement = wide_placement
         engine.shutdown()
+    results["config"]["load_average_at_end"] = os.getloadavg()[0]
     return results
 
 
