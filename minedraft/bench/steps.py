@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -234,15 +235,13 @@ def run(args: argparse.Namespace, command: str) -> int:
 
 def _measure(args: argparse.Namespace, command: str) -> dict[str, Any] | None:
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # the local pair says 2048; RoPE extrapolates
-    from minedraft.bench.workload import bench_prompts
     from minedraft.engine.core import Engine
-    from minedraft.engine.placement import ComputePlacement
     from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode, default_core_split
     from minedraft.models.spec import default_pair_dir
 
     contexts = [int(c) for c in args.contexts.split(",")]
-    pair = _pair_for_context(args.pair_dir or default_pair_dir(), max(contexts) + args.max_tokens + 128)
-    modes = args.modes.split(",")
+    source_pair = args.pair_dir or default_pair_dir()
+    pair = _pair_for_context(source_pair, max(contexts) + args.max_tokens + 128)
     target_cores, drafter_cores = default_core_split()
     settings = EngineSettings(
         model=str(pair / "target"),
@@ -254,15 +253,31 @@ def _measure(args: argparse.Namespace, command: str) -> dict[str, Any] | None:
         target_cpu_cores=target_cores,
     )
     engine = Engine(settings)
+    try:
+        return _runs(engine, args, command, source_pair, pair, contexts, (target_cores, drafter_cores))
+    finally:
+        engine.shutdown()
+        if pair != source_pair:
+            shutil.rmtree(pair, ignore_errors=True)
+
+
+def _runs(engine: Any, args: argparse.Namespace, command: str, source_pair: Path, pair: Path, contexts: list[int],
+          cores: tuple[tuple[int, ...], tuple[int, ...]]) -> dict[str, Any] | None:
+    from minedraft.bench.workload import bench_prompts
+    from minedraft.engine.placement import ComputePlacement
+    from minedraft.engine.settings import Mode
+
     if not engine.wait_for_drafter(600):
         print("drafter did not start", file=sys.stderr)
-        engine.shutdown()
         return None
+    modes = args.modes.split(",")
+    target_cores, drafter_cores = cores
     scheduler = engine.psd_scheduler
     assert scheduler is not None
     timers = RunnerTimers(_model_runner(engine), {"forward": "_model_forward", "runner_states": "_update_states",
                                                   "runner_inputs": "_prepare_inputs"})
-    text = " ".join(bench_prompts(pair, 64, chars=400))
+    # The held-out text lies beside the models, and the long-context copy has only the models.
+    text = " ".join(bench_prompts(source_pair, 64, chars=400))
     base_ids = list(engine.tokenizer.encode(text))
     wide_placement = scheduler.placement
     narrow_placement = ComputePlacement(wide_placement.target_cores, ())
@@ -272,37 +287,31 @@ def _measure(args: argparse.Namespace, command: str) -> dict[str, Any] | None:
                                           "machine": "shared 2-core CPU, contended by other jobs",
                                           "load_average_at_start": os.getloadavg()[0]},
                                "runs": []}
-    try:
-        for context in contexts:
-            prompt = (base_ids * (context // len(base_ids) + 1))[:context]
-            plan: list[tuple[str, str, Mode, bool]] = []
-            if "psd" in modes:
-                plan.append(("psd", "equal-cores", Mode.PSD, True))
-            if "psd-full" in modes:
-                plan.append(("psd-full-context", "equal-cores", Mode.PSD, False))
-            if "ar" in modes:
-                plan.append(("ar", "equal-cores", Mode.AR, True))
-            if "layout" in modes:
-                plan += [("sd", "equal-cores", Mode.SD, True), ("psd", "own-drafter-core", Mode.PSD, True),
-                         ("sd", "own-drafter-core", Mode.SD, True)]
-            for label, layout, mode, deltas in plan:
-                engine.set_mode(mode, args.k, 0)
-                scheduler.planner.send_deltas = deltas
-                placement = narrow_placement if layout == "own-drafter-core" else wide_placement
-                # Forget what the placement last applied: the other one may have moved the thread's cores since.
-                placement.wide = None
-                scheduler.placement = placement
-                # Start each run from an empty drafter and cache state of this engine: nothing carried between runs.
-                summary = run_context(engine, timers, prompt, args.requests, args.max_tokens,
-                                      f"{label}-{layout}-{context}")
-                row = {"context": context, "mode": label, "layout": layout, **summary}
-                results["runs"].append(row)
-                print(json.dumps(row), file=sys.stderr)
-    finally:
-        scheduler.planner.send_deltas = True
-        wide_placement.wide = None
-        scheduler.placement = wide_placement
-        engine.shutdown()
+    for context in contexts:
+        prompt = (base_ids * (context // len(base_ids) + 1))[:context]
+        plan: list[tuple[str, str, Mode, bool]] = []
+        if "psd" in modes:
+            plan.append(("psd", "equal-cores", Mode.PSD, True))
+        if "psd-full" in modes:
+            plan.append(("psd-full-context", "equal-cores", Mode.PSD, False))
+        if "ar" in modes:
+            plan.append(("ar", "equal-cores", Mode.AR, True))
+        if "layout" in modes:
+            plan += [("sd", "equal-cores", Mode.SD, True), ("psd", "own-drafter-core", Mode.PSD, True),
+                     ("sd", "own-drafter-core", Mode.SD, True)]
+        for label, layout, mode, deltas in plan:
+            engine.set_mode(mode, args.k, 0)
+            scheduler.planner.send_deltas = deltas
+            placement = narrow_placement if layout == "own-drafter-core" else wide_placement
+            # Forget what the placement last applied: the other one may have moved the thread's cores since.
+            placement.wide = None
+            scheduler.placement = placement
+            # Start each run from an empty drafter and cache state of this engine: nothing carried between runs.
+            summary = run_context(engine, timers, prompt, args.requests, args.max_tokens,
+                                  f"{label}-{layout}-{context}")
+            row = {"context": context, "mode": label, "layout": layout, **summary}
+            results["runs"].append(row)
+            print(json.dumps(row), file=sys.stderr)
     results["config"]["load_average_at_end"] = os.getloadavg()[0]
     return results
 
