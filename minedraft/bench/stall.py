@@ -4,8 +4,8 @@
 
 One psd engine serves N streams (greedy, long outputs) and, per scenario, the drafter process is SIGSTOPped for a
 few seconds mid-run, then SIGCONTed:
-  stop   the stop is shorter than the hang threshold (the engine's drafter deadline): the drafter is never declared
-         hung; steps whose drafts are late verify without them once their wait budget (a fraction of a measured
+  stop   the stop is shorter than the engine's hang threshold (reported with the results): the drafter is never
+         declared hung; steps whose drafts are late verify without them once their wait budget (a fraction of a measured
          step) runs out, and drafting must resume by itself after SIGCONT.
   hang   the hang threshold is lowered below the stop (until SIGCONT): the engine takes the silence for a hang, kills
          the drafter and starts a new one in the background while it keeps serving without drafts (the restart path).
@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after SIGCONT, serve on until steps verify drafts again, at most this long")
     parser.add_argument("--scenarios", default="stop,hang,hang-own-core")
     parser.add_argument("--deadline-seconds", type=float, default=5.0,
-                        help="the engine's drafter deadline (its hang threshold outside the hang scenario)")
+                        help="the engine's drafter deadline (the cap on a step's wait for drafts)")
     parser.add_argument("--prompt-chars", type=int, default=200)
     parser.add_argument("--pair-dir", type=Path, default=None)
     parser.add_argument("--json", action="store_true",
