@@ -25,6 +25,8 @@ from minedraft.engine_options import (
     settings_from_args,
 )
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 __all__ = ["add_engine_arguments", "build_parser", "constructed_pair", "ensure_pair", "main", "settings_from_args"]
 
 
@@ -210,7 +212,9 @@ def cmd_bench_module(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minedraft", description=__doc__)
-    parser.add_argument("--log-level", default=os.environ.get("MINEDRAFT_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
+                        default=os.environ.get("MINEDRAFT_LOG_LEVEL", "INFO").upper(),
+                        help="for MineDraft's logs and vLLM's (the engine, its workers and the drafter process)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     models = sub.add_parser("models", help="the local target/draft model pair").add_subparsers(
@@ -285,7 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in benchmark results
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    # vLLM configures its own loggers from VLLM_LOGGING_LEVEL when it is first imported (here or in a worker or
+    # drafter process, which inherit the environment), so basicConfig alone would leave its INFO lines on.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", args.log_level)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from minedraft.engine.requests import RequestError
     from minedraft.engine.settings import SettingsError

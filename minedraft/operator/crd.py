@@ -211,6 +211,13 @@ def spec_schema() -> Schema:
             }, default={}, **{"x-kubernetes-validations": [_rule(
                 "self.minSpeculativeTokens <= self.maxSpeculativeTokens",
                 "minSpeculativeTokens must not exceed maxSpeculativeTokens", ".minSpeculativeTokens")]}),
+            "replicaCapacityTokensPerSecond": _num(
+                "Output tokens/s one engine replica gives with its batch full (maxNumSeqs requests), at the "
+                "acceptance you expect: the autoscaler's capacity per replica until it has measured the engines' "
+                "speed (after an operator restart, before the engines have decoded anything, or while they export "
+                "no speed). Unset: no prior, nothing scales up on capacity until a speed is measured. "
+                "`minedraft autoscale calibrate` prints the figure (docs/autoscaling.md).",
+                minimum=s.MIN_REPLICA_CAPACITY_TOKENS_PER_SECOND),
             "prometheus": _obj("Where the autoscaler reads metrics.", {
                 "address": _str("Prometheus HTTP API base URL, e.g. http://prometheus.monitoring:9090; when "
                                 "unset the engines' metrics endpoints are scraped directly."),

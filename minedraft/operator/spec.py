@@ -35,6 +35,9 @@ MAX_EXTRA_DRAFT_TOKENS = 16
 # Target GPUs are the target's tensor-parallel size; one node has at most 8 GPUs and the drafter needs one more.
 MAX_TARGET_GPUS = 8
 MAX_REPLICAS = 1000
+# A replica's capacity prior below one output token/s is a unit mistake (tokens per minute, or per request), not a
+# deployment: refused rather than planned for.
+MIN_REPLICA_CAPACITY_TOKENS_PER_SECOND = 1.0
 # Context length bounds (vLLM's max_model_len): below 16 nothing useful fits; above 2^24 no model has been trained.
 MIN_MODEL_LEN = 16
 MAX_MODEL_LEN = 1 << 24
@@ -165,6 +168,10 @@ class AutoscalingSpec:
     max_scale_up_step: int = 2
     speculation: SpeculationBounds = field(default_factory=SpeculationBounds)
     prometheus_address: str | None = None
+    # Output tokens/s one engine replica gives with its batch full, used until the autoscaler has measured a speed
+    # (after an operator restart while idle, or at zero replicas). None: no prior (nothing scales up on capacity
+    # until the engines have decoded something).
+    replica_capacity_tokens_per_second: float | None = None
 
 
 @dataclass(frozen=True)
@@ -472,6 +479,12 @@ def _autoscaling(r: _Reader, data: Mapping[str, Any] | None) -> AutoscalingSpec 
     if k_min is not None and k_max is not None and k_min > k_max:
         r.fail(f"{sp}.minSpeculativeTokens", f"must not exceed maxSpeculativeTokens ({k_min} > {k_max})")
     prometheus = r.obj(data, "prometheus", p) or {}
+    capacity = data.get("replicaCapacityTokensPerSecond")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int | float)
+                                 or not capacity >= MIN_REPLICA_CAPACITY_TOKENS_PER_SECOND):  # NaN too
+        r.fail(f"{p}.replicaCapacityTokensPerSecond",
+               f"must be a number >= {MIN_REPLICA_CAPACITY_TOKENS_PER_SECOND:g} (got {capacity!r})")
+        capacity = None
     return AutoscalingSpec(
         min_replicas=min_replicas if min_replicas is not None else d.min_replicas,
         max_replicas=max_replicas or d.max_replicas,
@@ -484,6 +497,7 @@ def _autoscaling(r: _Reader, data: Mapping[str, Any] | None) -> AutoscalingSpec 
         or d.max_scale_up_step,
         speculation=SpeculationBounds(tuple(modes), k_min or 1, k_max or 1),
         prometheus_address=r.str_(prometheus, "address", f"{p}.prometheus"),
+        replica_capacity_tokens_per_second=float(capacity) if capacity is not None else None,
     )
 
 

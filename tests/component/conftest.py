@@ -84,3 +84,13 @@ def vllm_sd_engine(pair_dir):
     engine = Engine(engine_settings(pair_dir, Mode.VLLM_SD))
     yield engine
     engine.shutdown()
+
+
+@pytest.fixture
+async def fake_stacks():
+    """Gateways routing to fake engines (see gateway_stack.py), all stopped when the test ends."""
+    from .gateway_stack import FakeStacks
+
+    stacks = FakeStacks()
+    yield stacks
+    await stacks.close()

@@ -14,39 +14,23 @@ from minedraft.gateway.app import Gateway, GatewayConfig, TlsFiles
 from minedraft.gateway.discovery import KubernetesApi
 from minedraft.testing.fake_engine import FakeBehaviour, FakeEngineServer, fake_token_ids
 
+from .gateway_stack import fast_config
 from .grpc_helpers import _self_signed_cert_cryptography, _self_signed_cert_openssl, wait_for, wait_for_health
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def fast_config(**changes) -> GatewayConfig:
-    base = dict(health_retry_seconds=0.05, failure_cooldown_seconds=1.0, seed=0)
-    base.update(changes)
-    return GatewayConfig(**base)
-
-
 @pytest.fixture
-async def stack():
+def stack(fake_stacks):
     """make(behaviours, config) -> (gateway, fakes, target): fakes started, gateway routing to them and ready."""
-    created: list[tuple[Gateway, list[FakeEngineServer]]] = []
 
     async def make(behaviours: list[FakeBehaviour], config: GatewayConfig | None = None,
                    engines: bool = True) -> tuple[Gateway, list[FakeEngineServer], str]:
-        fakes = [await FakeEngineServer(f"fake-{i}", b).start() for i, b in enumerate(behaviours)]
-        gateway = Gateway(config or fast_config())
-        await gateway.start()
-        created.append((gateway, fakes))
-        if engines:
-            gateway.set_engines([f.address for f in fakes])
-            await wait_for(lambda: sum(e.healthy for e in gateway.endpoints) == len(fakes), what="engines healthy")
-        return gateway, fakes, f"127.0.0.1:{gateway.port}"
+        made = await fake_stacks.make(behaviours, config, engines)
+        return made.gateway, made.fakes, made.target
 
-    yield make
-    for gateway, fakes in created:
-        await gateway.stop()
-        for fake in fakes:
-            await fake.stop(0)
+    return make
 
 
 def request(prompt: str = "hello", max_tokens: int = 5) -> pb.GenerateRequest:

@@ -13,42 +13,25 @@ from prometheus_client import CollectorRegistry
 
 from minedraft.api import pb, pb_grpc
 from minedraft.api.grpc_policy import LIVENESS_SERVICE
-from minedraft.gateway.app import Gateway, GatewayConfig
+from minedraft.gateway.app import GatewayConfig
 from minedraft.gateway.router import RouterConfig
-from minedraft.testing.fake_engine import FakeBehaviour, FakeEngineServer, fake_token_ids
+from minedraft.testing.fake_engine import FakeBehaviour, fake_token_ids
 
+from .gateway_stack import fast_config as config
 from .grpc_helpers import health_status, wait_for, wait_for_health
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def config(**changes) -> GatewayConfig:
-    base = dict(health_retry_seconds=0.05, failure_cooldown_seconds=1.0, seed=0)
-    base.update(changes)
-    return GatewayConfig(**base)
-
-
 @pytest.fixture
-async def stack():
-    created: list[tuple[Gateway, list[FakeEngineServer]]] = []
-
+def stack(fake_stacks):
     async def make(behaviours: list[FakeBehaviour], gateway_config: GatewayConfig | None = None,
                    engines: bool = True, registry: CollectorRegistry | None = None):
-        fakes = [await FakeEngineServer(f"fake-{i}", b).start() for i, b in enumerate(behaviours)]
-        gateway = Gateway(gateway_config or config(), registry)
-        await gateway.start()
-        created.append((gateway, fakes))
-        if engines:
-            gateway.set_engines([f.address for f in fakes])
-            await wait_for(lambda: sum(e.healthy for e in gateway.endpoints) == len(fakes), what="engines healthy")
-        return gateway, fakes, f"127.0.0.1:{gateway.port}"
+        made = await fake_stacks.make(behaviours, gateway_config, engines, registry)
+        return made.gateway, made.fakes, made.target
 
-    yield make
-    for gateway, fakes in created:
-        await gateway.stop()
-        for fake in fakes:
-            await fake.stop(0)
+    return make
 
 
 def request(prompt: str = "hello", max_tokens: int = 5) -> pb.GenerateRequest:

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from minedraft.api import pb, pb_grpc
-from minedraft.gateway.app import Gateway, GatewayConfig
+from minedraft.gateway.app import GatewayConfig
 from minedraft.testing.fake_engine import FakeBehaviour, FakeEngineServer
 from tests.metrics_support import free_port
 
@@ -26,24 +26,14 @@ def request(prompt: str = "abc", tokens: int = 4) -> pb.GenerateRequest:
 
 
 @pytest.fixture
-async def gateway_with():
-    created: list[tuple[Gateway, list[FakeEngineServer]]] = []
-
+def gateway_with(fake_stacks):
     async def make(behaviours: list[FakeBehaviour], **config):
         registry = CollectorRegistry()
-        fakes = [await FakeEngineServer(f"fake-{i}", b).start() for i, b in enumerate(behaviours)]
-        gateway = Gateway(GatewayConfig(health_retry_seconds=0.05, seed=0, **config), registry)
-        created.append((gateway, fakes))
-        await gateway.start()
-        gateway.set_engines([f.address for f in fakes])
-        await wait_for(lambda: sum(e.healthy for e in gateway.endpoints) == len(fakes), what="engines healthy")
-        return gateway, fakes, f"127.0.0.1:{gateway.port}", registry
+        made = await fake_stacks.make(behaviours, GatewayConfig(health_retry_seconds=0.05, seed=0, **config),
+                                      registry=registry)
+        return made.gateway, made.fakes, made.target, registry
 
-    yield make
-    for gateway, fakes in created:
-        await gateway.stop()
-        for fake in fakes:
-            await fake.stop(0)
+    return make
 
 
 async def stream(target: str, req: pb.GenerateRequest) -> grpc.StatusCode:

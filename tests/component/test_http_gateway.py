@@ -14,35 +14,23 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from minedraft.api import pb
-from minedraft.gateway.app import Gateway, GatewayConfig, TlsFiles
-from minedraft.testing.fake_engine import FakeBehaviour, FakeEngineServer, fake_token_ids
+from minedraft.gateway.app import TlsFiles
+from minedraft.testing.fake_engine import FakeBehaviour, fake_token_ids
 
+from .gateway_stack import fast_config
 from .grpc_helpers import _self_signed_cert_cryptography, wait_for
 
 
 @pytest.fixture
-async def http_stack():
+def http_stack(fake_stacks):
     """make(behaviours, **config) -> (gateway, fakes, base_url, registry): the gateway's HTTP port routing to fakes."""
-    created: list[tuple[Gateway, list[FakeEngineServer]]] = []
 
     async def make(behaviours: list[FakeBehaviour], engines: bool = True, scheme: str = "http", **config):
-        fakes = [await FakeEngineServer(f"fake-{i}", b).start() for i, b in enumerate(behaviours)]
         registry = CollectorRegistry()
-        settings = {"health_retry_seconds": 0.05, "failure_cooldown_seconds": 1.0, "seed": 0, **config}
-        gateway = Gateway(GatewayConfig(**settings), registry)
-        await gateway.start()
-        port = await gateway.start_http("127.0.0.1", 0)
-        created.append((gateway, fakes))
-        if engines:
-            gateway.set_engines([f.address for f in fakes])
-            await wait_for(lambda: sum(e.healthy for e in gateway.endpoints) == len(fakes), what="engines healthy")
-        return gateway, fakes, f"{scheme}://127.0.0.1:{port}", registry
+        made = await fake_stacks.make(behaviours, fast_config(**config), engines, registry, http=True, scheme=scheme)
+        return made.gateway, made.fakes, made.http_url, registry
 
-    yield make
-    for gateway, fakes in created:
-        await gateway.stop()
-        for fake in fakes:
-            await fake.stop(0)
+    return make
 
 
 def client(base_url: str, api_key: str = "unused", **kwargs) -> openai.AsyncOpenAI:

@@ -15,6 +15,12 @@ from minedraft import cli
 from minedraft.bench import stall, steps
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    # cli.main sets VLLM_LOGGING_LEVEL for the processes it starts: undone after each test, not left to later ones.
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+
+
 @pytest.mark.parametrize("name", ["steps", "stall"])
 def test_bench_subcommand_parses_into_the_benchmarks_run(name: str, monkeypatch: pytest.MonkeyPatch,
                                                           tmp_path: Path) -> None:

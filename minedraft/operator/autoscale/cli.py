@@ -12,6 +12,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_MODEL = ROOT / "benchmarks" / "autoscale" / "replica-model.json"
 DEFAULT_TRACES = ROOT / "benchmarks" / "autoscale" / "traces"
+CAPACITY_PRIOR_ACCEPTANCES = (0.8, 0.6, 0.4)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -101,6 +102,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(json.dumps(model.to_json()))
     for line in describe(model):
         print(line)
+    # The MineDraft's capacity prior (used until the autoscaler has measured a speed): a full batch at the acceptance
+    # the deployment expects.
+    for acceptance in CAPACITY_PRIOR_ACCEPTANCES:
+        print(f"spec.autoscaling.replicaCapacityTokensPerSecond at acceptance {acceptance:g}: "
+              f"{model.best(model.max_batch, acceptance)[0]:.0f} (full batch of {model.max_batch})")
     return 0
 
 

@@ -41,7 +41,8 @@ def policy_config(spec: s.MineDraftSpec) -> PolicyConfig:
                         scale_down_stabilization_seconds=a.scale_down_stabilization_seconds,
                         max_scale_up_step=a.max_scale_up_step, requests_per_replica=spec.engine.max_num_seqs,
                         # Three missed evaluations, or a minute of Prometheus lag, whichever is longer.
-                        max_metrics_age_seconds=max(3 * a.interval_seconds, 60))
+                        max_metrics_age_seconds=max(3 * a.interval_seconds, 60),
+                        prior_capacity_tokens_per_second_per_replica=a.replica_capacity_tokens_per_second)
 
 
 def _rfc3339(seconds: float) -> str:

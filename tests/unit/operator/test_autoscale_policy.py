@@ -437,3 +437,35 @@ def test_idle_for_a_whole_window_goes_to_zero_when_min_is_zero() -> None:
     counts, _ = run(config, 1, [obs(4, replicas=1)] + [idle] * 25)
     assert counts[0] == 1 and 0 in counts
     assert counts.index(0) * config.interval_seconds >= config.scale_down_stabilization_seconds
+
+
+def _busy_without_a_speed(replicas: int = 2) -> Observations:
+    """Replicas full and requests waiting, but no speed figure exported (no predicted goodput, no step seconds):
+    the engines' gauges are not there yet, and a restarted operator has measured nothing."""
+    return Observations(age_seconds=5, reporting_replicas=replicas, running_requests=32.0 * replicas,
+                        waiting_requests=100.0, output_tokens_per_second=0.0)
+
+
+def test_after_a_restart_the_capacity_prior_lets_the_policy_scale_up() -> None:
+    """A restarted operator has no speed in memory: without a prior, a queue cannot be sized (no decision); with
+    spec.autoscaling.replicaCapacityTokensPerSecond it is sized on the prior until a speed is measured."""
+    from minedraft.operator import spec as s
+    from minedraft.operator.autoscale.loop import policy_config
+
+    base = {"target": {"source": {"huggingFace": {"id": "org/model"}}},
+            "draft": {"source": {"huggingFace": {"id": "org/draft"}}}, "engine": {"maxNumSeqs": 32}}
+    unset = policy_config(s.parse_spec({**base, "autoscaling": {"maxReplicas": 10}}))
+    assert unset.prior_capacity_tokens_per_second_per_replica is None
+    decision, _ = decide(unset, PolicyState(), 2, _busy_without_a_speed(), 0.0)
+    assert decision.desired == 2 and not decision.metrics_available
+    config = policy_config(s.parse_spec({**base, "autoscaling": {"maxReplicas": 10,
+                                                                 "replicaCapacityTokensPerSecond": 1000}}))
+    assert config.prior_capacity_tokens_per_second_per_replica == 1000.0
+    decision, _ = decide(config, PolicyState(), 2, _busy_without_a_speed(), 0.0)
+    assert decision.inputs is not None and decision.inputs.capacity_source == "prior"
+    assert decision.inputs.capacity_tokens_per_second_per_replica == 1000.0
+    # 164 requests at the prior's 1000 / 32 tok/s each need 5125 tok/s: 7 replicas at 0.8, by at most +2 at once.
+    assert decision.inputs.recommended == 7 and decision.desired == 4
+    # Once the engines report a speed, the measured figure wins over the prior.
+    measured, _ = decide(config, PolicyState(), 2, obs(64, waiting=100, tokens_per_request=10.0), 0.0)
+    assert measured.inputs is not None and measured.inputs.capacity_source == "predicted"

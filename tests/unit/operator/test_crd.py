@@ -254,10 +254,15 @@ def test_every_rule_names_its_field_and_reason() -> None:
     (with_spec("minimal", gateway__tlsSecretRef={}), "gateway.tlsSecretRef"),
     (with_spec("minimal", replicas=-1), "spec.replicas"),
     (with_spec("minimal", autoscaling={"targetUtilization": 0}), "autoscaling.targetUtilization"),
+    (with_spec("minimal", autoscaling={"replicaCapacityTokensPerSecond": 0.5}),
+     "autoscaling.replicaCapacityTokensPerSecond"),
+    (with_spec("minimal", autoscaling={"replicaCapacityTokensPerSecond": "2k"}),
+     "autoscaling.replicaCapacityTokensPerSecond"),
     (with_spec("minimal", speculaton={"mode": "psd"}), "speculaton"),
     (with_spec("minimal", target=None), "target"),
 ], ids=["k-high", "k-zero", "mode", "gpus", "dtype", "context-len", "float-cpu", "auto-vllm-sd",
-        "quantity", "tls-name", "replicas", "utilization", "typo", "no-target"])
+        "quantity", "tls-name", "replicas", "utilization", "capacity-prior-low", "capacity-prior-string", "typo",
+        "no-target"])
 def test_schema_rejects(doc: dict[str, Any], fragment: str) -> None:
     problems = admit(doc)
     assert any(fragment in p for p in problems), problems
@@ -296,3 +301,16 @@ def test_scale_to_zero_is_admitted_and_renders_engines_at_zero_with_the_gateway_
     deployments = {m["metadata"]["name"]: m for m in manifests if m["kind"] == "Deployment"}
     assert deployments["qwen3-14b-engine"]["spec"]["replicas"] == 0
     assert deployments["qwen3-14b-gateway"]["spec"]["replicas"] >= 1
+
+
+def test_replica_capacity_prior_is_admitted_and_reaches_the_policy() -> None:
+    from minedraft.operator.autoscale.loop import policy_config
+
+    doc = with_spec("autoscaled", autoscaling__replicaCapacityTokensPerSecond=2400)
+    assert admit(doc) == []
+    spec = s.parse_spec(apply_defaults(SCHEMA, doc)["spec"])
+    assert policy_config(spec).prior_capacity_tokens_per_second_per_replica == 2400.0
+    # Unset: no default is written (no prior), as the parser's.
+    unset = apply_defaults(SCHEMA, example("autoscaled"))["spec"]
+    assert "replicaCapacityTokensPerSecond" not in unset["autoscaling"]
+    assert policy_config(s.parse_spec(unset)).prior_capacity_tokens_per_second_per_replica is None

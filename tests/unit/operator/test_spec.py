@@ -141,3 +141,12 @@ def test_drafter_gpu_only_for_modes_that_draft_on_it(mode: str, allowed: list[st
     autoscaling = {"speculation": {"allowedModes": allowed}} if allowed else None
     spec = s.parse_spec(minimal(speculation={"mode": mode}, autoscaling=autoscaling))
     assert spec.needs_drafter_gpu is needs
+
+
+def test_replica_capacity_prior_is_optional_and_positive() -> None:
+    assert s.parse_spec(minimal(autoscaling={})).autoscaling.replica_capacity_tokens_per_second is None
+    spec = s.parse_spec(minimal(autoscaling={"replicaCapacityTokensPerSecond": 2500}))
+    assert spec.autoscaling.replica_capacity_tokens_per_second == 2500.0
+    for bad in (0, 0.5, -3, "fast", True):
+        assert errors(minimal(autoscaling={"replicaCapacityTokensPerSecond": bad})) == [
+            f"spec.autoscaling.replicaCapacityTokensPerSecond: must be a number >= 1 (got {bad!r})"]
