@@ -63,13 +63,13 @@ STEPS: tuple[Step, ...] = (
          ("benchmarks/results/tensor-parallel.json",), 10 * 60),
     Step("step-breakdown", "per-step time at 32 requests: forward, the engine's own work, waits (512 tokens)",
          ("minedraft", "bench", "steps", "--out", "benchmarks/results/step-breakdown-512", "--contexts", "512"),
-         # Took about 4 minutes at a load average of 6-16 from other jobs.
+         # Took about 4 minutes on the shared machine (load average 3-16 from other jobs).
          ("benchmarks/results/step-breakdown-512.json",), 5 * 60),
     Step("step-breakdown-long", "per-step time at 32 requests with 2k and 8k-token contexts (psd deltas vs whole "
          "contexts, ar)",
          ("minedraft", "bench", "steps", "--out", "benchmarks/results/step-breakdown-long",
           "--contexts", "2048,8192", "--modes", "psd,psd-full,ar", "--max-tokens", "12"),
-         # Took 4 minutes at a load average of 6-16 from other jobs.
+         # Took about 4 minutes on the shared machine (load average 4-16 from other jobs).
          ("benchmarks/results/step-breakdown-long.json",), 6 * 60),
     Step("drafter-stall", "inter-token gaps of 16 streams while the drafter is SIGSTOPped (and restarted after a hang)",
          ("minedraft", "bench", "stall", "--out", "benchmarks/results/drafter-stall"),
