@@ -69,7 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="path prefix of the .json, .md and .png results")
     parser.add_argument("--streams", type=int, default=16, help="concurrent streams")
     parser.add_argument("-k", "--k", type=int, default=3, dest="k")
-    parser.add_argument("--baseline-seconds", type=float, default=6.0, help="serving before the stop")
+    parser.add_argument("--warmup-seconds", type=float, default=2.0,
+                        help="decoding left out of the baseline (the drafter's first jobs read whole prompts)")
+    parser.add_argument("--baseline-seconds", type=float, default=6.0, help="serving before the stop, after warm-up")
     parser.add_argument("--stop-seconds", type=float, default=2.0,
                         help="the stop scenario's SIGSTOP (below the engine's hang threshold)")
     parser.add_argument("--hang-stop-seconds", type=float, default=4.0, help="the hang scenario's SIGSTOP")
@@ -205,9 +207,10 @@ def analyse(deliveries: dict[str, list[float]], records: Sequence[Any], window: 
 
 
 def run_scenario(engine: Any, prompts: list[list[int]], scenario: Scenario, baseline_seconds: float,
-                 after_seconds: float, tag: str, resume_timeout_seconds: float = 60.0) -> dict[str, Any]:
-    """Serve one stream per prompt; SIGSTOP the drafter `baseline_seconds` after every stream has its first token,
-    SIGCONT it `scenario.stop_seconds` later, serve `after_seconds` more (and on until steps verify drafts again, at
+                 after_seconds: float, tag: str, resume_timeout_seconds: float = 60.0,
+                 warmup_seconds: float = 0.0) -> dict[str, Any]:
+    """Serve one stream per prompt; SIGSTOP the drafter `baseline_seconds` after every stream has its first token and
+    `warmup_seconds` more (left out of the baseline), SIGCONT it `scenario.stop_seconds` later, serve `after_seconds` more (and on until steps verify drafts again, at
     most `resume_timeout_seconds`: a restarted drafter loads meanwhile), then abort what is left. A stream that
     reaches its length is replaced by a new one on the same prompt, so the load stays at one stream per prompt."""
     from minedraft.engine.requests import SamplingSettings
@@ -238,7 +241,7 @@ def run_scenario(engine: Any, prompts: list[list[int]], scenario: Scenario, base
     generations = [0] * len(prompts)
     deliveries: dict[str, list[float]] = {request_id: [] for request_id in live}
     started = time.perf_counter()
-    baseline_from = stopped_at = continued_at = ended_at = resumed_at = None
+    decoding_from = baseline_from = stopped_at = continued_at = ended_at = resumed_at = None
     pid = None
     try:
         while engine.has_unfinished_requests():
@@ -259,9 +262,12 @@ def run_scenario(engine: Any, prompts: list[list[int]], scenario: Scenario, base
             if continued_at is not None and resumed_at is None and any(r.num_requests_with_drafts for r in new):
                 resumed_at = now
             if baseline_from is None:
-                if all(deliveries[request_id] for request_id in live):
-                    baseline_from = now  # every prompt prefilled: steady decoding from here
+                if decoding_from is None and all(deliveries[request_id] for request_id in live):
+                    decoding_from = now  # every prompt prefilled
                     print(f"{scenario.name}: streams decoding after {now - started:.1f}s", file=sys.stderr)
+                if decoding_from is not None and now - decoding_from >= warmup_seconds:
+                    # The drafter has read every prompt (its first jobs carry them whole): steady decoding from here.
+                    baseline_from = now
             elif stopped_at is None and now - baseline_from >= baseline_seconds:
                 pid = drafter.pid()
                 if pid is None or not scheduler.drafter_up:
@@ -343,7 +349,8 @@ def _measure(args: argparse.Namespace, scenarios: list[Scenario], command: str) 
         prompts = [engine.encode_prompt(p) for p in bench_prompts(pair, args.streams, chars=args.prompt_chars)]
         results: dict[str, Any] = {
             "config": {"command": command, "streams": args.streams, "k": args.k,
-                       "baseline_seconds": args.baseline_seconds, "after_seconds": args.after_seconds,
+                       "warmup_seconds": args.warmup_seconds, "baseline_seconds": args.baseline_seconds,
+                       "after_seconds": args.after_seconds,
                        "deadline_seconds": args.deadline_seconds, "pair_dir": str(pair),
                        "cores": {"target": target_cores, "drafter": drafter_cores},
                        "target": f"max gap <= {TARGET_STEP_FACTOR:g} x median step before the stop + "
@@ -357,7 +364,7 @@ def _measure(args: argparse.Namespace, scenarios: list[Scenario], command: str) 
                 print(f"{scenario.name}: drafter not up", file=sys.stderr)
                 return None
             row = run_scenario(engine, prompts, scenario, args.baseline_seconds, args.after_seconds,
-                               f"stall-{scenario.name}", args.resume_timeout_seconds)
+                               f"stall-{scenario.name}", args.resume_timeout_seconds, args.warmup_seconds)
             results["scenarios"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("streams", "timeline")}), file=sys.stderr)
         results["config"]["load_average_at_end"] = os.getloadavg()[0]
