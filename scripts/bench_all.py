@@ -73,7 +73,7 @@ STEPS: tuple[Step, ...] = (
          ("benchmarks/results/step-breakdown-long.json",), 6 * 60),
     Step("drafter-stall", "inter-token gaps of 16 streams while the drafter is SIGSTOPped (and restarted after a hang)",
          ("minedraft", "bench", "stall", "--out", "benchmarks/results/drafter-stall"),
-         # Took 5 minutes at a load average of 10-24 (a replacement drafter can take the minute it is allowed).
+         # Took 5-6 minutes at load averages of 3-24 (a replacement drafter may take the minute it is allowed).
          ("benchmarks/results/drafter-stall.json",), 6 * 60),
     Step("autoscaling", "speculation-aware autoscaler against the HPA algorithm and an oracle, simulated",
          ("minedraft", "autoscale", "bench", "--out", "benchmarks/results/autoscale"),
