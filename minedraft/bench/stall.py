@@ -210,9 +210,10 @@ def run_scenario(engine: Any, prompts: list[list[int]], scenario: Scenario, base
                  after_seconds: float, tag: str, resume_timeout_seconds: float = 60.0,
                  warmup_seconds: float = 0.0) -> dict[str, Any]:
     """Serve one stream per prompt; SIGSTOP the drafter `baseline_seconds` after every stream has its first token and
-    `warmup_seconds` more (left out of the baseline), SIGCONT it `scenario.stop_seconds` later, serve `after_seconds` more (and on until steps verify drafts again, at
-    most `resume_timeout_seconds`: a restarted drafter loads meanwhile), then abort what is left. A stream that
-    reaches its length is replaced by a new one on the same prompt, so the load stays at one stream per prompt."""
+    `warmup_seconds` more (left out of the baseline), SIGCONT it `scenario.stop_seconds` later, serve `after_seconds`
+    more (and on until steps verify drafts again, at most `resume_timeout_seconds`: a restarted drafter loads
+    meanwhile), then abort what is left. A stream that reaches its length is replaced by a new one on the same
+    prompt, so the load stays at one stream per prompt."""
     from minedraft.engine.requests import SamplingSettings
 
     scheduler = engine.psd_scheduler
