@@ -30,10 +30,13 @@ A replica's capacity is a property of the replica: when nothing decodes at an ev
 normal at a light load) it is the last speed measured, or before any, the configured prior from the replica model;
 never 0 because the replicas happen to be idle. Unknown (no measurement, no prior): no scale-up on it.
 
-Scale-up: at once, by at most the larger of ``max_scale_up_step`` replicas and ``max_scale_up_percent`` of the
-current count per decision (the Kubernetes HPA's default: 4 pods or 100%). Scale-down: to the highest
-recommendation of the stabilisation window, and at most once per window (so a dip does not remove replicas a
-rebound needs), and not while the requests in the system visibly rise (the rates lag a rise). Replicas still
+Demand has a sustained part (the arrivals' token rate: what the load needs while it lasts) and a transient one
+(draining a queue, a surge's backlog). Scale-up: at once, to what the sustained part needs, and beyond it by at most
+the larger of ``max_scale_up_step`` replicas and ``max_scale_up_percent`` of the current count per decision (the
+Kubernetes HPA's default: 4 pods or 100%). Scale-down: to the highest sustained need of the stabilisation window
+(the window remembers the load, not a queue already drained) or what the figures need now if more, in one step, at
+most once per window (so a dip does not remove replicas a rebound needs), never while requests wait, and not while
+the requests in the system visibly rise (the rates lag a rise). Replicas still
 starting count as capacity (current = spec.replicas, not ready replicas), so a slow model load does not trigger a
 cascade of scale-ups. Missing or stale metrics: no decision, ``metrics_available``
 False with why.
@@ -256,7 +259,11 @@ def arrival_rate(state: PolicyState, obs: Observations, now_seconds: float) -> f
     if finished is None or last is None or now_seconds <= last[0]:
         return None
     in_system = obs.running_requests + obs.waiting_requests
-    return max(finished + (in_system - last[1]) / (now_seconds - last[0]), 0.0)
+    # A fall is not counted: while a queue drains, the interval's fall of the requests in the system is set against
+    # a minute's average of finished requests (the windows differ), which reads as arrivals near 0 in the middle of
+    # a load; the finished rate alone then stands for the arrivals (it lags a real fall by a minute, on the safe side).
+    growth = max((in_system - last[1]) / (now_seconds - last[0]), 0.0)
+    return finished + growth
 
 
 def remembered_speed(config: PolicyConfig, state: PolicyState) -> tuple[float, str] | None:
@@ -303,7 +310,15 @@ def projected_backlog(state: PolicyState, obs: Observations, now_seconds: float)
 
 def estimate_demand(config: PolicyConfig, state: PolicyState, obs: Observations, per_request: float,
                     now_seconds: float) -> tuple[float, str]:
-    """Output tokens/s needed: the arrivals' token rate plus draining the queue; and which estimate was used.
+    """Output tokens/s needed (the arrivals' rate and draining the queue, see `demand_parts`), and its basis."""
+    sustained, backlog, basis = demand_parts(config, state, obs, per_request, now_seconds)
+    return sustained + backlog, basis
+
+
+def demand_parts(config: PolicyConfig, state: PolicyState, obs: Observations, per_request: float,
+                 now_seconds: float) -> tuple[float, float, str]:
+    """Output tokens/s needed, in two parts: the arrivals' token rate (sustained: what the load needs for as long as
+    it lasts) and draining the queue (transient: gone once the queue is); and which estimate was used.
 
     With the finished-request rate known, arrivals = finished + growth of the requests in the system since the last
     evaluation (or, while they have been rising over TREND_WINDOW_SECONDS, the rate forecast for when a replica
@@ -324,11 +339,11 @@ def estimate_demand(config: PolicyConfig, state: PolicyState, obs: Observations,
         if forecast is not None and forecast > arrivals:
             arrivals, basis = forecast, "arrivals rising"
         backlog = projected_backlog(state, obs, now_seconds) * tokens_per_request / config.backlog_drain_seconds
-        return arrivals * tokens_per_request + backlog, basis
+        return arrivals * tokens_per_request, backlog, basis
     demand = per_request * in_system
     if obs.running_requests >= 1:
         demand = max(demand, obs.output_tokens_per_second * in_system / obs.running_requests)
-    return demand, "in system"
+    return demand, 0.0, "in system"
 
 
 def planned_batch(config: PolicyConfig, shape: float) -> float:
@@ -424,7 +439,8 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
     if pending is not None and obs.reporting_replicas >= pending[1]:
         startup, pending = now_seconds - pending[0], None
     state = replace(state, startup_seconds=startup, pending_scale_up=pending)
-    demand, demand_basis = estimate_demand(config, state, obs, per_request, now_seconds)
+    sustained, backlog, demand_basis = demand_parts(config, state, obs, per_request, now_seconds)
+    demand = sustained + backlog
     batch = obs.running_requests / obs.reporting_replicas
     samples = state.speed_samples
     if measured:
@@ -447,6 +463,7 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
     else:
         capacity = 0.0
     surge_note = ""
+    steady: int | None = None
     if capacity <= 0:
         # Capacity unknown: no scale-up on it; an idle system (demand 0) may still go to its minimum.
         recommended = current if demand > 0 or in_system > 0 else 0
@@ -460,14 +477,25 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
             recommended = current
         else:
             recommended = math.ceil(raw - 1e-9)
+        # The sustained part alone (the arrivals' rate, without draining a queue or a surge's backlog): what the
+        # load needs for as long as it lasts. The window remembers it (not a backlog's one-off drain, which held
+        # every replica a queue once asked for through the whole window), and a scale-up reaches it at once.
+        if demand_basis != "in system":
+            sustained_raw = sustained / (config.target_utilization * capacity)
+            steady = current if current > 0 and abs(sustained_raw / current - 1.0) <= config.tolerance \
+                else math.ceil(sustained_raw - 1e-9)
+            steady = min(steady, recommended)
+        else:
+            steady = recommended
     recommended = _clamp(recommended, config)
+    steady = _clamp(steady if steady is not None else recommended, config)
     inputs = Inputs(demand_tokens_per_second=round(demand, 3),
                     capacity_tokens_per_second_per_replica=round(capacity, 3),
                     per_request_tokens_per_second=round(per_request, 4), capacity_source=source,
                     running_requests=obs.running_requests, waiting_requests=obs.waiting_requests,
                     recommended=recommended)
     window = config.scale_down_stabilization_seconds
-    history = (*((t, r) for t, r in state.recommendations if t > now_seconds - window), (now_seconds, recommended))
+    history = (*((t, r) for t, r in state.recommendations if t > now_seconds - window), (now_seconds, steady))
     first = state.first_observed_seconds if state.first_observed_seconds is not None else now_seconds
     previous_in_system = state.last_in_system[1] if state.last_in_system is not None else None
     arrivals = arrival_rate(state, obs, now_seconds)
@@ -485,13 +513,17 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
                         True, inputs), state
     if recommended > current:
         step = max(config.max_scale_up_step, math.floor(current * config.max_scale_up_percent / 100))
-        desired = min(recommended, current + step)
+        # The step limit is for the uncertain part (a backlog's drain, a surge): the replicas the measured arrivals
+        # need are added at once, not a step per interval while requests wait a startup for each step.
+        # (Without a finished-request rate the demand counts the whole queue: all of it is step-limited.)
+        at_once = steady if demand_basis != "in system" else current
+        desired = min(recommended, max(current + step, at_once))
         step_note = "" if desired == recommended else f" (step limited to +{step})"
         state = replace(state, pending_scale_up=(now_seconds, desired))
         return Decision(current, desired, f"scale up: {figures} needs {recommended}{step_note}", True, inputs), state
     if recommended < current:
         # The highest recommendation over the window: scale down only as far as the whole window allows.
-        floor = max(r for _, r in history)
+        floor = max(recommended, *(r for _, r in history))
         if now_seconds - first < window:
             return Decision(current, current, f"hold: {figures} needs {recommended}; observed for "
                                               f"{now_seconds - first:.0f}s of the {window:.0f}s window", True,
@@ -499,6 +531,11 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
         if floor >= current:
             return Decision(current, current, f"hold: {figures} needs {recommended}, but the last "
                                               f"{window:.0f}s needed up to {floor}", True, inputs), state
+        if obs.waiting_requests >= 1:
+            # A queue is still being served: the replicas it waits for are not removed (the window remembers the
+            # load's sustained need, not the queue's).
+            return Decision(current, current, f"hold: {figures} needs {recommended}, but "
+                                              f"{obs.waiting_requests:.0f} requests wait", True, inputs), state
         if previous_in_system is not None and in_system > (1 + config.tolerance) * max(previous_in_system, 1.0):
             # The rates lag a rise (finished requests are a minute's average): capacity is not removed while the
             # requests in the system visibly grow; the next evaluation looks again.
@@ -509,8 +546,7 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
             return Decision(current, current, f"hold: {figures} needs {recommended}; one scale-down per "
                                               f"{window:.0f}s", True, inputs), state
         state = replace(state, last_scale_down_seconds=now_seconds, pending_scale_up=None)
-        # At most half the replicas per step: the capacity at the batches the rest would run is extrapolated.
-        floor = max(floor, current - max(1, current // 2), config.min_replicas)
+        floor = max(floor, config.min_replicas)
         return Decision(current, floor, f"scale down: {figures} needs {recommended} (highest over the last "
                                         f"{window:.0f}s: {floor})", True, inputs), state
     return Decision(current, current, f"steady: {figures} needs {current}", True, inputs), state
