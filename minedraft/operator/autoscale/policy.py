@@ -464,6 +464,7 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
         capacity = 0.0
     surge_note = ""
     steady: int | None = None
+    surge = 0.0
     if capacity <= 0:
         # Capacity unknown: no scale-up on it; an idle system (demand 0) may still go to its minimum.
         recommended = current if demand > 0 or in_system > 0 else 0
@@ -513,10 +514,11 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
                         True, inputs), state
     if recommended > current:
         step = max(config.max_scale_up_step, math.floor(current * config.max_scale_up_percent / 100))
-        # The step limit is for the uncertain part (a backlog's drain, a surge): the replicas the measured arrivals
-        # need are added at once, not a step per interval while requests wait a startup for each step.
-        # (Without a finished-request rate the demand counts the whole queue: all of it is step-limited.)
-        at_once = steady if demand_basis != "in system" else current
+        # The step limit is for the uncertain part (a projected backlog's drain): the replicas the measured arrivals
+        # need, and those the requests already in the system need at the planned batch (a surge: they are there,
+        # not a noisy rate), are added at once, not a step per interval while requests wait a startup for each.
+        # (Without a finished-request rate the demand counts the whole queue: beyond a surge, it is step-limited.)
+        at_once = max(steady if demand_basis != "in system" else current, _clamp(math.ceil(surge - 1e-9), config))
         desired = min(recommended, max(current + step, at_once))
         step_note = "" if desired == recommended else f" (step limited to +{step})"
         state = replace(state, pending_scale_up=(now_seconds, desired))

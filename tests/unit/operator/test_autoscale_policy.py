@@ -504,3 +504,12 @@ def test_the_arrivals_need_is_added_at_once_and_only_the_backlog_is_step_limited
     decision, _ = decide(config, PolicyState(last_in_system=(0.0, 64.0)), 2, busy, 15.0)
     assert decision.inputs is not None and decision.inputs.recommended == 9
     assert decision.desired == 8 and "step limited" in decision.reason
+
+
+def test_a_surge_is_met_at_once() -> None:
+    """200 requests in the system (40 a decision ago) on 2 replicas of 32 slots: they are there now, so the replicas
+    they need at the planned batch (200 / 25.6 -> 8) are asked for at once, not +2 per interval."""
+    config = replace(CONFIG, max_replicas=20, max_scale_up_percent=0)
+    decision, _ = decide(config, PolicyState(last_in_system=(0.0, 40.0)), 2, obs(64, waiting=136), 15.0)
+    assert decision.inputs is not None and decision.inputs.recommended == 8
+    assert decision.desired == 8 and "step limited" not in decision.reason
