@@ -64,6 +64,13 @@ TREND_T = 3.0
 SPARE_OCCUPANCY = 0.5
 # How long a new replica takes to serve (pod start + model load) until the policy has measured it.
 PRIOR_STARTUP_SECONDS = 60.0
+# Tokens per request are also averaged over about this long (output tokens and finished requests, both decayed with
+# this time constant), and the lower of that and the last minute's ratio is used: while load rises, a minute's
+# output tokens include requests still decoding whose completions it has not seen yet, which reads as several times
+# the real tokens per request where requests are long and few (after a quiet period, at a low rate of long
+# requests); the longer average has the completions of before the rise.
+TOKENS_PER_REQUEST_SECONDS = 600.0
+MIN_FINISHED_FOR_MEAN = 20.0
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,8 @@ class PolicyState:
     pending_scale_up: tuple[float, int] | None = None
     # Seconds from a scale-up to its replicas reporting, as last measured (None: not yet; PRIOR_STARTUP_SECONDS).
     startup_seconds: float | None = None
+    # (output tokens, finished requests, time s): both decayed over TOKENS_PER_REQUEST_SECONDS, as of that time.
+    token_sums: tuple[float, float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -278,6 +287,28 @@ def remembered_speed(config: PolicyConfig, state: PolicyState) -> tuple[float, s
     return None
 
 
+def updated_token_sums(state: PolicyState, obs: Observations, now_seconds: float) -> tuple[float, float, float] | None:
+    """`state.token_sums` decayed to now, plus this observation's rates over the time since the last (None while no
+    finished-request rate is known)."""
+    finished = obs.finished_requests_per_second
+    if finished is None:
+        return state.token_sums
+    if state.token_sums is None:
+        return (0.0, 0.0, now_seconds)
+    tokens, count, last = state.token_sums
+    elapsed = max(now_seconds - last, 0.0)
+    keep = math.exp(-elapsed / TOKENS_PER_REQUEST_SECONDS)
+    return (tokens * keep + obs.output_tokens_per_second * elapsed, count * keep + finished * elapsed, now_seconds)
+
+
+def mean_tokens_per_request(state: PolicyState) -> float | None:
+    """Output tokens per finished request over about TOKENS_PER_REQUEST_SECONDS (`state.token_sums`); None before
+    a few requests have finished in it (then it would be as noisy as a minute's ratio)."""
+    if state.token_sums is None or state.token_sums[1] < MIN_FINISHED_FOR_MEAN or state.token_sums[0] <= 0:
+        return None
+    return state.token_sums[0] / state.token_sums[1]
+
+
 def lead_seconds(config: PolicyConfig, state: PolicyState) -> float:
     """From a decision to its replicas serving: the measured startup (or the prior) plus up to an interval."""
     startup = state.startup_seconds if state.startup_seconds is not None else PRIOR_STARTUP_SECONDS
@@ -332,6 +363,9 @@ def demand_parts(config: PolicyConfig, state: PolicyState, obs: Observations, pe
     arrivals = arrival_rate(state, obs, now_seconds)
     if arrivals is not None and finished is not None and finished > 0 and obs.output_tokens_per_second > 0:
         tokens_per_request = obs.output_tokens_per_second / finished
+        longer = mean_tokens_per_request(state)
+        if longer is not None:
+            tokens_per_request = min(tokens_per_request, longer)
         basis = "arrivals"
         recent = (*((t, a) for t, a in state.arrival_samples if t > now_seconds - TREND_WINDOW_SECONDS),
                   (now_seconds, arrivals))
@@ -438,7 +472,8 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
     startup, pending = state.startup_seconds, state.pending_scale_up
     if pending is not None and obs.reporting_replicas >= pending[1]:
         startup, pending = now_seconds - pending[0], None
-    state = replace(state, startup_seconds=startup, pending_scale_up=pending)
+    state = replace(state, startup_seconds=startup, pending_scale_up=pending,
+                    token_sums=updated_token_sums(state, obs, now_seconds))
     sustained, backlog, demand_basis = demand_parts(config, state, obs, per_request, now_seconds)
     demand = sustained + backlog
     batch = obs.running_requests / obs.reporting_replicas

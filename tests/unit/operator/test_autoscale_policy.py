@@ -513,3 +513,17 @@ def test_a_surge_is_met_at_once() -> None:
     decision, _ = decide(config, PolicyState(last_in_system=(0.0, 40.0)), 2, obs(64, waiting=136), 15.0)
     assert decision.inputs is not None and decision.inputs.recommended == 8
     assert decision.desired == 8 and "step limited" not in decision.reason
+
+
+def test_tokens_per_request_at_a_rise_come_from_the_longer_average() -> None:
+    """For ten minutes 2 requests/s finished at 100 tokens each. Then load rises: this minute's output tokens/s
+    (800) include requests still decoding whose completions it has not seen (2/s), a ratio of 400 tokens per request
+    that would size for four times the demand. The ten-minute average (about 100) is used, the lower of the two."""
+    config = replace(CONFIG, max_replicas=20)
+    steady = replace(obs(5), finished_requests_per_second=2.0, output_tokens_per_second=200.0)
+    _, state = run(config, 1, [steady] * 40)
+    rising = replace(obs(20), finished_requests_per_second=2.0, output_tokens_per_second=800.0)
+    demand, basis = estimate_demand(config, replace(state, last_in_system=(40 * 15.0, 20.0)), rising, 40.0,
+                                    41 * 15.0)
+    assert basis == "arrivals"
+    assert demand == pytest.approx(2.0 * 200.0 / 2.0, rel=0.05)  # 2 arrivals/s x ~100 tokens, no queue
