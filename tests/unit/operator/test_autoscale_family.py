@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from minedraft.operator.autoscale.bench import bench, markdown
+from minedraft.operator.autoscale.bench import at_equal_violations, bench, markdown
 from minedraft.operator.autoscale.family import (
     FAMILY_SIZE,
     MAX_RPS,
@@ -181,6 +181,23 @@ def test_bench_reports_the_three_policies_side_by_side(tmp_path: Path) -> None:
         assert overall["minedraft"]["ratio_to_oracle"] >= 1.0
     text = markdown(summary, "minedraft autoscale bench --out x")
     assert "## family" in text and "## committed" in text and "hpa-queue" in text
+    # minedraft's utilisation is swept like the HPA's target: the default's row is the default run's figures.
+    sweep = {m["target_utilization"]: m for m in summary["minedraft_sweep"]}
+    assert set(sweep) == {0.8, 0.7, 0.6, 0.5, 0.4}
+    assert sweep[0.8]["replica_seconds"] == summary["groups"]["family"]["overall"]["minedraft"]["replica_seconds"]
+    assert sweep[0.4]["replica_seconds"] >= sweep[0.8]["replica_seconds"], "more headroom costs replicas"
+    assert "target-utilisation sweep" in text and "At equal SLO violations" in text
+
+
+def test_at_equal_violations_picks_the_cheapest_utilisation_no_worse_than_the_hpa() -> None:
+    sweep = [{"target_utilization": 0.8, "replica_seconds": 100.0, "slo_violation_fraction": 0.03},
+             {"target_utilization": 0.6, "replica_seconds": 130.0, "slo_violation_fraction": 0.015},
+             {"target_utilization": 0.4, "replica_seconds": 170.0, "slo_violation_fraction": 0.01}]
+    hpa = {"target": 2.0, "replica_seconds": 200.0, "slo_violation_fraction": 0.015}
+    eq = at_equal_violations(sweep, hpa)
+    assert eq is not None and eq["target_utilization"] == 0.6
+    assert eq["fewer_replica_seconds_fraction"] == pytest.approx(0.35)
+    assert at_equal_violations(sweep, {**hpa, "slo_violation_fraction": 0.005}) is None
 
 
 # -- scale to zero and back, in the simulator --------------------------------------------------------------------
