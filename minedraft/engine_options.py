@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from minedraft.engine.settings import DRAFTER_BACKENDS, DTYPES
+from minedraft.engine.settings import DEFAULT_HANG_SECONDS, DRAFTER_BACKENDS, DTYPES
 
 
 def _pair_dir(value: str | None) -> Path:
@@ -59,7 +59,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
                         "after the target's)")
     parser.add_argument("--drafter-gpu-memory-utilization", type=float,
                         help="share of the drafter GPU's memory its vLLM may use (default: vLLM's)")
-    parser.add_argument("--draft-deadline-seconds", type=float, default=5.0)
+    parser.add_argument("--draft-deadline-seconds", type=float, default=5.0,
+                        help="the longest a step waits for drafts before verifying without them (a cap: once step "
+                        "times are measured the wait is a fraction of a step)")
+    parser.add_argument("--drafter-hang-seconds", type=float, default=DEFAULT_HANG_SECONDS,
+                        help="restart the drafter when it reports no progress this long with a job outstanding (a "
+                        "slow drafter keeps reporting progress and is not restarted)")
     parser.add_argument("--drafter-backend", default="auto", choices=list(DRAFTER_BACKENDS),
                         help="auto: vllm on GPU machines, torch on CPUs; torch: plain-torch Llama/Qwen3 drafter with "
                         "a per-request KV cache (CPUs only); vllm: the draft model in vLLM (any architecture)")
@@ -136,6 +141,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
             deadline_seconds=args.draft_deadline_seconds,
             backend=args.drafter_backend,
             gpu_memory_utilization=args.drafter_gpu_memory_utilization,
+            hang_seconds=args.drafter_hang_seconds,
         ),
         mode=mode,
         num_speculative_tokens=args.num_speculative_tokens,

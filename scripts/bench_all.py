@@ -75,6 +75,12 @@ STEPS: tuple[Step, ...] = (
          ("minedraft", "bench", "stall", "--out", "benchmarks/results/drafter-stall"),
          # Took 5-6 minutes at load averages of 3-24 (a replacement drafter may take the minute it is allowed).
          ("benchmarks/results/drafter-stall.json",), 6 * 60),
+    Step("drafter-jobs", "the vLLM drafter's per-job cost at 32 requests x 512/2k/4k tokens: block hashes kept "
+         "between jobs against re-hashing every re-admitted context",
+         ("python", "-m", "minedraft.bench.drafter_jobs", "--json", "benchmarks/results/drafter-jobs.json",
+          "--rounds", "3"),
+         # Measured on the contended 2-core machine: about 5 minutes.
+         ("benchmarks/results/drafter-jobs.json",), 6 * 60),
     Step("autoscaling", "speculation-aware autoscaler against the HPA algorithm and an oracle, simulated",
          ("minedraft", "autoscale", "bench", "--out", "benchmarks/results/autoscale"),
          # Not timed when the committed set was made: a guess from the simulator's speed on 2 cores.

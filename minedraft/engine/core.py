@@ -150,6 +150,7 @@ def engine_args(settings: EngineSettings) -> Any:
                 "draft_token_budget": settings.draft_token_budget,
                 "deadline_seconds": settings.drafter.deadline_seconds,
                 "max_missed_deadlines": settings.drafter.max_missed_deadlines,
+                "hang_seconds": settings.drafter.hang_seconds,
                 "drafter_restart": settings.drafter.restart,
                 "drafter_startup_timeout_seconds": settings.drafter.startup_timeout_seconds,
                 "check_invariants": settings.check_invariants,

@@ -2,8 +2,13 @@
 
 No policy lives here (the planner decides what to draft and how long a step may wait); this module only knows
 which job is in flight for which sub-batch, routes the drafter's messages to their sub-batch, and notices a drafter
-that has gone silent with work outstanding, which it restarts in the background (the new process loads while the
+that makes no progress with work outstanding, which it restarts in the background (the new process loads while the
 engine keeps serving without drafts).
+
+Slow is not hung: a working drafter reports progress after its steps (protocol.Progress), so a job may take any time
+while steps keep finishing (a long prompt's prefill, a drafter sharing its cores); late drafts only cost the planner
+a step without them. Only `hang_seconds` without any message while a job is outstanding means hung: a restart loses
+every request's drafter-side tokens and KV, so it is kept for a drafter that has stopped.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ class DrafterLink:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
         self.tickets: dict[int, JobTicket] = {}
-        # Work outstanding and no word from the drafter for this long: it is hung (alive but silent).
+        # Work outstanding and no progress from the drafter for this long: it is hung (alive but stopped). Its own
+        # setting (drafter.hang_seconds), not the draft deadline: a job later than its step is normal under load.
         self.hang_seconds = hang_seconds
         self.max_failed_jobs = max_failed_jobs
         self._clock = clock
@@ -42,6 +48,7 @@ class DrafterLink:
         self._last_heard_at = clock()
         self.consecutive_failed_jobs = 0
         self.num_hangs = 0
+        self.num_progress_reports = 0
 
     def attach(self, client: DrafterClient) -> None:
         self.client = client
@@ -62,7 +69,7 @@ class DrafterLink:
         if (self.tickets and self._busy_since is not None
                 and now - max(self._busy_since, self._last_heard_at) > self.hang_seconds):
             self.num_hangs += 1
-            self._restart(f"no reply for {now - max(self._busy_since, self._last_heard_at):.1f}s with a job "
+            self._restart(f"no progress for {now - max(self._busy_since, self._last_heard_at):.1f}s with a job "
                           "outstanding")
         alive = self.client.check_alive()
         if not alive:
@@ -122,7 +129,11 @@ class DrafterLink:
         if self.client is None:
             return
         for message in self.client.receive(timeout_seconds):
+            # Any message is progress: a reply, an error, or a report that a step of the current job finished.
             self._last_heard_at = self._clock()
+            if isinstance(message, protocol.Progress):
+                self.num_progress_reports += 1
+                continue
             group = None
             if isinstance(message, protocol.DraftReply | protocol.DrafterError):
                 group = self._drop_ticket(message.job_id)

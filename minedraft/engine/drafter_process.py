@@ -8,19 +8,35 @@ cost that grows with context (block hashing). The torch backend keeps each reque
 Greedy drafting makes each proposal deterministic, which is what lets the verifier's rejection sampler stay
 exactly lossless without draft probabilities.
 
+While a job runs the drafter reports progress after each step (protocol.Progress, rate-limited): the verifier restarts
+only a drafter that stops making progress, never one that is merely slow.
+
 Run as `python -m minedraft.engine.drafter_process ADDRESS SETTINGS_JSON`; the scheduler starts it.
+
+Test-only environment variables (fault injection for the test suite; never set them in a deployment):
+  MINEDRAFT_TEST_DRAFTER_STEP_SLEEP_SECONDS  sleep this long after every step of a job: a slow but working drafter.
+  MINEDRAFT_TEST_DRAFTER_POISON_TOKEN        fail every job whose context holds this token id: a poison request.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("minedraft.drafter")
+
+STEP_SLEEP_ENV = "MINEDRAFT_TEST_DRAFTER_STEP_SLEEP_SECONDS"
+POISON_TOKEN_ENV = "MINEDRAFT_TEST_DRAFTER_POISON_TOKEN"
+
+
+def _no_op() -> None:
+    pass
 
 
 def _configure_device(settings: dict[str, Any]) -> None:
@@ -37,6 +53,60 @@ def _configure_device(settings: dict[str, Any]) -> None:
     # minedraft.engine.placement.plan_devices); the engine's own narrowed list must not leak in.
     if settings.get("cuda_visible_devices") is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(settings["cuda_visible_devices"])
+
+
+class BlockHashReuse:
+    """A caching front for vLLM's request block hasher.
+
+    vLLM hashes every full KV block of a new request's prompt (a chained sha256 per block) to find it in the prefix
+    cache. The vLLM drafter re-admits each request every job (vLLM cannot append tokens to a live request), so that
+    was O(context) per request per job: about 24 ms per 32-request job at 4k tokens. A request's committed prefix does
+    not change between jobs, and a block's hash depends only on the tokens up to its end, so its hashes are kept here
+    and vLLM's own hasher computes only the blocks past them. DrafterServer says when a stored context is cut back or
+    replaced (context_changed), which drops the hashes past the cut.
+    """
+
+    def __init__(self, inner: Callable[[Any], list[Any]], block_size: int) -> None:
+        self.inner = inner
+        self.block_size = block_size
+        self.hashes: dict[str, list[Any]] = {}
+        # vLLM request key -> minedraft request id, for requests about to be admitted (see expect()).
+        self._pending: dict[str, str] = {}
+        # Off: vLLM's hasher alone (the benchmark's baseline).
+        self.enabled = True
+        self.num_reused_blocks = 0
+
+    def __call__(self, request: Any) -> list[Any]:
+        # Only a request's first call (at admission, prompt = committed context) is about committed tokens; later
+        # calls hash blocks of drafted tokens, which are not context.
+        if not self.enabled or request.block_hashes or request.num_output_tokens:
+            return self.inner(request)
+        # vLLM admits a request under the key it was given plus "-<random suffix>" (its internal id).
+        key = request.request_id
+        request_id = self._pending.pop(key, None) or self._pending.pop(key.rpartition("-")[0], None)
+        if request_id is None:
+            return self.inner(request)
+        held = self.hashes.get(request_id)
+        if held:
+            reused = held[: request.num_tokens // self.block_size]
+            request.block_hashes.extend(reused)  # vLLM's hasher goes on from len(request.block_hashes)
+            self.num_reused_blocks += len(reused)
+        new = self.inner(request)
+        self.hashes[request_id] = [*request.block_hashes, *new]
+        return new
+
+    def expect(self, key: str, request_id: str) -> None:
+        """The next admission of vLLM request `key` carries the committed context of `request_id`."""
+        self._pending[key] = request_id
+
+    def context_changed(self, request_id: str, num_tokens_kept: int) -> None:
+        held = self.hashes.get(request_id)
+        if held is None:
+            return
+        if num_tokens_kept <= 0:
+            del self.hashes[request_id]
+        else:
+            del held[num_tokens_kept // self.block_size:]
 
 
 class Drafter:
@@ -62,8 +132,20 @@ class Drafter:
         self.max_model_len = int(self.engine.model_config.max_model_len)
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self.cancelled: set[str] = set()
+        # The in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): admission hashes blocks with its hasher.
+        core = self.engine.engine_core.engine_core  # type: ignore[attr-defined]
+        self.block_hashes: BlockHashReuse | None = None
+        if core.request_block_hasher is not None:
+            self.block_hashes = BlockHashReuse(core.request_block_hasher, int(core.scheduler.hash_block_size))
+            core.request_block_hasher = self.block_hashes
 
-    def draft(self, job: Any, poll_messages: Any) -> tuple[list[Any], float, float]:
+    def context_changed(self, request_id: str, num_tokens_kept: int) -> None:
+        """The stored context of a request was cut back to `num_tokens_kept` tokens (0: replaced or forgotten)."""
+        if self.block_hashes is not None:
+            self.block_hashes.context_changed(request_id, num_tokens_kept)
+
+    def draft(self, job: Any, poll_messages: Any, on_step: Callable[[], None] = _no_op
+              ) -> tuple[list[Any], float, float]:
         """Returns the drafts, the job's seconds and the seconds to its first drafted token (vLLM's first step:
         the prefill of what is not in the prefix cache, and position 1)."""
         from vllm import SamplingParams
@@ -89,6 +171,8 @@ class Drafter:
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
             key = f"{job.job_id}:{item.request_id}"
+            if self.block_hashes is not None:
+                self.block_hashes.expect(key, item.request_id)
             self.engine.add_request(key, TokensPrompt(prompt_token_ids=list(item.token_ids)), params)
             # The length now: a newer job taken in mid-job (poll_messages) extends the stored context in place.
             live[key] = (item, len(item.token_ids))
@@ -98,6 +182,7 @@ class Drafter:
             outputs = self.engine.step()
             if not first_token_seconds:
                 first_token_seconds = time.perf_counter() - started
+            on_step()
             for output in outputs:
                 if not output.finished or output.request_id not in live:
                     continue
@@ -144,7 +229,11 @@ class TorchDrafter:
     def vocab_size(self) -> int:
         return int(self.model.vocab_size)
 
-    def draft(self, job: Any, poll_messages: Any) -> tuple[list[Any], float, float]:
+    def context_changed(self, request_id: str, num_tokens_kept: int) -> None:
+        """(Nothing to do: each job's context is compared with the request's cached tokens.)"""
+
+    def draft(self, job: Any, poll_messages: Any, on_step: Callable[[], None] = _no_op
+              ) -> tuple[list[Any], float, float]:
         from minedraft.engine.protocol import DraftResult
 
         started = time.perf_counter()
@@ -154,7 +243,8 @@ class TorchDrafter:
         # (Token ids were checked against the vocabulary on receipt, in DrafterServer.)
         items = [(i.request_id, i.token_ids, i.num_draft_tokens) for i in job.items if i.token_ids]
         try:
-            drafts = self.model.draft(items, job.want_logprobs) if items else []
+            # (Messages are taken in only between jobs here: a newer job's tokens would extend these contexts in place.)
+            drafts = self.model.draft(items, job.want_logprobs, on_step) if items else []
         except Exception:
             self.model.forget([rid for rid, _, _ in items])
             raise
@@ -177,9 +267,20 @@ class DrafterServer:
     deltas), drops cancelled jobs' work without forgetting their requests, forgets finished requests, and isolates a
     request that makes jobs fail."""
 
-    def __init__(self, drafter: Any, vocab_size: int) -> None:
+    def __init__(self, drafter: Any, vocab_size: int, send: Callable[[Any], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic, step_sleep_seconds: float = 0.0,
+                 poison_token: int | None = None) -> None:
         self.drafter = drafter
         self.vocab_size = vocab_size
+        # Progress reports go out through `send` (none in unit tests that do not look at them).
+        self._send = send
+        self._clock = clock
+        self._step_sleep_seconds = step_sleep_seconds
+        self._poison_token = poison_token
+        self._job_id = 0
+        self._num_steps = 0
+        self._last_report_at = float("-inf")
+        self.num_progress_reports = 0
         # Committed tokens per live request, as taken in from jobs (on receipt, so a cancelled job still counts).
         self.contexts: dict[str, list[int]] = {}
         self.queued: list[Any] = []
@@ -197,7 +298,7 @@ class DrafterServer:
         elif isinstance(message, protocol.CancelRequests):
             gone = set(message.request_ids)
             for request_id in gone:
-                self.contexts.pop(request_id, None)
+                self._drop(request_id)
             self.drafter.cancelled.update(gone)
             for job in self.queued:
                 job.items[:] = [i for i in job.items if i.request_id not in gone]
@@ -215,17 +316,20 @@ class DrafterServer:
             new = item.token_ids
             if new and (max(new) >= self.vocab_size or min(new) < 0):
                 # A context the draft model cannot read: that request goes undrafted, the rest of the job proceeds.
-                self.contexts.pop(item.request_id, None)
+                self._drop(item.request_id)
                 continue
             held = self.contexts.get(item.request_id)
             if item.base_num_tokens == 0:
+                self.drafter.context_changed(item.request_id, 0)
                 held = self.contexts[item.request_id] = list(new)
             elif held is None or len(held) < item.base_num_tokens:
                 missing.append(item.request_id)
-                self.contexts.pop(item.request_id, None)
+                self._drop(item.request_id)
                 continue
             else:
-                del held[item.base_num_tokens:]
+                if len(held) > item.base_num_tokens:
+                    self.drafter.context_changed(item.request_id, item.base_num_tokens)
+                    del held[item.base_num_tokens:]
                 held.extend(new)
             if held:
                 items.append(protocol.DraftItem(item.request_id, held, item.num_draft_tokens))
@@ -237,13 +341,32 @@ class DrafterServer:
         from minedraft.engine import protocol
 
         need_context = self._need_context.pop(job.job_id, [])
+        self._job_id, self._num_steps = job.job_id, 0
         try:
-            results, seconds, first_token_seconds = self.drafter.draft(job, poll_messages)
+            self._check_poison(job)
+            results, seconds, first_token_seconds = self.drafter.draft(job, poll_messages, on_step=self.on_step)
             return protocol.DraftReply(job.job_id, results, seconds, idle_seconds, first_token_seconds,
                                        need_context)
         except Exception as exc:  # a bad job must not take the drafter down with it
             log.exception("draft job %d failed", job.job_id)
             return protocol.DrafterError(job.job_id, f"{type(exc).__name__}: {exc}", self._culprits(job))
+
+    def on_step(self) -> None:
+        """A step of the current job finished: report it, at most every PROGRESS_INTERVAL_SECONDS."""
+        from minedraft.engine import protocol
+
+        if self._step_sleep_seconds:
+            time.sleep(self._step_sleep_seconds)
+        self._num_steps += 1
+        now = self._clock()
+        if self._send is not None and now - self._last_report_at >= protocol.PROGRESS_INTERVAL_SECONDS:
+            self._last_report_at = now
+            self.num_progress_reports += 1
+            self._send(protocol.Progress(self._job_id, self._num_steps))
+
+    def _check_poison(self, job: Any) -> None:
+        if self._poison_token is not None and any(self._poison_token in i.token_ids for i in job.items):
+            raise RuntimeError(f"test fault injection: a context holds poison token {self._poison_token}")
 
     def _culprits(self, job: Any) -> list[str]:
         """Retry a failed job's requests one at a time: those that still fail are named (and forgotten here)."""
@@ -254,13 +377,19 @@ class DrafterServer:
         else:
             culprits = []
             for item in job.items:
+                alone = protocol.DraftJob(job.job_id, [item], job.want_logprobs)
                 try:
-                    self.drafter.draft(protocol.DraftJob(job.job_id, [item], job.want_logprobs), lambda: None)
+                    self._check_poison(alone)
+                    self.drafter.draft(alone, _no_op, on_step=self.on_step)
                 except Exception:
                     culprits.append(item.request_id)
         for request_id in culprits:
-            self.contexts.pop(request_id, None)
+            self._drop(request_id)
         return culprits
+
+    def _drop(self, request_id: str) -> None:
+        self.contexts.pop(request_id, None)
+        self.drafter.context_changed(request_id, 0)
 
 
 def main(argv: list[str]) -> int:
@@ -279,7 +408,16 @@ def main(argv: list[str]) -> int:
     socket = context.socket(zmq.PAIR)
     socket.connect(address)
     drafter = make_drafter(settings)
-    server = DrafterServer(drafter, drafter.vocab_size)
+
+    def send_progress(message: Any) -> None:
+        # Never block a job on a verifier that is not reading: a dropped report only delays the next one.
+        with contextlib.suppress(zmq.Again):
+            socket.send(protocol.encode(message), zmq.NOBLOCK)
+
+    poison = os.environ.get(POISON_TOKEN_ENV)
+    server = DrafterServer(drafter, drafter.vocab_size, send_progress,
+                           step_sleep_seconds=float(os.environ.get(STEP_SLEEP_ENV) or 0.0),
+                           poison_token=int(poison) if poison else None)
     socket.send(protocol.encode(protocol.Ready(os.getpid(), settings["model"], time.perf_counter() - started)))
     log.info("drafter ready in %.1fs", time.perf_counter() - started)
 

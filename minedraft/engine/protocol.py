@@ -79,8 +79,21 @@ class DrafterError(msgspec.Struct, frozen=True, array_like=True, tag="error"):
     request_ids: list[str] = []
 
 
+class Progress(msgspec.Struct, frozen=True, array_like=True, tag="progress"):
+    """The drafter is working on a job and has just finished another step of it (a forward pass). Sent at most
+    every PROGRESS_INTERVAL_SECONDS while a job runs: the verifier tells a slow drafter (steps keep finishing) from a
+    hung one (no step finishes) by these, not by how long a reply takes."""
+
+    job_id: int
+    # Steps of this job finished so far.
+    num_steps: int
+
+
+# How often at most a working drafter reports progress; the verifier's hang threshold must be well above it.
+PROGRESS_INTERVAL_SECONDS = 0.25
+
 ToDrafter = DraftJob | CancelRequests | CancelJobs | Shutdown
-FromDrafter = DraftReply | Ready | DrafterError
+FromDrafter = DraftReply | Ready | DrafterError | Progress
 
 _encoder = msgspec.msgpack.Encoder()
 _to_drafter = msgspec.msgpack.Decoder(ToDrafter)  # type: ignore[var-annotated]

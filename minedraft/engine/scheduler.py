@@ -33,7 +33,7 @@ from minedraft.engine.drafter_client import DrafterClient, DrafterState
 from minedraft.engine.drafter_link import DrafterLink
 from minedraft.engine.placement import ComputePlacement
 from minedraft.engine.planner import Draft, PSDPlanner, RequestState, StepPlan, WaitPolicy
-from minedraft.engine.settings import Mode
+from minedraft.engine.settings import DEFAULT_HANG_SECONDS, Mode
 from minedraft.engine.stats import StatsRecorder, StepRecord
 from minedraft.engine.subbatch import SubBatches
 
@@ -99,7 +99,7 @@ class PSDScheduler(Scheduler):
         self._plan = StepPlan(self.mode, None, {}, {}, frozenset())
         self._timing = _StepTiming()
         self._num_steps = 0
-        self.link = DrafterLink(None, hang_seconds=deadline_seconds,
+        self.link = DrafterLink(None, hang_seconds=float(config.get("hang_seconds", DEFAULT_HANG_SECONDS)),
                                 max_failed_jobs=int(config.get("max_missed_deadlines", 3)))
         self.placement = ComputePlacement(tuple(config.get("target_cpu_cores", ())),
                                           tuple(config.get("lend_cpu_cores", ())))
@@ -145,13 +145,12 @@ class PSDScheduler(Scheduler):
 
     @property
     def deadline_seconds(self) -> float:
-        """The longest a step waits for drafts (before anything is measured), and the silence that means hung."""
+        """The longest a step waits for drafts (before anything is measured); a hang is drafter.hang_seconds."""
         return self.wait_policy.cap_seconds
 
     @deadline_seconds.setter
     def deadline_seconds(self, seconds: float) -> None:
         self.wait_policy.cap_seconds = seconds
-        self.link.hang_seconds = seconds
 
     # -- control (called between steps by the engine thread) -------------------------------------------------
 

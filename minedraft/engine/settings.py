@@ -69,6 +69,10 @@ BREAKS_ONE_SCHEDULE_ONE_UPDATE = {
     "async_scheduling": False,
     "data_parallel_size": 1,
 }
+# drafter.hang_seconds: the drafter reports progress every 0.25 s while it works (protocol.PROGRESS_INTERVAL_SECONDS);
+# a threshold near that would take a drafter between two reports for hung.
+DEFAULT_HANG_SECONDS = 30.0
+MIN_HANG_SECONDS = 1.0
 # The longest draft `auto` mode considers unless max_num_speculative_tokens says otherwise.
 AUTO_MAX_NUM_SPECULATIVE_TOKENS = 5
 
@@ -82,8 +86,8 @@ class DrafterSettings:
     gpu_index: int | None = None
     kv_cache_gib: float = 1.0
     # The longest schedule() may block on a draft job before verifying without drafts; once step times are
-    # measured the wait is a fraction of a step (planner.WaitPolicy) and this is only its cap. A drafter silent
-    # this long with a job outstanding is taken for hung and restarted in the background.
+    # measured the wait is a fraction of a step (planner.WaitPolicy) and this is only its cap. A late job is not a
+    # hang (see hang_seconds).
     deadline_seconds: float = 5.0
     # Draft jobs failing in a row (the drafter naming no request to blame) before the drafter is restarted.
     max_missed_deadlines: int = 3
@@ -95,6 +99,10 @@ class DrafterSettings:
     backend: str = "auto"
     # Share of the drafter GPU's memory its vLLM may take (None: vLLM's default). GPU machines only.
     gpu_memory_utilization: float | None = None
+    # A drafter that reports no progress (no finished step, no reply) this long while a job is outstanding is hung
+    # and restarted in the background. A slow drafter keeps reporting progress and is never restarted for being
+    # slow: a restart loses every request's drafter-side tokens and KV. Generous: a hang costs only drafts meanwhile.
+    hang_seconds: float = DEFAULT_HANG_SECONDS
 
 
 @dataclass(frozen=True)
@@ -224,6 +232,9 @@ def validate(settings: EngineSettings) -> None:
     validate_vllm_args(settings.extra_vllm_args)
     if settings.drafter.deadline_seconds <= 0:
         raise SettingsError("drafter.deadline_seconds", "must be positive")
+    if not settings.drafter.hang_seconds >= MIN_HANG_SECONDS:
+        raise SettingsError("drafter.hang_seconds", f"must be at least {MIN_HANG_SECONDS:g} s (the drafter reports "
+                            f"progress every 0.25 s while it works), got {settings.drafter.hang_seconds}")
     if settings.mode is Mode.VLLM_SD and settings.num_extra_draft_tokens:
         raise SettingsError("num_extra_draft_tokens", "extra drafts need the minedraft drafter (psd or sd)")
     if not settings.model:

@@ -12,6 +12,7 @@ the output lossless whatever is proposed.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,9 +219,11 @@ class TorchLlamaDrafter:
         return hidden[torch.arange(batch), last]
 
     @torch.no_grad()
-    def draft(self, items: list[tuple[str, list[int], int]], want_logprobs: bool
-              ) -> list[tuple[list[int], list[float] | None]]:
-        """items: (request id, committed context, tokens to draft). Returns drafts in the same order."""
+    def draft(self, items: list[tuple[str, list[int], int]], want_logprobs: bool,
+              on_step: Callable[[], None] | None = None) -> list[tuple[list[int], list[float] | None]]:
+        """items: (request id, committed context, tokens to draft). Returns drafts in the same order. `on_step` is
+        called after every forward pass (the drafter's progress reports)."""
+        step_done = on_step or (lambda: None)
         started = time.perf_counter()
         prepared: list[tuple[_Slot, list[int], int]] = []
         for request_id, context, _ in items:
@@ -234,10 +237,12 @@ class TorchLlamaDrafter:
         long = [i for i, (_, new, _) in enumerate(prepared) if len(new) > LONG_CATCH_UP]
         if short:
             hidden = self._catch_up([prepared[i] for i in short])
+            step_done()
             for row, i in enumerate(short):
                 last_hidden[i] = hidden[row]
         for i in long:
             last_hidden[i] = self._catch_up([prepared[i]])[0]
+            step_done()
         for (slot, _, _), (_, context, _) in zip(prepared, items, strict=True):
             slot.tokens = list(context)
         stacked = torch.stack([h for h in last_hidden if h is not None])
@@ -253,6 +258,7 @@ class TorchLlamaDrafter:
             positions = torch.tensor([[len(items[i][1]) + step - 1] for i in active])
             hidden = self._forward(feed, positions, slot_ids[active], torch.ones(len(active), 1, dtype=torch.bool))
             tokens, logprobs = self._next(hidden[:, 0], want_logprobs)
+            step_done()
             for row, i in enumerate(active):
                 drafts[i].append(tokens[row])
                 prepared[i][0].tokens.append(drafts[i][-2])

@@ -452,7 +452,10 @@ def test_hung_drafter_costs_a_fraction_of_a_step_then_is_replaced_in_the_backgro
     first_step = last_step(psd)
     # Warm the measured step times, then stop the drafter: alive but silent, only the clock can tell.
     drive(psd, [Planned(f"warm-{i}", prompts[i], SamplingSettings(max_tokens=8)) for i in range(6)])
-    scheduler.link.hang_seconds = 1.0
+    hang_seconds = scheduler.link.hang_seconds
+    # Silence well past a step's wait budget is a hang: a few steps first give up waiting (deadline misses), then the
+    # restart. (On a contended machine the budget, a multiple of the measured step, can itself exceed a second.)
+    scheduler.link.hang_seconds = max(1.0, 3 * scheduler.wait_policy.budget_seconds())
     try:
         os.kill(scheduler.drafter.pid(), signal.SIGSTOP)
         # Serve batches until the silence is taken for a hang (about a second of outstanding work).
@@ -463,7 +466,7 @@ def test_hung_drafter_costs_a_fraction_of_a_step_then_is_replaced_in_the_backgro
             if scheduler.link.num_hangs > hangs_before:
                 break
     finally:
-        scheduler.link.hang_seconds = scheduler.deadline_seconds
+        scheduler.link.hang_seconds = hang_seconds
     assert psd.totals().deadline_misses > misses_before
     missed = [r for r in psd.step_records(first_step) if r.wait_budget_seconds and not r.num_draft_tokens]
     # A step waits for late drafts at most its budget, which comes from measured step times, not the configured

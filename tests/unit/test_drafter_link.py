@@ -15,14 +15,21 @@ class RecordingBackend:
 
     POISON = 666
 
-    def __init__(self) -> None:
+    def __init__(self, steps_per_job: int = 1) -> None:
         self.cancelled: set[str] = set()
         self.seen: list[list[tuple[str, list[int]]]] = []
+        self.steps_per_job = steps_per_job
+        self.changes: list[tuple[str, int]] = []
 
-    def draft(self, job, poll_messages):
+    def context_changed(self, request_id, num_tokens_kept):
+        self.changes.append((request_id, num_tokens_kept))
+
+    def draft(self, job, poll_messages, on_step=lambda: None):
         self.seen.append([(i.request_id, list(i.token_ids)) for i in job.items])
         if any(self.POISON in i.token_ids for i in job.items):
             raise RuntimeError("bad context")
+        for _ in range(self.steps_per_job):
+            on_step()
         results = [protocol.DraftResult(i.request_id, len(i.token_ids), [len(i.token_ids)] * i.num_draft_tokens)
                    for i in job.items]
         return results, 0.01, 0.005
@@ -91,10 +98,43 @@ def test_token_ids_outside_the_vocabulary_skip_only_that_request():
     assert [r.request_id for r in reply.results] == ["a"]
 
 
+def test_a_working_drafter_reports_progress_rate_limited_while_a_job_runs():
+    clock = Clock()
+    sent: list[object] = []
+
+    class SlowSteps(RecordingBackend):
+        def draft(self, job, poll_messages, on_step=lambda: None):
+            def step():
+                clock.now += 0.1  # each step takes 0.1 s
+                on_step()
+            return super().draft(job, poll_messages, step)
+
+    server = DrafterServer(SlowSteps(steps_per_job=100), vocab_size=1000, send=sent.append, clock=clock)
+    server.handle(job(7, ("a", [1, 2], 2)))
+    reply = server.run_job(server.queued.pop(0), 0.0, lambda: None)
+    assert isinstance(reply, protocol.DraftReply)
+    assert all(isinstance(m, protocol.Progress) and m.job_id == 7 for m in sent)
+    steps = [m.num_steps for m in sent]  # type: ignore[attr-defined]
+    assert steps[0] == 1 and steps == sorted(steps)
+    # 10 s of steps, one report per 0.25 s at most (each 0.3 s here, steps being 0.1 s): not one per step.
+    assert 25 <= len(sent) <= 10 / protocol.PROGRESS_INTERVAL_SECONDS + 1
+
+
+def test_a_poison_token_set_for_fault_injection_fails_only_its_request():
+    server = DrafterServer(RecordingBackend(), vocab_size=1000, poison_token=13)
+    server.handle(job(1, ("good", [1, 2], 2), ("bad", [5, 13, 6], 2)))
+    reply = server.run_job(server.queued.pop(0), 0.0, lambda: None)
+    assert isinstance(reply, protocol.DrafterError) and reply.request_ids == ["bad"]
+    server.handle(job(2, ("good", [3], 2, 2)))
+    reply = server.run_job(server.queued.pop(0), 0.0, lambda: None)
+    assert isinstance(reply, protocol.DraftReply) and reply.results[0].context_num_tokens == 3
+
+
 def test_protocol_round_trips_the_new_fields():
     for message in (job(3, ("a", [4], 2, 9)), protocol.CancelJobs([1, 2])):
         assert protocol.decode_to_drafter(protocol.encode(message)) == message
-    for message in (protocol.DraftReply(1, [], 0.1, 0.0, 0.0, ["x"]), protocol.DrafterError(1, "boom", ["y"])):
+    for message in (protocol.DraftReply(1, [], 0.1, 0.0, 0.0, ["x"]), protocol.DrafterError(1, "boom", ["y"]),
+                    protocol.Progress(4, 12)):
         assert protocol.decode_from_drafter(protocol.encode(message)) == message
 
 
@@ -166,6 +206,26 @@ def test_a_silent_drafter_with_work_outstanding_is_restarted_and_a_slow_but_aliv
     link.check()
     assert len(client.hung_reasons) == 1 and link.tickets == {}
     assert link.take_restarted() and not link.take_restarted()
+
+
+def test_a_drafter_reporting_progress_is_never_restarted_however_long_its_job_takes():
+    """One job for an hour (a huge prefill, a drafter sharing its cores): no reply, but a step finishes every 2 s.
+    Only when the reports stop is it hung."""
+    clock = Clock()
+    client = FakeClient()
+    link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3, clock=clock)  # type: ignore[arg-type]
+    assert link.submit(0, [item("a")], False)
+    routed: list[object] = []
+    for step in range(1, 1800):
+        clock.now += 2.0
+        client.inbox.append(protocol.Progress(client.sent_jobs[-1], step))
+        link.poll(0.0, lambda group, message: routed.append(message))
+        assert link.check(), f"restarted after {step * 2} s of progress"
+    assert client.hung_reasons == [] and 0 in link.tickets and routed == []
+    assert link.num_progress_reports == 1799
+    clock.now += 5.5
+    link.check()
+    assert len(client.hung_reasons) == 1 and "no progress" in client.hung_reasons[0]
 
 
 def test_an_idle_drafter_is_never_taken_for_hung():

@@ -134,17 +134,22 @@ def make_family(model: ReplicaModel, size: int = FAMILY_SIZE, seed: int = 0,
     return [make_member(i, seed, model) for i in (indices if indices is not None else range(size))]
 
 
-def subsample(size: int, count: int) -> list[int]:
-    """`count` indices spread over the family, every shape represented (indices cycle through the shapes)."""
-    step = max(1, size // count)
-    return list(range(0, size, step))[:count]
+def subsample(size: int, per_shape: int, seed: int = 0) -> list[int]:
+    """`per_shape` members of every shape, drawn by a seeded generator (not by looking at any result): member i has
+    shape i mod len(SHAPES), so each shape's members are drawn from its own indices. Sorted."""
+    rng = random.Random(f"subsample:{seed}")
+    chosen: list[int] = []
+    for k in range(len(SHAPES)):
+        members = list(range(k, size, len(SHAPES)))
+        chosen += rng.sample(members, min(per_shape, len(members)))
+    return sorted(chosen)
 
 
 # -- the oracle ------------------------------------------------------------------------------------------------
 
 
 @lru_cache(maxsize=4096)
-def _full_capacity(model: ReplicaModel, acceptance: float) -> float:
+def full_capacity(model: ReplicaModel, acceptance: float) -> float:
     """The most output tokens/s one replica gives at this acceptance (best batch, mode and k)."""
     return max(model.best(c, acceptance)[0] for c in range(1, model.max_batch + 1))
 
@@ -156,7 +161,7 @@ def requirement(trace: Trace, model: ReplicaModel) -> list[int]:
     for tick in range(int(trace.duration_seconds)):
         row, index = trace.row_at(float(tick), index)
         tokens = row.arrival_rps * row.output_tokens
-        n = math.ceil(tokens / _full_capacity(model, row.acceptance_rate) - 1e-9) if tokens > 0 else 0
+        n = math.ceil(tokens / full_capacity(model, row.acceptance_rate) - 1e-9) if tokens > 0 else 0
         need.append(max(trace.min_replicas, min(trace.max_replicas, n)))
     return need
 
@@ -271,7 +276,7 @@ def check_properties(result: SimResult, trace: Trace, model: ReplicaModel, need:
     for tick in range(n):
         row, index = trace.row_at(float(tick), index)
         tokens.append(row.arrival_rps * row.output_tokens)
-        capacity.append(_full_capacity(model, row.acceptance_rate))
+        capacity.append(full_capacity(model, row.acceptance_rate))
     up_with_spare: list[float] = []
     down_while_queue_grows: list[float] = []
     lag = int(interval_seconds)

@@ -30,10 +30,13 @@ A replica's capacity is a property of the replica: when nothing decodes at an ev
 normal at a light load) it is the last speed measured, or before any, the configured prior from the replica model;
 never 0 because the replicas happen to be idle. Unknown (no measurement, no prior): no scale-up on it.
 
-Scale-up: at once, by at most the larger of ``max_scale_up_step`` replicas and ``max_scale_up_percent`` of the
-current count per decision (the Kubernetes HPA's default: 4 pods or 100%). Scale-down: to the highest
-recommendation of the stabilisation window, and at most once per window (so a dip does not remove replicas a
-rebound needs), and not while the requests in the system visibly rise (the rates lag a rise). Replicas still
+Demand has a sustained part (the arrivals' token rate: what the load needs while it lasts) and a transient one
+(draining a queue, a surge's backlog). Scale-up: at once, to what the sustained part needs, and beyond it by at most
+the larger of ``max_scale_up_step`` replicas and ``max_scale_up_percent`` of the current count per decision (the
+Kubernetes HPA's default: 4 pods or 100%). Scale-down: to the highest sustained need of the stabilisation window
+(the window remembers the load, not a queue already drained) or what the figures need now if more, in one step, at
+most once per window (so a dip does not remove replicas a rebound needs), never while requests wait, and not while
+the requests in the system visibly rise (the rates lag a rise). Replicas still
 starting count as capacity (current = spec.replicas, not ready replicas), so a slow model load does not trigger a
 cascade of scale-ups. Missing or stale metrics: no decision, ``metrics_available``
 False with why.
@@ -61,6 +64,13 @@ TREND_T = 3.0
 SPARE_OCCUPANCY = 0.5
 # How long a new replica takes to serve (pod start + model load) until the policy has measured it.
 PRIOR_STARTUP_SECONDS = 60.0
+# Tokens per request are also averaged over about this long (output tokens and finished requests, both decayed with
+# this time constant), and the lower of that and the last minute's ratio is used: while load rises, a minute's
+# output tokens include requests still decoding whose completions it has not seen yet, which reads as several times
+# the real tokens per request where requests are long and few (after a quiet period, at a low rate of long
+# requests); the longer average has the completions of before the rise.
+TOKENS_PER_REQUEST_SECONDS = 600.0
+MIN_FINISHED_FOR_MEAN = 20.0
 
 
 @dataclass(frozen=True)
@@ -138,6 +148,8 @@ class PolicyState:
     pending_scale_up: tuple[float, int] | None = None
     # Seconds from a scale-up to its replicas reporting, as last measured (None: not yet; PRIOR_STARTUP_SECONDS).
     startup_seconds: float | None = None
+    # (output tokens, finished requests, time s): both decayed over TOKENS_PER_REQUEST_SECONDS, as of that time.
+    token_sums: tuple[float, float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -256,7 +268,11 @@ def arrival_rate(state: PolicyState, obs: Observations, now_seconds: float) -> f
     if finished is None or last is None or now_seconds <= last[0]:
         return None
     in_system = obs.running_requests + obs.waiting_requests
-    return max(finished + (in_system - last[1]) / (now_seconds - last[0]), 0.0)
+    # A fall is not counted: while a queue drains, the interval's fall of the requests in the system is set against
+    # a minute's average of finished requests (the windows differ), which reads as arrivals near 0 in the middle of
+    # a load; the finished rate alone then stands for the arrivals (it lags a real fall by a minute, on the safe side).
+    growth = max((in_system - last[1]) / (now_seconds - last[0]), 0.0)
+    return finished + growth
 
 
 def remembered_speed(config: PolicyConfig, state: PolicyState) -> tuple[float, str] | None:
@@ -269,6 +285,28 @@ def remembered_speed(config: PolicyConfig, state: PolicyState) -> tuple[float, s
     if prior is not None and prior > 0:
         return prior / config.requests_per_replica, "prior"
     return None
+
+
+def updated_token_sums(state: PolicyState, obs: Observations, now_seconds: float) -> tuple[float, float, float] | None:
+    """`state.token_sums` decayed to now, plus this observation's rates over the time since the last (None while no
+    finished-request rate is known)."""
+    finished = obs.finished_requests_per_second
+    if finished is None:
+        return state.token_sums
+    if state.token_sums is None:
+        return (0.0, 0.0, now_seconds)
+    tokens, count, last = state.token_sums
+    elapsed = max(now_seconds - last, 0.0)
+    keep = math.exp(-elapsed / TOKENS_PER_REQUEST_SECONDS)
+    return (tokens * keep + obs.output_tokens_per_second * elapsed, count * keep + finished * elapsed, now_seconds)
+
+
+def mean_tokens_per_request(state: PolicyState) -> float | None:
+    """Output tokens per finished request over about TOKENS_PER_REQUEST_SECONDS (`state.token_sums`); None before
+    a few requests have finished in it (then it would be as noisy as a minute's ratio)."""
+    if state.token_sums is None or state.token_sums[1] < MIN_FINISHED_FOR_MEAN or state.token_sums[0] <= 0:
+        return None
+    return state.token_sums[0] / state.token_sums[1]
 
 
 def lead_seconds(config: PolicyConfig, state: PolicyState) -> float:
@@ -303,7 +341,15 @@ def projected_backlog(state: PolicyState, obs: Observations, now_seconds: float)
 
 def estimate_demand(config: PolicyConfig, state: PolicyState, obs: Observations, per_request: float,
                     now_seconds: float) -> tuple[float, str]:
-    """Output tokens/s needed: the arrivals' token rate plus draining the queue; and which estimate was used.
+    """Output tokens/s needed (the arrivals' rate and draining the queue, see `demand_parts`), and its basis."""
+    sustained, backlog, basis = demand_parts(config, state, obs, per_request, now_seconds)
+    return sustained + backlog, basis
+
+
+def demand_parts(config: PolicyConfig, state: PolicyState, obs: Observations, per_request: float,
+                 now_seconds: float) -> tuple[float, float, str]:
+    """Output tokens/s needed, in two parts: the arrivals' token rate (sustained: what the load needs for as long as
+    it lasts) and draining the queue (transient: gone once the queue is); and which estimate was used.
 
     With the finished-request rate known, arrivals = finished + growth of the requests in the system since the last
     evaluation (or, while they have been rising over TREND_WINDOW_SECONDS, the rate forecast for when a replica
@@ -317,6 +363,9 @@ def estimate_demand(config: PolicyConfig, state: PolicyState, obs: Observations,
     arrivals = arrival_rate(state, obs, now_seconds)
     if arrivals is not None and finished is not None and finished > 0 and obs.output_tokens_per_second > 0:
         tokens_per_request = obs.output_tokens_per_second / finished
+        longer = mean_tokens_per_request(state)
+        if longer is not None:
+            tokens_per_request = min(tokens_per_request, longer)
         basis = "arrivals"
         recent = (*((t, a) for t, a in state.arrival_samples if t > now_seconds - TREND_WINDOW_SECONDS),
                   (now_seconds, arrivals))
@@ -324,11 +373,11 @@ def estimate_demand(config: PolicyConfig, state: PolicyState, obs: Observations,
         if forecast is not None and forecast > arrivals:
             arrivals, basis = forecast, "arrivals rising"
         backlog = projected_backlog(state, obs, now_seconds) * tokens_per_request / config.backlog_drain_seconds
-        return arrivals * tokens_per_request + backlog, basis
+        return arrivals * tokens_per_request, backlog, basis
     demand = per_request * in_system
     if obs.running_requests >= 1:
         demand = max(demand, obs.output_tokens_per_second * in_system / obs.running_requests)
-    return demand, "in system"
+    return demand, 0.0, "in system"
 
 
 def planned_batch(config: PolicyConfig, shape: float) -> float:
@@ -423,8 +472,10 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
     startup, pending = state.startup_seconds, state.pending_scale_up
     if pending is not None and obs.reporting_replicas >= pending[1]:
         startup, pending = now_seconds - pending[0], None
-    state = replace(state, startup_seconds=startup, pending_scale_up=pending)
-    demand, demand_basis = estimate_demand(config, state, obs, per_request, now_seconds)
+    state = replace(state, startup_seconds=startup, pending_scale_up=pending,
+                    token_sums=updated_token_sums(state, obs, now_seconds))
+    sustained, backlog, demand_basis = demand_parts(config, state, obs, per_request, now_seconds)
+    demand = sustained + backlog
     batch = obs.running_requests / obs.reporting_replicas
     samples = state.speed_samples
     if measured:
@@ -447,6 +498,8 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
     else:
         capacity = 0.0
     surge_note = ""
+    steady: int | None = None
+    surge = 0.0
     if capacity <= 0:
         # Capacity unknown: no scale-up on it; an idle system (demand 0) may still go to its minimum.
         recommended = current if demand > 0 or in_system > 0 else 0
@@ -460,14 +513,25 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
             recommended = current
         else:
             recommended = math.ceil(raw - 1e-9)
+        # The sustained part alone (the arrivals' rate, without draining a queue or a surge's backlog): what the
+        # load needs for as long as it lasts. The window remembers it (not a backlog's one-off drain, which held
+        # every replica a queue once asked for through the whole window), and a scale-up reaches it at once.
+        if demand_basis != "in system":
+            sustained_raw = sustained / (config.target_utilization * capacity)
+            steady = current if current > 0 and abs(sustained_raw / current - 1.0) <= config.tolerance \
+                else math.ceil(sustained_raw - 1e-9)
+            steady = min(steady, recommended)
+        else:
+            steady = recommended
     recommended = _clamp(recommended, config)
+    steady = _clamp(steady if steady is not None else recommended, config)
     inputs = Inputs(demand_tokens_per_second=round(demand, 3),
                     capacity_tokens_per_second_per_replica=round(capacity, 3),
                     per_request_tokens_per_second=round(per_request, 4), capacity_source=source,
                     running_requests=obs.running_requests, waiting_requests=obs.waiting_requests,
                     recommended=recommended)
     window = config.scale_down_stabilization_seconds
-    history = (*((t, r) for t, r in state.recommendations if t > now_seconds - window), (now_seconds, recommended))
+    history = (*((t, r) for t, r in state.recommendations if t > now_seconds - window), (now_seconds, steady))
     first = state.first_observed_seconds if state.first_observed_seconds is not None else now_seconds
     previous_in_system = state.last_in_system[1] if state.last_in_system is not None else None
     arrivals = arrival_rate(state, obs, now_seconds)
@@ -485,13 +549,18 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
                         True, inputs), state
     if recommended > current:
         step = max(config.max_scale_up_step, math.floor(current * config.max_scale_up_percent / 100))
-        desired = min(recommended, current + step)
+        # The step limit is for the uncertain part (a projected backlog's drain): the replicas the measured arrivals
+        # need, and those the requests already in the system need at the planned batch (a surge: they are there,
+        # not a noisy rate), are added at once, not a step per interval while requests wait a startup for each.
+        # (Without a finished-request rate the demand counts the whole queue: beyond a surge, it is step-limited.)
+        at_once = max(steady if demand_basis != "in system" else current, _clamp(math.ceil(surge - 1e-9), config))
+        desired = min(recommended, max(current + step, at_once))
         step_note = "" if desired == recommended else f" (step limited to +{step})"
         state = replace(state, pending_scale_up=(now_seconds, desired))
         return Decision(current, desired, f"scale up: {figures} needs {recommended}{step_note}", True, inputs), state
     if recommended < current:
         # The highest recommendation over the window: scale down only as far as the whole window allows.
-        floor = max(r for _, r in history)
+        floor = max(recommended, *(r for _, r in history))
         if now_seconds - first < window:
             return Decision(current, current, f"hold: {figures} needs {recommended}; observed for "
                                               f"{now_seconds - first:.0f}s of the {window:.0f}s window", True,
@@ -499,6 +568,11 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
         if floor >= current:
             return Decision(current, current, f"hold: {figures} needs {recommended}, but the last "
                                               f"{window:.0f}s needed up to {floor}", True, inputs), state
+        if obs.waiting_requests >= 1:
+            # A queue is still being served: the replicas it waits for are not removed (the window remembers the
+            # load's sustained need, not the queue's).
+            return Decision(current, current, f"hold: {figures} needs {recommended}, but "
+                                              f"{obs.waiting_requests:.0f} requests wait", True, inputs), state
         if previous_in_system is not None and in_system > (1 + config.tolerance) * max(previous_in_system, 1.0):
             # The rates lag a rise (finished requests are a minute's average): capacity is not removed while the
             # requests in the system visibly grow; the next evaluation looks again.
@@ -509,8 +583,7 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
             return Decision(current, current, f"hold: {figures} needs {recommended}; one scale-down per "
                                               f"{window:.0f}s", True, inputs), state
         state = replace(state, last_scale_down_seconds=now_seconds, pending_scale_up=None)
-        # At most half the replicas per step: the capacity at the batches the rest would run is extrapolated.
-        floor = max(floor, current - max(1, current // 2), config.min_replicas)
+        floor = max(floor, config.min_replicas)
         return Decision(current, floor, f"scale down: {figures} needs {recommended} (highest over the last "
                                         f"{window:.0f}s: {floor})", True, inputs), state
     return Decision(current, current, f"steady: {figures} needs {current}", True, inputs), state

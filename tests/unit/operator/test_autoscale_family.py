@@ -3,7 +3,6 @@ back in the simulator (the simulator only: seconds, no engines)."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import random
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from minedraft.operator.autoscale.bench import bench, markdown
+from minedraft.operator.autoscale.bench import at_equal_violations, bench, markdown
 from minedraft.operator.autoscale.family import (
     FAMILY_SIZE,
     MAX_RPS,
@@ -21,6 +20,7 @@ from minedraft.operator.autoscale.family import (
     MIN_TOKENS,
     SHAPES,
     check_properties,
+    full_capacity,
     make_family,
     make_member,
     oracle,
@@ -33,8 +33,22 @@ from minedraft.operator.autoscale.simulate import SimConfig, SimResult, Trace, p
 
 ROOT = Path(__file__).resolve().parents[3]
 MODEL = ReplicaModel.load(ROOT / "benchmarks" / "autoscale" / "replica-model.json")
-# Two members of each shape, spread over the family (the bench command runs all of it).
-SUBSAMPLE = subsample(FAMILY_SIZE, 14)
+# Three members of each shape, drawn by a seeded generator without looking at any result (the bench command,
+# `minedraft autoscale bench`, checks the properties on all of the family and reports every failure).
+SUBSAMPLE_PER_SHAPE = 3
+SUBSAMPLE = subsample(FAMILY_SIZE, SUBSAMPLE_PER_SHAPE, seed=0)
+# Members of the seed-0 family on which a property fails in the bench (all 210), with why. Each is tested here as
+# an expected failure (strict: a fix shows as an unexpected pass), whether or not the draw above chose it; every
+# other member tested must pass.
+ONCE_PER_WINDOW = ("scale-down happens at most once per stabilisation window: the first step down went to the need "
+                   "the window still remembered, the next waited a whole window, and the replicas stayed above the "
+                   "oracle's bound ")
+KNOWN_PROPERTY_FAILURES: dict[int, str] = {
+    101: "a one-minute burst of long requests (6125 tokens at 2.3/s) asked for a backlog's drain (35 replicas for 8); "
+         + ONCE_PER_WINDOW + "10 s past the window",
+    166: "load stopped for a quiet period after running 52 replicas; " + ONCE_PER_WINDOW + "5 s past the window",
+}
+PROPERTY_MEMBERS = sorted({*SUBSAMPLE, *KNOWN_PROPERTY_FAILURES})
 
 
 def test_the_family_spans_the_ranges_of_the_issue() -> None:
@@ -105,34 +119,48 @@ def test_the_oracle_requirement_follows_load_and_acceptance() -> None:
 Run = tuple[Trace, list[int], SimConfig, SimResult]
 
 
+def _run(index: int) -> Run:
+    trace = make_member(index, 0, MODEL)
+    config = SimConfig(policy="minedraft")
+    return trace, requirement(trace, MODEL), config, simulate(trace, MODEL, config)
+
+
 @pytest.fixture(scope="module")
-def subsample_runs() -> list[Run]:
-    runs = []
-    for trace in make_family(MODEL, indices=SUBSAMPLE):
-        config = SimConfig(policy="minedraft")
-        runs.append((trace, requirement(trace, MODEL), config, simulate(trace, MODEL, config)))
-    return runs
+def member_runs() -> dict[int, Run]:
+    return {i: _run(i) for i in PROPERTY_MEMBERS}
 
 
-def test_properties_hold_over_the_family_subsample(subsample_runs: list[Run]) -> None:
-    """Over two members of every shape: within bounds always; never above the oracle (at the target utilisation) by
-    more than one decision's step for longer than the stabilisation window; no scale-up with clearly spare capacity
-    and no queue; no scale-down while a queue grows (definitions in family.check_properties)."""
-    failures = {}
-    for trace, need, config, result in subsample_runs:
-        report = check_properties(result, trace, MODEL, need, target_utilization=config.target_utilization,
-                                  step=config.max_scale_up_step, interval_seconds=config.interval_seconds,
-                                  stabilization_seconds=config.scale_down_stabilization_seconds,
-                                  step_percent=SCALE_UP_PERCENT)
-        if not report.ok:
-            failures[trace.name] = report.to_json()
-    assert not failures
+@pytest.fixture(scope="module")
+def subsample_runs(member_runs: dict[int, Run]) -> list[Run]:
+    return [member_runs[i] for i in SUBSAMPLE]
+
+
+@pytest.mark.parametrize("index", [
+    pytest.param(i, id=f"member-{i:03d}", marks=[pytest.mark.xfail(reason=KNOWN_PROPERTY_FAILURES[i], strict=True)]
+                 if i in KNOWN_PROPERTY_FAILURES else [])
+    for i in PROPERTY_MEMBERS])
+def test_properties_hold_on_the_family_subsample(member_runs: dict[int, Run], index: int) -> None:
+    """Within bounds always; never above the oracle (at the target utilisation) by more than one decision's step for
+    longer than the stabilisation window; no scale-up with clearly spare capacity and no queue; no scale-down while
+    a queue grows (definitions in family.check_properties)."""
+    trace, need, config, result = member_runs[index]
+    report = check_properties(result, trace, MODEL, need, target_utilization=config.target_utilization,
+                              step=config.max_scale_up_step, interval_seconds=config.interval_seconds,
+                              stabilization_seconds=config.scale_down_stabilization_seconds,
+                              step_percent=SCALE_UP_PERCENT)
+    assert report.ok, (trace.name, trace.description, report.to_json())
 
 
 def test_a_light_load_that_is_often_idle_is_not_scaled_up(subsample_runs: list[Run]) -> None:
-    """Issue 19's light loads: at a fraction of one replica's capacity, minedraft stays at its minimum."""
-    light = [(trace, result) for trace, need, _, result in subsample_runs if max(need) <= 1]
-    assert light
+    """Issue 19's light loads: at most half of one replica's full-batch capacity all along (the properties' "clearly
+    spare"), minedraft stays at its minimum. (A load needing one replica at full batch can need two at the target
+    utilisation: family-0-140, at 80% of a replica, is not light.)"""
+    def light_load(trace: Trace) -> bool:
+        return all(r.arrival_rps * r.output_tokens <= 0.5 * full_capacity(MODEL, r.acceptance_rate)
+                   for r in trace.rows)
+
+    light = [(trace, result) for trace, _, _, result in subsample_runs if light_load(trace)]
+    assert len(light) >= 3
     for trace, result in light:
         assert max(result.timeline["replicas"]) == trace.min_replicas, (trace.name, result.decisions[:3])
 
@@ -153,6 +181,23 @@ def test_bench_reports_the_three_policies_side_by_side(tmp_path: Path) -> None:
         assert overall["minedraft"]["ratio_to_oracle"] >= 1.0
     text = markdown(summary, "minedraft autoscale bench --out x")
     assert "## family" in text and "## committed" in text and "hpa-queue" in text
+    # minedraft's utilisation is swept like the HPA's target: the default's row is the default run's figures.
+    sweep = {m["target_utilization"]: m for m in summary["minedraft_sweep"]}
+    assert set(sweep) == {0.8, 0.7, 0.6, 0.5, 0.4}
+    assert sweep[0.8]["replica_seconds"] == summary["groups"]["family"]["overall"]["minedraft"]["replica_seconds"]
+    assert sweep[0.4]["replica_seconds"] >= sweep[0.8]["replica_seconds"], "more headroom costs replicas"
+    assert "target-utilisation sweep" in text and "At equal SLO violations" in text
+
+
+def test_at_equal_violations_picks_the_cheapest_utilisation_no_worse_than_the_hpa() -> None:
+    sweep = [{"target_utilization": 0.8, "replica_seconds": 100.0, "slo_violation_fraction": 0.03},
+             {"target_utilization": 0.6, "replica_seconds": 130.0, "slo_violation_fraction": 0.015},
+             {"target_utilization": 0.4, "replica_seconds": 170.0, "slo_violation_fraction": 0.01}]
+    hpa = {"target": 2.0, "replica_seconds": 200.0, "slo_violation_fraction": 0.015}
+    eq = at_equal_violations(sweep, hpa)
+    assert eq is not None and eq["target_utilization"] == 0.6
+    assert eq["fewer_replica_seconds_fraction"] == pytest.approx(0.35)
+    assert at_equal_violations(sweep, {**hpa, "slo_violation_fraction": 0.005}) is None
 
 
 # -- scale to zero and back, in the simulator --------------------------------------------------------------------
@@ -191,8 +236,14 @@ def test_min_replicas_one_never_goes_to_zero() -> None:
     assert min(result.timeline["replicas"]) == 1 and not any(d["from"] == 0 for d in result.decisions)
 
 
-def test_subsample_covers_every_shape() -> None:
-    shapes = {make_member(i, 0, MODEL).name.rsplit("-", 1)[1] for i in SUBSAMPLE}
-    assert shapes == set(SHAPES)
+def test_subsample_is_seeded_and_stratified_by_shape() -> None:
+    shapes = [make_member(i, 0, MODEL).name.rsplit("-", 1)[1] for i in SUBSAMPLE]
+    assert {shape: shapes.count(shape) for shape in SHAPES} == dict.fromkeys(SHAPES, SUBSAMPLE_PER_SHAPE)
     assert len(SUBSAMPLE) == len(set(SUBSAMPLE)) and all(0 <= i < FAMILY_SIZE for i in SUBSAMPLE)
-    assert list(itertools.islice(SUBSAMPLE, 2)) == [0, FAMILY_SIZE // 14]
+    # The same draw every time (the seed, not the results, chooses it); another seed draws other members.
+    assert subsample(FAMILY_SIZE, SUBSAMPLE_PER_SHAPE, seed=0) == SUBSAMPLE
+    assert subsample(FAMILY_SIZE, SUBSAMPLE_PER_SHAPE, seed=1) != SUBSAMPLE
+
+
+def test_known_property_failures_are_members_with_a_reason() -> None:
+    assert all(0 <= i < FAMILY_SIZE and len(why) > 20 for i, why in KNOWN_PROPERTY_FAILURES.items())

@@ -83,3 +83,21 @@ def test_range_answers_are_joined_by_instance_and_time() -> None:
     assert set(results) == set(HISTORY_QUERIES)
     points = sorted(points_from_matrices(results), key=lambda p: p.tokens_per_second)
     assert points == [Point("psd", 3, 8.0, 800.0, 2.4, 0.004), Point("psd", 3, 8.0, 810.0, 2.5, 0.004)]
+
+
+def test_calibrate_prints_the_capacity_prior_for_the_crd(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`minedraft autoscale calibrate` ends with spec.autoscaling.replicaCapacityTokensPerSecond: the model's full
+    batch at a few acceptances (the figure the autoscaler uses until it has measured a speed)."""
+    from minedraft.cli import main
+
+    path = tmp_path / "doctor.json"
+    path.write_text(json.dumps({"runs": doctor_runs()}))
+    out = tmp_path / "model.json"
+    assert main(["autoscale", "calibrate", "--bench", str(path), "--startup-seconds", "90", "--max-batch", "32",
+                 "--out", str(out)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "replicaCapacityTokensPerSecond" in line]
+    assert len(lines) == 3
+    from minedraft.operator.autoscale.replica_model import ReplicaModel
+
+    model = ReplicaModel.load(out)
+    assert f"at acceptance 0.6: {model.best(32, 0.6)[0]:.0f} (full batch of 32)" in lines[1]

@@ -1,0 +1,28 @@
+"""The drafter's hang threshold: a setting of its own, separate from the draft deadline, validated by name."""
+
+import math
+
+import pytest
+
+from minedraft.engine.settings import DEFAULT_HANG_SECONDS, DrafterSettings, EngineSettings, SettingsError
+
+
+@pytest.mark.parametrize("hang_seconds", [0.0, 0.5, -3.0, math.nan])
+def test_a_hang_threshold_too_short_to_see_progress_reports_names_the_field(hang_seconds):
+    with pytest.raises(SettingsError) as info:
+        EngineSettings(model="t", drafter=DrafterSettings(model="d", hang_seconds=hang_seconds))
+    assert info.value.field_name == "drafter.hang_seconds"
+
+
+def test_the_hang_threshold_is_not_the_draft_deadline_from_flag_to_scheduler():
+    from minedraft.cli import build_parser, settings_from_args
+    from minedraft.engine.core import engine_args
+
+    args = build_parser().parse_args(["run", "--model", "t", "--draft", "d", "--prompt", "x",
+                                      "--draft-deadline-seconds", "2", "--drafter-hang-seconds", "45"])
+    settings = settings_from_args(args)
+    assert (settings.drafter.deadline_seconds, settings.drafter.hang_seconds) == (2.0, 45.0)
+    config = engine_args(settings).additional_config["minedraft"]
+    assert (config["deadline_seconds"], config["hang_seconds"]) == (2.0, 45.0)
+    default = settings_from_args(build_parser().parse_args(["run", "--model", "t", "--draft", "d", "--prompt", "x"]))
+    assert default.drafter.hang_seconds == DEFAULT_HANG_SECONDS > default.drafter.deadline_seconds
