@@ -71,6 +71,12 @@ STEPS: tuple[Step, ...] = (
          ("python", "-m", "minedraft.bench.steps", "--out", "benchmarks/results/step-breakdown-long",
           "--contexts", "2048,8192", "--modes", "psd,psd-full,ar", "--max-tokens", "12"),
          ("benchmarks/results/step-breakdown-long.json",), 15 * 60),
+    Step("step-breakdown-resident", "per-step time at 32 requests, 512 to 8k tokens: psd with the model runner's "
+         "resident sub-batches against vLLM's single persistent batch (psd-churn), and ar",
+         ("python", "-m", "minedraft.bench.steps", "--out", "benchmarks/results/step-breakdown-resident",
+          "--contexts", "512,2048,8192", "--modes", "psd,psd-churn,ar", "--max-tokens", "12"),
+         # Not timed when the committed set was made (a contended machine): a guess.
+         ("benchmarks/results/step-breakdown-resident.json",), 20 * 60),
     Step("autoscaling", "speculation-aware autoscaler against the HPA algorithm and an oracle, simulated",
          ("minedraft", "autoscale", "bench", "--out", "benchmarks/results/autoscale"),
          # Not timed when the committed set was made: a guess from the simulator's speed on 2 cores.

@@ -14,9 +14,11 @@ vLLM's model runner (this benchmark only):
   update         our update_from_output() (committing tokens, sub-batch bookkeeping, sending the draft job)
   wait           waiting for late drafts
 and "engine_own" = everything but forward and wait, as a share of the step. Modes run side by side on one engine:
-psd with delta draft jobs, psd with whole contexts (the old protocol), and ar. A second layout, the paper's (the
-drafter on a device the target may not use: here the target never widens onto the drafter's core), runs psd and sd
-beside the equal-cores layout and reports psd/sd against the ceiling (t_draft + t_verify) / max(t_draft, t_verify).
+psd with delta draft jobs, psd with whole contexts (the old protocol), psd-churn (psd with the model runner's
+resident sub-batches off: vLLM's single persistent batch re-adds the other sub-batch every step), and ar. A second
+layout, the paper's (the drafter on a device the target may not use: here the target never widens onto the drafter's
+core), runs psd and sd beside the equal-cores layout and reports psd/sd against the ceiling
+(t_draft + t_verify) / max(t_draft, t_verify).
 """
 
 from __future__ import annotations
@@ -190,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                 plan.append(("psd", "equal-cores", Mode.PSD, True))
             if "psd-full" in modes:
                 plan.append(("psd-full-context", "equal-cores", Mode.PSD, False))
+            if "psd-churn" in modes:
+                plan.append(("psd-churn", "equal-cores", Mode.PSD, True))
             if "ar" in modes:
                 plan.append(("ar", "equal-cores", Mode.AR, True))
             if "layout" in modes:
@@ -198,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             for label, layout, mode, deltas in plan:
                 engine.set_mode(mode, args.k, 0)
                 scheduler.planner.send_deltas = deltas
+                engine.set_resident_sub_batches(label != "psd-churn")
                 scheduler.placement = narrow_placement if layout == "own-drafter-core" else wide_placement
                 # Start each run from an empty drafter and cache state of this engine: nothing carried between runs.
                 summary = run_context(engine, timers, prompt, args.requests, args.max_tokens,
@@ -208,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         scheduler.planner.send_deltas = True
         scheduler.placement = wide_placement
+        engine.set_resident_sub_batches(True)
         engine.shutdown()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
