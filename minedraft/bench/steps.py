@@ -125,6 +125,9 @@ def _pair_for_context(pair: Path, positions: int) -> Path:
     if all(c.get("max_position_embeddings", positions) >= positions for c in configs.values()):
         return pair
     copy = Path(tempfile.mkdtemp(prefix="minedraft-long-pair-"))
+    for item in pair.iterdir():
+        if item.name not in configs:  # the pair's own files (held-out prompts, metadata)
+            (copy / item.name).symlink_to(item.resolve())
     for role, config in configs.items():
         (copy / role).mkdir()
         for item in (pair / role).iterdir():

@@ -164,6 +164,7 @@ def engine_args(settings: EngineSettings) -> Any:
                 "drafter": drafter_process_settings(settings),
                 "drafter_prestarted": True,
                 "pad_drafts_to_k": settings.pad_drafts_to_k,
+                "resident_sub_batches": settings.resident_sub_batches,
             }
         },
     )
@@ -367,6 +368,9 @@ class Engine:
             raise ValueError(f"resident_sub_batches: a {self.settings.mode.value} engine verifies every request each "
                              "step and has no sub-batches")
         self._llm.collective_rpc("minedraft_set_resident_sub_batches", args=(enabled,))
+        scheduler = self.psd_scheduler
+        if scheduler is not None:
+            scheduler.resident_sub_batches = enabled
 
     def resident_batch_sizes(self) -> list[list[int]]:
         """Per worker: requests held by each of the model runner's persistent batches."""

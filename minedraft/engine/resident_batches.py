@@ -6,6 +6,9 @@ in the step and re-adds it, copying its whole context, when it is next scheduled
 then A: with one persistent batch every request is removed and re-added every other step, O(context) each time
 (vLLM's own comment warns about "alternating between two distinct sets of requests").
 
+The scheduler side has the same pattern: vLLM's scheduler re-sends the full token list of every request that was
+not scheduled in the previous step, for a path that is off here (`skip_token_resend`).
+
 The runner here keeps two persistent batches and, at the start of each step, makes current the one that already holds
 most of the step's requests (`plan_step`, a pure choice from request ids). The other batch keeps its requests as they
 are until their turn. A request scheduled in a step always ends up in the current batch (vLLM's own path adds it if it
@@ -82,6 +85,19 @@ def plan_step(
     other = residents[1 - chosen]
     evict = frozenset(r for r in scheduled_set | finished_set if r in other)
     return StepPlan(chosen, evict)
+
+
+def skip_token_resend(scheduler: Any) -> None:
+    """Before vLLM's `Scheduler.schedule()`: count every running request as scheduled in the previous step.
+
+    vLLM's scheduler sends the whole token list of each request that was not scheduled in the previous step
+    (`CachedRequestData.all_token_ids`, a copy per request, pickled to every tensor-parallel worker). Only the model
+    runner's async-scheduling path reads it, and async scheduling is off with our scheduler; with alternating
+    sub-batches it was a copy of half the running contexts every step. Requests resumed from preemption are not in
+    `running` and still get theirs."""
+    if scheduler.scheduler_config.async_scheduling or getattr(scheduler, "use_v2_model_runner", False):
+        return
+    scheduler.prev_step_scheduled_req_ids.update(request.request_id for request in scheduler.running)
 
 
 # -- the model runner (vLLM 0.32 internals; imported only inside worker processes) -------------------------------

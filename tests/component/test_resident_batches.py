@@ -52,21 +52,41 @@ def _residents(engine: Any) -> list[set[str]]:
             for batch in runner.minedraft_batches]
 
 
+@contextlib.contextmanager
+def _counting_resent_tokens(engine: Any) -> Iterator[list[int]]:
+    """[tokens vLLM's scheduler re-sent as whole contexts (`all_token_ids`)] in the step outputs while open."""
+    scheduler = engine.scheduler
+    count = [0]
+    schedule = scheduler.schedule
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        output = schedule(*args, **kwargs)
+        count[0] += sum(len(t) for t in output.scheduled_cached_reqs.all_token_ids.values())
+        return output
+
+    scheduler.schedule = counted
+    try:
+        yield count
+    finally:
+        del scheduler.schedule
+
+
 def _steady_adds(engine: Any, prompts: list[list[int]], sampling: SamplingSettings, tag: str) -> tuple[
-        int, int, list[list[int]]]:
-    """(re-adds in steady decode steps, steady steps, outputs): steady = every request past its prefill, none
-    finished yet, so the set of running requests does not change and nothing needs adding. The first two such steps
-    are left out: all requests prefill in one step, so one sub-batch lands in the other batch in its first turn."""
+        int, int, int, list[list[int]]]:
+    """(re-adds and re-sent tokens in steady decode steps, steady steps, outputs): steady = every request past its
+    prefill, none finished yet, so the set of running requests does not change and nothing needs adding. The first
+    two such steps are left out: all requests prefill in one step, so one sub-batch lands in the other batch in its
+    first turn."""
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, sampling)
     outputs: dict[str, list[int]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
     started: set[str] = set()
     finished = False
     settled = 0
-    steady_steps = steady_adds = 0
-    with _counting_batch_adds() as adds:
+    steady_steps = steady_adds = steady_resent = 0
+    with _counting_batch_adds() as adds, _counting_resent_tokens(engine) as resent:
         while engine.has_unfinished_requests():
-            before = adds[0]
+            before, resent_before = adds[0], resent[0]
             steady = len(started) == len(prompts) and not finished
             for delta in engine.step():
                 outputs[delta.request_id] += delta.token_ids
@@ -76,7 +96,8 @@ def _steady_adds(engine: Any, prompts: list[list[int]], sampling: SamplingSettin
             if steady and not finished and settled > 2:
                 steady_steps += 1
                 steady_adds += adds[0] - before
-    return steady_adds, steady_steps, [outputs[f"{tag}-{i}"] for i in range(len(prompts))]
+                steady_resent += resent[0] - resent_before
+    return steady_adds, steady_resent, steady_steps, [outputs[f"{tag}-{i}"] for i in range(len(prompts))]
 
 
 def test_steady_psd_decoding_does_not_re_add_requests_every_step(psd, ar_engine, pair_dir):
@@ -87,17 +108,20 @@ def test_steady_psd_decoding_does_not_re_add_requests_every_step(psd, ar_engine,
     expected = reference(ar_engine, prompts, sampling)
     try:
         psd.set_resident_sub_batches(False)
-        churn_adds, churn_steps, churn_outputs = _steady_adds(psd, prompts, sampling, "churn")
+        churn_adds, churn_resent, churn_steps, churn_outputs = _steady_adds(psd, prompts, sampling, "churn")
     finally:
         psd.set_resident_sub_batches(True)
-    adds, steps, outputs = _steady_adds(psd, prompts, sampling, "resident")
+    adds, resent, steps, outputs = _steady_adds(psd, prompts, sampling, "resident")
     assert churn_steps >= 4 and steps >= 4, "too few steady steps to compare"
     # One persistent batch: each step re-adds the sub-batch left out of the previous one (4 of 8 requests).
     assert churn_adds >= 2 * churn_steps, f"vLLM's own path re-added only {churn_adds} in {churn_steps} steps"
     # Two: a request is added only when it changes sub-batch (none do while the running set is unchanged) or when
     # a late draft lets it decode beside the other sub-batch.
     assert adds <= steps // 4, f"{adds} requests re-added in {steps} steady steps"
-    print(f"steady steps: one persistent batch re-added {churn_adds} in {churn_steps}, two {adds} in {steps}")
+    # The scheduler side: vLLM re-sends the whole context of each request that sat out the previous step.
+    assert churn_resent > 0 and resent == 0, (churn_resent, resent)
+    print(f"steady steps: one persistent batch re-added {churn_adds} in {churn_steps} (re-sent {churn_resent} tokens), "
+          f"two {adds} in {steps} (re-sent {resent})")
     assert_greedy_matches(churn_outputs, expected, "psd, one persistent batch")
     assert_greedy_matches(outputs, expected, "psd, resident sub-batches")
 

@@ -64,3 +64,24 @@ def test_bad_arguments_name_the_field():
         plan_step(A, (), [A], current=0)
     with pytest.raises(ValueError, match="current"):
         plan_step(A, (), [A, B], current=2)
+
+
+def _scheduler(async_scheduling=False, v2=False):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        scheduler_config=SimpleNamespace(async_scheduling=async_scheduling), use_v2_model_runner=v2,
+        running=[SimpleNamespace(request_id=r) for r in ("a1", "b1")], prev_step_scheduled_req_ids={"a1"})
+
+
+def test_running_requests_count_as_scheduled_last_step_so_vllm_sends_no_whole_contexts():
+    from minedraft.engine.resident_batches import skip_token_resend
+
+    scheduler = _scheduler()
+    skip_token_resend(scheduler)
+    # b1 sat out the previous step (the other sub-batch): vLLM would copy all its tokens into the step's output.
+    assert scheduler.prev_step_scheduled_req_ids == {"a1", "b1"}
+    for kind in (_scheduler(async_scheduling=True), _scheduler(v2=True)):
+        # Async scheduling reads those tokens (and Model Runner V2 keeps no such set): left alone.
+        skip_token_resend(kind)
+        assert kind.prev_step_scheduled_req_ids == {"a1"}
