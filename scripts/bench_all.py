@@ -81,6 +81,12 @@ STEPS: tuple[Step, ...] = (
           "--rounds", "3"),
          # Measured on the contended 2-core machine: about 5 minutes.
          ("benchmarks/results/drafter-jobs.json",), 6 * 60),
+    Step("step-breakdown-resident", "per-step time at 32 requests, 512 to 8k tokens: psd with the model runner's "
+         "resident sub-batches against vLLM's single persistent batch (psd-churn), and ar",
+         ("minedraft", "bench", "steps", "--out", "benchmarks/results/step-breakdown-resident",
+          "--contexts", "512,2048,8192", "--modes", "psd,psd-churn,ar", "--max-tokens", "12"),
+         # Not timed when the committed set was made (a contended machine): a guess.
+         ("benchmarks/results/step-breakdown-resident.json",), 20 * 60),
     Step("autoscaling", "speculation-aware autoscaler against the HPA algorithm and an oracle, simulated",
          ("minedraft", "autoscale", "bench", "--out", "benchmarks/results/autoscale"),
          # Not timed when the committed set was made: a guess from the simulator's speed on 2 cores.

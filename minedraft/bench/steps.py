@@ -14,9 +14,11 @@ vLLM's model runner (this benchmark only):
   update         our update_from_output() (committing tokens, sub-batch bookkeeping, sending the draft job)
   wait           waiting for late drafts
 and "engine_own" = everything but forward and wait, as a share of the step. Modes run side by side on one engine:
-psd with delta draft jobs, psd with whole contexts (the old protocol), and ar. A second layout, the paper's (the
-drafter on a device the target may not use: here the target never widens onto the drafter's core), runs psd and sd
-beside the equal-cores layout and reports psd/sd against the ceiling (t_draft + t_verify) / max(t_draft, t_verify).
+psd with delta draft jobs, psd with whole contexts (the old protocol), psd-churn (psd with the model runner's
+resident sub-batches off: vLLM's single persistent batch re-adds the other sub-batch every step), and ar. A second
+layout, the paper's (the drafter on a device the target may not use: here the target never widens onto the drafter's
+core), runs psd and sd beside the equal-cores layout and reports psd/sd against the ceiling
+(t_draft + t_verify) / max(t_draft, t_verify).
 """
 
 from __future__ import annotations
@@ -188,6 +190,9 @@ def _pair_for_context(pair: Path, positions: int) -> Path:
     if all(c.get("max_position_embeddings", positions) >= positions for c in configs.values()):
         return pair
     copy = Path(tempfile.mkdtemp(prefix="minedraft-long-pair-"))
+    for item in pair.iterdir():
+        if item.name not in configs:  # the pair's own files (held-out prompts, metadata)
+            (copy / item.name).symlink_to(item.resolve())
     for role, config in configs.items():
         (copy / role).mkdir()
         for item in (pair / role).iterdir():
@@ -294,6 +299,8 @@ def _runs(engine: Any, args: argparse.Namespace, command: str, source_pair: Path
             plan.append(("psd", "equal-cores", Mode.PSD, True))
         if "psd-full" in modes:
             plan.append(("psd-full-context", "equal-cores", Mode.PSD, False))
+        if "psd-churn" in modes:
+            plan.append(("psd-churn", "equal-cores", Mode.PSD, True))
         if "ar" in modes:
             plan.append(("ar", "equal-cores", Mode.AR, True))
         if "layout" in modes:
@@ -302,6 +309,7 @@ def _runs(engine: Any, args: argparse.Namespace, command: str, source_pair: Path
         for label, layout, mode, deltas in plan:
             engine.set_mode(mode, args.k, 0)
             scheduler.planner.send_deltas = deltas
+            engine.set_resident_sub_batches(label != "psd-churn")
             placement = narrow_placement if layout == "own-drafter-core" else wide_placement
             # Forget what the placement last applied: the other one may have moved the thread's cores since.
             placement.wide = None

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 SCHEDULER_CLASS = "minedraft.engine.scheduler.PSDScheduler"
 PROPOSER_CLASS = "minedraft.engine.proposer.NullProposer"
-WORKER_EXTENSION_CLASS = "minedraft.engine.vllm_fixes.CpuFixesWorkerExtension"
+WORKER_EXTENSION_CLASS = "minedraft.engine.resident_batches.MineDraftWorkerExtension"
 
 
 def _configure_process(settings: EngineSettings, plan: DevicePlan) -> None:
@@ -118,7 +118,8 @@ def engine_args(settings: EngineSettings) -> Any:
     if settings.gpu_memory_utilization is not None:
         common["gpu_memory_utilization"] = settings.gpu_memory_utilization
     # With tensor parallelism the workers are processes of their own: the CPU kernel correction must be installed
-    # in each of them too (importing the extension's module does it; harmless in-process and on GPUs).
+    # in each of them too (importing the extension's module does it; harmless in-process and on GPUs), and resident
+    # sub-batches are switched on in each of them through the extension's methods.
     common["worker_extension_cls"] = WORKER_EXTENSION_CLASS
     common.update(settings.extra_vllm_args)
     if settings.mode is Mode.AR:
@@ -164,6 +165,7 @@ def engine_args(settings: EngineSettings) -> Any:
                 "drafter": drafter_process_settings(settings),
                 "drafter_prestarted": True,
                 "pad_drafts_to_k": settings.pad_drafts_to_k,
+                "resident_sub_batches": settings.resident_sub_batches,
             }
         },
     )
@@ -206,6 +208,9 @@ class Engine:
             drafter = self._start_drafter(settings)
         # After the engine: its in-process worker has just registered the CPU platform's kernels.
         apply_cpu_fixes()
+        if settings.mode.uses_drafter and settings.resident_sub_batches:
+            # After the KV cache is sized: the runner's persistent batch has its final block sizes by now.
+            self.set_resident_sub_batches(True)
         if drafter is not None:
             scheduler = self.psd_scheduler
             assert scheduler is not None
@@ -356,6 +361,21 @@ class Engine:
         if scheduler is None:
             raise ValueError(f"mode: this engine was built for {self.settings.mode.value} and cannot switch")
         scheduler.set_mode(mode, k, num_extra_draft_tokens, auto_settings)
+
+    def set_resident_sub_batches(self, enabled: bool) -> None:
+        """Keep both sub-batches resident in the target's model runner (True), or let vLLM's single persistent batch
+        remove and re-add the requests left out of each step (False, for comparisons). Every worker, TP ranks too."""
+        if not self.settings.mode.uses_drafter:
+            raise ValueError(f"resident_sub_batches: a {self.settings.mode.value} engine verifies every request each "
+                             "step and has no sub-batches")
+        self._llm.collective_rpc("minedraft_set_resident_sub_batches", args=(enabled,))
+        scheduler = self.psd_scheduler
+        if scheduler is not None:
+            scheduler.resident_sub_batches = enabled
+
+    def resident_batch_sizes(self) -> list[list[int]]:
+        """Per worker: requests held by each of the model runner's persistent batches."""
+        return [list(sizes) for sizes in self._llm.collective_rpc("minedraft_resident_batch_sizes")]
 
     @property
     def max_model_len(self) -> int:

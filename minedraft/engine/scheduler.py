@@ -33,6 +33,7 @@ from minedraft.engine.drafter_client import DrafterClient, DrafterState
 from minedraft.engine.drafter_link import DrafterLink
 from minedraft.engine.placement import ComputePlacement
 from minedraft.engine.planner import Draft, PSDPlanner, RequestState, StepPlan, WaitPolicy
+from minedraft.engine.resident_batches import skip_token_resend
 from minedraft.engine.settings import DEFAULT_HANG_SECONDS, Mode
 from minedraft.engine.stats import StatsRecorder, StepRecord
 from minedraft.engine.subbatch import SubBatches
@@ -93,6 +94,8 @@ class PSDScheduler(Scheduler):
         deadline_seconds = float(config.get("deadline_seconds", 5.0))
         self.wait_policy = WaitPolicy(cap_seconds=deadline_seconds)
         self.check_invariants = bool(config.get("check_invariants", False))
+        # With the model runner's resident sub-batches (set by the engine): no re-sending of whole contexts either.
+        self.resident_sub_batches = bool(config.get("resident_sub_batches", True))
         self.stats = StatsRecorder(int(config.get("stats_history", 4096)))
         self._verified_group: int | None = None
         self._effective_mode: Mode = self.mode
@@ -262,6 +265,8 @@ class PSDScheduler(Scheduler):
             # A fresh list: vLLM trims spec_token_ids in place.
             request.spec_token_ids = list(plan.proposals.get(request_id, ()))
             request.next_decode_eligible_step = step_after_next if request_id in plan.held_out else 0
+        if self.resident_sub_batches:
+            skip_token_resend(self)
 
         output = super().schedule(*args, **kwargs)
         timing.scheduled_at = time.perf_counter()

@@ -148,6 +148,9 @@ class EngineSettings:
     # Fixed modes: pad every verified decoding request's proposal to exactly k (any proposal is lossless), so a
     # decode step has one shape (1 + k query tokens each): the one vLLM captures full CUDA graphs for.
     pad_drafts_to_k: bool = True
+    # psd/sd/auto: the target's model runner keeps two persistent batches, so requests of the sub-batch not verified
+    # in a step stay resident instead of being removed and re-added (a copy of their context) every other step.
+    resident_sub_batches: bool = True
 
     def __post_init__(self) -> None:
         validate(self)

@@ -35,5 +35,7 @@ def test_preempted_requests_rejoin_balanced_and_stay_lossless(cramped_engine, ar
     assert totals.preemptions > 0, "the load did not preempt anything: the test proves nothing"
     assert_greedy_matches([run.completions[f"pre-{i}"].token_ids for i in range(16)], expected, "preemption")
     assert totals.accepted_tokens > 0
+    # Preempted requests left their persistent batch (resident sub-batches are on by default) and rejoined.
+    assert len(cramped_engine.resident_batch_sizes()[0]) == 2
     scheduler = cramped_engine.psd_scheduler
     assert scheduler.subbatches.sizes() == (0, 0) and scheduler.drafts == {}

@@ -117,3 +117,13 @@ def test_temperature_one_matches_the_target_distribution_at_tp2(tp_engine, tp_pr
         rows = [list(col) for col in zip(*[c for c in zip(*rows, strict=True) if sum(c) > 0], strict=True)]
         _, p_value, _, _ = chi2_contingency(rows)
         assert p_value > 0.001, f"token {position}: psd and ar distributions differ at TP=2 (p={p_value:.2g})"
+
+
+def test_every_worker_keeps_both_sub_batches_resident(tp_engine, tp_prompts, tp_references):
+    # Resident sub-batches are installed through the worker extension in each TP worker process: both ranks hold two
+    # persistent batches and, fed the same scheduler outputs, the same requests in each.
+    outputs = run_mode(tp_engine, Mode.PSD, tp_prompts, GREEDY, "resident")
+    assert_greedy_matches(outputs, tp_references, "psd at TP=2, resident sub-batches")
+    sizes = tp_engine.resident_batch_sizes()
+    assert len(sizes) == 2 and all(len(per_worker) == 2 for per_worker in sizes), sizes
+    assert sizes[0] == sizes[1], sizes
