@@ -59,6 +59,11 @@ class DrafterLink:
     def up(self) -> bool:
         return self.client is not None and self.client.state is DrafterState.UP
 
+    @property
+    def loading(self) -> bool:
+        """A drafter process is starting (loading its model on its cores): the target must not widen onto them."""
+        return self.client is not None and self.client.state is DrafterState.STARTING
+
     # -- health ----------------------------------------------------------------------------------------------------
 
     def check(self) -> bool:

@@ -31,7 +31,7 @@ from minedraft.engine.auto import AutoController, AutoSettings, Decision
 from minedraft.engine.cost_model import CostModel
 from minedraft.engine.drafter_client import DrafterClient, DrafterState
 from minedraft.engine.drafter_link import DrafterLink
-from minedraft.engine.placement import ComputePlacement
+from minedraft.engine.placement import ComputePlacement, should_widen
 from minedraft.engine.planner import Draft, PSDPlanner, RequestState, StepPlan, WaitPolicy
 from minedraft.engine.resident_batches import skip_token_resend
 from minedraft.engine.settings import DEFAULT_HANG_SECONDS, Mode
@@ -255,7 +255,7 @@ class PSDScheduler(Scheduler):
         # With no draft job in flight nothing drafts during this verification (ar; sd; psd with one side empty):
         # the target may compute on the drafter's cores too. A job in flight (psd's other side) keeps them apart.
         timing.draft_jobs_in_flight = len(self.link.tickets)
-        self.placement.apply(wide=mode is Mode.AR or not self.link.tickets)
+        self.placement.apply(wide=should_widen(mode is Mode.AR, bool(self.link.tickets), self.link.loading))
 
         plan = self.planner.plan(states, mode, verified_group, pad=self.auto is None)
         self._plan = plan

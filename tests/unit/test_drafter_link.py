@@ -284,3 +284,14 @@ def test_a_drafter_that_never_starts_is_reported_and_retried_with_backoff(tmp_pa
         assert client.num_starts == 1
     finally:
         client.shutdown()
+
+
+def test_loading_is_said_only_while_a_drafter_process_starts() -> None:
+    client = FakeClient()
+    link = DrafterLink(client, hang_seconds=30.0, max_failed_jobs=3)  # type: ignore[arg-type]
+    assert not link.loading
+    client.state = DrafterState.STARTING
+    assert link.loading
+    client.state = DrafterState.DOWN
+    assert not link.loading
+    assert not DrafterLink(None, hang_seconds=30.0, max_failed_jobs=3).loading

@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from minedraft.engine.placement import ComputePlacement
+from minedraft.engine.placement import ComputePlacement, should_widen
 
 
 def test_widen_and_narrow_on_the_calling_thread_only() -> None:
@@ -183,3 +183,12 @@ def test_a_second_engine_in_the_process_indexes_into_the_inherited_list() -> Non
     assert detect_device(env).visible_gpus == ("4", "5", "6")
     narrow_visible_devices(env, "5,6")
     assert detect_device(env).visible_gpus == ("4", "5", "6")
+
+
+def test_the_target_widens_only_onto_cores_where_nothing_drafts_or_loads() -> None:
+    assert should_widen(plain_decoding=True, drafts_outstanding=False, drafter_loading=False)
+    assert should_widen(plain_decoding=False, drafts_outstanding=False, drafter_loading=False)
+    assert not should_widen(plain_decoding=False, drafts_outstanding=True, drafter_loading=False)
+    # A replacement drafter loading its model on the lent cores: plain decoding stays narrow until it is up.
+    assert not should_widen(plain_decoding=True, drafts_outstanding=False, drafter_loading=True)
+    assert not should_widen(plain_decoding=True, drafts_outstanding=True, drafter_loading=True)
