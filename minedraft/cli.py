@@ -205,9 +205,24 @@ BENCH_SUBCOMMANDS = {
 }
 
 
+def recorded_command(argv: list[str]) -> str:
+    """The command line a result records: without --log-level, which changes what is printed, not what is measured
+    (so the command that regenerates a result matches it however the run was logged)."""
+    kept: list[str] = []
+    skip_value = False
+    for arg in argv:
+        if skip_value:
+            skip_value = False
+        elif arg == "--log-level":
+            skip_value = True
+        elif not arg.startswith("--log-level="):
+            kept.append(arg)
+    return "minedraft " + " ".join(kept)
+
+
 def cmd_bench_module(args: argparse.Namespace) -> int:
     module = importlib.import_module(f"minedraft.bench.{args.bench_command}")
-    return int(module.run(args, command="minedraft " + " ".join(args.argv)))
+    return int(module.run(args, command=recorded_command(args.argv)))
 
 
 def build_parser() -> argparse.ArgumentParser:

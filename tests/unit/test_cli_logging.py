@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from minedraft.cli import build_parser
+from minedraft.cli import build_parser, recorded_command
 
 PROBE = """
 import os, sys
@@ -45,3 +45,9 @@ def test_info_keeps_vllm_info_lines() -> None:
 def test_an_unknown_level_is_refused_by_name() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--log-level", "loud", "operator", "crd"])
+
+
+def test_a_benchmark_records_its_command_without_the_log_level() -> None:
+    assert recorded_command(["--log-level", "WARNING", "bench", "steps", "--contexts", "512"]) == (
+        "minedraft bench steps --contexts 512")
+    assert recorded_command(["--log-level=debug", "bench", "stall"]) == "minedraft bench stall"
