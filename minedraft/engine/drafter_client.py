@@ -109,11 +109,14 @@ class DrafterClient:
                 time.sleep(0.2)
         return self.state is DrafterState.UP
 
-    def kill(self) -> None:
-        """Stop the process at once (used for restarts and in fault tests)."""
+    def kill(self, wait: bool = True) -> None:
+        """Stop the process at once (used for restarts and in fault tests). Without `wait` the exit is reaped later
+        by check_alive: a hung drafter is killed from the engine's step thread, and a large process's exit (its
+        memory torn down) took tenths of a second there, a gap in every stream."""
         if self._process is not None and self._process.poll() is None:
             self._process.kill()
-            self._process.wait(timeout=30)
+            if wait:
+                self._process.wait(timeout=30)
 
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
@@ -169,7 +172,7 @@ class DrafterClient:
     def mark_hung(self, reason: str) -> None:
         self.last_error = reason
         log.error("drafter hung (%s); restarting", reason)
-        self.kill()
+        self.kill(wait=False)
         self.state = DrafterState.DOWN
         self.check_alive()
 

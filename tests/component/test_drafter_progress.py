@@ -59,6 +59,17 @@ def test_a_slow_drafter_finishes_its_jobs_unrestarted_and_a_stopped_one_is_resta
     pid = client.pid()
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
+    # The hang is handled on the engine's step thread: it kills the process and must not wait there for the exit.
+    stopped = client._process
+    assert stopped is not None
+    waited_on_step_thread: list[float] = []
+    real_wait = stopped.wait
+
+    def recording_wait(timeout=None):
+        waited_on_step_thread.append(timeout)
+        return real_wait(timeout)
+
+    stopped.wait = recording_wait
     try:
         assert link.submit(0, [protocol.DraftItem("slow", [7], 12, len(context))], want_logprobs=False)
         started = time.monotonic()
@@ -68,6 +79,8 @@ def test_a_slow_drafter_finishes_its_jobs_unrestarted_and_a_stopped_one_is_resta
         with contextlib.suppress(ProcessLookupError):  # (the restart killed it already)
             os.kill(pid, signal.SIGCONT)
     assert link.num_hangs == 1 and link.tickets == {}
+    assert waited_on_step_thread == [], "the step thread waited for the hung drafter's exit"
+    assert stopped.poll() is not None or real_wait(30) is not None  # killed all the same, reaped later
     # The replacement starts after the client's restart back-off, in the background; the link notices it once.
     assert client.wait_ready(120) and client.state is DrafterState.UP
     assert client.num_starts == 2 and link.take_restarted() and not link.take_restarted()
