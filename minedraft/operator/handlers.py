@@ -59,10 +59,11 @@ async def _autoscale(body: kopf.Body, patch: kopf.Patch, memo: Memo, logger: Log
     if spec.autoscaling is None:
         return
     now = time.time()
-    if not memo.autoscaler.due(meta.namespace, meta.name, spec.autoscaling.interval_seconds, now):
-        return
     old_status: Mapping[str, Any] = body.get("status") or {}
     async with aiohttp.ClientSession() as session:
+        # The interval passed, or (one cheap read per tick) the engines' queue grew since the last evaluation.
+        if not await memo.autoscaler.should_evaluate(session, spec, meta, now):
+            return
         evaluation = await memo.autoscaler.evaluate(session, spec, meta, old_status.get("scaling"), now)
     decision, metrics, labels = evaluation.decision, memo.metrics, (meta.namespace, meta.name)
     if decision.changed:
@@ -251,7 +252,8 @@ async def run_operator(settings: OperatorSettings, client: KubeClient | None = N
 
         start_http_server(settings.metrics_port, registry=metrics.registry)
     memo = Memo(reconciler=Reconciler(client, settings.render_options(available), metrics), metrics=metrics,
-                autoscaler=Autoscaler(settings.prometheus_url, client.ready_addresses))
+                autoscaler=Autoscaler(settings.prometheus_url, client.ready_addresses,
+                                      tick_seconds=settings.autoscale_tick_seconds))
     try:
         await kopf.operator(
             registry=build_registry(settings, connection),

@@ -4,7 +4,10 @@ The kopf timer (handlers.py) calls `Autoscaler.evaluate` every tick; it acts onl
 `intervalSeconds` have passed — except at zero replicas, where every tick is due: then the only signal is the
 gateway's `minedraft_gateway_streams_waiting` (streams held at the gateway until an engine is ready), read from
 Prometheus or scraped from the gateway pods, and one waiting stream scales to one replica at once (a stream's wait
-is then a tick plus a replica's startup, not an interval more).
+is then a tick plus a replica's startup, not an interval more). Between evaluations, every tick also reads the
+engines' waiting requests (one Prometheus query, or a scrape of the engine pods) and evaluates at once when they grew
+since the last evaluation (`should_evaluate`, the trigger `policy.evaluate_early`): a queue that builds between two
+evaluations is seen at the next tick, not at the next interval.
 
 Per-MineDraft memory (policy state, the previous direct scrape) lives in the
 Autoscaler object held in the operator's memo, not at module level.
@@ -26,6 +29,7 @@ from minedraft.operator.autoscale.policy import (
     PolicyConfig,
     PolicyState,
     decide,
+    evaluate_early,
     wake_from_zero,
 )
 
@@ -114,6 +118,10 @@ class _Memory:
     scrapes: dict[str, observe.Scrape] = field(default_factory=dict)
     # The last evaluation found zero replicas and left them so: every tick is due (the gateway is polled).
     at_zero: bool = False
+    # The engines' waiting requests at the last evaluation with metrics: the fast path triggers when they grow.
+    last_waiting: float | None = None
+    # When the last scale-up was decided: no early evaluation within an interval of it (the step is per interval).
+    last_scale_up_seconds: float | None = None
 
 
 Fetch = Callable[[str, str, float], Awaitable[Observations]]
@@ -123,8 +131,10 @@ class Autoscaler:
     """Per-operator: remembers each MineDraft's policy state between evaluations."""
 
     def __init__(self, default_prometheus: str | None,
-                 engine_addresses: Callable[[str, str], Awaitable[list[str]]]) -> None:
+                 engine_addresses: Callable[[str, str], Awaitable[list[str]]], tick_seconds: float = 5.0) -> None:
         self.default_prometheus = default_prometheus
+        # The operator's tick: the fast path evaluates early at most once per tick.
+        self.tick_seconds = tick_seconds
         self.engine_addresses = engine_addresses
         self._memory: dict[tuple[str, str], _Memory] = {}
 
@@ -138,6 +148,41 @@ class Autoscaler:
         last = memory.last_evaluation_seconds
         # A little slack: a timer tick that lands just short of the interval should not wait a whole extra tick.
         return last is None or now_seconds - last >= interval_seconds - 0.25
+
+    async def should_evaluate(self, session: Any, spec: s.MineDraftSpec, meta: s.ObjectMeta, now_seconds: float
+                              ) -> bool:
+        """Due (interval passed, or at zero), or the engines' waiting requests grew since the last evaluation."""
+        assert spec.autoscaling is not None
+        if self.due(meta.namespace, meta.name, spec.autoscaling.interval_seconds, now_seconds):
+            return True
+        memory = self._memory.get((meta.namespace, meta.name))
+        if memory is None or memory.last_waiting is None:
+            return False
+        config = policy_config(spec)
+        # Cheap to rule out without I/O: nothing can trigger (at zero, at the maximum, within the gap).
+        if not evaluate_early(config, spec.desired_replicas, memory.last_waiting, memory.last_evaluation_seconds,
+                              memory.last_waiting + 1, now_seconds, self.tick_seconds,
+                              memory.last_scale_up_seconds):
+            return False
+        try:
+            waiting = await self._engines_waiting(session, spec, meta)
+        except observe.MetricsUnavailable:
+            return False  # the regular evaluation reports unavailable metrics; the fast path just stays quiet
+        return evaluate_early(config, spec.desired_replicas, memory.last_waiting, memory.last_evaluation_seconds,
+                              waiting, now_seconds, self.tick_seconds, memory.last_scale_up_seconds)
+
+    async def _engines_waiting(self, session: Any, spec: s.MineDraftSpec, meta: s.ObjectMeta) -> float | None:
+        assert spec.autoscaling is not None
+        engine_service = render.names(meta)["engine"]
+        address = spec.autoscaling.prometheus_address or self.default_prometheus
+        if address:
+            return await observe.query_engines_waiting(session, address, meta.namespace, engine_service)
+        # A scrape of its own: the evaluation's rates come from the difference between its own scrapes.
+        hosts = await self.engine_addresses(meta.namespace, engine_service)
+        scrapes = await observe.scrape_engines(session, [f"{h}:{render.ENGINE_METRICS_PORT}" for h in hosts], 0.0)
+        if not scrapes:
+            return None
+        return sum(x.gauges.get(observe.ENGINE_WAITING_METRIC, 0.0) for x in scrapes.values())
 
     async def _observe(self, session: Any, spec: s.MineDraftSpec, meta: s.ObjectMeta, memory: _Memory,
                        now_seconds: float) -> Observations:
@@ -208,6 +253,9 @@ class Autoscaler:
             observations, unavailable = None, exc
         current = spec.desired_replicas
         decision, memory.state = decide(policy_config(spec), memory.state, current, observations, now_seconds)
+        memory.last_waiting = observations.waiting_requests if observations is not None else None
+        if decision.desired > decision.current:
+            memory.last_scale_up_seconds = now_seconds
         # Gone to zero: from the next tick on, the gateway is polled every tick.
         memory.at_zero = decision.desired == 0
         if unavailable is not None and not decision.changed:

@@ -207,6 +207,23 @@ async def scrape_engines(session: aiohttp.ClientSession, addresses: Sequence[str
     return {address: scrape for address, scrape in answers if scrape is not None}
 
 
+# -- the engines' waiting requests alone (the fast path's per-tick check) --------------------------------------
+
+ENGINE_WAITING_METRIC = "minedraft_engine_waiting_requests"
+
+
+async def query_engines_waiting(session: aiohttp.ClientSession, address: str, namespace: str,
+                                engine_service: str) -> float | None:
+    """One instant query: requests waiting at this MineDraft's engines, summed; None if no engine series."""
+    query = PROMETHEUS_QUERIES["waiting"].format(sel=selector(namespace, engine_service))
+    try:
+        result = await prometheus_api(session, address, "query", {"query": query})
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        raise MetricsUnavailable("PrometheusUnreachable", f"Prometheus at {address}: {exc or type(exc).__name__}"
+                                 ) from exc
+    return _scalar(result)
+
+
 # -- the gateway's waiting streams (scale from zero) ---------------------------------------------------------------
 
 GATEWAY_WAITING_METRIC = "minedraft_gateway_streams_waiting"

@@ -433,6 +433,32 @@ def wake_from_zero(config: PolicyConfig, current: int, streams_waiting: float | 
                                       "for an engine", True)
 
 
+def evaluate_early(config: PolicyConfig, current: int, last_waiting: float | None,
+                   last_evaluation_seconds: float | None, waiting_now: float | None, now_seconds: float,
+                   min_gap_seconds: float, last_scale_up_seconds: float | None = None) -> bool:
+    """Whether to evaluate now, before the interval: the engines' waiting requests grew since the last evaluation.
+
+    A queue that grows between evaluations is a load the last evaluation did not see; waiting out the interval adds
+    up to an interval to every queued request's wait (and a replica's startup comes after it). Only the trigger
+    lives here: `decide` still sizes any change, with all its rules (step limits, spare capacity, tolerance), so an
+    early evaluation can ask for no more than a regular one would on the same figures. Rate-limited to one per
+    `min_gap_seconds` (the operator's tick); no trigger before a first evaluation, on an empty or shrinking queue,
+    or at the maximum (nothing to add); and none within an interval of the last scale-up: the scale-up step is a
+    limit per interval, which evaluations every tick would multiply (the queue keeps growing while the replicas
+    just asked for start, and each tick would add another step).
+    """
+    if waiting_now is None or waiting_now <= 0 or last_waiting is None or last_evaluation_seconds is None:
+        return False
+    if current <= 0 or current >= config.max_replicas:
+        return False  # at zero the gateway's gauge wakes the replicas (wake_from_zero); at the maximum nothing to add
+    # The same slack as the interval's: a tick landing just short of the gap should not wait a whole extra tick.
+    if now_seconds - last_evaluation_seconds < min_gap_seconds - 0.25:
+        return False
+    if last_scale_up_seconds is not None and now_seconds - last_scale_up_seconds < config.interval_seconds - 0.25:
+        return False
+    return waiting_now > last_waiting
+
+
 def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observations | None,
            now_seconds: float) -> tuple[Decision, PolicyState]:
     """The replica count to run next, why, and the state to pass to the next call.

@@ -7,7 +7,8 @@ mid-tick — and decode at the per-request speed the replica model gives for the
 A request's time to first token is its wait plus one step; it violates the SLO when that exceeds the trace's
 `slo_ttft_seconds`.
 
-Both policies see what they would see in a cluster: every interval (15 s), running and waiting requests now; the
+Both policies see what they would see in a cluster: every interval (15 s), running and waiting requests now (the
+minedraft policy also early, at an operator tick (5 s) where the waiting requests grew since its last evaluation); the
 minedraft policy also the output token rate and finished requests per second over the last minute (rate1m) and the
 engines' predicted goodput (their cost model's best over modes and k at the current batch, with the acceptance it
 has seen: an estimate that forgets 0.5% per decoding step, as the engine's, at the replicas' step rate). New
@@ -37,9 +38,11 @@ from minedraft.operator.autoscale.policy import (
     PolicyState,
     SpeculationFigures,
     decide,
+    evaluate_early,
     wake_from_zero,
 )
 from minedraft.operator.autoscale.replica_model import ReplicaModel, acceptance_rate_metric, accepted_length
+from minedraft.operator.settings import OperatorSettings
 
 POLICIES = ("minedraft", "hpa-queue", "oracle")
 DEFAULT_SLO_TTFT_SECONDS = 2.5
@@ -161,6 +164,10 @@ _BEST_CACHE: dict[tuple[int, float, float], tuple[float, str, int]] = {}
 MAX_BEST_CACHE = 500_000
 
 
+# The operator's default tick (its autoscaler's timer).
+OPERATOR_TICK_SECONDS = OperatorSettings.autoscale_tick_seconds
+
+
 @dataclass(frozen=True)
 class SimConfig:
     policy: str = "minedraft"
@@ -173,6 +180,9 @@ class SimConfig:
     initial_replicas: int | None = None  # default: what the trace's first row needs at the target utilisation
     # policy "oracle": replicas existing (serving or starting) per second, decided with perfect foresight.
     schedule: tuple[int, ...] | None = None
+    # Policy minedraft: the operator's tick, at which it reads the engines' waiting requests and evaluates early
+    # when they grew since the last evaluation (policy.evaluate_early); None: evaluations on the interval only.
+    operator_tick_seconds: float | None = OPERATOR_TICK_SECONDS
 
 
 def initial_replicas(trace: Trace, model: ReplicaModel, target_utilization: float) -> int:
@@ -230,6 +240,10 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
     first_reaction: float | None = None
     replicas_at_event = trace.max_replicas
     row_index = 0
+    # The operator's memory between evaluations: when the last one ran and the queue it saw.
+    last_evaluation_seconds, last_waiting = 0.0, 0.0
+    last_scale_up_seconds: float | None = None
+    fast_tick = int(config.operator_tick_seconds) if config.operator_tick_seconds else 0
     duration = int(trace.duration_seconds)
     for tick in range(duration):
         t = float(tick)
@@ -306,7 +320,14 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
             wake = wake_from_zero(policy_config, current, waiting)
             if wake is not None:
                 desired, reason = wake.desired, wake.reason
-        elif tick > 0 and tick % int(config.interval_seconds) == 0:
+                last_evaluation_seconds = t
+        elif (tick > 0 and tick % int(config.interval_seconds) == 0) if config.policy != "minedraft" else (
+                # As the operator: the interval counts from the last evaluation, and at each of its ticks a queue
+                # grown since that evaluation triggers one early.
+                t - last_evaluation_seconds >= config.interval_seconds
+                or (fast_tick > 0 and tick % fast_tick == 0
+                    and evaluate_early(policy_config, current, last_waiting, last_evaluation_seconds, waiting, t,
+                                       float(fast_tick), last_scale_up_seconds))):
             in_flight = busy
             if config.policy == "minedraft":
                 # The engines' gauge: their cost model's tokens/s at the batch they run now, with the acceptance of
@@ -325,6 +346,9 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
                                                                   mean_accepted_length=length,
                                                                   modes=(best_mode,)))
                 decision, policy_state = decide(policy_config, policy_state, current, obs, t)
+                last_evaluation_seconds, last_waiting = t, waiting
+                if decision.desired > current:
+                    last_scale_up_seconds = t
                 desired, reason = decision.desired, decision.reason
             else:
                 desired, reason, hpa_state = hpa_decide(hpa_config, hpa_state, current, ready,

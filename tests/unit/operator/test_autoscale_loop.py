@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from minedraft.operator import spec as s
 from minedraft.operator import status
 from minedraft.operator.autoscale import observe
-from minedraft.operator.autoscale.loop import Autoscaler, scaling_status
+from minedraft.operator.autoscale.loop import Autoscaler, _Memory, scaling_status
 from minedraft.operator.autoscale.policy import Decision, Inputs
 
 
@@ -228,3 +228,104 @@ def test_at_zero_with_prometheus_the_gateway_gauge_is_queried() -> None:
     evaluation = asyncio.run(run())
     assert evaluation.decision.desired == 1
     assert queries == [observe.gateway_waiting_query("ns", "q-gateway")]
+
+
+def spec_with_replicas(replicas: int, **autoscaling: Any) -> s.MineDraftSpec:
+    return s.parse_spec({
+        "target": {"source": {"image": {"path": "/models/t"}}}, "draft": {"source": {"image": {"path": "/models/d"}}},
+        "engine": {"maxNumSeqs": 32}, "replicas": replicas,
+        "autoscaling": {"minReplicas": 1, "maxReplicas": 8, "intervalSeconds": 15, **autoscaling}})
+
+
+def engine_exposition(running: float, waiting: float) -> str:
+    registry = CollectorRegistry()
+    Gauge("minedraft_engine_running_requests", "r", ["model"], registry=registry).labels("m").set(running)
+    Gauge("minedraft_engine_waiting_requests", "w", ["model"], registry=registry).labels("m").set(waiting)
+    Gauge("minedraft_engine_predicted_best_output_tokens_per_second", "p", ["model"],
+          registry=registry).labels("m").set(running * 30)
+    return generate_latest(registry).decode()
+
+
+def test_a_growing_queue_is_evaluated_before_the_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path without Prometheus: each tick scrapes the engines' waiting requests; grown since the last
+    evaluation -> evaluate now (not at the interval); unchanged -> nothing until the interval."""
+    load = {"running": 16.0, "waiting": 0.0}
+    scrapes: list[float] = []
+
+    async def addresses(namespace: str, service: str) -> list[str]:
+        assert service == "qwen-engine"
+        return ["10.0.0.1"]
+
+    async def scrape(session: Any, addrs: list[str], at: float) -> dict[str, observe.Scrape]:
+        scrapes.append(at)
+        return {a: observe.parse_exposition(engine_exposition(load["running"], load["waiting"]), at) for a in addrs}
+
+    monkeypatch.setattr(observe, "scrape_engines", scrape)
+    scaler = Autoscaler(None, addresses, tick_seconds=5.0)
+    meta = s.ObjectMeta("qwen", "serving", "uid")
+    spec = spec_with_replicas(2, intervalSeconds=60)
+    assert spec.desired_replicas == 2
+
+    def should(now: float) -> bool:
+        return asyncio.run(scaler.should_evaluate(None, spec, meta, now))
+
+    assert should(1000.0)  # never evaluated: due
+    first = asyncio.run(scaler.evaluate(None, spec, meta, None, 1000.0))
+    assert first.decision.metrics_available
+    # Same load at the next ticks: no early evaluation (the check scraped, found nothing grown).
+    before = len(scrapes)
+    assert not should(1005.0) and not should(1010.0)
+    assert len(scrapes) == before + 2
+    # Within a tick of the last evaluation: not even a scrape.
+    load["waiting"] = 12.0
+    assert not should(1002.0) and len(scrapes) == before + 2
+    # The queue grew: evaluated at this tick, 15 s after the last evaluation instead of 60.
+    assert should(1015.0)
+    grown = asyncio.run(scaler.evaluate(None, spec, meta, first.scaling, 1015.0))
+    assert grown.observations is not None and grown.observations.waiting_requests == 12.0
+    # The queue holds at 12: nothing grown since that evaluation, so no more early ones; the interval counts from it.
+    assert not should(1020.0) and not should(1070.0) and should(1075.0)
+
+
+def test_the_fast_path_with_prometheus_is_one_query_of_the_waiting_requests() -> None:
+    """A real HTTP round trip: the per-tick check asks Prometheus one instant query, the engines' waiting sum."""
+    from aiohttp import web
+
+    queries: list[str] = []
+    waiting = [0.0]
+
+    async def query(request: web.Request) -> web.Response:
+        queries.append(request.query["query"])
+        return web.json_response({"status": "success", "data": {"resultType": "vector",
+                                                                "result": [sample(waiting[0])]}})
+
+    async def run() -> tuple[bool, bool]:
+        import aiohttp
+
+        app = web.Application()
+        app.router.add_get("/api/v1/query", query)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            async def no_scrape(namespace: str, service: str) -> list[str]:
+                raise AssertionError("Prometheus is configured: no scraping")
+
+            scaler = Autoscaler(f"http://127.0.0.1:{port}", no_scrape)
+            spec = spec_with_replicas(2, intervalSeconds=60)
+            meta = s.ObjectMeta("q", "ns", "u")
+            async with aiohttp.ClientSession() as session:
+                # As after an evaluation at t=0 that saw one waiting request.
+                scaler._memory[("ns", "q")] = _Memory(last_evaluation_seconds=0.0, last_waiting=1.0)
+                quiet = await scaler.should_evaluate(session, spec, meta, 5.0)
+                waiting[0] = 3.0
+                grown = await scaler.should_evaluate(session, spec, meta, 10.0)
+            return quiet, grown
+        finally:
+            await runner.cleanup()
+
+    quiet, grown = asyncio.run(run())
+    assert not quiet and grown
+    assert queries == [observe.PROMETHEUS_QUERIES["waiting"].format(sel=observe.selector("ns", "q-engine"))] * 2

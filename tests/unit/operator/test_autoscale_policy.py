@@ -15,6 +15,7 @@ from minedraft.operator.autoscale.policy import (
     batch_slowdown,
     decide,
     estimate_demand,
+    evaluate_early,
     forecast_arrivals,
     lead_seconds,
     per_request_speed,
@@ -527,3 +528,23 @@ def test_tokens_per_request_at_a_rise_come_from_the_longer_average() -> None:
                                     41 * 15.0)
     assert basis == "arrivals"
     assert demand == pytest.approx(2.0 * 200.0 / 2.0, rel=0.05)  # 2 arrivals/s x ~100 tokens, no queue
+
+
+def test_evaluate_early_when_the_queue_grew_since_the_last_evaluation() -> None:
+    """The fast path's trigger: waiting requests up since the last evaluation, at most once per tick."""
+    # last evaluation at t=100 saw 2 waiting; 5 s ticks.
+    assert evaluate_early(CONFIG, 3, 2.0, 100.0, 6.0, 105.0, 5.0)
+    assert evaluate_early(CONFIG, 3, 0.0, 100.0, 1.0, 110.0, 5.0)  # a queue where there was none
+    assert not evaluate_early(CONFIG, 3, 2.0, 100.0, 2.0, 105.0, 5.0)  # not grown
+    assert not evaluate_early(CONFIG, 3, 6.0, 100.0, 2.0, 105.0, 5.0)  # shrinking
+    assert not evaluate_early(CONFIG, 3, 0.0, 100.0, 0.0, 105.0, 5.0)  # no queue
+    assert not evaluate_early(CONFIG, 3, 2.0, 100.0, 6.0, 102.0, 5.0)  # within a tick of the last evaluation
+    assert evaluate_early(CONFIG, 3, 2.0, 100.0, 6.0, 104.8, 5.0)  # a tick landing just short still counts
+    assert not evaluate_early(CONFIG, 3, None, None, 6.0, 105.0, 5.0)  # no evaluation yet: the interval's job
+    assert not evaluate_early(CONFIG, 3, 2.0, 100.0, None, 105.0, 5.0)  # no figure now
+    assert not evaluate_early(CONFIG, CONFIG.max_replicas, 2.0, 100.0, 6.0, 105.0, 5.0)  # nothing to add
+    assert not evaluate_early(CONFIG, 0, 2.0, 100.0, 6.0, 105.0, 5.0)  # at zero: the gateway's gauge wakes
+    # The scale-up step is per interval (15 s here): no early evaluation within an interval of the last scale-up.
+    assert not evaluate_early(CONFIG, 3, 2.0, 100.0, 6.0, 105.0, 5.0, last_scale_up_seconds=95.0)
+    assert evaluate_early(CONFIG, 3, 2.0, 100.0, 6.0, 110.0, 5.0, last_scale_up_seconds=95.0)
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -131,3 +132,19 @@ def test_simulate_command_writes_json_and_plot(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert set(data) >= {"replica_seconds", "slo_violation_fraction", "max_queue", "direction_changes", "decisions"}
     assert data["policy"] == "hpa-queue" and data["decisions"] and png.stat().st_size > 10_000
+
+
+def test_the_fast_path_evaluates_at_an_operator_tick_when_the_queue_grows() -> None:
+    """Policy minedraft: a load that jumps at t=17 (between the 15 s and 30 s evaluations) is evaluated at the next
+    5 s operator tick, t=20, where the queue has grown since the last evaluation; without the fast path, at t=30."""
+    jump = parse_trace("\n".join(json.dumps(r) for r in [
+        {"config": {"duration_seconds": 120, "max_replicas": 20, "event_seconds": 17}},
+        {"t": 0, "arrival_rps": 2, "prompt_tokens": 256, "output_tokens": 128, "acceptance_rate": 0.6},
+        {"t": 17, "arrival_rps": 80, "prompt_tokens": 256, "output_tokens": 512, "acceptance_rate": 0.6}]), "jump")
+    fast = simulate(jump, MODEL, SimConfig(initial_replicas=1))
+    slow = simulate(jump, MODEL, SimConfig(initial_replicas=1, operator_tick_seconds=None))
+    assert fast.first_reaction_seconds == 3.0 and slow.first_reaction_seconds == 13.0
+    assert all(d["t"] % 15 == 0 for d in slow.decisions)
+    # Never two scale-ups within an interval: the step limit stays one per interval.
+    ups = [d["t"] for d in fast.decisions if d["to"] > d["from"]]
+    assert ups[0] == 20.0 and all(b - a >= 15 for a, b in itertools.pairwise(ups))
