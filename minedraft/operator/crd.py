@@ -197,8 +197,9 @@ def spec_schema() -> Schema:
             "scaleDownStabilizationSeconds": _int("Seconds a lower replica count must persist before scaling down.",
                                                   default=auto.scale_down_stabilization_seconds, minimum=0,
                                                   maximum=86400),
-            "maxScaleUpStep": _int("Most replicas added in one decision, or the current count if that is "
-                                   "more (up to doubling, as the HPA's default).", default=auto.max_scale_up_step,
+            "maxScaleUpStep": _int("Most replicas added in one decision beyond what the measured arrivals and "
+                                   "the requests already in the system need (those are added at once), or the "
+                                   "current count if that is more (up to doubling, as the HPA's default).", default=auto.max_scale_up_step,
                                    minimum=1, maximum=s.MAX_REPLICAS),
             "speculation": _obj("What each engine may choose between when it adapts its speculation.", {
                 "allowedModes": {"type": "array", "description": "Modes auto mode switches between (psd, sd, ar).",
