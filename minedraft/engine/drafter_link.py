@@ -71,6 +71,10 @@ class DrafterLink:
         if self.client is None:
             return False
         now = self._clock()
+        if self.client.num_starts != self._starts_seen:
+            # A new process (killed and replaced since the last look): jobs sent to the old one will never be
+            # answered, and their age says nothing about the new one. take_restarted() still reports the restart.
+            self._clear()
         if (self.tickets and self._busy_since is not None
                 and now - max(self._busy_since, self._last_heard_at) > self.hang_seconds):
             self.num_hangs += 1

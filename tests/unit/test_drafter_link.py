@@ -295,3 +295,24 @@ def test_loading_is_said_only_while_a_drafter_process_starts() -> None:
     client.state = DrafterState.DOWN
     assert not link.loading
     assert not DrafterLink(None, hang_seconds=30.0, max_failed_jobs=3).loading
+
+
+def test_jobs_sent_to_a_replaced_drafter_do_not_make_its_successor_look_hung():
+    # Seen in the merged suite: a job was outstanding when the shared engine went idle; the drafter was then killed
+    # and replaced; at the next step the old ticket's age (minutes) was taken for a hang of the new process, which
+    # was killed in turn.
+    clock = Clock()
+    client = FakeClient()
+    link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3, clock=clock)  # type: ignore[arg-type]
+    assert link.submit(0, [item("a")], False)
+    clock.now += 300.0
+    client.num_starts += 1  # killed and replaced outside the link (a crash, an operator, a test)
+    assert link.check()
+    assert link.num_hangs == 0 and client.hung_reasons == []
+    assert link.tickets == {}
+    assert link.take_restarted() and not link.take_restarted()
+    # The new process is judged from its own jobs.
+    assert link.submit(0, [item("a")], False)
+    clock.now += 6.0
+    link.check()
+    assert link.num_hangs == 1
