@@ -199,8 +199,8 @@ def spec_schema() -> Schema:
                                                   maximum=86400),
             "maxScaleUpStep": _int("Most replicas added in one decision beyond what the measured arrivals and "
                                    "the requests already in the system need (those are added at once), or the "
-                                   "current count if that is more (up to doubling, as the HPA's default).", default=auto.max_scale_up_step,
-                                   minimum=1, maximum=s.MAX_REPLICAS),
+                                   "current count if that is more (up to doubling, as the HPA's default).",
+                                   default=auto.max_scale_up_step, minimum=1, maximum=s.MAX_REPLICAS),
             "speculation": _obj("What each engine may choose between when it adapts its speculation.", {
                 "allowedModes": {"type": "array", "description": "Modes auto mode switches between (psd, sd, ar).",
                                  "items": _str("A mode.", enum=list(s.AUTO_MODES)), "minItems": 1,
