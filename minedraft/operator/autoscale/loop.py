@@ -171,10 +171,15 @@ class Autoscaler:
         return evaluate_early(config, spec.desired_replicas, memory.last_waiting, memory.last_evaluation_seconds,
                               waiting, now_seconds, self.tick_seconds, memory.last_scale_up_seconds)
 
+    def _prometheus_address(self, spec: s.MineDraftSpec) -> str | None:
+        """The MineDraft's own Prometheus, else the operator's; None: scrape the pods."""
+        assert spec.autoscaling is not None
+        return spec.autoscaling.prometheus_address or self.default_prometheus
+
     async def _engines_waiting(self, session: Any, spec: s.MineDraftSpec, meta: s.ObjectMeta) -> float | None:
         assert spec.autoscaling is not None
         engine_service = render.names(meta)["engine"]
-        address = spec.autoscaling.prometheus_address or self.default_prometheus
+        address = self._prometheus_address(spec)
         if address:
             return await observe.query_engines_waiting(session, address, meta.namespace, engine_service)
         # A scrape of its own: the evaluation's rates come from the difference between its own scrapes.
@@ -188,7 +193,7 @@ class Autoscaler:
                        now_seconds: float) -> Observations:
         assert spec.autoscaling is not None
         engine_service = render.names(meta)["engine"]
-        address = spec.autoscaling.prometheus_address or self.default_prometheus
+        address = self._prometheus_address(spec)
         if address:
             return await observe.query_prometheus(session, address, meta.namespace, engine_service, now_seconds)
         # No Prometheus: scrape each ready engine pod's metrics port (addresses from the engine Service's
@@ -202,7 +207,7 @@ class Autoscaler:
     async def _gateway_waiting(self, session: Any, spec: s.MineDraftSpec, meta: s.ObjectMeta) -> float | None:
         assert spec.autoscaling is not None
         gateway_service = render.names(meta)["gateway"]
-        address = spec.autoscaling.prometheus_address or self.default_prometheus
+        address = self._prometheus_address(spec)
         if address:
             return await observe.query_gateway_waiting(session, address, meta.namespace, gateway_service)
         hosts = await self.engine_addresses(meta.namespace, gateway_service)
