@@ -351,7 +351,8 @@ def add_subcommand(sub: Any) -> None:
     parser.add_argument("--backend", default="torch", choices=["torch", "vllm"])
     parser.add_argument("--device", default="cpu", help="torch backend: cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="longest context in tokens")
+    parser.add_argument("--max-model-len", type=int, default=0,
+                        help="longest context in tokens (0: the draft model's own max_position_embeddings)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="requests the drafter holds (all engines)")
     parser.add_argument("--window", type=int, default=0,
                         help="torch backend: draft from at most the last W tokens of each context plus a few "
@@ -366,12 +367,19 @@ def cmd_drafter(args: argparse.Namespace) -> int:
     from minedraft.models.spec import default_pair_dir
 
     token = wire.read_token(args.token_file)
+    model = args.model or str(default_pair_dir() / "draft")
+    max_model_len = args.max_model_len
+    if not max_model_len and args.backend == "torch":
+        # The torch drafter sizes its RoPE table by it (the vLLM backend fits its own).
+        from transformers import AutoConfig
+
+        max_model_len = int(AutoConfig.from_pretrained(model).max_position_embeddings)
     settings: dict[str, Any] = {
-        "model": args.model or str(default_pair_dir() / "draft"),
+        "model": model,
         "backend": args.backend,
         "device": args.device,
         "dtype": args.dtype,
-        "max_model_len": args.max_model_len,
+        "max_model_len": max_model_len,
         # The torch backend keeps 2 * max_num_seqs + 8 slots.
         "max_num_seqs": args.max_num_seqs,
         "cpu_cores": [int(c) for c in args.cores.split(",")] if args.cores else [],
@@ -397,10 +405,12 @@ def serve(settings: dict[str, Any], host: str, port: int, token: bytes, service:
     socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
     # Never block the loop on one slow engine: its messages are dropped instead (it times the service out).
     socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    drafter = make_drafter(settings)
+    # Bound once the model is loaded: an open port means ready (a TCP readiness probe asks exactly that), and engines
+    # that connect earlier retry with back-off meanwhile.
     bound_port = socket.bind_to_random_port(f"tcp://{host}") if port == 0 else port
     if port:
         socket.bind(f"tcp://{host}:{port}")
-    drafter = make_drafter(settings)
     poison = os.environ.get(POISON_TOKEN_ENV)
     server = DrafterServer(drafter, drafter.vocab_size, None,
                            step_sleep_seconds=float(os.environ.get(STEP_SLEEP_ENV) or 0.0),

@@ -247,6 +247,7 @@ def spec_schema() -> Schema:
             "cpu": _quantity("CPU request per gateway pod.", gw.cpu),
             "memory": _quantity("Memory request and limit per gateway pod.", gw.memory),
         }, default={}),
+        "drafterPool": _drafter_pool(),
     }, required=["target", "draft"], **{"x-kubernetes-validations": [
         # Creation only (optionalOldSelf: on create oldSelf has no value): afterwards the autoscaler writes
         # spec.replicas through /scale, which the next rule keeps within bounds.
@@ -264,6 +265,33 @@ def spec_schema() -> Schema:
               "self.speculation.mode in self.autoscaling.speculation.allowedModes",
               "autoscaling.speculation.allowedModes must include the fixed speculation.mode (or use mode auto)",
               ".autoscaling.speculation.allowedModes"),
+        _rule("!has(self.drafterPool) || self.speculation.mode in ['psd', 'sd', 'auto']",
+              "drafterPool needs speculation.mode psd, sd or auto (the modes that draft with the minedraft drafter)",
+              ".drafterPool"),
+    ]})
+
+
+def _drafter_pool() -> Schema:
+    pool = s.DrafterPoolSpec(s.SecretKeyRef("", ""))
+    return _obj("A drafter service shared by every engine replica (minedraft drafter): engine pods then request only "
+                "the target's GPUs and draft through it; only this MineDraft's engine pods may reach it.", {
+        "tokenSecretRef": _secret_key_ref("Secret with the token engines and drafter pool authenticate each other "
+                                          "with (at least 16 bytes); mounted as a file, never an environment "
+                                          "variable."),
+        "replicas": _int("Drafter pool replicas.", default=pool.replicas, minimum=0, maximum=64),
+        "gpus": _int("GPUs per drafter pod (0: the drafter runs on CPUs).", default=pool.gpus, minimum=0, maximum=8),
+        "backend": _str("Drafter backend: vllm (any architecture) or torch (Llama/Qwen3, with window support).",
+                        enum=list(s.DRAFTER_BACKENDS), default=pool.backend),
+        "window": _int("torch backend: each draft step reads at most the last window tokens of a context plus 4 "
+                       "attention-sink tokens (0: the whole context).", default=pool.window, minimum=0),
+        "cpu": _quantity("CPU request per drafter pod.", pool.cpu),
+        "memory": _quantity("Memory request and limit per drafter pod.", pool.memory),
+        "maxQueuedJobs": _int("Draft jobs queued (all engines) before the pool answers busy and engines decode "
+                              "without drafts.", default=pool.max_queued_jobs, minimum=1, maximum=100000),
+        "port": _int("Port of the drafter pool's Service.", default=pool.port, minimum=1, maximum=65535),
+    }, required=["tokenSecretRef"], **{"x-kubernetes-validations": [
+        _rule("self.window == 0 || self.backend == 'torch'",
+              "drafterPool.window needs backend torch (vLLM's sliding window keeps no sink tokens)", ".window"),
     ]})
 
 
