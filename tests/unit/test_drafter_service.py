@@ -239,3 +239,75 @@ def test_a_short_or_missing_token_file_is_refused_without_showing_the_token(tmp_
     assert "secret" not in str(exc.value) and exc.value.field_name == "drafter.token_file"
     with pytest.raises(SettingsError):
         wire.read_token(str(tmp_path / "missing"))
+
+
+def test_a_busy_answer_releases_the_sub_batchs_ticket_at_once():
+    """The engine's link routes DrafterBusy to the job's sub-batch (the scheduler then verifies it without drafts and
+    counts it) instead of leaving the ticket to time out."""
+    from minedraft.engine.drafter_link import DrafterLink
+
+    from .test_drafter_link import FakeClient
+
+    client = FakeClient()
+    link = DrafterLink(client, hang_seconds=30.0, max_failed_jobs=3)  # type: ignore[arg-type]
+    assert link.submit(0, [protocol.DraftItem("r", [1, 2], 3)], False)
+    client.inbox.append(protocol.DrafterBusy(client.sent_jobs[-1], "queue full"))
+    seen: list[tuple[int | None, Any]] = []
+    link.poll(0.0, lambda group, message: seen.append((group, message)))
+    assert 0 not in link.tickets
+    assert seen and seen[0][0] == 0 and isinstance(seen[0][1], protocol.DrafterBusy)
+
+
+def _fake_service(token: bytes, answer_proof: bool = True) -> tuple[Any, int, Any]:
+    """A ROUTER socket on loopback answering one handshake (a correct proof, or one made with another token)."""
+    import threading
+
+    import zmq
+
+    context = zmq.Context.instance()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def serve() -> None:
+        if not router.poll(10_000):
+            return
+        peer, data = router.recv_multipart()
+        hello = wire.decode_to_service(data)
+        assert isinstance(hello, wire.Hello)
+        nonce = wire.new_nonce()
+        router.send_multipart([peer, wire.encode(wire.Challenge(nonce))])
+        if not router.poll(10_000):
+            return
+        peer, data = router.recv_multipart()
+        proof_token = token if answer_proof else b"an-impostor-without-the-token"
+        proof = wire.server_proof(proof_token, hello.client_nonce, nonce)
+        router.send_multipart([peer, wire.encode(wire.Welcome("s-1", proof, "draft", 1000))])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return router, port, thread
+
+
+@pytest.mark.parametrize("honest", [True, False], ids=["service-holds-the-token", "impostor"])
+def test_the_engine_checks_the_services_proof_before_sending_it_anything(honest: bool):
+    from minedraft.engine.drafter_client import DrafterState
+    from minedraft.engine.drafter_remote import RemoteDrafterClient
+
+    router, port, thread = _fake_service(TOKEN, answer_proof=honest)
+    client = RemoteDrafterClient(f"127.0.0.1:{port}", TOKEN, connect_timeout_seconds=10.0)
+    try:
+        client.start()
+        up = client.wait_ready(10)
+        thread.join(10)
+        assert up is honest
+        if honest:
+            assert client.session_id == "s-1" and client.state is DrafterState.UP
+        else:
+            # (It keeps retrying with back-off: a proper service may come up at that address.)
+            assert client.state is not DrafterState.UP and "failed authentication" in (client.last_error or "")
+            # Nothing goes to an impostor: no job is taken while down.
+            assert client.submit([protocol.DraftItem("r", [1], 1)], False) is None
+    finally:
+        client.shutdown()
+        router.close(linger=0)
