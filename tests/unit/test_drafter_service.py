@@ -311,3 +311,29 @@ def test_the_engine_checks_the_services_proof_before_sending_it_anything(honest:
     finally:
         client.shutdown()
         router.close(linger=0)
+
+
+def test_serve_takes_a_drafter_service_address_token_file_and_window(tmp_path):
+    from minedraft.cli import build_parser, settings_from_args
+    from minedraft.engine.core import Engine, drafter_process_settings
+    from minedraft.engine.drafter_remote import RemoteDrafterClient
+
+    token_file = tmp_path / "token"
+    token_file.write_bytes(TOKEN)
+    args = build_parser().parse_args(["serve", "--model", "t", "--draft", "d", "--drafter-address", "pool:50061",
+                                      "--drafter-token-file", str(token_file), "--drafter-window", "256"])
+    settings = settings_from_args(args)
+    assert (settings.drafter.address, settings.drafter.token_file, settings.drafter.window) == (
+        "pool:50061", str(token_file), 256)
+    # The local drafter process gets the window too (torch backend).
+    assert drafter_process_settings(settings)["drafter_window"] == 256
+    # The engine drafts through a session with the service instead of starting a process (nothing is listening
+    # there: the client is only created and says hello).
+    client = Engine._start_drafter(object(), settings)  # type: ignore[arg-type]
+    try:
+        assert isinstance(client, RemoteDrafterClient) and client.address == "pool:50061"
+    finally:
+        client.shutdown()
+    # Without the address, the local drafter stays the default.
+    local = settings_from_args(build_parser().parse_args(["serve", "--model", "t", "--draft", "d"]))
+    assert local.drafter.address is None and local.drafter.window == 0
