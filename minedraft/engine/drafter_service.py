@@ -17,12 +17,12 @@ in authenticated sessions (drafter_wire.py). What the service adds to the local 
 - faults: a batch that fails is re-run job by job, so a poison request from one engine costs only that engine's job
   (the drafter names the request, the engine quarantines it) and no other engine's drafts.
 
-ServiceCore is the service without the socket (tests drive it directly); `serve` is the thin ZMQ loop around it.
+ServiceCore is the service without the socket (tests drive it directly); `serve` is the thin ZMQ loop around it;
+the `minedraft drafter` command (minedraft/server/drafter_cli.py) adds the Prometheus endpoint.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import logging
@@ -95,12 +95,21 @@ class Batch:
 
 @dataclass
 class ServiceCounters:
+    """Monotonic totals since the service started (the pool's metrics read them)."""
+
     jobs_done: int = 0
     batches: int = 0
     shared_batches: int = 0
     busy_replies: int = 0
     sessions_expired: int = 0
     failed_batches: int = 0
+    # Requests drafted, summed over batches (mean batch size = batch_requests / batches).
+    batch_requests: int = 0
+    # Seconds spent drafting batches (utilisation = its rate).
+    drafting_seconds: float = 0.0
+    # Per engine (by the name it gave): jobs answered, and seconds from a job's arrival to its answer.
+    engine_jobs: dict[str, int] = field(default_factory=dict)
+    engine_job_seconds: dict[str, float] = field(default_factory=dict)
 
 
 class ServiceCore:
@@ -288,6 +297,7 @@ class ServiceCore:
 
     def run_batch(self, batch: Batch, idle_seconds: float, poll_messages: Callable[[], None]) -> None:
         self._current = batch
+        started = self._clock()
         try:
             reply = self.server.run_job(batch.job, idle_seconds, poll_messages)
             if isinstance(reply, protocol.DrafterError) and len(batch.parts) > 1:
@@ -302,6 +312,8 @@ class ServiceCore:
                     self._answer(part, reply)
         finally:
             self._current = None
+        self.counters.drafting_seconds += self._clock() - started
+        self.counters.batch_requests += len(batch.job.items)
         self.counters.batches += 1
         self.counters.shared_batches += len({p.session_id for p in batch.parts}) > 1
         self.counters.jobs_done += len(batch.parts)
@@ -310,6 +322,10 @@ class ServiceCore:
         session = self.sessions.get(part.session_id)
         if session is None:
             return  # the engine left while its job was drafted
+        c = self.counters
+        c.engine_jobs[session.engine_name] = c.engine_jobs.get(session.engine_name, 0) + 1
+        c.engine_job_seconds[session.engine_name] = (c.engine_job_seconds.get(session.engine_name, 0.0)
+                                                     + self._clock() - part.arrived_at)
         prefix = session.prefix
         if isinstance(reply, protocol.DrafterError):
             mine = [rid[len(prefix):] for rid in reply.request_ids if rid.startswith(prefix)]
@@ -340,59 +356,10 @@ class ServiceCore:
 # -- the process ---------------------------------------------------------------------------------------------------
 
 
-def add_subcommand(sub: Any) -> None:
-    parser = sub.add_parser("drafter", help="serve draft jobs to many engine replicas over TCP (a shared drafter)",
-                            description="A drafter service that engines started with --drafter-address use instead "
-                            "of a drafter process of their own. Engines and service share a token (a file).")
-    parser.add_argument("--model", help="draft model directory (default: the local pair's draft)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
-    parser.add_argument("--port", type=int, default=50061)
-    parser.add_argument("--token-file", required=True, help="file holding the token engines must present")
-    parser.add_argument("--backend", default="torch", choices=["torch", "vllm"])
-    parser.add_argument("--device", default="cpu", help="torch backend: cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-model-len", type=int, default=0,
-                        help="longest context in tokens (0: the draft model's own max_position_embeddings)")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="requests the drafter holds (all engines)")
-    parser.add_argument("--window", type=int, default=0,
-                        help="torch backend: draft from at most the last W tokens of each context plus a few "
-                        "attention-sink tokens (0: the whole context)")
-    parser.add_argument("--cores", help="comma-separated CPU cores for the drafter")
-    parser.add_argument("--max-queued-jobs", type=int, default=ServiceSettings.max_queued_jobs)
-    parser.add_argument("--session-timeout-seconds", type=float, default=ServiceSettings.session_timeout_seconds)
-    parser.set_defaults(func=cmd_drafter)
-
-
-def cmd_drafter(args: argparse.Namespace) -> int:
-    from minedraft.models.spec import default_pair_dir
-
-    token = wire.read_token(args.token_file)
-    model = args.model or str(default_pair_dir() / "draft")
-    max_model_len = args.max_model_len
-    if not max_model_len and args.backend == "torch":
-        # The torch drafter sizes its RoPE table by it (the vLLM backend fits its own).
-        from transformers import AutoConfig
-
-        max_model_len = int(AutoConfig.from_pretrained(model).max_position_embeddings)
-    settings: dict[str, Any] = {
-        "model": model,
-        "backend": args.backend,
-        "device": args.device,
-        "dtype": args.dtype,
-        "max_model_len": max_model_len,
-        # The torch backend keeps 2 * max_num_seqs + 8 slots.
-        "max_num_seqs": args.max_num_seqs,
-        "cpu_cores": [int(c) for c in args.cores.split(",")] if args.cores else [],
-        "drafter_window": args.window,
-        "kv_cache_gib": 1,
-    }
-    service = ServiceSettings(max_queued_jobs=args.max_queued_jobs,
-                              session_timeout_seconds=args.session_timeout_seconds)
-    return serve(settings, args.host, args.port, token, service)
-
-
 def serve(settings: dict[str, Any], host: str, port: int, token: bytes, service: ServiceSettings,
-          ready: Callable[[int], None] | None = None) -> int:
+          ready: Callable[[int], None] | None = None, on_core: Callable[[ServiceCore], None] | None = None) -> int:
+    """The service's loop (never returns while it runs). `on_core` receives the ServiceCore once it exists (the
+    metrics exporter reads its counters)."""
     from minedraft.engine.drafter_process import _configure_device, make_drafter
 
     _configure_device(settings)
@@ -421,6 +388,8 @@ def serve(settings: dict[str, Any], host: str, port: int, token: bytes, service:
             socket.send_multipart([peer, wire.encode(message)], zmq.NOBLOCK)
 
     core = ServiceCore(server, token, str(settings["model"]), send, service)
+    if on_core is not None:
+        on_core(core)
     deferred: list[tuple[bytes, Any]] = []
 
     def receive_one(block_ms: int, during_job: bool) -> bool:
@@ -472,15 +441,3 @@ def serve(settings: dict[str, Any], host: str, port: int, token: bytes, service:
         if time.monotonic() - last_report > 60:
             last_report = time.monotonic()
             log.info("status: %s", core.status())
-
-
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s drafter-service %(message)s")
-    parser = argparse.ArgumentParser(prog="minedraft")
-    add_subcommand(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["drafter", *(argv if argv is not None else sys.argv[1:])])
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

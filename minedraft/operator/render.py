@@ -601,6 +601,7 @@ def pod_monitor(meta: s.ObjectMeta) -> Manifest:
 # -- drafter pool ----------------------------------------------------------------------------------------------------
 
 DRAFTER_TOKEN_DIR = "/etc/minedraft/drafter-token"
+DRAFTER_METRICS_PORT = 9402
 
 
 def _drafter_token_volumes(spec: s.MineDraftSpec) -> list[dict[str, Any]]:
@@ -624,6 +625,7 @@ def drafter_command(spec: s.MineDraftSpec) -> list[str]:
     cmd = ["minedraft", "drafter", "--host", "0.0.0.0", "--port", str(pool.port),
            "--model", _model_location("draft", spec.draft), "--token-file", f"{DRAFTER_TOKEN_DIR}/token",
            "--backend", pool.backend, "--max-queued-jobs", str(pool.max_queued_jobs),
+           "--metrics-port", str(DRAFTER_METRICS_PORT),
            # Every engine's sub-batches together: the pool holds the requests of all replicas.
            "--max-num-seqs", str(spec.engine.max_num_seqs * max(1, spec.desired_replicas))]
     if pool.backend == "torch" and pool.gpus:
@@ -654,7 +656,8 @@ def drafter_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         "image": spec.engine.image,
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": drafter_command(spec),
-        "ports": [{"name": "drafter", "containerPort": pool.port, "protocol": "TCP"}],
+        "ports": [{"name": "drafter", "containerPort": pool.port, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": DRAFTER_METRICS_PORT, "protocol": "TCP"}],
         "env": [e for e in _engine_env(spec) if e["name"] != "POD_NAME"],
         "resources": {"requests": requests, "limits": limits},
         "startupProbe": {**tcp, "periodSeconds": STARTUP_PERIOD_SECONDS,
@@ -701,9 +704,9 @@ def drafter_service(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
     }
 
 
-def drafter_network_policy(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
-    """Only this MineDraft's engine pods reach the drafter pool (the kubelet's TCP probes come from the node, which
-    NetworkPolicies always admit)."""
+def drafter_network_policy(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions) -> Manifest:
+    """Only this MineDraft's engine pods reach the drafter pool, and only the metrics scrapers its metrics port (the
+    kubelet's TCP probes come from the node, which NetworkPolicies always admit)."""
     pool = spec.drafter_pool
     assert pool is not None
     return {
@@ -714,7 +717,22 @@ def drafter_network_policy(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifes
             "podSelector": {"matchLabels": selector_labels(meta, "drafter")},
             "policyTypes": ["Ingress"],
             "ingress": [{"from": [{"podSelector": {"matchLabels": selector_labels(meta, "engine")}}],
-                         "ports": [{"protocol": "TCP", "port": pool.port}]}],
+                         "ports": [{"protocol": "TCP", "port": pool.port}]},
+                        {"from": _metrics_scrapers(spec, options),
+                         "ports": [{"protocol": "TCP", "port": DRAFTER_METRICS_PORT}]}],
+        },
+    }
+
+
+def drafter_pod_monitor(meta: s.ObjectMeta) -> Manifest:
+    """The drafter pool's metrics (minedraft_drafter_*), scraped like the engines'."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": _metadata(meta, names(meta)["drafter"], "monitoring"),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(meta, "drafter")},
+            "podMetricsEndpoints": [{"port": "metrics", "interval": "15s"}],
         },
     }
 
@@ -740,7 +758,9 @@ def render(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | N
     if spec.drafter_pool is not None:
         manifests += [drafter_service(spec, meta), drafter_deployment(spec, meta)]
         if options.network_policy:
-            manifests.append(drafter_network_policy(spec, meta))
+            manifests.append(drafter_network_policy(spec, meta, options))
+        if options.monitoring:
+            manifests.append(drafter_pod_monitor(meta))
     if options.monitoring:
         manifests.append(pod_monitor(meta))
     return manifests
@@ -754,7 +774,8 @@ def all_kinds_and_names(meta: s.ObjectMeta) -> list[tuple[str, str]]:
             ("ServiceAccount", n["gateway"]), ("Role", n["gateway"]), ("RoleBinding", n["gateway"]),
             ("Service", n["gateway"]), ("Deployment", n["gateway"]), ("NetworkPolicy", n["engine"]),
             ("NetworkPolicy", n["gateway"]), ("PodMonitor", n["monitor"]),
-            ("Service", n["drafter"]), ("Deployment", n["drafter"]), ("NetworkPolicy", n["drafter"])]
+            ("Service", n["drafter"]), ("Deployment", n["drafter"]), ("NetworkPolicy", n["drafter"]),
+            ("PodMonitor", n["drafter"])]
 
 
 def render_resource(resource: Mapping[str, Any], options: RenderOptions | None = None) -> list[Manifest]:

@@ -55,10 +55,13 @@ def test_the_pool_renders_a_deployment_a_service_and_a_policy_admitting_only_eng
     assert service["spec"]["selector"] == render.selector_labels(s.parse_meta(with_spec()["metadata"]),
                                                                  "drafter")
     policy = objects["NetworkPolicy/qwen3-8b-drafter"]
-    (rule,) = policy["spec"]["ingress"]
-    assert rule["from"] == [{"podSelector": {"matchLabels": {"minedraft.io/instance": "qwen3-8b",
-                                                             "minedraft.io/component": "engine"}}}]
-    assert rule["ports"] == [{"protocol": "TCP", "port": 50061}]
+    drafting, scraping = policy["spec"]["ingress"]
+    assert drafting["from"] == [{"podSelector": {"matchLabels": {"minedraft.io/instance": "qwen3-8b",
+                                                                 "minedraft.io/component": "engine"}}}]
+    assert drafting["ports"] == [{"protocol": "TCP", "port": 50061}]
+    # The pool's metrics: only the metrics scrapers (Prometheus), on the metrics port alone.
+    assert scraping["ports"] == [{"protocol": "TCP", "port": render.DRAFTER_METRICS_PORT}]
+    assert all("namespaceSelector" in peer for peer in scraping["from"])
     # Every object the pool adds is one the operator knows to delete when the pool is removed.
     known = set(render.all_kinds_and_names(s.parse_meta(with_spec()["metadata"])))
     assert {(m["kind"], m["metadata"]["name"]) for m in manifests if m["kind"] != "PodMonitor"} <= known
@@ -139,5 +142,13 @@ def test_the_rendered_commands_parse_with_the_real_cli():
     pool_command = objects["Deployment/qwen3-8b-drafter"]["spec"]["template"]["spec"]["containers"][0]["command"]
     pool = parser.parse_args(pool_command[1:])
     assert pool.port == 50061 and pool.host == "0.0.0.0" and pool.backend == "vllm"
+    assert pool.metrics_port == render.DRAFTER_METRICS_PORT
     engine = parser.parse_args(engine_container(rendered())["command"][1:])
     assert engine.drafter_address == "qwen3-8b-drafter:50061" and engine.drafter_gpu is None
+
+
+def test_with_monitoring_the_pool_gets_a_pod_monitor_of_its_own():
+    monitors = [m for m in rendered(render.RenderOptions(monitoring=True)) if m["kind"] == "PodMonitor"]
+    pool = next(m for m in monitors if m["metadata"]["name"] == "qwen3-8b-drafter")
+    assert pool["spec"]["selector"]["matchLabels"]["minedraft.io/component"] == "drafter"
+    assert pool["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "interval": "15s"}]
