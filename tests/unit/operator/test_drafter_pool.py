@@ -152,3 +152,14 @@ def test_with_monitoring_the_pool_gets_a_pod_monitor_of_its_own():
     pool = next(m for m in monitors if m["metadata"]["name"] == "qwen3-8b-drafter")
     assert pool["spec"]["selector"]["matchLabels"]["minedraft.io/component"] == "drafter"
     assert pool["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "interval": "15s"}]
+
+
+def test_the_pool_pod_meets_pod_security_restricted_with_any_uid():
+    from tests.pod_security import fixed_id_violations, restricted_violations, writable_path_violations
+
+    pool = by_kind(rendered())["Deployment/qwen3-8b-drafter"]
+    pod = pool["spec"]["template"]["spec"]
+    assert restricted_violations(pod) == []
+    assert fixed_id_violations(pod) == []
+    assert writable_path_violations(pod) == []
+    assert pod["automountServiceAccountToken"] is False
