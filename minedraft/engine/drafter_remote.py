@@ -150,6 +150,10 @@ class RemoteDrafterClient:
                            f"{self._connect_timeout_seconds:g}s")
             return False
         if self.state is DrafterState.UP:
+            if now - self._last_heartbeat_at > self._service_timeout_seconds:
+                # No step checked in for that long (an idle engine steps nothing): the silence is this engine's, not
+                # the service's. Ask again before judging it (a service that dropped the session answers so).
+                self._last_heard_at = now
             if now - self._last_heard_at > self._service_timeout_seconds:
                 self._down(f"drafter service at {self.address} silent for {now - self._last_heard_at:.1f}s")
                 return False

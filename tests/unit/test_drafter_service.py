@@ -337,3 +337,28 @@ def test_serve_takes_a_drafter_service_address_token_file_and_window(tmp_path):
     # Without the address, the local drafter stays the default.
     local = settings_from_args(build_parser().parse_args(["serve", "--model", "t", "--draft", "d"]))
     assert local.drafter.address is None and local.drafter.window == 0
+
+
+def test_an_engine_back_from_idle_does_not_take_its_own_silence_for_a_dead_service():
+    from minedraft.engine.drafter_client import DrafterState
+    from minedraft.engine.drafter_remote import RemoteDrafterClient
+
+    router, port, thread = _fake_service(TOKEN)
+    clock = Clock()
+    client = RemoteDrafterClient(f"127.0.0.1:{port}", TOKEN, connect_timeout_seconds=1e9,
+                                 service_timeout_seconds=5.0, clock=clock)
+    try:
+        client.start()
+        assert client.wait_ready(10)
+        thread.join(10)
+        clock.now += 60.0  # no step for a minute: nothing called check_alive, no heartbeat went out
+        assert client.check_alive() and client.state is DrafterState.UP
+        # Now the engine steps (checking in every half second, heartbeating) and the service stays silent: down.
+        alive = []
+        for _ in range(12):
+            clock.now += 0.5
+            alive.append(client.check_alive())
+        assert alive[0] and not alive[-1] and "silent" in (client.last_error or "")
+    finally:
+        client.shutdown()
+        router.close(linger=0)
