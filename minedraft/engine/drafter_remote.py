@@ -233,6 +233,12 @@ class RemoteDrafterClient:
             elif isinstance(message, wire.Welcome):
                 self._welcome(message)
             elif isinstance(message, wire.Rejected):
+                if self.state is DrafterState.UP:
+                    # The session is gone on the service's side (it restarted, or dropped this engine after an idle
+                    # spell): open a new one at once; the new session starts from whole contexts.
+                    log.info("drafter service at %s: %s; opening a new session", self.address, message.reason)
+                    self.start()
+                    break
                 self._down(f"drafter service at {self.address} refused the session: {message.reason}")
             elif isinstance(message, wire.HeartbeatAck):
                 pass

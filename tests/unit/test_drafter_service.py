@@ -362,3 +362,75 @@ def test_an_engine_back_from_idle_does_not_take_its_own_silence_for_a_dead_servi
     finally:
         client.shutdown()
         router.close(linger=0)
+
+
+class _ThreadService:
+    """ServiceCore over a real ROUTER socket on loopback, in a thread, with the recording backend (no model)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import zmq
+
+        self.router = zmq.Context.instance().socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        server = DrafterServer(RecordingBackend(), vocab_size=1000)
+        self.core = ServiceCore(server, TOKEN, "draft",
+                                lambda peer, m: self.router.send_multipart([peer, wire.encode(m)]))
+        self.drop_sessions = threading.Event()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            if self.router.poll(20):
+                peer, data = self.router.recv_multipart()
+                self.core.on_message(peer, wire.decode_to_service(data))
+            if self.drop_sessions.is_set():
+                for session_id in list(self.core.sessions):
+                    self.core._drop_session(session_id, "test")
+                self.drop_sessions.clear()
+            batch = self.core.next_batch()
+            if batch is not None:
+                self.core.run_batch(batch, 0.0, lambda: None)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        self.router.close(linger=0)
+
+
+def test_a_session_the_service_dropped_is_reopened_at_once_and_drafting_goes_on():
+    import time
+
+    from minedraft.engine.drafter_remote import RemoteDrafterClient
+
+    service = _ThreadService()
+    client = RemoteDrafterClient(f"127.0.0.1:{service.port}", TOKEN)
+    try:
+        client.start()
+        assert client.wait_ready(10)
+        first = client.session_id
+        service.drop_sessions.set()  # an idle spell past the service's session timeout
+        while service.drop_sessions.is_set():
+            time.sleep(0.01)
+        assert client.submit([protocol.DraftItem("r", [1, 2], 2)], False) is not None
+        deadline = time.monotonic() + 10
+        while client.session_id == first and time.monotonic() < deadline:
+            client.receive(0.05)
+            client.check_alive()
+        assert client.wait_ready(10) and client.session_id != first
+        assert client.last_error is None  # reopened as a matter of course, not a failure
+        assert client.num_starts == 2
+        # The new session drafts (whole contexts, as after any new session).
+        ticket = client.submit([protocol.DraftItem("r", [1, 2, 3], 2)], False)
+        assert ticket is not None
+        replies: list[Any] = []
+        while not replies and time.monotonic() < deadline:
+            replies = [m for m in client.receive(0.05) if isinstance(m, protocol.DraftReply)]
+        assert replies and replies[0].job_id == ticket.job_id and replies[0].results[0].context_num_tokens == 3
+    finally:
+        client.shutdown()
+        service.close()
