@@ -31,6 +31,8 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         prometheus_pod_selector=parse_labels(args.prometheus_pod_labels),
         operator_namespace_selector=parse_labels(args.operator_namespace_labels),
         operator_pod_selector=parse_labels(args.operator_pod_labels),
+        image_registry=args.image_registry,
+        image_tag=args.image_tag,
     )
 
 
@@ -67,6 +69,12 @@ def _add_operator_options(parser: argparse.ArgumentParser) -> None:
                         "gateway pods when no Prometheus is configured (k=v,... or JSON; empty: not let in)")
     parser.add_argument("--operator-pod-labels", default=_env("OPERATOR_POD_LABELS", ""),
                         help="labels of the operator's own pods (k=v,... or JSON; empty: not let in)")
+    parser.add_argument("--image-registry", default=_env("IMAGE_REGISTRY", d.image_registry),
+                        help="where `make push REGISTRY=...` put the images: MineDrafts that name no image run "
+                        "REGISTRY/engine:TAG and REGISTRY/gateway:TAG [env MINEDRAFT_OPERATOR_IMAGE_REGISTRY]")
+    parser.add_argument("--image-tag", default=_env("IMAGE_TAG", d.image_tag),
+                        help="tag of those images (default: this package's version, make's default TAG) "
+                        "[env MINEDRAFT_OPERATOR_IMAGE_TAG]")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
