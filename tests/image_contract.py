@@ -66,7 +66,7 @@ def pip_installs(run: str) -> set[str]:
     words = shlex.split(run.replace("\\\n", " "))
     out: set[str] = set()
     for i, word in enumerate(words[:-1]):
-        if word == "pip" and words[i + 1] == "install" or word == "-m" and words[i + 1] == "pip":
+        if (word == "pip" and words[i + 1] == "install") or (word == "-m" and words[i + 1] == "pip"):
             j = i + 2 if word == "pip" else i + 3
             while j < len(words) and words[j] not in ("&&", ";", "||"):
                 if not words[j].startswith("-"):

@@ -111,7 +111,8 @@ def spec_schema() -> Schema:
         ]}),
         "engine": _obj("The engine pods (one target plus one drafter per pod).", {
             "image": _str("Engine image (docker/engine.Dockerfile: vLLM 0.32 on CUDA with minedraft). Unset: the "
-                          "operator's, REGISTRY/engine:TAG with the chart's image.registry and image.tag.", minLength=1),
+                          "operator's, REGISTRY/engine:TAG with the chart's image.registry and image.tag.",
+                          minLength=1),
             "imagePullPolicy": _str("Image pull policy.", enum=list(s.PULL_POLICIES), default=eng.image_pull_policy),
             "targetGPUs": _int("GPUs for the target model, its tensor-parallel size (1 to 8). Each pod requests "
                                "targetGPUs nvidia.com/gpu, plus drafterGPUs for modes whose drafter runs on a "

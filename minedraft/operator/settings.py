@@ -13,7 +13,8 @@ from minedraft.operator.render import RenderOptions
 ENV_PREFIX = "MINEDRAFT_OPERATOR_"
 MONITORING_CHOICES = ("auto", "on", "off")
 # A registry host (with an optional port) and optional path, as `docker push` accepts them: no scheme, no tag.
-IMAGE_REGISTRY_PATTERN = re.compile(r"^[a-zA-Z0-9]([a-zA-Z0-9.-]*[a-zA-Z0-9])?(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*$")
+IMAGE_REGISTRY_PATTERN = re.compile(
+    r"^[a-zA-Z0-9]([a-zA-Z0-9.-]*[a-zA-Z0-9])?(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*$")
 IMAGE_TAG_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 

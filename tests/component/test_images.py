@@ -400,7 +400,8 @@ DOCKERFILE_MUTATIONS = [
     ("engine", "USER 65532", "RUN useradd --uid 1000 --user-group minedraft\nUSER 1000:1000", "assumes a user"),
     ("engine", "USER 65532", "USER minedraft", "not a numeric non-root UID"),
     ("engine", "USER 65532", "USER 0", "not a numeric non-root UID"),
-    ("engine", "    HF_HOME=", "    HF_HUB_CACHE=/opt/hub \\\n    HF_HOME=", "HF_HUB_CACHE=/opt/hub is not on a writable"),
+    ("engine", "    HF_HOME=", "    HF_HUB_CACHE=/opt/hub \\\n    HF_HOME=",
+     "HF_HUB_CACHE=/opt/hub is not on a writable"),
     ("engine", 'RUN pip install --no-cache-dir ".[gpu]"', "RUN pip install --no-cache-dir vllm==0.32.0",
      "which the image does not install"),
     ("engine", "COPY minedraft ./minedraft", "COPY --chown=1000:1000 minedraft ./minedraft", "fixed ownership"),
@@ -494,3 +495,58 @@ def test_container_problems_reads_the_command_as_the_kubelet_does() -> None:
     no_ports = container_problems({"name": "x", "command": ["minedraft", "serve"], "ports": []},
                                   {"volumes": []}, engine)
     assert any("binds port 50051" in p for p in no_ports)
+
+
+# -- the quick starts ------------------------------------------------------------------------------------------------
+
+
+def quick_start(path: Path, heading: str) -> list[str]:
+    """The commands of the first bash block under a heading, continuation lines joined, comments dropped."""
+    text = path.read_text().split(heading, 1)[1]
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    block = re.sub(r"\\\n\s*", " ", block)
+    lines = [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+@pytest.mark.parametrize(("doc", "heading"), [("README.md", "## Deploy on Kubernetes"),
+                                              ("docs/kubernetes.md", "## Install\n")])
+def test_the_quick_start_drives_what_exists(doc: str, heading: str) -> None:
+    """Build and push, install with the registry, apply an example, wait, port-forward and call it: every command
+    names targets, values, files, objects, ports and flags that exist, in that order."""
+    import shlex as sh
+
+    from minedraft.cli import build_parser
+
+    commands = quick_start(ROOT / doc, heading)
+    order = [next(i for i, c in enumerate(commands) if c.startswith(p)) for p in
+             ("make images push", "helm install", "kubectl apply -f examples/", "kubectl wait md/",
+              "kubectl port-forward", "minedraft client generate")]
+    assert order == sorted(order), commands
+    make_words = sh.split(next(c for c in commands if c.startswith("make ")))
+    registry = next(w.split("=", 1)[1] for w in make_words if w.startswith("REGISTRY="))
+    assert registry == "$REGISTRY"
+    goals = [w for w in make_words[1:] if "=" not in w]
+    result = make(*goals, "REGISTRY=registry.example.com/x")
+    assert result.returncode == 0 and result.stdout.count("docker push") == 3, result
+    helm = next(c for c in commands if c.startswith("helm install"))
+    assert "--set image.registry=$REGISTRY" in helm
+    example = ROOT / next(w for w in sh.split(next(c for c in commands if c.startswith("kubectl apply")))
+                          if w.startswith("examples/"))
+    md = yaml.safe_load(example.read_text())
+    name = md["metadata"]["name"]
+    assert f"kubectl wait md/{name} --for=condition=Ready" in "\n".join(commands)
+    forward = sh.split(next(c for c in commands if c.startswith("kubectl port-forward")).rstrip("&"))
+    service = next(m for m in rendered(md) if m["kind"] == "Service" and m["metadata"]["name"] == f"{name}-gateway")
+    assert forward[2] == f"svc/{name}-gateway"
+    ports = {int(p.split(":")[1]) for p in forward[3:]}
+    assert ports == {p["port"] for p in service["spec"]["ports"]}
+    http_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "http")
+    for command in commands:
+        if command.startswith("curl") and "/v1/completions" in command:
+            assert f"localhost:{http_port}/v1/completions" in command
+            body = json.loads(sh.split(command)[sh.split(command).index("-d") + 1])
+            assert body["model"] == md["spec"]["target"]["source"]["huggingFace"]["id"]
+        if command.startswith("minedraft "):
+            args = build_parser().parse_args(sh.split(command)[1:])
+            assert args.target.endswith(f":{next(p['port'] for p in service['spec']['ports'] if p['name'] == 'grpc')}")
