@@ -101,52 +101,6 @@ def test_rendered_pods_run_on_their_images(name: str, doc: dict[str, Any]) -> No
         assert f"{REGISTRY}/gateway:{VERSION}" in used
 
 
-def test_a_minedraft_naming_its_own_images_keeps_them() -> None:
-    doc = yaml.safe_load((ROOT / "examples" / "minimal.yaml").read_text())
-    doc["spec"]["engine"] = {"image": "mirror.internal/md/engine:patched"}
-    doc["spec"]["gateway"] = {"image": "mirror.internal/md/gateway:patched"}
-    used = {c["image"] for _, pod in pod_templates(rendered(doc)) for c in pod["containers"]}
-    assert used == {"mirror.internal/md/engine:patched", "mirror.internal/md/gateway:patched"}
-
-
-def test_the_operator_registry_setting_reaches_every_pod() -> None:
-    """Flag and environment variable (the chart sets the flag) both set it; a malformed one is refused by name."""
-    from minedraft.cli import build_parser
-    from minedraft.operator.cli import settings_from_args
-
-    args = build_parser().parse_args(["operator", "render", "-f", "x", "--image-registry", "localhost:5000/md",
-                                      "--image-tag", "dev"])
-    options = settings_from_args(args).render_options(monitoring_available=False)
-    assert (options.image("engine"), options.image("gateway")) == ("localhost:5000/md/engine:dev",
-                                                                   "localhost:5000/md/gateway:dev")
-    defaults = settings_from_args(build_parser().parse_args(["operator"]))
-    assert (defaults.image_registry, defaults.image_tag) == (s.DEFAULT_IMAGE_REGISTRY, VERSION)
-    for bad in ("https://registry.example.com/md", "registry.example.com/md:1.0", "Registry/MD", ""):
-        with pytest.raises(ValueError, match="image_registry"):
-            OperatorSettings(image_registry=bad)
-    with pytest.raises(ValueError, match="image_tag"):
-        OperatorSettings(image_tag="a b")
-
-
-def test_the_operator_takes_the_registry_from_its_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from minedraft.cli import build_parser
-    from minedraft.operator.cli import settings_from_args
-
-    monkeypatch.setenv("MINEDRAFT_OPERATOR_IMAGE_REGISTRY", "registry.example.com/env")
-    monkeypatch.setenv("MINEDRAFT_OPERATOR_IMAGE_TAG", "1.2.3")
-    settings = settings_from_args(build_parser().parse_args(["operator"]))
-    assert settings.render_options(False).image("engine") == "registry.example.com/env/engine:1.2.3"
-
-
-def test_the_crd_no_longer_defaults_the_images() -> None:
-    """An image default in the CRD would be stored into every MineDraft and win over the operator's registry."""
-    from minedraft.operator.crd import crd
-
-    props = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
-    assert "default" not in props["engine"]["properties"]["image"]
-    assert "default" not in props["gateway"]["properties"]["image"]
-
-
 def test_exposed_ports_are_what_the_default_pods_and_the_default_command_bind() -> None:
     """EXPOSE documents the ports of a MineDraft's default pods; the image's own CMD (docker run) binds the same."""
     built = images()
