@@ -68,7 +68,7 @@ def variants(path: Path) -> list[tuple[str, dict[str, Any]]]:
     no_http["spec"].setdefault("gateway", {})["httpPort"] = 0
     out.append((f"{path.stem}-no-http", no_http))
     no_gateway = copy.deepcopy(doc)
-    no_gateway["spec"].setdefault("gateway", {})["enabled"] = False
+    no_gateway["spec"]["gateway"] = {"enabled": False}  # its auth and TLS go with it (admission refuses them alone)
     out.append((f"{path.stem}-no-gateway", no_gateway))
     return out
 
@@ -120,6 +120,31 @@ def test_exposed_ports_are_what_the_default_pods_and_the_default_command_bind() 
 
 
 # -- the chart's operator pod --------------------------------------------------------------------------------------
+
+
+def test_slim_images_parse_their_pods_commands_without_vllm_or_torch() -> None:
+    """The operator and gateway images carry no vLLM or torch (their Dockerfiles check): the `minedraft` parser must
+    build and read their pods' commands without them (a subcommand importing torch at parse time breaks both)."""
+    import subprocess
+    import sys
+
+    doc = yaml.safe_load((ROOT / "examples" / "minimal.yaml").read_text())
+    gateway = next(c for _, pod in pod_templates(rendered(doc)) for c in pod["containers"] if c["name"] == "gateway")
+    commands = [gateway["command"][1:], ["operator", "--image-registry", REGISTRY, "--network-policy=on"]]
+    script = (
+        "import json, sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in {'vllm', 'torch', 'transformers'}:\n"
+        "            raise ImportError('not in the slim images: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from minedraft.cli import build_parser\n"
+        "for words in json.loads(sys.argv[1]):\n"
+        "    build_parser().parse_args(words)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, json.dumps(commands)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_the_chart_operator_runs_on_its_image_and_passes_the_registry_on() -> None:
