@@ -4,6 +4,7 @@ for machines that have torch and the repository's files only)."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -84,10 +85,19 @@ def settings_from_args(args: argparse.Namespace, command: str) -> ProfileSetting
         threads=args.threads, command=command)
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    # An outer `timeout` sends SIGTERM: leave through the `finally` blocks, which kill the worker's process group
+    # (a worker leads its own session, so it would otherwise outlive us and keep the GPU).
+    raise SystemExit(128 + signum)
+
+
 def run(args: argparse.Namespace, command: str) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         settings = settings_from_args(args, command)
-        doc: dict[str, Any] = run_profile(settings, log=lambda line: print(line, file=sys.stderr, flush=True))
+        checkpoint = (lambda doc: curves.write(doc, Path(args.output))) if args.output else None
+        doc: dict[str, Any] = run_profile(settings, log=lambda line: print(line, file=sys.stderr, flush=True),
+                                          checkpoint=checkpoint)
     except (ArchitectureError, ValueError) as exc:
         print(f"minedraft profile: error: {exc}", file=sys.stderr)
         return 2

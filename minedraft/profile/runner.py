@@ -85,7 +85,10 @@ def _notes(settings: ProfileSettings) -> list[str]:
     return notes
 
 
-def run_profile(settings: ProfileSettings, log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+def run_profile(settings: ProfileSettings, log: Callable[[str], None] = lambda line: None,
+                checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Measure everything `settings` asks for; `checkpoint` gets the document after each worker process ends (so
+    a run killed from outside still leaves what it measured)."""
     started = time.monotonic()
     deadline = None if settings.budget_s is None else started + settings.budget_s
     models = resolve_models(settings)
@@ -131,6 +134,7 @@ def run_profile(settings: ProfileSettings, log: Callable[[str], None] = lambda l
             if outcome.ready is not None and device_description is None:
                 device_description = str(outcome.ready.get("device"))
                 torch_version = str(outcome.ready.get("torch", "?"))
+                _stamp(doc, device_description, torch_version, settings.command)
             for i, result in outcome.results.items():
                 curves.add_result(doc, measurements[i], result)
             for i, message in outcome.errors.items():
@@ -155,18 +159,24 @@ def run_profile(settings: ProfileSettings, log: Callable[[str], None] = lambda l
             progress(measurements[culprit], f"{outcome.failure} ({outcome.during}); restarting the worker"
                      if outcome.during != "budget" else "timeout (budget)")
             pending.remove(culprit)
-    doc["device"] = device_description or f"{settings.device} (no worker became ready)"
-    doc["measured"] = (f"{dt.datetime.now(dt.UTC).strftime('%Y-%m-%d')}, torch {torch_version}, random weights, "
-                       "dense per-request KV cache, SDPA attention (grouped query heads folded into the query "
-                       "length), minedraft profile")
-    if settings.command:
-        doc["command"] = settings.command
+        if checkpoint is not None:
+            checkpoint(doc)
+    _stamp(doc, device_description or f"{settings.device} (no worker became ready)", torch_version, settings.command)
     forwards = sum(len(m["forward_ms"]) for m in doc["models"].values())
     loops = sum(len(m.get("draft_loop_ms", [])) for m in doc["models"].values())
     log(f"profile: done in {time.monotonic() - started:.0f}s: {forwards} forwards, {loops} draft loops, "
         f"{len(doc.get('concurrent_ms', []))} concurrent, {len(doc.get('timeouts', []))} timeouts, "
         f"{len(doc.get('errors', []))} errors")
     return doc
+
+
+def _stamp(doc: dict[str, Any], device: str, torch_version: str, command: str) -> None:
+    doc["device"] = device
+    doc["measured"] = (f"{dt.datetime.now(dt.UTC).strftime('%Y-%m-%d')}, torch {torch_version}, random weights, "
+                       "dense per-request KV cache, SDPA attention (grouped query heads folded into the query "
+                       "length), minedraft profile")
+    if command:
+        doc["command"] = command
 
 
 def _record_failure(doc: dict[str, Any], m: Measurement, failure: str, during: str, exit_code: int | None,
