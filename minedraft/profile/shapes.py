@@ -88,13 +88,13 @@ class Measurement:
 
 
 def plan(grid: ShapeGrid, target: str, drafters: list[str], concurrent: bool) -> list[Measurement]:
-    """Every measurement, grouped by model (target first, then each drafter, then the pairs on two streams)."""
+    """Every measurement, grouped by model: the target first, then each drafter followed by its pair with the target
+    on two streams (in order of importance, for a run whose time budget ends early)."""
     out = [Measurement("forward", target, b, c, q) for (b, c) in grid.points for q in grid.new_tokens()]
     for drafter in drafters:
         out += [Measurement("forward", drafter, b, c, q) for (b, c) in grid.points for q in grid.new_tokens()]
         out += [Measurement("draft_loop", drafter, b, c, k) for (b, c) in grid.points for k in grid.ks]
-    if concurrent:
-        for drafter in drafters:
+        if concurrent:
             out += [Measurement("concurrent", target, b, c, k, drafter=drafter)
                     for (b, c) in grid.concurrent_points for k in grid.concurrent_ks]
     return out

@@ -2,10 +2,12 @@
 measurement is recorded as timed out, and the run goes on with a fresh worker. Workers here are a torch-free
 stand-in (profile_support/fake_worker.py) that hangs where it is told to."""
 
+import json
 import sys
 import time
 from pathlib import Path
 
+from minedraft.profile import curves
 from minedraft.profile.runner import ProfileSettings, run_profile
 from minedraft.profile.shapes import ShapeGrid
 from minedraft.profile.supervisor import run_child
@@ -96,3 +98,19 @@ def test_a_spent_budget_skips_what_is_left(monkeypatch):
     assert doc["timeouts"][0]["during"] == "budget"
     assert len(doc["timeouts"]) + sum(len(m["forward_ms"]) + len(m.get("draft_loop_ms", []))
                                       for m in doc["models"].values()) == 10
+
+
+def test_the_document_is_checkpointed_after_every_worker(monkeypatch):
+    monkeypatch.delenv("FAKE_WORKER_HANG_BATCHES", raising=False)
+    grid = ShapeGrid(points=((1, 8),), ks=(2,), concurrent_points=((1, 8),), concurrent_ks=(2,))
+    settings = ProfileSettings(target="pair-v1-target", drafters=("pair-v1-draft",), grid=grid, device="cuda",
+                               worker_argv=FAKE)
+    saved = []
+    doc = run_profile(settings, checkpoint=lambda d: saved.append(curves.dumps(d)))
+    # Three workers: the target, the drafter, the pair on two streams (the fake worker does not need a GPU).
+    assert len(saved) == 3
+    first = json.loads(saved[0])
+    assert first["device"] == "fake device" and len(first["models"]["pair-v1-target"]["forward_ms"]) == 2
+    assert first["models"]["pair-v1-draft"]["forward_ms"] == [] and "concurrent_ms" not in first
+    assert json.loads(saved[-1]) == json.loads(curves.dumps(doc))
+    assert doc["execution"] == "CUDA graphs" and len(doc["concurrent_ms"]) == 1
