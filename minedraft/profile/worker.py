@@ -50,6 +50,9 @@ def describe_device(device: torch.device) -> str:
 class Worker:
     def __init__(self, job: dict[str, Any]):
         self.device = torch.device(job["device"])
+        if self.device.type == "cuda":
+            # Streams, events, graphs and synchronizes below act on the current device: make it this one.
+            torch.cuda.set_device(self.device)
         self.dtype = DTYPES[job["dtype"]]
         self.eager = bool(job.get("eager")) or self.device.type != "cuda"
         self.timing = TimingSettings(**job.get("timing", {}))
