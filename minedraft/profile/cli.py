@@ -92,7 +92,14 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def run(args: argparse.Namespace, command: str) -> int:
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _run(args, command)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace, command: str) -> int:
     try:
         settings = settings_from_args(args, command)
         checkpoint = (lambda doc: curves.write(doc, Path(args.output))) if args.output else None

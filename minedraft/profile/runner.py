@@ -123,7 +123,8 @@ def run_profile(settings: ProfileSettings, log: Callable[[str], None] = lambda l
             def on_event(event: dict[str, Any]) -> None:
                 nonlocal done
                 if event["event"] == "ready":
-                    log(f"worker ready on {event.get('device')} ({time.monotonic() - started:.0f}s)")
+                    log(f"worker (pid {event.get('pid')}) ready on {event.get('device')} "
+                        f"({time.monotonic() - started:.0f}s)")
                 elif event["event"] in ("result", "error"):
                     done += 1
                     m = measurements[int(event["id"])]

@@ -2,8 +2,12 @@
 interpreter where vLLM, transformers, gRPC and the rest are blocked, as on a lent GPU machine."""
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 from minedraft.profile import curves
 from minedraft.profile.shapes import SHAPE_PRESETS
@@ -41,3 +45,41 @@ def test_minedraft_profile_is_a_subcommand():
                                       "qwen3-1.7b"])
     assert args.func.__module__ == "minedraft.profile.cli"
     assert (args.target, args.drafters) == ("qwen3-32b", ["qwen3-1.7b"])
+
+
+def test_sigterm_to_the_profiler_kills_its_worker(tmp_path):
+    """An outer `timeout` (as in scripts/gpu_profile.sh) must not leave a worker running: it leads its own session,
+    so nothing else would end it, and on a GPU it would keep the device."""
+    out = tmp_path / "partial.json"
+    argv = [sys.executable, "-m", "minedraft.profile", "--shapes", "cpu-small", "--device", "cpu", "--threads", "1",
+            "--repeats", "50", "--output", str(out)]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=tmp_path)
+    assert proc.stderr is not None
+    worker_pid = None
+    for line in proc.stderr:
+        match = re.search(r"worker \(pid (\d+)\) ready", line)
+        if match:
+            worker_pid = int(match.group(1))
+            break
+    assert worker_pid is not None
+    proc.send_signal(signal.SIGTERM)
+    exit_code = proc.wait(timeout=60)
+    try:
+        assert _exits(worker_pid), f"worker {worker_pid} still runs after the profiler got SIGTERM"
+    finally:
+        if not _exits(worker_pid, tries=1):
+            os.kill(worker_pid, signal.SIGKILL)  # do not leave it behind when the test fails
+    assert exit_code == 128 + signal.SIGTERM
+
+
+def _exits(pid: int, tries: int = 200) -> bool:
+    """True once the process has exited (a zombie left for its parent to reap counts as exited)."""
+    for _ in range(tries):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ", 1)[1].startswith("Z"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False

@@ -175,3 +175,16 @@ def test_broken_documents_name_the_field(break_it, field):
     break_it(doc)
     with pytest.raises(curves.CurveFormatError, match=f"^{field}: "):
         curves.validate(doc)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--target", "nope"], "target: 'nope' is neither a preset"),
+    (["--drafter", "pair-v1-target"], "drafter: two models are named 'pair-v1-target'"),
+    (["--repeats", "0"], "repeats: must be at least 1"),
+    (["--device", "tpu"], "device: expected auto, cpu, cuda or cuda:N"),
+])
+def test_bad_command_lines_are_refused_naming_the_field(argv, message, capsys):
+    from minedraft.profile.cli import main
+
+    assert main(["--device", "cpu", *argv]) == 2
+    assert message in capsys.readouterr().err
