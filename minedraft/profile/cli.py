@@ -59,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, help="torch threads in the worker (CPU)")
     parser.add_argument("--output", "-o", help="cost-curve file to write (without it, the JSON goes to stdout)")
     parser.add_argument("--json", action="store_true", help="print the document on stdout (also with --output)")
+    parser.add_argument("--plot", action="store_true", help="also draw the curves beside --output (.png)")
 
 
 def _device(name: str) -> str:
@@ -70,6 +71,8 @@ def _device(name: str) -> str:
 
 
 def settings_from_args(args: argparse.Namespace, command: str) -> ProfileSettings:
+    if args.plot and not args.output:
+        raise ValueError("plot: needs --output (the picture is written beside it)")
     device = _device(args.device)
     if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
         raise ArchitectureError("device", f"expected auto, cpu, cuda or cuda:N, got {args.device!r}")
@@ -111,6 +114,11 @@ def _run(args: argparse.Namespace, command: str) -> int:
     if args.output:
         curves.write(doc, Path(args.output))
         print(f"wrote {args.output}", file=sys.stderr)
+        if args.plot:
+            from minedraft.profile.plot import plot
+
+            plot(doc, Path(args.output).with_suffix(".png"))
+            print(f"wrote {Path(args.output).with_suffix('.png')}", file=sys.stderr)
     if args.json or not args.output:
         sys.stdout.write(curves.dumps(doc))
     measured = sum(len(m["forward_ms"]) + len(m.get("draft_loop_ms", [])) for m in doc["models"].values())

@@ -188,3 +188,12 @@ def test_bad_command_lines_are_refused_naming_the_field(argv, message, capsys):
 
     assert main(["--device", "cpu", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_curve_file_plots(tmp_path):
+    from minedraft.profile.plot import main
+
+    path = tmp_path / "c.json"
+    curves.write(_doc(), path)
+    assert main([str(path)]) == 0
+    assert (tmp_path / "c.png").read_bytes().startswith(b"\x89PNG")
