@@ -44,7 +44,8 @@ def describe_device(device: torch.device) -> str:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    return f"CPU: {model}, {torch.get_num_threads()} torch threads"
+    threads = torch.get_num_threads()
+    return f"CPU: {model}, {threads} torch thread{'' if threads == 1 else 's'}"
 
 
 class Worker:

@@ -114,3 +114,15 @@ def test_the_document_is_checkpointed_after_every_worker(monkeypatch):
     assert first["models"]["pair-v1-draft"]["forward_ms"] == [] and "concurrent_ms" not in first
     assert json.loads(saved[-1]) == json.loads(curves.dumps(doc))
     assert doc["execution"] == "CUDA graphs" and len(doc["concurrent_ms"]) == 1
+
+
+def test_a_worker_that_dies_in_a_measurement_costs_that_measurement_only(monkeypatch):
+    monkeypatch.setenv("FAKE_WORKER_CRASH_BATCHES", "2")
+    settings = ProfileSettings(target="pair-v1-target", drafters=(), grid=ShapeGrid(points=((1, 8), (2, 8), (4, 8)),
+                                                                                  ks=(2,)), worker_argv=FAKE)
+    doc = run_profile(settings)
+    assert {(e["batch"], e["new_tokens"]) for e in doc["models"]["pair-v1-target"]["forward_ms"]} == {
+        (1, 1), (1, 3), (4, 1), (4, 3)}
+    assert [(e["batch"], e["message"]) for e in doc["errors"]] == [
+        (2, "the worker exited with code 9 during measurement")] * 2
+    assert "timeouts" not in doc

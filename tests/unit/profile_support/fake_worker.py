@@ -1,7 +1,9 @@
-"""A stand-in for minedraft.profile.worker that speaks its protocol without torch: `ms` = batch. It hangs (sleeps)
-in every measurement whose batch is listed in $FAKE_WORKER_HANG_BATCHES, or before `ready` if $FAKE_WORKER_HANG_SETUP
-is set; before sleeping it starts a grandchild that sleeps too (whose pid it writes to $FAKE_WORKER_PID_FILE), so a
-test can check that the whole process group is killed."""
+"""A stand-in for minedraft.profile.worker that speaks its protocol without torch: `ms` = batch.
+
+It hangs (sleeps) in every measurement whose batch is listed in $FAKE_WORKER_HANG_BATCHES, or before `ready` if
+$FAKE_WORKER_HANG_SETUP is set; it dies (exit code 9, like a worker the kernel killed) in those listed in
+$FAKE_WORKER_CRASH_BATCHES. Before sleeping it starts a grandchild that sleeps too (both pids appended to
+$FAKE_WORKER_PID_FILE), so a test can check that the whole process group is killed."""
 
 import json
 import os
@@ -21,6 +23,7 @@ def hang() -> None:
 
 job = json.loads(sys.stdin.read())
 hang_batches = {int(b) for b in os.environ.get("FAKE_WORKER_HANG_BATCHES", "").split(",") if b}
+crash_batches = {int(b) for b in os.environ.get("FAKE_WORKER_CRASH_BATCHES", "").split(",") if b}
 if os.environ.get("FAKE_WORKER_HANG_SETUP"):
     hang()
 print(json.dumps({"event": "ready", "device": "fake device", "torch": "none"}), flush=True)
@@ -29,6 +32,8 @@ for item in job["measurements"]:
     print(json.dumps({"event": "start", "id": item["id"]}), flush=True)
     if m["batch"] in hang_batches:
         hang()
+    if m["batch"] in crash_batches:
+        os._exit(9)
     fields = {"ms": float(m["batch"])}
     if m["kind"] == "concurrent":
         fields.update(target_ms=1.0, drafter_ms=1.0, target_alone_ms=1.0, drafter_alone_ms=1.0)
