@@ -95,3 +95,93 @@ def test_eager_timing_is_a_positive_median():
     assert ms > 0
     with pytest.raises(ValueError, match="repeats"):
         TimingSettings(repeats=0)
+
+
+class _Clock:
+    """A GPU simulated at the level time_two_streams works at: each stream has a clock; a replay advances its
+    stream's clock by the graph's duration, an event records its stream's clock, a wait moves the stream's clock to
+    the event's. Every call is logged, so the test can check that nothing synchronizes between launches."""
+
+    def __init__(self):
+        self.log: list[str] = []
+        self.current = None
+
+
+class _Stream:
+    def __init__(self, clock: _Clock, name: str):
+        self.clock, self.name, self.time = clock, name, 0.0
+
+    def wait_event(self, event):
+        self.clock.log.append(f"{self.name} waits")
+        self.time = max(self.time, event.time)
+
+
+class _Event:
+    def __init__(self, clock: _Clock):
+        self.clock, self.time = clock, None
+
+    def record(self, stream):
+        self.time = stream.time
+
+    def elapsed_time(self, other):
+        return other.time - self.time
+
+
+class _Graph:
+    def __init__(self, clock: _Clock, name: str, ms: float):
+        self.clock, self.name, self.ms = clock, name, ms
+
+    def replay(self):
+        stream = self.clock.current
+        self.clock.log.append(f"{self.name} on {stream.name}")
+        stream.time += self.ms
+
+
+def test_two_streams_are_ordered_by_events_only_and_timed_from_a_common_start(monkeypatch):
+    import contextlib
+
+    from minedraft.profile import timing
+
+    clock = _Clock()
+    main = _Stream(clock, "main")
+    clock.current = main
+    made = iter(["s1", "s2"])
+
+    @contextlib.contextmanager
+    def use(stream):
+        previous, clock.current = clock.current, stream
+        try:
+            yield
+        finally:
+            clock.current = previous
+
+    def synchronize(*args):
+        clock.log.append("synchronize")
+        for stream in streams:
+            main.time = max(main.time, stream.time)
+
+    streams = [main]
+
+    def new_stream():
+        stream = _Stream(clock, next(made))
+        streams.append(stream)
+        return stream
+
+    monkeypatch.setattr(timing.torch.cuda, "current_stream", lambda: main)
+    monkeypatch.setattr(timing.torch.cuda, "Stream", new_stream)
+    monkeypatch.setattr(timing.torch.cuda, "Event", lambda enable_timing: _Event(clock))
+    monkeypatch.setattr(timing.torch.cuda, "stream", use)
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", synchronize)
+    settings = TimingSettings(repeats=2, replays=3, warmup=1)
+    result = timing.time_two_streams(_Graph(clock, "target", 20.0), _Graph(clock, "drafter", 8.0), settings)
+    assert result == {"ms": 20.0, "target_ms": 20.0, "drafter_ms": 8.0, "target_alone_ms": 20.0,
+                      "drafter_alone_ms": 8.0}
+    # Each run: one synchronize before its first launch and one after its last, none in between.
+    runs = "\n".join(clock.log).split("synchronize")
+    assert [bool(chunk.strip()) for chunk in runs] == [False, True, False, True, False, True, False, True, False]
+    together = runs[-2].split()
+    assert together.count("target") == together.count("drafter") == settings.repeats * settings.replays
+    # The target replays on one stream, the drafter on the other, each after waiting for the common start.
+    assert "target on s1" in runs[-2] and "drafter on s2" in runs[-2]
+    first = runs[-2].strip().splitlines()[:4]
+    assert first == ["s1 waits", "target on s1", "s2 waits", "drafter on s2"]
