@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replays", type=int, default=None,
                         help="calls per timed block (default 10 with CUDA graphs, 3 eager)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--min-block-ms", type=float, default=50.0,
+                        help="eager timing: blocks of calls last at least this long (averages over a shared CPU's "
+                             "time slices); 0: exactly --replays calls")
     parser.add_argument("--timeout-s", type=float, default=60.0, dest="timeout_s",
                         help="per measurement, enforced by killing its worker process")
     parser.add_argument("--setup-timeout-s", type=float, default=300.0, help="per worker: start, build the models")
@@ -83,7 +86,8 @@ def settings_from_args(args: argparse.Namespace, command: str) -> ProfileSetting
         target=args.target, drafters=tuple(args.drafters or ["pair-v1-draft"]),
         grid=grid_from(args.shapes, args.batches, args.contexts, args.ks),
         device=device, dtype=dtype, eager=args.eager, concurrent=not args.no_concurrent,
-        timing=TimingSettings(repeats=args.repeats, replays=replays, warmup=args.warmup),
+        timing=TimingSettings(repeats=args.repeats, replays=replays, warmup=args.warmup,
+                              min_block_ms=args.min_block_ms if not graphs else 0.0),
         setup_timeout_s=args.setup_timeout_s, measurement_timeout_s=args.timeout_s, budget_s=args.budget_s,
         threads=args.threads, command=command)
 

@@ -68,7 +68,8 @@ def _groups(measurements: list[Measurement]) -> list[list[int]]:
 def _notes(settings: ProfileSettings) -> list[str]:
     t = settings.timing
     how = (f"each shape captured as a CUDA graph and replayed: median of {t.repeats} x {t.replays} replays"
-           if settings.graphs else f"eager: median of {t.repeats} blocks of {t.replays} calls")
+           if settings.graphs else f"eager: median of {t.repeats} blocks of at least {t.replays} calls "
+           f"(and at least {t.min_block_ms:g} ms)")
     notes = [
         "forward_ms: one forward pass of `batch` requests, each adding `new_tokens` tokens after `context` cached "
         "tokens (verify at draft length k is new_tokens = k + 1); logits for every new position, argmax",

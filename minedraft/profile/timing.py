@@ -10,6 +10,7 @@ No second host thread exists, so CUDA's global capture mode never sees another t
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -24,6 +25,9 @@ class TimingSettings:
     repeats: int = 3  # medians over this many timed blocks
     replays: int = 10  # calls per timed block (graph replays; on the eager path, calls)
     warmup: int = 2  # calls before capture / before timing
+    # Eager timing: at least this long a block (more calls per block than `replays` when calls are short), so that
+    # on a shared CPU a block averages over the scheduler's time slices instead of landing in or out of one.
+    min_block_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("repeats", "replays", "warmup"):
@@ -38,17 +42,25 @@ def _sync(device: torch.device) -> None:
 
 
 def time_eager(fn: Callable[[], Any], settings: TimingSettings, device: torch.device) -> float:
-    """Median milliseconds per call, calls made one after another (a CUDA device is synchronized per block)."""
+    """Median milliseconds per call over `repeats` blocks of calls made one after another (a CUDA device is
+    synchronized per block); a block has `replays` calls, or more to last `min_block_ms`."""
     for _ in range(settings.warmup):
         fn()
     _sync(device)
+    calls = settings.replays
+    if settings.min_block_ms > 0:
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        one_ms = max((time.perf_counter() - started) * 1000.0, 1e-3)
+        calls = max(calls, min(1000, math.ceil(settings.min_block_ms / one_ms)))
     per_call_ms = []
     for _ in range(settings.repeats):
         started = time.perf_counter()
-        for _ in range(settings.replays):
+        for _ in range(calls):
             fn()
         _sync(device)
-        per_call_ms.append((time.perf_counter() - started) * 1000.0 / settings.replays)
+        per_call_ms.append((time.perf_counter() - started) * 1000.0 / calls)
     return statistics.median(per_call_ms)
 
 

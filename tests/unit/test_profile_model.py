@@ -185,3 +185,24 @@ def test_two_streams_are_ordered_by_events_only_and_timed_from_a_common_start(mo
     assert "target on s1" in runs[-2] and "drafter on s2" in runs[-2]
     first = runs[-2].strip().splitlines()[:4]
     assert first == ["s1 waits", "target on s1", "s2 waits", "drafter on s2"]
+
+
+def test_eager_blocks_last_at_least_min_block_ms(monkeypatch):
+    """Short calls are timed in blocks long enough to average over a shared CPU's time slices (a fake clock: each
+    call takes 2 ms)."""
+    from minedraft.profile import timing
+
+    now = [0.0]
+    calls = []
+
+    def call():
+        calls.append(1)
+        now[0] += 0.002
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+    ms = time_eager(call, TimingSettings(repeats=3, replays=2, warmup=1, min_block_ms=50.0), torch.device("cpu"))
+    assert ms == pytest.approx(2.0)
+    assert len(calls) == 1 + 1 + 3 * 25  # warmup, calibration, 3 blocks of 50 ms / 2 ms
+    calls.clear()
+    time_eager(call, TimingSettings(repeats=3, replays=2, warmup=1), torch.device("cpu"))
+    assert len(calls) == 1 + 3 * 2
