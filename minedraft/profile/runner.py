@@ -152,9 +152,11 @@ def run_profile(settings: ProfileSettings, log: Callable[[str], None] = lambda l
                     done += 1
                     progress(measurements[i], f"not measured: worker setup {outcome.failure or 'failed'}")
                 break
+            if not outcome.failure:
+                if finished:  # a clean exit after progress: the worker asked for a fresh process (CUDA error)
+                    continue
+                outcome.failure, outcome.during = "exit", "measurement"  # no progress: blame the next, never loop
             culprit = outcome.failed_id if outcome.failed_id in pending else pending[0]
-            if not outcome.failure:  # exited cleanly but left measurements: should not happen; do not loop
-                outcome.failure, outcome.during = "exit", "measurement"
             timeout_s = settings.measurement_timeout_s if outcome.during != "budget" else settings.budget_s or 0.0
             _record_failure(doc, measurements[culprit], outcome.failure, outcome.during, outcome.exit_code, timeout_s)
             done += 1

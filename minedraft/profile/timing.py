@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,8 +66,18 @@ def time_eager(fn: Callable[[], Any], settings: TimingSettings, device: torch.de
     return statistics.median(per_call_ms)
 
 
+def _only_thread(what: str) -> None:
+    """The design rests on a single host thread touching CUDA (see the module's docstring): refuse anything else."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(f"{what} must run on the process's main thread, the only one that touches CUDA")
+    others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    if others:  # not ours (the worker starts none): say so, since a thread that touches CUDA could break a capture
+        print(f"warning: {what} while other Python threads run: {others}", file=sys.stderr)
+
+
 def capture(fn: Callable[[], Any], settings: TimingSettings) -> torch.cuda.CUDAGraph:
     """Warm up on a side stream, synchronize, capture one call. Called from the only thread that touches CUDA."""
+    _only_thread("a CUDA graph capture")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -112,6 +124,7 @@ def time_two_streams(target: torch.cuda.CUDAGraph, drafter: torch.cuda.CUDAGraph
     event and joins them on the launching stream, so iterations do not overlap each other. Returns medians:
     `ms` (both done), `target_ms` / `drafter_ms` (each stream's finish, measured from the common start, while the
     other runs), `target_alone_ms` / `drafter_alone_ms` (the same graphs by themselves, same streams)."""
+    _only_thread("the two-stream measurement")
     main = torch.cuda.current_stream()
     streams = {"target": torch.cuda.Stream(), "drafter": torch.cuda.Stream()}
     graphs = {"target": target, "drafter": drafter}

@@ -113,6 +113,10 @@ def main() -> int:
             except Exception as exc:  # one measurement's failure (out of memory, ...) is reported, not fatal
                 traceback.print_exc(file=sys.stderr)
                 emit("error", id=item["id"], message=f"{type(exc).__name__}: {exc}")
+                if worker.device.type == "cuda":
+                    # A failure inside a capture can leave the CUDA context unusable for what follows: end here
+                    # (cleanly) and let the supervisor hand the rest to a fresh process.
+                    return 0
             worker.release()
     return 0
 

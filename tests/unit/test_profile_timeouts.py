@@ -126,3 +126,14 @@ def test_a_worker_that_dies_in_a_measurement_costs_that_measurement_only(monkeyp
     assert [(e["batch"], e["message"]) for e in doc["errors"]] == [
         (2, "the worker exited with code 9 during measurement")] * 2
     assert "timeouts" not in doc
+
+
+def test_a_worker_that_ends_after_an_error_is_replaced(monkeypatch):
+    monkeypatch.setenv("FAKE_WORKER_ERROR_BATCHES", "2")
+    settings = ProfileSettings(target="pair-v1-target", drafters=(), grid=ShapeGrid(points=((1, 8), (2, 8), (4, 8)),
+                                                                                  ks=(2,)), worker_argv=FAKE)
+    doc = run_profile(settings)
+    assert {(e["batch"], e["new_tokens"]) for e in doc["models"]["pair-v1-target"]["forward_ms"]} == {
+        (1, 1), (1, 3), (4, 1), (4, 3)}
+    assert [(e["batch"], e["tokens"], e["message"]) for e in doc["errors"]] == [
+        (2, 1, "OutOfMemoryError: fake"), (2, 3, "OutOfMemoryError: fake")]

@@ -2,7 +2,8 @@
 
 It hangs (sleeps) in every measurement whose batch is listed in $FAKE_WORKER_HANG_BATCHES, or before `ready` if
 $FAKE_WORKER_HANG_SETUP is set; it dies (exit code 9, like a worker the kernel killed) in those listed in
-$FAKE_WORKER_CRASH_BATCHES. Before sleeping it starts a grandchild that sleeps too (both pids appended to
+$FAKE_WORKER_CRASH_BATCHES; it reports an error and ends cleanly (as the real worker does on CUDA) in those listed in
+$FAKE_WORKER_ERROR_BATCHES. Before sleeping it starts a grandchild that sleeps too (both pids appended to
 $FAKE_WORKER_PID_FILE), so a test can check that the whole process group is killed."""
 
 import json
@@ -24,6 +25,7 @@ def hang() -> None:
 job = json.loads(sys.stdin.read())
 hang_batches = {int(b) for b in os.environ.get("FAKE_WORKER_HANG_BATCHES", "").split(",") if b}
 crash_batches = {int(b) for b in os.environ.get("FAKE_WORKER_CRASH_BATCHES", "").split(",") if b}
+error_batches = {int(b) for b in os.environ.get("FAKE_WORKER_ERROR_BATCHES", "").split(",") if b}
 if os.environ.get("FAKE_WORKER_HANG_SETUP"):
     hang()
 print(json.dumps({"event": "ready", "device": "fake device", "torch": "none"}), flush=True)
@@ -34,6 +36,9 @@ for item in job["measurements"]:
         hang()
     if m["batch"] in crash_batches:
         os._exit(9)
+    if m["batch"] in error_batches:
+        print(json.dumps({"event": "error", "id": item["id"], "message": "OutOfMemoryError: fake"}), flush=True)
+        sys.exit(0)
     fields = {"ms": float(m["batch"])}
     if m["kind"] == "concurrent":
         fields.update(target_ms=1.0, drafter_ms=1.0, target_alone_ms=1.0, drafter_alone_ms=1.0)
