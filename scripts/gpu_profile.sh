@@ -13,9 +13,9 @@
 #
 # Time limits, all enforced from outside the measuring processes: 45 s per measurement and 150 s per worker start
 # (a worker that misses one is killed with its process group and the measurement recorded under "timeouts"); the
-# whole run stops starting measurements after 380 s (the rest recorded as "budget" timeouts); and `timeout` ends
-# everything at 440 s (the profiler kills its worker on SIGTERM), 450 s at worst, plus at most a minute for the
-# device check before it. The file is rewritten after every worker process,
+# whole run stops starting measurements after 360 s (the rest recorded as "budget" timeouts); and `timeout` ends
+# everything at 420 s (the profiler kills its worker on SIGTERM), 430 s at worst, after a device check of at most
+# 40 s: 7 min 50 s in all. The file is rewritten after every worker process,
 # so even the last resort leaves what was measured.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +24,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv 2>/dev/null || true
 # One short interpreter: versions to stderr, the device's name (lower case, dashes) to stdout.
-DEVICE=$(timeout 60 "$PY" -c 'import re, sys, torch
+DEVICE=$(timeout 40 "$PY" -c 'import re, sys, torch
 assert torch.cuda.is_available(), "no CUDA device"
 name = torch.cuda.get_device_name(0)
 print("torch", torch.__version__, "CUDA", torch.version.cuda, name, file=sys.stderr)
@@ -33,9 +33,9 @@ OUTFILE="benchmarks/curves/${DEVICE}-qwen3-32b.json"
 [ "$OUTFILE" != "benchmarks/curves/h200-qwen3-32b.json" ] || OUTFILE="benchmarks/curves/${DEVICE}-qwen3-32b-profile.json"
 
 status=0
-timeout --kill-after=10 440 "$PY" -m minedraft.profile --device cuda --dtype bfloat16 --shapes gpu \
+timeout --kill-after=10 420 "$PY" -m minedraft.profile --device cuda --dtype bfloat16 --shapes gpu \
     --target qwen3-32b --drafter qwen3-1.7b --drafter qwen3-0.6b \
-    --timeout-s 45 --setup-timeout-s 150 --budget-s 380 --output "$OUTFILE" || status=$?
+    --timeout-s 45 --setup-timeout-s 150 --budget-s 360 --output "$OUTFILE" || status=$?
 echo "minedraft.profile exited with $status; file: $OUTFILE" >&2
 if [ -n "${OUT:-}" ] && [ -f "$OUTFILE" ]; then cp "$OUTFILE" "$OUT/"; fi
 exit "$status"

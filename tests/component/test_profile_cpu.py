@@ -17,7 +17,8 @@ from tests.unit.test_profile_imports import blocked_env
 def test_profile_at_tiny_shapes_writes_a_valid_cost_curve_file(tmp_path):
     out = tmp_path / "tiny.json"
     argv = [sys.executable, "-m", "minedraft.profile", "--shapes", "tiny", "--device", "cpu", "--threads", "1",
-            "--repeats", "1", "--replays", "1", "--warmup", "0", "--timeout-s", "120", "--output", str(out), "--json"]
+            "--repeats", "1", "--replays", "1", "--warmup", "0", "--min-block-ms", "0", "--timeout-s", "120",
+            "--output", str(out), "--json"]
     site = tmp_path / "site"
     site.mkdir()
     result = subprocess.run(argv, env=blocked_env(site), capture_output=True, text=True, timeout=600, cwd=tmp_path)
