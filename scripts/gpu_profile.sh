@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Cost curves of the paper's pair on a lent GPU machine: the one script to run there.
 #
-#   bash scripts/gpu_profile.sh            # from the repository root; about 5 minutes on an H200, at most 8
+#   bash scripts/gpu_profile.sh    # from the repository root; at most 8 minutes (an estimated 4-6 on an H200: not run yet)
 #
 # The machine has PyTorch (and Triton) but no vLLM, transformers or gRPC, and only the repository's files travel to
 # it, so this runs `python -m minedraft.profile` (torch and the standard library only) rather than the `minedraft`
