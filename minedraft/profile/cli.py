@@ -12,8 +12,8 @@ from typing import Any
 from minedraft.profile import curves
 from minedraft.profile.architecture import ArchitectureError, preset_names
 from minedraft.profile.runner import ProfileSettings, grid_from, run_profile
+from minedraft.profile.settings import TimingSettings
 from minedraft.profile.shapes import SHAPE_PRESETS
-from minedraft.profile.timing import TimingSettings
 
 HELP = ("measure cost curves (forward and draft-loop times by batch, context and tokens) for a model pair's "
         "architecture on this device, random weights; writes a minedraft-cost-curves/v1 file")

@@ -13,9 +13,9 @@ from typing import Any
 
 from minedraft.profile import curves
 from minedraft.profile.architecture import Architecture, ArchitectureError, resolve
+from minedraft.profile.settings import TimingSettings
 from minedraft.profile.shapes import SHAPE_PRESETS, Measurement, ShapeGrid, plan
 from minedraft.profile.supervisor import run_child
-from minedraft.profile.timing import TimingSettings
 
 WORKER_ARGV = (sys.executable, "-m", "minedraft.profile.worker")
 

@@ -32,8 +32,8 @@ sys.meta_path.insert(0, Block())
 '''
 
 
-def blocked_env(tmp_path: Path) -> dict[str, str]:
-    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+def blocked_env(tmp_path: Path, also: tuple[str, ...] = ()) -> dict[str, str]:
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE.replace("BLOCKED = (", f"BLOCKED = {also!r} + ("))
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
 
 
@@ -51,3 +51,15 @@ def test_profile_imports_with_torch_only(tmp_path):
                             timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "--shapes" in result.stdout
+
+
+def test_the_command_line_parses_without_torch(tmp_path):
+    """`minedraft --help` and the operator's and gateway's images build the whole parser: the profile subcommand
+    must not import torch until it measures (the parent process never does with --device cpu/cuda)."""
+    code = ("from minedraft.profile.cli import main; import sys; "
+            "code = main(['--device', 'cpu', '--target', 'nope']); "
+            "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(code)")
+    result = subprocess.run([sys.executable, "-c", code], env=blocked_env(tmp_path, also=("torch",)),
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "target: 'nope' is neither a preset" in result.stderr
