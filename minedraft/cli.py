@@ -298,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     importlib.import_module("minedraft.gateway.cli").add_subcommands(sub)  # gateway, bench-gateway
     importlib.import_module("minedraft.client").add_subcommands(sub)  # client generate
     importlib.import_module("minedraft.doctor").add_subcommands(sub)  # doctor
+    importlib.import_module("minedraft.profile.cli").add_subcommands(sub)  # profile (torch only)
     return parser
 
 

@@ -7,7 +7,7 @@ reference to the MineDraft so deleting it garbage-collects everything, and the l
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from minedraft.operator import spec as s
@@ -59,6 +59,20 @@ class RenderOptions:
     operator_pod_selector: Mapping[str, str] = field(default_factory=dict)
     # The operator has a default Prometheus (--prometheus-url): it never scrapes pods itself.
     operator_has_prometheus: bool = False
+    # Where `make push` put the images, and their tag: engine and gateway pods whose MineDraft names no image of its
+    # own run <image_registry>/engine:<image_tag> and <image_registry>/gateway:<image_tag>.
+    image_registry: str = s.DEFAULT_IMAGE_REGISTRY
+    image_tag: str = s.IMAGE_TAG
+
+    def image(self, name: str) -> str:
+        """The image `make images` builds from docker/<name>.Dockerfile, in this registry with this tag."""
+        return f"{self.image_registry.rstrip('/')}/{name}:{self.image_tag}"
+
+
+def with_images(spec: s.MineDraftSpec, options: RenderOptions) -> s.MineDraftSpec:
+    """The spec with the operator's images filled in where the MineDraft names none."""
+    return replace(spec, engine=replace(spec.engine, image=spec.engine.image or options.image("engine")),
+                   gateway=replace(spec.gateway, image=spec.gateway.image or options.image("gateway")))
 
 
 def names(meta: s.ObjectMeta) -> dict[str, str]:
@@ -284,7 +298,8 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         requests["ephemeral-storage"] = limits["ephemeral-storage"] = eng.ephemeral_storage
     container = {
         "name": "engine",
-        "image": eng.image,
+        # render() fills in the operator's image; called on its own, the built-in default.
+        "image": eng.image or RenderOptions().image("engine"),
         "imagePullPolicy": eng.image_pull_policy,
         "command": engine_command(spec, meta),
         "ports": [{"name": "grpc", "containerPort": ENGINE_GRPC_PORT, "protocol": "TCP"},
@@ -519,7 +534,7 @@ def gateway_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
     container = {
         "name": "gateway",
-        "image": gw.image,
+        "image": gw.image or RenderOptions().image("gateway"),
         "imagePullPolicy": gw.image_pull_policy,
         "command": gateway_command(spec, meta),
         "ports": [{"name": "grpc", "containerPort": GATEWAY_GRPC_PORT, "protocol": "TCP"},
@@ -740,6 +755,7 @@ def drafter_pod_monitor(meta: s.ObjectMeta) -> Manifest:
 def render(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | None = None) -> list[Manifest]:
     """Every object of one MineDraft, in apply order (RBAC before the pods that use it)."""
     options = options or RenderOptions()
+    spec = with_images(spec, options)
     manifests = [engine_service(spec, meta), engine_deployment(spec, meta)]
     if spec.engine.pod_disruption_budget:
         manifests.append(engine_pdb(meta))
