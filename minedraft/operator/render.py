@@ -668,7 +668,8 @@ def drafter_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
     tcp = {"tcpSocket": {"port": pool.port}}
     container = {
         "name": "drafter",
-        "image": spec.engine.image,
+        # The engine's image (it has the drafter's dependencies); render() fills in the operator's.
+        "image": spec.engine.image or RenderOptions().image("engine"),
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": drafter_command(spec),
         "ports": [{"name": "drafter", "containerPort": pool.port, "protocol": "TCP"},
