@@ -267,6 +267,9 @@ def validate(settings: EngineSettings) -> None:
 def _validate_remote_drafter(drafter: DrafterSettings) -> None:
     if drafter.window < 0:
         raise SettingsError("drafter.window", f"must be 0 (the whole context) or positive, got {drafter.window}")
+    if drafter.window and drafter.backend == "vllm" and drafter.address is None:
+        raise SettingsError("drafter.window", "the drafter window is the torch backend's (--drafter-backend torch): "
+                            "vLLM's sliding window keeps no attention-sink tokens and is not applied to Qwen3 models")
     if drafter.address is None:
         return
     from minedraft.engine.drafter_wire import parse_address

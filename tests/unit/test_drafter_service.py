@@ -229,6 +229,9 @@ def test_the_remote_drafter_settings_name_their_fields():
     with pytest.raises(SettingsError) as window:
         EngineSettings(model="t", drafter=DrafterSettings(model="d", window=-1))
     assert window.value.field_name == "drafter.window"
+    with pytest.raises(SettingsError) as vllm_window:
+        EngineSettings(model="t", drafter=DrafterSettings(model="d", backend="vllm", window=256))
+    assert vllm_window.value.field_name == "drafter.window"
 
 
 def test_a_short_or_missing_token_file_is_refused_without_showing_the_token(tmp_path):
