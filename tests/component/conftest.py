@@ -6,6 +6,8 @@ import pytest
 
 from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode, default_core_split
 
+from .device_checks import on_gpu
+
 MAX_MODEL_LEN = 512
 
 
@@ -22,6 +24,10 @@ def engine_settings(pair_dir: Path, mode: Mode, backend: str = "torch", **change
         kv_cache_gib=1,
         target_cpu_cores=target_cores,
         check_invariants=True,
+        # Pinned on CPUs, not "auto": the tests assert token-identical greedy output, which float32 guarantees on every
+        # CPU (in bf16 greedy choices depend on batch composition). "auto" resolving to float32 is tested in doctor's.
+        # On GPUs the model's own 16-bit dtype, checked by agreement (device_checks).
+        dtype="auto" if on_gpu() else "float32",
     )
     return settings.with_changes(**changes) if changes else settings
 
