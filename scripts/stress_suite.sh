@@ -81,7 +81,7 @@ summary="$OUT/summary.md"
   echo "# Test suite under load"
   echo
   echo "Commit ${commit:0:12}, $(nproc) cores, background load $LOAD busy process(es), $(date -u +%Y-%m-%dT%H:%MZ)."
-  echo "pytest ${PYTEST_ARGS[*]:-(whole suite)}"
+  if [[ ${#PYTEST_ARGS[@]} -gt 0 ]]; then echo "pytest $(printf '%q ' "${PYTEST_ARGS[@]}")"; else echo "pytest (whole suite)"; fi
   echo
   echo "| run | result | passed | failed | errors | minutes | failures |"
   echo "|---|---|---|---|---|---|---|"
