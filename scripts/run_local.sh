@@ -9,6 +9,8 @@ cd "$(dirname "$0")/.."
 
 BIN="${VENV:-.venv}/bin"
 export GRPC_VERBOSITY="${GRPC_VERBOSITY:-ERROR}"  # C-core info lines (GOAWAY on drain) are noise here
+# vLLM 0.32's AOT compile cache never loads on CPUs (every start recompiles); its older compile cache does.
+export VLLM_USE_AOT_COMPILE="${VLLM_USE_AOT_COMPILE:-0}"
 ENGINE_PORT="${MINEDRAFT_ENGINE_PORT:-50061}"
 GATEWAY_PORT="${MINEDRAFT_GATEWAY_PORT:-50060}"
 # The OpenAI-compatible HTTP API of each (0: off).
