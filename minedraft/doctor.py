@@ -59,6 +59,17 @@ def _dtype_bytes(dtype: str, config: Any) -> int:
     return BYTES_PER_DTYPE.get(own.replace("torch.", ""), 4)
 
 
+def dtype_note(requested: str, effective: str, device: Any) -> str:
+    """Why the engine loads in `effective` (placement.resolve_dtype decided it), in the doctor's words. Pure."""
+    if requested != "auto":
+        return "as chosen"
+    if device.has_gpu:
+        return "the target's own dtype (float32 models in bfloat16)"
+    fast = "this CPU has fast bfloat16, but " if device.cpu_fast_bf16 else ""
+    return (f"float32 on CPUs: {fast}bf16 greedy output would depend on batch composition and stop being "
+            "token-identical to the target alone (--dtype bfloat16 to choose it)")
+
+
 def _gpu_memory_bytes(visible: tuple[str, ...]) -> list[int] | None:
     """Total memory per visible GPU through NVML (CUDA stays uninitialised); None when NVML is not there."""
     if not visible:
@@ -78,13 +89,14 @@ def static_checks(settings: Any) -> tuple[dict[str, Any], Any]:
     """Devices, dtype, memory and vocabulary, without loading a model. Returns (report, resolved settings)."""
     from transformers import AutoConfig
 
-    from minedraft.engine.placement import check_model_pair, detect_device, plan_devices, resolve_for_device
+    from minedraft.engine.placement import check_model_pair, detect_device, plan_devices, resolved_settings
     from minedraft.engine.settings import SettingsError
 
     report: dict[str, Any] = {"checks": {}}
     checks = report["checks"]
     device = detect_device()
-    settings = resolve_for_device(settings, device)
+    requested_dtype = settings.dtype
+    settings = resolved_settings(settings, device)
     checks["devices"] = {"visible_gpus": list(device.visible_gpus), "cpu_fast_bf16": device.cpu_fast_bf16,
                          "cpu_cores": sorted(os.sched_getaffinity(0))}
     try:
@@ -95,10 +107,8 @@ def static_checks(settings: Any) -> tuple[dict[str, Any], Any]:
                                  tensor_parallel_size=settings.tensor_parallel_size)
     except SettingsError as exc:
         checks["devices"].update(ok=False, error=str(exc))
-    checks["dtype"] = {"ok": True, "dtype": settings.dtype,
-                       "note": "model's own dtype" if settings.dtype == "auto" else
-                       ("float32: this CPU has no fast bfloat16" if not device.has_gpu and settings.dtype == "float32"
-                        else "as chosen")}
+    checks["dtype"] = {"ok": True, "dtype": settings.dtype, "requested": requested_dtype,
+                       "note": dtype_note(requested_dtype, settings.dtype, device)}
     memory: dict[str, Any] = {"ok": True}
     per_gpu = _gpu_memory_bytes(device.visible_gpus)
     for role, path in (("target", settings.model), ("draft", settings.drafter.model)):

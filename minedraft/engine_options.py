@@ -44,8 +44,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
                         help="longest context in tokens (default: the model's own, capped by what the KV cache holds)")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache size on CPUs (GiB)")
     parser.add_argument("--dtype", default="auto", choices=list(DTYPES),
-                        help="target and drafter dtype (auto: each model's own on GPUs; float32 on CPUs without fast "
-                        "bfloat16)")
+                        help="target and drafter dtype (auto: the target's own on GPUs, bfloat16 for float32 "
+                        "models; float32 on every CPU, where bf16 would break token-identical greedy output)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="target GPUs (tensor parallel; on CPUs, worker processes)")
     parser.add_argument("--target-gpus", help="comma-separated indices into the visible GPUs (CUDA_VISIBLE_DEVICES) "

@@ -1,5 +1,8 @@
 """Regenerate every canonical benchmark result in benchmarks/results/, one after another, with progress.
 
+One canonical set per regime or component, each a top-level entry of benchmarks/results/ (a file stem, or a folder
+when a component has several views: local-pair/ k=3 and k=5, step-breakdown/, drafter/, autoscale/).
+
     python scripts/bench_all.py              # everything (about an hour on 2 cores)
     python scripts/bench_all.py --dry-run    # the plan and its time estimate, nothing run
     python scripts/bench_all.py --only trained-k5,gateway
@@ -38,60 +41,56 @@ STEPS: tuple[Step, ...] = (
     Step("trained-k3", "trained local pair, k=3: every mode at 1-32 requests and a load trace",
          ("minedraft", "bench", "--modes", "ar,vllm-sd,sd,psd,auto", "--concurrency", "1,2,4,8,16,32",
           "--requests-per-concurrency", "4", "--min-requests", "16", "--max-tokens", "64", "--rounds", "4",
-          "-k", "3", "--trace", TRACE, "--json", "benchmarks/results/local-pair-k3.json"),
-         ("benchmarks/results/local-pair-k3.json",), 15 * 60),
+          "-k", "3", "--trace", TRACE, "--json", "benchmarks/results/local-pair/k3.json"),
+         ("benchmarks/results/local-pair/k3.json",), 15 * 60),
     Step("trained-k5", "trained local pair, k=5 (drafting about as long as verifying)",
          ("minedraft", "bench", "--modes", "ar,vllm-sd,sd,psd", "--concurrency", "4,16,32", "--num-prompts", "64",
-          "--max-tokens", "64", "--rounds", "2", "-k", "5", "--json", "benchmarks/results/local-pair-k5.json"),
-         ("benchmarks/results/local-pair-k5.json",), 6 * 60),
+          "--max-tokens", "64", "--rounds", "2", "-k", "5", "--json", "benchmarks/results/local-pair/k5.json"),
+         ("benchmarks/results/local-pair/k5.json",), 6 * 60),
     Step("constructed", "cost-realistic constructed pair, acceptance 0.8, k=3",
          ("minedraft", "bench", "--constructed-acceptance", "0.8", "--modes", "ar,vllm-sd,sd,psd,auto",
           "--concurrency", "1,2,4,8,16,32", "--requests-per-concurrency", "3", "--min-requests", "6",
           "--max-tokens", "32", "--rounds", "2", "-k", "3", "--trace", TRACE, "--kv-cache-gib", "1",
           "--json", "benchmarks/results/constructed-a80-k3.json"),
          ("benchmarks/results/constructed-a80-k3.json",), 25 * 60),
-    Step("gateway", "the gateway's added latency and concurrent streams, gRPC and OpenAI HTTP",
+    Step("gateway", "the gateway's added latency and concurrent streams, gRPC and OpenAI HTTP (SSE) side by side",
          ("minedraft", "bench-gateway", "--json", "benchmarks/results/gateway.json"),
          ("benchmarks/results/gateway.json",), 4 * 60),
-    # The same benchmark, recorded a second time by the HTTP API's work; kept as its own canonical file.
-    Step("gateway-http", "the gateway's OpenAI HTTP (SSE) streams beside gRPC",
-         ("minedraft", "bench-gateway", "--json", "benchmarks/results/gateway-http.json"),
-         ("benchmarks/results/gateway-http.json",), 4 * 60),
     Step("tensor-parallel", "the local pair at tensor-parallel sizes 1 and 2 (ar, sd, psd)",
          ("python", "benchmarks/tensor_parallel.py"),
          # Not timed when the committed set was made: a guess (four short bench runs of three modes).
          ("benchmarks/results/tensor-parallel.json",), 10 * 60),
     Step("step-breakdown", "per-step time at 32 requests: forward, the engine's own work, waits (512 tokens)",
-         ("minedraft", "bench", "steps", "--out", "benchmarks/results/step-breakdown-512", "--contexts", "512"),
+         ("minedraft", "bench", "steps", "--out", "benchmarks/results/step-breakdown/512", "--contexts", "512"),
          # Took about 4 minutes on the shared machine (load average 3-16 from other jobs).
-         ("benchmarks/results/step-breakdown-512.json",), 5 * 60),
+         ("benchmarks/results/step-breakdown/512.json",), 5 * 60),
     Step("step-breakdown-long", "per-step time at 32 requests with 2k and 8k-token contexts (psd deltas vs whole "
          "contexts, ar)",
-         ("minedraft", "bench", "steps", "--out", "benchmarks/results/step-breakdown-long",
+         ("minedraft", "bench", "steps", "--out", "benchmarks/results/step-breakdown/long",
           "--contexts", "2048,8192", "--modes", "psd,psd-full,ar", "--max-tokens", "12"),
          # Took about 4 minutes on the shared machine (load average 4-16 from other jobs).
-         ("benchmarks/results/step-breakdown-long.json",), 6 * 60),
+         ("benchmarks/results/step-breakdown/long.json",), 6 * 60),
     Step("drafter-stall", "inter-token gaps of 16 streams while the drafter is SIGSTOPped (and restarted after a hang)",
-         ("minedraft", "bench", "stall", "--out", "benchmarks/results/drafter-stall"),
+         ("minedraft", "bench", "stall", "--out", "benchmarks/results/drafter/stall"),
          # Took 5-6 minutes at load averages of 3-24 (a replacement drafter may take the minute it is allowed).
-         ("benchmarks/results/drafter-stall.json",), 6 * 60),
+         ("benchmarks/results/drafter/stall.json",), 6 * 60),
     Step("drafter-jobs", "the vLLM drafter's per-job cost at 32 requests x 512/2k/4k tokens: block hashes kept "
          "between jobs against re-hashing every re-admitted context",
-         ("python", "-m", "minedraft.bench.drafter_jobs", "--json", "benchmarks/results/drafter-jobs.json",
+         ("python", "-m", "minedraft.bench.drafter_jobs", "--json", "benchmarks/results/drafter/jobs.json",
           "--rounds", "3"),
          # Measured on the contended 2-core machine: about 5 minutes.
-         ("benchmarks/results/drafter-jobs.json",), 6 * 60),
+         ("benchmarks/results/drafter/jobs.json",), 6 * 60),
     Step("drafter-window", "acceptance of a context-bounded drafter (window 512/256/64 + 4 sink tokens) against the "
          "whole-context drafter on 256 to 1900-token prompts (greedy SD simulated exactly, no engine)",
-         ("python", "-m", "minedraft.bench.drafter_window", "--out", "benchmarks/results/drafter-window"),
+         ("python", "-m", "minedraft.bench.drafter_window", "--out", "benchmarks/results/drafter/window"),
          # A guess until timed on an idle machine (target continuations plus five drafters over 18 prompts).
-         ("benchmarks/results/drafter-window.json",), 8 * 60),
+         ("benchmarks/results/drafter/window.json",), 8 * 60),
     Step("step-breakdown-resident", "per-step time at 32 requests, 512 to 8k tokens: psd with the model runner's "
          "resident sub-batches against vLLM's single persistent batch (psd-churn), and ar",
-         ("minedraft", "bench", "steps", "--out", "benchmarks/results/step-breakdown-resident",
+         ("minedraft", "bench", "steps", "--out", "benchmarks/results/step-breakdown/resident",
           "--contexts", "512,2048,8192", "--modes", "psd,psd-churn,ar", "--max-tokens", "12"),
          # Not timed when the committed set was made (a contended machine): a guess.
-         ("benchmarks/results/step-breakdown-resident.json",), 20 * 60),
+         ("benchmarks/results/step-breakdown/resident.json",), 20 * 60),
     Step("autoscaling", "speculation-aware autoscaler against the HPA algorithm and an oracle, simulated",
          ("minedraft", "autoscale", "bench", "--out", "benchmarks/results/autoscale"),
          # Not timed when the committed set was made: a guess from the simulator's speed on 2 cores.

@@ -9,6 +9,8 @@ cd "$(dirname "$0")/.."
 
 BIN="${VENV:-.venv}/bin"
 export GRPC_VERBOSITY="${GRPC_VERBOSITY:-ERROR}"  # C-core info lines (GOAWAY on drain) are noise here
+# vLLM 0.32's AOT compile cache never loads on CPUs (every start recompiles); its older compile cache does.
+export VLLM_USE_AOT_COMPILE="${VLLM_USE_AOT_COMPILE:-0}"
 ENGINE_PORT="${MINEDRAFT_ENGINE_PORT:-50061}"
 GATEWAY_PORT="${MINEDRAFT_GATEWAY_PORT:-50060}"
 # The OpenAI-compatible HTTP API of each (0: off).
@@ -17,6 +19,11 @@ GATEWAY_HTTP_PORT="${MINEDRAFT_GATEWAY_HTTP_PORT:-8060}"
 PROMPT="${MINEDRAFT_PROMPT:-def parse_args(argv):
 }"
 MAX_TOKENS="${MINEDRAFT_MAX_TOKENS:-96}"
+
+# Everything the servers and tools log (vLLM's start-up, torch's and pip's warnings, NUMA notices) goes to one file
+# named on the terminal; the terminal keeps what the README shows.
+LOG="${MINEDRAFT_RUN_LOG:-$(mktemp "${TMPDIR:-/tmp}/minedraft-run.XXXXXX.log")}"
+: >"$LOG"
 
 pids=()
 cleanup() {
@@ -33,23 +40,42 @@ trap 'exit 130' INT TERM
 # Metrics ports off unless asked for (MINEDRAFT_ENGINE_METRICS_PORT, MINEDRAFT_GATEWAY_METRICS_PORT): a busy port
 # must not stop the quick start.
 "$BIN/minedraft" --log-level WARNING serve --grpc-port "$ENGINE_PORT" --http-port "$ENGINE_HTTP_PORT" \
-  --metrics-port "${MINEDRAFT_ENGINE_METRICS_PORT:-0}" --grace-seconds 5 "$@" &
+  --metrics-port "${MINEDRAFT_ENGINE_METRICS_PORT:-0}" --grace-seconds 5 "$@" >>"$LOG" 2>&1 &
 pids+=($!)
 "$BIN/minedraft" --log-level WARNING gateway --port "$GATEWAY_PORT" --http-port "$GATEWAY_HTTP_PORT" \
-  --engines "127.0.0.1:$ENGINE_PORT" --metrics-port "${MINEDRAFT_GATEWAY_METRICS_PORT:-0}" --grace-seconds 5 &
+  --engines "127.0.0.1:$ENGINE_PORT" --metrics-port "${MINEDRAFT_GATEWAY_METRICS_PORT:-0}" --grace-seconds 5 \
+  >>"$LOG" 2>&1 &
 pids+=($!)
 
 echo "run: engine server on :$ENGINE_PORT (HTTP :$ENGINE_HTTP_PORT), gateway on :$GATEWAY_PORT" \
-  "(HTTP :$GATEWAY_HTTP_PORT); waiting for the engine to load ..." >&2
-# The gateway reports SERVING once an engine behind it is ready.
+  "(HTTP :$GATEWAY_HTTP_PORT); logs in $LOG" >&2
+failed() {
+  [[ -t 2 ]] && printf '\n' >&2
+  echo "run: $1; the last lines of $LOG:" >&2
+  tail -n 25 "$LOG" >&2
+  exit 1
+}
+# The gateway reports SERVING once an engine behind it is ready. Meanwhile one progress line (rewritten in place on a
+# terminal; a line a minute otherwise, so CI logs stay short).
 ready=
+started=$SECONDS
+reported=0
 for _ in $(seq 1 300); do
-  for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null || { echo "run: a server exited" >&2; exit 1; }; done
-  if "$BIN/minedraft" client health --target "127.0.0.1:$GATEWAY_PORT" --wait-seconds 2 >/dev/null; then
+  for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null || failed "a server exited"; done
+  if "$BIN/minedraft" client health --target "127.0.0.1:$GATEWAY_PORT" --wait-seconds 2 >/dev/null 2>>"$LOG"; then
     ready=1; break
   fi
+  waited=$((SECONDS - started))
+  if [[ -t 2 ]]; then
+    printf '\rrun: waiting for the engine to load ... %ds' "$waited" >&2
+  elif (( waited - reported >= 60 )); then
+    reported=$waited
+    echo "run: waiting for the engine to load ... ${waited}s" >&2
+  fi
 done
-[[ -n "$ready" ]] || { echo "run: the engine did not become ready" >&2; exit 1; }
+[[ -n "$ready" ]] || failed "the engine did not become ready"
+loaded="run: the engine loaded in $((SECONDS - started))s"
+if [[ -t 2 ]]; then printf '\r%s%20s\n' "$loaded" "" >&2; else echo "$loaded" >&2; fi
 echo "run: streaming through the gateway:" >&2
 printf '%s' "$PROMPT"
 "$BIN/minedraft" client generate --target "127.0.0.1:$GATEWAY_PORT" --prompt "$PROMPT" --max-tokens "$MAX_TOKENS"

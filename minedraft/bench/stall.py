@@ -1,6 +1,6 @@
 """What a stopped drafter costs the streams: inter-token gaps of every stream while the drafter is SIGSTOPped.
 
-    minedraft bench stall --out benchmarks/results/drafter-stall [--streams 16] [--json]
+    minedraft bench stall --out benchmarks/results/drafter/stall [--streams 16] [--json]
 
 One psd engine serves N streams (greedy, long outputs) and, per scenario, the drafter process is SIGSTOPped for a
 few seconds mid-run, then SIGCONTed:
@@ -65,7 +65,7 @@ class Window:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options (shared by `minedraft bench stall` and `python -m minedraft.bench.stall`)."""
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/drafter-stall"),
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/drafter/stall"),
                         help="path prefix of the .json, .md and .png results")
     parser.add_argument("--streams", type=int, default=16, help="concurrent streams")
     parser.add_argument("-k", "--k", type=int, default=3, dest="k")

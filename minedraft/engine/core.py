@@ -22,7 +22,7 @@ from minedraft.engine.placement import (
     detect_device,
     narrow_visible_devices,
     plan_devices,
-    resolve_for_device,
+    resolved_settings,
 )
 from minedraft.engine.requests import OutputDelta, RequestError, SamplingSettings
 from minedraft.engine.settings import EngineSettings, Mode
@@ -182,7 +182,7 @@ class Engine:
         # Before anything loads: concrete dtype and drafter backend for this machine, each process's devices, and a
         # draft model whose token ids are the target's.
         device = detect_device()
-        settings = resolve_for_device(settings, device)
+        settings = resolved_settings(settings, device)
         self.device_plan = plan_devices(settings, device)
         self.pair_check: dict[str, Any] | None = None
         # (A shared drafter service holds the draft model: it checks every token id against its vocabulary.)
@@ -222,7 +222,8 @@ class Engine:
         self.startup_seconds = time.perf_counter() - started
         self._prompt_lengths: dict[str, int] = {}
         self._output_counts: dict[str, int] = {}
-        log.info("engine (%s) ready in %.1fs", settings.mode.value, self.startup_seconds)
+        log.info("engine (%s, %s on %s) ready in %.1fs", settings.mode.value, settings.dtype,
+                 "gpu" if device.has_gpu else "cpu", self.startup_seconds)
 
     def _start_drafter(self, settings: EngineSettings) -> Any:
         if settings.drafter.address is not None:

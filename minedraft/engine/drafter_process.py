@@ -119,7 +119,8 @@ class Drafter:
             extra["gpu_memory_utilization"] = settings["gpu_memory_utilization"]
         args = EngineArgs(
             model=settings["model"],
-            dtype=settings.get("dtype", "float32"),
+            # Concrete: the engine resolved "auto" (placement.resolve_dtype), so the draft loads as the target does.
+            dtype=settings["dtype"],
             # -1: the draft's own context length fitted to its KV cache.
             max_model_len=settings.get("max_model_len") or -1,
             max_num_seqs=settings["max_num_seqs"],

@@ -81,6 +81,7 @@ class DeviceInfo:
     # "0".."N-1" when it is unset. Empty on a CPU machine.
     visible_gpus: tuple[str, ...] = ()
     # The CPU computes bfloat16 at full speed (AVX-512 BF16 or AMX); without it bf16 runs several times slower.
+    # Reported (doctor), never a reason to leave float32 on its own: see resolve_dtype.
     cpu_fast_bf16: bool = False
 
     @property
@@ -99,7 +100,17 @@ class DevicePlan:
     drafter_index: int | None = None
 
 
-def _cpu_has_fast_bf16() -> bool:
+# "1"/"0" overrides what /proc/cpuinfo says about fast bf16, so the suite can run as if on the other kind of CPU
+# (AVX2-only vs AVX-512 BF16/AMX) wherever it runs.
+CPU_FAST_BF16_ENV = "MINEDRAFT_CPU_FAST_BF16"
+
+
+def _cpu_has_fast_bf16(environ: Mapping[str, str]) -> bool:
+    forced = environ.get(CPU_FAST_BF16_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        raise SettingsError(CPU_FAST_BF16_ENV, f"expected 0 or 1, got {forced!r}")
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
@@ -127,7 +138,7 @@ def detect_device(environ: Mapping[str, str] | None = None) -> DeviceInfo:
     if INHERITED_DEVICES_ENV in env and inherited:
         # Narrowed by an earlier engine in this process: the recorded list is what this process was given.
         return DeviceInfo(visible_gpus=tuple(d.strip() for d in inherited.split(",") if d.strip()),
-                          cpu_fast_bf16=_cpu_has_fast_bf16())
+                          cpu_fast_bf16=_cpu_has_fast_bf16(env))
     count = 0
     try:
         import torch
@@ -141,7 +152,7 @@ def detect_device(environ: Mapping[str, str] | None = None) -> DeviceInfo:
         visible = tuple(d.strip() for d in inherited.split(",") if d.strip())[:count] if count else ()
     else:
         visible = tuple(str(i) for i in range(count))
-    return DeviceInfo(visible_gpus=visible, cpu_fast_bf16=_cpu_has_fast_bf16())
+    return DeviceInfo(visible_gpus=visible, cpu_fast_bf16=_cpu_has_fast_bf16(env))
 
 
 def plan_devices(settings: EngineSettings, device: DeviceInfo) -> DevicePlan:
@@ -202,19 +213,55 @@ def cpu_thread_binding(target_cores: tuple[int, ...], tensor_parallel_size: int,
                     for r in range(tensor_parallel_size))
 
 
-def resolve_for_device(settings: EngineSettings, device: DeviceInfo) -> EngineSettings:
+def resolve_dtype(requested: str, device: DeviceInfo, model_dtype: str | None) -> str:
+    """The concrete dtype both the target and the drafter load in. Pure.
+
+    An explicit choice stands. "auto" on any CPU is float32, with or without fast bf16: in bf16 the verifier's
+    (k+1)-token passes and plain decoding round differently, greedy choices then depend on batch composition, and
+    temperature-0 output is no longer token-identical to the target alone (vLLM's own "auto" would load a float32
+    model in bf16 on every x86 CPU). "auto" on GPUs is the target's own dtype from its config, with float32 models
+    served in bfloat16 as vLLM's "auto" does there (its GPU kernels assume a 16-bit dtype).
+    """
+    if requested != "auto":
+        return requested
+    if not device.has_gpu:
+        return "float32"
+    own = (model_dtype or "").replace("torch.", "")
+    return own if own in ("bfloat16", "float16") else "bfloat16"
+
+
+def model_config_dtype(model: str) -> str | None:
+    """The dtype a model's config declares ("bfloat16", ...), or None when it declares none or cannot be read."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError):
+        return None  # the pair check that follows reports an unreadable config by name
+    text = getattr(config, "text_config", None) or config
+    own = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or getattr(config, "torch_dtype", None)
+    return str(own).replace("torch.", "") if own is not None else None
+
+
+def resolve_for_device(settings: EngineSettings, device: DeviceInfo, model_dtype: str | None = None
+                       ) -> EngineSettings:
     """Turn the "auto" choices into concrete ones for this machine. Pure.
 
     One default drafter backend everywhere: vLLM on GPUs (its kernels and batching), the plain-torch drafter on CPUs
-    (no per-job admission cost). dtype auto: each model's own dtype on GPUs; float32 on a CPU without fast bf16.
+    (no per-job admission cost). dtype: resolve_dtype, with model_dtype the target's config dtype (only read on
+    GPUs; see resolved_settings). Nothing downstream (vLLM, the drafter process) ever sees "auto".
     """
     backend = settings.drafter.backend
     if backend == "auto":
         backend = "vllm" if device.has_gpu else "torch"
-    dtype = settings.dtype
-    if dtype == "auto" and not device.has_gpu and not device.cpu_fast_bf16:
-        dtype = "float32"
+    dtype = resolve_dtype(settings.dtype, device, model_dtype)
     return settings.with_changes(dtype=dtype, drafter=replace(settings.drafter, backend=backend))
+
+
+def resolved_settings(settings: EngineSettings, device: DeviceInfo) -> EngineSettings:
+    """resolve_for_device, reading the target's config dtype when the choice depends on it (auto on a GPU)."""
+    model_dtype = model_config_dtype(settings.model) if settings.dtype == "auto" and device.has_gpu else None
+    return resolve_for_device(settings, device, model_dtype)
 
 
 # -- the model pair --------------------------------------------------------------------------------------------------

@@ -132,8 +132,8 @@ class EngineSettings:
     kv_cache_gib: float = 2.0
     target_cpu_cores: tuple[int, ...] = ()
     seed: int = 0
-    # Target and drafter weights/activations. "auto": each model's own dtype on GPUs; float32 on a CPU without fast
-    # bfloat16 (resolved by minedraft.engine.placement.resolve_for_device).
+    # Target and drafter weights/activations. "auto": the target's own dtype on GPUs (bfloat16 for float32 models);
+    # float32 on every CPU (resolved by minedraft.engine.placement.resolve_dtype before vLLM or a drafter sees it).
     dtype: str = "auto"
     # Target GPUs: tensor parallel over this many devices (target_gpus, default the first N visible ones).
     tensor_parallel_size: int = 1

@@ -277,6 +277,15 @@ class TorchLlamaDrafter:
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def concrete_dtype(settings: dict[str, Any]) -> torch.dtype:
+    """The engine resolves "auto" before starting a drafter (placement.resolve_dtype): anything else is a bug that
+    would silently load the draft in another dtype than the target's."""
+    name = str(settings.get("dtype"))
+    if name not in DTYPES:
+        raise ValueError(f"drafter dtype must be one of {', '.join(DTYPES)} (resolved by the engine), got {name!r}")
+    return DTYPES[name]
+
+
 def make_torch_drafter(settings: dict[str, Any]) -> TorchLlamaDrafter:
     if settings.get("drafter_window") or settings.get("device", "cpu") != "cpu":
         from minedraft.engine.torch_drafter_window import make_windowed_drafter
@@ -286,6 +295,5 @@ def make_torch_drafter(settings: dict[str, Any]) -> TorchLlamaDrafter:
         settings["model"],
         max_slots=2 * int(settings["max_num_seqs"]) + 8,
         max_model_len=int(settings["max_model_len"]),
-        # "auto" reaches here only on CPUs with fast bf16: the model's own dtype is then float32 for our pairs.
-        dtype=DTYPES.get(str(settings.get("dtype")), torch.float32),
+        dtype=concrete_dtype(settings),
     )

@@ -45,7 +45,15 @@ def apply_cpu_fixes() -> bool:
         return False
     from vllm.triton_utils.dispatcher import register_kernels
 
-    register_kernels({EXPAND_KERNEL: expand_batch_values})
+    # Replacing the CPU platform's stand-in is the point: vLLM's "already registered. Overwriting." warning for it
+    # would only alarm whoever reads the log, so it is held back for this one call.
+    dispatcher_log = logging.getLogger("vllm.triton_utils.dispatcher")
+    level = dispatcher_log.level
+    dispatcher_log.setLevel(logging.ERROR)
+    try:
+        register_kernels({EXPAND_KERNEL: expand_batch_values})
+    finally:
+        dispatcher_log.setLevel(level)
     install_empty_safe_top_k()
     log.info("installed the dtype-preserving expand kernel for CPU speculative sampling")
     return True

@@ -99,7 +99,7 @@ class EngineServer:
             self._metrics_task = asyncio.create_task(self.exporter.run(engine), name="engine metrics")
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._engine_check_task = asyncio.create_task(self._check_engine_loop(engine), name="engine loop check")
-        log.info("serving %s (%s)", engine.settings.model, engine.settings.mode.value)
+        log.info("serving %s (%s, %s)", engine.settings.model, engine.settings.mode.value, engine.settings.dtype)
 
     async def _check_engine_loop(self, engine: AsyncEngine) -> None:
         """Readiness follows the engine loop: NOT_SERVING while it does not answer (stuck, or dead), SERVING again

@@ -46,14 +46,17 @@ def start_metrics(host: str, port: int) -> Any:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from minedraft.engine.async_engine import AsyncEngine
+    from minedraft.engine.placement import detect_device, resolved_settings
     from minedraft.engine_options import settings_from_args
     from minedraft.server.app import serve
 
     settings = settings_from_args(args)
     registry = start_metrics(args.host, args.metrics_port) if args.metrics_port else None
+    # The dtype the engine will compute in ("auto" resolved as the engine resolves it), said before the long load.
+    dtype = resolved_settings(settings, detect_device()).dtype
 
     def on_started(port: int) -> None:
-        print(f"minedraft serve: gRPC on {args.host}:{port}, loading the {settings.mode.value} engine",
+        print(f"minedraft serve: gRPC on {args.host}:{port}, loading the {settings.mode.value} engine ({dtype})",
               file=sys.stderr, flush=True)
 
     return asyncio.run(serve(lambda: AsyncEngine.create(settings), f"{args.host}:{args.grpc_port}",

@@ -209,4 +209,5 @@ class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
             num_active_streams=service.num_active_streams,
             uptime_seconds=time.monotonic() - service.started_monotonic,
             state=service.state.value,
+            dtype=service.engine.settings.dtype if service.engine is not None else "",
         )

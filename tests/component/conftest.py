@@ -6,6 +6,9 @@ import pytest
 
 from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode, default_core_split
 
+from .device_checks import on_gpu
+from .patience import wait_for_drafts
+
 MAX_MODEL_LEN = 512
 
 
@@ -22,6 +25,10 @@ def engine_settings(pair_dir: Path, mode: Mode, backend: str = "torch", **change
         kv_cache_gib=1,
         target_cpu_cores=target_cores,
         check_invariants=True,
+        # Pinned on CPUs, not "auto": the tests assert token-identical greedy output, which float32 guarantees on every
+        # CPU (in bf16 greedy choices depend on batch composition). "auto" resolving to float32 is tested in doctor's.
+        # On GPUs the model's own 16-bit dtype, checked by agreement (device_checks).
+        dtype="auto" if on_gpu() else "float32",
     )
     return settings.with_changes(**changes) if changes else settings
 
@@ -38,12 +45,13 @@ def ar_engine(pair_dir):
 
 @pytest.fixture(scope="session")
 def psd_engine(pair_dir):
-    """Our engine (psd, switchable to sd and ar), with sub-batch invariants asserted on every step."""
+    """Our engine (psd, switchable to sd and ar), with sub-batch invariants asserted on every step, waiting for its
+    drafts (patience.py: timing taken out of what the tests claim about drafts)."""
     from minedraft.engine.core import Engine
 
     engine = Engine(engine_settings(pair_dir, Mode.PSD, max_num_speculative_tokens=4))
     assert engine.wait_for_drafter(300), "drafter did not start"
-    yield engine
+    yield wait_for_drafts(engine)
     engine.shutdown()
 
 
@@ -54,7 +62,7 @@ def psd(psd_engine):
 
     psd_engine.set_mode(Mode.PSD, 3, 0)
     assert psd_engine.wait_for_drafter(300)
-    yield psd_engine
+    yield wait_for_drafts(psd_engine)
     # Leave nothing in flight for the next test (bounded: a request that can never finish must fail, not hang).
     for _ in range(5000):
         if not psd_engine.has_unfinished_requests():
@@ -72,7 +80,7 @@ def psd_vllm_drafter_engine(pair_dir):
 
     engine = Engine(engine_settings(pair_dir, Mode.PSD, backend="vllm", max_num_speculative_tokens=4))
     assert engine.wait_for_drafter(300), "drafter did not start"
-    yield engine
+    yield wait_for_drafts(engine)
     engine.shutdown()
 
 

@@ -31,16 +31,6 @@ def prompts(pair_dir, ar_engine) -> list[list[int]]:
     return [ar_engine.encode_prompt(t) for t in bench_prompts(pair_dir, 6, chars=160)]
 
 
-@pytest.fixture
-def psd(psd):
-    """The shared psd engine, waiting up to 4 measured steps for drafts (as in test_engine.py): the machine is
-    shared and its step times jump, and these tests are about which requests get drafts, not about lateness."""
-    policy = psd.psd_scheduler.wait_policy
-    saved, policy.slack = policy.slack, 4.0
-    yield psd
-    policy.slack = saved
-
-
 def _replace_drafter(engine) -> None:
     """Kill the drafter and wait for its replacement (started with the environment and settings as they are now)."""
     drafter = engine.psd_scheduler.drafter

@@ -8,6 +8,7 @@ from minedraft.engine.settings import Mode
 from .conftest import engine_settings
 from .device_checks import assert_greedy_matches
 from .driver import Planned, drive, reference
+from .patience import wait_for_drafts
 
 pytestmark = pytest.mark.engine
 
@@ -20,7 +21,7 @@ def cramped_engine(pair_dir):
 
     engine = Engine(engine_settings(pair_dir, Mode.PSD, extra_vllm_args={"num_gpu_blocks_override": 12}))
     assert engine.wait_for_drafter(300)
-    yield engine
+    yield wait_for_drafts(engine)
     engine.shutdown()
 
 

@@ -13,6 +13,7 @@ from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode, def
 
 from .device_checks import assert_greedy_matches
 from .driver import Planned, drive
+from .patience import wait_for_drafts
 
 pytestmark = pytest.mark.engine
 
@@ -33,7 +34,7 @@ def qwen3_engine():
         mode=Mode.PSD, num_speculative_tokens=3, max_num_seqs=16, max_model_len=256, kv_cache_gib=1,
         target_cpu_cores=target_cores, check_invariants=True))
     assert engine.wait_for_drafter(300), "drafter did not start"
-    yield engine
+    yield wait_for_drafts(engine)
     engine.shutdown()
 
 

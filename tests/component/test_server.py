@@ -23,6 +23,7 @@ from minedraft.server.app import EngineServer
 from minedraft.server.servicer import INVALID_FIELD_KEY
 
 from .conftest import MAX_MODEL_LEN
+from .device_checks import on_gpu
 from .driver import reference
 from .grpc_helpers import health_status, wait_for, wait_for_health
 
@@ -214,6 +215,7 @@ async def test_model_and_server_info(served):
     assert model.model.endswith("target") and model.draft_model.endswith("draft") and model.num_speculative_tokens == 3
     assert (info.replica_id, info.state, info.num_running_requests, info.num_waiting_requests) == (
         "replica-test", "serving", 0, 0)
+    assert info.dtype == ("bfloat16" if on_gpu() else "float32")  # the effective dtype, never "auto"
 
 
 async def test_health_through_startup_and_graceful_shutdown(psd, engine_calls, texts):
@@ -231,7 +233,8 @@ async def test_health_through_startup_and_graceful_shutdown(psd, engine_calls, t
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 [r async for r in stub.Generate(greedy(texts[0]), timeout=10)]
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in info.value.details()
-            assert (await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)).state == "loading"
+            loading = await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+            assert (loading.state, loading.dtype) == ("loading", "")
             await server.attach(engine)
             await wait_for_health(target, SERVING)
             # Draining: NOT_SERVING at once, new streams refused, the open one runs to its end within the grace.

@@ -15,6 +15,7 @@ from minedraft.engine.settings import Mode
 from .conftest import engine_settings
 from .device_checks import assert_greedy_matches
 from .driver import Planned, drive
+from .patience import drafts_missing, wait_for_drafts
 
 pytestmark = pytest.mark.engine
 
@@ -28,7 +29,8 @@ def tp_engine(pair_dir):
     engine = Engine(engine_settings(pair_dir, Mode.PSD, tensor_parallel_size=2, target_cpu_cores=(),
                                     max_num_speculative_tokens=3))
     assert engine.wait_for_drafter(300), "drafter did not start"
-    yield engine
+    # Two TP ranks and the drafter on two cores: drafts arrive late often; the tests are about what they compute.
+    yield wait_for_drafts(engine)
     engine.shutdown()
 
 
@@ -61,12 +63,7 @@ def test_greedy_output_equals_ar_at_tp2(tp_engine, tp_prompts, tp_references, mo
     outputs = run_mode(tp_engine, mode, tp_prompts, GREEDY, f"g-{mode.value}")
     assert_greedy_matches(outputs, tp_references, f"{mode.value} at TP=2")
     after = tp_engine.totals()
-    if after.accepted_tokens == before.accepted_tokens and after.drafter_restarts > before.drafter_restarts:
-        # Seen once in the merged suite: on 2 cores the TP=2 ranks take both and the drafter shares rank 1's core;
-        # it fell silent past its deadline, was restarted mid-run and the run finished without drafts. The output
-        # check above still held; the drafter's timing at TP=2 on 2 cores is an open item, not hidden here.
-        pytest.xfail("the drafter was restarted mid-run (too slow beside both TP ranks on 2 cores): no drafts")
-    assert after.accepted_tokens > before.accepted_tokens, "drafts took part"
+    assert after.accepted_tokens > before.accepted_tokens, drafts_missing(tp_engine, before, after)
 
 
 def test_drafter_killed_mid_run_at_tp2_loses_nothing(tp_engine, tp_prompts, tp_references):
@@ -108,7 +105,8 @@ def test_temperature_one_matches_the_target_distribution_at_tp2(tp_engine, tp_pr
     assert tp_engine.wait_for_drafter(300)
     before = tp_engine.totals()
     psd_hist = histograms(Mode.PSD, "t1-psd")
-    assert tp_engine.totals().accepted_tokens > before.accepted_tokens, "drafts took part"
+    after = tp_engine.totals()
+    assert after.accepted_tokens > before.accepted_tokens, drafts_missing(tp_engine, before, after)
     ar_hist = histograms(Mode.AR, "t1-ar")
     for position, (a, b) in enumerate(zip(psd_hist, ar_hist, strict=True), start=1):
         common = [t for t in set(a) | set(b) if a[t] + b[t] >= 10]

@@ -191,10 +191,19 @@ def test_bench_all_runs_every_canonical_result_set() -> None:
     outputs = {Path(out) for step in bench_all.STEPS for out in step.outputs}
     results = ROOT / "benchmarks" / "results"
     committed = {p.relative_to(ROOT) for p in results.glob("*.json")}
-    committed |= {p.relative_to(ROOT) for p in (results / "autoscale").glob("summary.json")}
+    committed |= {p.relative_to(ROOT) for p in results.glob("*/*.json")
+                  if p.parent.name != "autoscale" or p.name == "summary.json"}
     assert committed <= outputs, committed - outputs
+    assert outputs <= committed, outputs - committed
     for step in bench_all.STEPS:
         assert step.estimate_seconds > 0 and step.argv, step.name
+
+
+def test_results_hold_one_canonical_set_per_regime_or_component() -> None:
+    # At most 8 top-level entries (a set's .json/.md/.png, or a folder of one component's views).
+    results = ROOT / "benchmarks" / "results"
+    entries = {p.name.split(".")[0] for p in results.iterdir()}
+    assert len(entries) <= 8, sorted(entries)
 
 
 def test_bench_all_progress_line() -> None:

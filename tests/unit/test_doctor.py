@@ -51,3 +51,19 @@ def test_verdict_says_so_when_psd_never_pays():
     result = verdict([run("ar", 0, 1, 100), run("sd", 3, 1, 90), run("psd", 3, 1, 95)])
     assert not result["psd_pays"]
     assert "does not pay" in result["summary"] and "ar k=0 at 1" in result["summary"]
+
+
+def test_the_dtype_note_says_why_on_both_kinds_of_cpu_and_on_gpus():
+    from minedraft.doctor import dtype_note
+    from minedraft.engine.placement import DeviceInfo, detect_device, resolve_dtype
+
+    # The machine as detected (or as MINEDRAFT_CPU_FAST_BF16 forces it: `make test-other-cpu`), then both kinds.
+    for device in (detect_device(), DeviceInfo(cpu_fast_bf16=False), DeviceInfo(cpu_fast_bf16=True)):
+        if device.has_gpu:
+            continue
+        effective = resolve_dtype("auto", device, "bfloat16")
+        assert effective == "float32"
+        note = dtype_note("auto", effective, device)
+        assert note.startswith("float32 on CPUs") and ("fast bfloat16" in note) == device.cpu_fast_bf16
+    assert dtype_note("bfloat16", "bfloat16", DeviceInfo()) == "as chosen"
+    assert "own dtype" in dtype_note("auto", "bfloat16", DeviceInfo(visible_gpus=("0",)))

@@ -44,10 +44,13 @@ def test_nothing_to_lend_keeps_the_target_cores() -> None:
 import pytest  # noqa: E402
 
 from minedraft.engine.placement import (  # noqa: E402
+    CPU_FAST_BF16_ENV,
     DeviceInfo,
     cpu_thread_binding,
     detect_device,
+    model_config_dtype,
     plan_devices,
+    resolve_dtype,
     resolve_for_device,
 )
 from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode, SettingsError  # noqa: E402
@@ -110,13 +113,42 @@ def test_auto_choices_resolve_per_machine() -> None:
     assert (auto.dtype, auto.drafter.backend) == ("auto", "auto")
     cpu = resolve_for_device(auto, DeviceInfo())
     assert (cpu.dtype, cpu.drafter.backend) == ("float32", "torch")
-    bf16_cpu = resolve_for_device(auto, DeviceInfo(cpu_fast_bf16=True))
-    assert bf16_cpu.dtype == "auto"  # the model's own
-    gpu = resolve_for_device(auto, FIVE)
-    assert (gpu.dtype, gpu.drafter.backend) == ("auto", "vllm")
+    # Issue 27: on a CPU with AVX-512 BF16 "auto" stayed "auto" and vLLM loaded the float32 pair in bfloat16, whose
+    # greedy choices depend on batch composition. float32 on every CPU; vLLM never sees "auto".
+    bf16_cpu = resolve_for_device(auto, DeviceInfo(cpu_fast_bf16=True), model_dtype="bfloat16")
+    assert bf16_cpu.dtype == "float32"
+    gpu = resolve_for_device(auto, FIVE, model_dtype="float16")
+    assert (gpu.dtype, gpu.drafter.backend) == ("float16", "vllm")
     chosen = resolve_for_device(auto.with_changes(dtype="bfloat16", drafter=DrafterSettings(model="d",
                                                                                            backend="torch")), FIVE)
     assert (chosen.dtype, chosen.drafter.backend) == ("bfloat16", "torch")
+    assert resolve_for_device(auto.with_changes(dtype="bfloat16"), DeviceInfo()).dtype == "bfloat16"  # asked for
+
+
+@pytest.mark.parametrize(("model_dtype", "expected"), [
+    ("bfloat16", "bfloat16"), ("torch.float16", "float16"),
+    # float32 checkpoints run in bfloat16 on GPUs, as vLLM's own "auto" does there; no dtype in the config likewise.
+    ("float32", "bfloat16"), (None, "bfloat16")])
+def test_auto_dtype_on_a_gpu_is_the_targets_own_and_concrete(model_dtype, expected) -> None:
+    assert resolve_dtype("auto", FIVE, model_dtype) == expected
+
+
+@pytest.mark.parametrize("fast_bf16", [False, True])
+def test_auto_dtype_is_float32_on_every_cpu(fast_bf16) -> None:
+    assert resolve_dtype("auto", DeviceInfo(cpu_fast_bf16=fast_bf16), "bfloat16") == "float32"
+
+
+def test_the_cpu_kind_can_be_forced_both_ways() -> None:
+    assert detect_device({CPU_FAST_BF16_ENV: "1"}).cpu_fast_bf16 is True
+    assert detect_device({CPU_FAST_BF16_ENV: "0"}).cpu_fast_bf16 is False
+    with pytest.raises(SettingsError) as info:
+        detect_device({CPU_FAST_BF16_ENV: "yes"})
+    assert info.value.field_name == CPU_FAST_BF16_ENV
+
+
+def test_the_targets_config_dtype_is_read(pair_dir) -> None:
+    assert model_config_dtype(str(pair_dir / "target")) == "float32"
+    assert model_config_dtype(str(pair_dir / "no-such-model")) is None
 
 
 def test_detect_device_reads_the_inherited_list_without_a_gpu() -> None:

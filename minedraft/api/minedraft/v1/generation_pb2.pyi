@@ -109,7 +109,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("version", "replica_id", "num_running_requests", "num_waiting_requests", "num_active_streams", "uptime_seconds", "state")
+    __slots__ = ("version", "replica_id", "num_running_requests", "num_waiting_requests", "num_active_streams", "uptime_seconds", "state", "dtype")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class GetServerInfoResponse(_message.Message):
     NUM_ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     version: str
     replica_id: str
     num_running_requests: int
@@ -124,4 +125,5 @@ class GetServerInfoResponse(_message.Message):
     num_active_streams: int
     uptime_seconds: float
     state: str
-    def __init__(self, version: _Optional[str] = ..., replica_id: _Optional[str] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_active_streams: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., state: _Optional[str] = ...) -> None: ...
+    dtype: str
+    def __init__(self, version: _Optional[str] = ..., replica_id: _Optional[str] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_active_streams: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., state: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
