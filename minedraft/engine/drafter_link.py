@@ -151,19 +151,20 @@ class DrafterLink:
             handle(group, message)
 
     def wait_for(self, group: int, budget_seconds: float, handle: MessageHandler) -> WaitResult:
-        """Wait at most `budget_seconds` for the job of `group`, handling every message meanwhile."""
-        started = time.perf_counter()
+        """Wait at most `budget_seconds` for the job of `group`, handling every message meanwhile. Timed by the link's
+        clock, so a simulated drafter (minedraft.twin) runs this very loop on simulated time."""
+        started = self._clock()
         deadline = started + budget_seconds
         down = False
         while group in self.tickets:
-            remaining = deadline - time.perf_counter()
+            remaining = deadline - self._clock()
             if remaining <= 0:
                 break
             self.poll(min(remaining, 0.05), handle)
             if not self.check():
                 down = True
                 break
-        return WaitResult(time.perf_counter() - started, not down and group not in self.tickets)
+        return WaitResult(self._clock() - started, not down and group not in self.tickets)
 
     def _drop_ticket(self, job_id: int) -> int | None:
         for group, ticket in list(self.tickets.items()):

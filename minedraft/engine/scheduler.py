@@ -209,12 +209,7 @@ class PSDScheduler(Scheduler):
                 f"num_extra_draft_tokens: {new_e} is outside 0..{self.num_spec_tokens - new_k} (k + e <= "
                 f"{self.num_spec_tokens}, the engine's max_num_speculative_tokens)"
             )
-        self.planner.k, self.planner.num_extra_draft_tokens = new_k, new_e
-        if mode is Mode.SD:
-            self.subbatches.merge_into(0)
-            self.planner.turn = 0
-        elif mode is Mode.PSD and self.mode is not Mode.PSD:
-            self.subbatches.rebalance()
+        self.planner.switch_mode(self.mode, mode, new_k, new_e)
         self.mode = mode
 
     def attach_drafter(self, drafter: DrafterClient) -> None:
