@@ -205,11 +205,26 @@ def _curves() -> dict[str, CostCurve]:
     return {kind: CostCurve() for kind in KINDS}
 
 
+def _q_curves() -> dict[str, dict[int, CostCurve]]:
+    return {kind: {} for kind in KINDS}
+
+
+# A step's tokens per request within this of a whole number is filed under that number (a step of mixed draft
+# lengths, such as requests near their end, only teaches the tokens curve).
+Q_TOLERANCE = 0.25
+
+
 @dataclass
 class CostModel:
     # Per kind of step: verification seconds against scheduled tokens, and the rest of the step (scheduling,
     # draft bookkeeping, detokenization) against running requests.
     verify: dict[str, CostCurve] = field(default_factory=_curves)
+    # The same seconds per kind and per tokens per request q (k + 1), against running requests: verification costs
+    # differ at equal tokens (on the H200 curves 32 requests x 3 tokens take 27.8 ms, 16 x 6 take 23.8: each request
+    # reads its own KV cache), so psd at half the batch with a longer draft is priced from what steps of that shape
+    # cost, not from steps of another shape with as many tokens. Shapes never run are priced from the tokens curve,
+    # scaled to the nearest shape that ran (or from the two shapes either side).
+    verify_q: dict[str, dict[int, CostCurve]] = field(default_factory=_q_curves)
     overhead: dict[str, CostCurve] = field(default_factory=_curves)
     # Drafting against requests in the job: seconds up to the first drafted token (catch-up included), and seconds
     # of each further position. Drafters that do not report the first token's time are modelled as k equal
@@ -254,7 +269,12 @@ class CostModel:
         decode_only = record.num_prefill_requests == 0 and record.num_decode_requests > 0
         if decode_only:
             self.widening_seen = self.widening_seen or record.widened
-            self.verify[self._kind_of(record)].observe(record.num_scheduled_tokens, record.verify_seconds)
+            kind = self._kind_of(record)
+            self.verify[kind].observe(record.num_scheduled_tokens, record.verify_seconds)
+            q = record.num_scheduled_tokens / record.num_decode_requests
+            if abs(q - round(q)) <= Q_TOLERANCE:
+                self.verify_q[kind].setdefault(round(q), CostCurve()).observe(
+                    record.num_decode_requests, record.verify_seconds)
             self.last_verify_step = record.step
         if record.num_requests_with_drafts > 0:
             self.acceptance.observe(record.drafted_per_position, record.accepted_per_position)
@@ -292,9 +312,36 @@ class CostModel:
 
     def _verify_seconds(self, requests: int, k: int, alone: bool = True) -> float:
         kind = PLAIN if k == 0 else ALONE if alone else BESIDE
-        seconds = self._curve(self.verify, kind).predict(requests * (k + 1))
+        seconds = self._shaped_verify_seconds(kind, requests, k + 1)
         overhead = self._curve(self.overhead, kind).predict(requests) or 0.0
         return (seconds or 0.0) + overhead
+
+    def _shaped_verify_seconds(self, kind: str, requests: int, q: int) -> float | None:
+        """Verification of `requests` requests with q tokens each: from steps of that shape where any ran, else
+        between the shapes either side at this many requests, else the tokens curve scaled to the nearest shape."""
+        chain = self._chain(kind)
+        tokens_kind = next((k for k in chain if self.verify[k].buckets), chain[0])
+        tokens_curve = self.verify[tokens_kind]
+        shapes = self.verify_q[tokens_kind]
+        if not shapes:
+            return tokens_curve.predict(requests * q)
+        exact = shapes.get(q)
+        if exact is not None:
+            return exact.predict(requests)
+        below = [s for s in shapes if s < q]
+        above = [s for s in shapes if s > q]
+        if below and above:
+            low, high = max(below), min(above)
+            y_low, y_high = shapes[low].predict(requests), shapes[high].predict(requests)
+            if y_low is not None and y_high is not None:
+                return y_low + (y_high - y_low) * (q - low) / (high - low)
+        nearest = min(shapes, key=lambda s: (abs(s - q), s))
+        at_nearest = shapes[nearest].predict(requests)
+        tokens_nearest = tokens_curve.predict(requests * nearest)
+        tokens_here = tokens_curve.predict(requests * q)
+        if at_nearest is None or not tokens_nearest or tokens_here is None:
+            return tokens_here
+        return tokens_here * at_nearest / tokens_nearest
 
     def _draft_seconds(self, requests: int, k: int) -> float:
         if k <= 0:

@@ -27,6 +27,12 @@ log = logging.getLogger(__name__)
 MessageHandler = Callable[[int | None, protocol.FromDrafter], None]
 
 
+def add_reply(times: tuple[float, float, float] | None, reply: protocol.DraftReply) -> tuple[float, float, float]:
+    """A sub-batch's (draft, first-token, idle) seconds in a step, with one more reply for it."""
+    draft, first, idle = times or (0.0, 0.0, 0.0)
+    return draft + reply.draft_seconds, first + reply.first_token_seconds, idle + reply.idle_seconds
+
+
 @dataclass(frozen=True)
 class WaitResult:
     waited_seconds: float

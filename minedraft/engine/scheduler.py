@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -30,7 +30,7 @@ from minedraft.engine import protocol
 from minedraft.engine.auto import AutoController, AutoSettings, Decision
 from minedraft.engine.cost_model import CostModel
 from minedraft.engine.drafter_client import DrafterClient, DrafterState
-from minedraft.engine.drafter_link import DrafterLink
+from minedraft.engine.drafter_link import DrafterLink, add_reply
 from minedraft.engine.placement import ComputePlacement, should_widen
 from minedraft.engine.planner import Draft, PSDPlanner, RequestState, StepPlan, WaitPolicy
 from minedraft.engine.resident_batches import skip_token_resend
@@ -55,6 +55,10 @@ class _StepTiming:
     draft_first_token_seconds: float = 0.0
     drafter_idle_seconds: float = 0.0
     draft_jobs_in_flight: int = 0
+    # (draft, first-token, drafter-idle seconds) of the replies that arrived during this step, by sub-batch: the step
+    # records only the verified sub-batch's (the job whose drafts it verified). Around a switch the other side's job
+    # lands in the same step; summed in, it priced a draft of one sub-batch at two jobs' time in auto's cost model.
+    drafts_by_group: dict[int, tuple[float, float, float]] = field(default_factory=dict)
 
 
 def _is_decoding(request: Request) -> bool:
@@ -321,9 +325,7 @@ class PSDScheduler(Scheduler):
         if group is None:
             return  # a job abandoned after its deadline: its drafts are stale
         self.planner.job_done(group)
-        self._timing.draft_seconds += message.draft_seconds
-        self._timing.draft_first_token_seconds += message.first_token_seconds
-        self._timing.drafter_idle_seconds += message.idle_seconds
+        self._timing.drafts_by_group[group] = add_reply(self._timing.drafts_by_group.get(group), message)
         self.planner.store_drafts(
             ((r.request_id, Draft(r.context_num_tokens, r.token_ids, r.logprobs)) for r in message.results),
             self._is_live,
@@ -390,6 +392,9 @@ class PSDScheduler(Scheduler):
             self.planner.check_invariants(states, alive, self.mode)
 
         finished = time.perf_counter()
+        timing.draft_seconds, timing.draft_first_token_seconds, timing.drafter_idle_seconds = (
+            timing.drafts_by_group.get(verified_group, (0.0, 0.0, 0.0)) if verified_group is not None
+            else (0.0, 0.0, 0.0))
         verify_seconds = max(0.0, verify_done - timing.scheduled_at)
         if mode is not Mode.AR:
             self.wait_policy.observe_verify(verify_seconds)

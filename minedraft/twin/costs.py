@@ -11,6 +11,7 @@ serialise, what two memory-bound kernels sharing HBM bandwidth do; 0.0: perfect 
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Sequence
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from minedraft.twin.curves import CostCurves, CurveError, ModelCurves
 
 DRAFTER_PLACEMENTS = ("own", "shared")
+# Positions whose conditional acceptance is tabulated once (longer drafts compute theirs on demand).
+MAX_POSITIONS = 32
 
 
 @dataclass(frozen=True)
@@ -154,15 +157,26 @@ class AcceptanceModel:
             value *= conditional
         return value
 
-    def conditional(self, i: int) -> float:
+    def _conditional(self, i: int) -> float:
         before = 1.0 if i == 0 else self.at(i - 1)
         return self.at(i) / before if before > 0 else 0.0
+
+    def conditional(self, i: int) -> float:
+        """P(position i accepted | every earlier one accepted)."""
+        table = self._conditionals
+        return table[i] if i < len(table) else self._conditional(i)
+
+    @functools.cached_property
+    def _conditionals(self) -> tuple[float, ...]:
+        return tuple(self._conditional(i) for i in range(MAX_POSITIONS))
 
     def expected_accepted_length(self, k: int) -> float:
         return 1.0 + sum(self.at(i) for i in range(k))
 
     def sample(self, drafted: int, rng: random.Random) -> int:
         accepted = 0
-        while accepted < drafted and rng.random() < self.conditional(accepted):
+        table = self._conditionals
+        while accepted < drafted and rng.random() < (table[accepted] if accepted < MAX_POSITIONS
+                                                      else self._conditional(accepted)):
             accepted += 1
         return accepted

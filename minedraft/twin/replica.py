@@ -22,7 +22,7 @@ from minedraft.engine import protocol
 from minedraft.engine.auto import AutoController, AutoSettings, Decision
 from minedraft.engine.cost_model import CostModel
 from minedraft.engine.drafter_client import DrafterState, JobTicket
-from minedraft.engine.drafter_link import DrafterLink
+from minedraft.engine.drafter_link import DrafterLink, add_reply
 from minedraft.engine.planner import Draft, PSDPlanner, RequestState, WaitPolicy
 from minedraft.engine.settings import Mode
 from minedraft.engine.stats import StepRecord
@@ -129,6 +129,7 @@ class SimRequest:
     prefilled: bool = False
     first_token_s: float | None = None
     finished_s: float | None = None
+    _state: RequestState | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -136,9 +137,14 @@ class SimRequest:
 
     def state(self) -> RequestState:
         num_tokens = self.num_tokens
+        cached = self._state
+        # Unchanged since the last step (the other sub-batch's members): the same state (they are immutable).
+        if cached is not None and cached.num_tokens == num_tokens and cached.decoding == self.prefilled:
+            return cached
         pad_room = MAX_MODEL_LEN - num_tokens - 1
-        return RequestState(self.request_id, num_tokens, self.prefilled,
-                            min(self.max_output_tokens - self.output_tokens - 1, pad_room), pad_room, 0)
+        self._state = RequestState(self.request_id, num_tokens, self.prefilled,
+                                   min(self.max_output_tokens - self.output_tokens - 1, pad_room), pad_room, 0)
+        return self._state
 
 
 @dataclass
@@ -185,7 +191,9 @@ class TwinReplica:
         self.step_number = 0
         self.deadline_misses = 0
         self.steps_by_mode: dict[str, int] = {}
-        self._draft_seconds = 0.0
+        # Decode steps run at each setting ("psd-k3", "ar"), for what auto chose.
+        self.steps_by_setting: dict[str, int] = {}
+        self._drafts_by_group: dict[int, tuple[float, float, float]] = {}
 
     # -- arrivals ------------------------------------------------------------------------------------------------
 
@@ -213,14 +221,14 @@ class TwinReplica:
         if group is None:
             return
         self.planner.job_done(group)
-        self._draft_seconds += message.draft_seconds
+        self._drafts_by_group[group] = add_reply(self._drafts_by_group.get(group), message)
         self.planner.store_drafts(((r.request_id, Draft(r.context_num_tokens, r.token_ids, r.logprobs))
                                    for r in message.results), lambda rid: rid in self.requests)
 
     def step(self) -> StepOutcome:
         self._admit()
         started = self.clock.now
-        self._draft_seconds = 0.0
+        self._drafts_by_group: dict[int, tuple[float, float, float]] = {}
         states = [r.state() for r in self.requests.values()]
         mode = self.mode
         if mode is not Mode.AR:
@@ -297,10 +305,14 @@ class TwinReplica:
             self._submit(group, after)
         if mode is not Mode.AR:
             self.wait_policy.observe_verify(verify_seconds)
+        # As the scheduler records it: the drafting of the job whose drafts this step verified.
+        draft_seconds = self._drafts_by_group.get(group, (0.0, 0.0, 0.0))[0] if group is not None else 0.0
         overhead_seconds = self.costs.hardware.step_overhead_ms / 1000.0
         self.clock.now += overhead_seconds
         self.step_number += 1
         self.steps_by_mode[mode.value] = self.steps_by_mode.get(mode.value, 0) + 1
+        setting = mode.value if mode is Mode.AR else f"{mode.value}-k{self.planner.k}"
+        self.steps_by_setting[setting] = self.steps_by_setting.get(setting, 0) + 1
         record = StepRecord(
             step=self.step_number, started_at=started, mode=mode.value, verified_group=group,
             group_sizes=self.planner.subbatches.sizes(), num_decode_requests=len(decoders),
@@ -308,7 +320,7 @@ class TwinReplica:
             num_draft_tokens=num_draft, num_accepted_tokens=num_accepted,
             drafted_per_position=tuple(drafted_pp), accepted_per_position=tuple(accepted_pp),
             num_output_tokens=output_tokens, num_scheduled_tokens=scheduled_tokens + prompt_tokens,
-            verify_seconds=verify_seconds, wait_seconds=wait_seconds, draft_seconds=self._draft_seconds,
+            verify_seconds=verify_seconds, wait_seconds=wait_seconds, draft_seconds=draft_seconds,
             drafter_idle_seconds=0.0, schedule_seconds=0.0, step_seconds=self.clock.now - started,
             drafter_up=True, k=self.planner.k, auto=self.auto is not None, widened=False,
             draft_jobs_in_flight=jobs_in_flight, num_held_out=len(plan.held_out),

@@ -52,12 +52,21 @@ class RunResult:
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
     steps_by_mode: dict[str, int] = field(default_factory=dict)
+    steps_by_setting: dict[str, int] = field(default_factory=dict)
     num_decisions: int = 0
     deadline_misses: int = 0
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def main_setting(self) -> tuple[str, int]:
+        """The setting that ran the most steps (what auto settled on): (mode, k), k 0 for ar."""
+        if not self.steps_by_setting:
+            return self.mode, self.k
+        label = max(self.steps_by_setting, key=lambda s: self.steps_by_setting[s])
+        return parse_mode_label(label)
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -135,25 +144,34 @@ class _Run:
     def finish(self) -> RunResult:
         replica = self.replica
         self.result.steps_by_mode = dict(replica.steps_by_mode)
+        self.result.steps_by_setting = dict(replica.steps_by_setting)
         self.result.num_decisions = len(replica.decisions)
         self.result.deadline_misses = replica.deadline_misses
         return self.result
 
 
 def run_concurrency(costs: StepCosts, acceptance: AcceptanceModel, mode: str, k: int, concurrency: int,
-                    workload: Workload = Workload(), warmup_steps: int = 60, measure_steps: int = 300,
-                    seed: int = 0, auto: AutoSettings | None = None) -> RunResult:
-    """Steady state at a fixed number of requests in the system (a finished request is replaced at once)."""
+                    workload: Workload = Workload(), warmup_steps: int = 40, measure_steps: int = 200,
+                    seed: int = 0, auto: AutoSettings | None = None, min_measure_tokens: int = 8000) -> RunResult:
+    """Steady state at a fixed number of requests in the system (a finished request is replaced at once), measured
+    over at least `measure_steps` steps and `min_measure_tokens` output tokens after `warmup_steps`."""
     run = _Run(costs, acceptance, mode, k, workload, seed, auto, max_num_seqs=max(concurrency, 1))
     replica = run.replica
     for _ in range(concurrency):
-        replica.add(run.new_request(0.0))
+        # Already under way, each at a random point of its output (as in a steady state), so requests finish and
+        # are replaced from the first steps on instead of all together; their latencies are not recorded.
+        request = run.new_request(0.0)
+        request.prefilled = True
+        request.output_tokens = run.rng.randint(1, request.max_output_tokens - 1)
+        replica.add(request)
     measure_from = 0.0
-    for step in range(warmup_steps + measure_steps):
+    step = 0
+    while step < warmup_steps + measure_steps or run.result.tokens < min_measure_tokens:
         if step == warmup_steps:
             measure_from = replica.clock.now
         outcome = replica.step()
         measuring = step >= warmup_steps
+        step += 1
         if measuring:
             run.result.tokens += outcome.output_tokens
         run.record(outcome.finished, measuring)
