@@ -318,23 +318,35 @@ class CostModel:
 
     def _shaped_verify_seconds(self, kind: str, requests: int, q: int) -> float | None:
         """Verification of `requests` requests with q tokens each: from steps of that shape where any ran, else
-        between the shapes either side at this many requests, else the tokens curve scaled to the nearest shape."""
+        linearly in q from the two nearest shapes at this many requests (between them, or beyond them never below
+        the nearer one), else the tokens curve scaled to the one shape that ran. Where verifying never lent the
+        target the drafter's device (GPUs), steps without drafts are the q = 1 shape of every kind: a memory-bound
+        target then shows at once that longer drafts verify almost free."""
         chain = self._chain(kind)
         tokens_kind = next((k for k in chain if self.verify[k].buckets), chain[0])
         tokens_curve = self.verify[tokens_kind]
-        shapes = self.verify_q[tokens_kind]
+        shapes = dict(self.verify_q[tokens_kind])
+        if not self.widening_seen and 1 not in shapes and tokens_kind != PLAIN and self.verify_q[PLAIN].get(1):
+            shapes[1] = self.verify_q[PLAIN][1]
         if not shapes:
             return tokens_curve.predict(requests * q)
         exact = shapes.get(q)
         if exact is not None:
             return exact.predict(requests)
-        below = [s for s in shapes if s < q]
-        above = [s for s in shapes if s > q]
-        if below and above:
-            low, high = max(below), min(above)
+        if len(shapes) >= 2:
+            below = sorted(s for s in shapes if s < q)
+            above = sorted(s for s in shapes if s > q)
+            # (q is not a shape, so with two or more shapes one side holds at least two when the other is empty)
+            low, high = ((below[-1], above[0]) if below and above
+                         else (below[-2], below[-1]) if below else (above[0], above[1]))
             y_low, y_high = shapes[low].predict(requests), shapes[high].predict(requests)
-            if y_low is not None and y_high is not None:
-                return y_low + (y_high - y_low) * (q - low) / (high - low)
+            if y_low is not None and y_high is not None and high != low:
+                value = y_low + (y_high - y_low) * (q - low) / (high - low)
+                if q > high:
+                    value = max(value, y_high)
+                elif q < low:
+                    value = min(max(value, 0.5 * y_low), y_low)
+                return value
         nearest = min(shapes, key=lambda s: (abs(s - q), s))
         at_nearest = shapes[nearest].predict(requests)
         tokens_nearest = tokens_curve.predict(requests * nearest)
