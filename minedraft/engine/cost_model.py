@@ -212,6 +212,8 @@ def _q_curves() -> dict[str, dict[int, CostCurve]]:
 # A step's tokens per request within this of a whole number is filed under that number (a step of mixed draft
 # lengths, such as requests near their end, only teaches the tokens curve).
 Q_TOLERANCE = 0.25
+# A shape's curve prices a batch within this factor of the batches it was measured at before other shapes do.
+SHAPE_COVER_SLACK = 1.5
 
 
 @dataclass
@@ -331,8 +333,15 @@ class CostModel:
         if not shapes:
             return tokens_curve.predict(requests * q)
         exact = shapes.get(q)
-        if exact is not None:
+        # Shapes measured near this many requests first: a shape seen only at a far smaller batch extrapolates with
+        # CostCurve's pessimistic growth, while two shapes measured here interpolate what this batch costs.
+        near = {s: c for s, c in shapes.items() if c.covers(requests, SHAPE_COVER_SLACK)}
+        if exact is not None and (q in near or not near):
             return exact.predict(requests)
+        if len(near) == 1:
+            shapes = near  # one shape measured here: the tokens curve scaled to it (below)
+        elif len(near) >= 2:
+            shapes = near
         if len(shapes) >= 2:
             below = sorted(s for s in shapes if s < q)
             above = sorted(s for s in shapes if s > q)
