@@ -286,6 +286,8 @@ def parse_curves(data: Any, source: str = "<curves>") -> CostCurves:
         if kv is not None and (not isinstance(kv, int) or kv <= 0):
             raise CurveError(f"{where}.kv_bytes_per_token", f"expected a positive integer, got {kv!r}")
         # A drafter may leave forward_ms empty: its draft loops are what the twin needs of it.
+        if role == "target" and "forward_ms" not in model:
+            raise CurveError(f"{where}.forward_ms", "missing (a target needs forward times)")
         forward = (_grid(model["forward_ms"], f"{where}.forward_ms", "new_tokens")
                    if model.get("forward_ms") or role == "target" else None)
         loop = _grid(model["draft_loop_ms"], f"{where}.draft_loop_ms", "k") if "draft_loop_ms" in model else None

@@ -162,6 +162,8 @@ class ReplicaSettings:
     deadline_seconds: float = 5.0
     auto: AutoSettings = field(default_factory=AutoSettings)
     seed: int = 0
+    # Check the planner's invariants after every step (tests), as the engine does with check_invariants.
+    check_invariants: bool = False
 
 
 class TwinReplica:
@@ -189,6 +191,7 @@ class TwinReplica:
         self.waiting: list[SimRequest] = []
         self.decisions: list[Decision] = []
         self.step_number = 0
+        self.records: list[StepRecord] = []  # kept only with settings.check_invariants (tests)
         self.deadline_misses = 0
         self.steps_by_mode: dict[str, int] = {}
         # Decode steps run at each setting ("psd-k3", "ar"), for what auto chose.
@@ -303,6 +306,8 @@ class TwinReplica:
         self.planner.after_step(after, mode, group, configured)
         if mode in (Mode.PSD, Mode.SD) and group is not None:
             self._submit(group, after)
+        if self.settings.check_invariants:
+            self.planner.check_invariants(after, set(self.requests), configured)
         if mode is not Mode.AR:
             self.wait_policy.observe_verify(verify_seconds)
         # As the scheduler records it: the drafting of the job whose drafts this step verified.
@@ -326,6 +331,8 @@ class TwinReplica:
             draft_jobs_in_flight=jobs_in_flight, num_held_out=len(plan.held_out),
             num_pad_tokens=num_pad, wait_budget_seconds=wait_budget, update_seconds=overhead_seconds,
         )
+        if self.settings.check_invariants:
+            self.records.append(record)
         if self.auto is not None:
             num_running = sum(1 for r in self.requests.values() if r.prefilled)
             decision = self.auto.on_step(record, num_running)
