@@ -13,7 +13,7 @@ from minedraft.twin.costs import DRAFTER_PLACEMENTS, AcceptanceModel, Hardware, 
 from minedraft.twin.curves import CostCurves, CurveError, load_curves
 from minedraft.twin.plan import Band, parse_trace, plan_band
 from minedraft.twin.run import Workload
-from minedraft.twin.sweep import FIXED_FAMILIES, LoadResult, SweepSettings, sweep
+from minedraft.twin.sweep import FIXED_FAMILIES, SweepSettings, sweep
 
 DEFAULT_RATE_CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -186,8 +186,9 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     if args.plot:
         from minedraft.twin.plot import regime_map
 
-        regime_map(loads, Path(args.plot), title=f"{target} + {drafter}, {curves.device}, TP={costs.hardware.tensor_parallel_size}, "
-                   f"drafter {costs.hardware.drafter_placement}")
+        hardware = costs.hardware
+        regime_map(loads, Path(args.plot), title=f"{target} + {drafter}, {curves.device}, "
+                   f"TP={hardware.tensor_parallel_size}, drafter {hardware.drafter_placement}")
     extrapolated = sorted(costs.extrapolations(max(concurrencies), args.prompt_tokens + args.output_tokens, ks))
     if extrapolated:
         print(f"plan: beyond the measured grid in {', '.join(extrapolated)} (extrapolated linearly from the nearest "
@@ -228,6 +229,6 @@ def render(result: dict[str, Any]) -> str:
                      "in flight per replica")
         for family, choice in band["by_family"].items():
             if choice is not None:
-                lines.append(f"    {family:8s} best {choice['mode']}: {choice['replicas']} replica(s), {choice['gpus']} "
-                             f"GPUs, {choice['tokens_per_s_per_gpu']:.0f} tok/s per GPU")
+                lines.append(f"    {family:8s} best {choice['mode']}: {choice['replicas']} replica(s), "
+                             f"{choice['gpus']} GPUs, {choice['tokens_per_s_per_gpu']:.0f} tok/s per GPU")
     return "\n".join(lines)

@@ -19,6 +19,7 @@ the nearest measured value (a cost never drops to nothing); each query says whet
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -66,13 +67,13 @@ def interpolate(points: Sequence[tuple[float, float]], x: float,
         (x0, y0), (x1, y1) = points[-2], points[-1]
         slope = max(0.0, (y1 - y0) / (x1 - x0))
         return y1 + slope * (x - x1), True
-    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
         if x0 <= x <= x1:
             return (y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)), False
     return y_last, False  # unreachable: the ranges above cover every x
 
 
-def _sorted_points(pairs: Mapping[float, float]) -> list[tuple[float, float]]:
+def _sorted_points(pairs: Mapping[int, float] | Mapping[float, float]) -> list[tuple[float, float]]:
     return sorted((float(x), float(y)) for x, y in pairs.items())
 
 
@@ -118,7 +119,8 @@ class _Grid:
                 values.append((level, base_ms))
                 continue
             level_cells = self.cells[(level, third)]
-            diffs = {b: ms - dict(base_points)[float(b)] for b, ms in level_cells.items() if float(b) in dict(base_points)}
+            base_at = dict(base_points)
+            diffs = {b: ms - base_at[float(b)] for b, ms in level_cells.items() if float(b) in base_at}
             if diffs:
                 diff, beyond = interpolate(_sorted_points(diffs), batch)
                 if beyond:

@@ -80,7 +80,8 @@ class SimDrafter:
         start = max(now, self.free_at)
         results = [protocol.DraftResult(item.request_id, item.base_num_tokens + len(item.token_ids),
                                         [0] * item.num_draft_tokens) for item in items]
-        reply = protocol.DraftReply(self._next_id, results, draft_seconds=seconds, idle_seconds=max(0.0, now - self.free_at))
+        reply = protocol.DraftReply(self._next_id, results, draft_seconds=seconds,
+                                    idle_seconds=max(0.0, now - self.free_at))
         self.jobs.append(_Job(self._next_id, start, start + seconds, reply))
         self.free_at = start + seconds
         self.busy_seconds += seconds
@@ -204,7 +205,8 @@ class TwinReplica:
         self.waiting.append(request)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.requests) < self.settings.max_num_seqs and self.waiting[0].arrival_s <= self.clock.now:
+        while (self.waiting and len(self.requests) < self.settings.max_num_seqs
+               and self.waiting[0].arrival_s <= self.clock.now):
             request = self.waiting.pop(0)
             self.requests[request.request_id] = request
 
@@ -231,7 +233,7 @@ class TwinReplica:
     def step(self) -> StepOutcome:
         self._admit()
         started = self.clock.now
-        self._drafts_by_group: dict[int, tuple[float, float, float]] = {}
+        self._drafts_by_group = {}
         states = [r.state() for r in self.requests.values()]
         mode = self.mode
         if mode is not Mode.AR:

@@ -72,7 +72,7 @@ class RunResult:
     def tokens_per_s_per_gpu(self) -> float:
         return self.tokens_per_s / self.gpus
 
-    def summary(self) -> dict[str, float | int | str | dict[str, int]]:
+    def summary(self) -> dict[str, float | int | str | dict[str, int] | None]:
         return {
             "mode": self.mode, "k": self.k, "gpus": self.gpus,
             "tokens_per_s": round(self.tokens_per_s, 1),

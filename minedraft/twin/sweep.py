@@ -12,6 +12,7 @@ from minedraft.twin.costs import AcceptanceModel, StepCosts
 from minedraft.twin.run import RunResult, Workload, mode_label, run_concurrency
 
 FIXED_FAMILIES = ("ar", "sd", "psd", "vllm-sd")
+LATENCY_KEYS = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99")
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class SweepSettings:
     ks: tuple[int, ...] = (1, 2, 3, 4, 5)
     families: tuple[str, ...] = FIXED_FAMILIES
     with_auto: bool = True
-    workload: Workload = Workload()
+    workload: Workload = field(default_factory=Workload)
     warmup_steps: int = 40
     measure_steps: int = 200
     # Auto is measured in its steady state: after its first exploration, over a window long enough to include
@@ -61,9 +62,9 @@ class LoadResult:
 
     def to_json(self) -> dict[str, Any]:
         modes: dict[str, Any] = {
-            label: {"tokens_per_s": round(r.tokens_per_s, 1), "tokens_per_s_per_gpu": round(r.tokens_per_s_per_gpu, 1),
-                    "gpus": r.gpus, "ttft_ms_p50": r.summary()["ttft_ms_p50"], "ttft_ms_p99": r.summary()["ttft_ms_p99"],
-                    "tpot_ms_p50": r.summary()["tpot_ms_p50"], "tpot_ms_p99": r.summary()["tpot_ms_p99"]}
+            label: {"tokens_per_s": round(r.tokens_per_s, 1),
+                    "tokens_per_s_per_gpu": round(r.tokens_per_s_per_gpu, 1),
+                    "gpus": r.gpus, **{key: r.summary()[key] for key in LATENCY_KEYS}}
             for label, r in self.runs.items()
         }
         if self.auto is not None:

@@ -61,7 +61,8 @@ def roofline_curves(device: Roofline, target: ModelShape = QWEN3_32B,
         entry: dict[str, Any] = {
             "role": model.role, "params": model.params, "config": {"layers": model.layers},
             "kv_bytes_per_token": model.kv_bytes_per_token,
-            "forward_ms": [{"batch": b, "context": c, "new_tokens": q, "ms": round(model.forward_ms(device, b, c, q), 3)}
+            "forward_ms": [{"batch": b, "context": c, "new_tokens": q,
+                            "ms": round(model.forward_ms(device, b, c, q), 3)}
                            for c in CONTEXTS for b in BATCHES for q in NEW_TOKENS],
         }
         if model.role == "drafter":

@@ -33,12 +33,12 @@ def flat_curves(verify_ms: float = 20.0, per_token_ms: float = 0.2, draft_ms_per
         "d": {"role": "drafter", "draft_loop_ms": loops}}}
 
 
-def costs_of(data: dict[str, Any], hardware: Hardware = Hardware()) -> StepCosts:
-    return StepCosts.from_curves(parse_curves(data), "t", "d", hardware)
+def costs_of(data: dict[str, Any], hardware: Hardware | None = None) -> StepCosts:
+    return StepCosts.from_curves(parse_curves(data), "t", "d", hardware or Hardware())
 
 
-def h200(drafter: str = "qwen3-1.7b", hardware: Hardware = Hardware()) -> StepCosts:
-    return StepCosts.from_curves(load_curves(H200), "qwen3-32b", drafter, hardware)
+def h200(drafter: str = "qwen3-1.7b") -> StepCosts:
+    return StepCosts.from_curves(load_curves(H200), "qwen3-32b", drafter, Hardware())
 
 
 def test_sd_is_draft_then_verify_and_psd_overlaps_them() -> None:
@@ -135,8 +135,9 @@ def test_psd_over_sd_on_the_h200_curves_matches_the_arithmetic(concurrency: int,
     costs = h200()
     acceptance = AcceptanceModel.constant(0.8)
     context = SHORT.prompt_tokens + SHORT.output_tokens / 2
+    half = concurrency / 2
     expected = ((costs.draft_ms(concurrency, context, k) + costs.verify_ms(concurrency, context, k + 1))
-                / (2 * max(costs.draft_ms(concurrency / 2, context, k), costs.verify_ms(concurrency / 2, context, k + 1))))
+                / (2 * max(costs.draft_ms(half, context, k), costs.verify_ms(half, context, k + 1))))
     sd = run_concurrency(costs, acceptance, "sd", k, concurrency, SHORT, min_measure_tokens=4000)
     psd = run_concurrency(costs, acceptance, "psd", k, concurrency, SHORT, min_measure_tokens=4000)
     assert psd.tokens_per_s / sd.tokens_per_s == pytest.approx(expected, rel=0.10)

@@ -21,7 +21,8 @@ H200 = Path(__file__).resolve().parents[2] / "benchmarks" / "curves" / "h200-qwe
 
 def best_fixed_and_auto(costs: StepCosts, concurrency: int, ks: tuple[int, ...]) -> tuple[str, float, float]:
     acceptance = AcceptanceModel.constant(0.8)
-    fixed = {f"{m}-k{k}" if m != "ar" else m: run_concurrency(costs, acceptance, m, k, concurrency, Workload()).tokens_per_s
+    fixed = {f"{m}-k{k}" if m != "ar" else m:
+             run_concurrency(costs, acceptance, m, k, concurrency, Workload()).tokens_per_s
              for m, k in [("ar", 0)] + [(m, k) for m in ("sd", "psd") for k in ks]}
     best = max(fixed, key=lambda label: fixed[label])
     auto = run_concurrency(costs, acceptance, "auto", 0, concurrency, Workload(), warmup_steps=300,
