@@ -291,8 +291,10 @@ class CostModel:
                     max(1, previous.num_decode_requests + previous.num_prefill_requests), max(0.0, other))
 
     def _observe_draft(self, record: StepRecord) -> None:
-        requests = record.num_requests_with_drafts
-        length = max(1, len(record.drafted_per_position))
+        # The job's own size where the step reports it (around a switch the requests verified with drafts are not
+        # the job's: the first psd step after sd verifies half of a job drafted for the whole batch).
+        requests = record.draft_job_requests or record.num_requests_with_drafts
+        length = max(1, record.draft_job_length or len(record.drafted_per_position))
         first = record.draft_first_token_seconds
         if 0 < first <= record.draft_seconds:
             self.draft_first.observe(requests, first)

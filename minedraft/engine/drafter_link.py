@@ -27,10 +27,26 @@ log = logging.getLogger(__name__)
 MessageHandler = Callable[[int | None, protocol.FromDrafter], None]
 
 
-def add_reply(times: tuple[float, float, float] | None, reply: protocol.DraftReply) -> tuple[float, float, float]:
-    """A sub-batch's (draft, first-token, idle) seconds in a step, with one more reply for it."""
-    draft, first, idle = times or (0.0, 0.0, 0.0)
-    return draft + reply.draft_seconds, first + reply.first_token_seconds, idle + reply.idle_seconds
+@dataclass(frozen=True)
+class JobTimes:
+    """What the draft jobs of one sub-batch that answered during a step cost, and their size: the step records the
+    verified sub-batch's, and the cost model prices drafting by the job's own requests and length (in a step after
+    a switch the requests verified with drafts are not the job's: psd after sd verifies half the job's requests)."""
+
+    draft_seconds: float = 0.0
+    first_token_seconds: float = 0.0
+    idle_seconds: float = 0.0
+    requests: int = 0
+    length: int = 0
+
+
+def add_reply(times: JobTimes | None, reply: protocol.DraftReply) -> JobTimes:
+    """A sub-batch's job times in a step, with one more reply for it."""
+    times = times or JobTimes()
+    length = max((len(result.token_ids) for result in reply.results), default=0)
+    return JobTimes(times.draft_seconds + reply.draft_seconds, times.first_token_seconds + reply.first_token_seconds,
+                    times.idle_seconds + reply.idle_seconds, times.requests + len(reply.results),
+                    max(times.length, length))
 
 
 @dataclass(frozen=True)

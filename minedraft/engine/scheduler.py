@@ -30,7 +30,7 @@ from minedraft.engine import protocol
 from minedraft.engine.auto import AutoController, AutoSettings, Decision
 from minedraft.engine.cost_model import CostModel
 from minedraft.engine.drafter_client import DrafterClient, DrafterState
-from minedraft.engine.drafter_link import DrafterLink, add_reply
+from minedraft.engine.drafter_link import DrafterLink, JobTimes, add_reply
 from minedraft.engine.placement import ComputePlacement, should_widen
 from minedraft.engine.planner import Draft, PSDPlanner, RequestState, StepPlan, WaitPolicy
 from minedraft.engine.resident_batches import skip_token_resend
@@ -58,7 +58,7 @@ class _StepTiming:
     # (draft, first-token, drafter-idle seconds) of the replies that arrived during this step, by sub-batch: the step
     # records only the verified sub-batch's (the job whose drafts it verified). Around a switch the other side's job
     # lands in the same step; summed in, it priced a draft of one sub-batch at two jobs' time in auto's cost model.
-    drafts_by_group: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    drafts_by_group: dict[int, JobTimes] = field(default_factory=dict)
 
 
 def _is_decoding(request: Request) -> bool:
@@ -392,9 +392,9 @@ class PSDScheduler(Scheduler):
             self.planner.check_invariants(states, alive, self.mode)
 
         finished = time.perf_counter()
-        timing.draft_seconds, timing.draft_first_token_seconds, timing.drafter_idle_seconds = (
-            timing.drafts_by_group.get(verified_group, (0.0, 0.0, 0.0)) if verified_group is not None
-            else (0.0, 0.0, 0.0))
+        job = timing.drafts_by_group.get(verified_group, JobTimes()) if verified_group is not None else JobTimes()
+        timing.draft_seconds, timing.draft_first_token_seconds = job.draft_seconds, job.first_token_seconds
+        timing.drafter_idle_seconds = job.idle_seconds
         verify_seconds = max(0.0, verify_done - timing.scheduled_at)
         if mode is not Mode.AR:
             self.wait_policy.observe_verify(verify_seconds)
@@ -432,6 +432,8 @@ class PSDScheduler(Scheduler):
             num_pad_tokens=num_pad_tokens,
             wait_budget_seconds=timing.wait_budget_seconds,
             update_seconds=max(0.0, finished - verify_done),
+            draft_job_requests=job.requests,
+            draft_job_length=job.length,
         )
         self.stats.record(record)
         if self.auto is not None:

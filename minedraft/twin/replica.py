@@ -22,7 +22,7 @@ from minedraft.engine import protocol
 from minedraft.engine.auto import AutoController, AutoSettings, Decision
 from minedraft.engine.cost_model import CostModel
 from minedraft.engine.drafter_client import DrafterState, JobTicket
-from minedraft.engine.drafter_link import DrafterLink, add_reply
+from minedraft.engine.drafter_link import DrafterLink, JobTimes, add_reply
 from minedraft.engine.planner import Draft, PSDPlanner, RequestState, WaitPolicy
 from minedraft.engine.settings import Mode
 from minedraft.engine.stats import StepRecord
@@ -197,7 +197,7 @@ class TwinReplica:
         self.steps_by_mode: dict[str, int] = {}
         # Decode steps run at each setting ("psd-k3", "ar"), for what auto chose.
         self.steps_by_setting: dict[str, int] = {}
-        self._drafts_by_group: dict[int, tuple[float, float, float]] = {}
+        self._drafts_by_group: dict[int, JobTimes] = {}
 
     # -- arrivals ------------------------------------------------------------------------------------------------
 
@@ -313,7 +313,7 @@ class TwinReplica:
         if mode is not Mode.AR:
             self.wait_policy.observe_verify(verify_seconds)
         # As the scheduler records it: the drafting of the job whose drafts this step verified.
-        draft_seconds = self._drafts_by_group.get(group, (0.0, 0.0, 0.0))[0] if group is not None else 0.0
+        job = self._drafts_by_group.get(group, JobTimes()) if group is not None else JobTimes()
         overhead_seconds = self.costs.hardware.step_overhead_ms / 1000.0
         self.clock.now += overhead_seconds
         self.step_number += 1
@@ -327,11 +327,12 @@ class TwinReplica:
             num_draft_tokens=num_draft, num_accepted_tokens=num_accepted,
             drafted_per_position=tuple(drafted_pp), accepted_per_position=tuple(accepted_pp),
             num_output_tokens=output_tokens, num_scheduled_tokens=scheduled_tokens + prompt_tokens,
-            verify_seconds=verify_seconds, wait_seconds=wait_seconds, draft_seconds=draft_seconds,
+            verify_seconds=verify_seconds, wait_seconds=wait_seconds, draft_seconds=job.draft_seconds,
             drafter_idle_seconds=0.0, schedule_seconds=0.0, step_seconds=self.clock.now - started,
             drafter_up=True, k=self.planner.k, auto=self.auto is not None, widened=False,
             draft_jobs_in_flight=jobs_in_flight, num_held_out=len(plan.held_out),
             num_pad_tokens=num_pad, wait_budget_seconds=wait_budget, update_seconds=overhead_seconds,
+            draft_job_requests=job.requests, draft_job_length=job.length,
         )
         if self.settings.check_invariants:
             self.records.append(record)
