@@ -274,3 +274,17 @@ def test_a_longer_draft_on_a_flat_target_is_priced_from_the_shapes_either_side_n
     _run_shape(model, 16, 1, 20, mode="ar")
     _run_shape(model, 16, 4, 20)
     assert model._verify_seconds(16, 5) == pytest.approx(0.0244 + (0.0244 - 0.0205) * 2 / 3, rel=0.01)
+
+
+def test_drafting_is_priced_by_the_jobs_own_size_not_the_requests_verified_with_its_drafts() -> None:
+    # The first psd step after an sd probe at k=1 verifies 32 requests with drafts of a job that drafted 64 requests
+    # one token each (8 ms). Priced by what the step verified, that job would say "32 requests, 8 ms a position".
+    model = CostModel()
+    steady = replace(record(0, 0.0, mode="psd", num_requests=32, num_tokens=128, verify_seconds=0.009,
+                            draft_seconds=0.009, drafted=(32, 32, 32), accepted=(24, 18, 14)),
+                     draft_job_requests=32, draft_job_length=3)
+    run_steps(model, steady, 10, 0.009)
+    after_probe = replace(steady, draft_seconds=0.008, draft_job_requests=64, draft_job_length=1)
+    run_steps(model, after_probe, 1, 0.009)
+    assert model._draft_seconds(32, 3) == pytest.approx(0.009, rel=0.01)
+    assert model._draft_seconds(64, 1) == pytest.approx(0.008, rel=0.01)
