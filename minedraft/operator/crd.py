@@ -110,7 +110,9 @@ def spec_schema() -> Schema:
                   ".numExtraDraftTokens"),
         ]}),
         "engine": _obj("The engine pods (one target plus one drafter per pod).", {
-            "image": _str("Engine image (vLLM 0.32 CUDA image with minedraft).", default=eng.image),
+            "image": _str("Engine image (docker/engine.Dockerfile: vLLM 0.32 on CUDA with minedraft). Unset: the "
+                          "operator's, REGISTRY/engine:TAG with the chart's image.registry and image.tag.",
+                          minLength=1),
             "imagePullPolicy": _str("Image pull policy.", enum=list(s.PULL_POLICIES), default=eng.image_pull_policy),
             "targetGPUs": _int("GPUs for the target model, its tensor-parallel size (1 to 8). Each pod requests "
                                "targetGPUs nvidia.com/gpu, plus drafterGPUs for modes whose drafter runs on a "
@@ -230,7 +232,8 @@ def spec_schema() -> Schema:
                                                           "headless Service directly; the gateway's objects are "
                                                           "deleted).", "default": True},
             "replicas": _int("Gateway replicas.", default=gw.replicas, minimum=0, maximum=100),
-            "image": _str("Gateway image.", default=gw.image),
+            "image": _str("Gateway image (docker/gateway.Dockerfile). Unset: the operator's, REGISTRY/gateway:TAG "
+                          "with the chart's image.registry and image.tag.", minLength=1),
             "imagePullPolicy": _str("Image pull policy.", enum=list(s.PULL_POLICIES), default=gw.image_pull_policy),
             "serviceType": _str("Type of the gateway Service.", enum=list(s.SERVICE_TYPES), default=gw.service_type),
             "port": _int("Port of the gateway Service.", default=gw.port, minimum=1, maximum=65535),
@@ -247,6 +250,7 @@ def spec_schema() -> Schema:
             "cpu": _quantity("CPU request per gateway pod.", gw.cpu),
             "memory": _quantity("Memory request and limit per gateway pod.", gw.memory),
         }, default={}),
+        "drafterPool": _drafter_pool(),
     }, required=["target", "draft"], **{"x-kubernetes-validations": [
         # Creation only (optionalOldSelf: on create oldSelf has no value): afterwards the autoscaler writes
         # spec.replicas through /scale, which the next rule keeps within bounds.
@@ -264,6 +268,33 @@ def spec_schema() -> Schema:
               "self.speculation.mode in self.autoscaling.speculation.allowedModes",
               "autoscaling.speculation.allowedModes must include the fixed speculation.mode (or use mode auto)",
               ".autoscaling.speculation.allowedModes"),
+        _rule("!has(self.drafterPool) || self.speculation.mode in ['psd', 'sd', 'auto']",
+              "drafterPool needs speculation.mode psd, sd or auto (the modes that draft with the minedraft drafter)",
+              ".drafterPool"),
+    ]})
+
+
+def _drafter_pool() -> Schema:
+    pool = s.DrafterPoolSpec(s.SecretKeyRef("", ""))
+    return _obj("A drafter service shared by every engine replica (minedraft drafter): engine pods then request only "
+                "the target's GPUs and draft through it; only this MineDraft's engine pods may reach it.", {
+        "tokenSecretRef": _secret_key_ref("Secret with the token engines and drafter pool authenticate each other "
+                                          "with (at least 16 bytes); mounted as a file, never an environment "
+                                          "variable."),
+        "replicas": _int("Drafter pool replicas.", default=pool.replicas, minimum=0, maximum=64),
+        "gpus": _int("GPUs per drafter pod (0: the drafter runs on CPUs).", default=pool.gpus, minimum=0, maximum=8),
+        "backend": _str("Drafter backend: vllm (any architecture) or torch (Llama/Qwen3, with window support).",
+                        enum=list(s.DRAFTER_BACKENDS), default=pool.backend),
+        "window": _int("torch backend: each draft step reads at most the last window tokens of a context plus 4 "
+                       "attention-sink tokens (0: the whole context).", default=pool.window, minimum=0),
+        "cpu": _quantity("CPU request per drafter pod.", pool.cpu),
+        "memory": _quantity("Memory request and limit per drafter pod.", pool.memory),
+        "maxQueuedJobs": _int("Draft jobs queued (all engines) before the pool answers busy and engines decode "
+                              "without drafts.", default=pool.max_queued_jobs, minimum=1, maximum=100000),
+        "port": _int("Port of the drafter pool's Service.", default=pool.port, minimum=1, maximum=65535),
+    }, required=["tokenSecretRef"], **{"x-kubernetes-validations": [
+        _rule("self.window == 0 || self.backend == 'torch'",
+              "drafterPool.window needs backend torch (vLLM's sliding window keeps no sink tokens)", ".window"),
     ]})
 
 

@@ -54,11 +54,11 @@ RESERVED_ENGINE_FLAGS = ("--host", "--grpc-port", "--metrics-port", "--grace-sec
 ENGINE_OWN_EXTRA_FLAGS = ("--gpu-memory-utilization", "--drafter-gpu-memory-utilization", "--seed",
                           "--draft-deadline-seconds")
 
-# Kept in step with pyproject.toml's version and the Dockerfiles (a test checks all three).
-IMAGE_REPOSITORY = "ghcr.io/minedraft"
+# The operator's own default for where the images are, when neither its --image-registry nor the chart's
+# image.registry says (`make push REGISTRY=...` pushes them; nothing publishes them here), and their tag: the package
+# version, as `make images` tags them (a test checks pyproject.toml, the chart and the Makefile agree).
+DEFAULT_IMAGE_REGISTRY = "ghcr.io/minedraft"
 IMAGE_TAG = "0.1.0"
-DEFAULT_ENGINE_IMAGE = f"{IMAGE_REPOSITORY}/engine:{IMAGE_TAG}"
-DEFAULT_GATEWAY_IMAGE = f"{IMAGE_REPOSITORY}/gateway:{IMAGE_TAG}"
 
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -118,7 +118,8 @@ class ModelCacheSpec:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    image: str = DEFAULT_ENGINE_IMAGE
+    # None: the operator's engine image (<its image registry>/engine:<its image tag>).
+    image: str | None = None
     image_pull_policy: str = "IfNotPresent"
     target_gpus: int = 1
     drafter_gpus: int = 1
@@ -178,7 +179,8 @@ class AutoscalingSpec:
 class GatewaySpec:
     enabled: bool = True
     replicas: int = 2
-    image: str = DEFAULT_GATEWAY_IMAGE
+    # None: the operator's gateway image (<its image registry>/gateway:<its image tag>).
+    image: str | None = None
     image_pull_policy: str = "IfNotPresent"
     service_type: str = "ClusterIP"
     port: int = 50051
@@ -192,6 +194,23 @@ class GatewaySpec:
 
 
 @dataclass(frozen=True)
+class DrafterPoolSpec:
+    """A drafter service shared by all engine replicas (`minedraft drafter`): engines then request only the target's
+    GPUs and draft through it over authenticated sessions (a shared token from a Secret)."""
+
+    token: SecretKeyRef
+    replicas: int = 1
+    gpus: int = 1
+    backend: str = "vllm"
+    # torch backend only: each draft step reads at most the last `window` tokens (plus 4 sink tokens); 0: all.
+    window: int = 0
+    cpu: str = "4"
+    memory: str = "32Gi"
+    max_queued_jobs: int = 64
+    port: int = 50061
+
+
+@dataclass(frozen=True)
 class MineDraftSpec:
     target: ModelSpec
     draft: ModelSpec
@@ -202,6 +221,8 @@ class MineDraftSpec:
     gateway: GatewaySpec = field(default_factory=GatewaySpec)
     # Secrets (by name, in the MineDraft's namespace) the kubelet uses to pull both images.
     image_pull_secrets: tuple[str, ...] = ()
+    # A shared drafter service instead of a drafter GPU in every engine pod (None: each engine drafts on its own).
+    drafter_pool: DrafterPoolSpec | None = None
 
     @property
     def desired_replicas(self) -> int:
@@ -241,6 +262,8 @@ class MineDraftSpec:
             refs.append(("spec.gateway.authTokenSecretRef", self.gateway.auth_token))
         if self.gateway.tls_secret_name is not None:
             refs.append(("spec.gateway.tlsSecretRef", self.gateway.tls_secret_name))
+        if self.drafter_pool is not None:
+            refs.append(("spec.drafterPool.tokenSecretRef", self.drafter_pool.token))
         return refs
 
 
@@ -527,6 +550,32 @@ def _gateway(r: _Reader, data: Mapping[str, Any]) -> GatewaySpec:
     )
 
 
+def _drafter_pool(r: _Reader, data: Mapping[str, Any] | None, mode: str) -> DrafterPoolSpec | None:
+    if data is None:
+        return None
+    p = "spec.drafterPool"
+    d = DrafterPoolSpec(SecretKeyRef("", ""))
+    if mode not in (*DRAFTER_GPU_MODES, "auto"):
+        r.fail(p, f"mode {mode} does not draft with the minedraft drafter: a drafter pool needs psd, sd or auto")
+    token = _secret_key_ref(r, r.obj(data, "tokenSecretRef", p, required=True), f"{p}.tokenSecretRef", "token")
+    backend = r.str_(data, "backend", p, default=d.backend, choices=DRAFTER_BACKENDS) or d.backend
+    window = _or(r.int_(data, "window", p, d.window, 0, 1_000_000), d.window)
+    if window and backend != "torch":
+        r.fail(f"{p}.window", "the drafter window is the torch backend's (vLLM's sliding window keeps no sink tokens "
+                              "and is not applied to Qwen3 models): set backend torch or window 0")
+    return DrafterPoolSpec(
+        token=token or SecretKeyRef("", ""),
+        replicas=_or(r.int_(data, "replicas", p, d.replicas, 0, 64), d.replicas),
+        gpus=_or(r.int_(data, "gpus", p, d.gpus, 0, 8), d.gpus),
+        backend=backend,
+        window=window,
+        cpu=r.quantity(data, "cpu", p, d.cpu),
+        memory=r.quantity(data, "memory", p, d.memory),
+        max_queued_jobs=r.int_(data, "maxQueuedJobs", p, d.max_queued_jobs, 1, 100_000) or d.max_queued_jobs,
+        port=r.int_(data, "port", p, d.port, 1, 65535) or d.port,
+    )
+
+
 def parse_spec(spec: Mapping[str, Any] | None) -> MineDraftSpec:
     """The dataclass form of a MineDraft's ``spec``; raises SpecError listing every problem found."""
     r = _Reader()
@@ -567,6 +616,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MineDraftSpec:
         # Engine pods always run on GPUs, and the torch drafter runs on CPUs only.
         r.fail("spec.engine.drafterBackend", "torch is the CPU drafter; engine pods run on GPUs: use vllm")
     gateway = _gateway(r, r.obj(spec, "gateway", "spec") or {})
+    drafter_pool = _drafter_pool(r, r.obj(spec, "drafterPool", "spec"), mode)
     pull_secrets = spec.get("imagePullSecrets", [])
     if not isinstance(pull_secrets, list) or not all(isinstance(x, Mapping) for x in pull_secrets):
         r.fail("spec.imagePullSecrets", "must be a list of {name: ...} objects")
@@ -579,7 +629,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MineDraftSpec:
         target=target, draft=draft,
         speculation=SpeculationSpec(mode, k or d.num_speculative_tokens, extra or 0),
         engine=engine, replicas=replicas, autoscaling=autoscaling, gateway=gateway,
-        image_pull_secrets=pull_names,
+        image_pull_secrets=pull_names, drafter_pool=drafter_pool,
     )
 
 
