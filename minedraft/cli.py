@@ -299,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     importlib.import_module("minedraft.client").add_subcommands(sub)  # client generate
     importlib.import_module("minedraft.doctor").add_subcommands(sub)  # doctor
     importlib.import_module("minedraft.profile.cli").add_subcommands(sub)  # profile (torch only)
+    importlib.import_module("minedraft.twin.cli").add_subcommands(sub)  # plan
     return parser
 
 
@@ -313,10 +314,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from minedraft.engine.requests import RequestError
     from minedraft.engine.settings import SettingsError
+    from minedraft.twin.curves import CurveError
 
     try:
         return int(args.func(args))
-    except (SettingsError, RequestError) as exc:
+    except (SettingsError, RequestError, CurveError) as exc:
         print(f"minedraft: error: {exc}", file=sys.stderr)
         return 2
 

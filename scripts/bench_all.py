@@ -91,6 +91,12 @@ STEPS: tuple[Step, ...] = (
           "--contexts", "512,2048,8192", "--modes", "psd,psd-churn,ar", "--max-tokens", "12"),
          # Not timed when the committed set was made (a contended machine): a guess.
          ("benchmarks/results/step-breakdown/resident.json",), 20 * 60),
+    Step("gpu-twin", "the GPU regime through the twin: every mode at 1-256 requests on the H200 cost curves, psd/sd "
+         "against the curves' arithmetic, auto against the best fixed mode (steady, traces, other curve shapes), TP=4",
+         ("python", "benchmarks/twin_gpu.py"),
+         ("benchmarks/results/gpu-twin/h200.json",),
+         # About 10 minutes on the contended 2-core machine (load average ~9 from other jobs); pure Python, no engine.
+         10 * 60),
     Step("autoscaling", "speculation-aware autoscaler against the HPA algorithm and an oracle, simulated",
          ("minedraft", "autoscale", "bench", "--out", "benchmarks/results/autoscale"),
          # Not timed when the committed set was made: a guess from the simulator's speed on 2 cores.

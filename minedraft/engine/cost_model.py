@@ -205,11 +205,28 @@ def _curves() -> dict[str, CostCurve]:
     return {kind: CostCurve() for kind in KINDS}
 
 
+def _q_curves() -> dict[str, dict[int, CostCurve]]:
+    return {kind: {} for kind in KINDS}
+
+
+# A step's tokens per request within this of a whole number is filed under that number (a step of mixed draft
+# lengths, such as requests near their end, only teaches the tokens curve).
+Q_TOLERANCE = 0.25
+# A shape's curve prices a batch within this factor of the batches it was measured at before other shapes do.
+SHAPE_COVER_SLACK = 1.5
+
+
 @dataclass
 class CostModel:
     # Per kind of step: verification seconds against scheduled tokens, and the rest of the step (scheduling,
     # draft bookkeeping, detokenization) against running requests.
     verify: dict[str, CostCurve] = field(default_factory=_curves)
+    # The same seconds per kind and per tokens per request q (k + 1), against running requests: verification costs
+    # differ at equal tokens (on the H200 curves 32 requests x 3 tokens take 27.8 ms, 16 x 6 take 23.8: each request
+    # reads its own KV cache), so psd at half the batch with a longer draft is priced from what steps of that shape
+    # cost, not from steps of another shape with as many tokens. Shapes never run are priced from the tokens curve,
+    # scaled to the nearest shape that ran (or from the two shapes either side).
+    verify_q: dict[str, dict[int, CostCurve]] = field(default_factory=_q_curves)
     overhead: dict[str, CostCurve] = field(default_factory=_curves)
     # Drafting against requests in the job: seconds up to the first drafted token (catch-up included), and seconds
     # of each further position. Drafters that do not report the first token's time are modelled as k equal
@@ -254,7 +271,12 @@ class CostModel:
         decode_only = record.num_prefill_requests == 0 and record.num_decode_requests > 0
         if decode_only:
             self.widening_seen = self.widening_seen or record.widened
-            self.verify[self._kind_of(record)].observe(record.num_scheduled_tokens, record.verify_seconds)
+            kind = self._kind_of(record)
+            self.verify[kind].observe(record.num_scheduled_tokens, record.verify_seconds)
+            q = record.num_scheduled_tokens / record.num_decode_requests
+            if abs(q - round(q)) <= Q_TOLERANCE:
+                self.verify_q[kind].setdefault(round(q), CostCurve()).observe(
+                    record.num_decode_requests, record.verify_seconds)
             self.last_verify_step = record.step
         if record.num_requests_with_drafts > 0:
             self.acceptance.observe(record.drafted_per_position, record.accepted_per_position)
@@ -269,8 +291,10 @@ class CostModel:
                     max(1, previous.num_decode_requests + previous.num_prefill_requests), max(0.0, other))
 
     def _observe_draft(self, record: StepRecord) -> None:
-        requests = record.num_requests_with_drafts
-        length = max(1, len(record.drafted_per_position))
+        # The job's own size where the step reports it (around a switch the requests verified with drafts are not
+        # the job's: the first psd step after sd verifies half of a job drafted for the whole batch).
+        requests = record.draft_job_requests or record.num_requests_with_drafts
+        length = max(1, record.draft_job_length or len(record.drafted_per_position))
         first = record.draft_first_token_seconds
         if 0 < first <= record.draft_seconds:
             self.draft_first.observe(requests, first)
@@ -292,9 +316,55 @@ class CostModel:
 
     def _verify_seconds(self, requests: int, k: int, alone: bool = True) -> float:
         kind = PLAIN if k == 0 else ALONE if alone else BESIDE
-        seconds = self._curve(self.verify, kind).predict(requests * (k + 1))
+        seconds = self._shaped_verify_seconds(kind, requests, k + 1)
         overhead = self._curve(self.overhead, kind).predict(requests) or 0.0
         return (seconds or 0.0) + overhead
+
+    def _shaped_verify_seconds(self, kind: str, requests: int, q: int) -> float | None:
+        """Verification of `requests` requests with q tokens each: from steps of that shape where any ran, else
+        linearly in q from the two nearest shapes at this many requests (between them, or beyond them never below
+        the nearer one), else the tokens curve scaled to the one shape that ran. Where verifying never lent the
+        target the drafter's device (GPUs), steps without drafts are the q = 1 shape of every kind: a memory-bound
+        target then shows at once that longer drafts verify almost free."""
+        chain = self._chain(kind)
+        tokens_kind = next((k for k in chain if self.verify[k].buckets), chain[0])
+        tokens_curve = self.verify[tokens_kind]
+        shapes = dict(self.verify_q[tokens_kind])
+        if not self.widening_seen and 1 not in shapes and tokens_kind != PLAIN and self.verify_q[PLAIN].get(1):
+            shapes[1] = self.verify_q[PLAIN][1]
+        if not shapes:
+            return tokens_curve.predict(requests * q)
+        exact = shapes.get(q)
+        # Shapes measured near this many requests first: a shape seen only at a far smaller batch extrapolates with
+        # CostCurve's pessimistic growth, while two shapes measured here interpolate what this batch costs.
+        near = {s: c for s, c in shapes.items() if c.covers(requests, SHAPE_COVER_SLACK)}
+        if exact is not None and (q in near or not near):
+            return exact.predict(requests)
+        if len(near) == 1:
+            shapes = near  # one shape measured here: the tokens curve scaled to it (below)
+        elif len(near) >= 2:
+            shapes = near
+        if len(shapes) >= 2:
+            below = sorted(s for s in shapes if s < q)
+            above = sorted(s for s in shapes if s > q)
+            # (q is not a shape, so with two or more shapes one side holds at least two when the other is empty)
+            low, high = ((below[-1], above[0]) if below and above
+                         else (below[-2], below[-1]) if below else (above[0], above[1]))
+            y_low, y_high = shapes[low].predict(requests), shapes[high].predict(requests)
+            if y_low is not None and y_high is not None and high != low:
+                value = y_low + (y_high - y_low) * (q - low) / (high - low)
+                if q > high:
+                    value = max(value, y_high)
+                elif q < low:
+                    value = min(max(value, 0.5 * y_low), y_low)
+                return value
+        nearest = min(shapes, key=lambda s: (abs(s - q), s))
+        at_nearest = shapes[nearest].predict(requests)
+        tokens_nearest = tokens_curve.predict(requests * nearest)
+        tokens_here = tokens_curve.predict(requests * q)
+        if at_nearest is None or not tokens_nearest or tokens_here is None:
+            return tokens_here
+        return tokens_here * at_nearest / tokens_nearest
 
     def _draft_seconds(self, requests: int, k: int) -> float:
         if k <= 0:

@@ -28,6 +28,28 @@ MessageHandler = Callable[[int | None, protocol.FromDrafter], None]
 
 
 @dataclass(frozen=True)
+class JobTimes:
+    """What the draft jobs of one sub-batch that answered during a step cost, and their size: the step records the
+    verified sub-batch's, and the cost model prices drafting by the job's own requests and length (in a step after
+    a switch the requests verified with drafts are not the job's: psd after sd verifies half the job's requests)."""
+
+    draft_seconds: float = 0.0
+    first_token_seconds: float = 0.0
+    idle_seconds: float = 0.0
+    requests: int = 0
+    length: int = 0
+
+
+def add_reply(times: JobTimes | None, reply: protocol.DraftReply) -> JobTimes:
+    """A sub-batch's job times in a step, with one more reply for it."""
+    times = times or JobTimes()
+    length = max((len(result.token_ids) for result in reply.results), default=0)
+    return JobTimes(times.draft_seconds + reply.draft_seconds, times.first_token_seconds + reply.first_token_seconds,
+                    times.idle_seconds + reply.idle_seconds, times.requests + len(reply.results),
+                    max(times.length, length))
+
+
+@dataclass(frozen=True)
 class WaitResult:
     waited_seconds: float
     arrived: bool
@@ -151,19 +173,20 @@ class DrafterLink:
             handle(group, message)
 
     def wait_for(self, group: int, budget_seconds: float, handle: MessageHandler) -> WaitResult:
-        """Wait at most `budget_seconds` for the job of `group`, handling every message meanwhile."""
-        started = time.perf_counter()
+        """Wait at most `budget_seconds` for the job of `group`, handling every message meanwhile. Timed by the link's
+        clock, so a simulated drafter (minedraft.twin) runs this very loop on simulated time."""
+        started = self._clock()
         deadline = started + budget_seconds
         down = False
         while group in self.tickets:
-            remaining = deadline - time.perf_counter()
+            remaining = deadline - self._clock()
             if remaining <= 0:
                 break
             self.poll(min(remaining, 0.05), handle)
             if not self.check():
                 down = True
                 break
-        return WaitResult(time.perf_counter() - started, not down and group not in self.tickets)
+        return WaitResult(self._clock() - started, not down and group not in self.tickets)
 
     def _drop_ticket(self, job_id: int) -> int | None:
         for group, ticket in list(self.tickets.items()):

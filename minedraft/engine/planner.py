@@ -230,6 +230,17 @@ class PSDPlanner:
         if mode is Mode.PSD and verified_group is not None:
             self.turn = 1 - verified_group
 
+    def switch_mode(self, previous: Mode, mode: Mode, k: int, num_extra_draft_tokens: int) -> None:
+        """A switch at a step boundary (auto's decisions, or the operator's): only sub-batch membership and draft
+        lengths change, never a request's tokens (drafts held for the old setting stay valid: they are keyed by
+        context length and trimmed to k + e)."""
+        self.k, self.num_extra_draft_tokens = k, num_extra_draft_tokens
+        if mode is Mode.SD:
+            self.subbatches.merge_into(0)
+            self.turn = 0
+        elif mode is Mode.PSD and previous is not Mode.PSD:
+            self.subbatches.rebalance()
+
     # -- draft jobs ----------------------------------------------------------------------------------------------
 
     def draft_job(self, requests: Sequence[RequestState], group: int) -> list[JobItemPlan]:

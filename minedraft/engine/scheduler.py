@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -30,7 +30,7 @@ from minedraft.engine import protocol
 from minedraft.engine.auto import AutoController, AutoSettings, Decision
 from minedraft.engine.cost_model import CostModel
 from minedraft.engine.drafter_client import DrafterClient, DrafterState
-from minedraft.engine.drafter_link import DrafterLink
+from minedraft.engine.drafter_link import DrafterLink, JobTimes, add_reply
 from minedraft.engine.placement import ComputePlacement, should_widen
 from minedraft.engine.planner import Draft, PSDPlanner, RequestState, StepPlan, WaitPolicy
 from minedraft.engine.resident_batches import skip_token_resend
@@ -55,6 +55,10 @@ class _StepTiming:
     draft_first_token_seconds: float = 0.0
     drafter_idle_seconds: float = 0.0
     draft_jobs_in_flight: int = 0
+    # (draft, first-token, drafter-idle seconds) of the replies that arrived during this step, by sub-batch: the step
+    # records only the verified sub-batch's (the job whose drafts it verified). Around a switch the other side's job
+    # lands in the same step; summed in, it priced a draft of one sub-batch at two jobs' time in auto's cost model.
+    drafts_by_group: dict[int, JobTimes] = field(default_factory=dict)
 
 
 def _is_decoding(request: Request) -> bool:
@@ -209,12 +213,7 @@ class PSDScheduler(Scheduler):
                 f"num_extra_draft_tokens: {new_e} is outside 0..{self.num_spec_tokens - new_k} (k + e <= "
                 f"{self.num_spec_tokens}, the engine's max_num_speculative_tokens)"
             )
-        self.planner.k, self.planner.num_extra_draft_tokens = new_k, new_e
-        if mode is Mode.SD:
-            self.subbatches.merge_into(0)
-            self.planner.turn = 0
-        elif mode is Mode.PSD and self.mode is not Mode.PSD:
-            self.subbatches.rebalance()
+        self.planner.switch_mode(self.mode, mode, new_k, new_e)
         self.mode = mode
 
     def attach_drafter(self, drafter: DrafterClient) -> None:
@@ -333,9 +332,7 @@ class PSDScheduler(Scheduler):
         if group is None:
             return  # a job abandoned after its deadline: its drafts are stale
         self.planner.job_done(group)
-        self._timing.draft_seconds += message.draft_seconds
-        self._timing.draft_first_token_seconds += message.first_token_seconds
-        self._timing.drafter_idle_seconds += message.idle_seconds
+        self._timing.drafts_by_group[group] = add_reply(self._timing.drafts_by_group.get(group), message)
         self.planner.store_drafts(
             ((r.request_id, Draft(r.context_num_tokens, r.token_ids, r.logprobs)) for r in message.results),
             self._is_live,
@@ -402,6 +399,9 @@ class PSDScheduler(Scheduler):
             self.planner.check_invariants(states, alive, self.mode)
 
         finished = time.perf_counter()
+        job = timing.drafts_by_group.get(verified_group, JobTimes()) if verified_group is not None else JobTimes()
+        timing.draft_seconds, timing.draft_first_token_seconds = job.draft_seconds, job.first_token_seconds
+        timing.drafter_idle_seconds = job.idle_seconds
         verify_seconds = max(0.0, verify_done - timing.scheduled_at)
         if mode is not Mode.AR:
             self.wait_policy.observe_verify(verify_seconds)
@@ -439,6 +439,8 @@ class PSDScheduler(Scheduler):
             num_pad_tokens=num_pad_tokens,
             wait_budget_seconds=timing.wait_budget_seconds,
             update_seconds=max(0.0, finished - verify_done),
+            draft_job_requests=job.requests,
+            draft_job_length=job.length,
         )
         self.stats.record(record)
         if self.auto is not None:

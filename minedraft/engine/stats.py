@@ -62,6 +62,10 @@ class StepRecord:
     wait_budget_seconds: float = 0.0
     # The engine's own work after the forward pass: committing tokens, sub-batch bookkeeping, sending draft jobs.
     update_seconds: float = 0.0
+    # The draft job whose drafts this step verified: its requests and draft length (0: none answered in the step).
+    # The cost model prices drafting by these, not by the requests verified with drafts, which differ around switches.
+    draft_job_requests: int = 0
+    draft_job_length: int = 0
 
 
 @dataclass

@@ -237,3 +237,54 @@ def test_cost_curve_is_nondecreasing_and_a_young_outlier_is_pooled_not_followed(
     for size, seconds in ((2, 0.003), (4, 0.004), (8, 0.009)):
         rising.observe(size, seconds)
     assert rising.points() == [(2, 0.003), (4, 0.004), (8, 0.009)]
+
+
+# Verification priced by shape (requests x tokens per request), as the H200 curves measure it: at equal tokens a
+# step of more requests costs more (each reads its own KV cache). 32 requests x 3 tokens: 27.8 ms; 16 x 6: 23.8 ms.
+H200_SHAPES = {(32, 3): 0.0278, (16, 6): 0.0238, (32, 1): 0.0220, (16, 1): 0.0205, (16, 4): 0.0244}
+
+
+def _shape_record(requests: int, q: int, mode: str = "sd") -> StepRecord:
+    drafted = (requests,) * (q - 1)
+    return record(0, 0.0, mode=mode, num_requests=requests, num_tokens=requests * q,
+                  verify_seconds=H200_SHAPES[(requests, q)], drafted=drafted, accepted=drafted,
+                  draft_seconds=0.003 * (q - 1) if q > 1 else 0.0)
+
+
+def _run_shape(model: CostModel, requests: int, q: int, count: int, mode: str = "sd") -> None:
+    template = _shape_record(requests, q, mode)
+    run_steps(model, template, count, template.verify_seconds)  # back to back: no overhead beyond verification
+
+
+def test_equal_tokens_in_other_shapes_keep_their_own_costs() -> None:
+    model = CostModel()
+    for _ in range(3):
+        _run_shape(model, 32, 3, 10)  # sd, k=2, 32 requests
+        _run_shape(model, 16, 6, 10, mode="psd")  # psd, k=5, 16 a side
+    # A tokens-only curve blends both into one 96-token price (~25.8 ms) and misprices psd's half-batch steps.
+    assert model._verify_seconds(16, 5, alone=False) == pytest.approx(0.0238, rel=0.01)
+    assert model._verify_seconds(32, 2, alone=False) == pytest.approx(0.0278, rel=0.01)
+
+
+def test_a_longer_draft_on_a_flat_target_is_priced_from_the_shapes_either_side_not_feared() -> None:
+    # A memory-bound target: ar (1 token each) and k=3 (4 tokens each) measured at 16 requests. k=5 (6 tokens each)
+    # was never run: it is priced linearly in tokens per request (24.4 + 2/3 * (24.4 - 20.5) = 27.0 ms), not by the
+    # tokens curve's conservative growth beyond its largest size (+41% at 1.5x the tokens).
+    model = CostModel()
+    _run_shape(model, 16, 1, 20, mode="ar")
+    _run_shape(model, 16, 4, 20)
+    assert model._verify_seconds(16, 5) == pytest.approx(0.0244 + (0.0244 - 0.0205) * 2 / 3, rel=0.01)
+
+
+def test_drafting_is_priced_by_the_jobs_own_size_not_the_requests_verified_with_its_drafts() -> None:
+    # The first psd step after an sd probe at k=1 verifies 32 requests with drafts of a job that drafted 64 requests
+    # one token each (8 ms). Priced by what the step verified, that job would say "32 requests, 8 ms a position".
+    model = CostModel()
+    steady = replace(record(0, 0.0, mode="psd", num_requests=32, num_tokens=128, verify_seconds=0.009,
+                            draft_seconds=0.009, drafted=(32, 32, 32), accepted=(24, 18, 14)),
+                     draft_job_requests=32, draft_job_length=3)
+    run_steps(model, steady, 10, 0.009)
+    after_probe = replace(steady, draft_seconds=0.008, draft_job_requests=64, draft_job_length=1)
+    run_steps(model, after_probe, 1, 0.009)
+    assert model._draft_seconds(32, 3) == pytest.approx(0.009, rel=0.01)
+    assert model._draft_seconds(64, 1) == pytest.approx(0.008, rel=0.01)

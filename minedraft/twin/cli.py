@@ -1,0 +1,234 @@
+"""`minedraft plan`: every mode of the engine on a cost-curve file, through the twin; per load band the mode and k
+to run, replicas needed and tokens per second per GPU. JSON on stdout with --json, progress on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from minedraft.twin.costs import DRAFTER_PLACEMENTS, AcceptanceModel, Hardware, StepCosts
+from minedraft.twin.curves import CostCurves, CurveError, load_curves
+from minedraft.twin.plan import Band, parse_trace, plan_band
+from minedraft.twin.run import Workload
+from minedraft.twin.sweep import FIXED_FAMILIES, SweepSettings, sweep
+
+DEFAULT_RATE_CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _ints(field: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise CurveError(field, f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise CurveError(field, f"expected positive integers, got {text!r}")
+    return values
+
+
+def _floats(field: str, text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise CurveError(field, f"expected comma-separated numbers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise CurveError(field, f"expected positive numbers, got {text!r}")
+    return values
+
+
+def acceptance_from_bench(path: Path) -> AcceptanceModel:
+    """Per-position acceptance measured by `minedraft bench` (its JSON): each position's rate pooled over every
+    run and mode that drafted that far (a 0 means the position was not drafted)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CurveError("acceptance_from", f"cannot read {path}: {exc}") from None
+    sums: list[float] = []
+    counts: list[int] = []
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            rates = node.get("acceptance_per_position")
+            if isinstance(rates, list):
+                for i, value in enumerate(rates):
+                    if isinstance(value, int | float) and value > 0:
+                        while len(sums) <= i:
+                            sums.append(0.0)
+                            counts.append(0)
+                        sums[i] += value
+                        counts[i] += 1
+            for child in node.values():
+                visit(child)
+        elif isinstance(node, list):
+            for child in node:
+                visit(child)
+
+    visit(data)
+    survival: list[float] = []
+    for total, count in zip(sums, counts, strict=True):
+        if not count:
+            break
+        survival.append(min(total / count, survival[-1] if survival else 1.0))
+    if not survival:
+        raise CurveError("acceptance_from", f"{path} holds no acceptance_per_position")
+    return AcceptanceModel(tuple(survival))
+
+
+def _pick(curves: CostCurves, role: str, name: str | None) -> str:
+    if name:
+        return name
+    names = curves.names(role)
+    if len(names) != 1:
+        raise CurveError(role, f"{curves.source} has {len(names)} {role} models ({', '.join(names)}): name one")
+    return names[0]
+
+
+def _hardware(args: argparse.Namespace) -> Hardware:
+    try:
+        return Hardware(tensor_parallel_size=args.tensor_parallel_size,
+                        all_reduce_us_per_layer=args.all_reduce_us_per_layer,
+                        drafter_placement=args.drafter_placement, shared_contention=args.shared_contention,
+                        step_overhead_ms=args.step_overhead_ms, prefill_ms_per_token=args.prefill_ms_per_token)
+    except ValueError as exc:
+        raise CurveError(str(exc).split(":", 1)[0], str(exc).split(":", 1)[-1].strip()) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--curves", required=True, help="cost-curve file (minedraft-cost-curves/v1)")
+    parser.add_argument("--target", help="target model name in the file (default: its only target)")
+    parser.add_argument("--drafter", help="drafter model name in the file (default: its only drafter)")
+    load = parser.add_argument_group("load (one of)")
+    load.add_argument("--concurrency", help="requests in flight per replica: comma-separated values")
+    load.add_argument("--rate", help="requests per second: comma-separated values (a band each)")
+    load.add_argument("--trace", help="file of `duration_s,requests_per_s` lines (a band each)")
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--output-tokens", type=int, default=256)
+    parser.add_argument("--acceptance", default="0.8",
+                        help="per-position acceptance: one conditional rate (0.8) or the engine's per-position "
+                        "rates (0.8,0.62,0.5)")
+    parser.add_argument("--acceptance-from", help="a `minedraft bench` JSON: use the acceptance it measured")
+    parser.add_argument("-k", "--draft-lengths", default=None, help="k values (default: 1 to the longest the "
+                        "drafter's curves measure)")
+    parser.add_argument("--modes", default=",".join(FIXED_FAMILIES),
+                        help=f"fixed-mode families to run (some of {', '.join(FIXED_FAMILIES)}); auto always runs "
+                        "unless --no-auto")
+    parser.add_argument("--no-auto", action="store_true")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--all-reduce-us-per-layer", type=float, default=25.0,
+                        help="added per target layer to a forward at TP > 1 (default 25)")
+    parser.add_argument("--drafter-placement", choices=DRAFTER_PLACEMENTS, default="own",
+                        help="own: a GPU of its own (psd/sd hold TP + 1 GPUs); shared: on the target's first GPU")
+    parser.add_argument("--shared-contention", type=float, default=1.0,
+                        help="shared placement: share of overlapping draft/verify time that serialises (0-1)")
+    parser.add_argument("--step-overhead-ms", type=float, default=0.0,
+                        help="the engine's own work per step beyond the forward (not in the curves)")
+    parser.add_argument("--prefill-ms-per-token", type=float, default=0.0,
+                        help="target time per prompt token (the curves hold no prefill; 0 leaves it out)")
+    parser.add_argument("--max-tpot-ms", type=float, help="rate planning: only loads whose p50 time per output "
+                        "token stays within this")
+    parser.add_argument("--max-concurrency", type=int, default=256,
+                        help="rate planning: the largest per-replica load swept")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", help="write the regime map (PNG) here")
+    parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+
+
+def add_subcommands(sub: Any) -> None:
+    parser = sub.add_parser("plan", help="which mode, k and how many replicas, from GPU cost curves (the twin)",
+                            description=__doc__)
+    add_arguments(parser)
+    parser.set_defaults(func=cmd_plan)
+
+
+def run_plan(args: argparse.Namespace) -> dict[str, Any]:
+    given = [name for name in ("concurrency", "rate", "trace") if getattr(args, name)]
+    if len(given) != 1:
+        raise CurveError("load", "give exactly one of --concurrency, --rate or --trace")
+    curves = load_curves(args.curves)
+    target, drafter = _pick(curves, "target", args.target), _pick(curves, "drafter", args.drafter)
+    costs = StepCosts.from_curves(curves, target, drafter, _hardware(args))
+    if args.acceptance_from:
+        acceptance = acceptance_from_bench(Path(args.acceptance_from))
+    else:
+        acceptance = AcceptanceModel.parse(args.acceptance)
+    ks = _ints("draft_lengths", args.draft_lengths) if args.draft_lengths else tuple(
+        range(1, max(costs.drafter.measured_ks) + 1))
+    try:
+        workload = Workload(args.prompt_tokens, args.output_tokens)
+    except ValueError as exc:
+        raise CurveError("workload", str(exc)) from None
+    families = tuple(f.strip() for f in args.modes.split(",") if f.strip())
+    bands: list[Band] = []
+    if args.concurrency:
+        concurrencies = _ints("concurrency", args.concurrency)
+    else:
+        if args.rate:
+            bands = [Band(None, rate) for rate in _floats("rate", args.rate)]
+        else:
+            try:
+                bands = parse_trace(Path(args.trace).read_text())
+            except OSError as exc:
+                raise CurveError("trace", f"cannot read {args.trace}: {exc.strerror}") from None
+            except ValueError as exc:
+                raise CurveError("trace", str(exc)) from None
+        concurrencies = tuple(c for c in DEFAULT_RATE_CONCURRENCIES if c <= args.max_concurrency) or (1,)
+    try:
+        settings = SweepSettings(concurrencies=concurrencies, ks=ks, families=families, with_auto=not args.no_auto,
+                                 workload=workload, seed=args.seed)
+    except ValueError as exc:
+        raise CurveError(str(exc).split(":", 1)[0], str(exc).split(":", 1)[-1].strip()) from None
+    loads = sweep(costs, acceptance, settings)
+    result: dict[str, Any] = {"loads": [load.to_json() for load in loads]}
+    if bands:
+        result["bands"] = [plan_band(loads, band, args.output_tokens, args.max_tpot_ms) for band in bands]
+    if args.plot:
+        from minedraft.twin.plot import regime_map
+
+        hardware = costs.hardware
+        regime_map(loads, Path(args.plot), title=f"{target} + {drafter}, {curves.device}, "
+                   f"TP={hardware.tensor_parallel_size}, drafter {hardware.drafter_placement}")
+    extrapolated = sorted(costs.extrapolations(max(concurrencies), args.prompt_tokens + args.output_tokens, ks))
+    if extrapolated:
+        print(f"plan: beyond the measured grid in {', '.join(extrapolated)} (extrapolated linearly from the nearest "
+              "measurements)", file=sys.stderr)
+    return result
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    result = run_plan(args)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(render(result))
+    return 0
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = ["| concurrency | fastest fixed mode | tok/s | most tok/s per GPU | tok/s/GPU | auto runs | auto tok/s |",
+             "|---|---|---|---|---|---|---|"]
+    for load in result["loads"]:
+        modes = {label: m for label, m in load["modes"].items() if label != "auto"}
+        fastest = max(modes, key=lambda label: modes[label]["tokens_per_s"])
+        thrifty = max(modes, key=lambda label: modes[label]["tokens_per_s_per_gpu"])
+        auto = load["modes"].get("auto")
+        auto_runs = (f"{auto['mode']}" + (f" k={auto['k']}" if auto["mode"] != "ar" else "")) if auto else "-"
+        auto_rate = f"{auto['tokens_per_s']:.0f}" if auto else "-"
+        lines.append(f"| {load['concurrency']} | {fastest} | {modes[fastest]['tokens_per_s']:.0f} | {thrifty} | "
+                     f"{modes[thrifty]['tokens_per_s_per_gpu']:.0f} | {auto_runs} | {auto_rate} |")
+    for band in result.get("bands", []):
+        run = band["run"]
+        lines.append("")
+        lines.append(f"{band['requests_per_s']:g} requests/s ({band['demand_tokens_per_s']:.0f} output tokens/s):")
+        if run is None:
+            lines.append("  no measured load serves it within the limits")
+            continue
+        lines.append(f"  run {run['mode']}: {run['replicas']} replica(s), {run['gpus']} GPUs, "
+                     f"{run['tokens_per_s_per_gpu']:.0f} tok/s per GPU, ~{run['concurrency_per_replica']:.0f} requests "
+                     "in flight per replica")
+        for family, choice in band["by_family"].items():
+            if choice is not None:
+                lines.append(f"    {family:8s} best {choice['mode']}: {choice['replicas']} replica(s), "
+                             f"{choice['gpus']} GPUs, {choice['tokens_per_s_per_gpu']:.0f} tok/s per GPU")
+    return "\n".join(lines)

@@ -1,0 +1,182 @@
+"""What a step and a draft cost on a stated hardware layout, from cost curves; and the acceptance model.
+
+Tensor parallelism is a stated model, not a measurement: a target forward over TP GPUs takes the single-GPU time
+divided by TP plus `all_reduce_us_per_layer` for each of the target's layers (two all-reduces per layer, attention
+and MLP, given together). The drafter runs on a GPU of its own (`drafter_placement="own"`: sd leaves it idle while
+the target verifies, psd overlaps the two) or on the target's first GPU (`"shared"`): then drafting and verifying
+that overlap in time contend for the device, and `shared_contention` of the overlap is added to both (1.0: the two
+serialise, what two memory-bound kernels sharing HBM bandwidth do; 0.0: perfect overlap). vLLM's colocated SD
+(`vllm-sd`) drafts on the target's GPUs with the target's tensor parallelism, in sequence with verification.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from minedraft.twin.curves import CostCurves, CurveError, ModelCurves
+
+DRAFTER_PLACEMENTS = ("own", "shared")
+# Positions whose conditional acceptance is tabulated once (longer drafts compute theirs on demand).
+MAX_POSITIONS = 32
+
+
+@dataclass(frozen=True)
+class Hardware:
+    tensor_parallel_size: int = 1
+    # Added per target layer to a forward at TP > 1 (both all-reduces of the layer; NVLink, small messages).
+    all_reduce_us_per_layer: float = 25.0
+    drafter_placement: str = "own"
+    shared_contention: float = 1.0
+    # The engine's own work per step (scheduling, sampling, bookkeeping), beyond the forward pass. Not in the curves.
+    step_overhead_ms: float = 0.0
+    # Prefill: the curves hold no prefill measurements. 0 leaves it out (prompts are free, TTFT is queueing and
+    # the first step); a value charges each new prompt token this much target time in the step that takes it in.
+    prefill_ms_per_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"tensor_parallel_size: must be between 1 and 64, got {self.tensor_parallel_size}")
+        if self.all_reduce_us_per_layer < 0:
+            raise ValueError(f"all_reduce_us_per_layer: must be >= 0, got {self.all_reduce_us_per_layer}")
+        if self.drafter_placement not in DRAFTER_PLACEMENTS:
+            raise ValueError(f"drafter_placement: expected one of {', '.join(DRAFTER_PLACEMENTS)}, "
+                             f"got {self.drafter_placement!r}")
+        if not 0.0 <= self.shared_contention <= 1.0:
+            raise ValueError(f"shared_contention: must be within [0, 1], got {self.shared_contention}")
+        if self.step_overhead_ms < 0 or self.prefill_ms_per_token < 0:
+            raise ValueError("step_overhead_ms and prefill_ms_per_token must be >= 0")
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Milliseconds of the target's forwards and the drafter's loops under a hardware layout."""
+
+    target: ModelCurves
+    drafter: ModelCurves
+    hardware: Hardware
+
+    @classmethod
+    def from_curves(cls, curves: CostCurves, target: str, drafter: str, hardware: Hardware) -> StepCosts:
+        return cls(curves.model(target, "target"), curves.model(drafter, "drafter"), hardware)
+
+    def _tp(self, single_ms: float, layers: int) -> float:
+        tp = self.hardware.tensor_parallel_size
+        if tp == 1:
+            return single_ms
+        return single_ms / tp + layers * self.hardware.all_reduce_us_per_layer / 1000.0
+
+    def verify_ms(self, batch: float, context: float, new_tokens: float) -> float:
+        if batch <= 0:
+            return 0.0
+        return self._tp(self.target.forward_ms(batch, context, new_tokens).ms, self.target.layers)
+
+    def draft_ms(self, batch: float, context: float, k: int, colocated: bool = False) -> float:
+        """A whole k-token draft loop for `batch` requests. `colocated`: vLLM's SD, on the target's GPUs with its
+        tensor parallelism (each of the k passes pays the all-reduces)."""
+        if batch <= 0 or k <= 0:
+            return 0.0
+        single = self.drafter.draft_loop_ms(batch, context, k).ms
+        if not colocated or self.hardware.tensor_parallel_size == 1:
+            return single
+        tp = self.hardware.tensor_parallel_size
+        return single / tp + k * self.drafter.layers * self.hardware.all_reduce_us_per_layer / 1000.0
+
+    def drafter_prefill_ms(self, tokens: int) -> float:
+        """Prompt tokens the drafter takes in: the target's per-token prefill cost scaled by parameter count."""
+        if tokens <= 0 or not self.hardware.prefill_ms_per_token:
+            return 0.0
+        if self.target.params and self.drafter.params:
+            share = self.drafter.params / self.target.params
+        else:  # parameters unknown: the ratio of their one-token forwards is a (generous) stand-in
+            share = self.drafter.draft_loop_ms(1, 1024, 1).ms / self.target.forward_ms(1, 1024, 2).ms
+        return tokens * self.hardware.prefill_ms_per_token * share
+
+    def gpus(self, mode: str) -> int:
+        """GPUs one replica holds in this mode: the target's, plus the drafter's own unless it shares or it is ar."""
+        tp = self.hardware.tensor_parallel_size
+        if mode == "ar" or mode.startswith("vllm-sd") or self.hardware.drafter_placement == "shared":
+            return tp
+        return tp + 1
+
+    def extrapolations(self, batch: float, context: float, ks: Sequence[int]) -> set[str]:
+        flags: set[str] = set()
+        for k in ks:
+            flags |= self.target.forward_ms(batch, context, k + 1).extrapolated
+            flags |= self.drafter.draft_loop_ms(batch, context, k).extrapolated
+        return flags
+
+
+@dataclass(frozen=True)
+class AcceptanceModel:
+    """Per-position acceptance as the engine reports it (`acceptance_per_position`): survival[i] is the share of
+    drafts reaching position i that are accepted through position i. Beyond the given positions the last
+    conditional rate continues (as the engine's cost model extrapolates)."""
+
+    survival: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.survival:
+            raise ValueError("acceptance: give at least one per-position rate")
+        previous = 1.0
+        for i, value in enumerate(self.survival):
+            if not 0.0 <= value <= 1.0 or math.isnan(value):
+                raise ValueError(f"acceptance[{i}]: must be within [0, 1], got {value}")
+            if value > previous + 1e-9:
+                raise ValueError(f"acceptance[{i}]: {value} exceeds position {i - 1}'s {previous}: a position is "
+                                 "accepted only if every earlier one is")
+            previous = value
+
+    @classmethod
+    def constant(cls, rate: float, positions: int = 8) -> AcceptanceModel:
+        """Every position accepted with the same conditional probability `rate`."""
+        return cls(tuple(rate ** (i + 1) for i in range(positions)))
+
+    @classmethod
+    def parse(cls, text: str) -> AcceptanceModel:
+        """`0.8` (constant conditional rate) or `0.85,0.7,0.6` (the engine's per-position survival rates)."""
+        try:
+            values = [float(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise CurveError("acceptance", f"expected a rate or comma-separated rates, got {text!r}") from None
+        try:
+            return cls.constant(values[0]) if len(values) == 1 else cls(tuple(values))
+        except (ValueError, IndexError) as exc:
+            raise CurveError("acceptance", str(exc) or f"no rates in {text!r}") from None
+
+    def at(self, i: int) -> float:
+        if i < len(self.survival):
+            return self.survival[i]
+        s = list(self.survival)
+        conditional = s[-1] / s[-2] if len(s) >= 2 and s[-2] > 0 else s[0]
+        value = s[-1]
+        for _ in range(i - len(s) + 1):
+            value *= conditional
+        return value
+
+    def _conditional(self, i: int) -> float:
+        before = 1.0 if i == 0 else self.at(i - 1)
+        return self.at(i) / before if before > 0 else 0.0
+
+    def conditional(self, i: int) -> float:
+        """P(position i accepted | every earlier one accepted)."""
+        table = self._conditionals
+        return table[i] if i < len(table) else self._conditional(i)
+
+    @functools.cached_property
+    def _conditionals(self) -> tuple[float, ...]:
+        return tuple(self._conditional(i) for i in range(MAX_POSITIONS))
+
+    def expected_accepted_length(self, k: int) -> float:
+        return 1.0 + sum(self.at(i) for i in range(k))
+
+    def sample(self, drafted: int, rng: random.Random) -> int:
+        accepted = 0
+        table = self._conditionals
+        while accepted < drafted and rng.random() < (table[accepted] if accepted < MAX_POSITIONS
+                                                      else self._conditional(accepted)):
+            accepted += 1
+        return accepted

@@ -1,0 +1,370 @@
+"""One engine replica on simulated time: the engine's own planner, sub-batches, drafter link, wait policy and auto
+controller, with step and draft times from cost curves.
+
+The loop is the scheduler's (engine/scheduler.py: schedule() then update_from_output()), over plain requests instead
+of vLLM's: each step polls the drafter link, lets the planner pick the sub-batch, waits for its drafts through
+`DrafterLink.wait_for` under the `WaitPolicy` budget (abandoning a late job as the engine does), asks the planner
+for the step's proposals, verifies (time from the curves), commits tokens drawn from the acceptance model, hands
+the planner the step's outcome, sends the verified sub-batch's next draft job through the link, builds the engine's
+`StepRecord` and feeds it to the `AutoController` in auto mode (applying its decisions through the planner's
+`switch_mode`, as the scheduler does). The drafter is a simulated `DrafterClient`: a job occupies the drafter device
+from max(submission, drafter free) for the curves' draft-loop time, and its reply arrives then. vLLM itself
+(prefill chunking, preemption, the KV cache, CUDA graph choice) is not simulated.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from minedraft.engine import protocol
+from minedraft.engine.auto import AutoController, AutoSettings, Decision
+from minedraft.engine.cost_model import CostModel
+from minedraft.engine.drafter_client import DrafterState, JobTicket
+from minedraft.engine.drafter_link import DrafterLink, JobTimes, add_reply
+from minedraft.engine.planner import Draft, PSDPlanner, RequestState, WaitPolicy
+from minedraft.engine.settings import Mode
+from minedraft.engine.stats import StepRecord
+from minedraft.twin.costs import AcceptanceModel, StepCosts
+
+MAX_MODEL_LEN = 1 << 20
+
+
+class SimClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class _Job:
+    job_id: int
+    start: float
+    end: float
+    reply: protocol.DraftReply
+
+
+class SimDrafter:
+    """A `DrafterClient` on simulated time: what the engine's DrafterLink talks to in the twin."""
+
+    def __init__(self, clock: SimClock, costs: StepCosts, colocated: bool) -> None:
+        self.clock = clock
+        self.costs = costs
+        self.colocated = colocated
+        self.state = DrafterState.UP
+        self.num_starts = 1
+        self.free_at = 0.0
+        self.jobs: list[_Job] = []
+        self._next_id = 0
+        self.busy_seconds = 0.0
+
+    def check_alive(self) -> bool:
+        return True
+
+    def mark_hung(self, reason: str) -> None:  # the simulated drafter never hangs
+        raise AssertionError(f"twin drafter taken for hung: {reason}")
+
+    def submit(self, items: list[protocol.DraftItem], want_logprobs: bool) -> JobTicket | None:
+        self._next_id += 1
+        now = self.clock.now
+        batch = len(items)
+        k = max(item.num_draft_tokens for item in items)
+        context = sum(item.base_num_tokens + len(item.token_ids) for item in items) / batch
+        # Tokens beyond the k + 1 the loop's first pass takes in are a catch-up (a new request's prompt).
+        catch_up = sum(max(0, len(item.token_ids) - (k + 1)) for item in items)
+        seconds = (self.costs.draft_ms(batch, context, k, colocated=self.colocated)
+                   + self.costs.drafter_prefill_ms(catch_up)) / 1000.0
+        start = max(now, self.free_at)
+        results = [protocol.DraftResult(item.request_id, item.base_num_tokens + len(item.token_ids),
+                                        [0] * item.num_draft_tokens) for item in items]
+        reply = protocol.DraftReply(self._next_id, results, draft_seconds=seconds,
+                                    idle_seconds=max(0.0, now - self.free_at))
+        self.jobs.append(_Job(self._next_id, start, start + seconds, reply))
+        self.free_at = start + seconds
+        self.busy_seconds += seconds
+        return JobTicket(self._next_id, frozenset(item.request_id for item in items), now)
+
+    def contend(self, start: float, seconds: float, contention: float) -> float:
+        """A verification on the drafter's device over [start, start + seconds]: both stretch by `contention` of the
+        time they overlap. Returns the verification's seconds."""
+        extra = 0.0
+        for job in self.jobs:
+            overlap = min(job.end, start + seconds) - max(job.start, start)
+            if overlap > 0:
+                extra += contention * overlap
+                job.end += contention * overlap
+                self.free_at = max(self.free_at, job.end)
+        return seconds + extra
+
+    def receive(self, timeout_seconds: float) -> list[protocol.FromDrafter]:
+        due = [job for job in self.jobs if job.end <= self.clock.now]
+        if not due and timeout_seconds > 0 and self.jobs:
+            self.clock.now = min(self.clock.now + timeout_seconds, min(job.end for job in self.jobs))
+            due = [job for job in self.jobs if job.end <= self.clock.now]
+        elif not due and timeout_seconds > 0:
+            self.clock.now += timeout_seconds
+        for job in due:
+            self.jobs.remove(job)
+        return [job.reply for job in sorted(due, key=lambda j: j.end)]
+
+    def cancel(self, request_ids: list[str]) -> None:
+        """Forgotten requests: nothing to free in a simulation."""
+
+    def cancel_jobs(self, job_ids: list[int]) -> None:
+        """Abandoned jobs: the drafter is already on them, so they still occupy it; their replies go nowhere."""
+
+    def shutdown(self) -> None:
+        self.jobs.clear()
+
+
+@dataclass
+class SimRequest:
+    request_id: str
+    prompt_tokens: int
+    max_output_tokens: int
+    arrival_s: float
+    output_tokens: int = 0
+    prefilled: bool = False
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    _state: RequestState | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+    def state(self) -> RequestState:
+        num_tokens = self.num_tokens
+        cached = self._state
+        # Unchanged since the last step (the other sub-batch's members): the same state (they are immutable).
+        if cached is not None and cached.num_tokens == num_tokens and cached.decoding == self.prefilled:
+            return cached
+        pad_room = MAX_MODEL_LEN - num_tokens - 1
+        self._state = RequestState(self.request_id, num_tokens, self.prefilled,
+                                   min(self.max_output_tokens - self.output_tokens - 1, pad_room), pad_room, 0)
+        return self._state
+
+
+@dataclass
+class StepOutcome:
+    end_s: float
+    output_tokens: int
+    finished: list[SimRequest]
+
+
+@dataclass
+class ReplicaSettings:
+    mode: str  # ar, sd, psd, auto, vllm-sd
+    k: int = 3
+    max_num_seqs: int = 512
+    deadline_seconds: float = 5.0
+    auto: AutoSettings = field(default_factory=AutoSettings)
+    seed: int = 0
+    # Check the planner's invariants after every step (tests), as the engine does with check_invariants.
+    check_invariants: bool = False
+
+
+class TwinReplica:
+    def __init__(self, costs: StepCosts, acceptance: AcceptanceModel, settings: ReplicaSettings) -> None:
+        self.costs = costs
+        self.acceptance = acceptance
+        self.settings = settings
+        self.rng = random.Random(settings.seed)
+        self.clock = SimClock()
+        colocated = settings.mode == Mode.VLLM_SD.value
+        self.shared_device = colocated or costs.hardware.drafter_placement == "shared"
+        self.drafter = SimDrafter(self.clock, costs, colocated)
+        self.link = DrafterLink(self.drafter, hang_seconds=1e9, max_failed_jobs=3, clock=self.clock)  # type: ignore[arg-type]
+        self.planner = PSDPlanner(k=settings.k)
+        self.wait_policy = WaitPolicy(cap_seconds=settings.deadline_seconds)
+        configured = Mode(settings.mode)
+        self.auto: AutoController | None = None
+        if configured is Mode.AUTO:
+            self.mode = Mode.PSD
+            self.auto = AutoController(settings.auto, Mode.PSD.value, settings.k, CostModel())
+        else:
+            # vLLM's colocated SD is sequential SD whose drafter shares the target's GPUs (costs alike, no extra GPU).
+            self.mode = Mode.SD if configured is Mode.VLLM_SD else configured
+        self.requests: dict[str, SimRequest] = {}  # admitted (running), in arrival order
+        self.waiting: list[SimRequest] = []
+        self.decisions: list[Decision] = []
+        self.step_number = 0
+        self.records: list[StepRecord] = []  # kept only with settings.check_invariants (tests)
+        self.deadline_misses = 0
+        self.steps_by_mode: dict[str, int] = {}
+        # Decode steps run at each setting ("psd-k3", "ar"), for what auto chose.
+        self.steps_by_setting: dict[str, int] = {}
+        self._drafts_by_group: dict[int, JobTimes] = {}
+
+    # -- arrivals ------------------------------------------------------------------------------------------------
+
+    def add(self, request: SimRequest) -> None:
+        self.waiting.append(request)
+
+    def _admit(self) -> None:
+        while (self.waiting and len(self.requests) < self.settings.max_num_seqs
+               and self.waiting[0].arrival_s <= self.clock.now):
+            request = self.waiting.pop(0)
+            self.requests[request.request_id] = request
+
+    @property
+    def num_in_system(self) -> int:
+        return len(self.requests) + len(self.waiting)
+
+    def idle_until(self, time_s: float) -> None:
+        self.clock.now = max(self.clock.now, time_s)
+
+    # -- the step (scheduler.schedule + update_from_output) -------------------------------------------------------
+
+    def _on_message(self, group: int | None, message: protocol.FromDrafter) -> None:
+        if not isinstance(message, protocol.DraftReply):
+            return
+        self.wait_policy.observe_draft(message.draft_seconds)
+        if group is None:
+            return
+        self.planner.job_done(group)
+        self._drafts_by_group[group] = add_reply(self._drafts_by_group.get(group), message)
+        self.planner.store_drafts(((r.request_id, Draft(r.context_num_tokens, r.token_ids, r.logprobs))
+                                   for r in message.results), lambda rid: rid in self.requests)
+
+    def step(self) -> StepOutcome:
+        self._admit()
+        started = self.clock.now
+        self._drafts_by_group = {}
+        states = [r.state() for r in self.requests.values()]
+        mode = self.mode
+        if mode is not Mode.AR:
+            self.link.poll(0.0, self._on_message)
+        group = self.planner.pick_group(states, mode)
+        wait_seconds = wait_budget = 0.0
+        if group is not None and group in self.link.tickets:
+            wait_budget = self.wait_policy.budget_seconds()
+            result = self.link.wait_for(group, wait_budget, self._on_message)
+            wait_seconds = result.waited_seconds
+            if group in self.link.tickets:
+                self.link.abandon(group)
+                self.planner.job_done(group)
+                self.deadline_misses += 1
+        jobs_in_flight = len(self.link.tickets)
+        plan = self.planner.plan(states, mode, group, pad=self.auto is None)
+
+        # Who the target computes: decoders not held out (with their proposals), and prompts taken in this step.
+        decoders = [r for r in self.requests.values() if r.prefilled and r.request_id not in plan.held_out]
+        prefills = [r for r in self.requests.values() if not r.prefilled]
+        scheduled_tokens = sum(1 + len(plan.proposals.get(r.request_id, ())) for r in decoders)
+        verify_ms = 0.0
+        if decoders:
+            context = sum(r.num_tokens for r in decoders) / len(decoders)
+            verify_ms = self.costs.verify_ms(len(decoders), context, scheduled_tokens / len(decoders))
+        prompt_tokens = sum(r.prompt_tokens for r in prefills)
+        verify_ms += prompt_tokens * self.costs.hardware.prefill_ms_per_token
+        if prefills and not decoders:
+            verify_ms = max(verify_ms, self.costs.verify_ms(len(prefills), 1, 1))
+        verify_seconds = verify_ms / 1000.0
+        verify_start = self.clock.now
+        if self.shared_device and self.drafter.jobs:
+            verify_seconds = self.drafter.contend(verify_start, verify_seconds, self.costs.hardware.shared_contention)
+        self.clock.now = verify_start + verify_seconds
+
+        # Commit: the bonus token plus the accepted drafts (vLLM's rejection sampler), capped at the budget.
+        drafted_pp: list[int] = []
+        accepted_pp: list[int] = []
+        output_tokens = num_with_drafts = num_draft = num_accepted = num_pad = 0
+        finished: list[SimRequest] = []
+        now = self.clock.now
+        for request in decoders:
+            rid = request.request_id
+            proposal = plan.proposals.get(rid, ())
+            drafted = min(len(proposal), plan.drafted_lengths.get(rid, 0))
+            num_pad += len(proposal) - drafted
+            accepted = self.acceptance.sample(drafted, self.rng) if drafted else 0
+            if drafted:
+                num_with_drafts += 1
+                num_draft += drafted
+                num_accepted += accepted
+                _bump(drafted_pp, drafted)
+                _bump(accepted_pp, accepted)
+            gained = min(accepted + 1, request.max_output_tokens - request.output_tokens)
+            request.output_tokens += gained
+            output_tokens += gained
+        for request in prefills:
+            request.prefilled = True
+            request.output_tokens = 1
+            request.first_token_s = now
+            output_tokens += 1
+        for request in [*decoders, *prefills]:
+            if request.output_tokens >= request.max_output_tokens:
+                request.finished_s = now
+                finished.append(request)
+                del self.requests[request.request_id]
+        if finished:
+            self.link.forget(self.planner.forget([r.request_id for r in finished]))
+
+        after = [r.state() for r in self.requests.values()]
+        configured = self.mode
+        self.planner.after_step(after, mode, group, configured)
+        if mode in (Mode.PSD, Mode.SD) and group is not None:
+            self._submit(group, after)
+        if self.settings.check_invariants:
+            self.planner.check_invariants(after, set(self.requests), configured)
+        if mode is not Mode.AR:
+            self.wait_policy.observe_verify(verify_seconds)
+        # As the scheduler records it: the drafting of the job whose drafts this step verified.
+        job = self._drafts_by_group.get(group, JobTimes()) if group is not None else JobTimes()
+        overhead_seconds = self.costs.hardware.step_overhead_ms / 1000.0
+        self.clock.now += overhead_seconds
+        self.step_number += 1
+        self.steps_by_mode[mode.value] = self.steps_by_mode.get(mode.value, 0) + 1
+        setting = mode.value if mode is Mode.AR else f"{mode.value}-k{self.planner.k}"
+        self.steps_by_setting[setting] = self.steps_by_setting.get(setting, 0) + 1
+        record = StepRecord(
+            step=self.step_number, started_at=started, mode=mode.value, verified_group=group,
+            group_sizes=self.planner.subbatches.sizes(), num_decode_requests=len(decoders),
+            num_prefill_requests=len(prefills), num_requests_with_drafts=num_with_drafts,
+            num_draft_tokens=num_draft, num_accepted_tokens=num_accepted,
+            drafted_per_position=tuple(drafted_pp), accepted_per_position=tuple(accepted_pp),
+            num_output_tokens=output_tokens, num_scheduled_tokens=scheduled_tokens + prompt_tokens,
+            verify_seconds=verify_seconds, wait_seconds=wait_seconds, draft_seconds=job.draft_seconds,
+            drafter_idle_seconds=0.0, schedule_seconds=0.0, step_seconds=self.clock.now - started,
+            drafter_up=True, k=self.planner.k, auto=self.auto is not None, widened=False,
+            draft_jobs_in_flight=jobs_in_flight, num_held_out=len(plan.held_out),
+            num_pad_tokens=num_pad, wait_budget_seconds=wait_budget, update_seconds=overhead_seconds,
+            draft_job_requests=job.requests, draft_job_length=job.length,
+        )
+        if self.settings.check_invariants:
+            self.records.append(record)
+        if self.auto is not None:
+            num_running = sum(1 for r in self.requests.values() if r.prefilled)
+            decision = self.auto.on_step(record, num_running)
+            if decision is not None:
+                self._apply(decision)
+        return StepOutcome(self.clock.now, output_tokens, finished)
+
+    def _submit(self, group: int, states: list[RequestState]) -> None:
+        plans = self.planner.draft_job(states, group)
+        if not plans:
+            return
+        items = [protocol.DraftItem(p.request_id, [0] * (p.num_tokens - p.base_num_tokens), p.num_draft_tokens,
+                                    p.base_num_tokens) for p in plans]
+        if self.link.submit(group, items, want_logprobs=False):
+            self.planner.job_sent(group, plans)
+
+    def _apply(self, decision: Decision) -> None:
+        mode = Mode(decision.mode)
+        k = self.planner.k if mode is Mode.AR else decision.k
+        self.planner.switch_mode(self.mode, mode, k, 0)
+        self.mode = mode
+        self.decisions.append(decision)
+
+
+def _bump(counts: list[int], upto: int) -> None:
+    if len(counts) < upto:
+        counts.extend([0] * (upto - len(counts)))
+    for i in range(upto):
+        counts[i] += 1
+
+
+Arrivals = Callable[[float], list[SimRequest]]

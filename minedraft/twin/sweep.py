@@ -1,0 +1,112 @@
+"""Every mode at every load, on one replica: what `minedraft plan` prints and the benchmarks record."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from minedraft.engine.auto import AutoSettings
+from minedraft.twin.costs import AcceptanceModel, StepCosts
+from minedraft.twin.run import RunResult, Workload, mode_label, run_concurrency
+
+FIXED_FAMILIES = ("ar", "sd", "psd", "vllm-sd")
+LATENCY_KEYS = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99")
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    concurrencies: tuple[int, ...]
+    ks: tuple[int, ...] = (1, 2, 3, 4, 5)
+    families: tuple[str, ...] = FIXED_FAMILIES
+    with_auto: bool = True
+    workload: Workload = field(default_factory=Workload)
+    warmup_steps: int = 40
+    measure_steps: int = 200
+    # Auto is measured in its steady state: after its first exploration, over a window long enough to include
+    # the periodic probes of modes it is not running (AutoSettings.stale_after_steps).
+    auto_warmup_steps: int = 300
+    auto_measure_steps: int = 1200
+    auto: AutoSettings | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.concurrencies or min(self.concurrencies) < 1:
+            raise ValueError(f"concurrency: expected positive numbers of requests, got {self.concurrencies}")
+        if not self.ks or min(self.ks) < 1:
+            raise ValueError(f"k: expected positive draft lengths, got {self.ks}")
+        unknown = set(self.families) - set(FIXED_FAMILIES)
+        if unknown:
+            raise ValueError(f"modes: unknown {sorted(unknown)}; expected some of {', '.join(FIXED_FAMILIES)}")
+
+    def auto_settings(self) -> AutoSettings:
+        return self.auto or AutoSettings(k_candidates=self.ks)
+
+    def settings(self) -> list[tuple[str, int]]:
+        out: list[tuple[str, int]] = []
+        for family in self.families:
+            out += [("ar", 0)] if family == "ar" else [(family, k) for k in self.ks]
+        return out
+
+
+@dataclass
+class LoadResult:
+    concurrency: int
+    runs: dict[str, RunResult] = field(default_factory=dict)
+    auto: RunResult | None = None
+
+    def best(self, families: Sequence[str] = ("ar", "sd", "psd"), per_gpu: bool = False) -> RunResult:
+        candidates = [r for label, r in self.runs.items() if _family(label) in families]
+        return max(candidates, key=lambda r: r.tokens_per_s_per_gpu if per_gpu else r.tokens_per_s)
+
+    def to_json(self) -> dict[str, Any]:
+        modes: dict[str, Any] = {
+            label: {"tokens_per_s": round(r.tokens_per_s, 1),
+                    "tokens_per_s_per_gpu": round(r.tokens_per_s_per_gpu, 1),
+                    "gpus": r.gpus, **{key: r.summary()[key] for key in LATENCY_KEYS}}
+            for label, r in self.runs.items()
+        }
+        if self.auto is not None:
+            mode, k = self.auto.main_setting
+            summary = self.auto.summary()
+            modes["auto"] = {"tokens_per_s": round(self.auto.tokens_per_s, 1), "mode": mode, "k": k,
+                             "tokens_per_s_per_gpu": round(self.auto.tokens_per_s_per_gpu, 1), "gpus": self.auto.gpus,
+                             "tpot_ms_p50": summary["tpot_ms_p50"], "tpot_ms_p99": summary["tpot_ms_p99"],
+                             "steps_by_setting": self.auto.steps_by_setting}
+        return {"concurrency": self.concurrency, "modes": modes}
+
+
+def _family(label: str) -> str:
+    if label.startswith("vllm-sd"):
+        return "vllm-sd"
+    return label.split("-k")[0]
+
+
+Progress = Callable[[str], None]
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def sweep(costs: StepCosts, acceptance: AcceptanceModel, settings: SweepSettings,
+          progress: Progress | None = _stderr) -> list[LoadResult]:
+    results: list[LoadResult] = []
+    for concurrency in settings.concurrencies:
+        load = LoadResult(concurrency)
+        for mode, k in settings.settings():
+            load.runs[mode_label(mode, k)] = run_concurrency(
+                costs, acceptance, mode, k, concurrency, settings.workload, settings.warmup_steps,
+                settings.measure_steps, settings.seed)
+        if settings.with_auto:
+            load.auto = run_concurrency(costs, acceptance, "auto", 0, concurrency, settings.workload,
+                                        settings.auto_warmup_steps, settings.auto_measure_steps, settings.seed,
+                                        auto=settings.auto_settings())
+        if progress is not None:
+            best = load.best(("ar", "sd", "psd"))
+            auto = f", auto {load.auto.tokens_per_s:.0f} ({load.auto.tokens_per_s / best.tokens_per_s:.2f}x)" \
+                if load.auto else ""
+            progress(f"twin: concurrency {concurrency}: best fixed {best.mode} {best.tokens_per_s:.0f} tok/s{auto}")
+        results.append(load)
+    return results
