@@ -174,7 +174,7 @@ def spec_schema() -> Schema:
             _rule("self.drafterBackend != 'torch'", "torch is the CPU drafter; engine pods run on GPUs: use vllm",
                   ".drafterBackend", reason="FieldValueNotSupported"),
             _rule(f"!has(self.extraArgs) || self.extraArgs.all(a, !(a in {list(s.RESERVED_ENGINE_FLAGS)}) && "
-                  f"!{list(s.RESERVED_ENGINE_FLAGS)}.exists(f, a.startsWith(f + '=')))",
+                  f"!{list(s.RESERVED_ENGINE_FLAGS)}.exists(f, a.startsWith(f + '=') || a.startsWith(f + ' ')))",
                   "extraArgs must not set flags the operator sets from the MineDraft's own fields (--model, "
                   "--dtype, --tensor-parallel-size, --max-model-len, ...): set those fields", ".extraArgs"),
         ]}),

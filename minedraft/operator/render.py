@@ -169,7 +169,7 @@ def engine_command(spec: s.MineDraftSpec) -> list[str]:
     # Everything else goes to vLLM's own engine arguments, one `--flag=value` word each (vLLM's parser checks them
     # at start-up; a typo shows in the MineDraft's Progressing condition through the container's termination message).
     for word in s.split_extra_args(eng.extra_args):
-        own = word.split("=", 1)[0] in s.ENGINE_OWN_EXTRA_FLAGS
+        own = s.extra_arg_flag(word) in s.ENGINE_OWN_EXTRA_FLAGS
         cmd.append(word if own else f"--vllm-arg={word}")
     return cmd
 

@@ -359,11 +359,21 @@ def _or(value: int | None, default: int) -> int:
     return default if value is None else value
 
 
+def extra_arg_flag(word: str) -> str:
+    """The flag of one extraArgs word: up to the first `=` or space (`--max-model-len 4096` written as one word is
+    the flag --max-model-len, as a shell would not split it but users mean it)."""
+    return re.split(r"[= ]", word, maxsplit=1)[0]
+
+
 def split_extra_args(args: tuple[str, ...] | list[str]) -> list[str]:
-    """extraArgs as `--flag=value` words: users write vLLM flags either way (`--x 1` or `--x=1`) and each becomes
-    one pass-through argument of the engine (a following word that is not a flag is the flag's value)."""
+    """extraArgs as `--flag=value` words: users write vLLM flags either way (`--x 1`, `--x=1`, or one word
+    `"--x 1"`) and each becomes one pass-through argument of the engine (a following word that is not a flag is the
+    flag's value). A value is kept byte for byte: spaces inside it (JSON-valued flags) stay."""
     out: list[str] = []
     for word in args:
+        flag = extra_arg_flag(word)
+        if word.startswith("--") and len(flag) < len(word) and word[len(flag)] == " ":
+            word = f"{flag}={word[len(flag) + 1:].lstrip(' ')}"
         if out and not word.startswith("--") and "=" not in out[-1]:
             out[-1] = f"{out[-1]}={word}"
         else:
@@ -377,7 +387,7 @@ def _engine_extra_args(r: _Reader, data: Mapping[str, Any], p: str) -> tuple[str
         r.fail(f"{p}.extraArgs", "must be a list of non-empty strings")
         return ()
     for word in split_extra_args(extra):
-        flag = word.split("=", 1)[0]
+        flag = extra_arg_flag(word)
         if not flag.startswith("--"):
             r.fail(f"{p}.extraArgs", f"{word!r} is not a vLLM engine argument (they start with --)")
         elif flag in RESERVED_ENGINE_FLAGS or flag.replace("_", "-") in RESERVED_ENGINE_FLAGS:
