@@ -82,8 +82,14 @@ def render_documents(documents: list[Any], settings: OperatorSettings, monitorin
                      include_resource: bool = False) -> list[Any]:
     """Manifests for every MineDraft in a YAML stream, rendered from the MineDraft as the API server would store it
     (the CRD's defaults applied), preceded by that MineDraft when include_resource; raises SpecError naming the
-    document and field."""
+    document and field.
+
+    Each MineDraft first goes through what the API server does on create (the CRD's schema with unknown fields
+    refused, and its CEL rules: minedraft.operator.admission), so this gives admission's answer: a file that
+    renders here is one `kubectl apply` admits. The parser's own messages follow for fields admission did not name.
+    """
     from minedraft.operator import spec as s
+    from minedraft.operator.admission import admit
     from minedraft.operator.crd import defaulted
     from minedraft.operator.render import render_resource
 
@@ -95,12 +101,16 @@ def render_documents(documents: list[Any], settings: OperatorSettings, monitorin
             errors.append(f"document {index}: not a {s.KIND} ({s.API_GROUP}/{s.API_VERSION})")
             continue
         name = (doc.get("metadata") or {}).get("name", "?")
+        refused = admit(doc)
         doc = defaulted(doc)
         try:
             rendered = render_resource(doc, options)
-            manifests += ([doc] if include_resource else []) + rendered
+            if not refused:
+                manifests += ([doc] if include_resource else []) + rendered
         except s.SpecError as exc:
-            errors += [f"{s.KIND} {name}: {e}" for e in exc.errors]
+            named = {e.split(":", 1)[0] for e in exc.errors}
+            refused = [e for e in refused if e.split(":", 1)[0] not in named] + exc.errors
+        errors += [f"{s.KIND} {name}: {e}" for e in refused]
     if errors:
         raise s.SpecError(errors)
     return manifests

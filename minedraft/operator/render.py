@@ -14,8 +14,8 @@ from minedraft.operator import spec as s
 
 Manifest = dict[str, Any]
 
-ENGINE_GRPC_PORT = 50051
-ENGINE_METRICS_PORT = 9400
+ENGINE_GRPC_PORT = s.ENGINE_GRPC_PORT
+ENGINE_METRICS_PORT = s.ENGINE_METRICS_PORT
 LIVENESS_PERIOD_SECONDS = 10
 # Seconds of the engine's termination grace period kept for its own shutdown after streams are drained.
 ENGINE_SHUTDOWN_SECONDS = 10

@@ -60,11 +60,24 @@ IMAGE_TAG = "0.1.0"
 DEFAULT_ENGINE_IMAGE = f"{IMAGE_REPOSITORY}/engine:{IMAGE_TAG}"
 DEFAULT_GATEWAY_IMAGE = f"{IMAGE_REPOSITORY}/gateway:{IMAGE_TAG}"
 
+# Ports of the engine container that are not MineDraft fields (the engine Service carries them too): the engine's
+# httpPort must be neither.
+ENGINE_GRPC_PORT = 50051
+ENGINE_METRICS_PORT = 9400
+# Most GPUs one node holds (8 on every GPU node type sold today): a pod asking for more stays Pending forever.
+MAX_GPUS_PER_POD = 8
+
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+# Object names (Secrets, PVCs, RuntimeClasses, PriorityClasses): RFC 1123 subdomains, as the API server checks them.
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]+(-+[a-z0-9]+)*(\.[a-z0-9]+(-+[a-z0-9]+)*)*$"
+_DNS_SUBDOMAIN = re.compile(DNS_SUBDOMAIN_PATTERN)
+# Keys of a Secret's data (the API server's IsConfigMapKey).
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+_SECRET_KEY = re.compile(SECRET_KEY_PATTERN)
+ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 # Service names are DNS-1035 labels: a letter first (a Service named "7b-engine" is refused).
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+_ENV_NAME = re.compile(ENV_NAME_PATTERN)
 # Room for the longest suffix we add ("-gateway") within a 63-character DNS label (Services need labels).
 MAX_NAME_LENGTH = 63 - len("-gateway")
 
@@ -317,6 +330,8 @@ def _secret_key_ref(r: _Reader, data: Mapping[str, Any] | None, path: str, defau
         return None
     name = r.name(data, "name", path)
     key = r.str_(data, "key", path, default=default_key) or default_key
+    if not (_SECRET_KEY.match(key) and len(key) <= 253):
+        r.fail(f"{path}.key", f"must be a Secret key (letters, digits, '-', '_', '.') (got {key!r})")
     return SecretKeyRef(name, key) if name else None
 
 
@@ -405,6 +420,10 @@ def _engine_env_vars(r: _Reader, data: Mapping[str, Any], p: str) -> tuple[Mappi
         name = var.get("name")
         if not isinstance(name, str) or not _ENV_NAME.match(name):
             r.fail(f"{p}.env[{index}].name", f"must be a C identifier-like environment variable name (got {name!r})")
+        if "value" in var and not isinstance(var["value"], str):
+            # The API server refuses a Deployment whose env value is a number or boolean: quote it.
+            r.fail(f"{p}.env[{index}].value", f"must be a string (quote it: {str(var['value'])!r}) "
+                                             f"(got {type(var['value']).__name__})")
     return tuple(dict(e) for e in env)
 
 
@@ -585,12 +604,41 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MineDraftSpec:
                        if (n := r.name(x, "name", f"spec.imagePullSecrets[{i}]")) is not None)
     if r.errors:
         raise SpecError(r.errors)
-    return MineDraftSpec(
+    result = MineDraftSpec(
         target=target, draft=draft,
         speculation=SpeculationSpec(mode, k or d.num_speculative_tokens, extra or 0),
         engine=engine, replicas=replicas, autoscaling=autoscaling, gateway=gateway,
         image_pull_secrets=pull_names,
     )
+    _check_combinations(r, result)
+    if r.errors:
+        raise SpecError(r.errors)
+    return result
+
+
+def _check_combinations(r: _Reader, spec: MineDraftSpec) -> None:
+    """Fields that are fine alone and fail together, later (an invalid derived object, a pod Pending forever, a
+    setting silently dropped): the CRD's CEL rules refuse the same at admission."""
+    eng, gw = spec.engine, spec.gateway
+    if eng.http_port in (ENGINE_GRPC_PORT, ENGINE_METRICS_PORT):
+        r.fail("spec.engine.httpPort", f"must differ from the engine's gRPC ({ENGINE_GRPC_PORT}) and metrics "
+                                       f"({ENGINE_METRICS_PORT}) ports (got {eng.http_port})")
+    if gw.http_port and gw.http_port == gw.port:
+        r.fail("spec.gateway.httpPort", f"must differ from gateway.port (both {gw.port})")
+    gpus = eng.target_gpus + (eng.drafter_gpus if spec.needs_drafter_gpu else 0)
+    if gpus > MAX_GPUS_PER_POD:
+        r.fail("spec.engine.targetGPUs", f"targetGPUs plus the drafter's GPU ({gpus}) must fit on one node of at "
+                                         f"most {MAX_GPUS_PER_POD} GPUs (mode {spec.speculation.mode} drafts on a "
+                                         "GPU of its own)")
+    if not gw.enabled:
+        if spec.autoscaling is not None and spec.autoscaling.min_replicas == 0:
+            r.fail("spec.autoscaling.minReplicas", "0 (scale to zero) needs the gateway: it holds the first request "
+                                                   "while an engine starts")
+        if gw.auth_token is not None:
+            r.fail("spec.gateway.authTokenSecretRef", "needs gateway.enabled: without the gateway nothing checks "
+                                                      "the token")
+        if gw.tls_secret_name is not None:
+            r.fail("spec.gateway.tlsSecretRef", "needs gateway.enabled: without the gateway nothing serves TLS")
 
 
 @dataclass(frozen=True)

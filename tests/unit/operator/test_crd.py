@@ -2,25 +2,24 @@
 
 kubernetes-validate does not validate custom resources, so the examples go through jsonschema (on the CRD's
 openAPIV3Schema, converted where OpenAPI 3.0 and JSON Schema differ) after structural defaulting, and each
-x-kubernetes-validations rule is evaluated by a CEL library (common-expression-language) as the API server would.
+x-kubernetes-validations rule is evaluated by a CEL library (common-expression-language) as the API server would:
+minedraft.operator.admission, the code `minedraft operator render` runs before rendering.
 """
 
 from __future__ import annotations
 
-import copy
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import cel
-import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
 from minedraft.operator import crd as crd_module
 from minedraft.operator import spec as s
+from minedraft.operator.admission import admit
+from minedraft.operator.crd import apply_defaults
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -73,76 +72,8 @@ def test_scale_subresource_and_printer_columns() -> None:
     assert crd_module.crd()["spec"]["names"]["shortNames"] == ["md"]
 
 
-# -- the API server's pipeline, reproduced: defaults, schema, CEL ---------------------------------------------------
-
-
-def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
-    """Structural defaulting: absent properties with a default get it, recursively (as the API server does)."""
-    if not isinstance(value, dict) or schema.get("type") != "object":
-        if isinstance(value, list) and "items" in schema:
-            return [apply_defaults(schema["items"], v) for v in value]
-        return value
-    out = dict(value)
-    for name, sub in schema.get("properties", {}).items():
-        if name not in out and "default" in sub:
-            out[name] = copy.deepcopy(sub["default"])
-        if name in out:
-            out[name] = apply_defaults(sub, out[name])
-    return out
-
-
-def to_json_schema(schema: Any) -> Any:
-    """OpenAPI 3.0 -> JSON Schema: boolean exclusiveMinimum, and no unknown fields (kubectl's strict validation)."""
-    if isinstance(schema, list):
-        return [to_json_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: to_json_schema(v) for k, v in schema.items() if not k.startswith("x-kubernetes-")}
-    if out.get("exclusiveMinimum") is True:
-        out["exclusiveMinimum"] = out.pop("minimum")
-    if (schema.get("type") == "object" and "properties" in schema
-            and not schema.get("x-kubernetes-preserve-unknown-fields") and "additionalProperties" not in schema):
-        out["additionalProperties"] = False
-    return out
-
-
-def cel_errors(schema: dict[str, Any], value: Any, old: Any, path: str = "") -> list[str]:
-    """Evaluate every x-kubernetes-validations rule where `value` has the node; returns failed rules' messages."""
-    found: list[str] = []
-    for rule in schema.get("x-kubernetes-validations", []):
-        expression = rule["rule"]
-        variables: dict[str, Any] = {"self": value}
-        if "oldSelf" in expression:
-            if rule.get("optionalOldSelf"):
-                # CEL's optional type: oldSelf has no value on create. The library takes no optionals from
-                # Python, so spell the value as a CEL expression.
-                replacement = "optional.none()" if old is None else "optional.of(oldSelfValue)"
-                expression = re.sub(r"\boldSelf\b", replacement, expression)
-                variables["oldSelfValue"] = old
-            elif old is None:
-                continue  # transition rules run on update only
-            else:
-                variables["oldSelf"] = old
-        if cel.evaluate(expression, variables) is not True:
-            # As the API server reports it: the rule's node plus its fieldPath.
-            where = f"{path}{rule.get('fieldPath', '')}".lstrip(".")
-            found.append(f"{where or '<root>'}: {rule['message']}")
-    if isinstance(value, dict):
-        for name, sub in schema.get("properties", {}).items():
-            if name in value:
-                old_sub = old.get(name) if isinstance(old, dict) else None
-                found += cel_errors(sub, value[name], old_sub, f"{path}.{name}" if path else name)
-    return found
-
-
-def admit(obj: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
-    """What the API server would say about creating (old=None) or updating to `obj`: [] when admitted."""
-    obj = apply_defaults(SCHEMA, obj)
-    validator = jsonschema.Draft7Validator(to_json_schema(SCHEMA))
-    problems = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
-    if problems:
-        return problems
-    return cel_errors(SCHEMA, obj, apply_defaults(SCHEMA, old) if old is not None else None)
+# -- the API server's pipeline, reproduced: defaults, schema, CEL (minedraft.operator.admission, which
+# `minedraft operator render` runs too) -------------------------------------------------------------------------------
 
 
 def example(name: str) -> dict[str, Any]:
