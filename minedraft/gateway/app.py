@@ -1,8 +1,10 @@
 """The gateway process: Generation (routed to engines), grpc.health.v1 and reflection of its own.
 
 Health: readiness ("" and the Generation service) is SERVING while at least one engine is ready and the gateway is
-not shutting down; liveness ("minedraft.liveness") is SERVING from the moment the port is bound until the process
-exits (at zero engines and while draining too): it only says the event loop answers.
+not shutting down (with ready_without_engines: while it is not shutting down and can hold streams until an engine
+is ready, so a Service routes the first request of a deployment at zero engines to it); liveness
+("minedraft.liveness") is SERVING from the moment the port is bound until the process exits (at zero engines and
+while draining too): it only says the event loop answers.
 """
 
 from __future__ import annotations
@@ -75,6 +77,11 @@ class GatewayConfig:
     idle_timeout_seconds: float | None = 30.0
     engine_wait_timeout_seconds: float = 300.0
     max_waiting_streams: int = 1024
+    # Ready at zero engines too (streams wait for one): for deployments that scale engines to zero, whose first
+    # request must reach a gateway through a Service that routes only to ready pods.
+    ready_without_engines: bool = False
+    # The bearer token presented to engines (read per call: a rotated Secret takes effect); None: engines without auth.
+    engine_token: Callable[[], str] | None = None
 
     def router_config(self) -> RouterConfig:
         return RouterConfig(max_attempts=self.max_attempts,
@@ -89,7 +96,7 @@ class Gateway:
         self.config = config
         self.endpoints = EndpointSet()
         self.pool = EnginePool(self.endpoints, self._health_changed, config.health_retry_seconds,
-                               config.failure_cooldown_seconds)
+                               config.failure_cooldown_seconds, config.engine_token)
         self.admission = Admission(config.max_in_flight)
         # Exported when a registry is given (the metrics endpoint's); counted either way.
         self.metrics = GatewayMetrics(registry)
@@ -126,10 +133,15 @@ class Gateway:
             self._health_task.add_done_callback(lambda _: self._health_changed())
 
     def ready(self) -> bool:
-        """Readiness, one meaning for gRPC health and HTTP /ready: an engine to route to, and not draining."""
+        """Readiness, one meaning for gRPC health and HTTP /ready: not draining, and an engine to route to (with
+        ready_without_engines, or a stream can wait for one)."""
+        if self.router.draining:
+            return False
+        if (self.config.ready_without_engines and self.config.max_waiting_streams > 0
+                and self.config.engine_wait_timeout_seconds > 0):
+            return True
         # Health, not the short failure cool-down: a cool-down ends without any event to publish it.
-        return not self.router.draining and any(endpoint.healthy and not endpoint.unresponsive
-                                                for endpoint in self.endpoints)
+        return any(endpoint.healthy and not endpoint.unresponsive for endpoint in self.endpoints)
 
     async def _publish_health(self) -> None:
         if self.router.draining:

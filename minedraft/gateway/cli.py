@@ -36,10 +36,15 @@ def add_subcommands(sub: Any) -> None:
                          help="with no engine ready, how long a stream waits for one before UNAVAILABLE")
     gateway.add_argument("--max-waiting-streams", type=int, default=1024,
                          help="streams that may wait for an engine at once; more get UNAVAILABLE")
+    gateway.add_argument("--ready-without-engines", action="store_true",
+                         help="report ready (gRPC health, HTTP /ready) with no engine too, as streams wait for one: "
+                              "for engines scaled to zero behind a Service that routes only to ready pods")
     gateway.add_argument("--token-file", help="accepted bearer tokens, one per line (enables authentication)")
     gateway.add_argument("--token-env", default=TOKEN_ENV_DEFAULT,
                          help="environment variable with accepted bearer tokens, comma-separated "
                               "(enables authentication when set)")
+    gateway.add_argument("--engine-token-file", help="bearer token presented to engines (the first of the file, "
+                              "re-read when it changes), for engines serving with --token-file")
     gateway.add_argument("--tls-cert", help="PEM certificate (with --tls-key: serve TLS)")
     gateway.add_argument("--tls-key", help="PEM private key")
     gateway.add_argument("--grace-seconds", type=float, default=20.0)
@@ -74,6 +79,15 @@ def load_tokens(token_file: str | None, token_env: str | None) -> tuple[bytes, .
     return tuple(tokens)
 
 
+def engine_token(path: str | None) -> Any:
+    """The engine credential as a callable (re-read when the file changes), or None."""
+    if not path:
+        return None
+    from minedraft.api.auth import TokenFile
+
+    return TokenFile(path, "engine-token-file").first
+
+
 def config_from_args(args: argparse.Namespace) -> Any:
     from minedraft.gateway.app import GatewayConfig, TlsFiles
 
@@ -96,7 +110,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
                          first_response_timeout_seconds=args.first_response_timeout_s or None,
                          idle_timeout_seconds=args.idle_timeout_s or None,
                          engine_wait_timeout_seconds=args.engine_wait_timeout_s,
-                         max_waiting_streams=args.max_waiting_streams)
+                         max_waiting_streams=args.max_waiting_streams,
+                         ready_without_engines=args.ready_without_engines,
+                         engine_token=engine_token(args.engine_token_file))
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:

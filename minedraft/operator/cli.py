@@ -31,6 +31,7 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         prometheus_pod_selector=parse_labels(args.prometheus_pod_labels),
         operator_namespace_selector=parse_labels(args.operator_namespace_labels),
         operator_pod_selector=parse_labels(args.operator_pod_labels),
+        pod_fs_group=int(args.pod_fs_group) if args.pod_fs_group else None,
     )
 
 
@@ -67,6 +68,9 @@ def _add_operator_options(parser: argparse.ArgumentParser) -> None:
                         "gateway pods when no Prometheus is configured (k=v,... or JSON; empty: not let in)")
     parser.add_argument("--operator-pod-labels", default=_env("OPERATOR_POD_LABELS", ""),
                         help="labels of the operator's own pods (k=v,... or JSON; empty: not let in)")
+    parser.add_argument("--pod-fs-group", default=_env("POD_FS_GROUP", ""),
+                        help="fsGroup of the engine pods, with fsGroupChangePolicy OnRootMismatch, so a PVC model "
+                        "cache is writable by their non-root user (empty: unset, for OpenShift whose SCC assigns it)")
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -178,9 +178,12 @@ def spec_schema() -> Schema:
                                                   maximum=3600),
             "startupTimeoutSeconds": _int("Seconds allowed for loading the models before the startup probe fails.",
                                           default=eng.startup_timeout_seconds, minimum=60, maximum=86400),
-            "httpPort": _int("Container and Service port of each engine's OpenAI-compatible HTTP API (the port an "
-                             "inference gateway such as an InferencePool targets); 0: not served.",
-                             default=eng.http_port, minimum=0, maximum=65535),
+            "httpPort": _int(f"Container and Service port of each engine's OpenAI-compatible HTTP API; 0: not "
+                             f"served. Unset: {s.DEFAULT_ENGINE_HTTP_PORT} with the gateway disabled (clients call "
+                             "engines directly), closed behind the gateway (it reaches engines over gRPC). The "
+                             "operator's NetworkPolicy admits it from everywhere only without the gateway; with the "
+                             "gateway's auth on, the engines require its bearer token on this port and on gRPC.",
+                             minimum=0, maximum=65535),
         }, default={}, **{"x-kubernetes-validations": [
             _rule("self.drafterBackend != 'torch'", "torch is the CPU drafter; engine pods run on GPUs: use vllm",
                   ".drafterBackend", reason="FieldValueNotSupported"),
@@ -188,7 +191,7 @@ def spec_schema() -> Schema:
                   f"!{list(s.RESERVED_ENGINE_FLAGS)}.exists(f, a.startsWith(f + '=') || a.startsWith(f + ' ')))",
                   "extraArgs must not set flags the operator sets from the MineDraft's own fields (--model, "
                   "--dtype, --tensor-parallel-size, --max-model-len, ...): set those fields", ".extraArgs"),
-            _rule(f"!(self.httpPort in [{s.ENGINE_GRPC_PORT}, {s.ENGINE_METRICS_PORT}])",
+            _rule(f"!has(self.httpPort) || !(self.httpPort in [{s.ENGINE_GRPC_PORT}, {s.ENGINE_METRICS_PORT}])",
                   f"httpPort must differ from the engine's gRPC ({s.ENGINE_GRPC_PORT}) and metrics "
                   f"({s.ENGINE_METRICS_PORT}) ports", ".httpPort"),
         ]}),

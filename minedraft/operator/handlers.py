@@ -235,6 +235,13 @@ def kopf_settings() -> kopf.OperatorSettings:
     return settings
 
 
+def build_autoscaler(settings: OperatorSettings, client: KubeClient) -> Autoscaler:
+    """Engines are scraped when ready (a loading one has no figures); gateways whatever their readiness (one holding
+    the streams that must wake engines at zero is heard even if its readiness says otherwise)."""
+    return Autoscaler(settings.prometheus_url, client.ready_addresses, tick_seconds=settings.autoscale_tick_seconds,
+                      gateway_addresses=client.all_addresses)
+
+
 async def run_operator(settings: OperatorSettings, client: KubeClient | None = None,
                        connection: kopf.ConnectionInfo | None = None, stop_flag: asyncio.Event | None = None,
                        ready_flag: asyncio.Event | None = None, metrics: OperatorMetrics | None = None) -> None:
@@ -252,8 +259,7 @@ async def run_operator(settings: OperatorSettings, client: KubeClient | None = N
 
         start_http_server(settings.metrics_port, registry=metrics.registry)
     memo = Memo(reconciler=Reconciler(client, settings.render_options(available), metrics), metrics=metrics,
-                autoscaler=Autoscaler(settings.prometheus_url, client.ready_addresses,
-                                      tick_seconds=settings.autoscale_tick_seconds))
+                autoscaler=build_autoscaler(settings, client))
     try:
         await kopf.operator(
             registry=build_registry(settings, connection),

@@ -23,6 +23,9 @@ GATEWAY_GRPC_PORT = 50051
 GATEWAY_METRICS_PORT = 9401
 GATEWAY_HTTP_PORT = 8080
 GATEWAY_GRACE_SECONDS = 20
+# What a cold engine start takes beyond the startup probe's window (which starts with the container): scheduling,
+# a node scale-up, pulling a CUDA image of several GB. A stream waits at the gateway for the whole of it.
+ENGINE_COLD_START_MARGIN_SECONDS = 600
 # The gRPC health service names (grpc.health.v1): "" answers readiness (engine loaded and not draining; gateway has
 # an engine to route to), LIVENESS_SERVICE answers liveness (the process's event loop answers) from the moment the
 # port is bound until exit, including while loading, draining or with no engine.
@@ -59,6 +62,11 @@ class RenderOptions:
     operator_pod_selector: Mapping[str, str] = field(default_factory=dict)
     # The operator has a default Prometheus (--prometheus-url): it never scrapes pods itself.
     operator_has_prometheus: bool = False
+    # The engine pods' fsGroup (None: not set). A freshly provisioned disk's root is owned by root, so without it the
+    # engine (any non-root UID) cannot write a PVC model cache; the kubelet then makes the volume group-writable for
+    # this GID, only when its root does not already match (OnRootMismatch: no recursive chown of a full cache at
+    # every start). Left unset on OpenShift, whose SCC assigns the namespace's own fsGroup and refuses others.
+    pod_fs_group: int | None = None
 
 
 def names(meta: s.ObjectMeta) -> dict[str, str]:
@@ -99,11 +107,15 @@ def _container_security() -> dict[str, Any]:
             "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def _pod_security() -> dict[str, Any]:
-    # No runAsUser/runAsGroup/fsGroup: PodSecurity "restricted" and OpenShift's restricted-v2 pick an arbitrary UID
-    # (and fsGroup) per namespace, and a fixed one is refused there. The images run as a non-root user by default,
-    # every writable path is a volume (emptyDir is world-writable), and HOME and the caches point into them.
-    return {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+def _pod_security(fs_group: int | None = None) -> dict[str, Any]:
+    # No runAsUser/runAsGroup: PodSecurity "restricted" and OpenShift's restricted-v2 pick an arbitrary UID (and
+    # fsGroup) per namespace, and a fixed one is refused there. The images run as a non-root user by default,
+    # every writable path is a volume (emptyDir is world-writable), and HOME and the caches point into them. A
+    # fsGroup only where the cluster does not assign one (RenderOptions.pod_fs_group): PVCs are not world-writable.
+    out: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    if fs_group is not None:
+        out.update(fsGroup=fs_group, fsGroupChangePolicy="OnRootMismatch")
+    return out
 
 
 def _grpc_check(port: int, service: str) -> dict[str, Any]:
@@ -132,7 +144,7 @@ def engine_command(spec: s.MineDraftSpec) -> list[str]:
         "--host", "0.0.0.0",
         "--grpc-port", str(ENGINE_GRPC_PORT),
         "--metrics-port", str(ENGINE_METRICS_PORT),
-        *(["--http-port", str(eng.http_port)] if eng.http_port else []),
+        *(["--http-port", str(spec.engine_http_port)] if spec.engine_http_port else []),
         # Streams get most of the termination grace period to finish; the rest covers shutdown itself.
         "--grace-seconds", str(max(1, eng.termination_grace_period_seconds - ENGINE_SHUTDOWN_SECONDS)),
         "--model", _model_location("target", spec.target),
@@ -166,12 +178,36 @@ def engine_command(spec: s.MineDraftSpec) -> list[str]:
         cmd += ["--max-num-speculative-tokens", str(max(k, k_high)),
                 "--auto-modes", ",".join(m for m in s.AUTO_MODES if m in modes),
                 "--auto-k", ",".join(str(n) for n in range(k_low, max(k, k_high) + 1))]
+    if engines_need_token(spec):
+        # The gateway's auth cannot be walked around by calling an engine: its gRPC and HTTP ports want the token.
+        cmd += ["--token-file", auth_token_path(spec)]
     # Everything else goes to vLLM's own engine arguments, one `--flag=value` word each (vLLM's parser checks them
     # at start-up; a typo shows in the MineDraft's Progressing condition through the container's termination message).
     for word in s.split_extra_args(eng.extra_args):
         own = s.extra_arg_flag(word) in s.ENGINE_OWN_EXTRA_FLAGS
         cmd.append(word if own else f"--vllm-arg={word}")
     return cmd
+
+
+def engines_need_token(spec: s.MineDraftSpec) -> bool:
+    """With the gateway's auth on, engines authenticate their callers with the same Secret's token, which the gateway
+    presents (many clusters do not enforce the NetworkPolicy that would otherwise be all that keeps pods off them)."""
+    return spec.gateway.enabled and spec.gateway.auth_token is not None
+
+
+def auth_token_path(spec: s.MineDraftSpec) -> str:
+    assert spec.gateway.auth_token is not None
+    return f"{AUTH_DIR}/{spec.gateway.auth_token.key}"
+
+
+def _auth_volume(spec: s.MineDraftSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The gateway's token Secret as a volume (only its key) and its read-only mount: the kubelet updates a mounted
+    Secret in place when it changes, and both processes re-read the file (no restart at rotation)."""
+    token = spec.gateway.auth_token
+    assert token is not None
+    return ({"name": "auth", "secret": {"secretName": token.name, "defaultMode": 0o440,
+                                        "items": [{"key": token.key, "path": token.key}]}},
+            {"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
 
 
 def _engine_volumes(spec: s.MineDraftSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -197,6 +233,10 @@ def _engine_volumes(spec: s.MineDraftSpec) -> tuple[list[dict[str, Any]], list[d
         volumes.append({"name": f"models-{index}",
                         "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": f"models-{index}", "mountPath": f"{MODEL_PVC_ROOT}/{claim}", "readOnly": True})
+    if engines_need_token(spec):
+        volume, mount = _auth_volume(spec)
+        volumes.append(volume)
+        mounts.append(mount)
     return volumes, mounts
 
 
@@ -265,8 +305,9 @@ def engine_probes(spec: s.MineDraftSpec) -> dict[str, dict[str, Any]]:
     }
 
 
-def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
+def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | None = None) -> Manifest:
     eng = spec.engine
+    options = options or RenderOptions()
     gpus = str(engine_gpus(spec))
     volumes, mounts = _engine_volumes(spec)
     requests = {"cpu": eng.cpu, "memory": eng.memory, "nvidia.com/gpu": gpus}
@@ -279,7 +320,8 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         "imagePullPolicy": eng.image_pull_policy,
         "command": engine_command(spec),
         "ports": [{"name": "grpc", "containerPort": ENGINE_GRPC_PORT, "protocol": "TCP"},
-                  *([{"name": "http", "containerPort": eng.http_port, "protocol": "TCP"}] if eng.http_port else []),
+                  *([{"name": "http", "containerPort": spec.engine_http_port, "protocol": "TCP"}]
+                    if spec.engine_http_port else []),
                   {"name": "metrics", "containerPort": ENGINE_METRICS_PORT, "protocol": "TCP"}],
         "env": _engine_env(spec),
         "resources": {"requests": requests, "limits": limits},
@@ -293,7 +335,7 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
-        "securityContext": _pod_security(),
+        "securityContext": _pod_security(options.pod_fs_group),
         # Engines never call the Kubernetes API.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -343,8 +385,8 @@ def engine_service(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
             "clusterIP": "None",
             "selector": selector_labels(meta, "engine"),
             "ports": [{"name": "grpc", "port": ENGINE_GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"},
-                      *([{"name": "http", "port": spec.engine.http_port, "targetPort": "http", "protocol": "TCP",
-                          "appProtocol": "http"}] if spec.engine.http_port else []),
+                      *([{"name": "http", "port": spec.engine_http_port, "targetPort": "http", "protocol": "TCP",
+                          "appProtocol": "http"}] if spec.engine_http_port else []),
                       {"name": "metrics", "port": ENGINE_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}],
         },
     }
@@ -379,10 +421,10 @@ def engine_network_policy(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Re
     grpc: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": ENGINE_GRPC_PORT}]}
     if spec.gateway.enabled:
         grpc = {"from": [{"podSelector": {"matchLabels": selector_labels(meta, "gateway")}}], **grpc}
-    elif spec.engine.http_port:
+    elif spec.engine_http_port:
         # Without MineDraft's gateway clients (or an inference gateway's proxy) call the engines directly, over
         # gRPC or HTTP. With it, the gateway speaks gRPC to engines and nothing needs their HTTP port.
-        grpc["ports"].append({"protocol": "TCP", "port": spec.engine.http_port})
+        grpc["ports"].append({"protocol": "TCP", "port": spec.engine_http_port})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -423,6 +465,17 @@ def gateway_network_policy(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: R
 # -- gateway ---------------------------------------------------------------------------------------------------------
 
 
+def may_scale_to_zero(spec: s.MineDraftSpec) -> bool:
+    return spec.autoscaling is not None and spec.autoscaling.min_replicas == 0
+
+
+def engine_wait_timeout_seconds(spec: s.MineDraftSpec) -> int:
+    """How long a stream waits at the gateway for an engine: a whole cold start (the engine's startup window plus
+    scheduling and image pull), so the first request after zero replicas, or after every engine restarted, is served
+    rather than refused while the engine it woke is still loading."""
+    return spec.engine.startup_timeout_seconds + ENGINE_COLD_START_MARGIN_SECONDS
+
+
 def gateway_command(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> list[str]:
     gw = spec.gateway
     cmd = ["minedraft", "gateway",
@@ -432,11 +485,17 @@ def gateway_command(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> list[str]:
            "--kubernetes-service", f"{meta.namespace}/{names(meta)['engine']}",
            "--kubernetes-port-name", "grpc",
            "--max-in-flight", str(gw.max_in_flight),
-           "--grace-seconds", str(GATEWAY_GRACE_SECONDS)]
+           "--grace-seconds", str(GATEWAY_GRACE_SECONDS),
+           "--engine-wait-timeout-s", str(engine_wait_timeout_seconds(spec))]
+    if may_scale_to_zero(spec):
+        # At zero engines the gateway must still be ready, or the Service (kube-proxy, a cloud load balancer)
+        # refuses the first request before it reaches a gateway, and nothing ever wakes the engines.
+        cmd.append("--ready-without-engines")
     if gw.http_port:
         cmd += ["--http-port", str(GATEWAY_HTTP_PORT)]
     if gw.auth_token is not None:
-        cmd += ["--token-file", f"{AUTH_DIR}/{gw.auth_token.key}"]
+        # Clients' token, and the credential the gateway presents to engines (the same Secret, mounted into both).
+        cmd += ["--token-file", auth_token_path(spec), "--engine-token-file", auth_token_path(spec)]
     if gw.tls_secret_name is not None:
         cmd += ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key"]
     return cmd
@@ -466,8 +525,9 @@ def gateway_role_binding(meta: s.ObjectMeta) -> Manifest:
 
 def gateway_probes(spec: s.MineDraftSpec) -> dict[str, dict[str, Any]]:
     """liveness: the process answers (never whether an engine is up: engines load for minutes, and a gateway
-    restarted meanwhile helps nobody); readiness: at least one engine to route to. No startup probe: the gateway
-    binds its port within seconds, well inside the liveness window.
+    restarted meanwhile helps nobody); readiness: at least one engine to route to, or, for a MineDraft that may
+    scale to zero (--ready-without-engines), able to accept and hold streams until one is. No startup probe: the
+    gateway binds its port within seconds, well inside the liveness window.
 
     With TLS on, kubelet gRPC probes cannot do the handshake: liveness becomes a TCP connect (the process accepts
     connections), and readiness too (a weaker signal: a stream that finds no engine waits for one, bounded).
@@ -502,9 +562,9 @@ def gateway_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         {"name": "kube-api-access", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": True},
     ]
     if gw.auth_token is not None:
-        volumes.append({"name": "auth", "secret": {"secretName": gw.auth_token.name, "defaultMode": 0o440,
-                                                   "items": [{"key": gw.auth_token.key, "path": gw.auth_token.key}]}})
-        mounts.append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
+        volume, mount = _auth_volume(spec)
+        volumes.append(volume)
+        mounts.append(mount)
     if gw.tls_secret_name is not None:
         volumes.append({"name": "tls", "secret": {"secretName": gw.tls_secret_name, "defaultMode": 0o440}})
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
@@ -592,7 +652,7 @@ def pod_monitor(meta: s.ObjectMeta) -> Manifest:
 def render(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | None = None) -> list[Manifest]:
     """Every object of one MineDraft, in apply order (RBAC before the pods that use it)."""
     options = options or RenderOptions()
-    manifests = [engine_service(spec, meta), engine_deployment(spec, meta)]
+    manifests = [engine_service(spec, meta), engine_deployment(spec, meta, options)]
     if spec.engine.pod_disruption_budget:
         manifests.append(engine_pdb(meta))
     if spec.gateway.enabled:

@@ -64,6 +64,7 @@ DEFAULT_GATEWAY_IMAGE = f"{IMAGE_REPOSITORY}/gateway:{IMAGE_TAG}"
 # httpPort must be neither.
 ENGINE_GRPC_PORT = 50051
 ENGINE_METRICS_PORT = 9400
+DEFAULT_ENGINE_HTTP_PORT = 8000
 # Most GPUs one node holds (8 on every GPU node type sold today): a pod asking for more stays Pending forever.
 MAX_GPUS_PER_POD = 8
 
@@ -157,9 +158,10 @@ class EngineSpec:
     termination_grace_period_seconds: int = 120
     startup_timeout_seconds: int = 1800
     pod_disruption_budget: bool = True
-    # The engine's own OpenAI-compatible HTTP port (0: not served): what an inference gateway (Gateway API
-    # InferencePool) targets; MineDraft's gateway reaches engines over gRPC.
-    http_port: int = 8000
+    # The engine's own OpenAI-compatible HTTP port (0: not served; None: DEFAULT_ENGINE_HTTP_PORT without the
+    # gateway, closed behind it: MineDraft's gateway reaches engines over gRPC, and an open port would be a way
+    # around it).
+    http_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,13 @@ class MineDraftSpec:
             wanted = a.min_replicas if self.replicas is None else self.replicas
             return min(max(wanted, a.min_replicas), a.max_replicas)
         return 1 if self.replicas is None else self.replicas
+
+    @property
+    def engine_http_port(self) -> int:
+        """The engines' HTTP port (0: closed): as set, else open only when clients reach engines directly."""
+        if self.engine.http_port is not None:
+            return self.engine.http_port
+        return 0 if self.gateway.enabled else DEFAULT_ENGINE_HTTP_PORT
 
     @property
     def needs_drafter_gpu(self) -> bool:
@@ -460,7 +469,7 @@ def _engine(r: _Reader, data: Mapping[str, Any]) -> EngineSpec:
         or d.drafter_backend,
         max_num_seqs=_or(r.int_(data, "maxNumSeqs", p, d.max_num_seqs, 1, 65536), d.max_num_seqs),
         max_model_len=r.int_(data, "maxModelLen", p, None, MIN_MODEL_LEN, MAX_MODEL_LEN),
-        http_port=_or(r.int_(data, "httpPort", p, d.http_port, 0, 65535), d.http_port),
+        http_port=r.int_(data, "httpPort", p, None, 0, 65535),
         extra_args=_engine_extra_args(r, data, p),
         env=_engine_env_vars(r, data, p),
         node_selector=dict(node_selector),

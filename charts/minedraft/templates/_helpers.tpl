@@ -103,3 +103,16 @@ requires it to set blockOwnerDeletion. No Secrets: pods reference them and the k
   resources: ["endpointslices"]
   verbs: ["get", "list", "watch"]
 {{- end -}}
+
+{{/*
+The engine pods' fsGroup as the operator's --pod-fs-group takes it ("" for none): operator.enginePodFsGroup, where
+"auto" is 1000 (the images' group) except on OpenShift, whose SCC assigns the fsGroup.
+*/}}
+{{- define "minedraft.enginePodFsGroup" -}}
+{{- $value := .Values.operator.enginePodFsGroup -}}
+{{- if eq (toString $value) "auto" -}}
+{{- if not (.Capabilities.APIVersions.Has "security.openshift.io/v1/SecurityContextConstraints") -}}1000{{- end -}}
+{{- else if $value -}}
+{{- int64 $value -}}
+{{- end -}}
+{{- end -}}

@@ -83,7 +83,8 @@ def test_engine_pod_minimal() -> None:
         assert c[probe]["grpc"] == {"port": render.ENGINE_GRPC_PORT, "service": ""}
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= s.EngineSpec().startup_timeout_seconds
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "http": 8000, "metrics": 9400}
+    # The HTTP port is closed behind the gateway (issue 30: no way around its auth).
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "metrics": 9400}
     # Non-root, read-only root, writable paths on emptyDirs, shm in memory.
     assert pod["securityContext"]["runAsNonRoot"] is True and "runAsUser" not in pod["securityContext"]
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
@@ -478,13 +479,21 @@ def test_cli_render_shows_the_resource_with_the_crds_defaults(capsys: pytest.Cap
 
 
 def test_engine_and_gateway_pods_serve_and_name_the_http_api() -> None:
-    """Issue 21: the operator's pods serve the OpenAI API on a named port (what an InferencePool targets), and 0 turns
-    it off everywhere (command, container port, Service port)."""
-    manifests = render.render_resource(load("minimal"), render.RenderOptions())
+    """Issue 21: the operator's pods serve the OpenAI API on a named port, and 0 turns it off everywhere (command,
+    container port, Service port). Issue 30: the engines' port is open by default only without the gateway."""
+    direct = copy.deepcopy(load("minimal"))
+    direct["spec"]["gateway"] = {"enabled": False}
+    engine = next(m for m in render.render_resource(direct) if m["kind"] == "Deployment")
+    ports = engine["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert s.DEFAULT_ENGINE_HTTP_PORT in [p["containerPort"] for p in ports]
+    assert "--http-port" not in engine_container(render.render_resource(load("minimal")))["command"]
+    opened = copy.deepcopy(load("minimal"))
+    opened["spec"]["engine"] = {"httpPort": s.DEFAULT_ENGINE_HTTP_PORT}
+    manifests = render.render_resource(opened, render.RenderOptions())
     engine = next(m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"].endswith("-engine"))
     container = engine["spec"]["template"]["spec"]["containers"][0]
     cmd = container["command"] + container.get("args", [])
-    port = s.EngineSpec().http_port
+    port = s.DEFAULT_ENGINE_HTTP_PORT
     assert cmd[cmd.index("--http-port") + 1] == str(port)
     assert {"name": "http", "containerPort": port, "protocol": "TCP"} in container["ports"]
     service = next(m for m in manifests if m["kind"] == "Service" and m["metadata"]["name"].endswith("-engine"))
