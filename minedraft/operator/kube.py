@@ -75,7 +75,10 @@ PERMISSIONS: Mapping[tuple[str, str], frozenset[str]] = MappingProxyType({
     (s.API_GROUP, f"{s.PLURAL}/finalizers"): frozenset({"update"}),
     # The autoscaler writes spec.replicas through /scale (as an HPA would), never the whole spec.
     (s.API_GROUP, f"{s.PLURAL}/scale"): frozenset({"patch"}),
-    ("", "events"): frozenset({"create"}),
+    # create: the operator's own Events; list: why a pod stays in ContainerCreating (FailedMount of a missing or
+    # mis-keyed Secret volume, FailedAttachVolume of a ReadWriteOnce volume attached elsewhere), which only Events
+    # say. Listed on each reconcile pass, in the MineDraft's namespace: no watch needed.
+    ("", "events"): frozenset({"create", "list"}),
 })
 
 
@@ -177,9 +180,10 @@ class KubeClient:
         query = [("propagationPolicy", "Orphan" if orphan else "Background")]
         await asyncio.to_thread(self._call, "DELETE", resource.path(namespace, name), body, query)
 
-    async def list_objects(self, resource: Resource, namespace: str, label_selector: str) -> list[dict[str, Any]]:
-        _, doc = await asyncio.to_thread(self._call, "GET", resource.path(namespace), None,
-                                         [("labelSelector", label_selector)])
+    async def list_objects(self, resource: Resource, namespace: str, label_selector: str = "",
+                           field_selector: str = "") -> list[dict[str, Any]]:
+        query = [(k, v) for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v]
+        _, doc = await asyncio.to_thread(self._call, "GET", resource.path(namespace), None, query)
         return list((doc or {}).get("items") or [])
 
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:

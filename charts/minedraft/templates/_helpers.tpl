@@ -59,7 +59,8 @@ The operator's permissions: exactly minedraft.operator.kube.PERMISSIONS (a test 
 Server-side apply needs patch, plus create for objects that do not exist yet; delete removes objects no longer
 rendered and replaces a Deployment whose (immutable) selector changed. endpointslices: the operator creates each
 gateway's Role granting these, and Kubernetes only lets it grant what it holds itself. pods list: why a rollout is
-stuck (the Progressing condition). minedrafts/finalizers update: OwnerReferencesPermissionEnforcement (OpenShift)
+stuck (the Progressing condition); events list: the kubelet's and attach/detach controller's FailedMount and
+FailedAttachVolume events for those pods (a missing Secret volume, a Multi-Attach). minedrafts/finalizers update: OwnerReferencesPermissionEnforcement (OpenShift)
 requires it to set blockOwnerDeletion. No Secrets: pods reference them and the kubelet reads them.
 */}}
 {{- define "minedraft.rules" -}}
@@ -77,7 +78,7 @@ requires it to set blockOwnerDeletion. No Secrets: pods reference them and the k
   verbs: ["update"]
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "list"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]
