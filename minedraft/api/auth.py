@@ -13,7 +13,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,36 @@ def parse_tokens(text: str) -> tuple[bytes, ...]:
         line = line.split("#", 1)[0]
         tokens.extend(part.strip() for part in line.split(",") if part.strip())
     return tuple(t.encode() for t in tokens)
+
+
+def files_signature(*paths: str | Path) -> tuple[tuple[int, int, int], ...] | None:
+    """What identifies the current content of files (inode, size, modification time; the kubelet's update of a
+    Secret volume swaps in new files); None when one cannot be read (mid-swap)."""
+    try:
+        return tuple((s.st_ino, s.st_size, s.st_mtime_ns) for s in map(os.stat, paths))
+    except OSError:
+        return None
+
+
+class LiveTokens(Sequence[bytes]):
+    """A token list read anew at each use (from TokenFile.tokens plus fixed ones): where a tuple of tokens was
+    taken, this follows rotations of the file."""
+
+    def __init__(self, source: Callable[[], Sequence[bytes]], fixed: Sequence[bytes] = ()) -> None:
+        self._source = source
+        self._fixed = tuple(fixed)
+
+    def _all(self) -> tuple[bytes, ...]:
+        return (*self._source(), *self._fixed)
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._all())
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._all()[index]
 
 
 class TokenFile:

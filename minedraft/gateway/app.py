@@ -17,6 +17,7 @@ import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -49,8 +50,33 @@ class TlsFiles:
     key_file: Path
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        """Raises ValueError naming the file that cannot be read or is not PEM (gRPC itself says only "Failed to
-        bind")."""
+        """Credentials that follow the files: gRPC asks before each handshake, and a changed certificate or key (the
+        kubelet updates a mounted Secret in place, cert-manager renews before expiry) is served from the next
+        connection on, without a restart. A pair that cannot be read or is not PEM keeps the previous one (mid-swap).
+        Raises ValueError naming the file when the first read fails (gRPC itself says only "Failed to bind")."""
+        from minedraft.api.auth import files_signature
+
+        signature = files_signature(self.cert_file, self.key_file)
+        initial = self.certificate_configuration()
+
+        def fetch() -> Any:
+            nonlocal signature
+            now = files_signature(self.cert_file, self.key_file)
+            if now is None or now == signature:
+                return None
+            try:
+                config = self.certificate_configuration()
+            except ValueError as exc:
+                log.warning("TLS files changed but do not load (keeping the previous pair): %s", exc)
+                return None
+            signature = now
+            log.info("TLS certificate reloaded from %s", self.cert_file)
+            return config
+
+        return grpc.dynamic_ssl_server_credentials(initial, fetch)
+
+    def certificate_configuration(self) -> Any:
+        """The current pair; raises ValueError naming the file that cannot be read or is not PEM."""
         pems = []
         for flag, path, marker in (("tls-key", self.key_file, b"PRIVATE KEY-----"),
                                    ("tls-cert", self.cert_file, b"-----BEGIN CERTIFICATE-----")):
@@ -61,14 +87,14 @@ class TlsFiles:
             if marker not in data:
                 raise ValueError(f"{flag}: {path} holds no PEM {'private key' if flag == 'tls-key' else 'certificate'}")
             pems.append(data)
-        return grpc.ssl_server_credentials([(pems[0], pems[1])])
+        return grpc.ssl_server_certificate_configuration([(pems[0], pems[1])])
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
     max_in_flight: int = 4096
     max_attempts: int = 3
-    tokens: tuple[bytes, ...] = ()
+    tokens: Sequence[bytes] = ()
     tls: TlsFiles | None = None
     health_retry_seconds: float = 0.5
     failure_cooldown_seconds: float = 1.0

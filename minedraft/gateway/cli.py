@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,21 +63,24 @@ def add_subcommands(sub: Any) -> None:
     bench.set_defaults(func=cmd_bench_gateway)
 
 
-def load_tokens(token_file: str | None, token_env: str | None) -> tuple[bytes, ...]:
+def load_tokens(token_file: str | None, token_env: str | None) -> Sequence[bytes]:
+    """The accepted tokens; a token file's are read again whenever the file changes (a rotated Secret takes effect
+    without a restart)."""
+    from minedraft.api.auth import LiveTokens, TokenFile
     from minedraft.gateway.policy import parse_tokens
 
-    tokens: list[bytes] = []
+    fixed: tuple[bytes, ...] = ()
+    if token_env and os.environ.get(token_env):
+        fixed = parse_tokens(os.environ[token_env].replace(",", "\n"))
     if token_file:
         try:
             text = Path(token_file).read_text()
         except OSError as exc:
             raise ValueError(f"token-file: cannot read {token_file}: {exc.strerror or exc}") from None
-        tokens.extend(parse_tokens(text))
-        if not tokens:
+        if not parse_tokens(text):
             raise ValueError(f"token-file: {token_file} holds no tokens")
-    if token_env and os.environ.get(token_env):
-        tokens.extend(parse_tokens(os.environ[token_env].replace(",", "\n")))
-    return tuple(tokens)
+        return LiveTokens(TokenFile(token_file).tokens, fixed)
+    return fixed
 
 
 def engine_token(path: str | None) -> Any:

@@ -35,7 +35,7 @@ class GatewayBackend:
     def __init__(self, router: Router, ready: Callable[[], bool], tokens: Sequence[bytes] = ()) -> None:
         self.router = router
         self._ready = ready
-        self.tokens = tuple(tokens)
+        self.tokens = tokens  # not copied: a LiveTokens follows its file's rotations
         self._model_ids: list[str] | None = None
         self._model_ids_at = 0.0
         self._refresh: asyncio.Task[None] | None = None

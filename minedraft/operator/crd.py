@@ -76,7 +76,11 @@ def _model(role: str) -> Schema:
                 "tokenSecretRef": _secret_key_ref(
                     "Secret holding a hub token (for gated models); passed to the engine as HF_TOKEN."),
             }, required=["id"]),
-            "persistentVolumeClaim": _obj("Weights already on a PersistentVolumeClaim, mounted read-only.", {
+            "persistentVolumeClaim": _obj(
+                "Weights already on a PersistentVolumeClaim, mounted read-only by every engine pod: with more than "
+                "one replica (or a rollout's extra pod) the claim must be ReadOnlyMany or ReadWriteMany, as a "
+                "ReadWriteOnce volume attaches to one node and pods on others stay in ContainerCreating "
+                "(FailedAttachVolume: Multi-Attach error).", {
                 "claimName": _name("Name of the PersistentVolumeClaim in the MineDraft's namespace."),
                 "path": _str("Directory of the model relative to the volume's root.", default=""),
             }, required=["claimName"]),
@@ -158,6 +162,12 @@ def spec_schema() -> Schema:
                                                 "x-kubernetes-preserve-unknown-fields": True}},
                               "x-kubernetes-preserve-unknown-fields": True}},
             "runtimeClassName": _name("RuntimeClass of the engine pods (GPU nodes often need nvidia)."),
+            "rolloutStrategy": _str("How a changed MineDraft replaces engine pods. Surge: a new pod starts before an "
+                                    "old one stops (no capacity lost, but it needs a spare pod's worth of GPUs: in "
+                                    "a full GPU pool the new pod stays Pending and the rollout never finishes). "
+                                    "Replace: one old pod stops first, then its replacement loads (one replica's "
+                                    "capacity is missing meanwhile; no spare GPUs needed).",
+                                    enum=list(s.ROLLOUT_STRATEGIES), default=eng.rollout_strategy),
             "podDisruptionBudget": {"type": "boolean", "description": "Render a PodDisruptionBudget letting one "
                                                                       "engine pod go at a time.", "default": True},
             "nodeSelector": {"type": "object", "description": "Node labels the engine pods must match.",
@@ -170,8 +180,13 @@ def spec_schema() -> Schema:
             "priorityClassName": _name("PriorityClass of the engine pods."),
             "modelCache": _obj("Volume for downloaded weights and compile caches.", {
                 "claimName": _name("A PersistentVolumeClaim to keep the cache across restarts; an emptyDir when "
-                                   "unset."),
-                "sizeLimit": _quantity("Size limit of the emptyDir cache.", eng.model_cache.size_limit),
+                                   "unset. Every engine pod writes it: with more than one replica (or a rollout's "
+                                   "extra pod) it must be ReadWriteMany (a ReadWriteOnce volume attaches to one "
+                                   "node: Multi-Attach error)."),
+                "sizeLimit": _quantity("Size limit of the emptyDir cache; also requested as ephemeral-storage (unless "
+                                       "ephemeralStorage is set), so the pod lands on a node with that much local "
+                                       "disk instead of being evicted when the cache fills.",
+                                       eng.model_cache.size_limit),
             }, default={}),
             "terminationGracePeriodSeconds": _int("Seconds an engine gets to finish streams after SIGTERM.",
                                                   default=eng.termination_grace_period_seconds, minimum=0,

@@ -314,6 +314,10 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Render
     limits = {"memory": eng.memory, "nvidia.com/gpu": gpus}
     if eng.ephemeral_storage is not None:
         requests["ephemeral-storage"] = limits["ephemeral-storage"] = eng.ephemeral_storage
+    elif not eng.model_cache.claim_name:
+        # The emptyDir cache lives on the node's disk: without a request the scheduler may place the pod where it
+        # does not fit, and the kubelet evicts it once downloads fill the disk (the sizeLimit alone only evicts).
+        requests["ephemeral-storage"] = eng.model_cache.size_limit
     container = {
         "name": "engine",
         "image": eng.image,
@@ -363,9 +367,7 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Render
             # Its own component only (selectors are immutable: the operator replaces a Deployment whose selector
             # differs from this one).
             "selector": {"matchLabels": selector_labels(meta, "engine")},
-            # A new pod must be ready before an old one goes: rollouts never drop capacity. Without spare GPUs the
-            # new pod waits Pending while the old ones keep serving.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": engine_strategy(eng),
             "template": {
                 "metadata": {"labels": labels,
                              "annotations": {"kubectl.kubernetes.io/default-container": "engine"}},
@@ -373,6 +375,14 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Render
             },
         },
     }
+
+
+def engine_strategy(eng: s.EngineSpec) -> dict[str, Any]:
+    """Surge: a new pod must be ready before an old one goes (rollouts never drop capacity; without spare GPUs the
+    new pod waits Pending, forever in a full pool). Replace: an old pod goes first, freeing its GPUs."""
+    if eng.rollout_strategy == "Replace":
+        return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
 
 
 def engine_service(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
@@ -422,7 +432,7 @@ def engine_network_policy(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Re
     if spec.gateway.enabled:
         grpc = {"from": [{"podSelector": {"matchLabels": selector_labels(meta, "gateway")}}], **grpc}
     elif spec.engine_http_port:
-        # Without MineDraft's gateway clients (or an inference gateway's proxy) call the engines directly, over
+        # Without MineDraft's gateway clients call the engines directly, over
         # gRPC or HTTP. With it, the gateway speaks gRPC to engines and nothing needs their HTTP port.
         grpc["ports"].append({"protocol": "TCP", "port": spec.engine_http_port})
     return {

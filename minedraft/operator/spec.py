@@ -26,6 +26,10 @@ DRAFTER_BACKENDS = ("vllm", "torch")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# How engine rollouts replace pods: Surge starts a new pod before an old one goes (needs a spare pod's GPUs: in a
+# full GPU pool the new pod stays Pending and the rollout never ends); Replace stops one old pod first (one replica's
+# capacity is missing while the new one loads, and no spare GPUs are needed).
+ROLLOUT_STRATEGIES = ("Surge", "Replace")
 
 # Draft length bounds: k=0 is plain decoding (mode ar), and past 16 acceptance of the last positions is negligible
 # for any real pair while the verify cost keeps growing.
@@ -158,6 +162,7 @@ class EngineSpec:
     termination_grace_period_seconds: int = 120
     startup_timeout_seconds: int = 1800
     pod_disruption_budget: bool = True
+    rollout_strategy: str = "Surge"
     # The engine's own OpenAI-compatible HTTP port (0: not served; None: DEFAULT_ENGINE_HTTP_PORT without the
     # gateway, closed behind it: MineDraft's gateway reaches engines over gRPC, and an open port would be a way
     # around it).
@@ -487,6 +492,8 @@ def _engine(r: _Reader, data: Mapping[str, Any]) -> EngineSpec:
         startup_timeout_seconds=r.int_(data, "startupTimeoutSeconds", p, d.startup_timeout_seconds, 60, 86400)
         or d.startup_timeout_seconds,
         pod_disruption_budget=pdb,
+        rollout_strategy=r.str_(data, "rolloutStrategy", p, default=d.rollout_strategy, choices=ROLLOUT_STRATEGIES)
+        or d.rollout_strategy,
     )
 
 

@@ -140,7 +140,7 @@ def _system(values: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Connecti
                 Connection(CLIENT, engine, grpc, "TCP", True, "without a gateway clients call the engines"),
                 Connection(NEIGHBOUR, engine, grpc, "TCP", True, "without a gateway clients call the engines"),
                 Connection(CLIENT, engine, http, "TCP", True,
-                           "without a gateway clients (or an inference gateway) call the engines' HTTP API"),
+                           "without a gateway clients call the engines' HTTP API"),
                 Connection(PROMETHEUS, engine, http, "TCP", True, "any client may call the engines' HTTP API"),
             ]
             continue

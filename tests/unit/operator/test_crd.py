@@ -247,3 +247,19 @@ def test_replica_capacity_prior_is_admitted_and_reaches_the_policy() -> None:
     unset = apply_defaults(SCHEMA, example("autoscaled"))["spec"]
     assert "replicaCapacityTokensPerSecond" not in unset["autoscaling"]
     assert policy_config(s.parse_spec(unset)).prior_capacity_tokens_per_second_per_replica is None
+
+
+def test_no_inference_pool_claim() -> None:
+    """Issue 30: the CRD said the engines' HTTP port serves a Gateway API InferencePool, but nothing renders one, the
+    NetworkPolicy blocks that port behind the gateway and it carries no metrics: the claim is gone (CRD and docs)."""
+    texts = [crd_module.crd_yaml(), *(p.read_text() for p in (ROOT / "docs").glob("*.md"))]
+    assert not [t for t in texts if "InferencePool" in t]
+
+
+def test_shared_claims_say_which_access_modes_work() -> None:
+    """Issue 30: every engine pod mounts the model and cache claims; a ReadWriteOnce volume attaches to one node."""
+    source = SCHEMA["properties"]["spec"]["properties"]["target"]["properties"]["source"]["properties"]
+    assert "ReadOnlyMany or ReadWriteMany" in source["persistentVolumeClaim"]["description"]
+    cache = SCHEMA["properties"]["spec"]["properties"]["engine"]["properties"]["modelCache"]["properties"]
+    assert "ReadWriteMany" in cache["claimName"]["description"]
+    assert "ReadOnlyMany" in (ROOT / "docs" / "kubernetes.md").read_text()

@@ -509,3 +509,32 @@ def test_engine_and_gateway_pods_serve_and_name_the_http_api() -> None:
     container = engine["spec"]["template"]["spec"]["containers"][0]
     assert "--http-port" not in container["command"] + container.get("args", [])
     assert all(p["name"] != "http" for p in container["ports"])
+
+
+def test_emptydir_model_cache_requests_its_size_as_ephemeral_storage() -> None:
+    """Issue 30: an emptyDir cache lives on the node's disk; without a request the scheduler may place the pod on a
+    node without room and the kubelet evicts it once downloads fill the disk."""
+    doc = load("minimal")
+    doc["spec"]["engine"] = {"modelCache": {"sizeLimit": "200Gi"}}
+    c = engine_container(render.render_resource(doc))
+    assert c["resources"]["requests"]["ephemeral-storage"] == "200Gi"
+    assert "ephemeral-storage" not in c["resources"]["limits"]  # the sizeLimit evicts; no second cap
+    doc["spec"]["engine"] = {"modelCache": {"claimName": "hf-cache"}}
+    assert "ephemeral-storage" not in engine_container(render.render_resource(doc))["resources"]["requests"]
+    doc["spec"]["engine"] = {"ephemeralStorage": "300Gi"}
+    resources = engine_container(render.render_resource(doc))["resources"]
+    assert resources["requests"]["ephemeral-storage"] == resources["limits"]["ephemeral-storage"] == "300Gi"
+
+
+def test_rollout_strategy_for_full_gpu_pools() -> None:
+    """Issue 30: Surge (the default) needs a spare pod's GPUs; Replace frees an old pod's GPUs first."""
+    doc = load("minimal")
+    dep = next(m for m in render.render_resource(doc) if m["kind"] == "Deployment")
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    doc["spec"]["engine"] = {"rolloutStrategy": "Replace"}
+    dep = next(m for m in render.render_resource(doc) if m["kind"] == "Deployment")
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    kubernetes_validate.validate(dep, "1.34", strict=True)
+    doc["spec"]["engine"] = {"rolloutStrategy": "Recreate"}
+    with pytest.raises(s.SpecError, match=r"spec\.engine\.rolloutStrategy: must be one of Surge, Replace"):
+        render.render_resource(doc)
