@@ -108,6 +108,8 @@ class GatewayConfig:
     ready_without_engines: bool = False
     # The bearer token presented to engines (read per call: a rotated Secret takes effect); None: engines without auth.
     engine_token: Callable[[], str] | None = None
+    # The names clients address the model by (HTTP /v1/models and request matching); empty: the engines' answer.
+    served_model_names: tuple[str, ...] = ()
 
     def router_config(self) -> RouterConfig:
         return RouterConfig(max_attempts=self.max_attempts,
@@ -146,7 +148,8 @@ class Gateway:
         from minedraft.gateway.http import gateway_http_app
 
         tls = self.config.tls
-        self.http = HttpServer(gateway_http_app(self.router, self.ready, self.config.tokens).app,
+        self.http = HttpServer(gateway_http_app(self.router, self.ready, self.config.tokens,
+                                                self.config.served_model_names).app,
                                tls.cert_file if tls else None, tls.key_file if tls else None)
         return await self.http.start(host, port)
 

@@ -46,6 +46,9 @@ def add_subcommands(sub: Any) -> None:
                               "(enables authentication when set)")
     gateway.add_argument("--engine-token-file", help="bearer token presented to engines (the first of the file, "
                               "re-read when it changes), for engines serving with --token-file")
+    gateway.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                         help="the names clients address the model by (as the engines' --served-model-name): "
+                              "/v1/models lists them and requests may name any; default: the engines' answer")
     gateway.add_argument("--tls-cert", help="PEM certificate (with --tls-key: serve TLS)")
     gateway.add_argument("--tls-key", help="PEM private key")
     gateway.add_argument("--grace-seconds", type=float, default=20.0)
@@ -116,7 +119,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
                          engine_wait_timeout_seconds=args.engine_wait_timeout_s,
                          max_waiting_streams=args.max_waiting_streams,
                          ready_without_engines=args.ready_without_engines,
-                         engine_token=engine_token(args.engine_token_file))
+                         engine_token=engine_token(args.engine_token_file),
+                         served_model_names=tuple(args.served_model_name))
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:

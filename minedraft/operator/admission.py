@@ -34,6 +34,8 @@ def to_json_schema(node: Any) -> Any:
     out = {k: to_json_schema(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
     if out.get("exclusiveMinimum") is True:
         out["exclusiveMinimum"] = out.pop("minimum")
+    if node.get("x-kubernetes-list-type") == "set":
+        out["uniqueItems"] = True  # the API server refuses duplicates in a set list
     if (node.get("type") == "object" and "properties" in node
             and not node.get("x-kubernetes-preserve-unknown-fields") and "additionalProperties" not in node):
         out["additionalProperties"] = False

@@ -214,6 +214,12 @@ def spec_schema() -> Schema:
                                                              "the engine and gateway images.",
                              "items": _obj("A core/v1 LocalObjectReference.",
                                            {"name": _name("Name of the Secret.")}, required=["name"])},
+        "servedModelNames": {"type": "array", "description": "The names clients address the model by (OpenAI's "
+                                                             "`model`): the first is what /v1/models and GetModelInfo "
+                                                             "answer, requests may name any of them (aliases). Unset: "
+                                                             "the target's hub id or path.",
+                             "items": _str("A name (no spaces).", pattern=s.SERVED_NAME_PATTERN),
+                             "maxItems": s.MAX_SERVED_MODEL_NAMES, "x-kubernetes-list-type": "set"},
         "replicas": _int("Engine replicas. With autoscaling, leave unset: the autoscaler writes it through the "
                          "/scale subresource.", minimum=0, maximum=s.MAX_REPLICAS),
         "autoscaling": _obj("Speculation-aware autoscaling bounds and targets (used by the autoscaler).", {

@@ -178,6 +178,8 @@ def engine_command(spec: s.MineDraftSpec) -> list[str]:
         cmd += ["--max-num-speculative-tokens", str(max(k, k_high)),
                 "--auto-modes", ",".join(m for m in s.AUTO_MODES if m in modes),
                 "--auto-k", ",".join(str(n) for n in range(k_low, max(k, k_high) + 1))]
+    if spec.served_model_names:
+        cmd += ["--served-model-name", *spec.served_model_names]
     if engines_need_token(spec):
         # The gateway's auth cannot be walked around by calling an engine: its gRPC and HTTP ports want the token.
         cmd += ["--token-file", auth_token_path(spec)]
@@ -503,6 +505,8 @@ def gateway_command(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> list[str]:
         cmd.append("--ready-without-engines")
     if gw.http_port:
         cmd += ["--http-port", str(GATEWAY_HTTP_PORT)]
+    if spec.served_model_names:
+        cmd += ["--served-model-name", *spec.served_model_names]
     if gw.auth_token is not None:
         # Clients' token, and the credential the gateway presents to engines (the same Secret, mounted into both).
         cmd += ["--token-file", auth_token_path(spec), "--engine-token-file", auth_token_path(spec)]

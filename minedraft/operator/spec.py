@@ -52,7 +52,8 @@ RESERVED_ENGINE_FLAGS = ("--host", "--grpc-port", "--metrics-port", "--grace-sec
                          "--max-num-seqs", "--max-model-len", "--dtype", "--tensor-parallel-size", "-tp",
                          "--target-gpus", "--max-num-speculative-tokens", "--auto-modes", "--auto-k",
                          "--speculative-config", "--scheduler-cls", "--pipeline-parallel-size", "-pp",
-                         "--data-parallel-size", "-dp", "--async-scheduling")
+                         "--data-parallel-size", "-dp", "--async-scheduling", "--served-model-name", "--token-file",
+                         "--http-port")
 # extraArgs that are `minedraft serve` flags of their own (the engine sets these vLLM arguments itself from them):
 # passed as they are, not as --vllm-arg.
 ENGINE_OWN_EXTRA_FLAGS = ("--gpu-memory-utilization", "--drafter-gpu-memory-utilization", "--seed",
@@ -80,6 +81,10 @@ _DNS_SUBDOMAIN = re.compile(DNS_SUBDOMAIN_PATTERN)
 SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
 _SECRET_KEY = re.compile(SECRET_KEY_PATTERN)
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+# A served model name (OpenAI's `model`): any printable text without spaces, e.g. qwen3-8b or Qwen/Qwen3-8B.
+SERVED_NAME_PATTERN = r"^[!-,.-~][!-~]{0,255}$"
+_SERVED_NAME = re.compile(SERVED_NAME_PATTERN)
+MAX_SERVED_MODEL_NAMES = 16
 # Service names are DNS-1035 labels: a letter first (a Service named "7b-engine" is refused).
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _ENV_NAME = re.compile(ENV_NAME_PATTERN)
@@ -222,6 +227,9 @@ class MineDraftSpec:
     gateway: GatewaySpec = field(default_factory=GatewaySpec)
     # Secrets (by name, in the MineDraft's namespace) the kubelet uses to pull both images.
     image_pull_secrets: tuple[str, ...] = ()
+    # The names clients address the model by (the first is its name, the others aliases); empty: the target's
+    # hub id or path.
+    served_model_names: tuple[str, ...] = ()
 
     @property
     def desired_replicas(self) -> int:
@@ -618,13 +626,19 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MineDraftSpec:
         pull_secrets = []
     pull_names = tuple(n for i, x in enumerate(pull_secrets)
                        if (n := r.name(x, "name", f"spec.imagePullSecrets[{i}]")) is not None)
+    served = spec.get("servedModelNames", [])
+    if (not isinstance(served, list) or not all(isinstance(n, str) and _SERVED_NAME.match(n) for n in served)
+            or len(set(served)) != len(served) or len(served) > MAX_SERVED_MODEL_NAMES):
+        r.fail("spec.servedModelNames", f"must be a list of at most {MAX_SERVED_MODEL_NAMES} distinct names without "
+                                        f"spaces (got {served!r})")
+        served = []
     if r.errors:
         raise SpecError(r.errors)
     result = MineDraftSpec(
         target=target, draft=draft,
         speculation=SpeculationSpec(mode, k or d.num_speculative_tokens, extra or 0),
         engine=engine, replicas=replicas, autoscaling=autoscaling, gateway=gateway,
-        image_pull_secrets=pull_names,
+        image_pull_secrets=pull_names, served_model_names=tuple(served),
     )
     _check_combinations(r, result)
     if r.errors:

@@ -43,8 +43,9 @@ class EngineServer:
     def __init__(self, replica_id: str | None = None, registry: CollectorRegistry | None = None,
                  metrics_interval_seconds: float = 1.0, engine_check_interval_seconds: float = 5.0,
                  engine_check_timeout_seconds: float = 30.0,
-                 tokens: Callable[[], Sequence[bytes]] | None = None) -> None:
-        self.service = EngineService(replica_id)
+                 tokens: Callable[[], Sequence[bytes]] | None = None,
+                 served_model_names: tuple[str, ...] = ()) -> None:
+        self.service = EngineService(replica_id, served_model_names)
         # Accepted bearer tokens (read per call: a rotated Secret takes effect without a restart); None: no auth.
         self.tokens = tokens
         # Readiness includes "the engine loop answers": a no-op run on the engine thread between steps, this often,
@@ -181,9 +182,10 @@ async def serve(
     registry: CollectorRegistry | None = None,
     http_address: tuple[str, int] | None = None,
     tokens: Callable[[], Sequence[bytes]] | None = None,
+    served_model_names: tuple[str, ...] = (),
 ) -> int:
     """Run a replica until SIGTERM/SIGINT (or stop_event): bind, load the engine, serve, drain, shut the engine down."""
-    server = EngineServer(replica_id, registry, tokens=tokens)
+    server = EngineServer(replica_id, registry, tokens=tokens, served_model_names=served_model_names)
     port = await server.start(grpc_address)
     if http_address is not None:
         await server.start_http(*http_address)

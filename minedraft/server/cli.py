@@ -28,6 +28,9 @@ def add_subcommands(sub: Any) -> None:
     serve.add_argument("--token-file", help="accepted bearer tokens, one per line, re-read when the file changes: the "
                        "gRPC (but health) and HTTP APIs refuse callers without one (the operator sets it to the "
                        "gateway's token when the gateway has auth on)")
+    serve.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                       help="the names clients address the model by: GetModelInfo's model and /v1/models answer the "
+                       "first, requests may name any (aliases); default: the model's path or hub id")
     serve.add_argument("--replica-id", default=os.environ.get("POD_NAME"),
                        help="reported by GetServerInfo (default: $POD_NAME, else the host name)")
     serve.set_defaults(func=cmd_serve)
@@ -70,4 +73,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     return asyncio.run(serve(lambda: AsyncEngine.create(settings), f"{args.host}:{args.grpc_port}",
                              args.grace_seconds, args.replica_id, on_started=on_started, registry=registry,
-                             http_address=(args.host, args.http_port) if args.http_port else None, tokens=tokens))
+                             http_address=(args.host, args.http_port) if args.http_port else None, tokens=tokens,
+                             served_model_names=tuple(args.served_model_name)))

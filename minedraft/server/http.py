@@ -55,11 +55,11 @@ class EngineBackend:
         engine = self.service.engine
         if engine is None:
             raise BackendError(grpc.StatusCode.UNAVAILABLE, f"replica {self.service.replica_id} is loading")
-        return [engine.settings.model]
+        return list(self.service.served_model_names) or [engine.settings.model]
 
     def known_model_ids(self) -> list[str]| None:
         engine = self.service.engine
-        return None if engine is None else [engine.settings.model]
+        return None if engine is None else list(self.service.served_model_names) or [engine.settings.model]
 
     async def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str], protocol: str,
                        timeout_seconds: float | None) -> AsyncIterator[pb.GenerateResponse]:
