@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test lint bench bench-all
+.PHONY: setup run test lint bench bench-all images push
 setup:
 	@bash scripts/setup.sh
 
@@ -20,3 +20,31 @@ bench: setup
 
 bench-all: setup  # every canonical result set in benchmarks/results/ (about an hour on 2 cores)
 	@$(PY) scripts/bench_all.py
+
+# The three images (docker/*.Dockerfile): `make images REGISTRY=registry.example.com/minedraft` builds
+# REGISTRY/operator:TAG, REGISTRY/engine:TAG and REGISTRY/gateway:TAG; `make push` builds and pushes them. TAG
+# defaults to the package version (pyproject.toml), which is also the chart's appVersion: install the chart with
+# --set image.registry=REGISTRY (and --set image.tag=TAG if you chose another). PLATFORM (e.g. linux/amd64) builds
+# for the GPU nodes' architecture from another machine; DOCKER=podman works too.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
+TAG ?= $(VERSION)
+DOCKER ?= docker
+PLATFORM ?=
+IMAGES := operator engine gateway
+IMAGE_PREFIX = $(patsubst %/,%,$(REGISTRY))
+
+ifneq ($(filter images push image-% push-%,$(MAKECMDGOALS)),)
+ifeq ($(strip $(REGISTRY)),)
+$(error REGISTRY is required: the registry and path to build and push the images as, e.g. make images push REGISTRY=registry.example.com/minedraft)
+endif
+endif
+
+images: $(IMAGES:%=image-%)
+
+push: $(IMAGES:%=push-%)
+
+image-%:
+	$(DOCKER) build -f docker/$*.Dockerfile$(if $(PLATFORM), --platform $(PLATFORM)) --build-arg VERSION=$(VERSION) -t $(IMAGE_PREFIX)/$*:$(TAG) .
+
+push-%: image-%
+	$(DOCKER) push $(IMAGE_PREFIX)/$*:$(TAG)

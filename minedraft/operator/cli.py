@@ -4,17 +4,36 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
-from minedraft.operator.settings import ENV_PREFIX, MONITORING_CHOICES, OperatorSettings, parse_labels
+from minedraft.operator.settings import (
+    ENV_PREFIX,
+    IMAGE_REGISTRY_PATTERN,
+    IMAGE_TAG_PATTERN,
+    MONITORING_CHOICES,
+    OperatorSettings,
+    parse_labels,
+)
 
 EXIT_INVALID = 2
 
 
 def _env(name: str, default: str) -> str:
     return os.environ.get(ENV_PREFIX + name, default)
+
+
+def _matching(pattern: re.Pattern[str], what: str) -> Any:
+    """An argparse type refusing values the settings would refuse (a usage error naming the flag, exit 2)."""
+
+    def check(value: str) -> str:
+        if not pattern.match(value):
+            raise argparse.ArgumentTypeError(f"{value!r} is not {what}")
+        return value
+
+    return check
 
 
 def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
@@ -32,6 +51,8 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         operator_namespace_selector=parse_labels(args.operator_namespace_labels),
         operator_pod_selector=parse_labels(args.operator_pod_labels),
         pod_fs_group=int(args.pod_fs_group) if args.pod_fs_group else None,
+        image_registry=args.image_registry,
+        image_tag=args.image_tag,
     )
 
 
@@ -71,6 +92,14 @@ def _add_operator_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pod-fs-group", default=_env("POD_FS_GROUP", ""),
                         help="fsGroup of the engine pods, with fsGroupChangePolicy OnRootMismatch, so a PVC model "
                         "cache is writable by their non-root user (empty: unset, for OpenShift whose SCC assigns it)")
+    parser.add_argument("--image-registry", default=_env("IMAGE_REGISTRY", d.image_registry),
+                        type=_matching(IMAGE_REGISTRY_PATTERN, "a registry host[:port][/path] without scheme or tag"),
+                        help="where `make push REGISTRY=...` put the images: MineDrafts that name no image run "
+                        "REGISTRY/engine:TAG and REGISTRY/gateway:TAG [env MINEDRAFT_OPERATOR_IMAGE_REGISTRY]")
+    parser.add_argument("--image-tag", default=_env("IMAGE_TAG", d.image_tag),
+                        type=_matching(IMAGE_TAG_PATTERN, "an image tag"),
+                        help="tag of those images (default: this package's version, make's default TAG) "
+                        "[env MINEDRAFT_OPERATOR_IMAGE_TAG]")
 
 
 def cmd_run(args: argparse.Namespace) -> int:

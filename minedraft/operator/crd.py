@@ -121,7 +121,9 @@ def spec_schema() -> Schema:
                   ".numExtraDraftTokens"),
         ]}),
         "engine": _obj("The engine pods (one target plus one drafter per pod).", {
-            "image": _str("Engine image (vLLM 0.32 CUDA image with minedraft).", default=eng.image),
+            "image": _str("Engine image (docker/engine.Dockerfile: vLLM 0.32 on CUDA with minedraft). Unset: the "
+                          "operator's, REGISTRY/engine:TAG with the chart's image.registry and image.tag.",
+                          minLength=1),
             "imagePullPolicy": _str("Image pull policy.", enum=list(s.PULL_POLICIES), default=eng.image_pull_policy),
             "targetGPUs": _int("GPUs for the target model, its tensor-parallel size (1 to 8). Each pod requests "
                                "targetGPUs nvidia.com/gpu, plus drafterGPUs for modes whose drafter runs on a "
@@ -268,7 +270,8 @@ def spec_schema() -> Schema:
                                                           "headless Service directly; the gateway's objects are "
                                                           "deleted).", "default": True},
             "replicas": _int("Gateway replicas.", default=gw.replicas, minimum=0, maximum=100),
-            "image": _str("Gateway image.", default=gw.image),
+            "image": _str("Gateway image (docker/gateway.Dockerfile). Unset: the operator's, REGISTRY/gateway:TAG "
+                          "with the chart's image.registry and image.tag.", minLength=1),
             "imagePullPolicy": _str("Image pull policy.", enum=list(s.PULL_POLICIES), default=gw.image_pull_policy),
             "serviceType": _str("Type of the gateway Service.", enum=list(s.SERVICE_TYPES), default=gw.service_type),
             "port": _int("Port of the gateway Service.", default=gw.port, minimum=1, maximum=65535),

@@ -7,7 +7,7 @@ reference to the MineDraft so deleting it garbage-collects everything, and the l
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from minedraft.operator import spec as s
@@ -67,6 +67,20 @@ class RenderOptions:
     # this GID, only when its root does not already match (OnRootMismatch: no recursive chown of a full cache at
     # every start). Left unset on OpenShift, whose SCC assigns the namespace's own fsGroup and refuses others.
     pod_fs_group: int | None = None
+    # Where `make push` put the images, and their tag: engine and gateway pods whose MineDraft names no image of its
+    # own run <image_registry>/engine:<image_tag> and <image_registry>/gateway:<image_tag>.
+    image_registry: str = s.DEFAULT_IMAGE_REGISTRY
+    image_tag: str = s.IMAGE_TAG
+
+    def image(self, name: str) -> str:
+        """The image `make images` builds from docker/<name>.Dockerfile, in this registry with this tag."""
+        return f"{self.image_registry.rstrip('/')}/{name}:{self.image_tag}"
+
+
+def with_images(spec: s.MineDraftSpec, options: RenderOptions) -> s.MineDraftSpec:
+    """The spec with the operator's images filled in where the MineDraft names none."""
+    return replace(spec, engine=replace(spec.engine, image=spec.engine.image or options.image("engine")),
+                   gateway=replace(spec.gateway, image=spec.gateway.image or options.image("gateway")))
 
 
 def names(meta: s.ObjectMeta) -> dict[str, str]:
@@ -322,7 +336,8 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Render
         requests["ephemeral-storage"] = eng.model_cache.size_limit
     container = {
         "name": "engine",
-        "image": eng.image,
+        # render() fills in the operator's image; called on its own, the built-in default.
+        "image": eng.image or RenderOptions().image("engine"),
         "imagePullPolicy": eng.image_pull_policy,
         "command": engine_command(spec),
         "ports": [{"name": "grpc", "containerPort": ENGINE_GRPC_PORT, "protocol": "TCP"},
@@ -584,7 +599,7 @@ def gateway_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
     container = {
         "name": "gateway",
-        "image": gw.image,
+        "image": gw.image or RenderOptions().image("gateway"),
         "imagePullPolicy": gw.image_pull_policy,
         "command": gateway_command(spec, meta),
         "ports": [{"name": "grpc", "containerPort": GATEWAY_GRPC_PORT, "protocol": "TCP"},
@@ -666,6 +681,7 @@ def pod_monitor(meta: s.ObjectMeta) -> Manifest:
 def render(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | None = None) -> list[Manifest]:
     """Every object of one MineDraft, in apply order (RBAC before the pods that use it)."""
     options = options or RenderOptions()
+    spec = with_images(spec, options)
     manifests = [engine_service(spec, meta), engine_deployment(spec, meta, options)]
     if spec.engine.pod_disruption_budget:
         manifests.append(engine_pdb(meta))

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from minedraft.operator import spec as s
 from minedraft.operator.render import RenderOptions
 
 ENV_PREFIX = "MINEDRAFT_OPERATOR_"
 MONITORING_CHOICES = ("auto", "on", "off")
+# A registry host (with an optional port) and optional path, as `docker push` accepts them: no scheme, no tag.
+IMAGE_REGISTRY_PATTERN = re.compile(
+    r"^[a-zA-Z0-9]([a-zA-Z0-9.-]*[a-zA-Z0-9])?(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*$")
+IMAGE_TAG_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 
 @dataclass(frozen=True)
@@ -38,8 +44,17 @@ class OperatorSettings:
     operator_pod_selector: Mapping[str, str] = field(default_factory=dict)
     # fsGroup of the engine pods (None: unset, as OpenShift needs); see RenderOptions.pod_fs_group.
     pod_fs_group: int | None = None
+    # Where the engine and gateway images are (the chart's image.registry and image.tag): used for MineDrafts
+    # that name no image of their own.
+    image_registry: str = s.DEFAULT_IMAGE_REGISTRY
+    image_tag: str = s.IMAGE_TAG
 
     def __post_init__(self) -> None:
+        if not IMAGE_REGISTRY_PATTERN.match(self.image_registry):
+            raise ValueError(f"image_registry must be a registry host with an optional port and path, e.g. "
+                             f"registry.example.com/minedraft, without a scheme or tag (got {self.image_registry!r})")
+        if not IMAGE_TAG_PATTERN.match(self.image_tag):
+            raise ValueError(f"image_tag must be an image tag (letters, digits, '_', '.', '-'; got {self.image_tag!r})")
         if self.monitoring not in MONITORING_CHOICES:
             raise ValueError(f"monitoring must be one of {', '.join(MONITORING_CHOICES)} (got {self.monitoring!r})")
         if self.drift_interval_seconds <= 0:
@@ -57,7 +72,8 @@ class OperatorSettings:
                              operator_namespace_selector=dict(self.operator_namespace_selector),
                              operator_pod_selector=dict(self.operator_pod_selector),
                              operator_has_prometheus=bool(self.prometheus_url),
-                             pod_fs_group=self.pod_fs_group)
+                             pod_fs_group=self.pod_fs_group,
+                             image_registry=self.image_registry, image_tag=self.image_tag)
 
 
 def parse_labels(text: str) -> dict[str, str]:

@@ -59,11 +59,11 @@ RESERVED_ENGINE_FLAGS = ("--host", "--grpc-port", "--metrics-port", "--grace-sec
 ENGINE_OWN_EXTRA_FLAGS = ("--gpu-memory-utilization", "--drafter-gpu-memory-utilization", "--seed",
                           "--draft-deadline-seconds")
 
-# Kept in step with pyproject.toml's version and the Dockerfiles (a test checks all three).
-IMAGE_REPOSITORY = "ghcr.io/minedraft"
+# The operator's own default for where the images are, when neither its --image-registry nor the chart's
+# image.registry says (`make push REGISTRY=...` pushes them; nothing publishes them here), and their tag: the package
+# version, as `make images` tags them (a test checks pyproject.toml, the chart and the Makefile agree).
+DEFAULT_IMAGE_REGISTRY = "ghcr.io/minedraft"
 IMAGE_TAG = "0.1.0"
-DEFAULT_ENGINE_IMAGE = f"{IMAGE_REPOSITORY}/engine:{IMAGE_TAG}"
-DEFAULT_GATEWAY_IMAGE = f"{IMAGE_REPOSITORY}/gateway:{IMAGE_TAG}"
 
 # Ports of the engine container that are not MineDraft fields (the engine Service carries them too): the engine's
 # httpPort must be neither.
@@ -141,7 +141,8 @@ class ModelCacheSpec:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    image: str = DEFAULT_ENGINE_IMAGE
+    # None: the operator's engine image (<its image registry>/engine:<its image tag>).
+    image: str | None = None
     image_pull_policy: str = "IfNotPresent"
     target_gpus: int = 1
     drafter_gpus: int = 1
@@ -203,7 +204,8 @@ class AutoscalingSpec:
 class GatewaySpec:
     enabled: bool = True
     replicas: int = 2
-    image: str = DEFAULT_GATEWAY_IMAGE
+    # None: the operator's gateway image (<its image registry>/gateway:<its image tag>).
+    image: str | None = None
     image_pull_policy: str = "IfNotPresent"
     service_type: str = "ClusterIP"
     port: int = 50051

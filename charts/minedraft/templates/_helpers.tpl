@@ -21,6 +21,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
 
+{{/* The tag of the three images: image.tag, else the chart's appVersion (the package version, make's TAG). */}}
+{{- define "minedraft.imageTag" -}}
+{{- .Values.image.tag | default .Chart.AppVersion -}}
+{{- end -}}
+
 {{- define "minedraft.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "minedraft.fullname" .) .Values.serviceAccount.name -}}
