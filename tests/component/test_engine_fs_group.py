@@ -50,9 +50,9 @@ def engine_pod(fs_group: int | None) -> dict[str, Any]:
 
 def test_vanilla_cluster_engine_pods_get_an_fs_group() -> None:
     settings = settings_of(operator_args({}, openshift=False))
-    assert settings.pod_fs_group == 1000
+    assert settings.pod_fs_group == 65532
     pod = engine_pod(settings.pod_fs_group)
-    assert pod["securityContext"]["fsGroup"] == 1000
+    assert pod["securityContext"]["fsGroup"] == 65532
     assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
     # PodSecurity restricted allows a fixed fsGroup (only OpenShift's SCC refuses one).
     assert restricted_violations(pod, {}) == []

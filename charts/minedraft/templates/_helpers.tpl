@@ -112,12 +112,12 @@ requires it to set blockOwnerDeletion. No Secrets: pods reference them and the k
 
 {{/*
 The engine pods' fsGroup as the operator's --pod-fs-group takes it ("" for none): operator.enginePodFsGroup, where
-"auto" is 1000 (the images' group) except on OpenShift, whose SCC assigns the fsGroup.
+"auto" is 65532 (the images' user id; any GID works) except on OpenShift, whose SCC assigns the fsGroup.
 */}}
 {{- define "minedraft.enginePodFsGroup" -}}
 {{- $value := .Values.operator.enginePodFsGroup -}}
 {{- if eq (toString $value) "auto" -}}
-{{- if not (.Capabilities.APIVersions.Has "security.openshift.io/v1/SecurityContextConstraints") -}}1000{{- end -}}
+{{- if not (.Capabilities.APIVersions.Has "security.openshift.io/v1/SecurityContextConstraints") -}}65532{{- end -}}
 {{- else if $value -}}
 {{- int64 $value -}}
 {{- end -}}
