@@ -735,8 +735,9 @@ OPTIONAL_FIELDS: list[tuple[str, dict[str, Any], Callable[[dict[str, Any]], Any]
     ("imagePullSecrets", {"imagePullSecrets": [{"name": "registry"}]}, lambda p: p.get("imagePullSecrets")),
     ("env", {"engine": {"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]}},
      lambda p: [e for e in p["containers"][0]["env"] if e["name"] == "NCCL_DEBUG"]),
+    # The request stays (the emptyDir model cache's size, issue 30); the limit goes with the field.
     ("ephemeralStorage", {"engine": {"ephemeralStorage": "50Gi"}},
-     lambda p: p["containers"][0]["resources"]["requests"].get("ephemeral-storage")),
+     lambda p: p["containers"][0]["resources"]["limits"].get("ephemeral-storage")),
     ("cpu override", {"engine": {"cpu": 16}}, lambda p: p["containers"][0]["resources"]["requests"]["cpu"] == "16"),
     ("maxModelLen", {"engine": {"maxModelLen": 4096}}, lambda p: "--max-model-len" in p["containers"][0]["command"]),
     ("extraArgs", {"engine": {"extraArgs": ["--enforce-eager"]}},
