@@ -294,9 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     importlib.import_module("minedraft.operator.cli").add_subcommands(sub)  # operator: run, render, crd
     importlib.import_module("minedraft.operator.autoscale.cli").add_subcommands(sub)  # autoscale simulate, compare
     importlib.import_module("minedraft.server.cli").add_subcommands(sub)  # serve
+    importlib.import_module("minedraft.server.drafter_cli").add_subcommand(sub)  # drafter (shared service)
     importlib.import_module("minedraft.gateway.cli").add_subcommands(sub)  # gateway, bench-gateway
     importlib.import_module("minedraft.client").add_subcommands(sub)  # client generate
     importlib.import_module("minedraft.doctor").add_subcommands(sub)  # doctor
+    importlib.import_module("minedraft.profile.cli").add_subcommands(sub)  # profile (torch only)
     return parser
 
 

@@ -68,6 +68,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
     parser.add_argument("--drafter-backend", default="auto", choices=list(DRAFTER_BACKENDS),
                         help="auto: vllm on GPU machines, torch on CPUs; torch: plain-torch Llama/Qwen3 drafter with "
                         "a per-request KV cache (CPUs only); vllm: the draft model in vLLM (any architecture)")
+    parser.add_argument("--drafter-address", metavar="HOST:PORT",
+                        help="draft with a shared drafter service (`minedraft drafter`) instead of a drafter process "
+                        "of this engine's own")
+    parser.add_argument("--drafter-token-file",
+                        help="file holding the token shared with the drafter service (required with "
+                        "--drafter-address)")
+    parser.add_argument("--drafter-window", type=int, default=0,
+                        help="torch drafter: each draft step reads at most the last W tokens' KV plus a few "
+                        "attention-sink tokens (0: the whole context)")
     parser.add_argument("--vllm-arg", action="append", default=[], metavar="--FLAG[=VALUE]",
                         help="any other vLLM engine argument, checked by vLLM's own parser; repeat for more "
                         "(e.g. --vllm-arg=--enable-prefix-caching --vllm-arg=--max-num-batched-tokens=8192)")
@@ -142,6 +151,9 @@ def settings_from_args(args: argparse.Namespace) -> Any:
             backend=args.drafter_backend,
             gpu_memory_utilization=args.drafter_gpu_memory_utilization,
             hang_seconds=args.drafter_hang_seconds,
+            address=getattr(args, "drafter_address", None),
+            token_file=getattr(args, "drafter_token_file", None),
+            window=getattr(args, "drafter_window", 0) or 0,
         ),
         mode=mode,
         num_speculative_tokens=args.num_speculative_tokens,

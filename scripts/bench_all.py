@@ -81,6 +81,11 @@ STEPS: tuple[Step, ...] = (
           "--rounds", "3"),
          # Measured on the contended 2-core machine: about 5 minutes.
          ("benchmarks/results/drafter-jobs.json",), 6 * 60),
+    Step("drafter-window", "acceptance of a context-bounded drafter (window 512/256/64 + 4 sink tokens) against the "
+         "whole-context drafter on 256 to 1900-token prompts (greedy SD simulated exactly, no engine)",
+         ("python", "-m", "minedraft.bench.drafter_window", "--out", "benchmarks/results/drafter-window"),
+         # A guess until timed on an idle machine (target continuations plus five drafters over 18 prompts).
+         ("benchmarks/results/drafter-window.json",), 8 * 60),
     Step("step-breakdown-resident", "per-step time at 32 requests, 512 to 8k tokens: psd with the model runner's "
          "resident sub-batches against vLLM's single persistent batch (psd-churn), and ar",
          ("minedraft", "bench", "steps", "--out", "benchmarks/results/step-breakdown-resident",

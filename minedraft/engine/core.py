@@ -93,6 +93,7 @@ def drafter_process_settings(settings: EngineSettings, plan: DevicePlan | None =
         "cuda_visible_devices": plan.drafter_visible_devices if plan is not None else None,
         "gpu_memory_utilization": drafter.gpu_memory_utilization,
         "kv_cache_gib": drafter.kv_cache_gib,
+        "drafter_window": drafter.window,
         # 0: vLLM fits the draft's own context length to its KV cache.
         "max_model_len": settings.max_model_len,
         "max_num_seqs": settings.max_num_seqs,
@@ -184,7 +185,9 @@ class Engine:
         settings = resolve_for_device(settings, device)
         self.device_plan = plan_devices(settings, device)
         self.pair_check: dict[str, Any] | None = None
-        if settings.mode.uses_drafter or settings.mode is Mode.VLLM_SD:
+        # (A shared drafter service holds the draft model: it checks every token id against its vocabulary.)
+        remote_drafter = settings.drafter.address is not None and settings.mode.uses_drafter
+        if (settings.mode.uses_drafter or settings.mode is Mode.VLLM_SD) and not remote_drafter:
             self.pair_check = check_model_pair(settings.model, settings.drafter.model, settings.drafter.backend
                                                if settings.mode.uses_drafter else "vllm")
         self.settings = settings
@@ -222,6 +225,14 @@ class Engine:
         log.info("engine (%s) ready in %.1fs", settings.mode.value, self.startup_seconds)
 
     def _start_drafter(self, settings: EngineSettings) -> Any:
+        if settings.drafter.address is not None:
+            from minedraft.engine.drafter_remote import RemoteDrafterClient
+            from minedraft.engine.drafter_wire import read_token
+
+            remote = RemoteDrafterClient(settings.drafter.address, read_token(str(settings.drafter.token_file)),
+                                         deadline_seconds=settings.drafter.deadline_seconds)
+            remote.start()
+            return remote
         from minedraft.engine.drafter_client import DrafterClient
 
         drafter = DrafterClient(

@@ -144,7 +144,7 @@ class DrafterLink:
                 self.num_progress_reports += 1
                 continue
             group = None
-            if isinstance(message, protocol.DraftReply | protocol.DrafterError):
+            if isinstance(message, protocol.DraftReply | protocol.DrafterError | protocol.DrafterBusy):
                 group = self._drop_ticket(message.job_id)
                 if isinstance(message, protocol.DraftReply):
                     self.consecutive_failed_jobs = 0

@@ -89,11 +89,20 @@ class Progress(msgspec.Struct, frozen=True, array_like=True, tag="progress"):
     num_steps: int
 
 
+class DrafterBusy(msgspec.Struct, frozen=True, array_like=True, tag="busy"):
+    """A shared drafter service did not draft this job: its queue was full, or the job waited longer than the
+    engine's deadline (backpressure). The verifier verifies that sub-batch without drafts at once and counts it; the
+    service still took in the job's tokens, so the next job stays a small delta."""
+
+    job_id: int
+    reason: str
+
+
 # How often at most a working drafter reports progress; the verifier's hang threshold must be well above it.
 PROGRESS_INTERVAL_SECONDS = 0.25
 
 ToDrafter = DraftJob | CancelRequests | CancelJobs | Shutdown
-FromDrafter = DraftReply | Ready | DrafterError | Progress
+FromDrafter = DraftReply | Ready | DrafterError | Progress | DrafterBusy
 
 _encoder = msgspec.msgpack.Encoder()
 _to_drafter = msgspec.msgpack.Decoder(ToDrafter)  # type: ignore[var-annotated]

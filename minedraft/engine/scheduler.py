@@ -317,6 +317,13 @@ class PSDScheduler(Scheduler):
             if not message.request_ids:
                 self.link.job_failed_unattributed()
             return
+        if isinstance(message, protocol.DrafterBusy):
+            # A shared drafter service pushed back (queue full or past this engine's deadline): this sub-batch is
+            # verified without drafts now instead of waiting; counted, so metrics show a saturated service.
+            self.stats.count(drafter_busy=1)
+            if group is not None:
+                self.planner.job_done(group)
+            return
         if not isinstance(message, protocol.DraftReply):
             return
         self.planner.need_full_context(message.need_context)

@@ -105,6 +105,13 @@ class DrafterSettings:
     # and restarted in the background. A slow drafter keeps reporting progress and is never restarted for being
     # slow: a restart loses every request's drafter-side tokens and KV. Generous: a hang costs only drafts meanwhile.
     hang_seconds: float = DEFAULT_HANG_SECONDS
+    # A shared drafter service ("HOST:PORT", `minedraft drafter`) instead of a drafter process of this engine's own;
+    # None: the local drafter process. The service holds the draft model; token_file holds the shared token.
+    address: str | None = None
+    token_file: str | None = None
+    # Torch backend: each draft step reads at most this many recent tokens' KV (plus a few attention-sink tokens);
+    # 0: the whole context.
+    window: int = 0
 
 
 @dataclass(frozen=True)
@@ -235,6 +242,7 @@ def validate(settings: EngineSettings) -> None:
             raise SettingsError("drafter.gpu_index", f"GPU {gpu} is one of the target's {list(settings.target_gpus)}: "
                                 "the drafter needs a device of its own")
     validate_vllm_args(settings.extra_vllm_args)
+    _validate_remote_drafter(settings.drafter)
     if settings.drafter.deadline_seconds <= 0:
         raise SettingsError("drafter.deadline_seconds", "must be positive")
     if not settings.drafter.hang_seconds >= MIN_HANG_SECONDS:
@@ -256,6 +264,25 @@ def validate(settings: EngineSettings) -> None:
                                 f"longest draft, max_num_speculative_tokens), got {auto.k_candidates}")
     if settings.mode is not Mode.AR and not settings.drafter.model:
         raise SettingsError("drafter.model", f"mode {settings.mode.value} needs a draft model")
+
+
+def _validate_remote_drafter(drafter: DrafterSettings) -> None:
+    if drafter.window < 0:
+        raise SettingsError("drafter.window", f"must be 0 (the whole context) or positive, got {drafter.window}")
+    if drafter.window and drafter.backend == "vllm" and drafter.address is None:
+        raise SettingsError("drafter.window", "the drafter window is the torch backend's (--drafter-backend torch): "
+                            "vLLM's sliding window keeps no attention-sink tokens and is not applied to Qwen3 models")
+    if drafter.address is None:
+        return
+    from minedraft.engine.drafter_wire import parse_address
+
+    try:
+        parse_address(drafter.address)
+    except ValueError as exc:
+        raise SettingsError("drafter.address", str(exc)) from None
+    if not drafter.token_file:
+        raise SettingsError("drafter.token_file", "a drafter service needs the shared token (--drafter-token-file): "
+                            "engines and service authenticate each other")
 
 
 def validate_vllm_args(args: dict[str, Any]) -> None:

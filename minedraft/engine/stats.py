@@ -82,6 +82,8 @@ class EngineTotals:
     drafter_restarts: int = 0
     deadline_misses: int = 0
     drafter_errors: int = 0
+    # Draft jobs a shared drafter service answered "busy" (backpressure): verified without drafts.
+    drafter_busy: int = 0
     # Requests pushed back to waiting when the KV cache ran out (vLLM recomputes them on resume).
     preemptions: int = 0
     # Switches of mode or k made by auto mode.

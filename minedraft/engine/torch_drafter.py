@@ -124,14 +124,18 @@ class TorchLlamaDrafter:
         freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = angles.cos().to(dtype), angles.sin().to(dtype)
-        shape = (max_slots, self.num_kv_heads, max_model_len, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
+        self._allocate_cache(max_slots, max_model_len, dtype)
         self.slots: dict[str, _Slot] = {}
         self.free = list(range(max_slots))
         # Seconds the last draft() spent up to its first drafted token (catch-up included).
         self.last_first_token_seconds = 0.0
         del model
+
+    def _allocate_cache(self, max_slots: int, max_model_len: int, dtype: torch.dtype) -> None:
+        """Every position of every slot (torch_drafter_window.WindowedTorchDrafter keeps a bounded window instead)."""
+        shape = (max_slots, self.num_kv_heads, max_model_len, self.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
 
     # -- slots ---------------------------------------------------------------------------------------------------
 
@@ -274,6 +278,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def make_torch_drafter(settings: dict[str, Any]) -> TorchLlamaDrafter:
+    if settings.get("drafter_window") or settings.get("device", "cpu") != "cpu":
+        from minedraft.engine.torch_drafter_window import make_windowed_drafter
+
+        return make_windowed_drafter(settings)
     return TorchLlamaDrafter(
         settings["model"],
         max_slots=2 * int(settings["max_num_seqs"]) + 8,

@@ -289,6 +289,7 @@ def spec_schema() -> Schema:
         }, default={}, **{"x-kubernetes-validations": [
             _rule("self.httpPort == 0 || self.httpPort != self.port", "httpPort must differ from port", ".httpPort"),
         ]}),
+        "drafterPool": _drafter_pool(),
     }, required=["target", "draft"], **{"x-kubernetes-validations": [
         # Creation only (optionalOldSelf: on create oldSelf has no value): afterwards the autoscaler writes
         # spec.replicas through /scale, which the next rule keeps within bounds.
@@ -309,6 +310,7 @@ def spec_schema() -> Schema:
         # The drafter's GPU is requested next to the target's for the modes that draft on one (needs_drafter_gpu).
         _rule("!(self.speculation.mode in ['psd', 'sd'] || (self.speculation.mode == 'auto' && "
               "(!has(self.autoscaling) || self.autoscaling.speculation.allowedModes.exists(m, m in ['psd', 'sd']))))"
+              " || has(self.drafterPool)"
               f" || self.engine.targetGPUs + self.engine.drafterGPUs <= {s.MAX_GPUS_PER_POD}",
               f"targetGPUs plus the drafter's GPU must fit on one node of at most {s.MAX_GPUS_PER_POD} GPUs (modes "
               "psd and sd draft on a GPU of their own)", ".engine.targetGPUs"),
@@ -321,6 +323,33 @@ def spec_schema() -> Schema:
         _rule("self.gateway.enabled || !has(self.gateway.tlsSecretRef)",
               "tlsSecretRef needs gateway.enabled: without the gateway nothing serves TLS", ".gateway.tlsSecretRef",
               reason="FieldValueForbidden"),
+        _rule("!has(self.drafterPool) || self.speculation.mode in ['psd', 'sd', 'auto']",
+              "drafterPool needs speculation.mode psd, sd or auto (the modes that draft with the minedraft drafter)",
+              ".drafterPool"),
+    ]})
+
+
+def _drafter_pool() -> Schema:
+    pool = s.DrafterPoolSpec(s.SecretKeyRef("", ""))
+    return _obj("A drafter service shared by every engine replica (minedraft drafter): engine pods then request only "
+                "the target's GPUs and draft through it; only this MineDraft's engine pods may reach it.", {
+        "tokenSecretRef": _secret_key_ref("Secret with the token engines and drafter pool authenticate each other "
+                                          "with (at least 16 bytes); mounted as a file, never an environment "
+                                          "variable."),
+        "replicas": _int("Drafter pool replicas.", default=pool.replicas, minimum=0, maximum=64),
+        "gpus": _int("GPUs per drafter pod (0: the drafter runs on CPUs).", default=pool.gpus, minimum=0, maximum=8),
+        "backend": _str("Drafter backend: vllm (any architecture) or torch (Llama/Qwen3, with window support).",
+                        enum=list(s.DRAFTER_BACKENDS), default=pool.backend),
+        "window": _int("torch backend: each draft step reads at most the last window tokens of a context plus 4 "
+                       "attention-sink tokens (0: the whole context).", default=pool.window, minimum=0),
+        "cpu": _quantity("CPU request per drafter pod.", pool.cpu),
+        "memory": _quantity("Memory request and limit per drafter pod.", pool.memory),
+        "maxQueuedJobs": _int("Draft jobs queued (all engines) before the pool answers busy and engines decode "
+                              "without drafts.", default=pool.max_queued_jobs, minimum=1, maximum=100000),
+        "port": _int("Port of the drafter pool's Service.", default=pool.port, minimum=1, maximum=65535),
+    }, required=["tokenSecretRef"], **{"x-kubernetes-validations": [
+        _rule("self.window == 0 || self.backend == 'torch'",
+              "drafterPool.window needs backend torch (vLLM's sliding window keeps no sink tokens)", ".window"),
     ]})
 
 

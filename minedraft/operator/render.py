@@ -84,7 +84,8 @@ def with_images(spec: s.MineDraftSpec, options: RenderOptions) -> s.MineDraftSpe
 
 
 def names(meta: s.ObjectMeta) -> dict[str, str]:
-    return {"engine": f"{meta.name}-engine", "gateway": f"{meta.name}-gateway", "monitor": meta.name}
+    return {"engine": f"{meta.name}-engine", "gateway": f"{meta.name}-gateway", "monitor": meta.name,
+            "drafter": f"{meta.name}-drafter"}
 
 
 def selector_labels(meta: s.ObjectMeta, component: str) -> dict[str, str]:
@@ -149,7 +150,7 @@ def _model_location(role: str, model: s.ModelSpec) -> str:
     return src.image_path
 
 
-def engine_command(spec: s.MineDraftSpec) -> list[str]:
+def engine_command(spec: s.MineDraftSpec, meta: s.ObjectMeta | None = None) -> list[str]:
     """The engine container's command line: the target on GPU 0, the drafter on GPU 1 (a device of its own)."""
     eng = spec.engine
     k = spec.speculation.num_speculative_tokens
@@ -176,7 +177,13 @@ def engine_command(spec: s.MineDraftSpec) -> list[str]:
     if eng.target_gpus > 1:
         # The target is tensor parallel over all its GPUs.
         cmd += ["--tensor-parallel-size", str(eng.target_gpus)]
-    if spec.needs_drafter_gpu:
+    if spec.drafter_pool is not None:
+        # The MineDraft's drafter pool drafts for every engine: no drafter GPU here. Its Service, in the same
+        # namespace (the short name resolves).
+        assert meta is not None, "the drafter pool's address needs the MineDraft's name"
+        cmd += ["--drafter-address", f"{names(meta)['drafter']}:{spec.drafter_pool.port}",
+                "--drafter-token-file", f"{DRAFTER_TOKEN_DIR}/token"]
+    elif spec.needs_drafter_gpu:
         # The device plugin exposes this pod's GPUs as 0..n-1; the target takes the first targetGPUs of them, so
         # the next one is the drafter's alone.
         cmd += ["--drafter-gpu", str(eng.target_gpus)]
@@ -293,7 +300,8 @@ def _engine_env(spec: s.MineDraftSpec) -> list[dict[str, Any]]:
 
 def engine_gpus(spec: s.MineDraftSpec) -> int:
     """nvidia.com/gpu per engine pod: the target's, plus the drafter's own only for modes that draft on it."""
-    return spec.engine.target_gpus + (spec.engine.drafter_gpus if spec.needs_drafter_gpu else 0)
+    own_drafter = spec.needs_drafter_gpu and spec.drafter_pool is None
+    return spec.engine.target_gpus + (spec.engine.drafter_gpus if own_drafter else 0)
 
 
 STARTUP_PERIOD_SECONDS = 10
@@ -326,6 +334,7 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Render
     options = options or RenderOptions()
     gpus = str(engine_gpus(spec))
     volumes, mounts = _engine_volumes(spec)
+    volumes, mounts = volumes + _drafter_token_volumes(spec), mounts + _drafter_token_mounts(spec)
     requests = {"cpu": eng.cpu, "memory": eng.memory, "nvidia.com/gpu": gpus}
     limits = {"memory": eng.memory, "nvidia.com/gpu": gpus}
     if eng.ephemeral_storage is not None:
@@ -339,7 +348,7 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Render
         # render() fills in the operator's image; called on its own, the built-in default.
         "image": eng.image or RenderOptions().image("engine"),
         "imagePullPolicy": eng.image_pull_policy,
-        "command": engine_command(spec),
+        "command": engine_command(spec, meta),
         "ports": [{"name": "grpc", "containerPort": ENGINE_GRPC_PORT, "protocol": "TCP"},
                   *([{"name": "http", "containerPort": spec.engine_http_port, "protocol": "TCP"}]
                     if spec.engine_http_port else []),
@@ -678,6 +687,146 @@ def pod_monitor(meta: s.ObjectMeta) -> Manifest:
     }
 
 
+# -- drafter pool ----------------------------------------------------------------------------------------------------
+
+DRAFTER_TOKEN_DIR = "/etc/minedraft/drafter-token"
+DRAFTER_METRICS_PORT = 9402
+
+
+def _drafter_token_volumes(spec: s.MineDraftSpec) -> list[dict[str, Any]]:
+    pool = spec.drafter_pool
+    if pool is None:
+        return []
+    # Mounted, never in an environment variable or the command line: the token stays out of `kubectl describe`.
+    return [{"name": "drafter-token", "secret": {"secretName": pool.token.name, "defaultMode": 0o440,
+                                                 "items": [{"key": pool.token.key, "path": "token"}]}}]
+
+
+def _drafter_token_mounts(spec: s.MineDraftSpec) -> list[dict[str, Any]]:
+    if spec.drafter_pool is None:
+        return []
+    return [{"name": "drafter-token", "mountPath": DRAFTER_TOKEN_DIR, "readOnly": True}]
+
+
+def drafter_command(spec: s.MineDraftSpec) -> list[str]:
+    pool = spec.drafter_pool
+    assert pool is not None
+    cmd = ["minedraft", "drafter", "--host", "0.0.0.0", "--port", str(pool.port),
+           "--model", _model_location("draft", spec.draft), "--token-file", f"{DRAFTER_TOKEN_DIR}/token",
+           "--backend", pool.backend, "--max-queued-jobs", str(pool.max_queued_jobs),
+           "--metrics-port", str(DRAFTER_METRICS_PORT),
+           # Every engine's sub-batches together: the pool holds the requests of all replicas.
+           "--max-num-seqs", str(spec.engine.max_num_seqs * max(1, spec.desired_replicas))]
+    if pool.backend == "torch" and pool.gpus:
+        cmd += ["--device", "cuda"]
+    if pool.window:
+        cmd += ["--window", str(pool.window)]
+    if spec.engine.dtype != s.EngineSpec().dtype:
+        cmd += ["--dtype", spec.engine.dtype]
+    if spec.engine.max_model_len is not None:
+        cmd += ["--max-model-len", str(spec.engine.max_model_len)]
+    return cmd
+
+
+def drafter_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
+    """The drafter pool: `minedraft drafter` on its own GPUs, shared by every engine replica."""
+    pool = spec.drafter_pool
+    assert pool is not None
+    volumes, mounts = _engine_volumes(spec)
+    volumes, mounts = volumes + _drafter_token_volumes(spec), mounts + _drafter_token_mounts(spec)
+    requests: dict[str, Any] = {"cpu": pool.cpu, "memory": pool.memory}
+    limits: dict[str, Any] = {"memory": pool.memory}
+    if pool.gpus:
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(pool.gpus)
+    # The service binds its port once the draft model is loaded: an open port is readiness.
+    tcp = {"tcpSocket": {"port": pool.port}}
+    container = {
+        "name": "drafter",
+        # The engine's image (it has the drafter's dependencies); render() fills in the operator's.
+        "image": spec.engine.image or RenderOptions().image("engine"),
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": drafter_command(spec),
+        "ports": [{"name": "drafter", "containerPort": pool.port, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": DRAFTER_METRICS_PORT, "protocol": "TCP"}],
+        "env": [e for e in _engine_env(spec) if e["name"] != "POD_NAME"],
+        "resources": {"requests": requests, "limits": limits},
+        "startupProbe": {**tcp, "periodSeconds": STARTUP_PERIOD_SECONDS,
+                         "failureThreshold": max(1, -(-spec.engine.startup_timeout_seconds // STARTUP_PERIOD_SECONDS))},
+        "readinessProbe": {**tcp, "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {**tcp, "periodSeconds": LIVENESS_PERIOD_SECONDS, "failureThreshold": 6},
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": _container_security(),
+        "volumeMounts": mounts,
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container], "volumes": volumes, "securityContext": _pod_security(),
+        "automountServiceAccountToken": False, "enableServiceLinks": False,
+    }
+    eng = spec.engine
+    if eng.node_selector:
+        pod_spec["nodeSelector"] = dict(eng.node_selector)
+    if eng.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in eng.tolerations]
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(meta, names(meta)["drafter"], "drafter"),
+        "spec": {
+            "replicas": pool.replicas,
+            "selector": {"matchLabels": selector_labels(meta, "drafter")},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": {"labels": _labels(meta, "drafter")}, "spec": pod_spec},
+        },
+    }
+
+
+def drafter_service(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
+    pool = spec.drafter_pool
+    assert pool is not None
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(meta, names(meta)["drafter"], "drafter"),
+        "spec": {"type": "ClusterIP", "selector": selector_labels(meta, "drafter"),
+                 "ports": [{"name": "drafter", "port": pool.port, "targetPort": pool.port, "protocol": "TCP"}]},
+    }
+
+
+def drafter_network_policy(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions) -> Manifest:
+    """Only this MineDraft's engine pods reach the drafter pool, and only the metrics scrapers its metrics port (the
+    kubelet's TCP probes come from the node, which NetworkPolicies always admit)."""
+    pool = spec.drafter_pool
+    assert pool is not None
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(meta, names(meta)["drafter"], "drafter"),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(meta, "drafter")},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": selector_labels(meta, "engine")}}],
+                         "ports": [{"protocol": "TCP", "port": pool.port}]},
+                        {"from": _metrics_scrapers(spec, options),
+                         "ports": [{"protocol": "TCP", "port": DRAFTER_METRICS_PORT}]}],
+        },
+    }
+
+
+def drafter_pod_monitor(meta: s.ObjectMeta) -> Manifest:
+    """The drafter pool's metrics (minedraft_drafter_*), scraped like the engines'."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": _metadata(meta, names(meta)["drafter"], "monitoring"),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(meta, "drafter")},
+            "podMetricsEndpoints": [{"port": "metrics", "interval": "15s"}],
+        },
+    }
+
+
 def render(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | None = None) -> list[Manifest]:
     """Every object of one MineDraft, in apply order (RBAC before the pods that use it)."""
     options = options or RenderOptions()
@@ -697,6 +846,12 @@ def render(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | N
         manifests.append(engine_network_policy(spec, meta, options))
         if spec.gateway.enabled:
             manifests.append(gateway_network_policy(spec, meta, options))
+    if spec.drafter_pool is not None:
+        manifests += [drafter_service(spec, meta), drafter_deployment(spec, meta)]
+        if options.network_policy:
+            manifests.append(drafter_network_policy(spec, meta, options))
+        if options.monitoring:
+            manifests.append(drafter_pod_monitor(meta))
     if options.monitoring:
         manifests.append(pod_monitor(meta))
     return manifests
@@ -709,7 +864,9 @@ def all_kinds_and_names(meta: s.ObjectMeta) -> list[tuple[str, str]]:
     return [("Service", n["engine"]), ("Deployment", n["engine"]), ("PodDisruptionBudget", n["engine"]),
             ("ServiceAccount", n["gateway"]), ("Role", n["gateway"]), ("RoleBinding", n["gateway"]),
             ("Service", n["gateway"]), ("Deployment", n["gateway"]), ("NetworkPolicy", n["engine"]),
-            ("NetworkPolicy", n["gateway"]), ("PodMonitor", n["monitor"])]
+            ("NetworkPolicy", n["gateway"]), ("PodMonitor", n["monitor"]),
+            ("Service", n["drafter"]), ("Deployment", n["drafter"]), ("NetworkPolicy", n["drafter"]),
+            ("PodMonitor", n["drafter"])]
 
 
 def render_resource(resource: Mapping[str, Any], options: RenderOptions | None = None) -> list[Manifest]:

@@ -219,6 +219,23 @@ class GatewaySpec:
 
 
 @dataclass(frozen=True)
+class DrafterPoolSpec:
+    """A drafter service shared by all engine replicas (`minedraft drafter`): engines then request only the target's
+    GPUs and draft through it over authenticated sessions (a shared token from a Secret)."""
+
+    token: SecretKeyRef
+    replicas: int = 1
+    gpus: int = 1
+    backend: str = "vllm"
+    # torch backend only: each draft step reads at most the last `window` tokens (plus 4 sink tokens); 0: all.
+    window: int = 0
+    cpu: str = "4"
+    memory: str = "32Gi"
+    max_queued_jobs: int = 64
+    port: int = 50061
+
+
+@dataclass(frozen=True)
 class MineDraftSpec:
     target: ModelSpec
     draft: ModelSpec
@@ -232,6 +249,8 @@ class MineDraftSpec:
     # The names clients address the model by (the first is its name, the others aliases); empty: the target's
     # hub id or path.
     served_model_names: tuple[str, ...] = ()
+    # A shared drafter service instead of a drafter GPU in every engine pod (None: each engine drafts on its own).
+    drafter_pool: DrafterPoolSpec | None = None
 
     @property
     def desired_replicas(self) -> int:
@@ -278,6 +297,8 @@ class MineDraftSpec:
             refs.append(("spec.gateway.authTokenSecretRef", self.gateway.auth_token))
         if self.gateway.tls_secret_name is not None:
             refs.append(("spec.gateway.tlsSecretRef", self.gateway.tls_secret_name))
+        if self.drafter_pool is not None:
+            refs.append(("spec.drafterPool.tokenSecretRef", self.drafter_pool.token))
         return refs
 
 
@@ -582,6 +603,32 @@ def _gateway(r: _Reader, data: Mapping[str, Any]) -> GatewaySpec:
     )
 
 
+def _drafter_pool(r: _Reader, data: Mapping[str, Any] | None, mode: str) -> DrafterPoolSpec | None:
+    if data is None:
+        return None
+    p = "spec.drafterPool"
+    d = DrafterPoolSpec(SecretKeyRef("", ""))
+    if mode not in (*DRAFTER_GPU_MODES, "auto"):
+        r.fail(p, f"mode {mode} does not draft with the minedraft drafter: a drafter pool needs psd, sd or auto")
+    token = _secret_key_ref(r, r.obj(data, "tokenSecretRef", p, required=True), f"{p}.tokenSecretRef", "token")
+    backend = r.str_(data, "backend", p, default=d.backend, choices=DRAFTER_BACKENDS) or d.backend
+    window = _or(r.int_(data, "window", p, d.window, 0, 1_000_000), d.window)
+    if window and backend != "torch":
+        r.fail(f"{p}.window", "the drafter window is the torch backend's (vLLM's sliding window keeps no sink tokens "
+                              "and is not applied to Qwen3 models): set backend torch or window 0")
+    return DrafterPoolSpec(
+        token=token or SecretKeyRef("", ""),
+        replicas=_or(r.int_(data, "replicas", p, d.replicas, 0, 64), d.replicas),
+        gpus=_or(r.int_(data, "gpus", p, d.gpus, 0, 8), d.gpus),
+        backend=backend,
+        window=window,
+        cpu=r.quantity(data, "cpu", p, d.cpu),
+        memory=r.quantity(data, "memory", p, d.memory),
+        max_queued_jobs=r.int_(data, "maxQueuedJobs", p, d.max_queued_jobs, 1, 100_000) or d.max_queued_jobs,
+        port=r.int_(data, "port", p, d.port, 1, 65535) or d.port,
+    )
+
+
 def parse_spec(spec: Mapping[str, Any] | None) -> MineDraftSpec:
     """The dataclass form of a MineDraft's ``spec``; raises SpecError listing every problem found."""
     r = _Reader()
@@ -622,6 +669,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MineDraftSpec:
         # Engine pods always run on GPUs, and the torch drafter runs on CPUs only.
         r.fail("spec.engine.drafterBackend", "torch is the CPU drafter; engine pods run on GPUs: use vllm")
     gateway = _gateway(r, r.obj(spec, "gateway", "spec") or {})
+    drafter_pool = _drafter_pool(r, r.obj(spec, "drafterPool", "spec"), mode)
     pull_secrets = spec.get("imagePullSecrets", [])
     if not isinstance(pull_secrets, list) or not all(isinstance(x, Mapping) for x in pull_secrets):
         r.fail("spec.imagePullSecrets", "must be a list of {name: ...} objects")
@@ -640,7 +688,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MineDraftSpec:
         target=target, draft=draft,
         speculation=SpeculationSpec(mode, k or d.num_speculative_tokens, extra or 0),
         engine=engine, replicas=replicas, autoscaling=autoscaling, gateway=gateway,
-        image_pull_secrets=pull_names, served_model_names=tuple(served),
+        image_pull_secrets=pull_names, served_model_names=tuple(served), drafter_pool=drafter_pool,
     )
     _check_combinations(r, result)
     if r.errors:
@@ -657,7 +705,8 @@ def _check_combinations(r: _Reader, spec: MineDraftSpec) -> None:
                                        f"({ENGINE_METRICS_PORT}) ports (got {eng.http_port})")
     if gw.http_port and gw.http_port == gw.port:
         r.fail("spec.gateway.httpPort", f"must differ from gateway.port (both {gw.port})")
-    gpus = eng.target_gpus + (eng.drafter_gpus if spec.needs_drafter_gpu else 0)
+    # With a drafter pool the engine pods draft through it and request the target's GPUs only.
+    gpus = eng.target_gpus + (eng.drafter_gpus if spec.needs_drafter_gpu and spec.drafter_pool is None else 0)
     if gpus > MAX_GPUS_PER_POD:
         r.fail("spec.engine.targetGPUs", f"targetGPUs plus the drafter's GPU ({gpus}) must fit on one node of at "
                                          f"most {MAX_GPUS_PER_POD} GPUs (mode {spec.speculation.mode} drafts on a "

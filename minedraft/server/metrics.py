@@ -119,6 +119,8 @@ def snapshot_families(snapshot: EngineSnapshot, model: str) -> list[Metric]:
     counter("drafter_deadline_misses", "Steps that gave up waiting for drafts at the deadline and ran without.",
             totals.deadline_misses)
     counter("drafter_errors", "Draft jobs that failed in the drafter.", totals.drafter_errors)
+    counter("drafter_busy", "Draft jobs a shared drafter service refused as busy (queue full or past the engine's "
+            "deadline); verified without drafts.", totals.drafter_busy)
     counter("preemptions", "Requests pushed back to waiting because the KV cache ran out.", totals.preemptions)
     counter("mode_switches", "Switches of mode or k made by auto mode.", totals.mode_switches)
     gauge("running_requests", "Requests being decoded (both sub-batches).", snapshot.running)

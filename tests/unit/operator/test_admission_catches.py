@@ -95,12 +95,14 @@ def test_the_parser_refuses_naming_the_field(case: str) -> None:
 
 def test_what_is_right_is_still_admitted() -> None:
     """The limits are tight, not shifted: 7 target GPUs plus the drafter, 8 target GPUs for modes without a drafter
-    GPU, a scale-to-zero MineDraft with its gateway, an engine HTTP port of 8000, quoted env values."""
+    GPU or with a drafter pool, a scale-to-zero MineDraft with its gateway, an engine HTTP port of 8000, quoted env values."""
     for doc in (changed("minimal", engine__targetGPUs=7), changed("minimal", engine__targetGPUs=8,
                                                                   speculation={"mode": "vllm-sd"}),
                 changed("autoscaled", engine__targetGPUs=8, autoscaling__speculation={"allowedModes": ["ar"]},
                         speculation={"mode": "auto", "numSpeculativeTokens": 3}),
                 changed("autoscaled", autoscaling__minReplicas=0),
+                # A drafter pool drafts for the engines: their pods request the target's GPUs only.
+                changed("minimal", engine__targetGPUs=8, drafterPool={"tokenSecretRef": {"name": "drafter-token"}}),
                 changed("minimal", gateway__enabled=False, engine__env=[{"name": "VLLM_USE_V1", "value": "1"}]),
                 changed("minimal", imagePullSecrets=[{"name": "ghcr.io-pull"}],
                         gateway__authTokenSecretRef={"name": "gw", "key": "token.txt"})):

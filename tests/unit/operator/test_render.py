@@ -427,7 +427,9 @@ def test_unwanted_objects_are_not_rendered_and_every_object_is_prunable() -> Non
     assert kinds == {("Service", "qwen3-8b-engine"), ("Deployment", "qwen3-8b-engine"),
                      ("NetworkPolicy", "qwen3-8b-engine")}
     meta = s.parse_meta(doc["metadata"])
-    everything = render.render(s.parse_spec(load("auth-tls")["spec"]), meta, render.RenderOptions(monitoring=True))
+    # The fullest spec: auth and TLS, and a drafter pool.
+    fullest = {**load("auth-tls")["spec"], "drafterPool": {"tokenSecretRef": {"name": "drafter-token"}}}
+    everything = render.render(s.parse_spec(fullest), meta, render.RenderOptions(monitoring=True))
     assert {(m["kind"], m["metadata"]["name"]) for m in everything} == set(render.all_kinds_and_names(meta))
 
 
