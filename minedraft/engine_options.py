@@ -185,10 +185,15 @@ def _indices(field_name: str, value: str | None) -> tuple[int, ...]:
 
 
 def _split_vllm_args(values: list[str]) -> list[str]:
-    """`--vllm-arg=--flag=value` and `--vllm-arg "--flag value"` both reach vLLM's parser as its own argv."""
+    """`--vllm-arg=--flag=value` and `--vllm-arg "--flag value"` both reach vLLM's parser as its own argv.
+
+    Only a space before any `=` separates a flag from its value: after `--flag=` everything is the value, spaces
+    included (JSON-valued flags such as `--hf-overrides={"rope_scaling": {...}}` pass through intact)."""
     argv: list[str] = []
     for value in values:
-        argv.extend(value.split(" ", 1) if " " in value and value.startswith("--") else [value])
+        space, equals = value.find(" "), value.find("=")
+        separates = value.startswith("--") and space > 0 and (equals < 0 or space < equals)
+        argv.extend([value[:space], value[space + 1:].lstrip(" ")] if separates else [value])
     return argv
 
 

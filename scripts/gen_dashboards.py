@@ -118,7 +118,7 @@ OVERVIEW: list[Panel] = [
             "engines direct {{protocol}}")],
           "Streams started per second at the gateways and requests ended per second at the engines, by the API they "
           "came through (grpc, or http: the OpenAI API). The gateway speaks gRPC to engines, so engines count HTTP "
-          "only from clients that call them directly (an inference gateway's InferencePool)."),
+          "only from clients that call them directly (a MineDraft without the gateway)."),
 ]
 
 SPECULATION: list[Panel] = [

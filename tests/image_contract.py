@@ -159,7 +159,7 @@ def _validators() -> dict[str, Callable[[argparse.Namespace], Any]]:
         # Token and TLS files are the pod's mounted Secrets, not here: their paths are checked against the mounts
         # instead (file_args_outside_mounts); everything else goes through the gateway's own validation.
         return config_from_args(argparse.Namespace(**{**vars(args), "token_file": None, "tls_cert": None,
-                                                      "tls_key": None}))
+                                                      "tls_key": None, "engine_token_file": None}))
 
     return {"serve": engine_settings, "gateway": gateway, "operator": operator_settings,
             "operator run": operator_settings}
@@ -215,13 +215,15 @@ def effective_env(container: Mapping[str, Any], image: Image) -> dict[str, str |
 
 
 def file_args_outside_mounts(parsed: Parsed, container: Mapping[str, Any]) -> list[str]:
-    """Files the command reads from mounted Secrets (--token-file, --tls-cert, --tls-key) must be under a mount."""
+    """Files the command reads from mounted Secrets (--token-file, --engine-token-file, --tls-cert, --tls-key) must be
+    under a mount."""
     if parsed.args is None:
         return []
     mounts = [m["mountPath"].rstrip("/") for m in container.get("volumeMounts") or []]
     return [f"--{k.replace('_', '-')} {v} is not under any volume the pod mounts"
             for k, v in vars(parsed.args).items()
-            if k in ("token_file", "tls_cert", "tls_key") and isinstance(v, str) and not _under(v, mounts)]
+            if k in ("token_file", "engine_token_file", "tls_cert", "tls_key") and isinstance(v, str)
+            and not _under(v, mounts)]
 
 
 def container_problems(container: Mapping[str, Any], pod_spec: Mapping[str, Any], image: Image) -> list[str]:

@@ -63,6 +63,8 @@ OWNED_VLLM_ARGS = {
     "seed": "--seed",
     "speculative_config": "--mode and --num-speculative-tokens",
     "scheduler_cls": "--mode (the engine installs its own scheduler)",
+    # vLLM would take it and nothing would use it: the APIs answer with `minedraft serve --served-model-name`.
+    "served_model_name": "--served-model-name of minedraft serve",
 }
 BREAKS_ONE_SCHEDULE_ONE_UPDATE = {
     "pipeline_parallel_size": 1,

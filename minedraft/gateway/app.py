@@ -1,8 +1,10 @@
 """The gateway process: Generation (routed to engines), grpc.health.v1 and reflection of its own.
 
 Health: readiness ("" and the Generation service) is SERVING while at least one engine is ready and the gateway is
-not shutting down; liveness ("minedraft.liveness") is SERVING from the moment the port is bound until the process
-exits (at zero engines and while draining too): it only says the event loop answers.
+not shutting down (with ready_without_engines: while it is not shutting down and can hold streams until an engine
+is ready, so a Service routes the first request of a deployment at zero engines to it); liveness
+("minedraft.liveness") is SERVING from the moment the port is bound until the process exits (at zero engines and
+while draining too): it only says the event loop answers.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -47,8 +50,33 @@ class TlsFiles:
     key_file: Path
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        """Raises ValueError naming the file that cannot be read or is not PEM (gRPC itself says only "Failed to
-        bind")."""
+        """Credentials that follow the files: gRPC asks before each handshake, and a changed certificate or key (the
+        kubelet updates a mounted Secret in place, cert-manager renews before expiry) is served from the next
+        connection on, without a restart. A pair that cannot be read or is not PEM keeps the previous one (mid-swap).
+        Raises ValueError naming the file when the first read fails (gRPC itself says only "Failed to bind")."""
+        from minedraft.api.auth import files_signature
+
+        signature = files_signature(self.cert_file, self.key_file)
+        initial = self.certificate_configuration()
+
+        def fetch() -> Any:
+            nonlocal signature
+            now = files_signature(self.cert_file, self.key_file)
+            if now is None or now == signature:
+                return None
+            try:
+                config = self.certificate_configuration()
+            except ValueError as exc:
+                log.warning("TLS files changed but do not load (keeping the previous pair): %s", exc)
+                return None
+            signature = now
+            log.info("TLS certificate reloaded from %s", self.cert_file)
+            return config
+
+        return grpc.dynamic_ssl_server_credentials(initial, fetch)
+
+    def certificate_configuration(self) -> Any:
+        """The current pair; raises ValueError naming the file that cannot be read or is not PEM."""
         pems = []
         for flag, path, marker in (("tls-key", self.key_file, b"PRIVATE KEY-----"),
                                    ("tls-cert", self.cert_file, b"-----BEGIN CERTIFICATE-----")):
@@ -59,14 +87,14 @@ class TlsFiles:
             if marker not in data:
                 raise ValueError(f"{flag}: {path} holds no PEM {'private key' if flag == 'tls-key' else 'certificate'}")
             pems.append(data)
-        return grpc.ssl_server_credentials([(pems[0], pems[1])])
+        return grpc.ssl_server_certificate_configuration([(pems[0], pems[1])])
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
     max_in_flight: int = 4096
     max_attempts: int = 3
-    tokens: tuple[bytes, ...] = ()
+    tokens: Sequence[bytes] = ()
     tls: TlsFiles | None = None
     health_retry_seconds: float = 0.5
     failure_cooldown_seconds: float = 1.0
@@ -75,6 +103,13 @@ class GatewayConfig:
     idle_timeout_seconds: float | None = 30.0
     engine_wait_timeout_seconds: float = 300.0
     max_waiting_streams: int = 1024
+    # Ready at zero engines too (streams wait for one): for deployments that scale engines to zero, whose first
+    # request must reach a gateway through a Service that routes only to ready pods.
+    ready_without_engines: bool = False
+    # The bearer token presented to engines (read per call: a rotated Secret takes effect); None: engines without auth.
+    engine_token: Callable[[], str] | None = None
+    # The names clients address the model by (HTTP /v1/models and request matching); empty: the engines' answer.
+    served_model_names: tuple[str, ...] = ()
 
     def router_config(self) -> RouterConfig:
         return RouterConfig(max_attempts=self.max_attempts,
@@ -89,7 +124,7 @@ class Gateway:
         self.config = config
         self.endpoints = EndpointSet()
         self.pool = EnginePool(self.endpoints, self._health_changed, config.health_retry_seconds,
-                               config.failure_cooldown_seconds)
+                               config.failure_cooldown_seconds, config.engine_token)
         self.admission = Admission(config.max_in_flight)
         # Exported when a registry is given (the metrics endpoint's); counted either way.
         self.metrics = GatewayMetrics(registry)
@@ -113,7 +148,8 @@ class Gateway:
         from minedraft.gateway.http import gateway_http_app
 
         tls = self.config.tls
-        self.http = HttpServer(gateway_http_app(self.router, self.ready, self.config.tokens).app,
+        self.http = HttpServer(gateway_http_app(self.router, self.ready, self.config.tokens,
+                                                self.config.served_model_names).app,
                                tls.cert_file if tls else None, tls.key_file if tls else None)
         return await self.http.start(host, port)
 
@@ -126,10 +162,15 @@ class Gateway:
             self._health_task.add_done_callback(lambda _: self._health_changed())
 
     def ready(self) -> bool:
-        """Readiness, one meaning for gRPC health and HTTP /ready: an engine to route to, and not draining."""
+        """Readiness, one meaning for gRPC health and HTTP /ready: not draining, and an engine to route to (with
+        ready_without_engines, or a stream can wait for one)."""
+        if self.router.draining:
+            return False
+        if (self.config.ready_without_engines and self.config.max_waiting_streams > 0
+                and self.config.engine_wait_timeout_seconds > 0):
+            return True
         # Health, not the short failure cool-down: a cool-down ends without any event to publish it.
-        return not self.router.draining and any(endpoint.healthy and not endpoint.unresponsive
-                                                for endpoint in self.endpoints)
+        return any(endpoint.healthy and not endpoint.unresponsive for endpoint in self.endpoints)
 
     async def _publish_health(self) -> None:
         if self.router.draining:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,18 @@ def add_subcommands(sub: Any) -> None:
                          help="with no engine ready, how long a stream waits for one before UNAVAILABLE")
     gateway.add_argument("--max-waiting-streams", type=int, default=1024,
                          help="streams that may wait for an engine at once; more get UNAVAILABLE")
+    gateway.add_argument("--ready-without-engines", action="store_true",
+                         help="report ready (gRPC health, HTTP /ready) with no engine too, as streams wait for one: "
+                              "for engines scaled to zero behind a Service that routes only to ready pods")
     gateway.add_argument("--token-file", help="accepted bearer tokens, one per line (enables authentication)")
     gateway.add_argument("--token-env", default=TOKEN_ENV_DEFAULT,
                          help="environment variable with accepted bearer tokens, comma-separated "
                               "(enables authentication when set)")
+    gateway.add_argument("--engine-token-file", help="bearer token presented to engines (the first of the file, "
+                              "re-read when it changes), for engines serving with --token-file")
+    gateway.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                         help="the names clients address the model by (as the engines' --served-model-name): "
+                              "/v1/models lists them and requests may name any; default: the engines' answer")
     gateway.add_argument("--tls-cert", help="PEM certificate (with --tls-key: serve TLS)")
     gateway.add_argument("--tls-key", help="PEM private key")
     gateway.add_argument("--grace-seconds", type=float, default=20.0)
@@ -57,21 +66,33 @@ def add_subcommands(sub: Any) -> None:
     bench.set_defaults(func=cmd_bench_gateway)
 
 
-def load_tokens(token_file: str | None, token_env: str | None) -> tuple[bytes, ...]:
+def load_tokens(token_file: str | None, token_env: str | None) -> Sequence[bytes]:
+    """The accepted tokens; a token file's are read again whenever the file changes (a rotated Secret takes effect
+    without a restart)."""
+    from minedraft.api.auth import LiveTokens, TokenFile
     from minedraft.gateway.policy import parse_tokens
 
-    tokens: list[bytes] = []
+    fixed: tuple[bytes, ...] = ()
+    if token_env and os.environ.get(token_env):
+        fixed = parse_tokens(os.environ[token_env].replace(",", "\n"))
     if token_file:
         try:
             text = Path(token_file).read_text()
         except OSError as exc:
             raise ValueError(f"token-file: cannot read {token_file}: {exc.strerror or exc}") from None
-        tokens.extend(parse_tokens(text))
-        if not tokens:
+        if not parse_tokens(text):
             raise ValueError(f"token-file: {token_file} holds no tokens")
-    if token_env and os.environ.get(token_env):
-        tokens.extend(parse_tokens(os.environ[token_env].replace(",", "\n")))
-    return tuple(tokens)
+        return LiveTokens(TokenFile(token_file).tokens, fixed)
+    return fixed
+
+
+def engine_token(path: str | None) -> Any:
+    """The engine credential as a callable (re-read when the file changes), or None."""
+    if not path:
+        return None
+    from minedraft.api.auth import TokenFile
+
+    return TokenFile(path, "engine-token-file").first
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -96,7 +117,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
                          first_response_timeout_seconds=args.first_response_timeout_s or None,
                          idle_timeout_seconds=args.idle_timeout_s or None,
                          engine_wait_timeout_seconds=args.engine_wait_timeout_s,
-                         max_waiting_streams=args.max_waiting_streams)
+                         max_waiting_streams=args.max_waiting_streams,
+                         ready_without_engines=args.ready_without_engines,
+                         engine_token=engine_token(args.engine_token_file),
+                         served_model_names=tuple(args.served_model_name))
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:

@@ -148,13 +148,23 @@ class KubernetesApi:
 class EndpointSliceWatcher:
     """Calls on_change(addresses) with the Service's ready engine addresses whenever they change."""
 
+    # The API server ends each watch after this long (the watch's timeoutSeconds) and the loop lists again; a
+    # watch that receives nothing for longer than that plus a margin is a dead connection (a NAT or load balancer
+    # that dropped it without a FIN or RST): it is abandoned and the Service listed again, never waited on forever.
+    WATCH_TIMEOUT_SECONDS = 300
+    READ_MARGIN_SECONDS = 30
+
     def __init__(self, api: KubernetesApi, namespace: str, service: str, port_name: str | None,
-                 on_change: Callable[[set[str]], None], retry_seconds: float = 1.0) -> None:
+                 on_change: Callable[[set[str]], None], retry_seconds: float = 1.0,
+                 watch_timeout_seconds: int = WATCH_TIMEOUT_SECONDS,
+                 read_margin_seconds: float = READ_MARGIN_SECONDS) -> None:
         self.api = api
         self.namespace = namespace
         self.tracker = SliceTracker(service, port_name)
         self.on_change = on_change
         self.retry_seconds = retry_seconds
+        self.watch_timeout_seconds = watch_timeout_seconds
+        self.read_margin_seconds = read_margin_seconds
         self.num_lists = 0
 
     @property
@@ -167,7 +177,10 @@ class EndpointSliceWatcher:
     async def run(self) -> None:
         import aiohttp
 
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        # sock_read: the longest silence on a watch (the server's own end of it, plus a margin) before the
+        # connection counts as dead.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10,
+                                        sock_read=self.watch_timeout_seconds + self.read_margin_seconds)
         # No session-wide headers: each request carries the token current at that moment (rotation).
         async with aiohttp.ClientSession(timeout=timeout) as session:
             ssl_context = self.api.ssl_context()
@@ -191,7 +204,8 @@ class EndpointSliceWatcher:
         self.tracker.reset(listing.get("items") or [])
         if self.num_lists == 1 or self.tracker.addresses != before:
             self.on_change(self.tracker.addresses)
-        params = {**self._params(), "watch": "true", "allowWatchBookmarks": "true"}
+        params = {**self._params(), "watch": "true", "allowWatchBookmarks": "true",
+                  "timeoutSeconds": str(self.watch_timeout_seconds)}
         resource_version = (listing.get("metadata") or {}).get("resourceVersion")
         if resource_version:
             params["resourceVersion"] = resource_version

@@ -32,10 +32,12 @@ MODEL_IDS_TTL_SECONDS = 30.0
 class GatewayBackend:
     error_types: tuple[type[Exception], ...] = (RouteError, BackendError)
 
-    def __init__(self, router: Router, ready: Callable[[], bool], tokens: Sequence[bytes] = ()) -> None:
+    def __init__(self, router: Router, ready: Callable[[], bool], tokens: Sequence[bytes] = (),
+                 served_model_names: Sequence[str] = ()) -> None:
         self.router = router
         self._ready = ready
-        self.tokens = tuple(tokens)
+        self.served_model_names = tuple(served_model_names)
+        self.tokens = tokens  # not copied: a LiveTokens follows its file's rotations
         self._model_ids: list[str] | None = None
         self._model_ids_at = 0.0
         self._refresh: asyncio.Task[None] | None = None
@@ -67,6 +69,8 @@ class GatewayBackend:
         return accepted
 
     async def model_ids(self) -> list[str]:
+        if self.served_model_names:  # the MineDraft's names (the engines answer to the same)
+            return list(self.served_model_names)
         if self._model_ids is not None and time.monotonic() - self._model_ids_at <= MODEL_IDS_TTL_SECONDS:
             return self._model_ids
         info = await self.router.unary(lambda stub, timeout: stub.GetModelInfo(pb.GetModelInfoRequest(),
@@ -76,6 +80,8 @@ class GatewayBackend:
         return self._model_ids
 
     def known_model_ids(self) -> list[str] | None:
+        if self.served_model_names:
+            return list(self.served_model_names)
         """The cached ids; refreshed in the background when old, never waited for on a request's path (before the
         first answer from any engine, requests' model names go unchecked)."""
         stale = time.monotonic() - self._model_ids_at > MODEL_IDS_TTL_SECONDS
@@ -96,5 +102,6 @@ class GatewayBackend:
         return self.router.generate(request, list(headers.items()), timeout_seconds, protocol=protocol)
 
 
-def gateway_http_app(router: Router, ready: Callable[[], bool], tokens: Sequence[bytes] = ()) -> OpenAiApp:
-    return OpenAiApp(GatewayBackend(router, ready, tokens))
+def gateway_http_app(router: Router, ready: Callable[[], bool], tokens: Sequence[bytes] = (),
+                     served_model_names: Sequence[str] = ()) -> OpenAiApp:
+    return OpenAiApp(GatewayBackend(router, ready, tokens, served_model_names))

@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import SERVICE_NAME, pb_grpc
+from minedraft.api.auth import client_interceptors
 from minedraft.api.grpc_policy import CHANNEL_OPTIONS
 from minedraft.gateway.policy import EndpointSet
 
@@ -31,9 +32,11 @@ async def _close_later(channel: grpc.aio.Channel, delay_seconds: float) -> None:
 
 
 class _Engine:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: Callable[[], str] | None = None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # With engines that authenticate callers, every call presents the gateway's credential.
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
+                                                 interceptors=client_interceptors(token) if token else None)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health_task: asyncio.Task[None] | None = None
         self.probe_task: asyncio.Task[None] | None = None
@@ -46,8 +49,10 @@ class _Engine:
 
 class EnginePool:
     def __init__(self, endpoints: EndpointSet, on_health_change: Callable[[], None],
-                 health_retry_seconds: float = 0.5, failure_cooldown_seconds: float = 1.0) -> None:
+                 health_retry_seconds: float = 0.5, failure_cooldown_seconds: float = 1.0,
+                 engine_token: Callable[[], str] | None = None) -> None:
         self.endpoints = endpoints
+        self.engine_token = engine_token
         self._engines: dict[str, _Engine] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._on_health_change = on_health_change
@@ -65,7 +70,7 @@ class EnginePool:
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
         for address in added:
-            engine = _Engine(address)
+            engine = _Engine(address, self.engine_token)
             engine.health_task = asyncio.create_task(self._watch_health(engine), name=f"health {address}")
             self._engines[address] = engine
         if added or removed:

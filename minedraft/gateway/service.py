@@ -25,7 +25,7 @@ async def abort_with(context: grpc.aio.ServicerContext, error: RouteError) -> No
 class GatewayServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
     def __init__(self, router: Router, tokens: Sequence[bytes] = ()) -> None:
         self.router = router
-        self.tokens = tuple(tokens)
+        self.tokens = tokens  # not copied: a LiveTokens follows its file's rotations
 
     async def _authorize(self, context: grpc.aio.ServicerContext, metadata: Sequence[tuple[str, Any]]) -> None:
         if self.tokens and not token_accepted(bearer_token(metadata), self.tokens):

@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -59,8 +61,41 @@ class HttpServer:
                 self._task.result()  # startup failed: raise its error
                 raise OSError(f"HTTP server on {host}:{port} stopped while starting")
             await asyncio.sleep(0.01)
+        if self._server.config.ssl is not None:
+            self._follow_certificate_files(self._server.config.ssl)
         log.info("HTTP (OpenAI API) on %s:%d (%s)", host, self.port, "TLS" if self.cert_file else "plaintext")
         return self.port
+
+    def _follow_certificate_files(self, context: ssl.SSLContext) -> None:
+        """Serve a renewed certificate when its files change (a mounted Secret updated by the kubelet): checked at
+        each handshake (a stat of two files), in effect from that handshake on (the connection moves to a context
+        with the new pair, made as uvicorn makes its own)."""
+        from minedraft.api.auth import files_signature
+
+        assert self.cert_file is not None and self.key_file is not None and self._server is not None
+        cert, key, config = self.cert_file, self.key_file, self._server.config
+        signature = files_signature(cert, key)
+        current = context
+
+        def on_hello(sock: Any, server_name: str | None, _: ssl.SSLContext) -> None:
+            nonlocal signature, current
+            now = files_signature(cert, key)
+            if now is not None and now != signature:
+                try:
+                    renewed = ssl.SSLContext(config.ssl_version)
+                    renewed.load_cert_chain(cert, key)
+                    renewed.verify_mode = ssl.VerifyMode(config.ssl_cert_reqs)
+                    if config.ssl_ciphers:
+                        renewed.set_ciphers(config.ssl_ciphers)
+                except (OSError, ssl.SSLError) as exc:
+                    log.warning("TLS files changed but do not load (keeping the previous pair): %s", exc)
+                else:
+                    signature, current = now, renewed
+                    log.info("TLS certificate reloaded from %s", cert)
+            if current is not context:
+                sock.context = current
+
+        context.sni_callback = on_hello
 
     async def stop(self) -> None:
         """Stop accepting, close connections (open streams are cancelled after a second), wait for the server."""

@@ -50,6 +50,7 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         prometheus_pod_selector=parse_labels(args.prometheus_pod_labels),
         operator_namespace_selector=parse_labels(args.operator_namespace_labels),
         operator_pod_selector=parse_labels(args.operator_pod_labels),
+        pod_fs_group=int(args.pod_fs_group) if args.pod_fs_group else None,
         image_registry=args.image_registry,
         image_tag=args.image_tag,
     )
@@ -88,6 +89,9 @@ def _add_operator_options(parser: argparse.ArgumentParser) -> None:
                         "gateway pods when no Prometheus is configured (k=v,... or JSON; empty: not let in)")
     parser.add_argument("--operator-pod-labels", default=_env("OPERATOR_POD_LABELS", ""),
                         help="labels of the operator's own pods (k=v,... or JSON; empty: not let in)")
+    parser.add_argument("--pod-fs-group", default=_env("POD_FS_GROUP", ""),
+                        help="fsGroup of the engine pods, with fsGroupChangePolicy OnRootMismatch, so a PVC model "
+                        "cache is writable by their non-root user (empty: unset, for OpenShift whose SCC assigns it)")
     parser.add_argument("--image-registry", default=_env("IMAGE_REGISTRY", d.image_registry),
                         type=_matching(IMAGE_REGISTRY_PATTERN, "a registry host[:port][/path] without scheme or tag"),
                         help="where `make push REGISTRY=...` put the images: MineDrafts that name no image run "
@@ -111,8 +115,14 @@ def render_documents(documents: list[Any], settings: OperatorSettings, monitorin
                      include_resource: bool = False) -> list[Any]:
     """Manifests for every MineDraft in a YAML stream, rendered from the MineDraft as the API server would store it
     (the CRD's defaults applied), preceded by that MineDraft when include_resource; raises SpecError naming the
-    document and field."""
+    document and field.
+
+    Each MineDraft first goes through what the API server does on create (the CRD's schema with unknown fields
+    refused, and its CEL rules: minedraft.operator.admission), so this gives admission's answer: a file that
+    renders here is one `kubectl apply` admits. The parser's own messages follow for fields admission did not name.
+    """
     from minedraft.operator import spec as s
+    from minedraft.operator.admission import admit
     from minedraft.operator.crd import defaulted
     from minedraft.operator.render import render_resource
 
@@ -124,12 +134,16 @@ def render_documents(documents: list[Any], settings: OperatorSettings, monitorin
             errors.append(f"document {index}: not a {s.KIND} ({s.API_GROUP}/{s.API_VERSION})")
             continue
         name = (doc.get("metadata") or {}).get("name", "?")
+        refused = admit(doc)
         doc = defaulted(doc)
         try:
             rendered = render_resource(doc, options)
-            manifests += ([doc] if include_resource else []) + rendered
+            if not refused:
+                manifests += ([doc] if include_resource else []) + rendered
         except s.SpecError as exc:
-            errors += [f"{s.KIND} {name}: {e}" for e in exc.errors]
+            named = {e.split(":", 1)[0] for e in exc.errors}
+            refused = [e for e in refused if e.split(":", 1)[0] not in named] + exc.errors
+        errors += [f"{s.KIND} {name}: {e}" for e in refused]
     if errors:
         raise s.SpecError(errors)
     return manifests

@@ -54,10 +54,17 @@ def _rule(rule: str, message: str, field_path: str | None = None, reason: str = 
     return {**out, **extra}
 
 
+def _name(description: str) -> Schema:
+    """An object's name (Secret, PVC, RuntimeClass, PriorityClass): refused at admission when the API server would
+    refuse it later in a derived object (after GPU pods exist)."""
+    return _str(description, minLength=1, maxLength=253, pattern=s.DNS_SUBDOMAIN_PATTERN)
+
+
 def _secret_key_ref(description: str) -> Schema:
     return _obj(description, {
-        "name": _str("Name of the Secret, in the MineDraft's namespace.", minLength=1, maxLength=253),
-        "key": _str("Key within the Secret.", default="token", minLength=1),
+        "name": _name("Name of the Secret, in the MineDraft's namespace."),
+        "key": _str("Key within the Secret.", default="token", minLength=1, maxLength=253,
+                    pattern=s.SECRET_KEY_PATTERN),
     }, required=["name"])
 
 
@@ -69,8 +76,12 @@ def _model(role: str) -> Schema:
                 "tokenSecretRef": _secret_key_ref(
                     "Secret holding a hub token (for gated models); passed to the engine as HF_TOKEN."),
             }, required=["id"]),
-            "persistentVolumeClaim": _obj("Weights already on a PersistentVolumeClaim, mounted read-only.", {
-                "claimName": _str("Name of the PersistentVolumeClaim in the MineDraft's namespace.", minLength=1),
+            "persistentVolumeClaim": _obj(
+                "Weights already on a PersistentVolumeClaim, mounted read-only by every engine pod: with more than "
+                "one replica (or a rollout's extra pod) the claim must be ReadOnlyMany or ReadWriteMany, as a "
+                "ReadWriteOnce volume attaches to one node and pods on others stay in ContainerCreating "
+                "(FailedAttachVolume: Multi-Attach error).", {
+                "claimName": _name("Name of the PersistentVolumeClaim in the MineDraft's namespace."),
                 "path": _str("Directory of the model relative to the volume's root.", default=""),
             }, required=["claimName"]),
             "image": _obj("Weights baked into the engine image.", {
@@ -146,9 +157,19 @@ def spec_schema() -> Schema:
             "env": {"type": "array", "description": "Extra environment variables of the engine container "
                                                     "(core/v1 EnvVar: name with value or valueFrom).",
                     "items": {"type": "object", "description": "A core/v1 EnvVar.", "required": ["name"],
-                              "properties": {"name": _str("Variable name.", minLength=1)},
+                              "properties": {
+                                  "name": _str("Variable name.", minLength=1, pattern=s.ENV_NAME_PATTERN),
+                                  "value": _str("The value (a string: quote numbers and booleans)."),
+                                  "valueFrom": {"type": "object", "description": "A core/v1 EnvVarSource.",
+                                                "x-kubernetes-preserve-unknown-fields": True}},
                               "x-kubernetes-preserve-unknown-fields": True}},
-            "runtimeClassName": _str("RuntimeClass of the engine pods (GPU nodes often need nvidia)."),
+            "runtimeClassName": _name("RuntimeClass of the engine pods (GPU nodes often need nvidia)."),
+            "rolloutStrategy": _str("How a changed MineDraft replaces engine pods. Surge: a new pod starts before an "
+                                    "old one stops (no capacity lost, but it needs a spare pod's worth of GPUs: in "
+                                    "a full GPU pool the new pod stays Pending and the rollout never finishes). "
+                                    "Replace: one old pod stops first, then its replacement loads (one replica's "
+                                    "capacity is missing meanwhile; no spare GPUs needed).",
+                                    enum=list(s.ROLLOUT_STRATEGIES), default=eng.rollout_strategy),
             "podDisruptionBudget": {"type": "boolean", "description": "Render a PodDisruptionBudget letting one "
                                                                       "engine pod go at a time.", "default": True},
             "nodeSelector": {"type": "object", "description": "Node labels the engine pods must match.",
@@ -158,32 +179,49 @@ def spec_schema() -> Schema:
                                       "x-kubernetes-preserve-unknown-fields": True}},
             "affinity": {"type": "object", "description": "Affinity of the engine pods (core/v1 Affinity).",
                          "x-kubernetes-preserve-unknown-fields": True},
-            "priorityClassName": _str("PriorityClass of the engine pods."),
+            "priorityClassName": _name("PriorityClass of the engine pods."),
             "modelCache": _obj("Volume for downloaded weights and compile caches.", {
-                "claimName": _str("A PersistentVolumeClaim to keep the cache across restarts; an emptyDir when "
-                                  "unset."),
-                "sizeLimit": _quantity("Size limit of the emptyDir cache.", eng.model_cache.size_limit),
+                "claimName": _name("A PersistentVolumeClaim to keep the cache across restarts; an emptyDir when "
+                                   "unset. Every engine pod writes it: with more than one replica (or a rollout's "
+                                   "extra pod) it must be ReadWriteMany (a ReadWriteOnce volume attaches to one "
+                                   "node: Multi-Attach error)."),
+                "sizeLimit": _quantity("Size limit of the emptyDir cache; also requested as ephemeral-storage (unless "
+                                       "ephemeralStorage is set), so the pod lands on a node with that much local "
+                                       "disk instead of being evicted when the cache fills.",
+                                       eng.model_cache.size_limit),
             }, default={}),
             "terminationGracePeriodSeconds": _int("Seconds an engine gets to finish streams after SIGTERM.",
                                                   default=eng.termination_grace_period_seconds, minimum=0,
                                                   maximum=3600),
             "startupTimeoutSeconds": _int("Seconds allowed for loading the models before the startup probe fails.",
                                           default=eng.startup_timeout_seconds, minimum=60, maximum=86400),
-            "httpPort": _int("Container and Service port of each engine's OpenAI-compatible HTTP API (the port an "
-                             "inference gateway such as an InferencePool targets); 0: not served.",
-                             default=eng.http_port, minimum=0, maximum=65535),
+            "httpPort": _int(f"Container and Service port of each engine's OpenAI-compatible HTTP API; 0: not "
+                             f"served. Unset: {s.DEFAULT_ENGINE_HTTP_PORT} with the gateway disabled (clients call "
+                             "engines directly), closed behind the gateway (it reaches engines over gRPC). The "
+                             "operator's NetworkPolicy admits it from everywhere only without the gateway; with the "
+                             "gateway's auth on, the engines require its bearer token on this port and on gRPC.",
+                             minimum=0, maximum=65535),
         }, default={}, **{"x-kubernetes-validations": [
             _rule("self.drafterBackend != 'torch'", "torch is the CPU drafter; engine pods run on GPUs: use vllm",
                   ".drafterBackend", reason="FieldValueNotSupported"),
             _rule(f"!has(self.extraArgs) || self.extraArgs.all(a, !(a in {list(s.RESERVED_ENGINE_FLAGS)}) && "
-                  f"!{list(s.RESERVED_ENGINE_FLAGS)}.exists(f, a.startsWith(f + '=')))",
+                  f"!{list(s.RESERVED_ENGINE_FLAGS)}.exists(f, a.startsWith(f + '=') || a.startsWith(f + ' ')))",
                   "extraArgs must not set flags the operator sets from the MineDraft's own fields (--model, "
                   "--dtype, --tensor-parallel-size, --max-model-len, ...): set those fields", ".extraArgs"),
+            _rule(f"!has(self.httpPort) || !(self.httpPort in [{s.ENGINE_GRPC_PORT}, {s.ENGINE_METRICS_PORT}])",
+                  f"httpPort must differ from the engine's gRPC ({s.ENGINE_GRPC_PORT}) and metrics "
+                  f"({s.ENGINE_METRICS_PORT}) ports", ".httpPort"),
         ]}),
         "imagePullSecrets": {"type": "array", "description": "Secrets (in the MineDraft's namespace) for pulling "
                                                              "the engine and gateway images.",
                              "items": _obj("A core/v1 LocalObjectReference.",
-                                           {"name": _str("Name of the Secret.", minLength=1)}, required=["name"])},
+                                           {"name": _name("Name of the Secret.")}, required=["name"])},
+        "servedModelNames": {"type": "array", "description": "The names clients address the model by (OpenAI's "
+                                                             "`model`): the first is what /v1/models and GetModelInfo "
+                                                             "answer, requests may name any of them (aliases). Unset: "
+                                                             "the target's hub id or path.",
+                             "items": _str("A name (no spaces).", pattern=s.SERVED_NAME_PATTERN),
+                             "maxItems": s.MAX_SERVED_MODEL_NAMES, "x-kubernetes-list-type": "set"},
         "replicas": _int("Engine replicas. With autoscaling, leave unset: the autoscaler writes it through the "
                          "/scale subresource.", minimum=0, maximum=s.MAX_REPLICAS),
         "autoscaling": _obj("Speculation-aware autoscaling bounds and targets (used by the autoscaler).", {
@@ -243,13 +281,14 @@ def spec_schema() -> Schema:
             "authTokenSecretRef": _secret_key_ref("Secret with the bearer token clients must send; no auth when "
                                                   "unset."),
             "tlsSecretRef": _obj("A kubernetes.io/tls Secret (tls.crt, tls.key) to serve TLS; plaintext when unset.",
-                                 {"name": _str("Name of the Secret.", minLength=1, maxLength=253)},
-                                 required=["name"]),
+                                 {"name": _name("Name of the Secret.")}, required=["name"]),
             "maxInFlight": _int("Admission bound: streams in flight per gateway replica before RESOURCE_EXHAUSTED.",
                                 default=gw.max_in_flight, minimum=1),
             "cpu": _quantity("CPU request per gateway pod.", gw.cpu),
             "memory": _quantity("Memory request and limit per gateway pod.", gw.memory),
-        }, default={}),
+        }, default={}, **{"x-kubernetes-validations": [
+            _rule("self.httpPort == 0 || self.httpPort != self.port", "httpPort must differ from port", ".httpPort"),
+        ]}),
         "drafterPool": _drafter_pool(),
     }, required=["target", "draft"], **{"x-kubernetes-validations": [
         # Creation only (optionalOldSelf: on create oldSelf has no value): afterwards the autoscaler writes
@@ -268,6 +307,22 @@ def spec_schema() -> Schema:
               "self.speculation.mode in self.autoscaling.speculation.allowedModes",
               "autoscaling.speculation.allowedModes must include the fixed speculation.mode (or use mode auto)",
               ".autoscaling.speculation.allowedModes"),
+        # The drafter's GPU is requested next to the target's for the modes that draft on one (needs_drafter_gpu).
+        _rule("!(self.speculation.mode in ['psd', 'sd'] || (self.speculation.mode == 'auto' && "
+              "(!has(self.autoscaling) || self.autoscaling.speculation.allowedModes.exists(m, m in ['psd', 'sd']))))"
+              " || has(self.drafterPool)"
+              f" || self.engine.targetGPUs + self.engine.drafterGPUs <= {s.MAX_GPUS_PER_POD}",
+              f"targetGPUs plus the drafter's GPU must fit on one node of at most {s.MAX_GPUS_PER_POD} GPUs (modes "
+              "psd and sd draft on a GPU of their own)", ".engine.targetGPUs"),
+        _rule("self.gateway.enabled || !has(self.autoscaling) || self.autoscaling.minReplicas > 0",
+              "minReplicas 0 (scale to zero) needs the gateway: it holds the first request while an engine starts",
+              ".autoscaling.minReplicas"),
+        _rule("self.gateway.enabled || !has(self.gateway.authTokenSecretRef)",
+              "authTokenSecretRef needs gateway.enabled: without the gateway nothing checks the token",
+              ".gateway.authTokenSecretRef", reason="FieldValueForbidden"),
+        _rule("self.gateway.enabled || !has(self.gateway.tlsSecretRef)",
+              "tlsSecretRef needs gateway.enabled: without the gateway nothing serves TLS", ".gateway.tlsSecretRef",
+              reason="FieldValueForbidden"),
         _rule("!has(self.drafterPool) || self.speculation.mode in ['psd', 'sd', 'auto']",
               "drafterPool needs speculation.mode psd, sd or auto (the modes that draft with the minedraft drafter)",
               ".drafterPool"),

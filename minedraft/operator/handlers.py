@@ -160,6 +160,8 @@ async def periodic_passes(settings: OperatorSettings, memo: Memo, logger: Logger
         drift_due = time.monotonic() - last_drift >= settings.drift_interval_seconds
         if drift_due:
             last_drift = time.monotonic()
+            # The Prometheus operator may be installed (or discovery may answer) after this operator started.
+            await refresh_monitoring(settings, memo.reconciler, logger)
         for key, raw in list(memo.bodies.items()):
             body = kopf.Body(cast(kopf.RawBody, raw))
             if body.metadata.get("deletionTimestamp"):
@@ -235,25 +237,47 @@ def kopf_settings() -> kopf.OperatorSettings:
     return settings
 
 
+async def refresh_monitoring(settings: OperatorSettings, reconciler: Reconciler, logger: Logger | None = None) -> bool:
+    """With --monitoring auto, ask discovery again whether PodMonitors are served and render them from now on if so
+    (or stop, if the CRDs were removed). Runs at start and on every drift pass, not once: a discovery call that
+    failed at start, or the Prometheus operator installed afterwards, must not leave MineDrafts unmonitored until
+    the operator restarts. A failed check changes nothing. Returns whether PodMonitors are rendered."""
+    if settings.monitoring != "auto":
+        return reconciler.options.monitoring
+    try:
+        available = await reconciler.client.has_api("monitoring.coreos.com", "v1", "podmonitors")
+    except KubeError as exc:
+        if logger is not None:
+            logger.warning("cannot tell whether PodMonitors are served (checked again later): %s", exc)
+        return reconciler.options.monitoring
+    if available != reconciler.options.monitoring:
+        reconciler.options = settings.render_options(available)
+        if logger is not None:
+            logger.info("PodMonitors are %s served: %s them", "now" if available else "no longer",
+                        "rendering" if available else "no longer rendering")
+    return available
+
+
+def build_autoscaler(settings: OperatorSettings, client: KubeClient) -> Autoscaler:
+    """Engines are scraped when ready (a loading one has no figures); gateways whatever their readiness (one holding
+    the streams that must wake engines at zero is heard even if its readiness says otherwise)."""
+    return Autoscaler(settings.prometheus_url, client.ready_addresses, tick_seconds=settings.autoscale_tick_seconds,
+                      gateway_addresses=client.all_addresses)
+
+
 async def run_operator(settings: OperatorSettings, client: KubeClient | None = None,
                        connection: kopf.ConnectionInfo | None = None, stop_flag: asyncio.Event | None = None,
                        ready_flag: asyncio.Event | None = None, metrics: OperatorMetrics | None = None) -> None:
     """Run until stopped (SIGTERM, or stop_flag in tests)."""
     client = client or KubeClient.from_environment()
     metrics = metrics or OperatorMetrics()
-    available = False
-    if settings.monitoring == "auto":
-        try:
-            available = await client.has_api("monitoring.coreos.com", "v1", "podmonitors")
-        except KubeError:
-            available = False
     if settings.metrics_port:
         from prometheus_client import start_http_server
 
         start_http_server(settings.metrics_port, registry=metrics.registry)
-    memo = Memo(reconciler=Reconciler(client, settings.render_options(available), metrics), metrics=metrics,
-                autoscaler=Autoscaler(settings.prometheus_url, client.ready_addresses,
-                                      tick_seconds=settings.autoscale_tick_seconds))
+    reconciler = Reconciler(client, settings.render_options(False), metrics)
+    await refresh_monitoring(settings, reconciler)
+    memo = Memo(reconciler=reconciler, metrics=metrics, autoscaler=build_autoscaler(settings, client))
     try:
         await kopf.operator(
             registry=build_registry(settings, connection),

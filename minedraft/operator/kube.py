@@ -75,8 +75,22 @@ PERMISSIONS: Mapping[tuple[str, str], frozenset[str]] = MappingProxyType({
     (s.API_GROUP, f"{s.PLURAL}/finalizers"): frozenset({"update"}),
     # The autoscaler writes spec.replicas through /scale (as an HPA would), never the whole spec.
     (s.API_GROUP, f"{s.PLURAL}/scale"): frozenset({"patch"}),
-    ("", "events"): frozenset({"create"}),
+    # create: the operator's own Events; list: why a pod stays in ContainerCreating (FailedMount of a missing or
+    # mis-keyed Secret volume, FailedAttachVolume of a ReadWriteOnce volume attached elsewhere), which only Events
+    # say. Listed on each reconcile pass, in the MineDraft's namespace: no watch needed.
+    ("", "events"): frozenset({"create", "list"}),
 })
+
+
+def slice_addresses(listing: Mapping[str, Any], ready_only: bool) -> list[str]:
+    """Endpoint addresses of an EndpointSlice list; with ready_only, those whose `conditions.ready` is not false
+    (unset means ready: the API's own rule)."""
+    addresses: list[str] = []
+    for item in listing.get("items") or []:
+        for endpoint in item.get("endpoints") or []:
+            if not ready_only or (endpoint.get("conditions") or {}).get("ready", True):
+                addresses += [a for a in endpoint.get("addresses") or [] if a not in addresses]
+    return addresses
 
 
 class KubeError(RuntimeError):
@@ -166,9 +180,10 @@ class KubeClient:
         query = [("propagationPolicy", "Orphan" if orphan else "Background")]
         await asyncio.to_thread(self._call, "DELETE", resource.path(namespace, name), body, query)
 
-    async def list_objects(self, resource: Resource, namespace: str, label_selector: str) -> list[dict[str, Any]]:
-        _, doc = await asyncio.to_thread(self._call, "GET", resource.path(namespace), None,
-                                         [("labelSelector", label_selector)])
+    async def list_objects(self, resource: Resource, namespace: str, label_selector: str = "",
+                           field_selector: str = "") -> list[dict[str, Any]]:
+        query = [(k, v) for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v]
+        _, doc = await asyncio.to_thread(self._call, "GET", resource.path(namespace), None, query)
         return list((doc or {}).get("items") or [])
 
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
@@ -188,17 +203,20 @@ class KubeClient:
             raise KubeError(404, "PATCH", path, "not found")
         return dict(obj or {})
 
-    async def ready_addresses(self, namespace: str, service: str) -> list[str]:
-        """IP addresses of a Service's ready endpoints, from its EndpointSlices."""
+    async def _slices(self, namespace: str, service: str) -> Mapping[str, Any]:
         path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
         _, doc = await asyncio.to_thread(self._call, "GET", path, None,
                                          [("labelSelector", f"kubernetes.io/service-name={service}")])
-        addresses: list[str] = []
-        for item in (doc or {}).get("items", []):
-            for endpoint in item.get("endpoints") or []:
-                if (endpoint.get("conditions") or {}).get("ready", True):
-                    addresses += list(endpoint.get("addresses") or [])
-        return addresses
+        return doc or {}
+
+    async def ready_addresses(self, namespace: str, service: str) -> list[str]:
+        """IP addresses of a Service's ready endpoints, from its EndpointSlices."""
+        return slice_addresses(await self._slices(namespace, service), ready_only=True)
+
+    async def all_addresses(self, namespace: str, service: str) -> list[str]:
+        """IP addresses of every endpoint of a Service, ready or not (gateways at zero engines are scraped whatever
+        their readiness: a not-ready gateway may still hold the streams that must wake the engines)."""
+        return slice_addresses(await self._slices(namespace, service), ready_only=False)
 
     async def has_api(self, group: str, version: str, plural: str) -> bool:
         """Discovery (allowed to every authenticated client): whether the cluster serves group/version/plural."""

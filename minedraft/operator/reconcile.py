@@ -17,7 +17,7 @@ from typing import Any
 
 from minedraft.operator import render, status
 from minedraft.operator import spec as s
-from minedraft.operator.kube import PODS, RESOURCES, KubeClient, KubeError
+from minedraft.operator.kube import EVENTS, PODS, RESOURCES, KubeClient, KubeError
 from minedraft.operator.metrics import OperatorMetrics
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
@@ -164,7 +164,13 @@ class Reconciler:
         # Filtered here too: the label selector is the API server's job, but be exact about what is ours.
         ours = [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get("minedraft.io/instance")
                 == meta.name]
-        return tuple(status.pod_issues(ours))
+        issues = status.pod_issues(ours)
+        if any(status.not_started(p) and not status.pod_issues([p]) for p in ours):
+            # Pods whose status says nothing (ContainerCreating): their Events say why (FailedMount, Multi-Attach).
+            events = await self.client.list_objects(EVENTS, meta.namespace, field_selector="involvedObject.kind=Pod")
+            reported = {i.pod for i in issues}
+            issues += [i for i in status.event_issues(ours, events) if i.pod not in reported]
+        return tuple(issues)
 
     async def reconcile(self, body: Mapping[str, Any]) -> Outcome:
         metadata = body.get("metadata") or {}

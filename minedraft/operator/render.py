@@ -14,8 +14,8 @@ from minedraft.operator import spec as s
 
 Manifest = dict[str, Any]
 
-ENGINE_GRPC_PORT = 50051
-ENGINE_METRICS_PORT = 9400
+ENGINE_GRPC_PORT = s.ENGINE_GRPC_PORT
+ENGINE_METRICS_PORT = s.ENGINE_METRICS_PORT
 LIVENESS_PERIOD_SECONDS = 10
 # Seconds of the engine's termination grace period kept for its own shutdown after streams are drained.
 ENGINE_SHUTDOWN_SECONDS = 10
@@ -23,6 +23,9 @@ GATEWAY_GRPC_PORT = 50051
 GATEWAY_METRICS_PORT = 9401
 GATEWAY_HTTP_PORT = 8080
 GATEWAY_GRACE_SECONDS = 20
+# What a cold engine start takes beyond the startup probe's window (which starts with the container): scheduling,
+# a node scale-up, pulling a CUDA image of several GB. A stream waits at the gateway for the whole of it.
+ENGINE_COLD_START_MARGIN_SECONDS = 600
 # The gRPC health service names (grpc.health.v1): "" answers readiness (engine loaded and not draining; gateway has
 # an engine to route to), LIVENESS_SERVICE answers liveness (the process's event loop answers) from the moment the
 # port is bound until exit, including while loading, draining or with no engine.
@@ -59,6 +62,11 @@ class RenderOptions:
     operator_pod_selector: Mapping[str, str] = field(default_factory=dict)
     # The operator has a default Prometheus (--prometheus-url): it never scrapes pods itself.
     operator_has_prometheus: bool = False
+    # The engine pods' fsGroup (None: not set). A freshly provisioned disk's root is owned by root, so without it the
+    # engine (any non-root UID) cannot write a PVC model cache; the kubelet then makes the volume group-writable for
+    # this GID, only when its root does not already match (OnRootMismatch: no recursive chown of a full cache at
+    # every start). Left unset on OpenShift, whose SCC assigns the namespace's own fsGroup and refuses others.
+    pod_fs_group: int | None = None
     # Where `make push` put the images, and their tag: engine and gateway pods whose MineDraft names no image of its
     # own run <image_registry>/engine:<image_tag> and <image_registry>/gateway:<image_tag>.
     image_registry: str = s.DEFAULT_IMAGE_REGISTRY
@@ -114,11 +122,15 @@ def _container_security() -> dict[str, Any]:
             "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def _pod_security() -> dict[str, Any]:
-    # No runAsUser/runAsGroup/fsGroup: PodSecurity "restricted" and OpenShift's restricted-v2 pick an arbitrary UID
-    # (and fsGroup) per namespace, and a fixed one is refused there. The images run as a non-root user by default,
-    # every writable path is a volume (emptyDir is world-writable), and HOME and the caches point into them.
-    return {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+def _pod_security(fs_group: int | None = None) -> dict[str, Any]:
+    # No runAsUser/runAsGroup: PodSecurity "restricted" and OpenShift's restricted-v2 pick an arbitrary UID (and
+    # fsGroup) per namespace, and a fixed one is refused there. The images run as a non-root user by default,
+    # every writable path is a volume (emptyDir is world-writable), and HOME and the caches point into them. A
+    # fsGroup only where the cluster does not assign one (RenderOptions.pod_fs_group): PVCs are not world-writable.
+    out: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    if fs_group is not None:
+        out.update(fsGroup=fs_group, fsGroupChangePolicy="OnRootMismatch")
+    return out
 
 
 def _grpc_check(port: int, service: str) -> dict[str, Any]:
@@ -147,7 +159,7 @@ def engine_command(spec: s.MineDraftSpec, meta: s.ObjectMeta | None = None) -> l
         "--host", "0.0.0.0",
         "--grpc-port", str(ENGINE_GRPC_PORT),
         "--metrics-port", str(ENGINE_METRICS_PORT),
-        *(["--http-port", str(eng.http_port)] if eng.http_port else []),
+        *(["--http-port", str(spec.engine_http_port)] if spec.engine_http_port else []),
         # Streams get most of the termination grace period to finish; the rest covers shutdown itself.
         "--grace-seconds", str(max(1, eng.termination_grace_period_seconds - ENGINE_SHUTDOWN_SECONDS)),
         "--model", _model_location("target", spec.target),
@@ -187,12 +199,38 @@ def engine_command(spec: s.MineDraftSpec, meta: s.ObjectMeta | None = None) -> l
         cmd += ["--max-num-speculative-tokens", str(max(k, k_high)),
                 "--auto-modes", ",".join(m for m in s.AUTO_MODES if m in modes),
                 "--auto-k", ",".join(str(n) for n in range(k_low, max(k, k_high) + 1))]
+    if spec.served_model_names:
+        cmd += ["--served-model-name", *spec.served_model_names]
+    if engines_need_token(spec):
+        # The gateway's auth cannot be walked around by calling an engine: its gRPC and HTTP ports want the token.
+        cmd += ["--token-file", auth_token_path(spec)]
     # Everything else goes to vLLM's own engine arguments, one `--flag=value` word each (vLLM's parser checks them
     # at start-up; a typo shows in the MineDraft's Progressing condition through the container's termination message).
     for word in s.split_extra_args(eng.extra_args):
-        own = word.split("=", 1)[0] in s.ENGINE_OWN_EXTRA_FLAGS
+        own = s.extra_arg_flag(word) in s.ENGINE_OWN_EXTRA_FLAGS
         cmd.append(word if own else f"--vllm-arg={word}")
     return cmd
+
+
+def engines_need_token(spec: s.MineDraftSpec) -> bool:
+    """With the gateway's auth on, engines authenticate their callers with the same Secret's token, which the gateway
+    presents (many clusters do not enforce the NetworkPolicy that would otherwise be all that keeps pods off them)."""
+    return spec.gateway.enabled and spec.gateway.auth_token is not None
+
+
+def auth_token_path(spec: s.MineDraftSpec) -> str:
+    assert spec.gateway.auth_token is not None
+    return f"{AUTH_DIR}/{spec.gateway.auth_token.key}"
+
+
+def _auth_volume(spec: s.MineDraftSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The gateway's token Secret as a volume (only its key) and its read-only mount: the kubelet updates a mounted
+    Secret in place when it changes, and both processes re-read the file (no restart at rotation)."""
+    token = spec.gateway.auth_token
+    assert token is not None
+    return ({"name": "auth", "secret": {"secretName": token.name, "defaultMode": 0o440,
+                                        "items": [{"key": token.key, "path": token.key}]}},
+            {"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
 
 
 def _engine_volumes(spec: s.MineDraftSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -218,6 +256,10 @@ def _engine_volumes(spec: s.MineDraftSpec) -> tuple[list[dict[str, Any]], list[d
         volumes.append({"name": f"models-{index}",
                         "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": f"models-{index}", "mountPath": f"{MODEL_PVC_ROOT}/{claim}", "readOnly": True})
+    if engines_need_token(spec):
+        volume, mount = _auth_volume(spec)
+        volumes.append(volume)
+        mounts.append(mount)
     return volumes, mounts
 
 
@@ -287,8 +329,9 @@ def engine_probes(spec: s.MineDraftSpec) -> dict[str, dict[str, Any]]:
     }
 
 
-def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
+def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | None = None) -> Manifest:
     eng = spec.engine
+    options = options or RenderOptions()
     gpus = str(engine_gpus(spec))
     volumes, mounts = _engine_volumes(spec)
     volumes, mounts = volumes + _drafter_token_volumes(spec), mounts + _drafter_token_mounts(spec)
@@ -296,6 +339,10 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
     limits = {"memory": eng.memory, "nvidia.com/gpu": gpus}
     if eng.ephemeral_storage is not None:
         requests["ephemeral-storage"] = limits["ephemeral-storage"] = eng.ephemeral_storage
+    elif not eng.model_cache.claim_name:
+        # The emptyDir cache lives on the node's disk: without a request the scheduler may place the pod where it
+        # does not fit, and the kubelet evicts it once downloads fill the disk (the sizeLimit alone only evicts).
+        requests["ephemeral-storage"] = eng.model_cache.size_limit
     container = {
         "name": "engine",
         # render() fills in the operator's image; called on its own, the built-in default.
@@ -303,7 +350,8 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         "imagePullPolicy": eng.image_pull_policy,
         "command": engine_command(spec, meta),
         "ports": [{"name": "grpc", "containerPort": ENGINE_GRPC_PORT, "protocol": "TCP"},
-                  *([{"name": "http", "containerPort": eng.http_port, "protocol": "TCP"}] if eng.http_port else []),
+                  *([{"name": "http", "containerPort": spec.engine_http_port, "protocol": "TCP"}]
+                    if spec.engine_http_port else []),
                   {"name": "metrics", "containerPort": ENGINE_METRICS_PORT, "protocol": "TCP"}],
         "env": _engine_env(spec),
         "resources": {"requests": requests, "limits": limits},
@@ -317,7 +365,7 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
-        "securityContext": _pod_security(),
+        "securityContext": _pod_security(options.pod_fs_group),
         # Engines never call the Kubernetes API.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -345,9 +393,7 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
             # Its own component only (selectors are immutable: the operator replaces a Deployment whose selector
             # differs from this one).
             "selector": {"matchLabels": selector_labels(meta, "engine")},
-            # A new pod must be ready before an old one goes: rollouts never drop capacity. Without spare GPUs the
-            # new pod waits Pending while the old ones keep serving.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": engine_strategy(eng),
             "template": {
                 "metadata": {"labels": labels,
                              "annotations": {"kubectl.kubernetes.io/default-container": "engine"}},
@@ -355,6 +401,14 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
             },
         },
     }
+
+
+def engine_strategy(eng: s.EngineSpec) -> dict[str, Any]:
+    """Surge: a new pod must be ready before an old one goes (rollouts never drop capacity; without spare GPUs the
+    new pod waits Pending, forever in a full pool). Replace: an old pod goes first, freeing its GPUs."""
+    if eng.rollout_strategy == "Replace":
+        return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
 
 
 def engine_service(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
@@ -367,8 +421,8 @@ def engine_service(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
             "clusterIP": "None",
             "selector": selector_labels(meta, "engine"),
             "ports": [{"name": "grpc", "port": ENGINE_GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"},
-                      *([{"name": "http", "port": spec.engine.http_port, "targetPort": "http", "protocol": "TCP",
-                          "appProtocol": "http"}] if spec.engine.http_port else []),
+                      *([{"name": "http", "port": spec.engine_http_port, "targetPort": "http", "protocol": "TCP",
+                          "appProtocol": "http"}] if spec.engine_http_port else []),
                       {"name": "metrics", "port": ENGINE_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}],
         },
     }
@@ -403,10 +457,10 @@ def engine_network_policy(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Re
     grpc: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": ENGINE_GRPC_PORT}]}
     if spec.gateway.enabled:
         grpc = {"from": [{"podSelector": {"matchLabels": selector_labels(meta, "gateway")}}], **grpc}
-    elif spec.engine.http_port:
-        # Without MineDraft's gateway clients (or an inference gateway's proxy) call the engines directly, over
+    elif spec.engine_http_port:
+        # Without MineDraft's gateway clients call the engines directly, over
         # gRPC or HTTP. With it, the gateway speaks gRPC to engines and nothing needs their HTTP port.
-        grpc["ports"].append({"protocol": "TCP", "port": spec.engine.http_port})
+        grpc["ports"].append({"protocol": "TCP", "port": spec.engine_http_port})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -447,6 +501,17 @@ def gateway_network_policy(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: R
 # -- gateway ---------------------------------------------------------------------------------------------------------
 
 
+def may_scale_to_zero(spec: s.MineDraftSpec) -> bool:
+    return spec.autoscaling is not None and spec.autoscaling.min_replicas == 0
+
+
+def engine_wait_timeout_seconds(spec: s.MineDraftSpec) -> int:
+    """How long a stream waits at the gateway for an engine: a whole cold start (the engine's startup window plus
+    scheduling and image pull), so the first request after zero replicas, or after every engine restarted, is served
+    rather than refused while the engine it woke is still loading."""
+    return spec.engine.startup_timeout_seconds + ENGINE_COLD_START_MARGIN_SECONDS
+
+
 def gateway_command(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> list[str]:
     gw = spec.gateway
     cmd = ["minedraft", "gateway",
@@ -456,11 +521,19 @@ def gateway_command(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> list[str]:
            "--kubernetes-service", f"{meta.namespace}/{names(meta)['engine']}",
            "--kubernetes-port-name", "grpc",
            "--max-in-flight", str(gw.max_in_flight),
-           "--grace-seconds", str(GATEWAY_GRACE_SECONDS)]
+           "--grace-seconds", str(GATEWAY_GRACE_SECONDS),
+           "--engine-wait-timeout-s", str(engine_wait_timeout_seconds(spec))]
+    if may_scale_to_zero(spec):
+        # At zero engines the gateway must still be ready, or the Service (kube-proxy, a cloud load balancer)
+        # refuses the first request before it reaches a gateway, and nothing ever wakes the engines.
+        cmd.append("--ready-without-engines")
     if gw.http_port:
         cmd += ["--http-port", str(GATEWAY_HTTP_PORT)]
+    if spec.served_model_names:
+        cmd += ["--served-model-name", *spec.served_model_names]
     if gw.auth_token is not None:
-        cmd += ["--token-file", f"{AUTH_DIR}/{gw.auth_token.key}"]
+        # Clients' token, and the credential the gateway presents to engines (the same Secret, mounted into both).
+        cmd += ["--token-file", auth_token_path(spec), "--engine-token-file", auth_token_path(spec)]
     if gw.tls_secret_name is not None:
         cmd += ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key"]
     return cmd
@@ -490,8 +563,9 @@ def gateway_role_binding(meta: s.ObjectMeta) -> Manifest:
 
 def gateway_probes(spec: s.MineDraftSpec) -> dict[str, dict[str, Any]]:
     """liveness: the process answers (never whether an engine is up: engines load for minutes, and a gateway
-    restarted meanwhile helps nobody); readiness: at least one engine to route to. No startup probe: the gateway
-    binds its port within seconds, well inside the liveness window.
+    restarted meanwhile helps nobody); readiness: at least one engine to route to, or, for a MineDraft that may
+    scale to zero (--ready-without-engines), able to accept and hold streams until one is. No startup probe: the
+    gateway binds its port within seconds, well inside the liveness window.
 
     With TLS on, kubelet gRPC probes cannot do the handshake: liveness becomes a TCP connect (the process accepts
     connections), and readiness too (a weaker signal: a stream that finds no engine waits for one, bounded).
@@ -526,9 +600,9 @@ def gateway_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         {"name": "kube-api-access", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": True},
     ]
     if gw.auth_token is not None:
-        volumes.append({"name": "auth", "secret": {"secretName": gw.auth_token.name, "defaultMode": 0o440,
-                                                   "items": [{"key": gw.auth_token.key, "path": gw.auth_token.key}]}})
-        mounts.append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
+        volume, mount = _auth_volume(spec)
+        volumes.append(volume)
+        mounts.append(mount)
     if gw.tls_secret_name is not None:
         volumes.append({"name": "tls", "secret": {"secretName": gw.tls_secret_name, "defaultMode": 0o440}})
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
@@ -757,7 +831,7 @@ def render(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | N
     """Every object of one MineDraft, in apply order (RBAC before the pods that use it)."""
     options = options or RenderOptions()
     spec = with_images(spec, options)
-    manifests = [engine_service(spec, meta), engine_deployment(spec, meta)]
+    manifests = [engine_service(spec, meta), engine_deployment(spec, meta, options)]
     if spec.engine.pod_disruption_budget:
         manifests.append(engine_pdb(meta))
     if spec.gateway.enabled:

@@ -42,6 +42,8 @@ class OperatorSettings:
     # The operator's own namespace and pod labels, so NetworkPolicies let it scrape pods (empty: not let in).
     operator_namespace_selector: Mapping[str, str] = field(default_factory=dict)
     operator_pod_selector: Mapping[str, str] = field(default_factory=dict)
+    # fsGroup of the engine pods (None: unset, as OpenShift needs); see RenderOptions.pod_fs_group.
+    pod_fs_group: int | None = None
     # Where the engine and gateway images are (the chart's image.registry and image.tag): used for MineDrafts
     # that name no image of their own.
     image_registry: str = s.DEFAULT_IMAGE_REGISTRY
@@ -59,6 +61,8 @@ class OperatorSettings:
             raise ValueError("drift_interval_seconds must be positive")
         if self.autoscale_tick_seconds <= 0:
             raise ValueError("autoscale_tick_seconds must be positive")
+        if self.pod_fs_group is not None and not 1 <= self.pod_fs_group <= 2**31 - 1:
+            raise ValueError(f"pod_fs_group must be a GID between 1 and 2147483647 (got {self.pod_fs_group})")
 
     def render_options(self, monitoring_available: bool) -> RenderOptions:
         monitoring = self.monitoring == "on" or (self.monitoring == "auto" and monitoring_available)
@@ -68,6 +72,7 @@ class OperatorSettings:
                              operator_namespace_selector=dict(self.operator_namespace_selector),
                              operator_pod_selector=dict(self.operator_pod_selector),
                              operator_has_prometheus=bool(self.prometheus_url),
+                             pod_fs_group=self.pod_fs_group,
                              image_registry=self.image_registry, image_tag=self.image_tag)
 
 

@@ -26,6 +26,10 @@ DRAFTER_BACKENDS = ("vllm", "torch")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# How engine rollouts replace pods: Surge starts a new pod before an old one goes (needs a spare pod's GPUs: in a
+# full GPU pool the new pod stays Pending and the rollout never ends); Replace stops one old pod first (one replica's
+# capacity is missing while the new one loads, and no spare GPUs are needed).
+ROLLOUT_STRATEGIES = ("Surge", "Replace")
 
 # Draft length bounds: k=0 is plain decoding (mode ar), and past 16 acceptance of the last positions is negligible
 # for any real pair while the verify cost keeps growing.
@@ -48,7 +52,8 @@ RESERVED_ENGINE_FLAGS = ("--host", "--grpc-port", "--metrics-port", "--grace-sec
                          "--max-num-seqs", "--max-model-len", "--dtype", "--tensor-parallel-size", "-tp",
                          "--target-gpus", "--max-num-speculative-tokens", "--auto-modes", "--auto-k",
                          "--speculative-config", "--scheduler-cls", "--pipeline-parallel-size", "-pp",
-                         "--data-parallel-size", "-dp", "--async-scheduling")
+                         "--data-parallel-size", "-dp", "--async-scheduling", "--served-model-name", "--token-file",
+                         "--http-port")
 # extraArgs that are `minedraft serve` flags of their own (the engine sets these vLLM arguments itself from them):
 # passed as they are, not as --vllm-arg.
 ENGINE_OWN_EXTRA_FLAGS = ("--gpu-memory-utilization", "--drafter-gpu-memory-utilization", "--seed",
@@ -60,11 +65,29 @@ ENGINE_OWN_EXTRA_FLAGS = ("--gpu-memory-utilization", "--drafter-gpu-memory-util
 DEFAULT_IMAGE_REGISTRY = "ghcr.io/minedraft"
 IMAGE_TAG = "0.1.0"
 
+# Ports of the engine container that are not MineDraft fields (the engine Service carries them too): the engine's
+# httpPort must be neither.
+ENGINE_GRPC_PORT = 50051
+ENGINE_METRICS_PORT = 9400
+DEFAULT_ENGINE_HTTP_PORT = 8000
+# Most GPUs one node holds (8 on every GPU node type sold today): a pod asking for more stays Pending forever.
+MAX_GPUS_PER_POD = 8
+
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+# Object names (Secrets, PVCs, RuntimeClasses, PriorityClasses): RFC 1123 subdomains, as the API server checks them.
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]+(-+[a-z0-9]+)*(\.[a-z0-9]+(-+[a-z0-9]+)*)*$"
+_DNS_SUBDOMAIN = re.compile(DNS_SUBDOMAIN_PATTERN)
+# Keys of a Secret's data (the API server's IsConfigMapKey).
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+_SECRET_KEY = re.compile(SECRET_KEY_PATTERN)
+ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+# A served model name (OpenAI's `model`): any printable text without spaces, e.g. qwen3-8b or Qwen/Qwen3-8B.
+SERVED_NAME_PATTERN = r"^[!-,.-~][!-~]{0,255}$"
+_SERVED_NAME = re.compile(SERVED_NAME_PATTERN)
+MAX_SERVED_MODEL_NAMES = 16
 # Service names are DNS-1035 labels: a letter first (a Service named "7b-engine" is refused).
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+_ENV_NAME = re.compile(ENV_NAME_PATTERN)
 # Room for the longest suffix we add ("-gateway") within a 63-character DNS label (Services need labels).
 MAX_NAME_LENGTH = 63 - len("-gateway")
 
@@ -145,9 +168,11 @@ class EngineSpec:
     termination_grace_period_seconds: int = 120
     startup_timeout_seconds: int = 1800
     pod_disruption_budget: bool = True
-    # The engine's own OpenAI-compatible HTTP port (0: not served): what an inference gateway (Gateway API
-    # InferencePool) targets; MineDraft's gateway reaches engines over gRPC.
-    http_port: int = 8000
+    rollout_strategy: str = "Surge"
+    # The engine's own OpenAI-compatible HTTP port (0: not served; None: DEFAULT_ENGINE_HTTP_PORT without the
+    # gateway, closed behind it: MineDraft's gateway reaches engines over gRPC, and an open port would be a way
+    # around it).
+    http_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -221,6 +246,9 @@ class MineDraftSpec:
     gateway: GatewaySpec = field(default_factory=GatewaySpec)
     # Secrets (by name, in the MineDraft's namespace) the kubelet uses to pull both images.
     image_pull_secrets: tuple[str, ...] = ()
+    # The names clients address the model by (the first is its name, the others aliases); empty: the target's
+    # hub id or path.
+    served_model_names: tuple[str, ...] = ()
     # A shared drafter service instead of a drafter GPU in every engine pod (None: each engine drafts on its own).
     drafter_pool: DrafterPoolSpec | None = None
 
@@ -236,6 +264,13 @@ class MineDraftSpec:
             wanted = a.min_replicas if self.replicas is None else self.replicas
             return min(max(wanted, a.min_replicas), a.max_replicas)
         return 1 if self.replicas is None else self.replicas
+
+    @property
+    def engine_http_port(self) -> int:
+        """The engines' HTTP port (0: closed): as set, else open only when clients reach engines directly."""
+        if self.engine.http_port is not None:
+            return self.engine.http_port
+        return 0 if self.gateway.enabled else DEFAULT_ENGINE_HTTP_PORT
 
     @property
     def needs_drafter_gpu(self) -> bool:
@@ -340,6 +375,8 @@ def _secret_key_ref(r: _Reader, data: Mapping[str, Any] | None, path: str, defau
         return None
     name = r.name(data, "name", path)
     key = r.str_(data, "key", path, default=default_key) or default_key
+    if not (_SECRET_KEY.match(key) and len(key) <= 253):
+        r.fail(f"{path}.key", f"must be a Secret key (letters, digits, '-', '_', '.') (got {key!r})")
     return SecretKeyRef(name, key) if name else None
 
 
@@ -382,11 +419,21 @@ def _or(value: int | None, default: int) -> int:
     return default if value is None else value
 
 
+def extra_arg_flag(word: str) -> str:
+    """The flag of one extraArgs word: up to the first `=` or space (`--max-model-len 4096` written as one word is
+    the flag --max-model-len, as a shell would not split it but users mean it)."""
+    return re.split(r"[= ]", word, maxsplit=1)[0]
+
+
 def split_extra_args(args: tuple[str, ...] | list[str]) -> list[str]:
-    """extraArgs as `--flag=value` words: users write vLLM flags either way (`--x 1` or `--x=1`) and each becomes
-    one pass-through argument of the engine (a following word that is not a flag is the flag's value)."""
+    """extraArgs as `--flag=value` words: users write vLLM flags either way (`--x 1`, `--x=1`, or one word
+    `"--x 1"`) and each becomes one pass-through argument of the engine (a following word that is not a flag is the
+    flag's value). A value is kept byte for byte: spaces inside it (JSON-valued flags) stay."""
     out: list[str] = []
     for word in args:
+        flag = extra_arg_flag(word)
+        if word.startswith("--") and len(flag) < len(word) and word[len(flag)] == " ":
+            word = f"{flag}={word[len(flag) + 1:].lstrip(' ')}"
         if out and not word.startswith("--") and "=" not in out[-1]:
             out[-1] = f"{out[-1]}={word}"
         else:
@@ -400,7 +447,7 @@ def _engine_extra_args(r: _Reader, data: Mapping[str, Any], p: str) -> tuple[str
         r.fail(f"{p}.extraArgs", "must be a list of non-empty strings")
         return ()
     for word in split_extra_args(extra):
-        flag = word.split("=", 1)[0]
+        flag = extra_arg_flag(word)
         if not flag.startswith("--"):
             r.fail(f"{p}.extraArgs", f"{word!r} is not a vLLM engine argument (they start with --)")
         elif flag in RESERVED_ENGINE_FLAGS or flag.replace("_", "-") in RESERVED_ENGINE_FLAGS:
@@ -418,6 +465,10 @@ def _engine_env_vars(r: _Reader, data: Mapping[str, Any], p: str) -> tuple[Mappi
         name = var.get("name")
         if not isinstance(name, str) or not _ENV_NAME.match(name):
             r.fail(f"{p}.env[{index}].name", f"must be a C identifier-like environment variable name (got {name!r})")
+        if "value" in var and not isinstance(var["value"], str):
+            # The API server refuses a Deployment whose env value is a number or boolean: quote it.
+            r.fail(f"{p}.env[{index}].value", f"must be a string (quote it: {str(var['value'])!r}) "
+                                             f"(got {type(var['value']).__name__})")
     return tuple(dict(e) for e in env)
 
 
@@ -454,7 +505,7 @@ def _engine(r: _Reader, data: Mapping[str, Any]) -> EngineSpec:
         or d.drafter_backend,
         max_num_seqs=_or(r.int_(data, "maxNumSeqs", p, d.max_num_seqs, 1, 65536), d.max_num_seqs),
         max_model_len=r.int_(data, "maxModelLen", p, None, MIN_MODEL_LEN, MAX_MODEL_LEN),
-        http_port=_or(r.int_(data, "httpPort", p, d.http_port, 0, 65535), d.http_port),
+        http_port=r.int_(data, "httpPort", p, None, 0, 65535),
         extra_args=_engine_extra_args(r, data, p),
         env=_engine_env_vars(r, data, p),
         node_selector=dict(node_selector),
@@ -472,6 +523,8 @@ def _engine(r: _Reader, data: Mapping[str, Any]) -> EngineSpec:
         startup_timeout_seconds=r.int_(data, "startupTimeoutSeconds", p, d.startup_timeout_seconds, 60, 86400)
         or d.startup_timeout_seconds,
         pod_disruption_budget=pdb,
+        rollout_strategy=r.str_(data, "rolloutStrategy", p, default=d.rollout_strategy, choices=ROLLOUT_STRATEGIES)
+        or d.rollout_strategy,
     )
 
 
@@ -623,14 +676,50 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MineDraftSpec:
         pull_secrets = []
     pull_names = tuple(n for i, x in enumerate(pull_secrets)
                        if (n := r.name(x, "name", f"spec.imagePullSecrets[{i}]")) is not None)
+    served = spec.get("servedModelNames", [])
+    if (not isinstance(served, list) or not all(isinstance(n, str) and _SERVED_NAME.match(n) for n in served)
+            or len(set(served)) != len(served) or len(served) > MAX_SERVED_MODEL_NAMES):
+        r.fail("spec.servedModelNames", f"must be a list of at most {MAX_SERVED_MODEL_NAMES} distinct names without "
+                                        f"spaces (got {served!r})")
+        served = []
     if r.errors:
         raise SpecError(r.errors)
-    return MineDraftSpec(
+    result = MineDraftSpec(
         target=target, draft=draft,
         speculation=SpeculationSpec(mode, k or d.num_speculative_tokens, extra or 0),
         engine=engine, replicas=replicas, autoscaling=autoscaling, gateway=gateway,
-        image_pull_secrets=pull_names, drafter_pool=drafter_pool,
+        image_pull_secrets=pull_names, served_model_names=tuple(served), drafter_pool=drafter_pool,
     )
+    _check_combinations(r, result)
+    if r.errors:
+        raise SpecError(r.errors)
+    return result
+
+
+def _check_combinations(r: _Reader, spec: MineDraftSpec) -> None:
+    """Fields that are fine alone and fail together, later (an invalid derived object, a pod Pending forever, a
+    setting silently dropped): the CRD's CEL rules refuse the same at admission."""
+    eng, gw = spec.engine, spec.gateway
+    if eng.http_port in (ENGINE_GRPC_PORT, ENGINE_METRICS_PORT):
+        r.fail("spec.engine.httpPort", f"must differ from the engine's gRPC ({ENGINE_GRPC_PORT}) and metrics "
+                                       f"({ENGINE_METRICS_PORT}) ports (got {eng.http_port})")
+    if gw.http_port and gw.http_port == gw.port:
+        r.fail("spec.gateway.httpPort", f"must differ from gateway.port (both {gw.port})")
+    # With a drafter pool the engine pods draft through it and request the target's GPUs only.
+    gpus = eng.target_gpus + (eng.drafter_gpus if spec.needs_drafter_gpu and spec.drafter_pool is None else 0)
+    if gpus > MAX_GPUS_PER_POD:
+        r.fail("spec.engine.targetGPUs", f"targetGPUs plus the drafter's GPU ({gpus}) must fit on one node of at "
+                                         f"most {MAX_GPUS_PER_POD} GPUs (mode {spec.speculation.mode} drafts on a "
+                                         "GPU of its own)")
+    if not gw.enabled:
+        if spec.autoscaling is not None and spec.autoscaling.min_replicas == 0:
+            r.fail("spec.autoscaling.minReplicas", "0 (scale to zero) needs the gateway: it holds the first request "
+                                                   "while an engine starts")
+        if gw.auth_token is not None:
+            r.fail("spec.gateway.authTokenSecretRef", "needs gateway.enabled: without the gateway nothing checks "
+                                                      "the token")
+        if gw.tls_secret_name is not None:
+            r.fail("spec.gateway.tlsSecretRef", "needs gateway.enabled: without the gateway nothing serves TLS")
 
 
 @dataclass(frozen=True)

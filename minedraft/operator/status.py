@@ -93,6 +93,52 @@ def pod_issues(pods: Sequence[Mapping[str, Any]]) -> list[PodIssue]:
     return issues
 
 
+# Event reasons that mean a pod stays in ContainerCreating until someone acts: a Secret or ConfigMap volume that does
+# not exist or lacks the key mounted, a volume that cannot mount, a ReadWriteOnce volume attached to another node.
+# They show only as Events (the pod's own status says ContainerCreating, with no message).
+STUCK_EVENT_REASONS = frozenset({"FailedMount", "FailedAttachVolume"})
+
+
+def _event_time(event: Mapping[str, Any]) -> str:
+    series = event.get("series") or {}
+    return str(series.get("lastObservedTime") or event.get("lastTimestamp") or event.get("eventTime")
+               or event.get("firstTimestamp") or "")
+
+
+def not_started(pod: Mapping[str, Any]) -> bool:
+    """A pod, not being deleted, none of whose containers has started (Pending, ContainerCreating)."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return not any((c.get("state") or {}).get("running") or (c.get("state") or {}).get("terminated")
+                   for c in statuses)
+
+
+def event_issues(pods: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]]) -> list[PodIssue]:
+    """The latest FailedMount/FailedAttachVolume Warning of each of these pods that has not started its containers
+    (an Event outlives the problem: a pod already running is not reported)."""
+    waiting: dict[str, tuple[str, str]] = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        if not_started(pod):
+            waiting[str(meta.get("name", ""))] = (str(meta.get("uid") or ""),
+                                                  str((meta.get("labels") or {}).get("minedraft.io/component", "")))
+    latest: dict[str, Mapping[str, Any]] = {}
+    for event in events:
+        involved = event.get("involvedObject") or event.get("regarding") or {}
+        name = str(involved.get("name", ""))
+        if (event.get("type") != "Warning" or event.get("reason") not in STUCK_EVENT_REASONS
+                or involved.get("kind") != "Pod" or name not in waiting):
+            continue
+        uid = waiting[name][0]
+        if uid and involved.get("uid") and involved.get("uid") != uid:
+            continue  # an earlier pod of the same name
+        if name not in latest or _event_time(event) >= _event_time(latest[name]):
+            latest[name] = event
+    return [PodIssue(waiting[name][1], name, str(event["reason"]), str(event.get("message") or event.get("note") or ""))
+            for name, event in sorted(latest.items())]
+
+
 @dataclass(frozen=True)
 class SpeculationFigures:
     acceptance_rate: float | None = None

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import grpc
@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from minedraft.api import SERVICE_NAME, grpc_policy
+from minedraft.api.auth import TokenAuthInterceptor
 from minedraft.engine.async_engine import AsyncEngine
 from minedraft.openai_api.server import HttpServer
 from minedraft.server.metrics import EngineExporter
@@ -41,8 +42,12 @@ SERVER_OPTIONS = (
 class EngineServer:
     def __init__(self, replica_id: str | None = None, registry: CollectorRegistry | None = None,
                  metrics_interval_seconds: float = 1.0, engine_check_interval_seconds: float = 5.0,
-                 engine_check_timeout_seconds: float = 30.0) -> None:
-        self.service = EngineService(replica_id)
+                 engine_check_timeout_seconds: float = 30.0,
+                 tokens: Callable[[], Sequence[bytes]] | None = None,
+                 served_model_names: tuple[str, ...] = ()) -> None:
+        self.service = EngineService(replica_id, served_model_names)
+        # Accepted bearer tokens (read per call: a rotated Secret takes effect without a restart); None: no auth.
+        self.tokens = tokens
         # Readiness includes "the engine loop answers": a no-op run on the engine thread between steps, this often,
         # must come back within the timeout (a loop stuck in a step leaves the event loop, and so health, answering).
         self.engine_check_interval_seconds = engine_check_interval_seconds
@@ -54,7 +59,8 @@ class EngineServer:
         self.exporter: EngineExporter | None = None
         self._metrics_task: asyncio.Task[None] | None = None
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS,
+                                      interceptors=[TokenAuthInterceptor(tokens)] if tokens is not None else None)
         grpc_policy.add_generation_servicer(GenerationServicer(self.service), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         grpc_policy.enable_reflection(self.server, (SERVICE_NAME, "grpc.health.v1.Health"))
@@ -67,7 +73,7 @@ class EngineServer:
         from minedraft.server.http import engine_http_app
 
         # HTTP readiness is the gRPC health's ("" service): one meaning, one source.
-        self.http = HttpServer(engine_http_app(self.service, lambda: self.serving).app)
+        self.http = HttpServer(engine_http_app(self.service, lambda: self.serving, self.tokens).app)
         return await self.http.start(host, port)
 
     async def _set_health(self, status: int) -> None:
@@ -175,9 +181,11 @@ async def serve(
     on_started: Callable[[int], None] | None = None,
     registry: CollectorRegistry | None = None,
     http_address: tuple[str, int] | None = None,
+    tokens: Callable[[], Sequence[bytes]] | None = None,
+    served_model_names: tuple[str, ...] = (),
 ) -> int:
     """Run a replica until SIGTERM/SIGINT (or stop_event): bind, load the engine, serve, drain, shut the engine down."""
-    server = EngineServer(replica_id, registry)
+    server = EngineServer(replica_id, registry, tokens=tokens, served_model_names=served_model_names)
     port = await server.start(grpc_address)
     if http_address is not None:
         await server.start_http(*http_address)

@@ -25,6 +25,12 @@ def add_subcommands(sub: Any) -> None:
                             "/ready) on this port (0: do not serve)")
     serve.add_argument("--grace-seconds", type=float, default=20.0,
                        help="on SIGTERM, how long open streams may run before they are cancelled")
+    serve.add_argument("--token-file", help="accepted bearer tokens, one per line, re-read when the file changes: the "
+                       "gRPC (but health) and HTTP APIs refuse callers without one (the operator sets it to the "
+                       "gateway's token when the gateway has auth on)")
+    serve.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                       help="the names clients address the model by: GetModelInfo's model and /v1/models answer the "
+                       "first, requests may name any (aliases); default: the model's path or hub id")
     serve.add_argument("--replica-id", default=os.environ.get("POD_NAME"),
                        help="reported by GetServerInfo (default: $POD_NAME, else the host name)")
     serve.set_defaults(func=cmd_serve)
@@ -50,6 +56,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from minedraft.engine_options import settings_from_args
     from minedraft.server.app import serve
 
+    tokens = None
+    if args.token_file:
+        from minedraft.api.auth import TokenFile
+
+        try:
+            tokens = TokenFile(args.token_file).tokens
+        except ValueError as exc:
+            print(f"minedraft serve: error: {exc}", file=sys.stderr)
+            return 2
     settings = settings_from_args(args)
     registry = start_metrics(args.host, args.metrics_port) if args.metrics_port else None
     # The dtype the engine will compute in ("auto" resolved as the engine resolves it), said before the long load.
@@ -61,4 +76,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     return asyncio.run(serve(lambda: AsyncEngine.create(settings), f"{args.host}:{args.grpc_port}",
                              args.grace_seconds, args.replica_id, on_started=on_started, registry=registry,
-                             http_address=(args.host, args.http_port) if args.http_port else None))
+                             http_address=(args.host, args.http_port) if args.http_port else None, tokens=tokens,
+                             served_model_names=tuple(args.served_model_name)))

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import grpc
 
 from minedraft.api import pb
+from minedraft.api.auth import bearer_token, token_accepted
 from minedraft.engine.requests import EngineDeadError, RequestError
 from minedraft.openai_api.app import BackendError, OpenAiApp
 from minedraft.openai_api.protocol import ApiError
@@ -23,9 +24,11 @@ from minedraft.server.servicer import EngineService, ServerState
 class EngineBackend:
     error_types: tuple[type[Exception], ...] = (BackendError,)
 
-    def __init__(self, service: EngineService, serving: Callable[[], bool]) -> None:
+    def __init__(self, service: EngineService, serving: Callable[[], bool],
+                 tokens: Callable[[], Sequence[bytes]] | None = None) -> None:
         self.service = service
         self.serving = serving
+        self.tokens = tokens
 
     def backend_error(self, error: Exception) -> BackendError:
         assert isinstance(error, BackendError)
@@ -42,19 +45,21 @@ class EngineBackend:
         return self.serving()
 
     def authorize(self, authorization: str | None, stream: bool) -> bool:
-        # The engine's port is cluster-internal (the operator's NetworkPolicy admits the gateway and the
-        # inference gateway only); bearer tokens are the gateway's.
-        return True
+        # With tokens (`serve --token-file`, set by the operator when the gateway has auth on), the same check as the
+        # gRPC port's: a NetworkPolicy alone does not keep other pods off an engine where it is not enforced.
+        if self.tokens is None:
+            return True
+        return token_accepted(bearer_token((("authorization", authorization or ""),)), self.tokens())
 
     async def model_ids(self) -> list[str]:
         engine = self.service.engine
         if engine is None:
             raise BackendError(grpc.StatusCode.UNAVAILABLE, f"replica {self.service.replica_id} is loading")
-        return [engine.settings.model]
+        return list(self.service.served_model_names) or [engine.settings.model]
 
     def known_model_ids(self) -> list[str]| None:
         engine = self.service.engine
-        return None if engine is None else [engine.settings.model]
+        return None if engine is None else list(self.service.served_model_names) or [engine.settings.model]
 
     async def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str], protocol: str,
                        timeout_seconds: float | None) -> AsyncIterator[pb.GenerateResponse]:
@@ -104,5 +109,6 @@ class EngineBackend:
             service.stream_closed()
 
 
-def engine_http_app(service: EngineService, serving: Callable[[], bool]) -> OpenAiApp:
-    return OpenAiApp(EngineBackend(service, serving))
+def engine_http_app(service: EngineService, serving: Callable[[], bool],
+                    tokens: Callable[[], Sequence[bytes]] | None = None) -> OpenAiApp:
+    return OpenAiApp(EngineBackend(service, serving, tokens))

@@ -79,8 +79,11 @@ class _OpenStream:
 class EngineService:
     """What the servicer and the server's lifecycle share: the engine (once loaded), state and open streams."""
 
-    def __init__(self, replica_id: str | None = None) -> None:
+    def __init__(self, replica_id: str | None = None, served_model_names: tuple[str, ...] = ()) -> None:
         self.replica_id = replica_id or socket.gethostname()
+        # The names clients address the model by (the first is its name; the others aliases); empty: the model's
+        # path or hub id.
+        self.served_model_names = served_model_names
         self.state = ServerState.LOADING
         self.engine: AsyncEngine | None = None
         self.limits: ModelLimits | None = None
@@ -190,7 +193,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
                            context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
         await reject_undecodable(request, context, "minedraft.v1.GetModelInfoRequest")
         engine, limits = await self._serving_engine(context)
-        return model_info(engine.settings, limits.vocab_size)
+        info = model_info(engine.settings, limits.vocab_size)
+        if self._service.served_model_names:
+            info.model = self._service.served_model_names[0]
+        return info
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:

@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from minedraft import __version__
 from minedraft.api import SERVICE_NAME, pb, pb_grpc
+from minedraft.api.auth import TokenAuthInterceptor
 from minedraft.api.grpc_policy import (
     LIVENESS_SERVICE,
     SERVER_OPTIONS,
@@ -155,7 +156,8 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
 class FakeEngineServer:
     """One fake replica on a loopback port, with grpc.health.v1 (SERVING unless told otherwise) and reflection."""
 
-    def __init__(self, replica_id: str = "fake", behaviour: FakeBehaviour | None = None) -> None:
+    def __init__(self, replica_id: str = "fake", behaviour: FakeBehaviour | None = None,
+                 tokens: Callable[[], Sequence[bytes]] | None = None) -> None:
         self.replica_id = replica_id
         self.behaviour = behaviour or FakeBehaviour()
         self.record = FakeRecord()
@@ -164,7 +166,9 @@ class FakeEngineServer:
         # Bursts of thousands of new streams (the benchmark): past core's default of 1000 calls waiting to be
         # accepted, it cancels the rest. Keepalive: the product's one policy (the gateway's pings are welcome).
         self.server = grpc.aio.server(options=(*SERVER_OPTIONS, ("grpc.server.max_pending_requests", 100_000),
-                                               ("grpc.server.max_pending_requests_hard_limit", 100_000)))
+                                               ("grpc.server.max_pending_requests_hard_limit", 100_000)),
+                                      # As `minedraft serve --token-file`: callers need a bearer token.
+                                      interceptors=[TokenAuthInterceptor(tokens)] if tokens is not None else None)
         add_generation_servicer(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection(self.server, (SERVICE_NAME, "grpc.health.v1.Health"))

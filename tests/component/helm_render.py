@@ -12,6 +12,8 @@ and prints {"manifest": ..., "notes": ..., "crds": [...]} as JSON on stdout. OPT
   "upgrade": [CHART, VALUES]   after the install, `helm upgrade` the release to this chart and values (the output
                            then describes the upgrade, and "crds" the CRDs the emulator holds after it)
   "take_ownership": true   the upgrade adopts existing objects that lack Helm's ownership metadata
+  "openshift": true        the emulator serves security.openshift.io/v1 SecurityContextConstraints (as OpenShift
+                           does): Helm's .Capabilities then has it
   "precreate": [OBJECTS]   objects stored in the emulator before the install (e.g. a CRD an older chart installed
                            from crds/, which Helm does not own)
 """
@@ -64,6 +66,9 @@ async def render(chart: str, values: dict[str, Any], namespace: str,
             if key.startswith(MONITORING_GROUP) and not options.get("monitoring", True):
                 continue  # discovery then lists no monitoring.coreos.com group at all
             kmock.resources[key] = ResourceInfo(kind=kind, namespaced=namespaced, verbs=VERBS)
+        if options.get("openshift"):
+            kmock.resources["security.openshift.io/v1/securitycontextconstraints"] = ResourceInfo(
+                kind="SecurityContextConstraints", namespaced=False, verbs=VERBS)
         url = str(kmock.url).rstrip("/")
         kubeconfig = yaml.safe_dump({
             "apiVersion": "v1", "kind": "Config", "current-context": "emulator",

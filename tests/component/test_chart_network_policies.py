@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from minedraft.operator import render
+from minedraft.operator import spec as s
 from minedraft.operator.cli import add_subcommands, settings_from_args
 from tests.component.test_chart_helm import NAMESPACE, helm_render
 from tests.network_policy import Endpoint, External, Node, Pod, allowed, pod_from_template
@@ -120,7 +121,8 @@ def _system(values: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Connecti
         scraped = bool(autoscaling) and not (autoscaling.get("prometheus") or {}).get("address") \
             and not settings.prometheus_url
         grpc, metrics = engine.ports["grpc"][0], engine.ports["metrics"][0]
-        http = engine.ports["http"][0]
+        # Behind the gateway nothing listens there by default; the policy must still keep the port number closed.
+        http = engine.ports["http"][0] if "http" in engine.ports else s.DEFAULT_ENGINE_HTTP_PORT
         hub = any("huggingFace" in resource["spec"][m]["source"] for m in ("target", "draft"))
         connections += [
             Connection(PROMETHEUS, engine, metrics, "TCP", True, "Prometheus scrapes engines"),
@@ -138,10 +140,12 @@ def _system(values: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Connecti
                 Connection(CLIENT, engine, grpc, "TCP", True, "without a gateway clients call the engines"),
                 Connection(NEIGHBOUR, engine, grpc, "TCP", True, "without a gateway clients call the engines"),
                 Connection(CLIENT, engine, http, "TCP", True,
-                           "without a gateway clients (or an inference gateway) call the engines' HTTP API"),
+                           "without a gateway clients call the engines' HTTP API"),
                 Connection(PROMETHEUS, engine, http, "TCP", True, "any client may call the engines' HTTP API"),
             ]
             continue
+        # Behind the gateway the engines' HTTP port is closed by default (no way around the gateway's auth).
+        assert "http" not in engine.ports or (resource["spec"].get("engine") or {}).get("httpPort")
         gw_grpc, gw_metrics = gateway.ports["grpc"][0], gateway.ports["metrics"][0]
         connections += [
             Connection(CLIENT, gateway, gw_grpc, "TCP", True, "clients in other namespaces call the gateway"),

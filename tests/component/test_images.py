@@ -102,10 +102,16 @@ def test_rendered_pods_run_on_their_images(name: str, doc: dict[str, Any]) -> No
 
 
 def test_exposed_ports_are_what_the_default_pods_and_the_default_command_bind() -> None:
-    """EXPOSE documents the ports of a MineDraft's default pods; the image's own CMD (docker run) binds the same."""
+    """EXPOSE documents the ports of a MineDraft's default pods; the image's own CMD (docker run) binds the same.
+    The engine's are those of engines clients call directly (no gateway, as with docker run): behind the gateway the
+    operator closes the engines' HTTP port (issue 30)."""
     built = images()
     doc = yaml.safe_load((ROOT / "examples" / "minimal.yaml").read_text())
-    for where, pod in pod_templates(rendered(doc)):
+    direct = copy.deepcopy(doc)
+    direct["spec"]["gateway"] = {"enabled": False}
+    pods = [(w, p) for w, p in pod_templates(rendered(doc)) if "gateway" in w] + pod_templates(rendered(direct))
+    assert len(pods) == 2
+    for where, pod in pods:
         for container in pod["containers"]:
             image = image_of(container["image"], built, REGISTRY)
             assert image is not None

@@ -426,18 +426,44 @@ def stuck_pod(name: str, component: str, instance: str, reason: str, message: st
                 "state": {"waiting": {"reason": reason, "message": message}}}]}}
 
 
+def creating_pod(name: str, component: str, instance: str) -> dict[str, Any]:
+    """A scheduled pod whose volumes do not mount, as the kubelet reports it: ContainerCreating, no message."""
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "uid": f"uid-{name}", "labels": {"minedraft.io/instance": instance,
+                                                                         "minedraft.io/component": component}},
+            "spec": {"containers": [{"name": component, "image": "x"}]},
+            "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"},
+                                                          {"type": "Ready", "status": "False",
+                                                           "reason": "ContainersNotReady"}],
+                       "containerStatuses": [{"name": component, "ready": False, "restartCount": 0, "started": False,
+                                              "state": {"waiting": {"reason": "ContainerCreating"}}}]}}
+
+
+def kubelet_event(pod: str, reason: str, message: str) -> dict[str, Any]:
+    """A core/v1 Event as the kubelet posts it about a pod."""
+    return {"apiVersion": "v1", "kind": "Event", "metadata": {"name": f"{pod}.17e0a1b2c3d4e5f6"},
+            "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": pod, "namespace": NS, "uid": f"uid-{pod}"},
+            "reason": reason, "message": message, "type": "Warning", "count": 3,
+            "firstTimestamp": "2026-12-04T15:00:02Z", "lastTimestamp": "2026-12-04T15:02:10Z",
+            "source": {"component": "kubelet", "host": "gpu-node-7"}, "reportingComponent": "kubelet"}
+
+
 async def test_missing_secret_shows_in_progressing_without_reading_secrets(cluster: Cluster,
                                                                            operator: OperatorRun) -> None:
-    """The operator never reads Secrets (no RBAC for them): pods reference them by name, and when one is missing
-    the kubelet's reason reaches the MineDraft's Progressing and Ready conditions."""
+    """The operator never reads Secrets (no RBAC for them): pods reference them by name. The gateway mounts its token
+    Secret as a volume, so a missing one leaves the pod in ContainerCreating (its status says nothing more) with the
+    kubelet's FailedMount Events (issue 30: the fixtures are what a kubelet writes; the operator reads the pods'
+    Events, with `events list` only); the kubelet's reason reaches the MineDraft's Progressing and Ready conditions."""
     doc = example("auth-tls")
     await cluster.apply_minedraft(doc)  # none of its Secrets exist
     await wait_for("objects", lambda: cluster.obj("Deployment", "llama-secure-gateway"))
-    await cluster.call("POST", f"/api/v1/namespaces/{NS}/pods", stuck_pod(
-        "llama-secure-gateway-5d9f-abcde", "gateway", "llama-secure", "CreateContainerConfigError",
-        'secret "minedraft-token" not found'))
-    md = await wait_for("Progressing=False CreateContainerConfigError", lambda: any(
-        c["type"] == "Progressing" and c["reason"] == "CreateContainerConfigError"
+    pod = creating_pod("llama-secure-gateway-5d9f-abcde", "gateway", "llama-secure")
+    await cluster.call("POST", f"/api/v1/namespaces/{NS}/pods", pod)
+    message = 'MountVolume.SetUp failed for volume "auth" : secret "minedraft-token" not found'
+    await cluster.call("POST", f"/api/v1/namespaces/{NS}/events", kubelet_event(
+        "llama-secure-gateway-5d9f-abcde", "FailedMount", message))
+    md = await wait_for("Progressing=False FailedMount", lambda: any(
+        c["type"] == "Progressing" and c["reason"] == "FailedMount"
         for c in (cluster.minedraft("llama-secure") or {}).get("status", {}).get("conditions", []))
         and cluster.minedraft("llama-secure"))
     conditions = {c["type"]: c for c in md["status"]["conditions"]}
@@ -447,12 +473,30 @@ async def test_missing_secret_shows_in_progressing_without_reading_secrets(clust
     assert 'secret "minedraft-token" not found' in conditions["Ready"]["message"]
     operator_requests = [r for r in cluster.requests() if not r.headers.get("X-Test") and r.resource is not None]
     assert not [r for r in operator_requests if r.resource.plural == "secrets"]
+    assert [r for r in operator_requests if r.resource.plural == "events" and r.method.upper() == "GET"]
     # Not a crash loop: the operator stays healthy; the pod recovers and the condition clears.
     await cluster.call("DELETE", f"/api/v1/namespaces/{NS}/pods/llama-secure-gateway-5d9f-abcde")
     await wait_for("Progressing no longer stuck", lambda: any(
         c["type"] == "Progressing" and c["status"] == "True"
         for c in (cluster.minedraft("llama-secure") or {}).get("status", {}).get("conditions", [])))
     assert await operator.healthy()
+
+
+async def test_missing_token_env_secret_shows_in_progressing(cluster: Cluster, operator: OperatorRun) -> None:
+    """A Secret referenced by an env var (the engine's HF_TOKEN secretKeyRef) fails differently: the kubelet reports
+    CreateContainerConfigError in the container's waiting state, with its message."""
+    doc = example("minimal")
+    doc["spec"]["target"]["source"]["huggingFace"]["tokenSecretRef"] = {"name": "hf-token"}
+    doc["spec"]["draft"]["source"]["huggingFace"]["tokenSecretRef"] = {"name": "hf-token"}
+    await cluster.apply_minedraft(doc)
+    await wait_for("objects", lambda: cluster.obj("Deployment", "qwen3-8b-engine"))
+    await cluster.call("POST", f"/api/v1/namespaces/{NS}/pods", stuck_pod(
+        "qwen3-8b-engine-5d9f-abcde", "engine", "qwen3-8b", "CreateContainerConfigError",
+        'secret "hf-token" not found'))
+    await wait_for("Progressing=False CreateContainerConfigError", lambda: any(
+        c["type"] == "Progressing" and c["reason"] == "CreateContainerConfigError"
+        and 'secret "hf-token" not found' in c["message"]
+        for c in (cluster.minedraft("qwen3-8b") or {}).get("status", {}).get("conditions", [])))
 
 
 async def test_unschedulable_engine_pod_shows_why(cluster: Cluster, operator: OperatorRun) -> None:
@@ -691,8 +735,9 @@ OPTIONAL_FIELDS: list[tuple[str, dict[str, Any], Callable[[dict[str, Any]], Any]
     ("imagePullSecrets", {"imagePullSecrets": [{"name": "registry"}]}, lambda p: p.get("imagePullSecrets")),
     ("env", {"engine": {"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]}},
      lambda p: [e for e in p["containers"][0]["env"] if e["name"] == "NCCL_DEBUG"]),
+    # The request stays (the emptyDir model cache's size, issue 30); the limit goes with the field.
     ("ephemeralStorage", {"engine": {"ephemeralStorage": "50Gi"}},
-     lambda p: p["containers"][0]["resources"]["requests"].get("ephemeral-storage")),
+     lambda p: p["containers"][0]["resources"]["limits"].get("ephemeral-storage")),
     ("cpu override", {"engine": {"cpu": 16}}, lambda p: p["containers"][0]["resources"]["requests"]["cpu"] == "16"),
     ("maxModelLen", {"engine": {"maxModelLen": 4096}}, lambda p: "--max-model-len" in p["containers"][0]["command"]),
     ("extraArgs", {"engine": {"extraArgs": ["--enforce-eager"]}},

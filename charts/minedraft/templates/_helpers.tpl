@@ -64,7 +64,8 @@ The operator's permissions: exactly minedraft.operator.kube.PERMISSIONS (a test 
 Server-side apply needs patch, plus create for objects that do not exist yet; delete removes objects no longer
 rendered and replaces a Deployment whose (immutable) selector changed. endpointslices: the operator creates each
 gateway's Role granting these, and Kubernetes only lets it grant what it holds itself. pods list: why a rollout is
-stuck (the Progressing condition). minedrafts/finalizers update: OwnerReferencesPermissionEnforcement (OpenShift)
+stuck (the Progressing condition); events list: the kubelet's and attach/detach controller's FailedMount and
+FailedAttachVolume events for those pods (a missing Secret volume, a Multi-Attach). minedrafts/finalizers update: OwnerReferencesPermissionEnforcement (OpenShift)
 requires it to set blockOwnerDeletion. No Secrets: pods reference them and the kubelet reads them.
 */}}
 {{- define "minedraft.rules" -}}
@@ -82,7 +83,7 @@ requires it to set blockOwnerDeletion. No Secrets: pods reference them and the k
   verbs: ["update"]
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "list"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]
@@ -107,4 +108,17 @@ requires it to set blockOwnerDeletion. No Secrets: pods reference them and the k
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]
   verbs: ["get", "list", "watch"]
+{{- end -}}
+
+{{/*
+The engine pods' fsGroup as the operator's --pod-fs-group takes it ("" for none): operator.enginePodFsGroup, where
+"auto" is 65532 (the images' user id; any GID works) except on OpenShift, whose SCC assigns the fsGroup.
+*/}}
+{{- define "minedraft.enginePodFsGroup" -}}
+{{- $value := .Values.operator.enginePodFsGroup -}}
+{{- if eq (toString $value) "auto" -}}
+{{- if not (.Capabilities.APIVersions.Has "security.openshift.io/v1/SecurityContextConstraints") -}}65532{{- end -}}
+{{- else if $value -}}
+{{- int64 $value -}}
+{{- end -}}
 {{- end -}}

@@ -131,11 +131,15 @@ class Autoscaler:
     """Per-operator: remembers each MineDraft's policy state between evaluations."""
 
     def __init__(self, default_prometheus: str | None,
-                 engine_addresses: Callable[[str, str], Awaitable[list[str]]], tick_seconds: float = 5.0) -> None:
+                 engine_addresses: Callable[[str, str], Awaitable[list[str]]], tick_seconds: float = 5.0,
+                 gateway_addresses: Callable[[str, str], Awaitable[list[str]]] | None = None) -> None:
         self.default_prometheus = default_prometheus
         # The operator's tick: the fast path evaluates early at most once per tick.
         self.tick_seconds = tick_seconds
+        # Ready engine pods (only those serve; a loading one has no figures yet), and every gateway pod, ready or
+        # not (one that holds streams at zero engines must be heard whatever its readiness says).
         self.engine_addresses = engine_addresses
+        self.gateway_addresses = gateway_addresses or engine_addresses
         self._memory: dict[tuple[str, str], _Memory] = {}
 
     def forget(self, namespace: str, name: str) -> None:
@@ -210,7 +214,7 @@ class Autoscaler:
         address = self._prometheus_address(spec)
         if address:
             return await observe.query_gateway_waiting(session, address, meta.namespace, gateway_service)
-        hosts = await self.engine_addresses(meta.namespace, gateway_service)
+        hosts = await self.gateway_addresses(meta.namespace, gateway_service)
         return await observe.scrape_gateway_waiting(session, [f"{h}:{render.GATEWAY_METRICS_PORT}" for h in hosts])
 
     async def _evaluate_at_zero(self, session: Any, spec: s.MineDraftSpec, meta: s.ObjectMeta, memory: _Memory,

@@ -2,25 +2,24 @@
 
 kubernetes-validate does not validate custom resources, so the examples go through jsonschema (on the CRD's
 openAPIV3Schema, converted where OpenAPI 3.0 and JSON Schema differ) after structural defaulting, and each
-x-kubernetes-validations rule is evaluated by a CEL library (common-expression-language) as the API server would.
+x-kubernetes-validations rule is evaluated by a CEL library (common-expression-language) as the API server would:
+minedraft.operator.admission, the code `minedraft operator render` runs before rendering.
 """
 
 from __future__ import annotations
 
-import copy
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import cel
-import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
 from minedraft.operator import crd as crd_module
 from minedraft.operator import spec as s
+from minedraft.operator.admission import admit
+from minedraft.operator.crd import apply_defaults
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -73,76 +72,8 @@ def test_scale_subresource_and_printer_columns() -> None:
     assert crd_module.crd()["spec"]["names"]["shortNames"] == ["md"]
 
 
-# -- the API server's pipeline, reproduced: defaults, schema, CEL ---------------------------------------------------
-
-
-def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
-    """Structural defaulting: absent properties with a default get it, recursively (as the API server does)."""
-    if not isinstance(value, dict) or schema.get("type") != "object":
-        if isinstance(value, list) and "items" in schema:
-            return [apply_defaults(schema["items"], v) for v in value]
-        return value
-    out = dict(value)
-    for name, sub in schema.get("properties", {}).items():
-        if name not in out and "default" in sub:
-            out[name] = copy.deepcopy(sub["default"])
-        if name in out:
-            out[name] = apply_defaults(sub, out[name])
-    return out
-
-
-def to_json_schema(schema: Any) -> Any:
-    """OpenAPI 3.0 -> JSON Schema: boolean exclusiveMinimum, and no unknown fields (kubectl's strict validation)."""
-    if isinstance(schema, list):
-        return [to_json_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: to_json_schema(v) for k, v in schema.items() if not k.startswith("x-kubernetes-")}
-    if out.get("exclusiveMinimum") is True:
-        out["exclusiveMinimum"] = out.pop("minimum")
-    if (schema.get("type") == "object" and "properties" in schema
-            and not schema.get("x-kubernetes-preserve-unknown-fields") and "additionalProperties" not in schema):
-        out["additionalProperties"] = False
-    return out
-
-
-def cel_errors(schema: dict[str, Any], value: Any, old: Any, path: str = "") -> list[str]:
-    """Evaluate every x-kubernetes-validations rule where `value` has the node; returns failed rules' messages."""
-    found: list[str] = []
-    for rule in schema.get("x-kubernetes-validations", []):
-        expression = rule["rule"]
-        variables: dict[str, Any] = {"self": value}
-        if "oldSelf" in expression:
-            if rule.get("optionalOldSelf"):
-                # CEL's optional type: oldSelf has no value on create. The library takes no optionals from
-                # Python, so spell the value as a CEL expression.
-                replacement = "optional.none()" if old is None else "optional.of(oldSelfValue)"
-                expression = re.sub(r"\boldSelf\b", replacement, expression)
-                variables["oldSelfValue"] = old
-            elif old is None:
-                continue  # transition rules run on update only
-            else:
-                variables["oldSelf"] = old
-        if cel.evaluate(expression, variables) is not True:
-            # As the API server reports it: the rule's node plus its fieldPath.
-            where = f"{path}{rule.get('fieldPath', '')}".lstrip(".")
-            found.append(f"{where or '<root>'}: {rule['message']}")
-    if isinstance(value, dict):
-        for name, sub in schema.get("properties", {}).items():
-            if name in value:
-                old_sub = old.get(name) if isinstance(old, dict) else None
-                found += cel_errors(sub, value[name], old_sub, f"{path}.{name}" if path else name)
-    return found
-
-
-def admit(obj: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
-    """What the API server would say about creating (old=None) or updating to `obj`: [] when admitted."""
-    obj = apply_defaults(SCHEMA, obj)
-    validator = jsonschema.Draft7Validator(to_json_schema(SCHEMA))
-    problems = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
-    if problems:
-        return problems
-    return cel_errors(SCHEMA, obj, apply_defaults(SCHEMA, old) if old is not None else None)
+# -- the API server's pipeline, reproduced: defaults, schema, CEL (minedraft.operator.admission, which
+# `minedraft operator render` runs too) -------------------------------------------------------------------------------
 
 
 def example(name: str) -> dict[str, Any]:
@@ -206,8 +137,10 @@ def with_spec(name: str, **changes: Any) -> dict[str, Any]:
      "spec.engine.extraArgs: extraArgs must not set flags the operator sets from the MineDraft's own fields "
      "(--model, --dtype, --tensor-parallel-size, --max-model-len, ...): set those fields"),
     (with_spec("minimal", engine__extraArgs=["--max-model-len", "4096"]), "spec.engine.extraArgs: extraArgs must not"),
+    (with_spec("minimal", engine__extraArgs=["--max-model-len 4096"]), "spec.engine.extraArgs: extraArgs must not"),
 ], ids=["min>max", "replicas+autoscaling", "extra-drafts-ar", "k+e>16", "two-sources", "auto-k-outside",
-        "k-range", "fixed-mode-not-allowed", "torch-drafter", "reserved-flag", "reserved-flag-split"])
+        "k-range", "fixed-mode-not-allowed", "torch-drafter", "reserved-flag", "reserved-flag-split",
+        "reserved-flag-one-word"])
 def test_cel_rules_reject_with_their_message(doc: dict[str, Any], message: str) -> None:
     found = admit(doc)
     assert any(f.startswith(message) for f in found), found
@@ -314,3 +247,19 @@ def test_replica_capacity_prior_is_admitted_and_reaches_the_policy() -> None:
     unset = apply_defaults(SCHEMA, example("autoscaled"))["spec"]
     assert "replicaCapacityTokensPerSecond" not in unset["autoscaling"]
     assert policy_config(s.parse_spec(unset)).prior_capacity_tokens_per_second_per_replica is None
+
+
+def test_no_inference_pool_claim() -> None:
+    """Issue 30: the CRD said the engines' HTTP port serves a Gateway API InferencePool, but nothing renders one, the
+    NetworkPolicy blocks that port behind the gateway and it carries no metrics: the claim is gone (CRD and docs)."""
+    texts = [crd_module.crd_yaml(), *(p.read_text() for p in (ROOT / "docs").glob("*.md"))]
+    assert not [t for t in texts if "InferencePool" in t]
+
+
+def test_shared_claims_say_which_access_modes_work() -> None:
+    """Issue 30: every engine pod mounts the model and cache claims; a ReadWriteOnce volume attaches to one node."""
+    source = SCHEMA["properties"]["spec"]["properties"]["target"]["properties"]["source"]["properties"]
+    assert "ReadOnlyMany or ReadWriteMany" in source["persistentVolumeClaim"]["description"]
+    cache = SCHEMA["properties"]["spec"]["properties"]["engine"]["properties"]["modelCache"]["properties"]
+    assert "ReadWriteMany" in cache["claimName"]["description"]
+    assert "ReadOnlyMany" in (ROOT / "docs" / "kubernetes.md").read_text()

@@ -83,7 +83,8 @@ def test_engine_pod_minimal() -> None:
         assert c[probe]["grpc"] == {"port": render.ENGINE_GRPC_PORT, "service": ""}
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= s.EngineSpec().startup_timeout_seconds
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "http": 8000, "metrics": 9400}
+    # The HTTP port is closed behind the gateway (issue 30: no way around its auth).
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "metrics": 9400}
     # Non-root, read-only root, writable paths on emptyDirs, shm in memory.
     assert pod["securityContext"]["runAsNonRoot"] is True and "runAsUser" not in pod["securityContext"]
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
@@ -387,7 +388,10 @@ def test_optional_pod_fields_appear_only_when_set() -> None:
     assert engine_full["imagePullSecrets"] == gateway_full["imagePullSecrets"] == [{"name": "registry"}]
     c = engine_full["containers"][0]
     assert c["resources"]["requests"]["ephemeral-storage"] == c["resources"]["limits"]["ephemeral-storage"] == "50Gi"
-    assert "ephemeral-storage" not in engine_bare["containers"][0]["resources"]["requests"]
+    # Without ephemeralStorage only the emptyDir model cache's size is requested (issue 30), nothing is capped.
+    bare_resources = engine_bare["containers"][0]["resources"]
+    assert bare_resources["requests"]["ephemeral-storage"] == s.ModelCacheSpec().size_limit
+    assert "ephemeral-storage" not in bare_resources["limits"]
     assert c["env"][-1] == {"name": "NCCL_DEBUG", "value": "WARN"}
     assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
 
@@ -480,13 +484,21 @@ def test_cli_render_shows_the_resource_with_the_crds_defaults(capsys: pytest.Cap
 
 
 def test_engine_and_gateway_pods_serve_and_name_the_http_api() -> None:
-    """Issue 21: the operator's pods serve the OpenAI API on a named port (what an InferencePool targets), and 0 turns
-    it off everywhere (command, container port, Service port)."""
-    manifests = render.render_resource(load("minimal"), render.RenderOptions())
+    """Issue 21: the operator's pods serve the OpenAI API on a named port, and 0 turns it off everywhere (command,
+    container port, Service port). Issue 30: the engines' port is open by default only without the gateway."""
+    direct = copy.deepcopy(load("minimal"))
+    direct["spec"]["gateway"] = {"enabled": False}
+    engine = next(m for m in render.render_resource(direct) if m["kind"] == "Deployment")
+    ports = engine["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert s.DEFAULT_ENGINE_HTTP_PORT in [p["containerPort"] for p in ports]
+    assert "--http-port" not in engine_container(render.render_resource(load("minimal")))["command"]
+    opened = copy.deepcopy(load("minimal"))
+    opened["spec"]["engine"] = {"httpPort": s.DEFAULT_ENGINE_HTTP_PORT}
+    manifests = render.render_resource(opened, render.RenderOptions())
     engine = next(m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"].endswith("-engine"))
     container = engine["spec"]["template"]["spec"]["containers"][0]
     cmd = container["command"] + container.get("args", [])
-    port = s.EngineSpec().http_port
+    port = s.DEFAULT_ENGINE_HTTP_PORT
     assert cmd[cmd.index("--http-port") + 1] == str(port)
     assert {"name": "http", "containerPort": port, "protocol": "TCP"} in container["ports"]
     service = next(m for m in manifests if m["kind"] == "Service" and m["metadata"]["name"].endswith("-engine"))
@@ -502,3 +514,32 @@ def test_engine_and_gateway_pods_serve_and_name_the_http_api() -> None:
     container = engine["spec"]["template"]["spec"]["containers"][0]
     assert "--http-port" not in container["command"] + container.get("args", [])
     assert all(p["name"] != "http" for p in container["ports"])
+
+
+def test_emptydir_model_cache_requests_its_size_as_ephemeral_storage() -> None:
+    """Issue 30: an emptyDir cache lives on the node's disk; without a request the scheduler may place the pod on a
+    node without room and the kubelet evicts it once downloads fill the disk."""
+    doc = load("minimal")
+    doc["spec"]["engine"] = {"modelCache": {"sizeLimit": "200Gi"}}
+    c = engine_container(render.render_resource(doc))
+    assert c["resources"]["requests"]["ephemeral-storage"] == "200Gi"
+    assert "ephemeral-storage" not in c["resources"]["limits"]  # the sizeLimit evicts; no second cap
+    doc["spec"]["engine"] = {"modelCache": {"claimName": "hf-cache"}}
+    assert "ephemeral-storage" not in engine_container(render.render_resource(doc))["resources"]["requests"]
+    doc["spec"]["engine"] = {"ephemeralStorage": "300Gi"}
+    resources = engine_container(render.render_resource(doc))["resources"]
+    assert resources["requests"]["ephemeral-storage"] == resources["limits"]["ephemeral-storage"] == "300Gi"
+
+
+def test_rollout_strategy_for_full_gpu_pools() -> None:
+    """Issue 30: Surge (the default) needs a spare pod's GPUs; Replace frees an old pod's GPUs first."""
+    doc = load("minimal")
+    dep = next(m for m in render.render_resource(doc) if m["kind"] == "Deployment")
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    doc["spec"]["engine"] = {"rolloutStrategy": "Replace"}
+    dep = next(m for m in render.render_resource(doc) if m["kind"] == "Deployment")
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    kubernetes_validate.validate(dep, "1.34", strict=True)
+    doc["spec"]["engine"] = {"rolloutStrategy": "Recreate"}
+    with pytest.raises(s.SpecError, match=r"spec\.engine\.rolloutStrategy: must be one of Surge, Replace"):
+        render.render_resource(doc)

@@ -102,3 +102,37 @@ def test_drift_check_ignores_server_defaults_and_canonical_quantities() -> None:
     assert not is_subset({"spec": {"template": {"containers": [{"name": "c", "resources": {"requests": {
         "cpu": "1"}}}]}}}, observed)
     assert not is_subset({"a": "x"}, {"a": "y"}) and is_subset({"a": []}, {"a": []})
+
+
+def test_monitoring_is_detected_again_after_start() -> None:
+    """Issue 30: with --monitoring auto, a discovery call that failed at start (or a Prometheus operator installed
+    later) is checked again on the drift passes, and PodMonitors are rendered from then on."""
+    import asyncio
+
+    from minedraft.operator.handlers import refresh_monitoring
+    from minedraft.operator.kube import KubeError
+    from minedraft.operator.metrics import OperatorMetrics
+    from minedraft.operator.reconcile import Reconciler
+    from minedraft.operator.settings import OperatorSettings
+
+    answers: list[bool | Exception] = [KubeError(503, "GET", "/apis/monitoring.coreos.com/v1", "unavailable"),
+                                       False, True, False]
+
+    class Client:
+        async def has_api(self, group: str, version: str, plural: str) -> bool:
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    settings = OperatorSettings(monitoring="auto")
+    reconciler = Reconciler(Client(), settings.render_options(False), OperatorMetrics())  # type: ignore[arg-type]
+    seen = []
+    for _ in range(4):
+        asyncio.run(refresh_monitoring(settings, reconciler))
+        seen.append(reconciler.options.monitoring)
+    assert seen == [False, False, True, False]
+    assert answers == []
+    off = OperatorSettings(monitoring="off")
+    assert asyncio.run(refresh_monitoring(off, Reconciler(Client(), off.render_options(False),  # type: ignore[arg-type]
+                                                          OperatorMetrics()))) is False
