@@ -7,13 +7,16 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from minedraft.twin.costs import DRAFTER_PLACEMENTS, AcceptanceModel, Hardware, StepCosts
+from minedraft.twin.costs import DRAFTER_PLACEMENTS, FIXED_FAMILIES, AcceptanceModel, Hardware, StepCosts
 from minedraft.twin.curves import CostCurves, CurveError, load_curves
-from minedraft.twin.plan import Band, parse_trace, plan_band
-from minedraft.twin.run import Workload
-from minedraft.twin.sweep import FIXED_FAMILIES, SweepSettings, sweep
+
+if TYPE_CHECKING:
+    from minedraft.twin.plan import Band
+
+# The twin's replica loop (run, sweep, plan) drives the engine's own planner and drafter link, which import zmq:
+# those load when `plan` runs, not when the CLI's parser is built (the operator and gateway images have no zmq).
 
 DEFAULT_RATE_CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -143,6 +146,10 @@ def add_subcommands(sub: Any) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> dict[str, Any]:
+    from minedraft.twin.plan import Band, parse_trace, plan_band
+    from minedraft.twin.run import Workload
+    from minedraft.twin.sweep import SweepSettings, sweep
+
     given = [name for name in ("concurrency", "rate", "trace") if getattr(args, name)]
     if len(given) != 1:
         raise CurveError("load", "give exactly one of --concurrency, --rate or --trace")

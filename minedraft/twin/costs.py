@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 from minedraft.twin.curves import CostCurves, CurveError, ModelCurves
 
+# The fixed-mode families the twin can run (auto runs besides them).
+FIXED_FAMILIES = ("ar", "sd", "psd", "vllm-sd")
+
 DRAFTER_PLACEMENTS = ("own", "shared")
 # Positions whose conditional acceptance is tabulated once (longer drafts compute theirs on demand).
 MAX_POSITIONS = 32

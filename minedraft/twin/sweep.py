@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minedraft.engine.auto import AutoSettings
-from minedraft.twin.costs import AcceptanceModel, StepCosts
+from minedraft.twin.costs import FIXED_FAMILIES, AcceptanceModel, StepCosts
 from minedraft.twin.run import RunResult, Workload, mode_label, run_concurrency
 
-FIXED_FAMILIES = ("ar", "sd", "psd", "vllm-sd")
 LATENCY_KEYS = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99")
 
 
