@@ -75,6 +75,8 @@ class GatewayConfig:
     idle_timeout_seconds: float | None = 30.0
     engine_wait_timeout_seconds: float = 300.0
     max_waiting_streams: int = 1024
+    # An HTTP stream whose client accepts nothing for this long is cut (None: never).
+    client_stall_timeout_seconds: float | None = 60.0
 
     def router_config(self) -> RouterConfig:
         return RouterConfig(max_attempts=self.max_attempts,
@@ -113,7 +115,8 @@ class Gateway:
         from minedraft.gateway.http import gateway_http_app
 
         tls = self.config.tls
-        self.http = HttpServer(gateway_http_app(self.router, self.ready, self.config.tokens).app,
+        self.http = HttpServer(gateway_http_app(self.router, self.ready, self.config.tokens,
+                                                self.config.client_stall_timeout_seconds).app,
                                tls.cert_file if tls else None, tls.key_file if tls else None)
         return await self.http.start(host, port)
 

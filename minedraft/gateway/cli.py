@@ -32,6 +32,9 @@ def add_subcommands(sub: Any) -> None:
                               "is retried elsewhere and the engine left out until its health answers (0: off)")
     gateway.add_argument("--idle-timeout-s", type=float, default=30.0,
                          help="the same between two responses of a stream (0: off)")
+    gateway.add_argument("--client-stall-timeout-s", type=float, default=60.0,
+                         help="an HTTP stream whose client accepts nothing for this long is cut and its engine "
+                              "request aborted (0: off)")
     gateway.add_argument("--engine-wait-timeout-s", type=float, default=300.0,
                          help="with no engine ready, how long a stream waits for one before UNAVAILABLE")
     gateway.add_argument("--max-waiting-streams", type=int, default=1024,
@@ -84,7 +87,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         raise ValueError(f"max-in-flight: must be >= 1, got {args.max_in_flight}")
     if args.max_attempts < 1:
         raise ValueError(f"max-attempts: must be >= 1, got {args.max_attempts}")
-    for flag in ("first_response_timeout_s", "idle_timeout_s", "engine_wait_timeout_s"):
+    for flag in ("first_response_timeout_s", "idle_timeout_s", "engine_wait_timeout_s", "client_stall_timeout_s"):
         if not getattr(args, flag) >= 0:
             raise ValueError(f"{flag.replace('_', '-')}: must be >= 0, got {getattr(args, flag)}")
     if args.max_waiting_streams < 0:
@@ -96,7 +99,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
                          first_response_timeout_seconds=args.first_response_timeout_s or None,
                          idle_timeout_seconds=args.idle_timeout_s or None,
                          engine_wait_timeout_seconds=args.engine_wait_timeout_s,
-                         max_waiting_streams=args.max_waiting_streams)
+                         max_waiting_streams=args.max_waiting_streams,
+                         client_stall_timeout_seconds=args.client_stall_timeout_s or None)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:

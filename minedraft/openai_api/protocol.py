@@ -56,7 +56,9 @@ class ApiError(Exception):
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                429: "rate_limit_exceeded", 503: "service_unavailable", 504: "timeout"}
+                405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+                429: "rate_limit_exceeded", 431: "invalid_request_error", 503: "service_unavailable",
+                504: "timeout"}
 
 
 def invalid(param: str | None, message: str, code: str | None = None) -> ApiError:
@@ -100,6 +102,8 @@ def decode_body(raw: bytes) -> dict[str, Any]:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise invalid(None, f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise invalid(None, "the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
     return body
