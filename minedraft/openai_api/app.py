@@ -395,6 +395,8 @@ class OpenAiApp:
         except ApiError as exc:
             self.backend.refused(exc)
             raise
+        if parsed.ignored_fields:
+            log.info("request %s: ignored unknown fields %s", parsed.request.request_id, list(parsed.ignored_fields))
         headers = [] if request_id is None else [(REQUEST_ID_HEADER.encode(), request_id.encode())]
         return _GenerationResponse(self.backend, ResponseState(parsed), stream, headers,  # type: ignore[return-value]
                                    self.client_stall_timeout_s)

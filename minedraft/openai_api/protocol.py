@@ -28,6 +28,11 @@ UINT32_MAX = 2**32 - 1
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # OpenAI accepts up to 4 stop sequences; more are refused there too.
 MAX_STOP_SEQUENCES = 4
+# Bounds on the lists a body may carry, checked before any per-item work (the engine checks the model's own limits:
+# its context length, its vocabulary): far above any model's context, far below what 8 MiB of JSON holds.
+MAX_PROMPT_TOKEN_IDS = 1 << 20
+MAX_STOP_TOKEN_IDS = 1024
+MAX_MESSAGES = 1 << 16
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -78,6 +83,8 @@ class ParsedRequest:
     params: dict[str, str] = field(default_factory=dict)
     # vLLM's extension: each choice (and chunk) also carries the generated `token_ids`.
     return_token_ids: bool = False
+    # Fields this endpoint does not know, ignored (the front end logs them).
+    ignored_fields: tuple[str, ...] = ()
 
 
 # Fields accepted and ignored because they do not change the output (OpenAI's own bookkeeping fields).
@@ -139,7 +146,9 @@ def _bool(body: Mapping[str, Any], name: str) -> bool:
     return value
 
 
-def _check_fields(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool) -> None:
+def _check_fields(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool) -> list[str]:
+    """Refuses the fields that would change the output and cannot be honoured; returns the unknown ones."""
+    ignored: list[str] = []
     for name, value in body.items():
         if name in _IGNORED:
             continue
@@ -149,10 +158,11 @@ def _check_fields(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool)
                 raise invalid(name, f"is not supported by this server (only {neutral!r})", "unsupported_parameter")
             continue
         if name not in _ALLOWED[kind]:
-            raise invalid(name, "is not a known parameter of this endpoint", "unknown_parameter")
+            ignored.append(name)  # as vLLM's server does: ignored (and logged), not refused
     logprobs = body.get("logprobs")
     if logprobs is not None and logprobs is not False and not logprobs_supported:
         raise invalid("logprobs", "this server's engine does not produce log-probabilities", "unsupported_parameter")
+    return ignored
 
 
 def _stop(body: Mapping[str, Any]) -> list[str]:
@@ -169,7 +179,10 @@ def _stop(body: Mapping[str, Any]) -> list[str]:
     return stops
 
 
-def _token_ids(value: Any, name: str) -> list[int] | None:
+def _token_ids(value: Any, name: str, max_count: int = MAX_PROMPT_TOKEN_IDS) -> list[int] | None:
+    # Bounded before the per-item pass: a body of millions of small items costs its decoding, not a check each.
+    if isinstance(value, list) and len(value) > max_count:
+        raise invalid(name, f"has {len(value)} token ids; at most {max_count}")
     if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         if any(not 0 <= t <= UINT32_MAX for t in value):
             raise invalid(name, "token ids must be non-negative")
@@ -211,6 +224,8 @@ def _messages(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "is required: a non-empty list of {role, content}")
+    if len(messages) > MAX_MESSAGES:
+        raise invalid("messages", f"has {len(messages)} messages; at most {MAX_MESSAGES}")
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise invalid(f"messages[{index}]", "must be an object with role and content")
@@ -227,7 +242,7 @@ def parse_request(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool 
     Raises ApiError(400) naming the OpenAI parameter. Range checks the engine makes itself (temperature, top_p,
     max_tokens against the context, token ids against the vocabulary) are left to it, so both APIs share them.
     """
-    _check_fields(body, kind, logprobs_supported)
+    ignored = _check_fields(body, kind, logprobs_supported)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "is required: one of the ids GET /v1/models lists")
@@ -278,12 +293,13 @@ def parse_request(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool 
     sampling.stop.extend(_stop(body))
     stop_token_ids = body.get("stop_token_ids")
     if stop_token_ids is not None:
-        ids = _token_ids(stop_token_ids, "stop_token_ids")
+        ids = _token_ids(stop_token_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS)
         if ids is None:
             raise invalid("stop_token_ids", "must be a list of token ids")
         sampling.stop_token_ids.extend(ids)
     sampling.ignore_eos = _bool(body, "ignore_eos")
-    return ParsedRequest(kind, model, request, stream, include_usage, params, _bool(body, "return_token_ids"))
+    return ParsedRequest(kind, model, request, stream, include_usage, params, _bool(body, "return_token_ids"),
+                         tuple(ignored))
 
 
 def new_request_id(kind: Kind) -> str:
