@@ -96,6 +96,10 @@ _NEUTRAL: dict[str, Any] = {
     "response_format": None, "parallel_tool_calls": None, "top_logprobs": None, "modalities": None,
     "audio": None, "prediction": None, "reasoning_effort": None, "web_search_options": None,
 }
+# Further values of those fields that ask for nothing the engine does not do anyway.
+_ALSO_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "tool_choice": ("none",), "response_format": ({"type": "text"},), "top_logprobs": (0,),
+}
 _COMMON = frozenset({"model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
                      "logprobs", "top_k", "ignore_eos", "stop_token_ids", "return_token_ids"})
 _ALLOWED = {
@@ -154,6 +158,8 @@ def _check_fields(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool)
             continue
         if name in _NEUTRAL:
             neutral = _NEUTRAL[name]
+            if value in _ALSO_NEUTRAL.get(name, ()):
+                continue
             if value is not None and value != neutral and not (neutral is None and value in ({}, [], False)):
                 raise invalid(name, f"is not supported by this server (only {neutral!r})", "unsupported_parameter")
             continue
@@ -202,7 +208,8 @@ def _prompt(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
         return
     token_ids = _token_ids(prompt, "prompt")
     if token_ids is None:
-        raise invalid("prompt", "must be a string or a list of token ids (one prompt per request: n=1 batches)")
+        raise invalid("prompt", "must be a string or a list of token ids (a batch of prompts is not supported: one "
+                                "prompt per request)", "unsupported_parameter" if isinstance(prompt, list) else None)
     request.prompt_token_ids.extend(token_ids)
 
 

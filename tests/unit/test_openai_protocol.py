@@ -87,6 +87,13 @@ def test_chat_messages_and_max_completion_tokens():
     (Kind.COMPLETION, {"suffix": "x"}, "suffix"),
     (Kind.CHAT, {"tools": [{"type": "function"}]}, "tools"),
     (Kind.CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (Kind.CHAT, {"tools": [{"type": "function"}], "tool_choice": "auto"}, "tools"),
+    (Kind.CHAT, {"tool_choice": "required"}, "tool_choice"),
+    (Kind.CHAT, {"top_logprobs": 2}, "top_logprobs"),
+    (Kind.CHAT, {"logprobs": True}, "logprobs"),
+    (Kind.COMPLETION, {"presence_penalty": 0.5}, "presence_penalty"),
+    (Kind.COMPLETION, {"prompt": ["a", "b"]}, "prompt"),  # a batch of prompts
+    (Kind.COMPLETION, {"n": 2}, "n"),
     (Kind.COMPLETION, {"max_tokens": 1.5}, "max_tokens"),
     (Kind.COMPLETION, {"max_tokens": True}, "max_tokens"),
     (Kind.COMPLETION, {"max_tokens": 2**40}, "max_tokens"),
@@ -114,6 +121,7 @@ def test_unsupported_or_malformed_fields_name_the_param(kind, body, param):
 def test_neutral_values_of_unsupported_fields_are_accepted():
     parse(presence_penalty=0.0, frequency_penalty=0, logit_bias={}, best_of=1, echo=False, suffix=None)
     parse(Kind.CHAT, tools=[], tool_choice=None, logprobs=False, metadata={"a": "b"}, store=False)
+    parse(Kind.CHAT, tool_choice="none", response_format={"type": "text"}, top_logprobs=0)
 
 
 def test_unknown_fields_are_ignored_and_reported():
@@ -226,3 +234,16 @@ def test_return_token_ids_extension():
     state.token_ids.extend([4, 5])
     assert full_response(state, "ab")["choices"][0]["token_ids"] == [4, 5]
     assert "token_ids" not in full_response(ResponseState(parse()), "ab")["choices"][0]
+
+
+def test_seeds_are_promised_as_best_effort_only():
+    # Seeded sampling is not reproducible under speculation (the drafts verified per step depend on timing and shift
+    # the seeded draws): the API reference and the proto say so rather than promise it.
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    docs = (root / "docs" / "api.md").read_text()
+    proto = (root / "proto" / "minedraft" / "v1" / "generation.proto").read_text()
+    assert "reproducible sampling at temperature > 0" not in docs + proto
+    assert "**not reproducible** under speculation" in docs
+    assert "identical seeded\n  // requests at temperature > 0 may differ" in proto
