@@ -77,6 +77,8 @@ class GatewayConfig:
     max_waiting_streams: int = 1024
     # An HTTP stream whose client accepts nothing for this long is cut (None: never).
     client_stall_timeout_seconds: float | None = 60.0
+    # Origins allowed to call the HTTP API from a browser (CORS); empty: CORS off.
+    cors_origins: tuple[str, ...] = ()
 
     def router_config(self) -> RouterConfig:
         return RouterConfig(max_attempts=self.max_attempts,
@@ -116,7 +118,8 @@ class Gateway:
 
         tls = self.config.tls
         self.http = HttpServer(gateway_http_app(self.router, self.ready, self.config.tokens,
-                                                self.config.client_stall_timeout_seconds).app,
+                                                self.config.client_stall_timeout_seconds,
+                                                self.config.cors_origins).app,
                                tls.cert_file if tls else None, tls.key_file if tls else None)
         return await self.http.start(host, port)
 

@@ -35,6 +35,8 @@ def add_subcommands(sub: Any) -> None:
     gateway.add_argument("--client-stall-timeout-s", type=float, default=60.0,
                          help="an HTTP stream whose client accepts nothing for this long is cut and its engine "
                               "request aborted (0: off)")
+    gateway.add_argument("--cors-origins", default="",
+                         help="comma-separated origins allowed to call the HTTP API from a browser (default: CORS off)")
     gateway.add_argument("--engine-wait-timeout-s", type=float, default=300.0,
                          help="with no engine ready, how long a stream waits for one before UNAVAILABLE")
     gateway.add_argument("--max-waiting-streams", type=int, default=1024,
@@ -100,7 +102,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
                          idle_timeout_seconds=args.idle_timeout_s or None,
                          engine_wait_timeout_seconds=args.engine_wait_timeout_s,
                          max_waiting_streams=args.max_waiting_streams,
-                         client_stall_timeout_seconds=args.client_stall_timeout_s or None)
+                         client_stall_timeout_seconds=args.client_stall_timeout_s or None,
+                         cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()))
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:

@@ -117,5 +117,6 @@ def check_forwarded_headers(forwarded: Sequence[tuple[str, str]]) -> None:
 
 
 def gateway_http_app(router: Router, ready: Callable[[], bool], tokens: Sequence[bytes] = (),
-                     client_stall_timeout_s: float | None = CLIENT_STALL_TIMEOUT_S) -> OpenAiApp:
-    return OpenAiApp(GatewayBackend(router, ready, tokens), client_stall_timeout_s)
+                     client_stall_timeout_s: float | None = CLIENT_STALL_TIMEOUT_S,
+                     cors_origins: Sequence[str] = ()) -> OpenAiApp:
+    return OpenAiApp(GatewayBackend(router, ready, tokens), client_stall_timeout_s, cors_origins)

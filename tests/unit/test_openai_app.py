@@ -96,3 +96,14 @@ async def test_a_backend_refusal_before_the_first_token_is_the_http_status():
     async with http(backend) as client:
         response = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
     assert response.status_code == 400 and response.json()["error"]["param"] == "top_p"
+
+
+async def test_cors_is_off_unless_origins_are_given():
+    for origins, allowed in (((), None), (("https://app.example",), "https://app.example")):
+        transport = httpx.ASGITransport(OpenAiApp(StubBackend(), cors_origins=origins).app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            preflight = await client.options("/v1/completions", headers={
+                "origin": "https://app.example", "access-control-request-method": "POST"})
+            response = await client.get("/v1/models", headers={"origin": "https://app.example"})
+        assert response.headers.get("access-control-allow-origin") == allowed
+        assert (preflight.status_code == 200) == (allowed is not None)
