@@ -176,8 +176,10 @@ class _GenerationResponse:
         disconnected = asyncio.ensure_future(_until_disconnected(receive))
         limit_s = self._client_stall_timeout_s
         self._watch = _SendWatch(respond, limit_s) if limit_s is not None else None
+        gone = False
         try:
             await asyncio.wait({respond, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+            gone = disconnected.done() and not respond.done()
         finally:
             if self._watch is not None:
                 self._watch.close()
@@ -187,9 +189,9 @@ class _GenerationResponse:
                 with contextlib.suppress(asyncio.CancelledError, OSError):
                     await task
         if self._watch is not None and self._watch.expired:
-            # The response is left incomplete: the server closes the connection.
+            # The response is left incomplete: the server closes the connection (uvicorn logs that too).
             log.warning("request %s: stream cut, the client accepted nothing for %g s", self._state.id, limit_s)
-        elif disconnected.done() and not respond.done():
+        elif gone:
             log.debug("request %s: the client went away; request cancelled", self._state.id)
         if respond.done() and not respond.cancelled() and respond.exception() is not None:
             raise respond.exception()  # type: ignore[misc]
