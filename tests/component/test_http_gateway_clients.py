@@ -150,3 +150,22 @@ async def test_request_id_echo_and_model_lookup(http_stack):
     assert (await api.models.retrieve("fake")).id == "fake"
     completion = await api.completions.create(model="fake", prompt="p", max_tokens=3)
     assert completion.choices[0].text == "".join(f"<{t}>" for t in fake_token_ids(fake.record.requests[-1], 3))
+
+
+async def test_heavy_bodies_are_400s_and_other_streams_carry_on(http_stack):
+    gateway, (fake,), base_url = await http_stack([FakeBehaviour(token_interval_seconds=0.002)])
+    api = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
+    running = asyncio.create_task(api.completions.create(model="fake", prompt="other", max_tokens=200))
+    heavy = [  # ~8 MiB each: millions of small items
+        ({"model": "fake", "prompt": [1] * 2_600_000}, "/v1/completions", "prompt"),
+        ({"model": "fake", "prompt": "x", "stop_token_ids": [1] * 2_600_000}, "/v1/completions", "stop_token_ids"),
+        ({"model": "fake", "messages": [{"role": "u", "content": ""}] * 300_000}, "/v1/chat/completions", "messages"),
+    ]
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+        for body, path, param in heavy:
+            response = await http.post(path, json=body)
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    completion = await running
+    assert completion.usage.completion_tokens == 200
+    assert [r.prompt for r in fake.record.requests] == ["other"]
+    assert gateway.admission.in_flight == 0
