@@ -107,3 +107,17 @@ async def test_cors_is_off_unless_origins_are_given():
             response = await client.get("/v1/models", headers={"origin": "https://app.example"})
         assert response.headers.get("access-control-allow-origin") == allowed
         assert (preflight.status_code == 200) == (allowed is not None)
+
+
+def test_gateway_flags_for_http_clients():
+    import argparse
+
+    from minedraft.gateway.cli import add_subcommands, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_subcommands(parser.add_subparsers())
+    assert config_from_args(parser.parse_args(["gateway"])).client_stall_timeout_seconds == 60.0
+    config = config_from_args(parser.parse_args(["gateway", "--client-stall-timeout-s", "0",
+                                                 "--cors-origins", "https://a.example, https://b.example"]))
+    assert config.client_stall_timeout_seconds is None
+    assert config.cors_origins == ("https://a.example", "https://b.example")
