@@ -116,8 +116,8 @@ def test_gateway_flags_for_http_clients():
 
     parser = argparse.ArgumentParser()
     add_subcommands(parser.add_subparsers())
-    assert config_from_args(parser.parse_args(["gateway"])).client_stall_timeout_seconds == 60.0
-    config = config_from_args(parser.parse_args(["gateway", "--client-stall-timeout-s", "0",
+    assert config_from_args(parser.parse_args(["gateway", "--engines", "h:1"])).client_stall_timeout_seconds == 60.0
+    config = config_from_args(parser.parse_args(["gateway", "--engines", "h:1", "--client-stall-timeout-s", "0",
                                                  "--cors-origins", "https://a.example, https://b.example"]))
     assert config.client_stall_timeout_seconds is None
     assert config.cors_origins == ("https://a.example", "https://b.example")
