@@ -235,9 +235,20 @@ class _GenerationResponse:
             if first is not None:
                 await self._send(send, {"type": "http.response.body",
                                         "body": b"".join(stream_events(state, first)), "more_body": True})
-            async for response in stream:
-                await self._send(send, {"type": "http.response.body",
-                                        "body": b"".join(stream_events(state, response)), "more_body": True})
+            # The per-token loop: the send watch's bookkeeping inline (one coroutine layer less per token).
+            watch = self._watch
+            if watch is None:
+                async for response in stream:
+                    await send({"type": "http.response.body", "body": b"".join(stream_events(state, response)),
+                                "more_body": True})
+            else:
+                clock = watch.loop.time
+                async for response in stream:
+                    message = {"type": "http.response.body", "body": b"".join(stream_events(state, response)),
+                               "more_body": True}
+                    watch.since = clock()
+                    await send(message)
+                    watch.since = None
         except self._backend.error_types as exc:
             error = _api_error(self._backend, exc, state.parsed)
             await self._send(send, {"type": "http.response.body",
