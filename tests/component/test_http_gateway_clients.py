@@ -12,8 +12,11 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
+from minedraft.openai_api.app import OpenAiApp
+from minedraft.openai_api.server import HttpServer
 from minedraft.testing.fake_engine import FakeBehaviour, fake_token_ids
 
+from ..unit.test_openai_app import StubBackend
 from .gateway_stack import fast_config
 from .grpc_helpers import wait_for
 
@@ -169,3 +172,35 @@ async def test_heavy_bodies_are_400s_and_other_streams_carry_on(http_stack):
     assert completion.usage.completion_tokens == 200
     assert [r.prompt for r in fake.record.requests] == ["other"]
     assert gateway.admission.in_flight == 0
+
+
+class _QueuedBackend(StubBackend):
+    """An engine whose requests stay queued (no first token) until cancelled: records both ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancelled = 0
+
+    async def generate(self, request, headers, protocol, timeout_seconds):
+        self.requests.append(request)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.cancelled += 1
+        yield  # pragma: no cover  (an async generator that never yields)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_the_engine_port_front_end_cancels_a_queued_request_whose_client_left(stream):
+    # The engine server's HTTP port runs the same front end over its own engine: a request still queued (no first
+    # token) when its client leaves is cancelled, which aborts it in the engine (before, it was left to be computed).
+    backend = _QueuedBackend()
+    server = HttpServer(OpenAiApp(backend).app)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        _, writer = await raw_request(f"http://127.0.0.1:{port}", {"model": "m", "prompt": "x", "stream": stream})
+        await wait_for(lambda: len(backend.requests) == 1, what="the request queued")
+        writer.close()
+        await wait_for(lambda: backend.cancelled == 1, what="the queued request cancelled")
+    finally:
+        await server.stop()
