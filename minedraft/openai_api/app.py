@@ -2,8 +2,9 @@
 
 Thin: every route decodes, calls protocol.py's pure translations and a Backend (the engine server's own engine, or
 the gateway's router), and encodes. A backend raises BackendError with a gRPC status code, so both front ends share
-one error mapping with the gRPC API. The client going away (a closed connection) cancels the request's task, which
-closes the backend's stream: the engine aborts the request, as a cancelled gRPC call does.
+one error mapping with the gRPC API. The client going away (a closed connection, watched from the moment the body
+is read, before the first token too) cancels the request's task, which closes the backend's stream: the engine aborts
+the request, as a cancelled gRPC call does. A client that accepts nothing for a set time is cut the same way.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 A request body becomes a pb.GenerateRequest (the one request type the engine server validates, whichever front end
 it came through); pb.GenerateResponse messages become OpenAI's response objects and Server-Sent Event chunks; a gRPC
-status becomes OpenAI's error object and HTTP status. Every field MineDraft cannot honour is rejected with a 400
-naming it, never silently ignored.
+status becomes OpenAI's error object and HTTP status. Every known field that would change the output and that
+MineDraft cannot honour is rejected with a 400 naming it; a field the endpoint does not know is ignored and reported
+(the front end logs it), as vLLM's server does.
 """
 
 from __future__ import annotations
