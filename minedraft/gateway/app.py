@@ -110,6 +110,10 @@ class GatewayConfig:
     engine_token: Callable[[], str] | None = None
     # The names clients address the model by (HTTP /v1/models and request matching); empty: the engines' answer.
     served_model_names: tuple[str, ...] = ()
+    # An HTTP stream whose client accepts nothing for this long is cut (None: never).
+    client_stall_timeout_seconds: float | None = 60.0
+    # Origins allowed to call the HTTP API from a browser (CORS); empty: CORS off.
+    cors_origins: tuple[str, ...] = ()
 
     def router_config(self) -> RouterConfig:
         return RouterConfig(max_attempts=self.max_attempts,
@@ -149,7 +153,9 @@ class Gateway:
 
         tls = self.config.tls
         self.http = HttpServer(gateway_http_app(self.router, self.ready, self.config.tokens,
-                                                self.config.served_model_names).app,
+                                                self.config.served_model_names,
+                                                self.config.client_stall_timeout_seconds,
+                                                self.config.cors_origins).app,
                                tls.cert_file if tls else None, tls.key_file if tls else None)
         return await self.http.start(host, port)
 

@@ -33,6 +33,11 @@ def add_subcommands(sub: Any) -> None:
                               "is retried elsewhere and the engine left out until its health answers (0: off)")
     gateway.add_argument("--idle-timeout-s", type=float, default=30.0,
                          help="the same between two responses of a stream (0: off)")
+    gateway.add_argument("--client-stall-timeout-s", type=float, default=60.0,
+                         help="an HTTP stream whose client accepts nothing for this long is cut and its engine "
+                              "request aborted (0: off)")
+    gateway.add_argument("--cors-origins", default="",
+                         help="comma-separated origins allowed to call the HTTP API from a browser (default: CORS off)")
     gateway.add_argument("--engine-wait-timeout-s", type=float, default=300.0,
                          help="with no engine ready, how long a stream waits for one before UNAVAILABLE")
     gateway.add_argument("--max-waiting-streams", type=int, default=1024,
@@ -105,7 +110,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         raise ValueError(f"max-in-flight: must be >= 1, got {args.max_in_flight}")
     if args.max_attempts < 1:
         raise ValueError(f"max-attempts: must be >= 1, got {args.max_attempts}")
-    for flag in ("first_response_timeout_s", "idle_timeout_s", "engine_wait_timeout_s"):
+    for flag in ("first_response_timeout_s", "idle_timeout_s", "engine_wait_timeout_s", "client_stall_timeout_s"):
         if not getattr(args, flag) >= 0:
             raise ValueError(f"{flag.replace('_', '-')}: must be >= 0, got {getattr(args, flag)}")
     if args.max_waiting_streams < 0:
@@ -120,7 +125,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
                          max_waiting_streams=args.max_waiting_streams,
                          ready_without_engines=args.ready_without_engines,
                          engine_token=engine_token(args.engine_token_file),
-                         served_model_names=tuple(args.served_model_name))
+                         served_model_names=tuple(args.served_model_name),
+                         client_stall_timeout_seconds=args.client_stall_timeout_s or None,
+                         cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()))
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:

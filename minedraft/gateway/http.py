@@ -17,14 +17,16 @@ import grpc
 
 from minedraft.api import pb
 from minedraft.gateway.policy import bearer_token, token_accepted
-from minedraft.gateway.router import RouteError, Router
-from minedraft.openai_api.app import PROTOCOL, BackendError, OpenAiApp
+from minedraft.gateway.router import RouteError, Router, forwarded_metadata
+from minedraft.openai_api.app import CLIENT_STALL_TIMEOUT_S, PROTOCOL, BackendError, OpenAiApp
 from minedraft.openai_api.protocol import ApiError
 
 log = logging.getLogger(__name__)
 
 # Trailing metadata naming the invalid field of an engine's INVALID_ARGUMENT (set by the engine server).
 INVALID_FIELD_KEY = "minedraft-invalid-field"
+# The forwarded headers' budget: gRPC's default metadata limit (8 KiB) less room for the call's own headers.
+MAX_FORWARDED_HEADER_BYTES = 4096
 # The served model ids are refreshed from an engine this often at most (a rollout may change the model).
 MODEL_IDS_TTL_SECONDS = 30.0
 
@@ -68,13 +70,13 @@ class GatewayBackend:
             self.router.metrics.refused(grpc.StatusCode.UNAUTHENTICATED, PROTOCOL)
         return accepted
 
-    async def model_ids(self) -> list[str]:
+    async def model_ids(self, admitted: bool = True) -> list[str]:
         if self.served_model_names:  # the MineDraft's names (the engines answer to the same)
             return list(self.served_model_names)
         if self._model_ids is not None and time.monotonic() - self._model_ids_at <= MODEL_IDS_TTL_SECONDS:
             return self._model_ids
         info = await self.router.unary(lambda stub, timeout: stub.GetModelInfo(pb.GetModelInfoRequest(),
-                                                                                timeout=timeout))
+                                                                                timeout=timeout), admitted=admitted)
         self._model_ids = [info.model]
         self._model_ids_at = time.monotonic()
         return self._model_ids
@@ -91,7 +93,7 @@ class GatewayBackend:
 
     async def _refresh_model_ids(self) -> None:
         try:
-            await self.model_ids()
+            await self.model_ids(admitted=False)  # the gateway's own refresh: never a caller's admission slot
         except RouteError as exc:
             log.info("model ids not refreshed: %s", exc)
 
@@ -99,9 +101,29 @@ class GatewayBackend:
                  timeout_seconds: float | None) -> AsyncIterator[pb.GenerateResponse]:
         # The router's own generator, not a wrapper: each async-generator layer costs every token a few microseconds.
         # The deadline travels to the engine as the gRPC call's.
-        return self.router.generate(request, list(headers.items()), timeout_seconds, protocol=protocol)
+        metadata = list(headers.items())
+        check_forwarded_headers(forwarded_metadata(metadata))
+        return self.router.generate(request, metadata, timeout_seconds, protocol=protocol)
+
+
+def check_forwarded_headers(forwarded: Sequence[tuple[str, str]]) -> None:
+    """The HTTP headers the gateway forwards to the engine as gRPC metadata must be valid metadata: a header gRPC
+    would refuse is the caller's error (400, 431), never an engine failure."""
+    size_bytes = 0
+    for key, value in forwarded:
+        if key.endswith("-bin"):
+            raise ApiError(400, f"{key}: binary (-bin) headers are not accepted over HTTP", key)
+        if not all(" " <= c <= "~" for c in value):
+            raise ApiError(400, f"{key}: must be printable ASCII", key)
+        # HPACK's accounting (name + value + 32 per entry), as gRPC's metadata size limit counts.
+        size_bytes += len(key) + len(value) + 32
+    if size_bytes > MAX_FORWARDED_HEADER_BYTES:
+        raise ApiError(431, f"the forwarded headers (tracing, x-request-id, minedraft-*) are {size_bytes} bytes; at "
+                            f"most {MAX_FORWARDED_HEADER_BYTES}", code="request_header_fields_too_large")
 
 
 def gateway_http_app(router: Router, ready: Callable[[], bool], tokens: Sequence[bytes] = (),
-                     served_model_names: Sequence[str] = ()) -> OpenAiApp:
-    return OpenAiApp(GatewayBackend(router, ready, tokens, served_model_names))
+                     served_model_names: Sequence[str] = (),
+                     client_stall_timeout_s: float | None = CLIENT_STALL_TIMEOUT_S,
+                     cors_origins: Sequence[str] = ()) -> OpenAiApp:
+    return OpenAiApp(GatewayBackend(router, ready, tokens, served_model_names), client_stall_timeout_s, cors_origins)

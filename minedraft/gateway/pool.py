@@ -18,6 +18,12 @@ from minedraft.gateway.policy import EndpointSet
 
 log = logging.getLogger(__name__)
 
+# Backpressure: a stream's gRPC flow-control window bounds what the gateway holds for a caller that stopped reading
+# (the router reads the next response only once the caller took the last). gRPC's bandwidth-delay probing grows
+# that window to megabytes per stream (measured: ~4 MiB more per stalled stream); fixed at gRPC's 64 KiB, the
+# engine's writes block instead.
+ENGINE_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (*CHANNEL_OPTIONS, ("grpc.http2.bdp_probe", 0))
+
 # A health check of an engine taken out of rotation for a stalled call: how long one check may take.
 UNRESPONSIVE_PROBE_TIMEOUT_SECONDS = 1.0
 
@@ -35,7 +41,7 @@ class _Engine:
     def __init__(self, address: str, token: Callable[[], str] | None = None) -> None:
         self.address = address
         # With engines that authenticate callers, every call presents the gateway's credential.
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
+        self.channel = grpc.aio.insecure_channel(address, options=ENGINE_CHANNEL_OPTIONS,
                                                  interceptors=client_interceptors(token) if token else None)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health_task: asyncio.Task[None] | None = None

@@ -130,9 +130,11 @@ class _StallWatch:
         self.got_response = False
         self.read_started: float | None = None
         self._handle: asyncio.TimerHandle | None = None
-        limit = first_s if first_s is not None else idle_s
-        if limit is not None:
-            self._handle = self._loop.call_later(limit, self._fire)
+        # Armed at the sooner of the two limits, so each is honoured on its own from the start: armed only at the
+        # first-response limit, a stream frozen after its first token was cut only when that (longer) timer fired.
+        limits = [limit for limit in (first_s, idle_s) if limit is not None]
+        if limits:
+            self._handle = self._loop.call_later(min(limits), self._fire)
 
     def _limit(self) -> float | None:
         return self._idle_s if self.got_response else self._first_s
@@ -146,8 +148,10 @@ class _StallWatch:
             else:
                 self._handle = None
             return
+        # Looked at again no later than the sooner limit (the first response may arrive before the next look).
+        soonest = min(lim for lim in (self._first_s, self._idle_s, limit) if lim is not None)
         if self.read_started is None:  # writing to the caller: not the engine's time
-            self._handle = self._loop.call_at(now + limit, self._fire)
+            self._handle = self._loop.call_at(now + soonest, self._fire)
             return
         due = self.read_started + limit
         if now >= due:
@@ -155,7 +159,7 @@ class _StallWatch:
             self._handle = None
             self._call.cancel()
         else:
-            self._handle = self._loop.call_at(due, self._fire)
+            self._handle = self._loop.call_at(min(due, now + soonest), self._fire)
 
     def cut_call(self) -> None:
         self.cut = True
@@ -338,11 +342,15 @@ class Router:
                 self.admission.release()
 
     async def unary(self, invoke: Callable[[pb_grpc.GenerationStub, float | None], Awaitable[T]],
-                    timeout_seconds: float | None = None) -> T:
-        """One unary call (model or server info) under the same admission, drain and engine choice as streams."""
+                    timeout_seconds: float | None = None, admitted: bool = True) -> T:
+        """One unary call (model or server info) under the same admission, drain and engine choice as streams.
+        `admitted=False`: the gateway's own call (a refresh of the model ids), which takes no caller's slot."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_seconds is None else loop.time() + timeout_seconds
-        self._admit()
+        if admitted:
+            self._admit()
+        elif self.draining:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, "gateway is shutting down")
         try:
             tried: set[str] = set()
             last_failure = ""
@@ -370,4 +378,5 @@ class Router:
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
                              f"no ready engine after {len(tried)} attempt(s); last: {last_failure or 'none'}")
         finally:
-            self.admission.release()
+            if admitted:
+                self.admission.release()

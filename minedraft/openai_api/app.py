@@ -2,8 +2,9 @@
 
 Thin: every route decodes, calls protocol.py's pure translations and a Backend (the engine server's own engine, or
 the gateway's router), and encodes. A backend raises BackendError with a gRPC status code, so both front ends share
-one error mapping with the gRPC API. The client going away (a closed connection) cancels the request's task, which
-closes the backend's stream: the engine aborts the request, as a cancelled gRPC call does.
+one error mapping with the gRPC API. The client going away (a closed connection, watched from the moment the body
+is read, before the first token too) cancels the request's task, which closes the backend's stream: the engine aborts
+the request, as a cancelled gRPC call does. A client that accepts nothing for a set time is cut the same way.
 """
 
 from __future__ import annotations
@@ -12,18 +13,22 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Protocol
 
 import grpc
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from minedraft.api import pb
 from minedraft.openai_api.protocol import (
+    SSE_DONE,
     ApiError,
     Kind,
     ParsedRequest,
@@ -45,6 +50,14 @@ PROTOCOL = "http"
 TIMEOUT_HEADER = "minedraft-timeout-seconds"
 # The largest request body read (a prompt of a long context is a few hundred KB of JSON).
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# Bodies larger than this are decoded and checked in a thread, off the event loop.
+OFF_LOOP_BODY_BYTES = 64 * 1024
+# gRPC's default largest message, which the engine servers receive: a larger engine request is refused here (413).
+MAX_ENGINE_REQUEST_BYTES = 4 * 1024 * 1024
+# A streamed response whose client accepts no bytes for this long is cut (its engine request aborted).
+CLIENT_STALL_TIMEOUT_S = 60.0
+REQUEST_ID_HEADER = "x-request-id"
+MAX_REQUEST_ID_HEADER_CHARS = 256
 
 
 class BackendError(Exception):
@@ -103,39 +116,36 @@ def _api_error(backend: Backend, exc: Exception, parsed: ParsedRequest | None) -
     return error_from_status(error.code, error.message, error.field, parsed.params if parsed else None)
 
 
-class _SseResponse(Response):
-    """An SSE stream written straight to the ASGI `send` (no per-chunk iterator layers: each layer costs every
-    token a few microseconds on the gateway's path). The first response was already received: errors before it
-    became plain HTTP errors; an error after it is sent as an OpenAI error event (no [DONE])."""
+class _SendWatch:
+    """Cuts a response whose client accepts no bytes for `limit_s` (its socket's buffers full: a client that stopped
+    reading). One attribute write around each send; a timer that re-arms itself lazily, as the gateway's stall
+    watch does. Without it the stream would hold its engine request and admission slot for as long as the client
+    stays connected."""
 
-    def __init__(self, backend: Backend, state: ResponseState, first: pb.GenerateResponse | None,
-                 stream: AsyncIterator[pb.GenerateResponse]) -> None:
-        self._backend = backend
-        # Not Response.__init__: it would add `content-length: 0` for the empty initial body.
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                            (b"x-accel-buffering", b"no")]
-        self._state = state
-        self._first = first
-        self._stream = stream
+    __slots__ = ("_handle", "_limit_s", "_task", "expired", "loop", "since")
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        state = self._state
-        async with contextlib.aclosing(self._stream):  # type: ignore[type-var]
-            try:
-                if self._first is not None:
-                    await send({"type": "http.response.body", "body": b"".join(stream_events(state, self._first)),
-                                "more_body": True})
-                async for response in self._stream:
-                    await send({"type": "http.response.body", "body": b"".join(stream_events(state, response)),
-                                "more_body": True})
-            except self._backend.error_types as exc:
-                error = _api_error(self._backend, exc, state.parsed)
-                await send({"type": "http.response.body", "body": b"data: " + encode(error.body()) + b"\n\n",
-                            "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    def __init__(self, task: asyncio.Future[None], limit_s: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._task = task
+        self._limit_s = limit_s
+        self.since: float | None = None  # when the send now in progress started (None: not sending)
+        self.expired = False
+        self._handle: asyncio.TimerHandle | None = self.loop.call_later(limit_s, self._fire)
+
+    def _fire(self) -> None:
+        since = self.since
+        now = self.loop.time()
+        if since is not None and now - since >= self._limit_s:
+            self.expired = True
+            self._handle = None
+            self._task.cancel()
+            return
+        self._handle = self.loop.call_at((now if since is None else since) + self._limit_s, self._fire)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 async def _until_disconnected(receive: Receive) -> None:
@@ -143,27 +153,129 @@ async def _until_disconnected(receive: Receive) -> None:
         pass
 
 
-class _DisconnectAware:
-    """Runs an ASGI response while watching for the client's disconnect: when it goes, the response's task is
-    cancelled (closing the backend stream, which aborts the engine request). uvicorn reports a disconnect on
-    `receive` once the body has been read; `send` may keep succeeding into a dead socket for a while."""
+class _GenerationResponse:
+    """One generation request's answer, written straight to the ASGI `send` (no per-chunk iterator layers: each
+    layer costs every token a few microseconds on the gateway's path).
 
-    def __init__(self, app: Response) -> None:
-        self.app = app
+    The client's disconnect is watched from the start, before the first token too: when it goes, the task is
+    cancelled, which closes the backend's stream (the engine aborts the request, the gateway frees its admission
+    slot and never blames the engine for a caller that left). A streamed request waits for its first response
+    before answering 200, so an engine's refusal (invalid field, admission, no engine) is the HTTP status, as OpenAI
+    answers; an error after it is an OpenAI error event followed by [DONE] (as vLLM's server sends)."""
+
+    def __init__(self, backend: Backend, state: ResponseState, stream: AsyncIterator[pb.GenerateResponse],
+                 headers: list[tuple[bytes, bytes]], client_stall_timeout_s: float | None) -> None:
+        self._backend = backend
+        self._state = state
+        self._stream = stream
+        self._headers = headers
+        self._client_stall_timeout_s = client_stall_timeout_s
+        self._watch: _SendWatch | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        respond = asyncio.ensure_future(self.app(scope, receive, send))
-        watch = asyncio.ensure_future(_until_disconnected(receive))
+        respond = asyncio.ensure_future(self._respond(send))
+        disconnected = asyncio.ensure_future(_until_disconnected(receive))
+        limit_s = self._client_stall_timeout_s
+        self._watch = _SendWatch(respond, limit_s) if limit_s is not None else None
+        gone = False
         try:
-            await asyncio.wait({respond, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({respond, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+            gone = disconnected.done() and not respond.done()
         finally:
-            for task in (respond, watch):
+            if self._watch is not None:
+                self._watch.close()
+            for task in (respond, disconnected):
                 task.cancel()
-            for task in (respond, watch):
+            for task in (respond, disconnected):
                 with contextlib.suppress(asyncio.CancelledError, OSError):
                     await task
+        if self._watch is not None and self._watch.expired:
+            # The response is left incomplete: the server closes the connection (uvicorn logs that too).
+            log.warning("request %s: stream cut, the client accepted nothing for %g s", self._state.id, limit_s)
+        elif gone:
+            log.debug("request %s: the client went away; request cancelled", self._state.id)
         if respond.done() and not respond.cancelled() and respond.exception() is not None:
             raise respond.exception()  # type: ignore[misc]
+
+    async def _send(self, send: Send, message: Message) -> None:
+        watch = self._watch
+        if watch is None:
+            await send(message)
+            return
+        watch.since = watch.loop.time()
+        await send(message)
+        watch.since = None
+
+    async def _respond(self, send: Send) -> None:
+        state = self._state
+        async with contextlib.aclosing(self._stream):  # type: ignore[type-var]
+            if state.parsed.stream:
+                await self._respond_streamed(send)
+            else:
+                await self._respond_full(send)
+
+    async def _send_error(self, send: Send, error: ApiError) -> None:
+        body = encode(error.body())
+        await self._send(send, {"type": "http.response.start", "status": error.status,
+                                "headers": [(b"content-type", b"application/json"),
+                                            (b"content-length", str(len(body)).encode()), *self._headers]})
+        await self._send(send, {"type": "http.response.body", "body": body})
+
+    async def _respond_streamed(self, send: Send) -> None:
+        state, stream = self._state, self._stream
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            first = None
+        except self._backend.error_types as exc:
+            await self._send_error(send, _api_error(self._backend, exc, state.parsed))
+            return
+        await self._send(send, {"type": "http.response.start", "status": 200,
+                                "headers": [*_SSE_HEADERS, *self._headers]})
+        try:
+            if first is not None:
+                await self._send(send, {"type": "http.response.body",
+                                        "body": b"".join(stream_events(state, first)), "more_body": True})
+            # The per-token loop: the send watch's bookkeeping inline (one coroutine layer less per token).
+            watch = self._watch
+            if watch is None:
+                async for response in stream:
+                    await send({"type": "http.response.body", "body": b"".join(stream_events(state, response)),
+                                "more_body": True})
+            else:
+                clock = watch.loop.time
+                async for response in stream:
+                    message = {"type": "http.response.body", "body": b"".join(stream_events(state, response)),
+                               "more_body": True}
+                    watch.since = clock()
+                    await send(message)
+                    watch.since = None
+        except self._backend.error_types as exc:
+            error = _api_error(self._backend, exc, state.parsed)
+            await self._send(send, {"type": "http.response.body",
+                                    "body": b"data: " + encode(error.body()) + b"\n\n" + SSE_DONE,
+                                    "more_body": True})
+        await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _respond_full(self, send: Send) -> None:
+        state = self._state
+        try:
+            async for response in self._stream:
+                state.absorb(response)
+                state.texts.append(response.text)
+                state.token_ids.extend(response.token_ids)
+        except self._backend.error_types as exc:
+            await self._send_error(send, _api_error(self._backend, exc, state.parsed))
+            return
+        body = encode(full_response(state, "".join(state.texts)))
+        await self._send(send, {"type": "http.response.start", "status": 200,
+                                "headers": [(b"content-type", b"application/json"),
+                                            (b"content-length", str(len(body)).encode()), *self._headers]})
+        await self._send(send, {"type": "http.response.body", "body": body})
+
+
+_SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no"))
 
 
 def _timeout_seconds(request: Request) -> float | None:
@@ -182,20 +294,37 @@ def _timeout_seconds(request: Request) -> float | None:
 class OpenAiApp:
     """The routes over one Backend."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, client_stall_timeout_s: float | None = CLIENT_STALL_TIMEOUT_S,
+                 cors_origins: Sequence[str] = ()) -> None:
         self.backend = backend
+        self.client_stall_timeout_s = client_stall_timeout_s
         self.created = int(time.time())
+        # Optional CORS (browser clients on other origins); off unless origins are given.
+        middleware = [Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                                 allow_headers=["*"], expose_headers=[REQUEST_ID_HEADER])] if cors_origins else []
         self.app = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-        ], exception_handlers={ApiError: self._api_error, 404: self._not_found, 405: self._not_allowed})
+        ], middleware=middleware, exception_handlers={
+            ApiError: self._api_error, 404: self._not_found, 405: self._not_allowed,
+            HTTPException: self._http_error, Exception: self._internal_error})
 
     async def _api_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         return error_response(exc)
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return error_response(ApiError(exc.status_code, exc.detail or "request refused"))
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        # Never the exception's text or traceback in the answer (they stay in the log, written by the server).
+        log.error("%s %s: unhandled %s", request.method, request.url.path, type(exc).__name__)
+        return error_response(ApiError(500, "internal server error", code="internal_error"))
 
     async def _not_found(self, request: Request, exc: Exception) -> Response:
         return error_response(ApiError(404, f"no route {request.url.path}", code="not_found"))
@@ -226,6 +355,18 @@ class OpenAiApp:
             raise _api_error(self.backend, exc, None) from exc
         return Response(encode(models_list(ids, self.created)), media_type="application/json")
 
+    async def model(self, request: Request) -> Response:
+        self._authorize(request)
+        model_id = request.path_params["model_id"]
+        try:
+            ids = await self.backend.model_ids()
+        except self.backend.error_types as exc:
+            raise _api_error(self.backend, exc, None) from exc
+        if model_id not in ids:
+            raise ApiError(404, f"The model `{model_id}` does not exist; GET /v1/models lists {ids}", "model",
+                           code="model_not_found")
+        return Response(encode(models_list([model_id], self.created)["data"][0]), media_type="application/json")
+
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, Kind.COMPLETION)
 
@@ -249,62 +390,61 @@ class OpenAiApp:
     async def _generate(self, request: Request, kind: Kind) -> Response:
         self._authorize(request, stream=True)
         try:
-            parsed = parse_request(decode_body(await self._read_body(request)), kind)
+            _check_content_type(request)
+            raw = await self._read_body(request)
+            if len(raw) > OFF_LOOP_BODY_BYTES:
+                # Decoding and checking a large body (millions of token ids, thousands of messages) takes a
+                # Python-level pass over every item: in a thread, so other streams and the probes keep being served.
+                parsed = await asyncio.to_thread(_parse, raw, kind)
+            else:
+                parsed = _parse(raw, kind)
             known = self.backend.known_model_ids()
             if known is not None and parsed.model not in known:
                 raise ApiError(404, f"The model `{parsed.model}` does not exist; GET /v1/models lists {known}",
                                "model", code="model_not_found")
             timeout_seconds = _timeout_seconds(request)
+            request_id = _request_id_header(request)
+            # The backend checks the headers it forwards (raising ApiError) before any work starts.
+            stream = self.backend.generate(parsed.request, request.headers, PROTOCOL, timeout_seconds)
         except ApiError as exc:
             self.backend.refused(exc)
             raise
-        stream = self.backend.generate(parsed.request, request.headers, PROTOCOL, timeout_seconds)
-        state = ResponseState(parsed)
-        if parsed.stream:
-            # Wait for the first response before answering 200: an engine's refusal (invalid field, admission,
-            # no engine) becomes the HTTP status, as OpenAI answers.
-            first = await self._first(stream, parsed)
-            return _DisconnectAware(_SseResponse(self.backend, state, first, stream))  # type: ignore[return-value]
-        return _DisconnectAware(_FullResponse(self.backend, state, stream))  # type: ignore[return-value]
-
-    async def _first(self, stream: AsyncIterator[pb.GenerateResponse],
-                     parsed: ParsedRequest) -> pb.GenerateResponse | None:
-        try:
-            return await stream.__anext__()
-        except StopAsyncIteration:
-            return None
-        except self.backend.error_types as exc:
-            await stream.aclose()  # type: ignore[attr-defined]
-            raise _api_error(self.backend, exc, parsed) from exc
-        except BaseException:
-            await stream.aclose()  # type: ignore[attr-defined]
-            raise
+        if parsed.ignored_fields:
+            log.info("request %s: ignored unknown fields %s", parsed.request.request_id, list(parsed.ignored_fields))
+        headers = [] if request_id is None else [(REQUEST_ID_HEADER.encode(), request_id.encode())]
+        return _GenerationResponse(self.backend, ResponseState(parsed), stream, headers,  # type: ignore[return-value]
+                                   self.client_stall_timeout_s)
 
 
-class _FullResponse(Response):
-    """A non-streamed completion: collected from the backend, then sent as one JSON object."""
+def _parse(raw: bytes, kind: Kind) -> ParsedRequest:
+    parsed = parse_request(decode_body(raw), kind)
+    # The engine's gRPC API takes messages up to this size: a larger request is the client's (413), never the
+    # engine's RESOURCE_EXHAUSTED (a 429 the SDKs retry).
+    size_bytes = parsed.request.ByteSize()
+    if size_bytes > MAX_ENGINE_REQUEST_BYTES:
+        param = "messages" if kind is Kind.CHAT else "prompt"
+        raise ApiError(413, f"{param}: the request is {size_bytes} bytes as an engine request; at most "
+                            f"{MAX_ENGINE_REQUEST_BYTES}", param, code="request_too_large")
+    return parsed
 
-    def __init__(self, backend: Backend, state: ResponseState, stream: AsyncIterator[pb.GenerateResponse]) -> None:
-        self._backend = backend
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = []
-        self._state = state
-        self._stream = stream
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        state = self._state
-        try:
-            async with contextlib.aclosing(self._stream):  # type: ignore[type-var]
-                async for response in self._stream:
-                    state.absorb(response)
-                    state.texts.append(response.text)
-                    state.token_ids.extend(response.token_ids)
-            status, body = 200, encode(full_response(state, "".join(state.texts)))
-        except self._backend.error_types as exc:
-            error = _api_error(self._backend, exc, state.parsed)
-            status, body = error.status, encode(error.body())
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+def _check_content_type(request: Request) -> None:
+    content_type = request.headers.get("content-type")
+    if content_type is None:
+        return  # a body without a declared type is read as JSON
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise ApiError(415, f"content-type: the request body must be application/json, got {media_type!r}",
+                       "content-type", code="unsupported_media_type")
+
+
+def _request_id_header(request: Request) -> str | None:
+    """The caller's X-Request-Id (echoed on the response, forwarded to the engine), checked: gRPC metadata values
+    are printable ASCII."""
+    value = request.headers.get(REQUEST_ID_HEADER)
+    if value is None:
+        return None
+    if not (0 < len(value) <= MAX_REQUEST_ID_HEADER_CHARS and all(" " <= c <= "~" for c in value)):
+        raise ApiError(400, f"{REQUEST_ID_HEADER}: must be 1 to {MAX_REQUEST_ID_HEADER_CHARS} printable ASCII "
+                            "characters", REQUEST_ID_HEADER)
+    return value

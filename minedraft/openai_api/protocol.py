@@ -2,8 +2,9 @@
 
 A request body becomes a pb.GenerateRequest (the one request type the engine server validates, whichever front end
 it came through); pb.GenerateResponse messages become OpenAI's response objects and Server-Sent Event chunks; a gRPC
-status becomes OpenAI's error object and HTTP status. Every field MineDraft cannot honour is rejected with a 400
-naming it, never silently ignored.
+status becomes OpenAI's error object and HTTP status. Every known field that would change the output and that
+MineDraft cannot honour is rejected with a 400 naming it; a field the endpoint does not know is ignored and reported
+(the front end logs it), as vLLM's server does.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ UINT32_MAX = 2**32 - 1
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # OpenAI accepts up to 4 stop sequences; more are refused there too.
 MAX_STOP_SEQUENCES = 4
+# Bounds on the lists a body may carry, checked before any per-item work (the engine checks the model's own limits:
+# its context length, its vocabulary): far above any model's context, far below what 8 MiB of JSON holds.
+MAX_PROMPT_TOKEN_IDS = 1 << 20
+MAX_STOP_TOKEN_IDS = 1024
+MAX_MESSAGES = 1 << 16
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -56,7 +62,9 @@ class ApiError(Exception):
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                429: "rate_limit_exceeded", 503: "service_unavailable", 504: "timeout"}
+                405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+                429: "rate_limit_exceeded", 431: "invalid_request_error", 503: "service_unavailable",
+                504: "timeout"}
 
 
 def invalid(param: str | None, message: str, code: str | None = None) -> ApiError:
@@ -76,6 +84,8 @@ class ParsedRequest:
     params: dict[str, str] = field(default_factory=dict)
     # vLLM's extension: each choice (and chunk) also carries the generated `token_ids`.
     return_token_ids: bool = False
+    # Fields this endpoint does not know, ignored (the front end logs them).
+    ignored_fields: tuple[str, ...] = ()
 
 
 # Fields accepted and ignored because they do not change the output (OpenAI's own bookkeeping fields).
@@ -86,6 +96,10 @@ _NEUTRAL: dict[str, Any] = {
     "suffix": None, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
     "response_format": None, "parallel_tool_calls": None, "top_logprobs": None, "modalities": None,
     "audio": None, "prediction": None, "reasoning_effort": None, "web_search_options": None,
+}
+# Further values of those fields that ask for nothing the engine does not do anyway.
+_ALSO_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "tool_choice": ("none",), "response_format": ({"type": "text"},), "top_logprobs": (0,),
 }
 _COMMON = frozenset({"model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
                      "logprobs", "top_k", "ignore_eos", "stop_token_ids", "return_token_ids"})
@@ -100,6 +114,8 @@ def decode_body(raw: bytes) -> dict[str, Any]:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise invalid(None, f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise invalid(None, "the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
     return body
@@ -135,20 +151,25 @@ def _bool(body: Mapping[str, Any], name: str) -> bool:
     return value
 
 
-def _check_fields(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool) -> None:
+def _check_fields(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool) -> list[str]:
+    """Refuses the fields that would change the output and cannot be honoured; returns the unknown ones."""
+    ignored: list[str] = []
     for name, value in body.items():
         if name in _IGNORED:
             continue
         if name in _NEUTRAL:
             neutral = _NEUTRAL[name]
+            if value in _ALSO_NEUTRAL.get(name, ()):
+                continue
             if value is not None and value != neutral and not (neutral is None and value in ({}, [], False)):
                 raise invalid(name, f"is not supported by this server (only {neutral!r})", "unsupported_parameter")
             continue
         if name not in _ALLOWED[kind]:
-            raise invalid(name, "is not a known parameter of this endpoint", "unknown_parameter")
+            ignored.append(name)  # as vLLM's server does: ignored (and logged), not refused
     logprobs = body.get("logprobs")
     if logprobs is not None and logprobs is not False and not logprobs_supported:
         raise invalid("logprobs", "this server's engine does not produce log-probabilities", "unsupported_parameter")
+    return ignored
 
 
 def _stop(body: Mapping[str, Any]) -> list[str]:
@@ -165,7 +186,10 @@ def _stop(body: Mapping[str, Any]) -> list[str]:
     return stops
 
 
-def _token_ids(value: Any, name: str) -> list[int] | None:
+def _token_ids(value: Any, name: str, max_count: int = MAX_PROMPT_TOKEN_IDS) -> list[int] | None:
+    # Bounded before the per-item pass: a body of millions of small items costs its decoding, not a check each.
+    if isinstance(value, list) and len(value) > max_count:
+        raise invalid(name, f"has {len(value)} token ids; at most {max_count}")
     if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         if any(not 0 <= t <= UINT32_MAX for t in value):
             raise invalid(name, "token ids must be non-negative")
@@ -185,7 +209,8 @@ def _prompt(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
         return
     token_ids = _token_ids(prompt, "prompt")
     if token_ids is None:
-        raise invalid("prompt", "must be a string or a list of token ids (one prompt per request: n=1 batches)")
+        raise invalid("prompt", "must be a string or a list of token ids (a batch of prompts is not supported: one "
+                                "prompt per request)", "unsupported_parameter" if isinstance(prompt, list) else None)
     request.prompt_token_ids.extend(token_ids)
 
 
@@ -207,6 +232,8 @@ def _messages(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "is required: a non-empty list of {role, content}")
+    if len(messages) > MAX_MESSAGES:
+        raise invalid("messages", f"has {len(messages)} messages; at most {MAX_MESSAGES}")
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise invalid(f"messages[{index}]", "must be an object with role and content")
@@ -223,7 +250,7 @@ def parse_request(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool 
     Raises ApiError(400) naming the OpenAI parameter. Range checks the engine makes itself (temperature, top_p,
     max_tokens against the context, token ids against the vocabulary) are left to it, so both APIs share them.
     """
-    _check_fields(body, kind, logprobs_supported)
+    ignored = _check_fields(body, kind, logprobs_supported)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "is required: one of the ids GET /v1/models lists")
@@ -274,12 +301,13 @@ def parse_request(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool 
     sampling.stop.extend(_stop(body))
     stop_token_ids = body.get("stop_token_ids")
     if stop_token_ids is not None:
-        ids = _token_ids(stop_token_ids, "stop_token_ids")
+        ids = _token_ids(stop_token_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS)
         if ids is None:
             raise invalid("stop_token_ids", "must be a list of token ids")
         sampling.stop_token_ids.extend(ids)
     sampling.ignore_eos = _bool(body, "ignore_eos")
-    return ParsedRequest(kind, model, request, stream, include_usage, params, _bool(body, "return_token_ids"))
+    return ParsedRequest(kind, model, request, stream, include_usage, params, _bool(body, "return_token_ids"),
+                         tuple(ignored))
 
 
 def new_request_id(kind: Kind) -> str:

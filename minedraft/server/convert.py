@@ -165,7 +165,12 @@ def check_before_tokenizing(request: pb.GenerateRequest, limits: ModelLimits) ->
         if num_bytes > limits.max_prompt_bytes:
             raise RequestError("prompt", f"is {num_bytes} bytes; a prompt that fits the context of "
                                          f"{limits.max_model_len} tokens is at most {limits.max_prompt_bytes} bytes")
-    # A chat is bounded like a text prompt: its contents' bytes (the template adds a few per message).
+    # A chat is bounded like a text prompt: its contents' bytes (the template adds a few per message). Counted first:
+    # every message costs at least one token, and summing the bytes of hundreds of thousands of messages would hold
+    # the event loop.
+    if len(request.messages) >= limits.max_model_len:
+        raise RequestError("messages", f"has {len(request.messages)} messages; a chat that fits the context of "
+                                       f"{limits.max_model_len} tokens has fewer")
     if request.messages:
         num_bytes = sum(len(m.content.encode("utf-8", errors="replace")) + len(m.role) for m in request.messages)
         if num_bytes > limits.max_prompt_bytes:

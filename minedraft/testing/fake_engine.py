@@ -55,6 +55,8 @@ class FakeBehaviour:
     # Hang (send nothing, keep the stream open) before the first token, or after this many tokens.
     hang_before_first_token: bool = False
     hang_after_tokens: int | None = None
+    # Bytes of padding added to each response's text (fills flow-control windows fast: backpressure tests).
+    response_padding_bytes: int = 0
 
 
 @dataclass
@@ -69,6 +71,8 @@ class FakeRecord:
     deadlines_seconds: list[float | None] = field(default_factory=list)
     # Every request's metadata as received (to check what the gateway forwards).
     metadata: list[tuple[tuple[str, str | bytes], ...]] = field(default_factory=list)
+    # Responses handed to gRPC (a write that returned): what a caller that stopped reading let the engine send.
+    num_responses_sent: int = 0
 
 
 def fake_token_ids(request: pb.GenerateRequest, count: int) -> list[int]:
@@ -128,6 +132,8 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
                     await asyncio.sleep(interval_seconds)
                 last = index == len(token_ids) - 1
                 text = str(time.perf_counter_ns()) if behaviour.stamp_text else f"<{token_id}>"
+                if behaviour.response_padding_bytes:
+                    text += " " * behaviour.response_padding_bytes
                 response = pb.GenerateResponse(request_id=request_id, token_ids=[token_id], text=text)
                 if last:
                     response.finish_reason = "length"
@@ -135,6 +141,7 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
                     response.usage.completion_tokens = count
                     finished = True
                 yield response
+                self.record.num_responses_sent += 1
             self.record.completed.append(request_id)
         finally:
             self.num_active_streams -= 1

@@ -9,6 +9,9 @@ import pytest
 
 from minedraft.api import pb
 from minedraft.openai_api.protocol import (
+    MAX_MESSAGES,
+    MAX_PROMPT_TOKEN_IDS,
+    MAX_STOP_TOKEN_IDS,
     SSE_DONE,
     ApiError,
     Kind,
@@ -84,9 +87,13 @@ def test_chat_messages_and_max_completion_tokens():
     (Kind.COMPLETION, {"suffix": "x"}, "suffix"),
     (Kind.CHAT, {"tools": [{"type": "function"}]}, "tools"),
     (Kind.CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-    (Kind.COMPLETION, {"max_completion_tokens": 5}, "max_completion_tokens"),  # chat only
-    (Kind.COMPLETION, {"messages": []}, "messages"),
-    (Kind.COMPLETION, {"bogus": 1}, "bogus"),
+    (Kind.CHAT, {"tools": [{"type": "function"}], "tool_choice": "auto"}, "tools"),
+    (Kind.CHAT, {"tool_choice": "required"}, "tool_choice"),
+    (Kind.CHAT, {"top_logprobs": 2}, "top_logprobs"),
+    (Kind.CHAT, {"logprobs": True}, "logprobs"),
+    (Kind.COMPLETION, {"presence_penalty": 0.5}, "presence_penalty"),
+    (Kind.COMPLETION, {"prompt": ["a", "b"]}, "prompt"),  # a batch of prompts
+    (Kind.COMPLETION, {"n": 2}, "n"),
     (Kind.COMPLETION, {"max_tokens": 1.5}, "max_tokens"),
     (Kind.COMPLETION, {"max_tokens": True}, "max_tokens"),
     (Kind.COMPLETION, {"max_tokens": 2**40}, "max_tokens"),
@@ -95,6 +102,9 @@ def test_chat_messages_and_max_completion_tokens():
     (Kind.COMPLETION, {"stop": ["a"] * 5}, "stop"),
     (Kind.COMPLETION, {"stop": [""]}, "stop"),
     (Kind.COMPLETION, {"stop_token_ids": [-1]}, "stop_token_ids"),
+    (Kind.COMPLETION, {"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
+    (Kind.COMPLETION, {"prompt": [1] * (MAX_PROMPT_TOKEN_IDS + 1)}, "prompt"),
+    (Kind.CHAT, {"messages": [{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1)}, "messages"),
     (Kind.COMPLETION, {"stream": 1}, "stream"),
     (Kind.COMPLETION, {"stream_options": {"include_usage": True}}, "stream_options"),
     (Kind.COMPLETION, {"stream": True, "stream_options": {"bogus": 1}}, "stream_options"),
@@ -111,6 +121,20 @@ def test_unsupported_or_malformed_fields_name_the_param(kind, body, param):
 def test_neutral_values_of_unsupported_fields_are_accepted():
     parse(presence_penalty=0.0, frequency_penalty=0, logit_bias={}, best_of=1, echo=False, suffix=None)
     parse(Kind.CHAT, tools=[], tool_choice=None, logprobs=False, metadata={"a": "b"}, store=False)
+    parse(Kind.CHAT, tool_choice="none", response_format={"type": "text"}, top_logprobs=0)
+
+
+def test_unknown_fields_are_ignored_and_reported():
+    # As vLLM's server: unknown fields do not fail the request; the front end logs their names.
+    parsed = parse(bogus=1, messages=[])
+    assert parsed.ignored_fields == ("bogus", "messages")
+    assert parsed.request.prompt == "hi"
+
+
+def test_deeply_nested_json_is_a_400():
+    with pytest.raises(ApiError) as info:
+        decode_body(b'{"a": ' + b"[" * 1000 + b"]" * 1000 + b"}")
+    assert info.value.status == 400 and "nested" in info.value.message
 
 
 def test_body_must_be_a_json_object():
@@ -210,3 +234,16 @@ def test_return_token_ids_extension():
     state.token_ids.extend([4, 5])
     assert full_response(state, "ab")["choices"][0]["token_ids"] == [4, 5]
     assert "token_ids" not in full_response(ResponseState(parse()), "ab")["choices"][0]
+
+
+def test_seeds_are_promised_as_best_effort_only():
+    # Seeded sampling is not reproducible under speculation (the drafts verified per step depend on timing and shift
+    # the seeded draws): the API reference and the proto say so rather than promise it.
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    docs = (root / "docs" / "api.md").read_text()
+    proto = (root / "proto" / "minedraft" / "v1" / "generation.proto").read_text()
+    assert "reproducible sampling at temperature > 0" not in docs + proto
+    assert "**not reproducible** under speculation" in docs
+    assert "identical seeded\n  // requests at temperature > 0 may differ" in proto

@@ -143,3 +143,12 @@ def test_list_fields_are_bounded(params, field, words):
     # At the bound: accepted.
     ok = pb.SamplingParams(stop=["x" * 256] * 16, stop_token_ids=[1] * 64, max_tokens=2)
     assert prepare_request(pb.GenerateRequest(prompt="abc", sampling_params=ok), LIMITS, tokenize).sampling.stop
+
+
+def test_chat_message_count_is_bounded_before_its_bytes_are_summed():
+    request = pb.GenerateRequest()
+    for _ in range(LIMITS.max_model_len):
+        request.messages.add(role="u", content="")
+    with pytest.raises(RequestError) as info:
+        prepare_request(request, LIMITS, tokenize)
+    assert info.value.field_name == "messages" and "32 messages" in str(info.value)

@@ -1,0 +1,123 @@
+"""The shared HTTP front end (minedraft.openai_api.app) over a stub backend, in process (no sockets): large bodies
+are decoded off the event loop, and an unexpected failure is an OpenAI-shaped 500 that tells nothing of it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator, Mapping
+
+import grpc
+import httpx
+
+from minedraft.api import pb
+from minedraft.openai_api import app as app_module
+from minedraft.openai_api.app import BackendError, OpenAiApp
+from minedraft.openai_api.protocol import ApiError
+
+
+class StubBackend:
+    error_types: tuple[type[Exception], ...] = (BackendError,)
+
+    def __init__(self, failure: Exception | None = None) -> None:
+        self.failure = failure
+        self.requests: list[pb.GenerateRequest] = []
+
+    def backend_error(self, error: Exception) -> BackendError:
+        assert isinstance(error, BackendError)
+        return error
+
+    def live(self) -> bool:
+        return True
+
+    def refused(self, error: ApiError) -> None:
+        pass
+
+    def ready(self) -> bool:
+        return True
+
+    def authorize(self, authorization: str | None, stream: bool) -> bool:
+        return True
+
+    async def model_ids(self) -> list[str]:
+        return ["m"]
+
+    def known_model_ids(self) -> list[str] | None:
+        return ["m"]
+
+    async def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str], protocol: str,
+                       timeout_seconds: float | None) -> AsyncIterator[pb.GenerateResponse]:
+        self.requests.append(request)
+        if self.failure is not None:
+            raise self.failure
+        yield pb.GenerateResponse(token_ids=[1], text="a", finish_reason="length")
+
+
+def http(backend: StubBackend) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(OpenAiApp(backend).app, raise_app_exceptions=False)
+    return httpx.AsyncClient(transport=transport, base_url="http://test")
+
+
+async def test_a_large_body_is_decoded_off_the_event_loop(monkeypatch):
+    threads: list[int] = []
+    parse = app_module.parse_request
+
+    def recording_parse(*args, **kwargs):
+        threads.append(threading.get_ident())
+        return parse(*args, **kwargs)
+
+    monkeypatch.setattr(app_module, "parse_request", recording_parse)
+    backend = StubBackend()
+    ids = list(range(200_000))  # ~1.3 MB of JSON
+    async with http(backend) as client:
+        good = await client.post("/v1/completions", json={"model": "m", "prompt": ids, "max_tokens": 1})
+        bad = await client.post("/v1/completions", json={"model": "m", "prompt": [*ids, -1], "max_tokens": 1})
+        small = await client.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 1})
+    assert small.status_code == 200
+    assert good.status_code == 200 and len(backend.requests[0].prompt_token_ids) == len(ids)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"  # still a 400 naming the param
+    loop_thread = threading.get_ident()
+    assert threads[0] != loop_thread and threads[1] != loop_thread  # the large bodies: in a thread
+    assert threads[2] == loop_thread  # a small body costs no thread hop
+
+
+async def test_an_unexpected_failure_is_an_openai_500_without_its_text():
+    backend = StubBackend(failure=RuntimeError("secret detail of /internal/path"))
+    async with http(backend) as client:
+        for stream in (False, True):
+            response = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": stream})
+            assert response.status_code == 500
+            error = response.json()["error"]
+            assert error["type"] == "server_error" and "secret" not in response.text
+
+
+async def test_a_backend_refusal_before_the_first_token_is_the_http_status():
+    backend = StubBackend(failure=BackendError(grpc.StatusCode.INVALID_ARGUMENT, "top_p: must be in (0, 1]",
+                                              "sampling_params.top_p"))
+    async with http(backend) as client:
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_p"
+
+
+async def test_cors_is_off_unless_origins_are_given():
+    for origins, allowed in (((), None), (("https://app.example",), "https://app.example")):
+        transport = httpx.ASGITransport(OpenAiApp(StubBackend(), cors_origins=origins).app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            preflight = await client.options("/v1/completions", headers={
+                "origin": "https://app.example", "access-control-request-method": "POST"})
+            response = await client.get("/v1/models", headers={"origin": "https://app.example"})
+        assert response.headers.get("access-control-allow-origin") == allowed
+        assert (preflight.status_code == 200) == (allowed is not None)
+
+
+def test_gateway_flags_for_http_clients():
+    import argparse
+
+    from minedraft.gateway.cli import add_subcommands, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_subcommands(parser.add_subparsers())
+    assert config_from_args(parser.parse_args(["gateway", "--engines", "h:1"])).client_stall_timeout_seconds == 60.0
+    config = config_from_args(parser.parse_args(["gateway", "--engines", "h:1", "--client-stall-timeout-s", "0",
+                                                 "--cors-origins", "https://a.example, https://b.example"]))
+    assert config.client_stall_timeout_seconds is None
+    assert config.cors_origins == ("https://a.example", "https://b.example")
