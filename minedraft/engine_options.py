@@ -65,6 +65,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
     parser.add_argument("--drafter-hang-seconds", type=float, default=DEFAULT_HANG_SECONDS,
                         help="restart the drafter when it reports no progress this long with a job outstanding (a "
                         "slow drafter keeps reporting progress and is not restarted)")
+    parser.add_argument("--drafter-catch-up-tokens", type=int, default=512,
+                        help="most tokens of catch-up (a new prompt, whole contexts after a drafter restart) one draft "
+                        "job carries; the rest follows in later jobs while the request decodes without drafts")
     parser.add_argument("--drafter-backend", default="auto", choices=list(DRAFTER_BACKENDS),
                         help="auto: vllm on GPU machines, torch on CPUs; torch: plain-torch Llama/Qwen3 drafter with "
                         "a per-request KV cache (CPUs only); vllm: the draft model in vLLM (any architecture)")
@@ -142,6 +145,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
             backend=args.drafter_backend,
             gpu_memory_utilization=args.drafter_gpu_memory_utilization,
             hang_seconds=args.drafter_hang_seconds,
+            catch_up_tokens_per_job=args.drafter_catch_up_tokens,
         ),
         mode=mode,
         num_speculative_tokens=args.num_speculative_tokens,

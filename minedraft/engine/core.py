@@ -39,6 +39,12 @@ WORKER_EXTENSION_CLASS = "minedraft.engine.resident_batches.MineDraftWorkerExten
 def _configure_process(settings: EngineSettings, plan: DevicePlan) -> None:
     # The engine core must live in this process (statistics, invariants); vLLM reads these lazily.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # Tensor-parallel workers are started by spawn, never fork (vLLM's default on GPUs until CUDA is initialised).
+    # This process already runs threads by then (`minedraft serve`: gRPC's, the HTTP server's, ZMQ's for the
+    # drafter, the engine's own), and a forked child inherits their locks in whatever state they were, held ones
+    # included: a worker that hangs at start or in its first collective. vLLM's own API server makes the same choice.
+    # Spawned workers import this code afresh (the worker extension class re-installs the CPU corrections there).
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     if plan.target_visible_devices is not None:
         # The target (and its tensor-parallel workers, which inherit this) sees exactly its own GPUs. CUDA is not
         # initialised yet in this process: detect_device counts GPUs through NVML.
@@ -152,6 +158,7 @@ def engine_args(settings: EngineSettings) -> Any:
                 "deadline_seconds": settings.drafter.deadline_seconds,
                 "max_missed_deadlines": settings.drafter.max_missed_deadlines,
                 "hang_seconds": settings.drafter.hang_seconds,
+                "catch_up_tokens_per_job": settings.drafter.catch_up_tokens_per_job,
                 "drafter_restart": settings.drafter.restart,
                 "drafter_startup_timeout_seconds": settings.drafter.startup_timeout_seconds,
                 "check_invariants": settings.check_invariants,

@@ -16,6 +16,7 @@ Run as `python -m minedraft.engine.drafter_process ADDRESS SETTINGS_JSON`; the s
 Test-only environment variables (fault injection for the test suite; never set them in a deployment):
   MINEDRAFT_TEST_DRAFTER_STEP_SLEEP_SECONDS  sleep this long after every step of a job: a slow but working drafter.
   MINEDRAFT_TEST_DRAFTER_POISON_TOKEN        fail every job whose context holds this token id: a poison request.
+  MINEDRAFT_TEST_DRAFTER_BROKEN              fail every job and every probe: a broken drafter (a sticky device error).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ log = logging.getLogger("minedraft.drafter")
 
 STEP_SLEEP_ENV = "MINEDRAFT_TEST_DRAFTER_STEP_SLEEP_SECONDS"
 POISON_TOKEN_ENV = "MINEDRAFT_TEST_DRAFTER_POISON_TOKEN"
+BROKEN_ENV = "MINEDRAFT_TEST_DRAFTER_BROKEN"
+# The request id of the probe job a failed job is followed by (see DrafterServer.run_job); no real id has this form.
+PROBE_REQUEST_ID = "minedraft-probe:"
 
 
 def _no_op() -> None:
@@ -159,8 +163,11 @@ class Drafter:
         live: dict[str, Any] = {}
         for item in job.items:
             room = self.max_model_len - len(item.token_ids)
-            num = min(item.num_draft_tokens, room)
-            if num <= 0 or not item.token_ids:
+            # No draft wanted: a chunk of a long catch-up, taken in (prefilled into the prefix cache) only. vLLM
+            # samples at least one token; it is dropped.
+            prefill_only = item.num_draft_tokens == 0
+            num = 1 if prefill_only else min(item.num_draft_tokens, room)
+            if num <= 0 or room <= 0 or not item.token_ids:
                 continue  # (token ids were checked against the vocabulary on receipt, in DrafterServer)
             params = SamplingParams(
                 max_tokens=num,
@@ -175,7 +182,7 @@ class Drafter:
                 self.block_hashes.expect(key, item.request_id)
             self.engine.add_request(key, TokensPrompt(prompt_token_ids=list(item.token_ids)), params)
             # The length now: a newer job taken in mid-job (poll_messages) extends the stored context in place.
-            live[key] = (item, len(item.token_ids))
+            live[key] = (item, len(item.token_ids), prefill_only)
         results: list[DraftResult] = []
         first_token_seconds = 0.0
         while self.engine.has_unfinished_requests():
@@ -186,7 +193,9 @@ class Drafter:
             for output in outputs:
                 if not output.finished or output.request_id not in live:
                     continue
-                item, context_num_tokens = live.pop(output.request_id)
+                item, context_num_tokens, prefill_only = live.pop(output.request_id)
+                if prefill_only:
+                    continue
                 completion = output.outputs[0]  # type: ignore[index]
                 logprobs = None
                 if job.want_logprobs and completion.logprobs is not None:
@@ -205,12 +214,16 @@ class Drafter:
             # Cancels that arrive mid-job drop those requests here too, not just on the verifier's side.
             poll_messages()
             if self.cancelled:
-                doomed = [key for key, (item, _) in live.items() if item.request_id in self.cancelled]
+                doomed = [key for key, (item, _, _) in live.items() if item.request_id in self.cancelled]
                 if doomed:
                     self.engine.abort_request(doomed)
                     for key in doomed:
                         live.pop(key, None)
         return results, time.perf_counter() - started, first_token_seconds
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self.max_model_len
 
 
 class TorchDrafter:
@@ -228,6 +241,10 @@ class TorchDrafter:
     @property
     def vocab_size(self) -> int:
         return int(self.model.vocab_size)
+
+    @property
+    def max_context_tokens(self) -> int:
+        return int(self.model.max_model_len)
 
     def context_changed(self, request_id: str, num_tokens_kept: int) -> None:
         """(Nothing to do: each job's context is compared with the request's cached tokens.)"""
@@ -269,7 +286,7 @@ class DrafterServer:
 
     def __init__(self, drafter: Any, vocab_size: int, send: Callable[[Any], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, step_sleep_seconds: float = 0.0,
-                 poison_token: int | None = None) -> None:
+                 poison_token: int | None = None, broken: bool = False) -> None:
         self.drafter = drafter
         self.vocab_size = vocab_size
         # Progress reports go out through `send` (none in unit tests that do not look at them).
@@ -277,6 +294,8 @@ class DrafterServer:
         self._clock = clock
         self._step_sleep_seconds = step_sleep_seconds
         self._poison_token = poison_token
+        # Test fault injection: every job and every probe fails.
+        self._broken = broken
         self._job_id = 0
         self._num_steps = 0
         self._last_report_at = float("-inf")
@@ -349,7 +368,31 @@ class DrafterServer:
                                        need_context)
         except Exception as exc:  # a bad job must not take the drafter down with it
             log.exception("draft job %d failed", job.job_id)
-            return protocol.DrafterError(job.job_id, f"{type(exc).__name__}: {exc}", self._culprits(job))
+            error = f"{type(exc).__name__}: {exc}"
+            # Before blaming the job's requests: can this drafter draft at all? A sticky device error fails every
+            # job, and retrying each request alone would name them all as poison.
+            probe_error = self._probe(job.job_id)
+            if probe_error is not None:
+                log.error("a probe job failed too (%s): the drafter is broken, not the requests", probe_error)
+                return protocol.DrafterError(job.job_id, f"{error}; a probe job failed too: {probe_error}", [],
+                                             drafter_broken=True)
+            return protocol.DrafterError(job.job_id, error, self._culprits(job))
+
+    def _probe(self, job_id: int) -> str | None:
+        """Draft one token from a one-token context no request can hold: None if that works, else its error."""
+        from minedraft.engine import protocol
+
+        probe = protocol.DraftJob(job_id, [protocol.DraftItem(PROBE_REQUEST_ID, [0], 1)], False)
+        try:
+            if self._broken:
+                raise RuntimeError("test fault injection: a broken drafter")
+            self.drafter.draft(probe, _no_op)
+            return None
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            self.drafter.context_changed(PROBE_REQUEST_ID, 0)
+            self.drafter.cancelled.add(PROBE_REQUEST_ID)
 
     def on_step(self) -> None:
         """A step of the current job finished: report it, at most every PROGRESS_INTERVAL_SECONDS."""
@@ -365,6 +408,8 @@ class DrafterServer:
             self._send(protocol.Progress(self._job_id, self._num_steps))
 
     def _check_poison(self, job: Any) -> None:
+        if self._broken:
+            raise RuntimeError("test fault injection: a broken drafter")
         if self._poison_token is not None and any(self._poison_token in i.token_ids for i in job.items):
             raise RuntimeError(f"test fault injection: a context holds poison token {self._poison_token}")
 
@@ -417,8 +462,9 @@ def main(argv: list[str]) -> int:
     poison = os.environ.get(POISON_TOKEN_ENV)
     server = DrafterServer(drafter, drafter.vocab_size, send_progress,
                            step_sleep_seconds=float(os.environ.get(STEP_SLEEP_ENV) or 0.0),
-                           poison_token=int(poison) if poison else None)
-    socket.send(protocol.encode(protocol.Ready(os.getpid(), settings["model"], time.perf_counter() - started)))
+                           poison_token=int(poison) if poison else None, broken=bool(os.environ.get(BROKEN_ENV)))
+    socket.send(protocol.encode(protocol.Ready(os.getpid(), settings["model"], time.perf_counter() - started,
+                                               int(getattr(drafter, "max_context_tokens", 0)))))
     log.info("drafter ready in %.1fs", time.perf_counter() - started)
 
     def poll_messages() -> None:
