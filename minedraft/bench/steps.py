@@ -68,8 +68,9 @@ class RunnerTimers:
 
 
 def _model_runner(engine: Any) -> Any:
-    executor = engine._llm.engine_core.engine_core.model_executor
-    return executor.driver_worker.worker.model_runner
+    from minedraft.engine.vllm_adapter.engine_core import in_process_model_runner
+
+    return in_process_model_runner(engine._llm)
 
 
 def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_requests: int, max_tokens: int,

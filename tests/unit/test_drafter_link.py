@@ -346,8 +346,8 @@ def test_a_broken_drafter_is_restarted_and_no_request_is_quarantined():
     from types import SimpleNamespace
 
     from minedraft.engine.planner import JobItemPlan, PSDPlanner, WaitPolicy
-    from minedraft.engine.scheduler import PSDScheduler
     from minedraft.engine.stats import StatsRecorder
+    from minedraft.engine.vllm_adapter.scheduler import PSDScheduler
 
     def scheduler_with_a_job():
         client = FakeClient()

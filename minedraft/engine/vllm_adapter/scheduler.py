@@ -1,7 +1,7 @@
 """vLLM V1 scheduler subclass that runs batch-parallel speculative decoding: a thin adapter.
 
-The decisions live in planner.py (pure, over plain dataclasses) and the drafter plumbing in drafter_link.py; this
-class translates between them and vLLM's Request objects. Per step:
+The decisions live in minedraft/engine/planner.py (pure, over plain dataclasses) and the drafter plumbing in
+drafter_link.py; this class translates between them and vLLM's Request objects. Per step:
   schedule():            the planner picks the sub-batch whose turn it is; wait for its drafts at most the planner's
                          budget (a fraction of a measured step; a late job is abandoned and the sub-batch decodes
                          without drafts this once); attach the planned proposals; hold out the other sub-batch's
@@ -41,10 +41,10 @@ from minedraft.engine.planner import (
     StepPlan,
     WaitPolicy,
 )
-from minedraft.engine.resident_batches import skip_token_resend
 from minedraft.engine.settings import DEFAULT_HANG_SECONDS, Mode
 from minedraft.engine.stats import StatsRecorder, StepRecord
 from minedraft.engine.subbatch import SubBatches
+from minedraft.engine.vllm_adapter.resident_batches import skip_token_resend
 
 log = logging.getLogger(__name__)
 
