@@ -405,3 +405,25 @@ def test_after_a_hang_the_job_the_drafter_was_stuck_on_is_named():
     clock.now += 6.0
     link.check()
     assert link.take_hung_job() == frozenset({"a", "long"}) and link.take_hung_job() is None
+
+
+def test_a_step_does_not_wait_for_a_job_that_brings_no_drafts():
+    """A job of catch-up chunks only (a newcomer's long prompt alone in its sub-batch) drafts nothing: the sub-batch's
+    step verifies at once instead of waiting up to the budget for it."""
+    from types import SimpleNamespace
+
+    from minedraft.engine.planner import JobItemPlan, PSDPlanner, WaitPolicy
+    from minedraft.engine.vllm_adapter.scheduler import PSDScheduler, _StepTiming
+
+    class NoWaitLink:
+        tickets = {0: JobTicket(1, frozenset({"new"}), 0.0)}
+
+        def wait_for(self, group, budget_seconds, handle):
+            raise AssertionError("waited for a job that brings no drafts")
+
+    planner = PSDPlanner(k=3)
+    planner.job_sent(0, [JobItemPlan("new", 0, 512, 0)])
+    fake = SimpleNamespace(planner=planner, link=NoWaitLink(), wait_policy=WaitPolicy(5.0))
+    timing = _StepTiming()
+    PSDScheduler._await_drafts(fake, 0, timing)  # type: ignore[arg-type]
+    assert timing.wait_seconds == 0.0 and 0 in planner.in_flight

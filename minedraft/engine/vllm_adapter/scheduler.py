@@ -296,7 +296,8 @@ class PSDScheduler(Scheduler):
         return self.mode
 
     def _await_drafts(self, group: int, timing: _StepTiming) -> None:
-        if group not in self.link.tickets:
+        if group not in self.link.tickets or not self.planner.in_flight.get(group):
+            # Nothing drafted is coming (no job, or a job of catch-up chunks only): verify now, the job runs on.
             return
         budget = self.wait_policy.budget_seconds()
         timing.wait_budget_seconds = budget
