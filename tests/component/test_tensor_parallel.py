@@ -133,6 +133,7 @@ def test_serve_at_tp2_answers_as_the_target_alone(pair_dir, tp_prompts, tp_refer
     """`minedraft serve --tensor-parallel-size 2` end to end: its workers start by spawn (the serving process already
     runs gRPC and ZMQ threads before the engine loads) and one greedy psd request over gRPC equals ar at TP=2."""
     import asyncio
+    import os
     import re
     import subprocess
     import sys
@@ -149,6 +150,7 @@ def test_serve_at_tp2_answers_as_the_target_alone(pair_dir, tp_prompts, tp_refer
          str(pair_dir / "draft"), "--mode", "psd", "--tensor-parallel-size", "2", "--num-speculative-tokens", "3",
          "--max-model-len", "512", "--kv-cache-gib", "1", "--max-num-seqs", "8", "--host", "127.0.0.1",
          "--grpc-port", "0", "--metrics-port", "0"],
+        env={k: v for k, v in os.environ.items() if k != "VLLM_WORKER_MULTIPROC_METHOD"},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     found = threading.Event()
@@ -178,9 +180,12 @@ def test_serve_at_tp2_answers_as_the_target_alone(pair_dir, tp_prompts, tp_refer
 
         tokens = asyncio.run(generate())
         assert process.poll() is None, "".join(lines[-40:])
-        # The workers' command lines: a spawned worker runs multiprocessing's spawn_main; a forked one would show the
-        # serving process's own command line.
-        parent, children = _cmdline(process.pid), [_cmdline(pid) for pid in _descendants(process.pid)]
+        # How the workers started: a spawned worker is a fresh exec, so its initial environment (/proc/PID/environ)
+        # holds what the serving process had set by then, VLLM_WORKER_MULTIPROC_METHOD=spawn included; a forked one
+        # shares the serving process's initial environment, which did not have it.
+        workers = [pid for pid in _descendants(process.pid) if _cmdline(pid).startswith("VLLM::Worker")]
+        worker_environments = [_environ(pid) for pid in workers]
+        serve_environment = _environ(process.pid)
     finally:
         process.terminate()
         try:
@@ -189,9 +194,9 @@ def test_serve_at_tp2_answers_as_the_target_alone(pair_dir, tp_prompts, tp_refer
             process.kill()
             process.wait(timeout=30)
     assert tokens == tp_references[0], "serve at TP=2 diverged from ar at TP=2"
-    spawned = [c for c in children if "spawn_main" in c]
-    forked = [c for c in children if c == parent]
-    assert len(spawned) >= 2 and not forked, (parent, children)
+    assert len(workers) == 2, workers
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in serve_environment
+    assert all(e.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn" for e in worker_environments), "a worker was forked"
 
 
 def _cmdline(pid: int) -> str:
@@ -201,6 +206,13 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def _environ(pid: int) -> dict[str, str]:
+    from pathlib import Path
+
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
 
 
 def _descendants(pid: int) -> list[int]:

@@ -49,3 +49,37 @@ def test_psd_with_the_vllm_drafter_matches_target_alone(psd_vllm_drafter_engine,
                           "vllm drafter, extra drafts")
     assert any(len(r.drafted_per_position) > 2 for r in engine.step_records())
     engine.set_mode(Mode.PSD, k=4, num_extra_draft_tokens=0)
+
+
+def test_the_vllm_drafter_takes_in_catch_up_chunks_without_drafting_them(psd_vllm_drafter_engine, ar_engine,
+                                                                         pair_dir):
+    """Long catch-ups go in chunks that draft nothing (vLLM prefills each into its prefix cache and the sampled token
+    is dropped); output stays the target's and the requests get drafts once caught up."""
+    from minedraft.bench.workload import bench_prompts
+
+    engine = psd_vllm_drafter_engine
+    planner = engine.psd_scheduler.planner
+    prompts = [ar_engine.encode_prompt(t) for t in bench_prompts(pair_dir, 4, chars=400)]
+    assert min(len(p) for p in prompts) > 32
+    sampling = SamplingSettings(max_tokens=24)
+    expected = reference(ar_engine, prompts, sampling)
+    saved, planner.catch_up_tokens_per_job = planner.catch_up_tokens_per_job, 32
+    chunks = []
+    draft_job = planner.draft_job
+
+    def spy(requests, group):
+        items = draft_job(requests, group)
+        chunks.extend(i for i in items if i.num_draft_tokens == 0)
+        return items
+
+    planner.draft_job = spy
+    before = engine.totals()
+    try:
+        run = drive(engine, [Planned(f"vcu-{i}", p, sampling, arrive_at_step=2 * i) for i, p in enumerate(prompts)])
+    finally:
+        del planner.draft_job
+        planner.catch_up_tokens_per_job = saved
+    assert_greedy_matches([run.completions[f"vcu-{i}"].token_ids for i in range(len(prompts))], expected,
+                          "vllm drafter, catch-up chunks")
+    assert chunks, "no catch-up was chunked"
+    assert engine.totals().accepted_tokens > before.accepted_tokens, "drafts took part"
