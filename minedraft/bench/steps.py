@@ -136,7 +136,7 @@ def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_re
         tail = prompt_ids[16 * (i + 1): 16 * (i + 2)]
         engine.add_request(f"{tag}-{i}", prompt_ids[: len(prompt_ids) - len(tail)] + tail, sampling)
     first = engine.step_records()[-1].step if engine.step_records() else 0
-    rows: list[dict[str, float]] = []
+    rows: list[dict[str, Any]] = []
     decode_records: list[Any] = []
     if timeline is not None:
         timeline.take()
