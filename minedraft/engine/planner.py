@@ -1,6 +1,7 @@
 """The PSD policy of one engine step, over plain dataclasses: no vLLM, no I/O, no clocks.
 
-Each step the vLLM adapter (vllm_adapter/scheduler.py) describes the running requests as `RequestState`s and asks the planner:
+Each step the vLLM adapter (vllm_adapter/scheduler.py) describes the running requests as `RequestState`s and asks
+the planner:
   - which sub-batch is verified (`pick_group`), and how long it may wait for that sub-batch's drafts
     (`WaitPolicy`, from measured step times);
   - which requests run in this step and with which proposals (`plan`): the verified sub-batch with the drafts made
