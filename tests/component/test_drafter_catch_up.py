@@ -57,17 +57,25 @@ def test_a_long_catch_up_goes_in_bounded_chunks_and_the_sub_batch_keeps_its_draf
     scheduler = psd.psd_scheduler
     planner = scheduler.planner
     monkeypatch.setattr(planner, "catch_up_tokens_per_job", 16)
-    assert min(len(p) for p in prompts) > 16, [len(p) for p in prompts]
+    # Two short requests decode with drafts in both sub-batches; long newcomers then join them, one per step, so each
+    # newcomer's sub-batch holds a request whose drafts must not wait for the newcomer's prompt.
+    short = [p[:12] for p in prompts[:2]]
+    long = prompts[2:]
+    assert min(len(p) for p in long) > 16, [len(p) for p in long]
+    short_sampling = SamplingSettings(max_tokens=48)
     jobs: list = []
     _spy(monkeypatch, planner, "draft_job", jobs)
-    expected = reference(ar_engine, prompts, SAMPLING)
+    expected_short = reference(ar_engine, short, short_sampling)
+    expected_long = reference(ar_engine, long, SAMPLING)
     before = psd.totals()
-    # Newcomers arrive while earlier requests decode: their prompts are caught up beside others' drafts.
-    run = drive(psd, [Planned(f"cu-{i}", p, SAMPLING, arrive_at_step=3 * i) for i, p in enumerate(prompts)])
-    assert_greedy_matches([run.completions[f"cu-{i}"].token_ids for i in range(len(prompts))], expected, "catch-up")
+    run = drive(psd, [Planned(f"cu-short-{i}", p, short_sampling) for i, p in enumerate(short)]
+                + [Planned(f"cu-long-{i}", p, SAMPLING, arrive_at_step=4 + i) for i, p in enumerate(long)])
+    assert_greedy_matches([run.completions[f"cu-short-{i}"].token_ids for i in range(len(short))], expected_short,
+                          "catch-up, short requests")
+    assert_greedy_matches([run.completions[f"cu-long-{i}"].token_ids for i in range(len(long))], expected_long,
+                          "catch-up, long newcomers")
     items = [item for _, result in jobs for item in result]
-    chunks = [i for i in items if i.num_draft_tokens == 0]
-    assert chunks, "no catch-up was chunked"
+    assert [i for i in items if i.num_draft_tokens == 0], "no catch-up was chunked"
     for _, result in jobs:
         assert sum(i.num_tokens - i.base_num_tokens for i in result if i.num_tokens - i.base_num_tokens > 4) <= 16
     mixed = [r for _, r in jobs if any(i.num_draft_tokens == 0 for i in r) and any(i.num_draft_tokens for i in r)]

@@ -364,6 +364,12 @@ def test_a_broken_drafter_is_restarted_and_no_request_is_quarantined():
         PSDScheduler._on_message(fake, 0, error)  # type: ignore[arg-type]
         assert fake.planner.quarantined == set(), error
         assert len(client.hung_reasons) == 1 and fake.link.num_drafter_failures == 1, error
+    # Both sub-batches' jobs fail on the same broken process: the first restarts it, the second (its ticket gone with
+    # the old process) does not restart the replacement again.
+    fake, client = scheduler_with_a_job()
+    PSDScheduler._on_message(fake, 0, protocol.DrafterError(1, "CUDA error", [], drafter_broken=True))  # type: ignore
+    PSDScheduler._on_message(fake, None, protocol.DrafterError(2, "CUDA error", [], drafter_broken=True))  # type: ignore
+    assert len(client.hung_reasons) == 1 and fake.planner.quarantined == set()
     # A poison request among healthy ones: quarantined, the drafter left alone.
     fake, client = scheduler_with_a_job()
     PSDScheduler._on_message(fake, 0, protocol.DrafterError(1, "bad context", ["b"]))  # type: ignore[arg-type]

@@ -331,9 +331,12 @@ class PSDScheduler(Scheduler):
             self.stats.count(drafter_errors=1)
             log.error("draft job %d failed in the drafter: %s", message.job_id, message.message)
             if message.drafter_broken or self.planner.blames_the_drafter(group, message.request_ids):
-                # Not a poison request: the drafter fails whatever it is given. Restart it; blame nobody.
-                self.planner.drafter_failed(group)
-                self.link.drafter_failed(f"draft job {message.job_id} failed for every request: {message.message}")
+                # Not a poison request: the drafter fails whatever it is given. Restart it; blame nobody. (Not for a
+                # job no longer tracked: one abandoned, or one of a process already being replaced, whose other job
+                # reported the same; the next job of a still-broken drafter says so again.)
+                if group is not None:
+                    self.planner.drafter_failed(group)
+                    self.link.drafter_failed(f"draft job {message.job_id} failed for every request: {message.message}")
                 return
             quarantined = self.planner.job_failed(group, message.request_ids)
             if quarantined:
