@@ -250,14 +250,20 @@ class PSDPlanner:
     def draft_job(self, requests: Sequence[RequestState], group: int) -> list[JobItemPlan]:
         """The next job for `group`: its decoding members without a valid draft, each as a delta.
 
-        Usual deltas (the tokens committed by the last verification) always go whole. Longer catch-ups share
-        `catch_up_tokens_per_job`: one that does not fit sends the chunk that does, drafting nothing, and its request
-        decodes without drafts (nothing coming for it) until the drafter has caught up, so a long prompt delays neither
-        the drafts of the rest of its sub-batch nor its own tokens."""
+        Usual deltas (the tokens committed by the last verification) always go whole. Longer catch-ups are bounded
+        by `catch_up_tokens_per_job`: each one to that many tokens (no single prefill grows with a prompt), and, when
+        the job also drafts requests that are caught up, all of them together (those requests' drafts must not wait
+        for a newcomer's prompt). A catch-up that does not fit sends the chunk that does, drafting nothing, and its
+        request decodes without drafts (nothing coming for it) until the drafter has caught up. A job of newcomers
+        only (a burst of arrivals, a restarted drafter) delays no one's drafts and takes each of them whole."""
         if group in self.in_flight:
             return []
         items: list[JobItemPlan] = []
         num_draft_tokens = self.k + self.num_extra_draft_tokens
+        usual_delta = num_draft_tokens + 1
+        others_drafting = any(
+            self.subbatches.group_of(r.request_id) == group and r.decoding and r.request_id not in self.quarantined
+            and 0 < r.num_tokens - self.drafter_holds.get(r.request_id, 0) <= usual_delta for r in requests)
         catch_up_left = self.catch_up_tokens_per_job
         for request in requests:
             rid = request.request_id
@@ -275,14 +281,16 @@ class PSDPlanner:
             if base > request.num_tokens:
                 base = 0  # cannot happen without a bug elsewhere (committed tokens never shrink): resend all
             new = request.num_tokens - base
-            if new <= num_draft_tokens + 1:
+            if new <= usual_delta:
                 items.append(JobItemPlan(rid, base, request.num_tokens, room))
-            elif new <= catch_up_left:
-                catch_up_left -= new
+                continue
+            allowed = catch_up_left if others_drafting else self.catch_up_tokens_per_job
+            if new <= allowed:
                 items.append(JobItemPlan(rid, base, request.num_tokens, room))
-            elif catch_up_left > 0:
-                items.append(JobItemPlan(rid, base, base + catch_up_left, 0))
-                catch_up_left = 0
+            elif allowed > 0:
+                items.append(JobItemPlan(rid, base, base + allowed, 0))
+            if others_drafting:
+                catch_up_left = max(0, catch_up_left - new)
         return items
 
     def job_sent(self, group: int, items: Sequence[JobItemPlan]) -> None:

@@ -266,3 +266,12 @@ def test_a_job_that_blames_every_request_it_carried_blames_the_drafter():
     lone = planner_with({"a": 0})
     lone.job_sent(0, [JobItemPlan("a", 0, 10, 3)])
     assert not lone.blames_the_drafter(0, ["a"]), "one request alone may be poison (the probe tells)"
+
+
+def test_a_burst_of_newcomers_goes_whole_and_only_each_prompt_is_bounded():
+    # Nobody in the sub-batch is drafting yet (arrivals together, or a restarted drafter): no one's drafts can be
+    # delayed, so each newcomer's prompt goes whole, and only a prompt longer than the bound is chunked.
+    planner = planner_with({"a": 0, "b": 0, "c": 0})
+    planner.catch_up_tokens_per_job = 512
+    items = planner.draft_job([req("a", 500, room=900), req("b", 500, room=900), req("c", 800, room=900)], 0)
+    assert items == [JobItemPlan("a", 0, 500, 3), JobItemPlan("b", 0, 500, 3), JobItemPlan("c", 0, 512, 0)]
