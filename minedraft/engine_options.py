@@ -65,7 +65,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
     parser.add_argument("--drafter-hang-seconds", type=float, default=DEFAULT_HANG_SECONDS,
                         help="restart the drafter when it reports no progress this long with a job outstanding (a "
                         "slow drafter keeps reporting progress and is not restarted)")
-    parser.add_argument("--drafter-catch-up-tokens", type=int, default=512,
+    parser.add_argument("--drafter-catch-up-tokens", type=int, default=2048,
                         help="most tokens of catch-up (a new prompt, whole contexts after a drafter restart) one draft "
                         "job carries; the rest follows in later jobs while the request decodes without drafts")
     parser.add_argument("--drafter-backend", default="auto", choices=list(DRAFTER_BACKENDS),

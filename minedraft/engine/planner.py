@@ -35,7 +35,9 @@ QUARANTINE_AFTER_FAILED_JOBS = 3
 QUARANTINE_AFTER_HANGS = 2
 # Committed tokens a draft job makes the drafter take in beyond the usual few per request (a newcomer's prompt, whole
 # contexts after a restart): the rest follows in later jobs, in chunks, while the request decodes without drafts.
-DEFAULT_CATCH_UP_TOKENS_PER_JOB = 512
+# 2048: on a GPU about one verification step of prefill for a 1-2B drafter (arithmetic, not measured here); whole
+# prompts of the CPU benchmarks' 512-token contexts go in one job.
+DEFAULT_CATCH_UP_TOKENS_PER_JOB = 2048
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,7 @@ class DrafterSettings:
     # Committed tokens one draft job makes the drafter take in beyond each request's usual few (a newcomer's prompt,
     # whole contexts after a restart); the rest follows in chunks in later jobs while the request decodes without
     # drafts. Bounds how long one long prompt holds up its sub-batch's drafts, and a single prefill's length.
-    catch_up_tokens_per_job: int = 512
+    catch_up_tokens_per_job: int = 2048
 
 
 @dataclass(frozen=True)
