@@ -61,7 +61,9 @@ def test_the_vllm_drafter_takes_in_catch_up_chunks_without_drafting_them(psd_vll
     planner = engine.psd_scheduler.planner
     prompts = [ar_engine.encode_prompt(t) for t in bench_prompts(pair_dir, 4, chars=400)]
     assert min(len(p) for p in prompts) > 32
-    sampling = SamplingSettings(max_tokens=24)
+    # Long enough to outlast the catch-up: steps do not wait for jobs that only catch up, so a short request could
+    # finish before its drafter caught up (each request's prompt takes ~4 jobs here).
+    sampling = SamplingSettings(max_tokens=128)
     expected = reference(ar_engine, prompts, sampling)
     saved, planner.catch_up_tokens_per_job = planner.catch_up_tokens_per_job, 32
     chunks = []
