@@ -17,7 +17,7 @@ from minedraft.engine.drafter_process import BROKEN_ENV
 from minedraft.engine.requests import SamplingSettings
 
 from .device_checks import assert_greedy_matches
-from .driver import Planned, drive, reference
+from .driver import Planned, drafter_keeps_up, drive, reference
 
 pytestmark = pytest.mark.engine
 
@@ -69,7 +69,8 @@ def test_a_long_catch_up_goes_in_bounded_chunks_and_the_sub_batch_keeps_its_draf
     expected_long = reference(ar_engine, long, SAMPLING)
     before = psd.totals()
     run = drive(psd, [Planned(f"cu-short-{i}", p, short_sampling) for i, p in enumerate(short)]
-                + [Planned(f"cu-long-{i}", p, SAMPLING, arrive_at_step=4 + i) for i, p in enumerate(long)])
+                + [Planned(f"cu-long-{i}", p, SAMPLING, arrive_at_step=4 + i) for i, p in enumerate(long)],
+                between_steps=drafter_keeps_up(psd))
     assert_greedy_matches([run.completions[f"cu-short-{i}"].token_ids for i in range(len(short))], expected_short,
                           "catch-up, short requests")
     assert_greedy_matches([run.completions[f"cu-long-{i}"].token_ids for i in range(len(long))], expected_long,
