@@ -65,6 +65,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
     parser.add_argument("--drafter-hang-seconds", type=float, default=DEFAULT_HANG_SECONDS,
                         help="restart the drafter when it reports no progress this long with a job outstanding (a "
                         "slow drafter keeps reporting progress and is not restarted)")
+    parser.add_argument("--drafter-catch-up-tokens", type=int, default=2048,
+                        help="most tokens of catch-up (a new prompt, whole contexts after a drafter restart) one draft "
+                        "job carries; the rest follows in later jobs while the request decodes without drafts")
     parser.add_argument("--drafter-backend", default="auto", choices=list(DRAFTER_BACKENDS),
                         help="auto: vllm on GPU machines, torch on CPUs; torch: plain-torch Llama/Qwen3 drafter with "
                         "a per-request KV cache (CPUs only); vllm: the draft model in vLLM (any architecture)")
@@ -154,6 +157,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
             address=getattr(args, "drafter_address", None),
             token_file=getattr(args, "drafter_token_file", None),
             window=getattr(args, "drafter_window", 0) or 0,
+            catch_up_tokens_per_job=args.drafter_catch_up_tokens,
         ),
         mode=mode,
         num_speculative_tokens=args.num_speculative_tokens,

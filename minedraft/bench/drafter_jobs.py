@@ -4,9 +4,9 @@
 
 The vLLM drafter re-admits every request of a job (vLLM cannot append tokens to a live request). Admission used to
 hash every full KV block of each request's whole context for the prefix cache; the drafter now keeps each request's
-block hashes between jobs and hashes only new blocks (drafter_process.BlockHashReuse). This runs the real drafter
-(vLLM backend, the draft model of the local pair, this process pinned to the drafter's cores) through the real job
-loop (DrafterServer: deltas in, drafts out) on 32 requests per context length, both ways side by side in one run:
+block hashes between jobs and hashes only new blocks (vllm_adapter.block_hashes.BlockHashReuse). This runs the real
+drafter (vLLM backend, the draft model of the local pair, this process pinned to the drafter's cores) through the real
+job loop (DrafterServer: deltas in, drafts out) on 32 requests per context length, both ways side by side in one run:
   rehash  vLLM's block hasher alone (the behaviour before)
   reuse   hashes kept between jobs
 Each (context, variant) starts from an empty prefix cache; the first job of a run (every prompt's prefill) is not
@@ -70,9 +70,10 @@ class JobTimers:
 
     def __init__(self, drafter: Any) -> None:
         from minedraft.bench.steps import RunnerTimers
+        from minedraft.engine.vllm_adapter.engine_core import in_process_core, in_process_model_runner
 
-        core = drafter.engine.engine_core.engine_core
-        self.runner = RunnerTimers(core.model_executor.driver_worker.worker.model_runner, {"forward": "_model_forward"})
+        core = in_process_core(drafter.engine)
+        self.runner = RunnerTimers(in_process_model_runner(drafter.engine), {"forward": "_model_forward"})
         self.admit = _Timed(drafter.engine.add_request)
         drafter.engine.add_request = self.admit
         self.hash = _Timed(core.request_block_hasher)

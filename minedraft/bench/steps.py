@@ -13,9 +13,14 @@ vLLM's model runner (this benchmark only):
   schedule       our schedule() without the wait for drafts (planning, vLLM's scheduler)
   update         our update_from_output() (committing tokens, sub-batch bookkeeping, sending the draft job)
   wait           waiting for late drafts
-and "engine_own" = everything but forward and wait, as a share of the step. Modes run side by side on one engine:
-psd with delta draft jobs, psd with whole contexts (the old protocol), psd-churn (psd with the model runner's
-resident sub-batches off: vLLM's single persistent batch re-adds the other sub-batch every step), and ar. A second
+and "engine_own" = everything but forward and wait, as a share of the step. From the worker's side (timestamps taken
+in the model runner, where the device's work is issued): "worker_idle" is the time between the end of one step's work
+(sampled tokens handed back) and the start of the next step's (execute_model), during which the target's device has
+nothing to do (the engine's host work, and any wait for drafts, run there); "worker_idle_share" is that gap over the
+gap plus the next step's worker time. On a GPU every millisecond of it is a millisecond the GPU sits idle.
+Modes run side by side on one engine: psd with delta draft jobs, psd with whole contexts (the old protocol),
+psd-churn (psd with the model runner's resident sub-batches off: vLLM's single persistent batch re-adds the other
+sub-batch every step), and ar. A second
 layout, the paper's (the drafter on a device the target may not use: here the target never widens onto the drafter's
 core), runs psd and sd beside the equal-cores layout and reports psd/sd against the ceiling
 (t_draft + t_verify) / max(t_draft, t_verify).
@@ -67,13 +72,61 @@ class RunnerTimers:
         return out
 
 
+class WorkerTimeline:
+    """Worker-side start and end of each step's work in one model runner (wraps its bound methods).
+
+    A step starts when the runner's `execute_model` is entered and ends when the sampled tokens are handed back:
+    when `sample_tokens` returns, or when `execute_model` returns an output itself (a step with nothing to sample)."""
+
+    def __init__(self, runner: Any, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._started: float | None = None
+        self.steps: list[tuple[float, float]] = []
+        execute, sample = runner.execute_model, runner.sample_tokens
+
+        def execute_model(*args: Any, **kwargs: Any) -> Any:
+            self._started = self._clock()
+            output = execute(*args, **kwargs)
+            if output is not None:
+                self._end()
+            return output
+
+        def sample_tokens(*args: Any, **kwargs: Any) -> Any:
+            output = sample(*args, **kwargs)
+            self._end()
+            return output
+
+        runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
+
+    def _end(self) -> None:
+        if self._started is not None:
+            self.steps.append((self._started, self._clock()))
+            self._started = None
+
+    def take(self) -> list[tuple[float, float]]:
+        steps, self.steps = self.steps, []
+        return steps
+
+
+def idle_gaps(steps: list[tuple[float, float]], previous_end: float | None) -> list[tuple[float, float]]:
+    """(idle before the step, the step's worker time) for each step, the idle being the time since the previous
+    step's end (the first step of a run, without one, is left out). Pure."""
+    out = []
+    for start, end in steps:
+        if previous_end is not None:
+            out.append((max(0.0, start - previous_end), end - start))
+        previous_end = end
+    return out
+
+
 def _model_runner(engine: Any) -> Any:
-    executor = engine._llm.engine_core.engine_core.model_executor
-    return executor.driver_worker.worker.model_runner
+    from minedraft.engine.vllm_adapter.engine_core import in_process_model_runner
+
+    return in_process_model_runner(engine._llm)
 
 
 def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_requests: int, max_tokens: int,
-                tag: str) -> dict[str, Any]:
+                tag: str, timeline: WorkerTimeline | None = None) -> dict[str, Any]:
     from minedraft.engine.requests import SamplingSettings
 
     sampling = SamplingSettings(max_tokens=max_tokens, ignore_eos=True)
@@ -83,11 +136,17 @@ def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_re
         tail = prompt_ids[16 * (i + 1): 16 * (i + 2)]
         engine.add_request(f"{tag}-{i}", prompt_ids[: len(prompt_ids) - len(tail)] + tail, sampling)
     first = engine.step_records()[-1].step if engine.step_records() else 0
-    rows: list[dict[str, float]] = []
+    rows: list[dict[str, Any]] = []
     decode_records: list[Any] = []
+    if timeline is not None:
+        timeline.take()
+    previous_end: float | None = None
     while engine.has_unfinished_requests():
         engine.step()
         runner = timers.take()
+        worker = timeline.take() if timeline is not None else []
+        gaps = idle_gaps(worker, previous_end)
+        previous_end = worker[-1][1] if worker else previous_end
         records = engine.step_records(first)
         if not records:
             continue
@@ -117,6 +176,9 @@ def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_re
             "verified_group": -1 if record.verified_group is None else record.verified_group,
             "verify": record.verify_seconds,
             "draft_first_token": record.draft_first_token_seconds,
+            # One engine step is one worker step; None for a run's first step (no step before it to idle after).
+            "worker_idle": gaps[-1][0] if gaps else None,
+            "worker_busy": gaps[-1][1] if gaps else None,
         })
     if not rows:
         return {"steps": 0}
@@ -127,6 +189,11 @@ def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_re
     own = [r["step"] - r["forward"] - r["wait"] for r in rows]
     summary["engine_own"] = statistics.median(own)
     summary["engine_own_share"] = statistics.median(o / r["step"] for o, r in zip(own, rows, strict=True))
+    idle = [(r["worker_idle"], r["worker_busy"]) for r in rows if r["worker_idle"] is not None]
+    if idle:
+        summary["worker_idle"] = statistics.median(gap for gap, _ in idle)
+        summary["worker_idle_share"] = statistics.median(gap / (gap + busy) if gap + busy else 0.0
+                                                         for gap, busy in idle)
     summary.update(overlap(decode_records))
     first_started = rows[0]["started_at"]
     summary["per_step"] = [{**r, "started_at": round(r["started_at"] - first_started, 5)} for r in rows]
@@ -281,6 +348,7 @@ def _runs(engine: Any, args: argparse.Namespace, command: str, source_pair: Path
     assert scheduler is not None
     timers = RunnerTimers(_model_runner(engine), {"forward": "_model_forward", "runner_states": "_update_states",
                                                   "runner_inputs": "_prepare_inputs"})
+    timeline = WorkerTimeline(_model_runner(engine))
     # The held-out text lies beside the models, and the long-context copy has only the models.
     text = " ".join(bench_prompts(source_pair, 64, chars=400))
     base_ids = list(engine.tokenizer.encode(text))
@@ -316,7 +384,7 @@ def _runs(engine: Any, args: argparse.Namespace, command: str, source_pair: Path
             scheduler.placement = placement
             # Start each run from an empty drafter and cache state of this engine: nothing carried between runs.
             summary = run_context(engine, timers, prompt, args.requests, args.max_tokens,
-                                  f"{label}-{layout}-{context}")
+                                  f"{label}-{layout}-{context}", timeline)
             row = {"context": context, "mode": label, "layout": layout, **summary}
             results["runs"].append(row)
             print(json.dumps(row), file=sys.stderr)
@@ -333,8 +401,8 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "| context | mode | layout | steps | step | forward | runner_states | runner_inputs | runner_other | schedule"
         " | update | wait | engine own | own share | verified w/ drafts | draft | draft/verify | overlap | steady"
-        " overlap (catch-up steps) | wait explained |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " overlap (catch-up steps) | wait explained | worker idle | worker idle share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["runs"]:
         if not r.get("steps"):
@@ -347,6 +415,7 @@ def markdown(results: dict[str, Any]) -> str:
             + (f"{r['draft_per_verify']:.2f} | {r['overlap_fraction']:.2f} | {r['steady_overlap_fraction']:.2f} "
                f"({r['catch_up_steps']}) | {r['wait_explained_share']:.2f} |"
                if r.get("draft_per_verify") else "- | - | - | - |")
+            + (f" {r['worker_idle'] * ms:.2f} | {r['worker_idle_share']:.1%} |" if "worker_idle" in r else " - | - |")
         )
     ceilings = []
     for context in sorted({r["context"] for r in results["runs"]}):

@@ -6,11 +6,9 @@ rest of the product reads directly. The target worker is bound to its own cores,
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from minedraft.engine.auto import AutoSettings, Decision
@@ -27,18 +25,31 @@ from minedraft.engine.placement import (
 from minedraft.engine.requests import OutputDelta, RequestError, SamplingSettings
 from minedraft.engine.settings import EngineSettings, Mode
 from minedraft.engine.stats import EngineTotals, StepRecord
-from minedraft.engine.vllm_fixes import apply_cpu_fixes
+from minedraft.engine.vllm_adapter import (
+    PROPOSER_CLASS,
+    SCHEDULER_CLASS,
+    WORKER_EXTENSION_CLASS,
+    check_vllm_version,
+)
+from minedraft.engine.vllm_adapter.cpu_fixes import apply_cpu_fixes
+from minedraft.engine.vllm_adapter.engine_core import (
+    disable_envs_cache,
+    in_process_scheduler,
+    keep_distributed_state,
+)
 
 log = logging.getLogger(__name__)
-
-SCHEDULER_CLASS = "minedraft.engine.scheduler.PSDScheduler"
-PROPOSER_CLASS = "minedraft.engine.proposer.NullProposer"
-WORKER_EXTENSION_CLASS = "minedraft.engine.resident_batches.MineDraftWorkerExtension"
 
 
 def _configure_process(settings: EngineSettings, plan: DevicePlan) -> None:
     # The engine core must live in this process (statistics, invariants); vLLM reads these lazily.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # Tensor-parallel workers are started by spawn, never fork (vLLM's default on GPUs until CUDA is initialised).
+    # This process already runs threads by then (`minedraft serve`: gRPC's, the HTTP server's, ZMQ's for the
+    # drafter, the engine's own), and a forked child inherits their locks in whatever state they were, held ones
+    # included: a worker that hangs at start or in its first collective. vLLM's own API server makes the same choice.
+    # Spawned workers import this code afresh (the worker extension class re-installs the CPU corrections there).
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     if plan.target_visible_devices is not None:
         # The target (and its tensor-parallel workers, which inherit this) sees exactly its own GPUs. CUDA is not
         # initialised yet in this process: detect_device counts GPUs through NVML.
@@ -58,28 +69,13 @@ def _configure_process(settings: EngineSettings, plan: DevicePlan) -> None:
         import torch
 
         torch.set_num_threads(len(settings.target_cpu_cores))
-    # vLLM caches its environment once an engine is up (vllm.envs.enable_envs_cache): a later engine in this process
-    # (the test suite, bench, doctor) would read the first one's values, e.g. a TP=2 engine getting a TP=1 engine's
-    # one-core thread binding ("CPU id list ['0'] doesn't match local world size 2").
-    import vllm.envs
-
-    vllm.envs.disable_envs_cache()
+    # A later engine in this process must not read an earlier one's cached vLLM environment (e.g. a TP=2 engine
+    # getting a TP=1 engine's one-core thread binding: "CPU id list ['0'] doesn't match local world size 2").
+    disable_envs_cache()
 
 
 # Engines alive in this process (ids): the last one to shut down tears down vLLM's process-wide state.
 _LIVE_ENGINES: set[int] = set()
-
-
-@contextlib.contextmanager
-def _keep_distributed_state() -> Iterator[None]:
-    import vllm.v1.engine.core as vllm_core
-
-    cleanup = vllm_core.cleanup_dist_env_and_memory
-    vllm_core.cleanup_dist_env_and_memory = lambda *args, **kwargs: None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        vllm_core.cleanup_dist_env_and_memory = cleanup
 
 
 def drafter_process_settings(settings: EngineSettings, plan: DevicePlan | None = None) -> dict[str, Any]:
@@ -153,6 +149,7 @@ def engine_args(settings: EngineSettings) -> Any:
                 "deadline_seconds": settings.drafter.deadline_seconds,
                 "max_missed_deadlines": settings.drafter.max_missed_deadlines,
                 "hang_seconds": settings.drafter.hang_seconds,
+                "catch_up_tokens_per_job": settings.drafter.catch_up_tokens_per_job,
                 "drafter_restart": settings.drafter.restart,
                 "drafter_startup_timeout_seconds": settings.drafter.startup_timeout_seconds,
                 "check_invariants": settings.check_invariants,
@@ -179,6 +176,8 @@ class Engine:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         started = time.perf_counter()
+        # The adapters are written for one vLLM release: any other fails here, by name, not inside a step.
+        check_vllm_version()
         # Before anything loads: concrete dtype and drafter backend for this machine, each process's devices, and a
         # draft model whose token ids are the target's.
         device = detect_device()
@@ -249,11 +248,11 @@ class Engine:
     @property
     def scheduler(self) -> Any:
         """Our PSDScheduler (or vLLM's own scheduler for ar and vllm-sd)."""
-        return self._llm.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
+        return in_process_scheduler(self._llm)
 
     @property
     def psd_scheduler(self) -> Any | None:
-        from minedraft.engine.scheduler import PSDScheduler
+        from minedraft.engine.vllm_adapter.scheduler import PSDScheduler
 
         scheduler = self.scheduler
         return scheduler if isinstance(scheduler, PSDScheduler) else None
@@ -443,7 +442,7 @@ class Engine:
                 # distributed state (parallel groups): another engine still running here (bench and doctor run
                 # several, the test suite shares some) would then fail its next step with "pipeline model parallel
                 # group is not initialized". Leave that state to the last engine.
-                with _keep_distributed_state():
+                with keep_distributed_state():
                     self._llm.engine_core.shutdown()
             else:
                 self._llm.engine_core.shutdown()

@@ -66,9 +66,12 @@ class DrafterClient:
         self.num_restarts = 0
         self.num_starts = 0
         self.startup_seconds: float | None = None
+        # The longest context the running drafter holds (from its Ready; 0: no limit known).
+        self.max_context_tokens = 0
         self.last_error: str | None = None
-        # Restarts back off exponentially while the drafter keeps dying, so a drafter that cannot start does not
-        # take the target's CPU with a start-up every step.
+        # Restarts back off exponentially while the drafter keeps dying or failing, so a drafter that cannot start,
+        # or starts and then fails every job (a sticky device error), does not take the target's CPU with a start-up
+        # every step. Only a drafted reply ends the run: coming up (Ready) is not enough.
         self._consecutive_failures = 0
         self._next_start_at = 0.0
 
@@ -221,9 +224,11 @@ class DrafterClient:
             message = protocol.decode_from_drafter(self._socket.recv())
             if isinstance(message, protocol.Ready):
                 self.state = DrafterState.UP
-                self._consecutive_failures = 0
                 self.startup_seconds = message.startup_seconds
+                self.max_context_tokens = message.max_context_tokens
                 log.info("drafter %d up after %.1fs", message.pid, message.startup_seconds)
                 continue
+            if isinstance(message, protocol.DraftReply):
+                self._consecutive_failures = 0
             messages.append(message)
         return messages

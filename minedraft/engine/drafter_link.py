@@ -9,6 +9,11 @@ Slow is not hung: a working drafter reports progress after its steps (protocol.P
 while steps keep finishing (a long prompt's prefill, a drafter sharing its cores); late drafts only cost the planner
 a step without them. Only `hang_seconds` without any message while a job is outstanding means hung: a restart loses
 every request's drafter-side tokens and KV, so it is kept for a drafter that has stopped.
+
+Broken is not poisoned: a drafter that fails every job (a sticky device error) says so (protocol.DrafterError's
+drafter_broken, after a probe job fails too), and is restarted instead of having every request quarantined; the
+client backs its restarts off until a job succeeds again. After a hang the link keeps the stuck job's requests
+(`take_hung_job`), so the planner can find the context that makes the drafter hang rather than resend it forever.
 """
 
 from __future__ import annotations
@@ -70,7 +75,10 @@ class DrafterLink:
         self._last_heard_at = clock()
         self.consecutive_failed_jobs = 0
         self.num_hangs = 0
+        self.num_drafter_failures = 0
         self.num_progress_reports = 0
+        # Requests of the job the drafter was stuck on at its last hang (the oldest outstanding: jobs run in order).
+        self._hung_job: frozenset[str] | None = None
 
     def attach(self, client: DrafterClient) -> None:
         self.client = client
@@ -100,6 +108,7 @@ class DrafterLink:
         if (self.tickets and self._busy_since is not None
                 and now - max(self._busy_since, self._last_heard_at) > self.hang_seconds):
             self.num_hangs += 1
+            self._hung_job = min(self.tickets.values(), key=lambda ticket: ticket.job_id).request_ids
             self._restart(f"no progress for {now - max(self._busy_since, self._last_heard_at):.1f}s with a job "
                           "outstanding")
         alive = self.client.check_alive()
@@ -114,6 +123,16 @@ class DrafterLink:
         self._starts_seen = self.client.num_starts
         self._clear()
         return True
+
+    def take_hung_job(self) -> frozenset[str] | None:
+        """Once after a hang: the requests of the job the drafter was stuck on."""
+        hung, self._hung_job = self._hung_job, None
+        return hung
+
+    def drafter_failed(self, reason: str) -> None:
+        """The drafter, not a request, fails jobs: restart it (the client backs off while this repeats)."""
+        self.num_drafter_failures += 1
+        self._restart(reason)
 
     def job_failed_unattributed(self) -> None:
         """A job failed and the drafter could not name a request: after enough in a row, restart it."""

@@ -16,6 +16,7 @@ Run as `python -m minedraft.engine.drafter_process ADDRESS SETTINGS_JSON`; the s
 Test-only environment variables (fault injection for the test suite; never set them in a deployment):
   MINEDRAFT_TEST_DRAFTER_STEP_SLEEP_SECONDS  sleep this long after every step of a job: a slow but working drafter.
   MINEDRAFT_TEST_DRAFTER_POISON_TOKEN        fail every job whose context holds this token id: a poison request.
+  MINEDRAFT_TEST_DRAFTER_BROKEN              fail every job and every probe: a broken drafter (a sticky device error).
 """
 
 from __future__ import annotations
@@ -29,10 +30,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from minedraft.engine.vllm_adapter.block_hashes import BlockHashReuse
+from minedraft.engine.vllm_adapter.block_hashes import install as install_block_hash_reuse
+
 log = logging.getLogger("minedraft.drafter")
 
 STEP_SLEEP_ENV = "MINEDRAFT_TEST_DRAFTER_STEP_SLEEP_SECONDS"
 POISON_TOKEN_ENV = "MINEDRAFT_TEST_DRAFTER_POISON_TOKEN"
+BROKEN_ENV = "MINEDRAFT_TEST_DRAFTER_BROKEN"
+# The request id of the probe job a failed job is followed by (see DrafterServer.run_job); no real id has this form.
+PROBE_REQUEST_ID = "minedraft-probe:"
 
 
 def _no_op() -> None:
@@ -53,60 +60,6 @@ def _configure_device(settings: dict[str, Any]) -> None:
     # minedraft.engine.placement.plan_devices); the engine's own narrowed list must not leak in.
     if settings.get("cuda_visible_devices") is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(settings["cuda_visible_devices"])
-
-
-class BlockHashReuse:
-    """A caching front for vLLM's request block hasher.
-
-    vLLM hashes every full KV block of a new request's prompt (a chained sha256 per block) to find it in the prefix
-    cache. The vLLM drafter re-admits each request every job (vLLM cannot append tokens to a live request), so that
-    was O(context) per request per job: about 24 ms per 32-request job at 4k tokens. A request's committed prefix does
-    not change between jobs, and a block's hash depends only on the tokens up to its end, so its hashes are kept here
-    and vLLM's own hasher computes only the blocks past them. DrafterServer says when a stored context is cut back or
-    replaced (context_changed), which drops the hashes past the cut.
-    """
-
-    def __init__(self, inner: Callable[[Any], list[Any]], block_size: int) -> None:
-        self.inner = inner
-        self.block_size = block_size
-        self.hashes: dict[str, list[Any]] = {}
-        # vLLM request key -> minedraft request id, for requests about to be admitted (see expect()).
-        self._pending: dict[str, str] = {}
-        # Off: vLLM's hasher alone (the benchmark's baseline).
-        self.enabled = True
-        self.num_reused_blocks = 0
-
-    def __call__(self, request: Any) -> list[Any]:
-        # Only a request's first call (at admission, prompt = committed context) is about committed tokens; later
-        # calls hash blocks of drafted tokens, which are not context.
-        if not self.enabled or request.block_hashes or request.num_output_tokens:
-            return self.inner(request)
-        # vLLM admits a request under the key it was given plus "-<random suffix>" (its internal id).
-        key = request.request_id
-        request_id = self._pending.pop(key, None) or self._pending.pop(key.rpartition("-")[0], None)
-        if request_id is None:
-            return self.inner(request)
-        held = self.hashes.get(request_id)
-        if held:
-            reused = held[: request.num_tokens // self.block_size]
-            request.block_hashes.extend(reused)  # vLLM's hasher goes on from len(request.block_hashes)
-            self.num_reused_blocks += len(reused)
-        new = self.inner(request)
-        self.hashes[request_id] = [*request.block_hashes, *new]
-        return new
-
-    def expect(self, key: str, request_id: str) -> None:
-        """The next admission of vLLM request `key` carries the committed context of `request_id`."""
-        self._pending[key] = request_id
-
-    def context_changed(self, request_id: str, num_tokens_kept: int) -> None:
-        held = self.hashes.get(request_id)
-        if held is None:
-            return
-        if num_tokens_kept <= 0:
-            del self.hashes[request_id]
-        else:
-            del held[num_tokens_kept // self.block_size:]
 
 
 class Drafter:
@@ -133,12 +86,8 @@ class Drafter:
         self.max_model_len = int(self.engine.model_config.max_model_len)
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self.cancelled: set[str] = set()
-        # The in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): admission hashes blocks with its hasher.
-        core = self.engine.engine_core.engine_core  # type: ignore[attr-defined]
-        self.block_hashes: BlockHashReuse | None = None
-        if core.request_block_hasher is not None:
-            self.block_hashes = BlockHashReuse(core.request_block_hasher, int(core.scheduler.hash_block_size))
-            core.request_block_hasher = self.block_hashes
+        # The in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0) hashes blocks at admission: only new ones now.
+        self.block_hashes: BlockHashReuse | None = install_block_hash_reuse(self.engine)
 
     def context_changed(self, request_id: str, num_tokens_kept: int) -> None:
         """The stored context of a request was cut back to `num_tokens_kept` tokens (0: replaced or forgotten)."""
@@ -160,8 +109,11 @@ class Drafter:
         live: dict[str, Any] = {}
         for item in job.items:
             room = self.max_model_len - len(item.token_ids)
-            num = min(item.num_draft_tokens, room)
-            if num <= 0 or not item.token_ids:
+            # No draft wanted: a chunk of a long catch-up, taken in (prefilled into the prefix cache) only. vLLM
+            # samples at least one token; it is dropped.
+            prefill_only = item.num_draft_tokens == 0
+            num = 1 if prefill_only else min(item.num_draft_tokens, room)
+            if num <= 0 or room <= 0 or not item.token_ids:
                 continue  # (token ids were checked against the vocabulary on receipt, in DrafterServer)
             params = SamplingParams(
                 max_tokens=num,
@@ -176,7 +128,7 @@ class Drafter:
                 self.block_hashes.expect(key, item.request_id)
             self.engine.add_request(key, TokensPrompt(prompt_token_ids=list(item.token_ids)), params)
             # The length now: a newer job taken in mid-job (poll_messages) extends the stored context in place.
-            live[key] = (item, len(item.token_ids))
+            live[key] = (item, len(item.token_ids), prefill_only)
         results: list[DraftResult] = []
         first_token_seconds = 0.0
         while self.engine.has_unfinished_requests():
@@ -187,7 +139,9 @@ class Drafter:
             for output in outputs:
                 if not output.finished or output.request_id not in live:
                     continue
-                item, context_num_tokens = live.pop(output.request_id)
+                item, context_num_tokens, prefill_only = live.pop(output.request_id)
+                if prefill_only:
+                    continue
                 completion = output.outputs[0]  # type: ignore[index]
                 logprobs = None
                 if job.want_logprobs and completion.logprobs is not None:
@@ -206,12 +160,16 @@ class Drafter:
             # Cancels that arrive mid-job drop those requests here too, not just on the verifier's side.
             poll_messages()
             if self.cancelled:
-                doomed = [key for key, (item, _) in live.items() if item.request_id in self.cancelled]
+                doomed = [key for key, (item, _, _) in live.items() if item.request_id in self.cancelled]
                 if doomed:
                     self.engine.abort_request(doomed)
                     for key in doomed:
                         live.pop(key, None)
         return results, time.perf_counter() - started, first_token_seconds
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self.max_model_len
 
 
 class TorchDrafter:
@@ -229,6 +187,10 @@ class TorchDrafter:
     @property
     def vocab_size(self) -> int:
         return int(self.model.vocab_size)
+
+    @property
+    def max_context_tokens(self) -> int:
+        return int(self.model.max_model_len)
 
     def context_changed(self, request_id: str, num_tokens_kept: int) -> None:
         """(Nothing to do: each job's context is compared with the request's cached tokens.)"""
@@ -270,7 +232,7 @@ class DrafterServer:
 
     def __init__(self, drafter: Any, vocab_size: int, send: Callable[[Any], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, step_sleep_seconds: float = 0.0,
-                 poison_token: int | None = None) -> None:
+                 poison_token: int | None = None, broken: bool = False) -> None:
         self.drafter = drafter
         self.vocab_size = vocab_size
         # Progress reports go out through `send` (none in unit tests that do not look at them).
@@ -278,6 +240,8 @@ class DrafterServer:
         self._clock = clock
         self._step_sleep_seconds = step_sleep_seconds
         self._poison_token = poison_token
+        # Test fault injection: every job and every probe fails.
+        self._broken = broken
         self._job_id = 0
         self._num_steps = 0
         self._last_report_at = float("-inf")
@@ -350,7 +314,31 @@ class DrafterServer:
                                        need_context)
         except Exception as exc:  # a bad job must not take the drafter down with it
             log.exception("draft job %d failed", job.job_id)
-            return protocol.DrafterError(job.job_id, f"{type(exc).__name__}: {exc}", self._culprits(job))
+            error = f"{type(exc).__name__}: {exc}"
+            # Before blaming the job's requests: can this drafter draft at all? A sticky device error fails every
+            # job, and retrying each request alone would name them all as poison.
+            probe_error = self._probe(job.job_id)
+            if probe_error is not None:
+                log.error("a probe job failed too (%s): the drafter is broken, not the requests", probe_error)
+                return protocol.DrafterError(job.job_id, f"{error}; a probe job failed too: {probe_error}", [],
+                                             drafter_broken=True)
+            return protocol.DrafterError(job.job_id, error, self._culprits(job))
+
+    def _probe(self, job_id: int) -> str | None:
+        """Draft one token from a one-token context no request can hold: None if that works, else its error."""
+        from minedraft.engine import protocol
+
+        probe = protocol.DraftJob(job_id, [protocol.DraftItem(PROBE_REQUEST_ID, [0], 1)], False)
+        try:
+            if self._broken:
+                raise RuntimeError("test fault injection: a broken drafter")
+            self.drafter.draft(probe, _no_op)
+            return None
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            self.drafter.context_changed(PROBE_REQUEST_ID, 0)
+            self.drafter.cancelled.add(PROBE_REQUEST_ID)
 
     def on_step(self) -> None:
         """A step of the current job finished: report it, at most every PROGRESS_INTERVAL_SECONDS."""
@@ -366,6 +354,8 @@ class DrafterServer:
             self._send(protocol.Progress(self._job_id, self._num_steps))
 
     def _check_poison(self, job: Any) -> None:
+        if self._broken:
+            raise RuntimeError("test fault injection: a broken drafter")
         if self._poison_token is not None and any(self._poison_token in i.token_ids for i in job.items):
             raise RuntimeError(f"test fault injection: a context holds poison token {self._poison_token}")
 
@@ -418,8 +408,9 @@ def main(argv: list[str]) -> int:
     poison = os.environ.get(POISON_TOKEN_ENV)
     server = DrafterServer(drafter, drafter.vocab_size, send_progress,
                            step_sleep_seconds=float(os.environ.get(STEP_SLEEP_ENV) or 0.0),
-                           poison_token=int(poison) if poison else None)
-    socket.send(protocol.encode(protocol.Ready(os.getpid(), settings["model"], time.perf_counter() - started)))
+                           poison_token=int(poison) if poison else None, broken=bool(os.environ.get(BROKEN_ENV)))
+    socket.send(protocol.encode(protocol.Ready(os.getpid(), settings["model"], time.perf_counter() - started,
+                                               int(getattr(drafter, "max_context_tokens", 0)))))
     log.info("drafter ready in %.1fs", time.perf_counter() - started)
 
     def poll_messages() -> None:

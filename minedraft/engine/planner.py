@@ -1,6 +1,7 @@
 """The PSD policy of one engine step, over plain dataclasses: no vLLM, no I/O, no clocks.
 
-Each step the vLLM adapter (scheduler.py) describes the running requests as `RequestState`s and asks the planner:
+Each step the vLLM adapter (vllm_adapter/scheduler.py) describes the running requests as `RequestState`s and asks
+the planner:
   - which sub-batch is verified (`pick_group`), and how long it may wait for that sub-batch's drafts
     (`WaitPolicy`, from measured step times);
   - which requests run in this step and with which proposals (`plan`): the verified sub-batch with the drafts made
@@ -29,6 +30,14 @@ from minedraft.engine.subbatch import SubBatches, select_draft_lengths
 
 # Jobs that carried a request and failed (the drafter naming no culprit) before that request is drafted no more.
 QUARANTINE_AFTER_FAILED_JOBS = 3
+# Drafter hangs in which a request was the suspect (the longest context of the job the drafter was stuck on) before
+# that request is drafted no more: otherwise hang, restart, resend, hang again, for as long as it runs.
+QUARANTINE_AFTER_HANGS = 2
+# Committed tokens a draft job makes the drafter take in beyond the usual few per request (a newcomer's prompt, whole
+# contexts after a restart): the rest follows in later jobs, in chunks, while the request decodes without drafts.
+# 2048: on a GPU about one verification step of prefill for a 1-2B drafter (arithmetic, not measured here); whole
+# prompts of the CPU benchmarks' 512-token contexts go in one job.
+DEFAULT_CATCH_UP_TOKENS_PER_JOB = 2048
 
 
 @dataclass(frozen=True)
@@ -78,7 +87,9 @@ class JobItemPlan:
     request_id: str
     # Committed tokens the drafter already holds of this request: the job sends only tokens[base:num_tokens].
     base_num_tokens: int
+    # The request's committed tokens, or fewer: a chunk of a long catch-up (then num_draft_tokens is 0).
     num_tokens: int
+    # 0: take the tokens in, draft nothing (a chunk of a long catch-up).
     num_draft_tokens: int
 
 
@@ -136,6 +147,12 @@ class PSDPlanner:
     drafter_holds: dict[str, int] = field(default_factory=dict)
     quarantined: set[str] = field(default_factory=set)
     failed_jobs: dict[str, int] = field(default_factory=dict)
+    hangs: dict[str, int] = field(default_factory=dict)
+    # The longest context the drafter holds (its Ready; 0: no known limit). Requests at or past it are never sent: they
+    # decode in every step without drafts instead of sitting out every other step for drafts that never come.
+    drafter_max_tokens: int = 0
+    # Bound on one job's catch-up (see DEFAULT_CATCH_UP_TOKENS_PER_JOB).
+    catch_up_tokens_per_job: int = DEFAULT_CATCH_UP_TOKENS_PER_JOB
 
     # -- the step ------------------------------------------------------------------------------------------------
 
@@ -244,11 +261,23 @@ class PSDPlanner:
     # -- draft jobs ----------------------------------------------------------------------------------------------
 
     def draft_job(self, requests: Sequence[RequestState], group: int) -> list[JobItemPlan]:
-        """The next job for `group`: its decoding members without a valid draft, each as a delta."""
+        """The next job for `group`: its decoding members without a valid draft, each as a delta.
+
+        Usual deltas (the tokens committed by the last verification) always go whole. Longer catch-ups are bounded
+        by `catch_up_tokens_per_job`: each one to that many tokens (no single prefill grows with a prompt), and, when
+        the job also drafts requests that are caught up, all of them together (those requests' drafts must not wait
+        for a newcomer's prompt). A catch-up that does not fit sends the chunk that does, drafting nothing, and its
+        request decodes without drafts (nothing coming for it) until the drafter has caught up. A job of newcomers
+        only (a burst of arrivals, a restarted drafter) delays no one's drafts and takes each of them whole."""
         if group in self.in_flight:
             return []
         items: list[JobItemPlan] = []
         num_draft_tokens = self.k + self.num_extra_draft_tokens
+        usual_delta = num_draft_tokens + 1
+        others_drafting = any(
+            self.subbatches.group_of(r.request_id) == group and r.decoding and r.request_id not in self.quarantined
+            and 0 < r.num_tokens - self.drafter_holds.get(r.request_id, 0) <= usual_delta for r in requests)
+        catch_up_left = self.catch_up_tokens_per_job
         for request in requests:
             rid = request.request_id
             if self.subbatches.group_of(rid) != group or not request.decoding or rid in self.quarantined:
@@ -257,16 +286,30 @@ class PSDPlanner:
             if existing is not None and existing.context_num_tokens == request.num_tokens:
                 continue  # still holds valid drafts (it was not verified this step)
             room = min(num_draft_tokens, request.draft_room)
+            if self.drafter_max_tokens:
+                room = min(room, self.drafter_max_tokens - request.num_tokens)
             if room <= 0:
                 continue
             base = self.drafter_holds.get(rid, 0) if self.send_deltas else 0
             if base > request.num_tokens:
                 base = 0  # cannot happen without a bug elsewhere (committed tokens never shrink): resend all
-            items.append(JobItemPlan(rid, base, request.num_tokens, room))
+            new = request.num_tokens - base
+            if new <= usual_delta:
+                items.append(JobItemPlan(rid, base, request.num_tokens, room))
+                continue
+            allowed = catch_up_left if others_drafting else self.catch_up_tokens_per_job
+            if new <= allowed:
+                items.append(JobItemPlan(rid, base, request.num_tokens, room))
+            elif allowed > 0:
+                items.append(JobItemPlan(rid, base, base + allowed, 0))
+            if others_drafting:
+                catch_up_left = max(0, catch_up_left - new)
         return items
 
     def job_sent(self, group: int, items: Sequence[JobItemPlan]) -> None:
-        self.in_flight[group] = frozenset(i.request_id for i in items)
+        # Only drafted items are coming (and hold their requests out of the other sub-batch's steps); a catch-up chunk
+        # lets its request decode meanwhile. The group's entry exists either way: one job per sub-batch at a time.
+        self.in_flight[group] = frozenset(i.request_id for i in items if i.num_draft_tokens > 0)
         for item in items:
             # The drafter takes in a job's tokens on receipt, even if it is later told to drop the job's work.
             self.drafter_holds[item.request_id] = item.num_tokens
@@ -290,6 +333,34 @@ class PSDPlanner:
         """A new drafter process holds nothing and owes nothing."""
         self.drafter_holds.clear()
         self.in_flight.clear()
+
+    def blames_the_drafter(self, group: int | None, culprits: Sequence[str]) -> bool:
+        """A failed job that names every request it carried (two or more) as a culprit: each failed alone, which
+        says more about the drafter (a device error that fails everything) than about the requests."""
+        carried = self.in_flight.get(group, frozenset()) if group is not None else frozenset()
+        return len(carried) >= 2 and carried <= set(culprits)
+
+    def drafter_failed(self, group: int | None) -> None:
+        """A job failed for the drafter's sake, not its requests': nobody is blamed; the next drafter gets whole
+        contexts."""
+        carried = self.in_flight.pop(group, frozenset()) if group is not None else frozenset()
+        self.need_full_context(carried)
+
+    def job_hung(self, carried: Iterable[str], num_tokens: dict[str, int]) -> list[str]:
+        """The drafter hung on a job carrying `carried`. The suspect is its longest context (hangs come with long
+        prefills); a suspect of QUARANTINE_AFTER_HANGS hangs is drafted no more. Returns the newly quarantined."""
+        known = [rid for rid in carried if rid in num_tokens]
+        if not known:
+            return []
+        longest = max(num_tokens[rid] for rid in known)
+        newly: list[str] = []
+        for request_id in sorted(rid for rid in known if num_tokens[rid] == longest):
+            self.hangs[request_id] = self.hangs.get(request_id, 0) + 1
+            if self.hangs[request_id] >= QUARANTINE_AFTER_HANGS and request_id not in self.quarantined:
+                self.quarantined.add(request_id)
+                self.drafts.pop(request_id, None)
+                newly.append(request_id)
+        return newly
 
     def job_failed(self, group: int | None, culprits: Sequence[str]) -> list[str]:
         """A job failed. Named culprits are quarantined at once; without names every request it carried is
@@ -320,6 +391,7 @@ class PSDPlanner:
             self.subbatches.remove(request_id)
             self.drafts.pop(request_id, None)
             self.failed_jobs.pop(request_id, None)
+            self.hangs.pop(request_id, None)
             self.quarantined.discard(request_id)
             if self.drafter_holds.pop(request_id, None) is not None:
                 drop_in_drafter.append(request_id)

@@ -69,6 +69,9 @@ class Ready(msgspec.Struct, frozen=True, array_like=True, tag="ready"):
     pid: int
     model: str
     startup_seconds: float
+    # The longest context (committed tokens plus drafts) the drafter can hold; 0: no limit it knows of. The verifier
+    # sends it no request at or past this length: such a request decodes in every step, without drafts.
+    max_context_tokens: int = 0
 
 
 class DrafterError(msgspec.Struct, frozen=True, array_like=True, tag="error"):
@@ -77,6 +80,9 @@ class DrafterError(msgspec.Struct, frozen=True, array_like=True, tag="error"):
     # Requests that fail even when drafted alone (the drafter retries a failed job's requests one by one): the
     # verifier stops drafting them, and the drafter stays up for the rest. Empty when it could not tell.
     request_ids: list[str] = []
+    # The drafter itself is broken (a probe job with a known-good one-token context failed too: a sticky device
+    # error, not a poison request): the verifier restarts it, with back-off, and blames no request.
+    drafter_broken: bool = False
 
 
 class Progress(msgspec.Struct, frozen=True, array_like=True, tag="progress"):

@@ -112,6 +112,10 @@ class DrafterSettings:
     # Torch backend: each draft step reads at most this many recent tokens' KV (plus a few attention-sink tokens);
     # 0: the whole context.
     window: int = 0
+    # Committed tokens one draft job makes the drafter take in beyond each request's usual few (a newcomer's prompt,
+    # whole contexts after a restart); the rest follows in chunks in later jobs while the request decodes without
+    # drafts. Bounds how long one long prompt holds up its sub-batch's drafts, and a single prefill's length.
+    catch_up_tokens_per_job: int = 2048
 
 
 @dataclass(frozen=True)
@@ -248,6 +252,9 @@ def validate(settings: EngineSettings) -> None:
     if not settings.drafter.hang_seconds >= MIN_HANG_SECONDS:
         raise SettingsError("drafter.hang_seconds", f"must be at least {MIN_HANG_SECONDS:g} s (the drafter reports "
                             f"progress every 0.25 s while it works), got {settings.drafter.hang_seconds}")
+    if settings.drafter.catch_up_tokens_per_job < 1:
+        raise SettingsError("drafter.catch_up_tokens_per_job",
+                            f"must be at least 1, got {settings.drafter.catch_up_tokens_per_job}")
     if settings.mode is Mode.VLLM_SD and settings.num_extra_draft_tokens:
         raise SettingsError("num_extra_draft_tokens", "extra drafts need the minedraft drafter (psd or sd)")
     if not settings.model:

@@ -178,7 +178,12 @@ class TwinReplica:
         self.shared_device = colocated or costs.hardware.drafter_placement == "shared"
         self.drafter = SimDrafter(self.clock, costs, colocated)
         self.link = DrafterLink(self.drafter, hang_seconds=1e9, max_failed_jobs=3, clock=self.clock)  # type: ignore[arg-type]
+        # The engine bounds one draft job's catch-up (newcomers' prompts) because the drafter's prefill takes time. The
+        # curves hold no prefill, so unless a prefill cost is given the simulated drafter takes prompts for free, and
+        # the bound would only hold newcomers' drafts back for nothing it models: it applies when prefill is priced.
         self.planner = PSDPlanner(k=settings.k)
+        if not costs.hardware.prefill_ms_per_token:
+            self.planner.catch_up_tokens_per_job = 2**62
         self.wait_policy = WaitPolicy(cap_seconds=settings.deadline_seconds)
         configured = Mode(settings.mode)
         self.auto: AutoController | None = None

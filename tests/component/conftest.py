@@ -75,10 +75,13 @@ def psd(psd_engine):
 
 @pytest.fixture(scope="session")
 def psd_vllm_drafter_engine(pair_dir):
-    """Our engine with the draft model served by vLLM in the drafter process (the GPU-ready backend)."""
+    """Our engine with the draft model served by vLLM in the drafter process (the GPU-ready backend). It runs at the k
+    it was built for (4): steps padded to k have the one decode shape vLLM captures full CUDA graphs for (1 + the
+    engine's num_speculative_tokens query tokens per request), which an engine built for more than its k never runs."""
     from minedraft.engine.core import Engine
 
-    engine = Engine(engine_settings(pair_dir, Mode.PSD, backend="vllm", max_num_speculative_tokens=4))
+    engine = Engine(engine_settings(pair_dir, Mode.PSD, backend="vllm", num_speculative_tokens=4,
+                                    max_num_speculative_tokens=4))
     assert engine.wait_for_drafter(300), "drafter did not start"
     yield wait_for_drafts(engine)
     engine.shutdown()

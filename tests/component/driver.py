@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minedraft.engine.core import Engine
@@ -24,7 +25,8 @@ class RunResult:
     steps: int = 0
 
 
-def drive(engine: Engine, plan: list[Planned], max_steps: int = 5000) -> RunResult:
+def drive(engine: Engine, plan: list[Planned], max_steps: int = 5000, between_steps: Callable[[], None] | None = None
+          ) -> RunResult:
     result = RunResult()
     pending = sorted(plan, key=lambda p: p.arrive_at_step)
     by_id = {p.request_id: p for p in plan}
@@ -42,6 +44,8 @@ def drive(engine: Engine, plan: list[Planned], max_steps: int = 5000) -> RunResu
                 if limit is not None and not delta.finished and len(completion.token_ids) >= limit:
                     engine.abort([delta.request_id])
                     result.aborted.add(delta.request_id)
+        if between_steps is not None:
+            between_steps()
         step += 1
         if step > max_steps:
             raise AssertionError(f"engine did not finish within {max_steps} steps")
@@ -54,3 +58,21 @@ def reference(engine: Engine, prompts: list[list[int]], sampling: SamplingSettin
     plan = [Planned(f"ref-{i}", p, sampling) for i, p in enumerate(prompts)]
     run = drive(engine, plan)
     return [run.completions[f"ref-{i}"].token_ids for i in range(len(prompts))]
+
+
+def drafter_keeps_up(engine: Engine, timeout_seconds: float = 120.0) -> Callable[[], None]:
+    """For `drive(between_steps=...)`: after each step, let the drafter finish every job it holds, as a drafter on a
+    device of its own keeps up with the target. On this CPU a tiny target's step can be a few milliseconds while a
+    draft job takes tenths of a second, so tests about which requests get drafts would otherwise hang on timing."""
+    import time
+
+    scheduler = engine.psd_scheduler
+    assert scheduler is not None
+
+    def wait() -> None:
+        deadline = time.monotonic() + timeout_seconds
+        while scheduler.link.tickets and time.monotonic() < deadline:
+            scheduler.link.poll(0.05, scheduler._on_message)
+            scheduler.link.check()
+
+    return wait

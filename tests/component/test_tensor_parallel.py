@@ -125,3 +125,108 @@ def test_every_worker_keeps_both_sub_batches_resident(tp_engine, tp_prompts, tp_
     sizes = tp_engine.resident_batch_sizes()
     assert len(sizes) == 2 and all(len(per_worker) == 2 for per_worker in sizes), sizes
     assert sizes[0] == sizes[1], sizes
+
+
+def test_serve_at_tp2_answers_as_the_target_alone(pair_dir, tp_prompts, tp_references, tmp_path):
+    """`minedraft serve --tensor-parallel-size 2` end to end: its workers start by spawn (the serving process already
+    runs gRPC and ZMQ threads before the engine loads) and one greedy psd request over gRPC equals ar at TP=2."""
+    import asyncio
+    import os
+    import re
+    import subprocess
+    import sys
+    import threading
+
+    import grpc
+
+    from minedraft.api import pb, pb_grpc
+
+    from .grpc_helpers import wait_for_health
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "minedraft.cli", "serve", "--model", str(pair_dir / "target"), "--draft",
+         str(pair_dir / "draft"), "--mode", "psd", "--tensor-parallel-size", "2", "--num-speculative-tokens", "3",
+         "--max-model-len", "512", "--kv-cache-gib", "1", "--max-num-seqs", "8", "--host", "127.0.0.1",
+         "--grpc-port", "0", "--metrics-port", "0"],
+        env={k: v for k, v in os.environ.items() if k != "VLLM_WORKER_MULTIPROC_METHOD"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    found = threading.Event()
+
+    def read_stderr() -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            lines.append(line)
+            if "gRPC on" in line:
+                found.set()
+
+    threading.Thread(target=read_stderr, daemon=True).start()
+    try:
+        assert found.wait(300), "".join(lines[-40:])
+        port = re.search(r"gRPC on 127\.0\.0\.1:(\d+)", "".join(lines)).group(1)  # type: ignore[union-attr]
+        target = f"127.0.0.1:{port}"
+
+        async def generate() -> list[int]:
+            from grpc_health.v1 import health_pb2
+
+            await wait_for_health(target, health_pb2.HealthCheckResponse.SERVING, timeout_seconds=600)
+            request = pb.GenerateRequest(prompt_token_ids=tp_prompts[0], request_id="tp2-serve",
+                                         sampling_params=pb.SamplingParams(max_tokens=GREEDY.max_tokens))
+            async with grpc.aio.insecure_channel(target) as channel:
+                responses = [r async for r in pb_grpc.GenerationStub(channel).Generate(request, timeout=300)]
+            return [t for r in responses for t in r.token_ids]
+
+        tokens = asyncio.run(generate())
+        assert process.poll() is None, "".join(lines[-40:])
+        # How the workers started: a spawned worker is a fresh exec, so its initial environment (/proc/PID/environ)
+        # holds what the serving process had set by then, VLLM_WORKER_MULTIPROC_METHOD=spawn included; a forked one
+        # shares the serving process's initial environment, which did not have it.
+        workers = [pid for pid in _descendants(process.pid) if _cmdline(pid).startswith("VLLM::Worker")]
+        worker_environments = [_environ(pid) for pid in workers]
+        serve_environment = _environ(process.pid)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+    assert tokens == tp_references[0], "serve at TP=2 diverged from ar at TP=2"
+    assert len(workers) == 2, workers
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in serve_environment
+    assert all(e.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn" for e in worker_environments), "a worker was forked"
+
+
+def _cmdline(pid: int) -> str:
+    from pathlib import Path
+
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _environ(pid: int) -> dict[str, str]:
+    from pathlib import Path
+
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
+
+
+def _descendants(pid: int) -> list[int]:
+    from pathlib import Path
+
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        children = [child for child, parent in parents.items() if parent == current]
+        found.extend(children)
+        frontier.extend(children)
+    return found

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from minedraft.engine.drafter_process import BlockHashReuse
+from minedraft.engine.vllm_adapter.block_hashes import BlockHashReuse
 
 BLOCK = 32
 

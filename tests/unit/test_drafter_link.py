@@ -316,3 +316,120 @@ def test_jobs_sent_to_a_replaced_drafter_do_not_make_its_successor_look_hung():
     clock.now += 6.0
     link.check()
     assert link.num_hangs == 1
+
+
+class BrokenBackend(RecordingBackend):
+    """Fails every job, whatever it carries (a sticky device error)."""
+
+    def draft(self, job, poll_messages, on_step=lambda: None):
+        self.seen.append([(i.request_id, list(i.token_ids)) for i in job.items])
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_broken_drafter_says_so_instead_of_naming_every_request_as_poison():
+    server = DrafterServer(BrokenBackend(), vocab_size=1000)
+    server.handle(job(1, ("a", [1, 2], 2), ("b", [3], 2)))
+    reply = server.run_job(server.queued.pop(0), 0.0, lambda: None)
+    assert isinstance(reply, protocol.DrafterError)
+    assert reply.drafter_broken and reply.request_ids == [], reply
+    assert "probe" in reply.message
+    # With a drafter that works, a poison request is still named (the probe passes).
+    healthy = DrafterServer(RecordingBackend(), vocab_size=1000)
+    healthy.handle(job(2, ("a", [1, 2], 2), ("bad", [RecordingBackend.POISON], 2)))
+    reply = healthy.run_job(healthy.queued.pop(0), 0.0, lambda: None)
+    assert isinstance(reply, protocol.DrafterError) and not reply.drafter_broken and reply.request_ids == ["bad"]
+    assert "minedraft-probe:" not in healthy.contexts
+
+
+def test_a_broken_drafter_is_restarted_and_no_request_is_quarantined():
+    """The scheduler's handling of a failed job (PSDScheduler._on_message, without vLLM around it)."""
+    from types import SimpleNamespace
+
+    from minedraft.engine.planner import JobItemPlan, PSDPlanner, WaitPolicy
+    from minedraft.engine.stats import StatsRecorder
+    from minedraft.engine.vllm_adapter.scheduler import PSDScheduler
+
+    def scheduler_with_a_job():
+        client = FakeClient()
+        link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3)  # type: ignore[arg-type]
+        planner = PSDPlanner(k=3)
+        assert link.submit(0, [item("a"), item("b")], False)
+        planner.job_sent(0, [JobItemPlan("a", 0, 1, 3), JobItemPlan("b", 0, 1, 3)])
+        return SimpleNamespace(planner=planner, link=link, stats=StatsRecorder(16), wait_policy=WaitPolicy(5.0)), client
+
+    for error in (protocol.DrafterError(1, "CUDA error", [], drafter_broken=True),
+                  # A drafter without the probe naming every request of the job alone: the same verdict.
+                  protocol.DrafterError(1, "CUDA error", ["a", "b"])):
+        fake, client = scheduler_with_a_job()
+        PSDScheduler._on_message(fake, 0, error)  # type: ignore[arg-type]
+        assert fake.planner.quarantined == set(), error
+        assert len(client.hung_reasons) == 1 and fake.link.num_drafter_failures == 1, error
+    # Both sub-batches' jobs fail on the same broken process: the first restarts it, the second (its ticket gone with
+    # the old process) does not restart the replacement again.
+    fake, client = scheduler_with_a_job()
+    PSDScheduler._on_message(fake, 0, protocol.DrafterError(1, "CUDA error", [], drafter_broken=True))  # type: ignore
+    PSDScheduler._on_message(fake, None, protocol.DrafterError(2, "CUDA error", [], drafter_broken=True))  # type: ignore
+    assert len(client.hung_reasons) == 1 and fake.planner.quarantined == set()
+    # A poison request among healthy ones: quarantined, the drafter left alone.
+    fake, client = scheduler_with_a_job()
+    PSDScheduler._on_message(fake, 0, protocol.DrafterError(1, "bad context", ["b"]))  # type: ignore[arg-type]
+    assert fake.planner.quarantined == {"b"} and client.hung_reasons == []
+
+
+def test_restarts_back_off_until_a_job_succeeds_not_until_the_drafter_is_up(tmp_path):
+    """A drafter that comes up and then fails every job must not be restarted at once every time: Ready does not end
+    the back-off, a drafted reply does."""
+    import zmq
+
+    from minedraft.engine.drafter_client import DrafterClient
+
+    client = DrafterClient({"model": "unused"}, restart=False)
+    peer = client._context.socket(zmq.PAIR)
+    try:
+        client._socket = client._context.socket(zmq.PAIR)
+        client._socket.bind(f"ipc://{tmp_path}/d.sock")
+        peer.connect(f"ipc://{tmp_path}/d.sock")
+        client._consecutive_failures = 3
+        peer.send(protocol.encode(protocol.Ready(1, "m", 0.5, max_context_tokens=2048)))
+        assert client.receive(5.0) == [] and client.state is DrafterState.UP
+        assert client.max_context_tokens == 2048
+        assert client._consecutive_failures == 3, "coming up is not success"
+        peer.send(protocol.encode(protocol.DraftReply(1, [], 0.01, 0.0)))
+        assert len(client.receive(5.0)) == 1 and client._consecutive_failures == 0
+    finally:
+        peer.close(linger=0)
+        client.shutdown()
+
+
+def test_after_a_hang_the_job_the_drafter_was_stuck_on_is_named():
+    clock = Clock()
+    client = FakeClient()
+    link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3, clock=clock)  # type: ignore[arg-type]
+    assert link.submit(0, [item("a"), item("long")], False)
+    assert link.submit(1, [item("c")], False)
+    assert link.take_hung_job() is None
+    clock.now += 6.0
+    link.check()
+    assert link.take_hung_job() == frozenset({"a", "long"}) and link.take_hung_job() is None
+
+
+def test_a_step_does_not_wait_for_a_job_that_brings_no_drafts():
+    """A job of catch-up chunks only (a newcomer's long prompt alone in its sub-batch) drafts nothing: the sub-batch's
+    step verifies at once instead of waiting up to the budget for it."""
+    from types import SimpleNamespace
+
+    from minedraft.engine.planner import JobItemPlan, PSDPlanner, WaitPolicy
+    from minedraft.engine.vllm_adapter.scheduler import PSDScheduler, _StepTiming
+
+    class NoWaitLink:
+        tickets = {0: JobTicket(1, frozenset({"new"}), 0.0)}
+
+        def wait_for(self, group, budget_seconds, handle):
+            raise AssertionError("waited for a job that brings no drafts")
+
+    planner = PSDPlanner(k=3)
+    planner.job_sent(0, [JobItemPlan("new", 0, 512, 0)])
+    fake = SimpleNamespace(planner=planner, link=NoWaitLink(), wait_policy=WaitPolicy(5.0))
+    timing = _StepTiming()
+    PSDScheduler._await_drafts(fake, 0, timing)  # type: ignore[arg-type]
+    assert timing.wait_seconds == 0.0 and 0 in planner.in_flight

@@ -206,3 +206,72 @@ def test_wait_budget_is_a_fraction_of_the_measured_step_not_the_configured_cap()
     assert policy.budget_seconds() == pytest.approx(0.002, abs=1e-4)
     policy.observe_verify(100.0)
     assert policy.budget_seconds() == 5.0
+
+
+def test_a_request_past_the_drafters_length_is_not_sent_and_decodes_in_every_step():
+    # The drafter can hold 100 tokens: "long" (100) would be skipped there yet held out of every other step for drafts
+    # that never come. It is not sent, so nothing is coming for it and it runs in the other side's steps too.
+    planner = planner_with({"short": 0, "long": 0, "other": 1})
+    planner.drafter_max_tokens = 100
+    requests = [req("short", 40), req("long", 100), req("other", 40)]
+    items = planner.draft_job(requests, 0)
+    assert [i.request_id for i in items] == ["short"]
+    planner.job_sent(0, items)
+    plan = planner.plan(requests, Mode.PSD, 1, pad=False)
+    assert plan.held_out == frozenset({"short"}) and "long" not in plan.held_out
+    # Near the limit the draft is cut to fit: 98 tokens leave room for 2.
+    assert [i.num_draft_tokens for i in planner_with({"x": 0}, k=3).draft_job([req("x", 98)], 0)] == [3]
+    near = planner_with({"x": 0})
+    near.drafter_max_tokens = 100
+    assert [i.num_draft_tokens for i in near.draft_job([req("x", 98)], 0)] == [2]
+
+
+def test_a_long_catch_up_goes_in_bounded_chunks_and_delays_no_one():
+    planner = planner_with({"old": 0, "new": 0})
+    planner.catch_up_tokens_per_job = 64
+    planner.drafter_holds["old"] = 10
+    requests = [req("old", 12), req("new", 150, room=500)]
+    first = planner.draft_job(requests, 0)
+    # "old" gets its usual delta and its drafts; "new" sends 64 of its 150 prompt tokens and drafts nothing.
+    assert first == [JobItemPlan("old", 10, 12, 3), JobItemPlan("new", 0, 64, 0)]
+    planner.job_sent(0, first)
+    assert planner.in_flight[0] == frozenset({"old"}), "only drafted requests are coming"
+    # Nothing coming for "new": it decodes in the other side's step instead of sitting out.
+    assert planner.plan(requests, Mode.PSD, 1, pad=False).held_out == frozenset({"old"})
+    planner.job_done(0)
+    second = planner.draft_job([req("old", 14), req("new", 151, room=500)], 0)
+    assert second == [JobItemPlan("old", 12, 14, 3), JobItemPlan("new", 64, 128, 0)]
+    planner.job_sent(0, second)
+    planner.job_done(0)
+    third = planner.draft_job([req("old", 16), req("new", 152, room=500)], 0)
+    assert third == [JobItemPlan("old", 14, 16, 3), JobItemPlan("new", 128, 152, 3)], "caught up: drafted again"
+
+
+def test_the_context_a_drafter_keeps_hanging_on_is_quarantined_not_resent_forever():
+    planner = planner_with({"a": 0, "b": 0})
+    num_tokens = {"a": 40, "b": 4000}
+    assert planner.job_hung(frozenset({"a", "b"}), num_tokens) == []
+    assert planner.job_hung(frozenset({"a", "b"}), num_tokens) == ["b"], "the longest context, at its second hang"
+    assert planner.quarantined == {"b"} and planner.hangs.get("a") is None
+    assert [i.request_id for i in planner.draft_job([req("a", 40), req("b", 4000)], 0)] == ["a"]
+
+
+def test_a_job_that_blames_every_request_it_carried_blames_the_drafter():
+    planner = planner_with({"a": 0, "b": 0})
+    planner.job_sent(0, [JobItemPlan("a", 0, 10, 3), JobItemPlan("b", 0, 10, 3)])
+    assert planner.blames_the_drafter(0, ["a", "b"])
+    assert not planner.blames_the_drafter(0, ["b"])
+    planner.drafter_failed(0)
+    assert planner.quarantined == set() and 0 not in planner.in_flight and planner.drafter_holds == {}
+    lone = planner_with({"a": 0})
+    lone.job_sent(0, [JobItemPlan("a", 0, 10, 3)])
+    assert not lone.blames_the_drafter(0, ["a"]), "one request alone may be poison (the probe tells)"
+
+
+def test_a_burst_of_newcomers_goes_whole_and_only_each_prompt_is_bounded():
+    # Nobody in the sub-batch is drafting yet (arrivals together, or a restarted drafter): no one's drafts can be
+    # delayed, so each newcomer's prompt goes whole, and only a prompt longer than the bound is chunked.
+    planner = planner_with({"a": 0, "b": 0, "c": 0})
+    planner.catch_up_tokens_per_job = 512
+    items = planner.draft_job([req("a", 500, room=900), req("b", 500, room=900), req("c", 800, room=900)], 0)
+    assert items == [JobItemPlan("a", 0, 500, 3), JobItemPlan("b", 0, 500, 3), JobItemPlan("c", 0, 512, 0)]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from minedraft.engine.resident_batches import StepPlan, plan_step
+from minedraft.engine.vllm_adapter.resident_batches import StepPlan, plan_step
 
 A = {"a1", "a2", "a3"}
 B = {"b1", "b2", "b3"}
@@ -75,7 +75,7 @@ def _scheduler(async_scheduling=False, v2=False):
 
 
 def test_running_requests_count_as_scheduled_last_step_so_vllm_sends_no_whole_contexts():
-    from minedraft.engine.resident_batches import skip_token_resend
+    from minedraft.engine.vllm_adapter.resident_batches import skip_token_resend
 
     scheduler = _scheduler()
     skip_token_resend(scheduler)

@@ -181,3 +181,24 @@ def test_a_vllm_argument_typo_is_a_one_line_cli_error(capsys):
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("minedraft: error: vllm_args: ") and "max-num-batched-tokns" in err[-1]
+
+
+def test_tensor_parallel_workers_are_spawned_not_forked(monkeypatch):
+    """`minedraft serve` loads the engine in a process that already runs gRPC, HTTP and ZMQ threads: vLLM would fork
+    its TP workers from it on a GPU machine (its default until CUDA is initialised, which the engine process avoids),
+    copying those threads' locks. The engine's process setup asks for spawn before vLLM starts any worker."""
+    import os
+
+    from minedraft.cli import build_parser, settings_from_args
+    from minedraft.engine.core import _configure_process
+    from minedraft.engine.placement import DeviceInfo, plan_devices
+
+    for name in ("VLLM_WORKER_MULTIPROC_METHOD", "CUDA_VISIBLE_DEVICES", "VLLM_ENABLE_V1_MULTIPROCESSING",
+                 "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_LOGGING_STREAM"):
+        monkeypatch.delenv(name, raising=False)
+    command = ["serve", "--model", "/models/t", "--draft", "/models/d", "--tensor-parallel-size", "2",
+               "--drafter-gpu", "2", "--drafter-backend", "vllm"]
+    settings = settings_from_args(build_parser().parse_args(command))
+    _configure_process(settings, plan_devices(settings, DeviceInfo(visible_gpus=("0", "1", "2"))))
+    assert os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"

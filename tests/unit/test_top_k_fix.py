@@ -7,7 +7,7 @@ def test_top_k_on_an_empty_batch_is_a_no_op_after_the_fix():
     import torch
     import vllm.v1.sample.ops.topk_topp_sampler as sampler
 
-    from minedraft.engine.vllm_fixes import install_empty_safe_top_k
+    from minedraft.engine.vllm_adapter.cpu_fixes import install_empty_safe_top_k
 
     empty, k = torch.empty(0, 16), torch.empty(0, dtype=torch.int32)
     if not getattr(sampler.apply_top_k_only, "minedraft_empty_safe", False):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from minedraft.engine.vllm_fixes import expand_batch_values
+from minedraft.engine.vllm_adapter.cpu_fixes import expand_batch_values
 
 
 def test_expand_keeps_float_values_per_request():

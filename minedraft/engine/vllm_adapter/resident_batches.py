@@ -36,7 +36,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from minedraft.engine.vllm_fixes import CpuFixesWorkerExtension
+from minedraft.engine.vllm_adapter.cpu_fixes import CpuFixesWorkerExtension
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """vLLM V1 scheduler subclass that runs batch-parallel speculative decoding: a thin adapter.
 
-The decisions live in planner.py (pure, over plain dataclasses) and the drafter plumbing in drafter_link.py; this
-class translates between them and vLLM's Request objects. Per step:
+The decisions live in minedraft/engine/planner.py (pure, over plain dataclasses) and the drafter plumbing in
+drafter_link.py; this class translates between them and vLLM's Request objects. Per step:
   schedule():            the planner picks the sub-batch whose turn it is; wait for its drafts at most the planner's
                          budget (a fraction of a measured step; a late job is abandoned and the sub-batch decodes
                          without drafts this once); attach the planned proposals; hold out the other sub-batch's
@@ -32,11 +32,19 @@ from minedraft.engine.cost_model import CostModel
 from minedraft.engine.drafter_client import DrafterClient, DrafterState
 from minedraft.engine.drafter_link import DrafterLink, JobTimes, add_reply
 from minedraft.engine.placement import ComputePlacement, should_widen
-from minedraft.engine.planner import Draft, PSDPlanner, RequestState, StepPlan, WaitPolicy
-from minedraft.engine.resident_batches import skip_token_resend
+from minedraft.engine.planner import (
+    DEFAULT_CATCH_UP_TOKENS_PER_JOB,
+    QUARANTINE_AFTER_HANGS,
+    Draft,
+    PSDPlanner,
+    RequestState,
+    StepPlan,
+    WaitPolicy,
+)
 from minedraft.engine.settings import DEFAULT_HANG_SECONDS, Mode
 from minedraft.engine.stats import StatsRecorder, StepRecord
 from minedraft.engine.subbatch import SubBatches
+from minedraft.engine.vllm_adapter.resident_batches import skip_token_resend
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +91,7 @@ class PSDScheduler(Scheduler):
             num_extra_draft_tokens=int(config.get("num_extra_draft_tokens", 0)),
             draft_token_budget=config.get("draft_token_budget"),
             pad_to_k=bool(config.get("pad_drafts_to_k", True)),
+            catch_up_tokens_per_job=int(config.get("catch_up_tokens_per_job", DEFAULT_CATCH_UP_TOKENS_PER_JOB)),
         )
         self.auto_settings = AutoSettings(**{
             "k_candidates": tuple(range(1, self.num_spec_tokens + 1)),
@@ -278,8 +287,7 @@ class PSDScheduler(Scheduler):
             return Mode.AR
         self.link.poll(0.0, self._on_message)
         alive = self.link.check()
-        if self.link.take_restarted():
-            self.planner.drafter_restarted()
+        self._after_link_check()
         if not alive:
             self.planner.in_flight.clear()
             # Without a drafter, verifying half the batch per step would only halve throughput.
@@ -287,14 +295,14 @@ class PSDScheduler(Scheduler):
         return self.mode
 
     def _await_drafts(self, group: int, timing: _StepTiming) -> None:
-        if group not in self.link.tickets:
+        if group not in self.link.tickets or not self.planner.in_flight.get(group):
+            # Nothing drafted is coming (no job, or a job of catch-up chunks only): verify now, the job runs on.
             return
         budget = self.wait_policy.budget_seconds()
         timing.wait_budget_seconds = budget
         result = self.link.wait_for(group, budget, self._on_message)
         timing.wait_seconds = result.waited_seconds
-        if self.link.take_restarted():
-            self.planner.drafter_restarted()
+        self._after_link_check()
         if group in self.link.tickets:
             # Later than the step is expected to take: verify this sub-batch without drafts now (plain decoding,
             # one step) instead of holding the whole replica. The drafter skips the job but keeps the requests'
@@ -306,10 +314,29 @@ class PSDScheduler(Scheduler):
         elif not result.arrived:
             self.planner.in_flight.clear()
 
+    def _after_link_check(self) -> None:
+        hung = self.link.take_hung_job()
+        if hung:
+            num_tokens = {request.request_id: request.num_tokens for request in self.running}
+            quarantined = self.planner.job_hung(hung, num_tokens)
+            if quarantined:
+                log.warning("no more drafts for %s: the drafter hung on their context %d times", quarantined,
+                            QUARANTINE_AFTER_HANGS)
+        if self.link.take_restarted():
+            self.planner.drafter_restarted()
+
     def _on_message(self, group: int | None, message: protocol.FromDrafter) -> None:
         if isinstance(message, protocol.DrafterError):
             self.stats.count(drafter_errors=1)
             log.error("draft job %d failed in the drafter: %s", message.job_id, message.message)
+            if message.drafter_broken or self.planner.blames_the_drafter(group, message.request_ids):
+                # Not a poison request: the drafter fails whatever it is given. Restart it; blame nobody. (Not for a
+                # job no longer tracked: one abandoned, or one of a process already being replaced, whose other job
+                # reported the same; the next job of a still-broken drafter says so again.)
+                if group is not None:
+                    self.planner.drafter_failed(group)
+                    self.link.drafter_failed(f"draft job {message.job_id} failed for every request: {message.message}")
+                return
             quarantined = self.planner.job_failed(group, message.request_ids)
             if quarantined:
                 log.warning("no more drafts for %s: every job that carried them failed", quarantined)
@@ -469,13 +496,16 @@ class PSDScheduler(Scheduler):
             return
         if self.link.take_restarted():
             self.planner.drafter_restarted()
+        self.planner.drafter_max_tokens = int(getattr(self.drafter, "max_context_tokens", 0))
         plans = self.planner.draft_job(states, group)
         if not plans:
             return
         items: list[protocol.DraftItem] = []
         for item in plans:
             request = self.requests[item.request_id]
-            if self.check_invariants and (request.spec_token_ids or len(request.all_token_ids) != item.num_tokens):
+            # (A catch-up chunk sends fewer tokens than committed and drafts nothing.)
+            if self.check_invariants and (request.spec_token_ids or len(request.all_token_ids) < item.num_tokens or (
+                    item.num_draft_tokens and len(request.all_token_ids) != item.num_tokens)):
                 raise AssertionError(f"{item.request_id}: drafting would build on unverified tokens")
             # Only what the drafter does not hold yet: O(new tokens), not O(context), per request per step.
             new_tokens = request.all_token_ids[item.base_num_tokens:item.num_tokens]

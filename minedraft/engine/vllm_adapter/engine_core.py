@@ -1,0 +1,46 @@
+"""The in-process vLLM engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): what the engine reads and patches of it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+
+def in_process_scheduler(llm_engine: Any) -> Any:
+    """The scheduler object of an LLMEngine whose engine core runs in this process (vLLM's InprocClient)."""
+    return llm_engine.engine_core.engine_core.scheduler
+
+
+def in_process_core(llm_engine: Any) -> Any:
+    """The EngineCore of an LLMEngine whose engine core runs in this process."""
+    return llm_engine.engine_core.engine_core
+
+
+def disable_envs_cache() -> None:
+    """vLLM caches its environment once an engine is up (vllm.envs.enable_envs_cache): a later engine in this process
+    (the test suite, bench, doctor) would read the first one's values, e.g. a TP=2 engine getting a TP=1 engine's
+    one-core thread binding. Called after the process environment is set for a new engine."""
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
+
+
+@contextlib.contextmanager
+def keep_distributed_state() -> Iterator[None]:
+    """Shut an engine core down without tearing down vLLM's process-wide distributed state (parallel groups), which
+    another engine still running in this process needs."""
+    import vllm.v1.engine.core as vllm_core
+
+    cleanup = vllm_core.cleanup_dist_env_and_memory
+    vllm_core.cleanup_dist_env_and_memory = lambda *args, **kwargs: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        vllm_core.cleanup_dist_env_and_memory = cleanup
+
+
+def in_process_model_runner(llm_engine: Any) -> Any:
+    """The model runner of a TP=1 in-process engine (its only worker runs in this process): for benchmarks that time
+    the runner's own methods."""
+    return in_process_core(llm_engine).model_executor.driver_worker.worker.model_runner
