@@ -53,6 +53,8 @@ class RemoteDrafterClient:
         self._hello_sent = False
         self._next_job_id = 1
         self._connect_started_at = 0.0
+        # The service drafter's length limit (its Welcome; 0: none known), read by the scheduler like a local Ready's.
+        self.max_context_tokens = 0
         self._last_heard_at = 0.0
         self._last_heartbeat_at = 0.0
         self._consecutive_failures = 0
@@ -262,6 +264,7 @@ class RemoteDrafterClient:
         self.state = DrafterState.UP
         self.session_id = message.session_id
         self.service_model = message.model
+        self.max_context_tokens = int(message.max_context_tokens)
         self._consecutive_failures = 0
         self._last_heartbeat_at = self._clock()
         self.startup_seconds = self._clock() - self._connect_started_at

@@ -206,7 +206,8 @@ class ServiceCore:
         self._by_peer[peer] = session_id
         self._order.append(session_id)
         proof = wire.server_proof(self._token, hello.client_nonce, handshake.server_nonce)
-        self._send(peer, wire.Welcome(session_id, proof, self.model, int(self.server.vocab_size)))
+        self._send(peer, wire.Welcome(session_id, proof, self.model, int(self.server.vocab_size),
+                                      int(getattr(self.server.drafter, "max_context_tokens", 0) or 0)))
         log.info("session %s opened for engine %r (%d sessions)", session_id, hello.engine_name[:64],
                  len(self.sessions))
 

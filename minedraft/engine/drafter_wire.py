@@ -55,6 +55,9 @@ class Welcome(msgspec.Struct, frozen=True, array_like=True, tag="welcome"):
     proof: bytes
     model: str
     vocab_size: int
+    # The longest context the service's drafter holds (0: no limit it knows of): the engine sends it no request at or
+    # past this length, as with a local drafter's Ready.
+    max_context_tokens: int = 0
 
 
 class Rejected(msgspec.Struct, frozen=True, array_like=True, tag="rejected"):

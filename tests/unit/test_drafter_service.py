@@ -97,6 +97,15 @@ def test_the_token_never_crosses_the_wire():
     assert all(TOKEN not in f for f in frames)
 
 
+def test_the_welcome_carries_the_drafters_length_limit():
+    """A request at or past the service drafter's length must decode every step without drafts (as with a local
+    drafter), so the engine must learn that limit from the service."""
+    h = Harness()
+    h.backend.max_context_tokens = 777  # type: ignore[attr-defined]
+    welcome = h.connect(b"a")
+    assert isinstance(welcome, wire.Welcome) and welcome.max_context_tokens == 777
+
+
 def test_two_engines_requests_live_apart_and_are_drafted_in_one_forward():
     h = Harness()
     assert isinstance(h.connect(b"a"), wire.Welcome)
@@ -285,7 +294,7 @@ def _fake_service(token: bytes, answer_proof: bool = True) -> tuple[Any, int, An
         peer, data = router.recv_multipart()
         proof_token = token if answer_proof else b"an-impostor-without-the-token"
         proof = wire.server_proof(proof_token, hello.client_nonce, nonce)
-        router.send_multipart([peer, wire.encode(wire.Welcome("s-1", proof, "draft", 1000))])
+        router.send_multipart([peer, wire.encode(wire.Welcome("s-1", proof, "draft", 1000, 2048))])
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -306,6 +315,8 @@ def test_the_engine_checks_the_services_proof_before_sending_it_anything(honest:
         assert up is honest
         if honest:
             assert client.session_id == "s-1" and client.state is DrafterState.UP
+            # The service's length limit reaches the scheduler as a local drafter's Ready does.
+            assert client.max_context_tokens == 2048
         else:
             # (It keeps retrying with back-off: a proper service may come up at that address.)
             assert client.state is not DrafterState.UP and "failed authentication" in (client.last_error or "")
