@@ -78,6 +78,7 @@ def measure() -> list[dict[str, Any]]:
                         "over_psd_4_plus_1": round(per_gpu / paper.tokens_per_s_per_gpu, 3),
                         "drafter_utilisation": round(shared.drafter_utilisation, 3),
                         "requests_per_draft_loop": round(shared.mean_round_batch, 1),
+                        "jobs_per_draft_loop": round(shared.jobs_per_round, 2),
                         "deadline_misses": shared.result.deadline_misses,
                     }
                 best = max(row["shared"].values(), key=lambda s: s["tokens_per_s_per_gpu"])

@@ -35,6 +35,7 @@ class _Round:
     k: int
     batch: int = 0
     context_tokens: float = 0.0  # summed over the round's requests
+    jobs: int = 0
     closed: bool = False  # a replica received a reply of it: it can no longer grow
 
 
@@ -51,7 +52,6 @@ class SharedDrafter:
     costs: StepCosts
     rounds: list[_Round] = field(default_factory=list)
     busy_seconds: float = 0.0
-    jobs: int = 0
 
     def _loop_seconds(self, round_: _Round) -> float:
         context = round_.context_tokens / round_.batch
@@ -60,17 +60,17 @@ class SharedDrafter:
     def join(self, now: float, batch: int, context_tokens: float, k: int) -> _Round:
         """A job of `batch` requests arriving at `now`: into the round not yet started, else a new one when the
         drafter is free."""
-        self.jobs += 1
         last = self.rounds[-1] if self.rounds else None
         if last is not None and not last.closed and last.start >= now and last.k >= k:
             before = last.end - last.start
             last.batch += batch
+            last.jobs += 1
             last.context_tokens += context_tokens
             last.end = last.start + self._loop_seconds(last)
             self.busy_seconds += (last.end - last.start) - before
             return last
         start = max(now, last.end) if last is not None else now
-        round_ = _Round(start, start, k, batch, context_tokens)
+        round_ = _Round(start, start, k, batch, context_tokens, jobs=1)
         round_.end = start + self._loop_seconds(round_)
         self.busy_seconds += round_.end - start
         self.rounds.append(round_)
@@ -163,8 +163,8 @@ def run_shared(costs: StepCosts, acceptance: AcceptanceModel, k: int, replicas: 
     steps = [0] * replicas
     tokens = [0] * replicas
     measure_from = [0.0] * replicas
-    busy_from = rounds_from = jobs_from = time_from = 0.0
-    batch_total = 0
+    busy_from = rounds_from = time_from = 0.0
+    batch_total = jobs_total = 0
     counted_rounds: set[int] = set()
     started_measuring = False
     while min(steps) < warmup_steps + measure_steps or sum(tokens) < min_measure_tokens:
@@ -174,7 +174,7 @@ def run_shared(costs: StepCosts, acceptance: AcceptanceModel, k: int, replicas: 
             measure_from[index] = replica.clock.now
         if not started_measuring and min(steps) >= warmup_steps:
             started_measuring = True
-            busy_from, jobs_from = drafter.busy_seconds, drafter.jobs
+            busy_from = drafter.busy_seconds
             time_from = min(m.clock.now for m in members)
         outcome = replica.step()
         if steps[index] >= warmup_steps:
@@ -187,6 +187,7 @@ def run_shared(costs: StepCosts, acceptance: AcceptanceModel, k: int, replicas: 
                 if round_.closed and id(round_) not in counted_rounds:
                     counted_rounds.add(id(round_))
                     batch_total += round_.batch
+                    jobs_total += round_.jobs
                     rounds_from += 1
     seconds = [members[i].clock.now - measure_from[i] for i in range(replicas)]
     tokens_per_s = sum(t / s for t, s in zip(tokens, seconds, strict=True) if s > 0)
@@ -200,5 +201,5 @@ def run_shared(costs: StepCosts, acceptance: AcceptanceModel, k: int, replicas: 
         replicas, concurrency, result,
         drafter_utilisation=min(1.0, (drafter.busy_seconds - busy_from) / elapsed) if elapsed > 0 else 0.0,
         mean_round_batch=batch_total / rounds_from if rounds_from else 0.0,
-        jobs_per_round=(drafter.jobs - jobs_from) / rounds_from if rounds_from else 0.0,
+        jobs_per_round=jobs_total / rounds_from if rounds_from else 0.0,
     )

@@ -49,6 +49,9 @@ def test_a_flat_drafter_serves_several_replicas_in_batched_rounds_at_their_own_s
     assert four.result.gpus == 4 + 1
     assert four.result.tokens_per_s_per_gpu > 1.5 * one.result.tokens_per_s_per_gpu
     assert four.result.deadline_misses == 0
+    # One round drafts a job of every replica (one per replica: each has one sub-batch's job in flight at a time).
+    assert one.jobs_per_round == pytest.approx(1.0)
+    assert four.jobs_per_round == pytest.approx(4.0, abs=0.3)
 
 
 def test_jobs_of_several_replicas_queue_when_the_drafter_is_the_bottleneck() -> None:
@@ -58,6 +61,11 @@ def test_jobs_of_several_replicas_queue_when_the_drafter_is_the_bottleneck() -> 
     four = run_shared(costs, ACCEPTANCE, 3, 4, 16, LONG)
     assert four.drafter_utilisation > 0.95
     assert four.result.tokens_per_s / 4 < 0.8 * one.result.tokens_per_s
+    # The drafter's capacity: back-to-back rounds of the mean batch, each drafted request worth at most the expected
+    # accepted length. Drafting rounds side by side (no queueing) would exceed it.
+    batch = four.mean_round_batch
+    capacity = batch * ACCEPTANCE.expected_accepted_length(3) / (costs.draft_ms(batch, 1000, 3) / 1000)
+    assert four.result.tokens_per_s <= 1.02 * capacity
 
 
 def test_a_job_arriving_while_the_drafter_is_busy_joins_the_next_round_at_the_total_batch() -> None:
