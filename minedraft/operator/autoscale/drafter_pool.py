@@ -97,9 +97,11 @@ def decide_pool(policy: PoolPolicy, current: int, observation: PoolObservation |
 # -- Prometheus ----------------------------------------------------------------------------------------------------
 
 
-def pool_queries(namespace: str, deployment: str) -> dict[str, str]:
-    """PromQL for the pool's figures: its pods are the drafter Deployment's (named <deployment>-<hash>-<id>)."""
-    labels = f'namespace="{namespace}", pod=~"{deployment}-[a-z0-9]+-[a-z0-9]+"'
+def pool_queries(namespace: str, drafter: str) -> dict[str, str]:
+    """PromQL for the pool's figures. Its pods are scraped through a PodMonitor named like the drafter Deployment
+    (job "<namespace>/<drafter>"), or by plain scrape configs conventionally named after it; a missing namespace
+    label (Prometheus outside Kubernetes) matches too, as for the engines (observe.selector)."""
+    labels = f'namespace=~"{namespace}|", job=~"(.+/)?{drafter}"'
     return {
         "drafting_replicas": f"sum(rate(minedraft_drafter_drafting_seconds_total{{{labels}}}[1m]))",
         "busy_per_second": f"sum(rate(minedraft_drafter_busy_total{{{labels}}}[1m]))",

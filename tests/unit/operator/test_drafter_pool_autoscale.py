@@ -76,14 +76,16 @@ def test_the_pool_figures_from_prometheus():
     assert observation_from_prometheus({"drafting_replicas": [{"metric": {}, "value": [1.0, "NaN"]}]}) is None
 
 
-def test_the_queries_select_only_the_pools_pods():
+def test_the_queries_select_only_the_pools_scrape_job():
     query = pool_queries("serving", "pool-drafter")["drafting_replicas"]
-    assert 'namespace="serving"' in query and "minedraft_drafter_drafting_seconds_total" in query
-    pattern = re.search(r'pod=~"([^"]+)"', query)
+    assert 'namespace=~"serving|"' in query and "minedraft_drafter_drafting_seconds_total" in query
+    pattern = re.search(r'job=~"([^"]+)"', query)
     assert pattern is not None
-    assert re.fullmatch(pattern.group(1), "pool-drafter-5d9f8c7b6-x2x9z")
-    assert not re.fullmatch(pattern.group(1), "pool-engine-5d9f8c7b6-x2x9z")
-    assert not re.fullmatch(pattern.group(1), "other-pool-drafter-5d9f8c7b6-x2x9z")
+    # PromQL regexes match whole values: the PodMonitor's job, or a plain scrape job named after the Deployment.
+    assert re.fullmatch(pattern.group(1), "serving/pool-drafter")
+    assert re.fullmatch(pattern.group(1), "pool-drafter")
+    assert not re.fullmatch(pattern.group(1), "serving/pool-engine")
+    assert not re.fullmatch(pattern.group(1), "serving/other-pool-drafter")
 
 
 def drafter_deployment(doc: dict[str, Any]) -> dict[str, Any]:
