@@ -336,7 +336,9 @@ def _drafter_pool() -> Schema:
         "tokenSecretRef": _secret_key_ref("Secret with the token engines and drafter pool authenticate each other "
                                           "with (at least 16 bytes); mounted as a file, never an environment "
                                           "variable."),
-        "replicas": _int("Drafter pool replicas.", default=pool.replicas, minimum=0, maximum=64),
+        "replicas": _int("Drafter pool replicas. With minReplicas/maxReplicas the operator writes it (the pool's "
+                         "autoscaling) and runs it clamped into those bounds.", default=pool.replicas, minimum=0,
+                         maximum=64),
         "gpus": _int("GPUs per drafter pod (0: the drafter runs on CPUs).", default=pool.gpus, minimum=0, maximum=8),
         "backend": _str("Drafter backend: vllm (any architecture) or torch (Llama/Qwen3, with window support).",
                         enum=list(s.DRAFTER_BACKENDS), default=pool.backend),
