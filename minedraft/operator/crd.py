@@ -367,7 +367,8 @@ def _drafter_pool() -> Schema:
     ]})
 
 
-CONDITION_TYPES = ("Ready", "EngineReady", "GatewayReady", "Progressing", "ScalingReady", "MetricsAvailable")
+CONDITION_TYPES = ("Ready", "EngineReady", "GatewayReady", "Progressing", "ScalingReady", "MetricsAvailable",
+                   "DrafterPoolReady")
 
 
 def status_schema() -> Schema:

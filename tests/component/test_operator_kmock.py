@@ -779,6 +779,10 @@ async def test_the_drafter_pool_scales_on_its_own_utilisation_apart_from_the_eng
         assert status["desiredReplicas"] == scaled and status["metricsAvailable"] is True, status
         assert status["utilization"] > 0.7, status
         assert md["spec"]["replicas"] == 2  # the engines are not the pool's autoscaler's
+        # The pool's readiness, apart from Ready (no kubelet here: its pods never become ready).
+        pool_ready = await wait_for("the DrafterPoolReady condition", lambda: condition(
+            cluster.minedraft("pool"), "DrafterPoolReady"))
+        assert pool_ready["status"] == "False" and "drafter pool" in pool_ready["message"], pool_ready
         await wait_for("the DrafterPoolScaled Event", lambda: any(f"2 -> {scaled}" in e.get("message", "")
                                                                   for e in cluster.events("DrafterPoolScaled")))
     finally:
