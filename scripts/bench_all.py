@@ -97,6 +97,12 @@ STEPS: tuple[Step, ...] = (
          ("benchmarks/results/gpu-twin/h200.json",),
          # About 10 minutes on the contended 2-core machine (load average ~9 from other jobs); pure Python, no engine.
          10 * 60),
+    Step("gpu-twin-shared-drafter", "N replicas of a TP=4 target sharing one drafter GPU against psd 4+1 and vLLM's "
+         "colocated SD, per GPU, contexts 1024/4096, with and without the drafter window, through the twin",
+         ("python", "benchmarks/twin_shared_drafter.py"),
+         ("benchmarks/results/gpu-twin/shared-drafter.json",),
+         # About 40 s on the contended 2-core machine; pure Python, no engine.
+         2 * 60),
     Step("autoscaling", "speculation-aware autoscaler against the HPA algorithm and an oracle, simulated",
          ("minedraft", "autoscale", "bench", "--out", "benchmarks/results/autoscale"),
          # Not timed when the committed set was made: a guess from the simulator's speed on 2 cores.

@@ -26,6 +26,8 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 # Label filters, substituted into every query.
 ENGINE = 'namespace=~"$namespace", instance=~"$instance"'
 GATEWAY = 'namespace=~"$namespace"'
+# The shared drafter pool's pods (minedraft drafter; their own PodMonitor): no engine instance to select.
+DRAFTER = 'namespace=~"$namespace"'
 RI = "$__rate_interval"
 
 
@@ -175,6 +177,38 @@ SPECULATION: list[Panel] = [
            (f'sum by (mode) (rate(minedraft_engine_accepted_tokens_total{{{ENGINE}}}[{RI}]))', "{{mode}} accepted"),
            (f'sum by (mode) (rate(minedraft_engine_output_tokens_total{{{ENGINE}}}[{RI}]))', "{{mode}} committed")],
           "Draft tokens verified and accepted, and tokens the target committed, per second by mode."),
+    # A row for the shared drafter pool (spec.drafterPool, `minedraft drafter`): empty where engines draft locally.
+    Panel("Drafter pool: jobs and batches", "ops",
+          [(f'sum by (pod) (rate(minedraft_drafter_jobs_total{{{DRAFTER}}}[{RI}]))', "{{pod}} jobs"),
+           (f'sum by (pod) (rate(minedraft_drafter_batches_total{{{DRAFTER}}}[{RI}]))', "{{pod}} batches"),
+           (f'sum by (pod) (rate(minedraft_drafter_shared_batches_total{{{DRAFTER}}}[{RI}]))',
+            "{{pod}} batches of several engines"),
+           (f'sum by (pod) (rate(minedraft_drafter_busy_total{{{DRAFTER}}}[{RI}]))', "{{pod}} answered busy")],
+          "Per pool replica: draft jobs answered, batched forwards, those carrying more than one engine's jobs, and "
+          "jobs answered busy (queue full or queued past the engine's deadline: that engine drafts less).", width=8),
+    Panel("Drafter pool: utilisation", "percentunit",
+          [(f'sum by (pod) (rate(minedraft_drafter_drafting_seconds_total{{{DRAFTER}}}[{RI}]))',
+            "{{pod}} utilisation")],
+          "Share of time each pool replica spends drafting (the signal the pool's autoscaling reads).", width=8,
+          min=0, max=1),
+    Panel("Drafter pool: mean batch size", "short",
+          [(f'sum by (pod) (rate(minedraft_drafter_batch_requests_total{{{DRAFTER}}}[{RI}])) / '
+            f'sum by (pod) (rate(minedraft_drafter_batches_total{{{DRAFTER}}}[{RI}]))', "{{pod}} requests/batch")],
+          "Requests drafted per batched forward: a GPU drafter's loop is nearly flat in batch, so larger is cheaper "
+          "per request.", width=8),
+    Panel("Drafter pool: queue and sessions", "short",
+          [(f'sum by (pod) (minedraft_drafter_queued_jobs{{{DRAFTER}}})', "{{pod}} queued jobs"),
+           (f'sum by (pod) (minedraft_drafter_sessions{{{DRAFTER}}})', "{{pod}} engine sessions"),
+           (f'sum by (pod) (minedraft_drafter_requests_held{{{DRAFTER}}})', "{{pod}} requests held"),
+           (f'sum by (pod) (increase(minedraft_drafter_sessions_expired_total{{{DRAFTER}}}[{RI}]))',
+            "{{pod}} sessions expired")],
+          "Jobs waiting, engine sessions open, requests whose context the drafter holds, sessions dropped after a "
+          "silence (per interval)."),
+    Panel("Drafter pool: job latency per engine", "s",
+          [(f'sum by (engine) (rate(minedraft_drafter_engine_job_seconds_total{{{DRAFTER}}}[{RI}])) / '
+            f'sum by (engine) (rate(minedraft_drafter_engine_jobs_total{{{DRAFTER}}}[{RI}]))', "{{engine}}")],
+          "Mean seconds from a job's arrival at the pool to its answer, per engine (queueing included): compare "
+          "with the engines' verify time per step, which drafting must stay under to be hidden."),
     Panel("Gateway streams", "short",
           [(f'sum(minedraft_gateway_streams_in_flight{{{GATEWAY}}})', "in flight"),
            (f'sum by (engine) (minedraft_gateway_engine_outstanding_streams{{{GATEWAY}}})', "to {{engine}}"),
@@ -277,7 +311,8 @@ DASHBOARDS = {
         "Throughput, latency percentiles, acceptance, accepted length, overlap, replicas and queue."),
     "minedraft-speculation.json": dashboard(
         "minedraft-speculation", "MineDraft speculation detail", SPECULATION,
-        "Per-position acceptance, draft vs verify time, waits, sub-batch balance, drafter health, mode, gateway."),
+        "Per-position acceptance, draft vs verify time, waits, sub-batch balance, drafter health, mode, the shared "
+        "drafter pool, gateway."),
 }
 
 

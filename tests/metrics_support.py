@@ -104,6 +104,24 @@ def full_registry() -> CollectorRegistry:
     return registry
 
 
+def drafter_registry() -> CollectorRegistry:
+    """A registry holding every metric a shared drafter service (`minedraft drafter`) exports, each with a sample:
+    the service's own collector over its counters (one engine's job answered)."""
+    from types import SimpleNamespace
+
+    from minedraft.engine.drafter_service import ServiceCounters
+    from minedraft.server.drafter_metrics import DrafterServiceCollector
+
+    registry = CollectorRegistry()
+    collector = DrafterServiceCollector()
+    counters = ServiceCounters(jobs_done=1, batches=1, batch_requests=2, drafting_seconds=0.01,
+                               engine_jobs={"engine-a": 1}, engine_job_seconds={"engine-a": 0.02})
+    collector.attach(SimpleNamespace(counters=counters, sessions={}, queued_jobs=0,
+                                     server=SimpleNamespace(contexts={})))
+    registry.register(collector)
+    return registry
+
+
 def exported_sample_names(registry: CollectorRegistry) -> dict[str, str]:
     """Sample name -> metric type, for every sample of every family (histogram _bucket/_sum/_count included)."""
     names: dict[str, str] = {}

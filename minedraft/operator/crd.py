@@ -336,7 +336,9 @@ def _drafter_pool() -> Schema:
         "tokenSecretRef": _secret_key_ref("Secret with the token engines and drafter pool authenticate each other "
                                           "with (at least 16 bytes); mounted as a file, never an environment "
                                           "variable."),
-        "replicas": _int("Drafter pool replicas.", default=pool.replicas, minimum=0, maximum=64),
+        "replicas": _int("Drafter pool replicas. With minReplicas/maxReplicas the operator writes it (the pool's "
+                         "autoscaling) and runs it clamped into those bounds.", default=pool.replicas, minimum=0,
+                         maximum=64),
         "gpus": _int("GPUs per drafter pod (0: the drafter runs on CPUs).", default=pool.gpus, minimum=0, maximum=8),
         "backend": _str("Drafter backend: vllm (any architecture) or torch (Llama/Qwen3, with window support).",
                         enum=list(s.DRAFTER_BACKENDS), default=pool.backend),
@@ -347,13 +349,26 @@ def _drafter_pool() -> Schema:
         "maxQueuedJobs": _int("Draft jobs queued (all engines) before the pool answers busy and engines decode "
                               "without drafts.", default=pool.max_queued_jobs, minimum=1, maximum=100000),
         "port": _int("Port of the drafter pool's Service.", default=pool.port, minimum=1, maximum=65535),
+        "minReplicas": _int("With maxReplicas: the operator scales the pool on its own utilisation (apart from the "
+                            "engines), never below this.", minimum=1, maximum=64),
+        "maxReplicas": _int("With minReplicas: the most pool replicas the operator scales to.", minimum=1,
+                            maximum=64),
+        "targetUtilization": _num("Autoscaled pool: the share of time each pool replica spends drafting to plan for, "
+                                  "in (0, 1].", default=pool.target_utilization, minimum=0, exclusiveMinimum=True,
+                                  maximum=1),
     }, required=["tokenSecretRef"], **{"x-kubernetes-validations": [
         _rule("self.window == 0 || self.backend == 'torch'",
               "drafterPool.window needs backend torch (vLLM's sliding window keeps no sink tokens)", ".window"),
+        _rule("has(self.minReplicas) == has(self.maxReplicas)",
+              "drafterPool.minReplicas and drafterPool.maxReplicas go together (both set: the pool is autoscaled)",
+              ".minReplicas"),
+        _rule("!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+              "drafterPool.minReplicas must not exceed drafterPool.maxReplicas", ".minReplicas"),
     ]})
 
 
-CONDITION_TYPES = ("Ready", "EngineReady", "GatewayReady", "Progressing", "ScalingReady", "MetricsAvailable")
+CONDITION_TYPES = ("Ready", "EngineReady", "GatewayReady", "Progressing", "ScalingReady", "MetricsAvailable",
+                   "DrafterPoolReady")
 
 
 def status_schema() -> Schema:
@@ -402,6 +417,13 @@ def status_schema() -> Schema:
                               "inputs": {"type": "object", "description": "The figures the decision used.",
                                          "x-kubernetes-preserve-unknown-fields": True},
                           })},
+        }),
+        "drafterPool": _obj("The shared drafter pool's autoscaling (only with drafterPool.minReplicas/maxReplicas).", {
+            "desiredReplicas": _int("Pool replicas the last evaluation asked for."),
+            "utilization": _num("Busy share per pool replica at the last evaluation (drafting seconds per second)."),
+            "metricsAvailable": {"type": "boolean", "description": "Whether the last evaluation had the pool's "
+                                                                   "metrics."},
+            "message": _str("The last evaluation's reason in words."),
         }),
     })
 

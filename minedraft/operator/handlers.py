@@ -18,7 +18,7 @@ import aiohttp
 import kopf
 
 from minedraft.operator import spec as s
-from minedraft.operator.autoscale.loop import Autoscaler
+from minedraft.operator.autoscale.loop import Autoscaler, pool_status
 from minedraft.operator.kube import KubeClient, KubeError
 from minedraft.operator.metrics import OperatorMetrics
 from minedraft.operator.reconcile import Reconciler
@@ -104,6 +104,33 @@ async def _autoscale(body: kopf.Body, patch: kopf.Patch, memo: Memo, logger: Log
             patch.status[key] = value
 
 
+async def _autoscale_pool(body: kopf.Body, patch: kopf.Patch, memo: Memo, logger: Logger) -> None:
+    """One drafter-pool autoscaler tick: on its own utilisation, apart from the engines; writes
+    spec.drafterPool.replicas (the reconcile renders the Deployment) and status.drafterPool."""
+    try:
+        spec = s.parse_spec(body.get("spec"))
+        meta = s.parse_meta(body.get("metadata") or {})
+    except s.SpecError:
+        return
+    now = time.time()
+    if not memo.autoscaler.pool_due(spec, meta, now):
+        return
+    async with aiohttp.ClientSession() as session:
+        decision = await memo.autoscaler.evaluate_pool(session, spec, meta, now)
+    if decision.changed:
+        try:
+            await memo.reconciler.client.scale_drafter_pool(meta.namespace, meta.name, decision.desired)
+        except KubeError as exc:
+            kopf.warn(body, reason="DrafterPoolScaleFailed", message=str(exc))
+            return
+        kopf.event(body, type="Normal", reason="DrafterPoolScaled",
+                   message=f"drafter pool replicas {decision.current} -> {decision.desired}: {decision.reason}")
+        logger.info("drafter pool scaled %d -> %d: %s", decision.current, decision.desired, decision.reason)
+    status = pool_status(decision)
+    if (body.get("status") or {}).get("drafterPool") != status:
+        patch.status["drafterPool"] = status
+
+
 async def _reconcile(trigger: str, body: kopf.Body, patch: kopf.Patch, memo: Memo, logger: Logger) -> None:
     started = time.perf_counter()
     metrics = memo.metrics
@@ -170,6 +197,11 @@ async def periodic_passes(settings: OperatorSettings, memo: Memo, logger: Logger
                 if (body.get("spec") or {}).get("autoscaling"):
                     patch = kopf.Patch()
                     await _autoscale(body, patch, memo, logger)
+                    await _status_patch(memo, body, patch)
+                if ((body.get("spec") or {}).get("drafterPool") or {}).get("minReplicas") is not None:
+                    body = kopf.Body(cast(kopf.RawBody, memo.bodies.get(key, raw)))
+                    patch = kopf.Patch()
+                    await _autoscale_pool(body, patch, memo, logger)
                     await _status_patch(memo, body, patch)
                 if drift_due and key in memo.bodies:
                     body = kopf.Body(cast(kopf.RawBody, memo.bodies[key]))  # with what the autoscaler just wrote

@@ -203,6 +203,14 @@ class KubeClient:
             raise KubeError(404, "PATCH", path, "not found")
         return dict(obj or {})
 
+    async def scale_drafter_pool(self, namespace: str, name: str, replicas: int) -> None:
+        """Set a MineDraft's spec.drafterPool.replicas (the pool's autoscaler; the reconcile renders it)."""
+        path = MINEDRAFTS.path(namespace, name)
+        code, _ = await asyncio.to_thread(self._call, "PATCH", path, {"spec": {"drafterPool": {"replicas": replicas}}},
+                                          None, "application/merge-patch+json")
+        if code == 404:
+            raise KubeError(404, "PATCH", path, "not found")
+
     async def _slices(self, namespace: str, service: str) -> Mapping[str, Any]:
         path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
         _, doc = await asyncio.to_thread(self._call, "GET", path, None,

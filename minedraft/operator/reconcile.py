@@ -203,10 +203,13 @@ class Reconciler:
             names = render.names(meta)
             engine = await self.client.get(RESOURCES["Deployment"], namespace, names["engine"])
             gateway = await self.client.get(RESOURCES["Deployment"], namespace, names["gateway"])
+            drafter = (await self.client.get(RESOURCES["Deployment"], namespace, names["drafter"])
+                       if spec.drafter_pool is not None else None)
             observed = status.Observed(
                 generation=generation, spec=spec, meta=meta, problems=tuple(problems),
                 engine=status.DeploymentState.from_object(engine),
                 gateway=status.DeploymentState.from_object(gateway),
+                drafter=status.DeploymentState.from_object(drafter),
                 previous_conditions=previous, scaling=old_status.get("scaling"),
                 pod_issues=await self._pod_issues(meta))
         new_status = status.compute_status(observed, _now())

@@ -774,7 +774,7 @@ def drafter_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         "kind": "Deployment",
         "metadata": _metadata(meta, names(meta)["drafter"], "drafter"),
         "spec": {
-            "replicas": pool.replicas,
+            "replicas": pool.desired_replicas,
             "selector": {"matchLabels": selector_labels(meta, "drafter")},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {"metadata": {"labels": _labels(meta, "drafter")}, "spec": pod_spec},

@@ -233,6 +233,23 @@ class DrafterPoolSpec:
     memory: str = "32Gi"
     max_queued_jobs: int = 64
     port: int = 50061
+    # Autoscaling the pool on its own utilisation (both bounds set), apart from the engines; None: fixed `replicas`.
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    # The busy share of each pool replica to plan for.
+    target_utilization: float = 0.7
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.min_replicas is not None and self.max_replicas is not None
+
+    @property
+    def desired_replicas(self) -> int:
+        """Pool replicas to run: `replicas` (written by the pool's autoscaler), clamped into min..max when autoscaled
+        (narrowed bounds take effect at once, as for the engines)."""
+        if self.min_replicas is not None and self.max_replicas is not None:
+            return min(max(self.replicas, self.min_replicas), self.max_replicas)
+        return self.replicas
 
 
 @dataclass(frozen=True)
@@ -616,6 +633,17 @@ def _drafter_pool(r: _Reader, data: Mapping[str, Any] | None, mode: str) -> Draf
     if window and backend != "torch":
         r.fail(f"{p}.window", "the drafter window is the torch backend's (vLLM's sliding window keeps no sink tokens "
                               "and is not applied to Qwen3 models): set backend torch or window 0")
+    min_replicas = r.int_(data, "minReplicas", p, None, 1, 64)
+    max_replicas = r.int_(data, "maxReplicas", p, None, 1, 64)
+    if (min_replicas is None) != (max_replicas is None):
+        r.fail(f"{p}.minReplicas" if min_replicas is None else f"{p}.maxReplicas",
+               "autoscaling the pool needs both minReplicas and maxReplicas")
+    elif min_replicas is not None and max_replicas is not None and min_replicas > max_replicas:
+        r.fail(f"{p}.minReplicas", f"must not exceed maxReplicas ({min_replicas} > {max_replicas})")
+    utilization = data.get("targetUtilization", d.target_utilization)
+    if isinstance(utilization, bool) or not isinstance(utilization, int | float) or not 0 < utilization <= 1:
+        r.fail(f"{p}.targetUtilization", f"must be a number in (0, 1] (got {utilization!r})")
+        utilization = d.target_utilization
     return DrafterPoolSpec(
         token=token or SecretKeyRef("", ""),
         replicas=_or(r.int_(data, "replicas", p, d.replicas, 0, 64), d.replicas),
@@ -626,6 +654,9 @@ def _drafter_pool(r: _Reader, data: Mapping[str, Any] | None, mode: str) -> Draf
         memory=r.quantity(data, "memory", p, d.memory),
         max_queued_jobs=r.int_(data, "maxQueuedJobs", p, d.max_queued_jobs, 1, 100_000) or d.max_queued_jobs,
         port=r.int_(data, "port", p, d.port, 1, 65535) or d.port,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        target_utilization=float(utilization),
     )
 
 

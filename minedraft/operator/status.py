@@ -167,6 +167,8 @@ class Observed:
     # status.scaling as the autoscaler last wrote it (None before its first evaluation or without autoscaling).
     scaling: Mapping[str, Any] | None = None
     pod_issues: tuple[PodIssue, ...] = ()
+    # The shared drafter pool's Deployment (only observed with spec.drafterPool).
+    drafter: DeploymentState | None = None
 
 
 def _condition(cond_type: str, status: str, reason: str, message: str, generation: int, now: str,
@@ -291,9 +293,14 @@ def compute_status(observed: Observed, now: str) -> dict[str, Any]:
         phase = "Pending"
     else:
         phase = "Progressing"
+    pool_conditions = []
+    if spec.drafter_pool is not None:
+        # Informational, not part of Ready: engines whose pool is down keep serving, decoding without drafts.
+        pool_conditions.append(cond("DrafterPoolReady", *_deployment_condition(
+            observed.drafter, spec.drafter_pool.desired_replicas, "drafter pool")))
     status.update({
         "phase": phase,
-        "conditions": [ready, engine, gateway, progressing, scaling, metrics],
+        "conditions": [ready, engine, gateway, progressing, scaling, metrics, *pool_conditions],
         "replicas": desired,
         "readyReplicas": engine_ready,
         "ready": f"{engine_ready}/{desired}",

@@ -7,6 +7,8 @@ the target verifies, psd overlaps the two) or on the target's first GPU (`"share
 that overlap in time contend for the device, and `shared_contention` of the overlap is added to both (1.0: the two
 serialise, what two memory-bound kernels sharing HBM bandwidth do; 0.0: perfect overlap). vLLM's colocated SD
 (`vllm-sd`) drafts on the target's GPUs with the target's tensor parallelism, in sequence with verification.
+A drafter window (`drafter_window_tokens`, MineDraft's `--drafter-window`) caps the context the drafter's KV reads
+see at the window plus its attention sinks; vLLM's colocated drafter has none.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from minedraft.twin.curves import CostCurves, CurveError, ModelCurves
 FIXED_FAMILIES = ("ar", "sd", "psd", "vllm-sd")
 
 DRAFTER_PLACEMENTS = ("own", "shared")
+# Attention-sink tokens a windowed drafter keeps besides its window (the torch drafter's default).
+DRAFTER_SINK_TOKENS = 4
 # Positions whose conditional acceptance is tabulated once (longer drafts compute theirs on demand).
 MAX_POSITIONS = 32
 
@@ -39,6 +43,11 @@ class Hardware:
     # Prefill: the curves hold no prefill measurements. 0 leaves it out (prompts are free, TTFT is queueing and
     # the first step); a value charges each new prompt token this much target time in the step that takes it in.
     prefill_ms_per_token: float = 0.0
+    # MineDraft's drafter window: 0 reads the whole context; W > 0 reads at most W + DRAFTER_SINK_TOKENS positions.
+    drafter_window_tokens: int = 0
+    # vLLM's colocated drafter at TP > 1: True divides its draft loop by TP (plus all-reduces), as for the target;
+    # False keeps its one-GPU time (a small drafter's loop is largely launch-bound, which TP does not shorten).
+    colocated_draft_scales_with_tp: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.tensor_parallel_size <= 64:
@@ -52,6 +61,8 @@ class Hardware:
             raise ValueError(f"shared_contention: must be within [0, 1], got {self.shared_contention}")
         if self.step_overhead_ms < 0 or self.prefill_ms_per_token < 0:
             raise ValueError("step_overhead_ms and prefill_ms_per_token must be >= 0")
+        if self.drafter_window_tokens < 0:
+            raise ValueError(f"drafter_window_tokens: must be >= 0 (0: no window), got {self.drafter_window_tokens}")
 
 
 @dataclass(frozen=True)
@@ -82,11 +93,18 @@ class StepCosts:
         tensor parallelism (each of the k passes pays the all-reduces)."""
         if batch <= 0 or k <= 0:
             return 0.0
-        single = self.drafter.draft_loop_ms(batch, context, k).ms
-        if not colocated or self.hardware.tensor_parallel_size == 1:
+        single = self.drafter.draft_loop_ms(batch, self.drafter_context(context, colocated), k).ms
+        if not colocated or self.hardware.tensor_parallel_size == 1 or not self.hardware.colocated_draft_scales_with_tp:
             return single
         tp = self.hardware.tensor_parallel_size
         return single / tp + k * self.drafter.layers * self.hardware.all_reduce_us_per_layer / 1000.0
+
+    def drafter_context(self, context: float, colocated: bool = False) -> float:
+        """The context a draft step's KV reads see: capped by MineDraft's window (vLLM's colocated drafter has none)."""
+        window = self.hardware.drafter_window_tokens
+        if window and not colocated:
+            return min(context, window + DRAFTER_SINK_TOKENS)
+        return context
 
     def drafter_prefill_ms(self, tokens: int) -> float:
         """Prompt tokens the drafter takes in: the target's per-token prefill cost scaled by parameter count."""
@@ -109,7 +127,7 @@ class StepCosts:
         flags: set[str] = set()
         for k in ks:
             flags |= self.target.forward_ms(batch, context, k + 1).extrapolated
-            flags |= self.drafter.draft_loop_ms(batch, context, k).extrapolated
+            flags |= self.drafter.draft_loop_ms(batch, self.drafter_context(context), k).extrapolated
         return flags
 
 

@@ -168,7 +168,10 @@ class ReplicaSettings:
 
 
 class TwinReplica:
-    def __init__(self, costs: StepCosts, acceptance: AcceptanceModel, settings: ReplicaSettings) -> None:
+    def __init__(self, costs: StepCosts, acceptance: AcceptanceModel, settings: ReplicaSettings,
+                 drafter: Callable[[SimClock], SimDrafter] | None = None) -> None:
+        """`drafter`: makes the replica's drafter client on its clock (default: a drafter device of its own, or the
+        target's); the shared-drafter twin passes one that drafts on a device many replicas share."""
         self.costs = costs
         self.acceptance = acceptance
         self.settings = settings
@@ -176,7 +179,7 @@ class TwinReplica:
         self.clock = SimClock()
         colocated = settings.mode == Mode.VLLM_SD.value
         self.shared_device = colocated or costs.hardware.drafter_placement == "shared"
-        self.drafter = SimDrafter(self.clock, costs, colocated)
+        self.drafter = drafter(self.clock) if drafter is not None else SimDrafter(self.clock, costs, colocated)
         self.link = DrafterLink(self.drafter, hang_seconds=1e9, max_failed_jobs=3, clock=self.clock)  # type: ignore[arg-type]
         # The engine bounds one draft job's catch-up (newcomers' prompts) because the drafter's prefill takes time. The
         # curves hold no prefill, so unless a prefill cost is given the simulated drafter takes prompts for free, and

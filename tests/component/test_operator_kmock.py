@@ -718,6 +718,81 @@ async def test_autoscaler_scales_up_from_prometheus_and_holds_when_it_goes(clust
         engine.stop()
 
 
+class FakeDrafterPoolMetrics:
+    """The drafter pool series its autoscaling reads, on loopback for a real Prometheus: drafting seconds grow at
+    `busy` seconds per second (the pool's replicas' worth of drafting)."""
+
+    def __init__(self, busy: float) -> None:
+        from prometheus_client import CollectorRegistry, Counter, start_http_server
+
+        self.registry = CollectorRegistry()
+        self.drafting = Counter("minedraft_drafter_drafting_seconds", "drafting", registry=self.registry)
+        self.server, self.thread = start_http_server(0, addr="127.0.0.1", registry=self.registry)
+        self.port = self.server.server_port
+        self.busy = busy
+        self.stopped = threading.Event()
+        self.ticker = threading.Thread(target=self._tick, daemon=True)
+        self.ticker.start()
+
+    def _tick(self) -> None:
+        while not self.stopped.wait(0.1):
+            self.drafting.inc(self.busy * 0.1)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.server.shutdown()
+
+
+async def test_the_drafter_pool_scales_on_its_own_utilisation_apart_from_the_engines(cluster: Cluster,
+                                                                                     tmp_path: Path) -> None:
+    """A pool of 2 drafting well past its target (0.7 per replica) -> spec.drafterPool.replicas rises through a merge
+    patch, the pool's Deployment follows, status.drafterPool says why; the engines keep their replicas."""
+    from tests.metrics_support import Prometheus
+
+    # Prometheus' rate over [1m] ramps up over the series' first minute: a busy pool reads past 2 replicas' worth
+    # within seconds (not at once), which is past the target of 2 replicas at 0.7 (1.4) whatever the exact figure.
+    pool = FakeDrafterPoolMetrics(busy=8.0)
+    prometheus = Prometheus(tmp_path, {"pool-drafter": f"127.0.0.1:{pool.port}"}, [])
+    run: OperatorRun | None = None
+    try:
+        await asyncio.to_thread(prometheus.wait_ready)
+        await wait_for("a drafting rate past two replicas in Prometheus", lambda: (prometheus.value(
+            "sum(rate(minedraft_drafter_drafting_seconds_total[1m]))") or 0) > 2)
+        run = OperatorRun(cluster, prometheus_url=prometheus.url)
+        await run.start()
+        doc = example("minimal")
+        doc["metadata"]["name"] = "pool"
+        doc["spec"]["replicas"] = 2
+        doc["spec"]["drafterPool"] = {"tokenSecretRef": {"name": "pool-drafter-token"}, "replicas": 2,
+                                      "minReplicas": 1, "maxReplicas": 4}
+        await cluster.apply_minedraft(doc)
+        scaled = await wait_for("spec.drafterPool.replicas to rise", lambda: (
+            (cluster.minedraft("pool") or {})["spec"]["drafterPool"].get("replicas", 2) > 2
+            and (cluster.minedraft("pool") or {})["spec"]["drafterPool"]["replicas"]))
+        assert scaled in (3, 4)
+        await wait_for("the pool's Deployment to follow", lambda: (cluster.obj("Deployment", "pool-drafter") or {})
+                       .get("spec", {}).get("replicas") == scaled)
+        await wait_for("status.drafterPool", lambda: ((cluster.minedraft("pool") or {}).get("status") or {})
+                       .get("drafterPool"))
+        md = cluster.minedraft("pool") or {}
+        status = md["status"]["drafterPool"]
+        assert status["desiredReplicas"] == scaled and status["metricsAvailable"] is True, status
+        assert status["utilization"] > 0.7, status
+        assert md["spec"]["replicas"] == 2  # the engines are not the pool's autoscaler's
+        # The pool's readiness, apart from Ready (no kubelet here: its pods never become ready).
+        pool_ready = await wait_for("the DrafterPoolReady condition", lambda: condition(
+            cluster.minedraft("pool"), "DrafterPoolReady"))
+        assert pool_ready["status"] == "False" and "drafter pool" in pool_ready["message"], pool_ready
+        await wait_for("the DrafterPoolScaled Event", lambda: any(f"2 -> {scaled}" in e.get("message", "")
+                                                                  for e in cluster.events("DrafterPoolScaled")))
+    finally:
+        if run is not None:
+            await run.stop()
+        if prometheus.process.poll() is None:
+            prometheus.stop()
+        pool.stop()
+
+
 def engine_pod(cluster: Cluster, name: str = "qwen3-8b") -> dict[str, Any]:
     dep = cluster.obj("Deployment", f"{name}-engine") or {}
     return dep.get("spec", {}).get("template", {}).get("spec", {}) or {}

@@ -31,6 +31,7 @@ from tests.metrics_support import (
     RULES_FILE,
     alert_rules,
     dashboard_queries,
+    drafter_registry,
     exported_sample_names,
     full_registry,
     metric_names,
@@ -279,7 +280,8 @@ def test_gateway_state_gauges():
 
 
 def test_dashboards_and_rules_reference_only_what_the_code_exports():
-    exported = exported_sample_names(full_registry())
+    # Engines and gateways, and the shared drafter pool (its own pods and endpoint).
+    exported = exported_sample_names(full_registry()) | exported_sample_names(drafter_registry())
     recorded = {rule["record"] for rule in recording_rules()}
     expressions = [(f"{q.dashboard}: {q.panel}", q.expr) for q in dashboard_queries()]
     expressions += [(rule.get("record") or rule["alert"], rule["expr"]) for rule in recording_rules() + alert_rules()]
@@ -294,6 +296,11 @@ def test_dashboards_and_rules_reference_only_what_the_code_exports():
     referenced = {n for _, expr in expressions for n in metric_names(expr)}
     assert {"minedraft_engine_accepted_tokens_total", "minedraft_engine_draft_tokens_total",
             "minedraft_engine_verifier_wait_seconds_sum", "minedraft_gateway_streams_finished_total"} <= referenced
+    # The drafter pool's row reads what the pool exports (its utilisation is what its autoscaling reads too).
+    drafter = {n for n in exported_sample_names(drafter_registry()) if n.startswith("minedraft_drafter_")}
+    assert {"minedraft_drafter_drafting_seconds_total", "minedraft_drafter_engine_job_seconds_total",
+            "minedraft_drafter_queued_jobs"} <= referenced
+    assert len(drafter & referenced) >= len(drafter) - 1, sorted(drafter - referenced)
 
 
 def test_the_name_check_catches_a_typo():

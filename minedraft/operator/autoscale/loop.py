@@ -23,6 +23,7 @@ from typing import Any
 from minedraft.operator import render
 from minedraft.operator import spec as s
 from minedraft.operator.autoscale import observe
+from minedraft.operator.autoscale.drafter_pool import PoolDecision, PoolPolicy, decide_pool
 from minedraft.operator.autoscale.policy import (
     Decision,
     Observations,
@@ -35,6 +36,8 @@ from minedraft.operator.autoscale.policy import (
 
 # Replica changes kept in status.scaling.decisions (oldest dropped first).
 MAX_RECORDED_DECISIONS = 10
+# The drafter pool's evaluation interval when the MineDraft's engines are not autoscaled (else theirs).
+POOL_INTERVAL_SECONDS = 30
 
 
 def policy_config(spec: s.MineDraftSpec) -> PolicyConfig:
@@ -124,6 +127,28 @@ class _Memory:
     last_scale_up_seconds: float | None = None
 
 
+@dataclass
+class _PoolMemory:
+    last_evaluation_seconds: float | None = None
+    last_scale_up_seconds: float | None = None
+
+
+def pool_policy(spec: s.MineDraftSpec) -> PoolPolicy:
+    pool = spec.drafter_pool
+    assert pool is not None and pool.min_replicas is not None and pool.max_replicas is not None
+    stabilization = (spec.autoscaling.scale_down_stabilization_seconds if spec.autoscaling is not None else 300.0)
+    return PoolPolicy(pool.min_replicas, pool.max_replicas, pool.target_utilization, stabilization)
+
+
+def pool_status(decision: PoolDecision) -> dict[str, Any]:
+    """status.drafterPool after an evaluation (no time: an unchanged evaluation rewrites nothing)."""
+    out: dict[str, Any] = {"desiredReplicas": decision.desired, "metricsAvailable": decision.metrics_available,
+                           "message": decision.reason}
+    if decision.utilization is not None:
+        out["utilization"] = decision.utilization
+    return out
+
+
 Fetch = Callable[[str, str, float], Awaitable[Observations]]
 
 
@@ -141,9 +166,48 @@ class Autoscaler:
         self.engine_addresses = engine_addresses
         self.gateway_addresses = gateway_addresses or engine_addresses
         self._memory: dict[tuple[str, str], _Memory] = {}
+        self._pool_memory: dict[tuple[str, str], _PoolMemory] = {}
 
     def forget(self, namespace: str, name: str) -> None:
         self._memory.pop((namespace, name), None)
+        self._pool_memory.pop((namespace, name), None)
+
+    # -- the shared drafter pool, scaled on its own utilisation (apart from the engines) ---------------------------
+
+    def pool_due(self, spec: s.MineDraftSpec, meta: s.ObjectMeta, now_seconds: float) -> bool:
+        pool = spec.drafter_pool
+        if pool is None or not pool.autoscaled:
+            return False
+        interval = spec.autoscaling.interval_seconds if spec.autoscaling is not None else POOL_INTERVAL_SECONDS
+        last = self._pool_memory.get((meta.namespace, meta.name), _PoolMemory()).last_evaluation_seconds
+        return last is None or now_seconds - last >= interval - 0.25
+
+    async def evaluate_pool(self, session: Any, spec: s.MineDraftSpec, meta: s.ObjectMeta, now_seconds: float
+                            ) -> PoolDecision:
+        """The pool's replicas from its busy share (Prometheus: the MineDraft's own, else the operator's). Without
+        Prometheus the pool holds its replicas (its pods are not scraped directly)."""
+        pool = spec.drafter_pool
+        assert pool is not None
+        memory = self._pool_memory.setdefault((meta.namespace, meta.name), _PoolMemory())
+        memory.last_evaluation_seconds = now_seconds
+        policy = pool_policy(spec)
+        address = (spec.autoscaling.prometheus_address if spec.autoscaling is not None else None) \
+            or self.default_prometheus
+        current = pool.replicas
+        if not address:
+            decision = decide_pool(policy, current, None, memory.last_scale_up_seconds, now_seconds)
+            return PoolDecision(decision.current, decision.desired, "no Prometheus to read the drafter pool's "
+                                "utilisation from (autoscaling.prometheusAddress or the operator's): holding", False)
+        try:
+            observation = await observe.query_drafter_pool(session, address, meta.namespace,
+                                                           render.names(meta)["drafter"])
+        except observe.MetricsUnavailable as exc:
+            decision = decide_pool(policy, current, None, memory.last_scale_up_seconds, now_seconds)
+            return PoolDecision(decision.current, decision.desired, str(exc), False)
+        decision = decide_pool(policy, current, observation, memory.last_scale_up_seconds, now_seconds)
+        if decision.desired > decision.current:
+            memory.last_scale_up_seconds = now_seconds
+        return decision
 
     def due(self, namespace: str, name: str, interval_seconds: float, now_seconds: float) -> bool:
         memory = self._memory.get((namespace, name), _Memory())

@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 
+from minedraft.operator.autoscale.drafter_pool import PoolObservation, observation_from_prometheus, pool_queries
 from minedraft.operator.autoscale.policy import Observations, SpeculationFigures
 
 QUERY_TIMEOUT_SECONDS = 5.0
@@ -282,3 +283,20 @@ async def scrape_gateway_waiting(session: aiohttp.ClientSession, addresses: Sequ
 
     answers = [a for a in await asyncio.gather(*(one(a) for a in addresses)) if a is not None]
     return sum(answers) if answers else None
+
+
+# -- the shared drafter pool -------------------------------------------------------------------------------------
+
+
+async def query_drafter_pool(session: aiohttp.ClientSession, address: str, namespace: str, deployment: str
+                             ) -> PoolObservation | None:
+    """The pool's busy figures from Prometheus (drafter_pool.pool_queries); None when it has none yet."""
+    queries = pool_queries(namespace, deployment)
+    names = list(queries)
+    try:
+        answers = await asyncio.gather(*(prometheus_api(session, address, "query", {"query": queries[n]})
+                                         for n in names))
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        raise MetricsUnavailable("PrometheusUnreachable", f"Prometheus at {address}: {exc or type(exc).__name__}"
+                                 ) from exc
+    return observation_from_prometheus(dict(zip(names, answers, strict=True)))

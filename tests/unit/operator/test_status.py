@@ -136,3 +136,23 @@ def test_monitoring_is_detected_again_after_start() -> None:
     off = OperatorSettings(monitoring="off")
     assert asyncio.run(refresh_monitoring(off, Reconciler(Client(), off.render_options(False),  # type: ignore[arg-type]
                                                           OperatorMetrics()))) is False
+
+
+POOL_SPEC = s.parse_spec({"target": {"source": {"image": {"path": "/t"}}},
+                          "draft": {"source": {"image": {"path": "/d"}}}, "replicas": 2, "speculation": {"mode": "psd"},
+                          "drafterPool": {"tokenSecretRef": {"name": "tok"}, "replicas": 2}})
+
+
+def test_a_drafter_pool_gets_a_readiness_condition_of_its_own_apart_from_ready() -> None:
+    serving = {"engine": deployment(2, 2), "gateway": deployment(2, 2)}
+    c = conditions(st.compute_status(st.Observed(3, POOL_SPEC, META, **serving), T0))
+    assert c["DrafterPoolReady"]["status"] == "False" and c["DrafterPoolReady"]["reason"] == "NotCreated"
+    # Engines whose pool is not ready still serve (without drafts): Ready does not wait for the pool.
+    assert c["Ready"]["status"] == "True"
+    c = conditions(st.compute_status(st.Observed(3, POOL_SPEC, META, drafter=deployment(2, 1), **serving), T0))
+    assert (c["DrafterPoolReady"]["reason"], c["DrafterPoolReady"]["message"]) == (
+        "ReplicasNotReady", "1/2 drafter pool replicas ready")
+    c = conditions(st.compute_status(st.Observed(3, POOL_SPEC, META, drafter=deployment(2, 2), **serving), T0))
+    assert c["DrafterPoolReady"]["status"] == "True"
+    # Without a pool there is no such condition.
+    assert "DrafterPoolReady" not in conditions(st.compute_status(st.Observed(3, SPEC, META, **serving), T0))
