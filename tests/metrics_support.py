@@ -122,6 +122,45 @@ def drafter_registry() -> CollectorRegistry:
     return registry
 
 
+def drafter_service_registry() -> CollectorRegistry:
+    """The metrics of a real drafter-service core (the service's session handling, batching and drafter job server,
+    without sockets or a model): one engine opens an authenticated session and has one job drafted, so every pool
+    series exists, as a `minedraft drafter` process exports them."""
+    from minedraft.engine import drafter_wire as wire
+    from minedraft.engine import protocol
+    from minedraft.engine.drafter_process import DrafterServer
+    from minedraft.engine.drafter_service import ServiceCore
+    from minedraft.server.drafter_metrics import DrafterServiceCollector
+
+    class EchoBackend:  # drafts the context's last token k times
+        cancelled: set[str] = set()
+
+        def context_changed(self, request_id: str, num_tokens_kept: int) -> None:
+            pass
+
+        def draft(self, job: Any, poll_messages: Any, on_step: Any = lambda: None) -> Any:
+            on_step()
+            return ([protocol.DraftResult(i.request_id, len(i.token_ids), [i.token_ids[-1]] * i.num_draft_tokens)
+                     for i in job.items], 0.01, 0.005)
+
+    token, sent = b"a-token-of-enough-bytes", []
+    core = ServiceCore(DrafterServer(EchoBackend(), vocab_size=1000), token, "draft",
+                       lambda peer, message: sent.append(message))
+    nonce = wire.new_nonce()
+    core.on_message(b"engine-a", wire.Hello(wire.WIRE_VERSION, "engine-a", nonce, 5.0))
+    challenge = sent[-1]
+    core.on_message(b"engine-a", wire.Auth(wire.client_mac(token, nonce, challenge.server_nonce)))
+    assert isinstance(sent[-1], wire.Welcome), sent[-1]
+    core.on_message(b"engine-a", protocol.DraftJob(1, [protocol.DraftItem("r-1", [5, 6, 7], 3)]))
+    while (batch := core.next_batch()) is not None:
+        core.run_batch(batch, 0.0, lambda: None)
+    registry = CollectorRegistry()
+    collector = DrafterServiceCollector()
+    collector.attach(core)
+    registry.register(collector)
+    return registry
+
+
 def exported_sample_names(registry: CollectorRegistry) -> dict[str, str]:
     """Sample name -> metric type, for every sample of every family (histogram _bucket/_sum/_count included)."""
     names: dict[str, str] = {}

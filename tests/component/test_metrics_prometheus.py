@@ -33,6 +33,7 @@ from tests.metrics_support import (
     Prometheus,
     alert_rules,
     dashboard_queries,
+    drafter_service_registry,
     exported_sample_names,
     full_registry,
     recording_rules,
@@ -147,6 +148,8 @@ async def run(psd_engine, tmp_path_factory):
     engine_registry, gateway_registry = CollectorRegistry(), CollectorRegistry()
     engine_http, _ = start_http_server(0, addr="127.0.0.1", registry=engine_registry)
     gateway_http, _ = start_http_server(0, addr="127.0.0.1", registry=gateway_registry)
+    # A drafter pool's metrics (the dashboard's drafter-pool row), from a real service core that drafted one job.
+    drafter_http, _ = start_http_server(0, addr="127.0.0.1", registry=drafter_service_registry())
     server = EngineServer("replica-metrics", engine_registry, metrics_interval_seconds=0.2)
     await server.start()
     await server.attach(engine)
@@ -154,12 +157,13 @@ async def run(psd_engine, tmp_path_factory):
     await gateway.start()
     gateway.set_engines([f"127.0.0.1:{server.port}"])
     prometheus = Prometheus(directory, {"minedraft-engine": f"127.0.0.1:{engine_http.server_port}",
-                                        "minedraft-gateway": f"127.0.0.1:{gateway_http.server_port}"}, [RULES_FILE])
+                                        "minedraft-gateway": f"127.0.0.1:{gateway_http.server_port}",
+                                        "minedraft-drafter": f"127.0.0.1:{drafter_http.server_port}"}, [RULES_FILE])
     try:
         await wait_for(lambda: any(e.healthy for e in gateway.endpoints), what="engine healthy at the gateway")
         await asyncio.to_thread(prometheus.wait_ready)
-        # Both targets scraped, with the zero-valued series in place before any load (so rate() sees every increase).
-        await poll(lambda: prometheus.value('count(up == 1)') == 2
+        # Every target scraped, with the zero-valued series in place before any load (so rate() sees every increase).
+        await poll(lambda: prometheus.value('count(up == 1)') == 3
                    and prometheus.query("minedraft_engine_draft_tokens_total")
                    and prometheus.query("minedraft_gateway_streams_started_total"), 30, "first scrapes")
         before = await engine.call(lambda e: e.totals())
@@ -197,6 +201,7 @@ async def run(psd_engine, tmp_path_factory):
         await engine.shutdown(shutdown_engine=False)
         engine_http.shutdown()
         gateway_http.shutdown()
+        drafter_http.shutdown()
         psd_engine.set_mode(Mode.PSD, 3, 0)
 
 
