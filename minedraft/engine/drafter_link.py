@@ -71,7 +71,12 @@ class DrafterLink:
         self.max_failed_jobs = max_failed_jobs
         self._clock = clock
         self._starts_seen = client.num_starts if client is not None else 0
+        # Silence is judged over the time jobs were outstanding since the drafter was last heard from, added up across
+        # spells with none (between bursts of requests): a stopped drafter never answers any of them, while a live one
+        # answers a new job within a step. Starting afresh with each spell let a stopped drafter serving short bursts
+        # go unnoticed until the engine's sends to it backed up.
         self._busy_since: float | None = None
+        self._busy_before_seconds = 0.0
         self._last_heard_at = clock()
         self.consecutive_failed_jobs = 0
         self.num_hangs = 0
@@ -105,16 +110,25 @@ class DrafterLink:
             # A new process (killed and replaced since the last look): jobs sent to the old one will never be
             # answered, and their age says nothing about the new one. take_restarted() still reports the restart.
             self._clear()
-        if (self.tickets and self._busy_since is not None
-                and now - max(self._busy_since, self._last_heard_at) > self.hang_seconds):
+        silent_busy_seconds = self.silent_busy_seconds(now)
+        if self.tickets and silent_busy_seconds > self.hang_seconds:
             self.num_hangs += 1
             self._hung_job = min(self.tickets.values(), key=lambda ticket: ticket.job_id).request_ids
-            self._restart(f"no progress for {now - max(self._busy_since, self._last_heard_at):.1f}s with a job "
-                          "outstanding")
+            self._restart(f"no progress for {silent_busy_seconds:.1f}s with a job outstanding")
         alive = self.client.check_alive()
         if not alive:
             self._clear()
         return alive
+
+    def silent_busy_seconds(self, now: float) -> float:
+        """Time with a job outstanding since the drafter was last heard from (every spell of outstanding work)."""
+        current = now - max(self._busy_since, self._last_heard_at) if self._busy_since is not None else 0.0
+        return self._busy_before_seconds + max(0.0, current)
+
+    def _set_idle(self, now: float) -> None:
+        if self._busy_since is not None:
+            self._busy_before_seconds += max(0.0, now - max(self._busy_since, self._last_heard_at))
+        self._busy_since = None
 
     def take_restarted(self) -> bool:
         """True once after each new drafter process started (it holds no request's tokens)."""
@@ -149,6 +163,7 @@ class DrafterLink:
     def _clear(self) -> None:
         self.tickets.clear()
         self._busy_since = None
+        self._busy_before_seconds = 0.0
 
     # -- jobs ------------------------------------------------------------------------------------------------------
 
@@ -167,7 +182,7 @@ class DrafterLink:
         """Go ahead without this job's drafts: the drafter skips it but keeps its requests' tokens and KV."""
         ticket = self.tickets.pop(group, None)
         if not self.tickets:
-            self._busy_since = None
+            self._set_idle(self._clock())
         if ticket is not None and self.client is not None:
             self.client.cancel_jobs([ticket.job_id])
 
@@ -181,6 +196,7 @@ class DrafterLink:
         for message in self.client.receive(timeout_seconds):
             # Any message is progress: a reply, an error, or a report that a step of the current job finished.
             self._last_heard_at = self._clock()
+            self._busy_before_seconds = 0.0
             if isinstance(message, protocol.Progress):
                 self.num_progress_reports += 1
                 continue

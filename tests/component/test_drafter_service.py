@@ -117,9 +117,10 @@ def engines(psd_engine, psd_vllm_drafter_engine, service) -> Iterator[list[Any]]
     """The two shared psd engines, each drafting through its own session with the service."""
     originals = []
     for engine in (psd_engine, psd_vllm_drafter_engine):
-        engine.set_mode(Mode.PSD, 3, 0)
         scheduler = engine.psd_scheduler
-        originals.append(scheduler.drafter)
+        # Each shared engine goes back to the k it ran at (the vLLM-drafter one runs at the k it was built for).
+        originals.append((scheduler.drafter, scheduler.k, scheduler.wait_policy.slack))
+        engine.set_mode(Mode.PSD, 3, 0)
         remote = RemoteDrafterClient(service.address, TOKEN, deadline_seconds=10.0, **CLIENT)
         remote.start()
         scheduler.attach_drafter(remote)
@@ -127,12 +128,13 @@ def engines(psd_engine, psd_vllm_drafter_engine, service) -> Iterator[list[Any]]
         # The wait is about which requests get drafts, not lateness (the machine is shared): as test_engine.py.
         scheduler.wait_policy.slack = 4.0
     yield [psd_engine, psd_vllm_drafter_engine]
-    for engine, original in zip((psd_engine, psd_vllm_drafter_engine), originals, strict=True):
+    for engine, (original, k, slack) in zip((psd_engine, psd_vllm_drafter_engine), originals, strict=True):
         scheduler = engine.psd_scheduler
         scheduler.drafter.shutdown()
         scheduler.attach_drafter(original)
         scheduler.planner.drafter_restarted()
-        engine.set_mode(Mode.PSD, 3, 0)
+        scheduler.wait_policy.slack = slack
+        engine.set_mode(Mode.PSD, k, 0)
 
 
 @pytest.fixture(scope="module")
@@ -274,8 +276,14 @@ def test_an_engine_that_goes_away_has_its_session_freed_and_the_other_drafts_on(
         assert_greedy_matches(outputs[0], expected, "the engine that stayed")
         assert drafted[0], "the engine that stayed lost its drafts"
         deadline = time.monotonic() + 60
+        scheduler = staying.psd_scheduler
         while (status := service.status()).sessions > 2 and time.monotonic() < deadline:
-            time.sleep(0.5)
+            # The staying engine is idle meanwhile; its link is looked after as an idle engine's steps would (its
+            # heartbeats), so only the engine that went away falls silent.
+            for _ in range(5):
+                scheduler.link.poll(0.0, scheduler._on_message)
+                scheduler.link.check()
+                time.sleep(0.1)
         # Left: the staying engine's session and the status client's own.
         assert status.sessions == 2, status
     finally:

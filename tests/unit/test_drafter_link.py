@@ -228,6 +228,42 @@ def test_a_drafter_reporting_progress_is_never_restarted_however_long_its_job_ta
     assert len(client.hung_reasons) == 1 and "no progress" in client.hung_reasons[0]
 
 
+def test_a_stopped_drafter_serving_short_bursts_is_still_taken_for_hung():
+    """Bursts of requests shorter than the hang threshold, each ending with its late jobs abandoned (no job outstanding
+    between bursts): the silence adds up across them, as long as the drafter says nothing. A stopped drafter used to go
+    unnoticed this way until the engine's sends to it backed up."""
+    clock = Clock()
+    client = FakeClient()
+    link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3, clock=clock)  # type: ignore[arg-type]
+    for _ in range(2):  # 2 s of outstanding work per burst, then idle between bursts
+        assert link.submit(0, [item("a")], False)
+        clock.now += 2.0
+        assert link.check() and client.hung_reasons == []
+        link.abandon(0)
+        clock.now += 30.0  # idle time between bursts is not silence with work outstanding
+        assert link.check() and client.hung_reasons == []
+    assert link.submit(0, [item("a")], False)
+    clock.now += 1.5
+    link.check()
+    assert len(client.hung_reasons) == 1, "5.5 s of outstanding work without a word over three bursts"
+
+
+def test_a_drafter_heard_from_between_bursts_starts_its_silence_afresh():
+    clock = Clock()
+    client = FakeClient()
+    link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3, clock=clock)  # type: ignore[arg-type]
+    for _ in range(5):
+        assert link.submit(0, [item("a")], False)
+        clock.now += 2.0
+        client.inbox.append(protocol.Progress(client.sent_jobs[-1], 1))  # alive: working on it
+        link.poll(0.0, lambda group, message: None)
+        clock.now += 2.0
+        link.abandon(0)
+        clock.now += 30.0
+        assert link.check()
+    assert client.hung_reasons == []
+
+
 def test_an_idle_drafter_is_never_taken_for_hung():
     clock = Clock()
     client = FakeClient()
