@@ -74,8 +74,7 @@ def add_subcommands(sub: Any) -> None:
 def load_tokens(token_file: str | None, token_env: str | None) -> Sequence[bytes]:
     """The accepted tokens; a token file's are read again whenever the file changes (a rotated Secret takes effect
     without a restart)."""
-    from minedraft.api.auth import LiveTokens, TokenFile
-    from minedraft.gateway.policy import parse_tokens
+    from minedraft.api.auth import LiveTokens, TokenFile, parse_tokens
 
     fixed: tuple[bytes, ...] = ()
     if token_env and os.environ.get(token_env):

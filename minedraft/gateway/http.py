@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 import grpc
 
 from minedraft.api import pb
-from minedraft.gateway.policy import bearer_token, token_accepted
+from minedraft.api.auth import bearer_token, token_accepted
 from minedraft.gateway.router import RouteError, Router, forwarded_metadata
 from minedraft.openai_api.app import CLIENT_STALL_TIMEOUT_S, PROTOCOL, BackendError, OpenAiApp
 from minedraft.openai_api.protocol import ApiError

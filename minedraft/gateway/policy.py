@@ -3,7 +3,6 @@ outstanding streams, admission, retry classification, bearer-token checks. No I/
 
 from __future__ import annotations
 
-import hmac
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -150,34 +149,3 @@ def classify_failure(code: grpc.StatusCode, responses_sent: int) -> FailureActio
     if code not in ENGINE_DOWN_CODES:
         return FailureAction.PASS_THROUGH
     return FailureAction.RETRY if responses_sent == 0 else FailureAction.UNAVAILABLE_AFTER_TOKENS
-
-
-def bearer_token(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
-    """The token of an `authorization: Bearer <token>` header, if any."""
-    for key, value in metadata:
-        if key.lower() == "authorization":
-            text = value.decode() if isinstance(value, bytes) else value
-            scheme, _, token = text.strip().partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-    return None
-
-
-def token_accepted(presented: str | None, accepted: Sequence[bytes]) -> bool:
-    """Constant-time comparison against every accepted token (no early exit reveals which one nearly matched)."""
-    if presented is None or not accepted:
-        return False
-    candidate = presented.encode()
-    matched = False
-    for token in accepted:
-        matched |= hmac.compare_digest(candidate, token)
-    return matched
-
-
-def parse_tokens(text: str) -> tuple[bytes, ...]:
-    """Tokens from a file or variable: one per line (or comma-separated); blank lines and # comments ignored."""
-    tokens: list[str] = []
-    for line in text.splitlines():
-        line = line.split("#", 1)[0]
-        tokens.extend(part.strip() for part in line.split(",") if part.strip())
-    return tuple(t.encode() for t in tokens)

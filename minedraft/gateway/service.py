@@ -10,8 +10,8 @@ from typing import Any, NoReturn
 import grpc
 
 from minedraft.api import pb, pb_grpc
+from minedraft.api.auth import bearer_token, token_accepted
 from minedraft.api.grpc_policy import reject_undecodable
-from minedraft.gateway.policy import bearer_token, token_accepted
 from minedraft.gateway.router import RouteError, Router
 
 log = logging.getLogger(__name__)

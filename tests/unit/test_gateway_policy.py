@@ -6,18 +6,16 @@ from collections import Counter
 import grpc
 import pytest
 
+from minedraft.api.auth import bearer_token, parse_tokens, token_accepted
 from minedraft.gateway.discovery import SliceTracker, addresses_from_slice, parse_engines, parse_service
 from minedraft.gateway.policy import (
     Admission,
     EndpointSet,
     EndpointState,
     FailureAction,
-    bearer_token,
     choose_two,
     classify_failure,
-    parse_tokens,
     pick,
-    token_accepted,
 )
 
 
