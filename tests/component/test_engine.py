@@ -131,10 +131,11 @@ def test_sd_mode_matches_and_runs_draft_then_verify(psd, prompts, references):
     assert_greedy_matches([run.completions[f"sd-{i}"].token_ids for i in range(7)], references[:7], "sd")
     records = [r for r in psd.step_records(first_step) if r.num_draft_tokens]
     assert records and all(r.group_sizes[1] == 0 for r in records)
-    draft = sum(r.draft_seconds for r in records)
-    wait = sum(r.wait_seconds for r in records)
-    # Sequential by construction: the verifier waits for every job it sent the step before.
-    assert wait > 0.5 * draft
+    # Sequential by construction: the verifier waits for every job it sent the step before, so no draft job is in
+    # flight while sd verifies. (Counted, not timed: how long the wait lasts depends on what else runs on the cores -
+    # the engine's own host work after sending a job can take longer than the drafting it overlaps.)
+    assert all(r.draft_jobs_in_flight == 0 for r in records), [r.draft_jobs_in_flight for r in records]
+    assert sum(r.draft_seconds for r in records) > 0
     # Nothing drafts while sd verifies: the target computed on the drafter's cores too (where there are any).
     assert all(r.widened == psd.psd_scheduler.placement.can_widen for r in records)
     assert_clean(psd)
