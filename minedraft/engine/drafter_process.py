@@ -417,12 +417,20 @@ def main(argv: list[str]) -> int:
         while socket.poll(0):
             server.handle(protocol.decode_to_drafter(socket.recv()))
 
+    def orphaned() -> bool:
+        # An engine killed outright (SIGKILL, OOM) sends no Shutdown: its drafter notices it was re-parented. Checked
+        # when idle and after every job, so a drafter with a backlog stops within one job instead of drafting on for
+        # nobody.
+        if os.getppid() != parent_pid:
+            log.warning("parent process exited; drafter stopping")
+            return True
+        return False
+
     idle_since = time.perf_counter()
     while not server.stop:
         if not server.queued:
             if socket.poll(1000) == 0:
-                if os.getppid() != parent_pid:
-                    log.warning("parent process exited; drafter stopping")
+                if orphaned():
                     break
                 continue
             server.handle(protocol.decode_to_drafter(socket.recv()))
@@ -435,6 +443,8 @@ def main(argv: list[str]) -> int:
         reply = server.run_job(job, time.perf_counter() - idle_since, poll_messages)
         socket.send(protocol.encode(reply))
         idle_since = time.perf_counter()
+        if orphaned():
+            break
     socket.close(linger=0)
     context.term()
     return 0

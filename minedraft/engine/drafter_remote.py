@@ -42,7 +42,7 @@ class RemoteDrafterClient:
         self.engine_name = engine_name or f"{std_socket.gethostname()}:{os.getpid()}"
         self._deadline_seconds = deadline_seconds
         self._heartbeat_seconds = heartbeat_seconds
-        self._service_timeout_seconds = service_timeout_seconds
+        self.service_timeout_seconds = service_timeout_seconds
         self._connect_timeout_seconds = connect_timeout_seconds
         self._max_backoff_seconds = max_backoff_seconds
         self._clock = clock
@@ -152,11 +152,11 @@ class RemoteDrafterClient:
                            f"{self._connect_timeout_seconds:g}s")
             return False
         if self.state is DrafterState.UP:
-            if now - self._last_heartbeat_at > self._service_timeout_seconds:
+            if now - self._last_heartbeat_at > self.service_timeout_seconds:
                 # No step checked in for that long (an idle engine steps nothing): the silence is this engine's, not
                 # the service's. Ask again before judging it (a service that dropped the session answers so).
                 self._last_heard_at = now
-            if now - self._last_heard_at > self._service_timeout_seconds:
+            if now - self._last_heard_at > self.service_timeout_seconds:
                 self._down(f"drafter service at {self.address} silent for {now - self._last_heard_at:.1f}s")
                 return False
             if now - self._last_heartbeat_at >= self._heartbeat_seconds:
