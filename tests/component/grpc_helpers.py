@@ -14,8 +14,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.api import SERVICE_NAME
 
+# Waits end as soon as what they wait for holds, so a generous limit costs a passing test nothing; a short one fails
+# tests on a loaded machine for being slow, not for being wrong.
+PATIENCE_SECONDS = 60.0
 
-async def wait_for(predicate: Callable[[], bool], timeout_seconds: float = 10.0, what: str = "condition") -> None:
+
+async def wait_for(predicate: Callable[[], bool], timeout_seconds: float = PATIENCE_SECONDS,
+                   what: str = "condition") -> None:
     """Poll until predicate() holds; fail with `what` after the timeout (no sleep-and-hope)."""
     deadline = time.monotonic() + timeout_seconds
     while not predicate():
@@ -34,7 +39,7 @@ async def health_status(target: str, service: str = SERVICE_NAME,
         return int(response.status)
 
 
-async def wait_for_health(target: str, status: int, timeout_seconds: float = 10.0) -> None:
+async def wait_for_health(target: str, status: int, timeout_seconds: float = PATIENCE_SECONDS) -> None:
     deadline = time.monotonic() + timeout_seconds
     last = None
     while True:
