@@ -27,6 +27,7 @@ step that needs its tokens is scheduled (the sub-batch verified at n is next sch
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 class _Launched:
     scheduler_output: Any
     future: Future[tuple[Any, float, float]]
+    # Set by the model thread when it takes the step up.
+    started: threading.Event
 
 
 @dataclass
@@ -105,11 +108,14 @@ class OverlappedSteps:
 
     def _launch(self, scheduler_output: Any) -> None:
         grammar_output = self.core.scheduler.get_grammar_bitmask(scheduler_output)
-        future = self._pool.submit(self._execute, scheduler_output, grammar_output)
-        self._in_flight.append(_Launched(scheduler_output, future))
+        started = threading.Event()
+        future = self._pool.submit(self._execute, scheduler_output, grammar_output, started)
+        self._in_flight.append(_Launched(scheduler_output, future, started))
 
-    def _execute(self, scheduler_output: Any, grammar_output: Any) -> tuple[Any, float, float]:
+    def _execute(self, scheduler_output: Any, grammar_output: Any, started_event: threading.Event
+                 ) -> tuple[Any, float, float]:
         """On the model thread: the runner's execute and sample calls of one step, and when the worker ran it."""
+        started_event.set()
         executor = self.core.model_executor
         started = time.perf_counter()
         model_output = executor.execute_model(scheduler_output)
@@ -123,6 +129,11 @@ class OverlappedSteps:
         scheduler_output = launched.scheduler_output
         with core.capture_iteration_details(scheduler_output) as details, core.log_error_detail(scheduler_output):
             model_output, started, finished = launched.future.result()
+            if self._in_flight:
+                # Let the model thread take the next step up before this thread processes the output: otherwise this
+                # thread keeps the GIL through update_from_output while the model thread waits for it (up to
+                # Python's switch interval), and the target idles for the length of the update.
+                self._in_flight[0].started.wait()
         core._process_aborts_queue()
         core.scheduler.worker_seconds = finished - started
         outputs: dict[int, Any] = core.scheduler.update_from_output(scheduler_output, model_output)
