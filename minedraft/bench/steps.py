@@ -20,8 +20,8 @@ nothing to do (the engine's host work, and any wait for drafts, run there); "wor
 gap plus the next step's worker time. On a GPU every millisecond of it is a millisecond the GPU sits idle. The gap is
 split into "idle: drafts" (the part during which the engine waited for that step's drafts: the drafter being slower
 than the target, not host overhead) and "idle: host" (the rest: the engine's own work); "host share" is the latter
-over itself plus the step (the share the host's work would take with drafts on time). Worker steps are paired with step records by order (with async steps the worker runs ahead of
-the engine's calls).
+over itself plus the step (the share the host's work would take with drafts on time). Worker steps are paired with
+step records by order (with async steps the worker runs ahead of the engine's calls).
 Modes run side by side on one engine: psd with delta draft jobs, psd-async (the same with async PSD steps: each step
 scheduled while the previous one computes; "scheduled ahead" is the share of decode steps that were), psd with whole
 contexts (the old protocol),
