@@ -20,7 +20,8 @@ nothing to do (the engine's host work, and any wait for drafts, run there); "wor
 gap plus the next step's worker time. On a GPU every millisecond of it is a millisecond the GPU sits idle. The gap is
 split into "idle: drafts" (the part during which the engine waited for that step's drafts: the drafter being slower
 than the target, not host overhead) and "idle: host" (the rest: the engine's own work); "host share" is the latter
-over itself plus the step (the share the host's work would take with drafts on time). Worker steps are paired with
+over itself plus the step; "drafts on time" takes only the gaps with no wait for drafts in them (after a late job the
+rest of the step's scheduling, which needs the drafts, falls in the gap too). Worker steps are paired with
 step records by order (with async steps the worker runs ahead of the engine's calls).
 Modes run side by side on one engine: psd with delta draft jobs, psd-async (the same with async PSD steps: each step
 scheduled while the previous one computes; "scheduled ahead" is the share of decode steps that were), psd with whole
@@ -239,6 +240,14 @@ def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_re
         summary["worker_idle_share"] = share("worker_idle", "worker_idle")
         # Host work against the step as it would be with drafts on time: the 5% goal is judged on this.
         summary["worker_idle_host_share"] = share("worker_idle_host", "worker_idle_host")
+        # Gaps with no wait for drafts in them: the host's own gap when the drafts were on time. (After a late
+        # draft job the rest of schedule() - planning, vLLM's scheduling - falls in the gap as host work too.)
+        on_time = [r for r in idle if not r["worker_idle_drafts"]]
+        summary["steps_drafts_on_time"] = len(on_time)
+        if on_time:
+            summary["worker_idle_host_on_time"] = statistics.median(r["worker_idle_host"] for r in on_time)
+            summary["worker_idle_host_share_on_time"] = statistics.median(
+                r["worker_idle_host"] / (r["worker_idle_host"] + r["worker_busy"]) for r in on_time)
     summary.update(overlap(decode_records))
     first_started = rows[0]["started_at"]
     summary["per_step"] = [{**r, "started_at": round(r["started_at"] - first_started, 5)} for r in rows]
@@ -452,8 +461,8 @@ def markdown(results: dict[str, Any]) -> str:
         "| context | mode | layout | steps | step | forward | runner_states | runner_inputs | runner_other | schedule"
         " | update | wait | engine own | own share | verified w/ drafts | draft | draft/verify | overlap | steady"
         " overlap (catch-up steps) | wait explained | worker idle | worker idle share | idle: drafts | idle: host"
-        " | host share | scheduled ahead |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " | host share | host, drafts on time (steps) | host share, drafts on time | scheduled ahead |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["runs"]:
         if not r.get("steps"):
@@ -469,6 +478,8 @@ def markdown(results: dict[str, Any]) -> str:
             + (f" {r['worker_idle'] * ms:.2f} | {r['worker_idle_share']:.1%} | {r['worker_idle_drafts'] * ms:.2f} | "
                f"{r['worker_idle_host'] * ms:.2f} | {r['worker_idle_host_share']:.1%} |"
                if "worker_idle_host" in r else " - | - | - | - | - |")
+            + (f" {r['worker_idle_host_on_time'] * ms:.2f} ({r['steps_drafts_on_time']}) |"
+               f" {r['worker_idle_host_share_on_time']:.1%} |" if "worker_idle_host_on_time" in r else " - | - |")
             + f" {r.get('scheduled_ahead_share', 0.0):.0%} |"
         )
     ceilings = []
