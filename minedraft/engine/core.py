@@ -38,6 +38,7 @@ from minedraft.engine.vllm_adapter.engine_core import (
     in_process_core,
     in_process_scheduler,
     keep_distributed_state,
+    model_thread_init,
 )
 from minedraft.engine.vllm_adapter.overlap import OverlappedSteps
 
@@ -235,7 +236,8 @@ class Engine:
             # The model thread computes on the target's own cores (a new thread starts with the process's affinity
             # and OpenMP's default thread count, not the engine thread's binding).
             model_placement = ComputePlacement(settings.target_cpu_cores, ())
-            self.overlap = OverlappedSteps(in_process_core(self._llm), lambda: model_placement.apply(wide=False))
+            self.overlap = OverlappedSteps(in_process_core(self._llm), model_thread_init(
+                self._llm, lambda: model_placement.apply(wide=False)))
         self.tokenizer = self._llm.get_tokenizer()
         self.startup_seconds = time.perf_counter() - started
         self._prompt_lengths: dict[str, int] = {}
