@@ -291,7 +291,12 @@ class PSDScheduler(Scheduler):
         # With no draft job in flight nothing drafts during this verification (ar; sd; psd with one side empty):
         # the target may compute on the drafter's cores too. A job in flight (psd's other side) keeps them apart.
         timing.draft_jobs_in_flight = len(self.link.tickets)
-        self.placement.apply(wide=should_widen(mode is Mode.AR, bool(self.link.tickets), self.link.loading))
+        # Scheduled ahead (async PSD steps): the step in flight's sub-batch is sent its draft job when that step's
+        # output is processed, while this step verifies, so nothing is lent. (Only this thread's cores: the model
+        # thread stays on the target's own.)
+        ahead = bool(self._scheduled)
+        self.placement.apply(wide=should_widen(mode is Mode.AR, bool(self.link.tickets) or ahead,
+                                               self.link.loading))
 
         plan = self.planner.plan(states, mode, verified_group, pad=self.auto is None)
         step_after_next = self.current_step + 2  # schedule() increments current_step before its running loop
@@ -475,6 +480,9 @@ class PSDScheduler(Scheduler):
         self.planner.after_step(states, mode, verified_group, self.mode)
         if mode in (Mode.PSD, Mode.SD) and verified_group is not None:
             self._submit_drafts(verified_group, states)
+            if self._scheduled and verified_group in self.link.tickets:
+                # The next step, scheduled ahead, verifies while this job drafts.
+                self._scheduled[-1].timing.draft_jobs_in_flight += 1
         if self.check_invariants:
             alive = {rid for rid, r in self.requests.items() if not r.is_finished()}
             self.planner.check_invariants(states, alive, self.mode)
