@@ -105,6 +105,7 @@ class FakeCore:
 
 def run(core: FakeCore) -> list[Any]:
     overlap = OverlappedSteps(core)
+    core.overlap = overlap  # type: ignore[attr-defined]
     results = []
     try:
         while core.scheduler.has_requests() or overlap.num_in_flight:
@@ -127,6 +128,7 @@ def test_each_step_is_scheduled_before_the_previous_update_and_after_the_one_bef
     # The model ran on its own thread, in order.
     assert [e for e in core.events if e.startswith("execute")] == [f"execute {i}" for i in range(1, 5)]
     assert all(name.startswith("minedraft-model") for name in core.model_executor.threads)
+    assert (core.overlap.counters.ahead, core.overlap.counters.inline) == (3, 0)  # type: ignore[attr-defined]
     assert core.scheduler.worker_seconds is not None, "the model thread's time is handed to the update"
 
 
@@ -136,6 +138,7 @@ def test_without_a_step_to_schedule_ahead_each_step_is_vllms_synchronous_step_on
     assert core.events == ["schedule 1", "execute 1", "update 1", "schedule 2", "execute 2", "update 2",
                            "schedule 3", "execute 3", "update 3"]
     assert core.model_executor.threads == [threading.current_thread().name] * 3
+    assert (core.overlap.counters.ahead, core.overlap.counters.inline) == (0, 3)  # type: ignore[attr-defined]
 
 
 def test_the_next_step_starts_on_the_model_thread_before_the_previous_output_is_processed():

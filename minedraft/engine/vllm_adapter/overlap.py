@@ -26,7 +26,6 @@ step that needs its tokens is scheduled (the sub-batch verified at n is next sch
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import deque
@@ -34,8 +33,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,7 +45,7 @@ class _Launched:
 
 @dataclass
 class OverlapCounters:
-    """How the steps ran (tests and the engine's report read these)."""
+    """How the steps ran."""
 
     # Steps scheduled while the previous step was still in flight.
     ahead: int = 0
