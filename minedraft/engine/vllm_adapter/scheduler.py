@@ -304,8 +304,8 @@ class PSDScheduler(Scheduler):
             request_id = request.request_id
             # A fresh list: vLLM trims spec_token_ids in place.
             request.spec_token_ids = list(plan.proposals.get(request_id, ()))
-            # (A request in flight must not run again before its output is in: vLLM would count its new tokens
-            # from a num_computed_tokens already advanced past them.)
+            # (A request in flight must not run again before its output is in. vLLM 0.32 skips a decoding one itself,
+            # its new-token count being at most zero; a prompt's next chunk it would schedule: held too.)
             held = request_id in plan.held_out or request_id in busy
             request.next_decode_eligible_step = step_after_next if held else 0
         if self.resident_sub_batches:
