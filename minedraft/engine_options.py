@@ -83,6 +83,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
     parser.add_argument("--vllm-arg", action="append", default=[], metavar="--FLAG[=VALUE]",
                         help="any other vLLM engine argument, checked by vLLM's own parser; repeat for more "
                         "(e.g. --vllm-arg=--enable-prefix-caching --vllm-arg=--max-num-batched-tokens=8192)")
+    parser.add_argument("--async-psd-steps", action=argparse.BooleanOptionalAction, default=False,
+                        help="psd: schedule each step while the target computes the previous one (the two verify "
+                        "disjoint sub-batches: nothing speculative, no rollback); sd, ar, auto and TP>1 run "
+                        "synchronous steps")
     parser.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds are separate)")
     parser.add_argument("--max-num-speculative-tokens", type=int,
                         help="the longest draft the engine can switch to at run time (auto mode's k range)")
@@ -174,6 +178,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         target_gpus=_indices("target_gpus", args.target_gpus),
         gpu_memory_utilization=args.gpu_memory_utilization,
         extra_vllm_args=parse_vllm_args(_split_vllm_args(args.vllm_arg)),
+        async_psd_steps=bool(getattr(args, "async_psd_steps", False)),
     )
 
 

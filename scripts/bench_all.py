@@ -60,10 +60,11 @@ STEPS: tuple[Step, ...] = (
          ("python", "benchmarks/tensor_parallel.py"),
          # Not timed when the committed set was made: a guess (four short bench runs of three modes).
          ("benchmarks/results/tensor-parallel.json",), 10 * 60),
-    Step("step-breakdown", "per-step time at 32 requests: forward, the engine's own work, waits (512 tokens)",
+    Step("step-breakdown", "per-step time at 32 requests: forward, the engine's own work, waits, worker idle; psd "
+         "with synchronous and async steps (512 tokens)",
          ("minedraft", "bench", "steps", "--out", "benchmarks/results/step-breakdown/512", "--contexts", "512"),
-         # Took about 4 minutes on the shared machine (load average 3-16 from other jobs).
-         ("benchmarks/results/step-breakdown/512.json",), 5 * 60),
+         # Took about 4 minutes on the shared machine (load average 7-10 from other jobs), psd-async included.
+         ("benchmarks/results/step-breakdown/512.json",), 6 * 60),
     Step("step-breakdown-long", "per-step time at 32 requests with 2k and 8k-token contexts (psd deltas vs whole "
          "contexts, ar)",
          ("minedraft", "bench", "steps", "--out", "benchmarks/results/step-breakdown/long",

@@ -17,12 +17,19 @@ and "engine_own" = everything but forward and wait, as a share of the step. From
 in the model runner, where the device's work is issued): "worker_idle" is the time between the end of one step's work
 (sampled tokens handed back) and the start of the next step's (execute_model), during which the target's device has
 nothing to do (the engine's host work, and any wait for drafts, run there); "worker_idle_share" is that gap over the
-gap plus the next step's worker time. On a GPU every millisecond of it is a millisecond the GPU sits idle.
-Modes run side by side on one engine: psd with delta draft jobs, psd with whole contexts (the old protocol),
+gap plus the next step's worker time. On a GPU every millisecond of it is a millisecond the GPU sits idle. The gap is
+split into "idle: drafts" (the part during which the engine waited for that step's drafts: the drafter being slower
+than the target, not host overhead) and "idle: host" (the rest: the engine's own work); "host share" is the latter
+over itself plus the step; "drafts on time" takes only the gaps with no wait for drafts in them (after a late job the
+rest of the step's scheduling, which needs the drafts, falls in the gap too). Worker steps are paired with
+step records by order (with async steps the worker runs ahead of the engine's calls).
+Modes run side by side on one engine: psd with delta draft jobs, psd-async (the same with async PSD steps: each step
+scheduled while the previous one computes; "scheduled ahead" is the share of decode steps that were), psd with whole
+contexts (the old protocol),
 psd-churn (psd with the model runner's resident sub-batches off: vLLM's single persistent batch re-adds the other
 sub-batch every step), and ar. A second
 layout, the paper's (the drafter on a device the target may not use: here the target never widens onto the drafter's
-core), runs psd and sd beside the equal-cores layout and reports psd/sd against the ceiling
+core), runs psd, sd (and psd-async when asked for) beside the equal-cores layout and reports psd/sd against the ceiling
 (t_draft + t_verify) / max(t_draft, t_verify).
 """
 
@@ -78,10 +85,15 @@ class WorkerTimeline:
     A step starts when the runner's `execute_model` is entered and ends when the sampled tokens are handed back:
     when `sample_tokens` returns, or when `execute_model` returns an output itself (a step with nothing to sample)."""
 
-    def __init__(self, runner: Any, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, runner: Any, clock: Callable[[], float] = time.perf_counter,
+                 on_end: Callable[[], dict[str, float]] | None = None) -> None:
         self._clock = clock
         self._started: float | None = None
         self.steps: list[tuple[float, float]] = []
+        # Per step, what `on_end` returned when it ended (the runner timers' totals of that step): with async steps
+        # the worker runs on a thread of its own, so per-step figures are taken where the step ends, not per call.
+        self._on_end = on_end
+        self.details: list[dict[str, float]] = []
         execute, sample = runner.execute_model, runner.sample_tokens
 
         def execute_model(*args: Any, **kwargs: Any) -> Any:
@@ -101,11 +113,26 @@ class WorkerTimeline:
     def _end(self) -> None:
         if self._started is not None:
             self.steps.append((self._started, self._clock()))
+            self.details.append(self._on_end() if self._on_end is not None else {})
             self._started = None
 
     def take(self) -> list[tuple[float, float]]:
         steps, self.steps = self.steps, []
         return steps
+
+    def take_details(self) -> list[dict[str, float]]:
+        details, self.details = self.details, []
+        return details
+
+
+def idle_split(gap: tuple[float, float], wait: tuple[float, float]) -> tuple[float, float]:
+    """(waiting for drafts, host work) of a worker idle gap: the part of the gap during which the engine thread was
+    waiting for the step's drafts, and the rest. With async steps the wait mostly falls while the previous step
+    computes, outside the gap. Pure."""
+    start, end = gap
+    idle = max(0.0, end - start)
+    waiting = max(0.0, min(end, wait[1]) - max(start, wait[0]))
+    return waiting, idle - waiting
 
 
 def idle_gaps(steps: list[tuple[float, float]], previous_end: float | None) -> list[tuple[float, float]]:
@@ -126,7 +153,7 @@ def _model_runner(engine: Any) -> Any:
 
 
 def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_requests: int, max_tokens: int,
-                tag: str, timeline: WorkerTimeline | None = None) -> dict[str, Any]:
+                tag: str, timeline: WorkerTimeline) -> dict[str, Any]:
     from minedraft.engine.requests import SamplingSettings
 
     sampling = SamplingSettings(max_tokens=max_tokens, ignore_eos=True)
@@ -136,27 +163,30 @@ def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_re
         tail = prompt_ids[16 * (i + 1): 16 * (i + 2)]
         engine.add_request(f"{tag}-{i}", prompt_ids[: len(prompt_ids) - len(tail)] + tail, sampling)
     first = engine.step_records()[-1].step if engine.step_records() else 0
-    rows: list[dict[str, Any]] = []
-    decode_records: list[Any] = []
-    if timeline is not None:
-        timeline.take()
-    previous_end: float | None = None
+    timeline.take()
+    timeline.take_details()
+    timers.take()
     while engine.has_unfinished_requests():
         engine.step()
-        runner = timers.take()
-        worker = timeline.take() if timeline is not None else []
-        gaps = idle_gaps(worker, previous_end)
-        previous_end = worker[-1][1] if worker else previous_end
-        records = engine.step_records(first)
-        if not records:
-            continue
-        record = records[-1]
-        first = record.step
+    records = engine.step_records(first)
+    worker = timeline.take()
+    runner_steps = timeline.take_details()
+    # One worker step per scheduled step, in order (with async steps the worker runs ahead of the engine's calls,
+    # so they are paired by order, not by call).
+    if len(worker) != len(records):
+        print(f"{tag}: {len(worker)} worker steps for {len(records)} step records: idle not paired",
+              file=sys.stderr)
+        worker, runner_steps = [], []
+    rows: list[dict[str, Any]] = []
+    decode_records: list[Any] = []
+    for index, record in enumerate(records):
         if record.num_prefill_requests or not record.num_decode_requests:
             continue
         decode_records.append(record)
+        runner = runner_steps[index] if runner_steps else dict.fromkeys(("forward", "runner_states", "runner_inputs"),
+                                                                        0.0)
         forward = runner["forward"]
-        rows.append({
+        row: dict[str, Any] = {
             "forward": forward,
             "runner_states": runner["runner_states"],
             "runner_inputs": runner["runner_inputs"],
@@ -176,24 +206,48 @@ def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_re
             "verified_group": -1 if record.verified_group is None else record.verified_group,
             "verify": record.verify_seconds,
             "draft_first_token": record.draft_first_token_seconds,
-            # One engine step is one worker step; None for a run's first step (no step before it to idle after).
-            "worker_idle": gaps[-1][0] if gaps else None,
-            "worker_busy": gaps[-1][1] if gaps else None,
-        })
+            "scheduled_ahead": record.scheduled_ahead,
+            # None for a run's first step (no step before it to idle after).
+            "worker_idle": None,
+            "worker_busy": None,
+        }
+        if worker and index > 0:
+            gap = (worker[index - 1][1], worker[index][0])
+            waiting, host = idle_split(gap, (record.started_at, record.started_at + record.wait_seconds))
+            row.update(worker_idle=waiting + host, worker_idle_drafts=waiting, worker_idle_host=host,
+                       worker_busy=worker[index][1] - worker[index][0])
+        rows.append(row)
     if not rows:
         return {"steps": 0}
     summary: dict[str, Any] = {"steps": len(rows)}
     for column in (*COLUMNS, "step", "draft", "decode_requests", "with_drafts"):
         summary[column] = statistics.median(r[column] for r in rows)
     summary["tokens_per_second"] = sum(r["output_tokens"] for r in rows) / sum(r["step"] for r in rows)
+    summary["scheduled_ahead_share"] = sum(r["scheduled_ahead"] for r in rows) / len(rows)
     own = [r["step"] - r["forward"] - r["wait"] for r in rows]
     summary["engine_own"] = statistics.median(own)
     summary["engine_own_share"] = statistics.median(o / r["step"] for o, r in zip(own, rows, strict=True))
-    idle = [(r["worker_idle"], r["worker_busy"]) for r in rows if r["worker_idle"] is not None]
+    idle = [r for r in rows if r["worker_idle"] is not None]
     if idle:
-        summary["worker_idle"] = statistics.median(gap for gap, _ in idle)
-        summary["worker_idle_share"] = statistics.median(gap / (gap + busy) if gap + busy else 0.0
-                                                         for gap, busy in idle)
+        summary["worker_idle"] = statistics.median(r["worker_idle"] for r in idle)
+        summary["worker_idle_drafts"] = statistics.median(r["worker_idle_drafts"] for r in idle)
+        summary["worker_idle_host"] = statistics.median(r["worker_idle_host"] for r in idle)
+
+        def share(part: str, whole: str) -> float:
+            return statistics.median(r[part] / (r[whole] + r["worker_busy"])
+                                     if r[whole] + r["worker_busy"] else 0.0 for r in idle)
+
+        summary["worker_idle_share"] = share("worker_idle", "worker_idle")
+        # Host work against the step as it would be with drafts on time: the 5% goal is judged on this.
+        summary["worker_idle_host_share"] = share("worker_idle_host", "worker_idle_host")
+        # Gaps with no wait for drafts in them: the host's own gap when the drafts were on time. (After a late
+        # draft job the rest of schedule() - planning, vLLM's scheduling - falls in the gap as host work too.)
+        on_time = [r for r in idle if not r["worker_idle_drafts"]]
+        summary["steps_drafts_on_time"] = len(on_time)
+        if on_time:
+            summary["worker_idle_host_on_time"] = statistics.median(r["worker_idle_host"] for r in on_time)
+            summary["worker_idle_host_share_on_time"] = statistics.median(
+                r["worker_idle_host"] / (r["worker_idle_host"] + r["worker_busy"]) for r in on_time)
     summary.update(overlap(decode_records))
     first_started = rows[0]["started_at"]
     summary["per_step"] = [{**r, "started_at": round(r["started_at"] - first_started, 5)} for r in rows]
@@ -279,7 +333,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("-k", "--k", type=int, default=3, dest="k")
-    parser.add_argument("--modes", default="psd,psd-full,ar,layout")
+    parser.add_argument("--modes", default="psd,psd-async,psd-full,ar,layout")
     parser.add_argument("--pair-dir", type=Path, default=None)
     parser.add_argument("--json", action="store_true",
                         help="print the results as JSON on stdout (default: the Markdown table); progress on stderr")
@@ -348,7 +402,7 @@ def _runs(engine: Any, args: argparse.Namespace, command: str, source_pair: Path
     assert scheduler is not None
     timers = RunnerTimers(_model_runner(engine), {"forward": "_model_forward", "runner_states": "_update_states",
                                                   "runner_inputs": "_prepare_inputs"})
-    timeline = WorkerTimeline(_model_runner(engine))
+    timeline = WorkerTimeline(_model_runner(engine), on_end=timers.take)
     # The held-out text lies beside the models, and the long-context copy has only the models.
     text = " ".join(bench_prompts(source_pair, 64, chars=400))
     base_ids = list(engine.tokenizer.encode(text))
@@ -365,6 +419,8 @@ def _runs(engine: Any, args: argparse.Namespace, command: str, source_pair: Path
         plan: list[tuple[str, str, Mode, bool]] = []
         if "psd" in modes:
             plan.append(("psd", "equal-cores", Mode.PSD, True))
+        if "psd-async" in modes:
+            plan.append(("psd-async", "equal-cores", Mode.PSD, True))
         if "psd-full" in modes:
             plan.append(("psd-full-context", "equal-cores", Mode.PSD, False))
         if "psd-churn" in modes:
@@ -374,10 +430,13 @@ def _runs(engine: Any, args: argparse.Namespace, command: str, source_pair: Path
         if "layout" in modes:
             plan += [("sd", "equal-cores", Mode.SD, True), ("psd", "own-drafter-core", Mode.PSD, True),
                      ("sd", "own-drafter-core", Mode.SD, True)]
+            if "psd-async" in modes:
+                plan.append(("psd-async", "own-drafter-core", Mode.PSD, True))
         for label, layout, mode, deltas in plan:
             engine.set_mode(mode, args.k, 0)
             scheduler.planner.send_deltas = deltas
             engine.set_resident_sub_batches(label != "psd-churn")
+            engine.set_async_psd_steps(label == "psd-async")
             placement = narrow_placement if layout == "own-drafter-core" else wide_placement
             # Forget what the placement last applied: the other one may have moved the thread's cores since.
             placement.wide = None
@@ -401,8 +460,9 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "| context | mode | layout | steps | step | forward | runner_states | runner_inputs | runner_other | schedule"
         " | update | wait | engine own | own share | verified w/ drafts | draft | draft/verify | overlap | steady"
-        " overlap (catch-up steps) | wait explained | worker idle | worker idle share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " overlap (catch-up steps) | wait explained | worker idle | worker idle share | idle: drafts | idle: host"
+        " | host share | host, drafts on time (steps) | host share, drafts on time | scheduled ahead |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["runs"]:
         if not r.get("steps"):
@@ -415,7 +475,12 @@ def markdown(results: dict[str, Any]) -> str:
             + (f"{r['draft_per_verify']:.2f} | {r['overlap_fraction']:.2f} | {r['steady_overlap_fraction']:.2f} "
                f"({r['catch_up_steps']}) | {r['wait_explained_share']:.2f} |"
                if r.get("draft_per_verify") else "- | - | - | - |")
-            + (f" {r['worker_idle'] * ms:.2f} | {r['worker_idle_share']:.1%} |" if "worker_idle" in r else " - | - |")
+            + (f" {r['worker_idle'] * ms:.2f} | {r['worker_idle_share']:.1%} | {r['worker_idle_drafts'] * ms:.2f} | "
+               f"{r['worker_idle_host'] * ms:.2f} | {r['worker_idle_host_share']:.1%} |"
+               if "worker_idle_host" in r else " - | - | - | - | - |")
+            + (f" {r['worker_idle_host_on_time'] * ms:.2f} ({r['steps_drafts_on_time']}) |"
+               f" {r['worker_idle_host_share_on_time']:.1%} |" if "worker_idle_host_on_time" in r else " - | - |")
+            + f" {r.get('scheduled_ahead_share', 0.0):.0%} |"
         )
     ceilings = []
     for context in sorted({r["context"] for r in results["runs"]}):

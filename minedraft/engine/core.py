@@ -14,6 +14,7 @@ from typing import Any
 from minedraft.engine.auto import AutoSettings, Decision
 from minedraft.engine.cost_model import Prediction
 from minedraft.engine.placement import (
+    ComputePlacement,
     DevicePlan,
     check_model_pair,
     cpu_thread_binding,
@@ -34,9 +35,12 @@ from minedraft.engine.vllm_adapter import (
 from minedraft.engine.vllm_adapter.cpu_fixes import apply_cpu_fixes
 from minedraft.engine.vllm_adapter.engine_core import (
     disable_envs_cache,
+    in_process_core,
     in_process_scheduler,
     keep_distributed_state,
+    model_thread_init,
 )
+from minedraft.engine.vllm_adapter.overlap import OverlappedSteps
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +100,13 @@ def drafter_process_settings(settings: EngineSettings, plan: DevicePlan | None =
         "dtype": settings.dtype,
         "seed": settings.seed,
     }
+
+
+def overlap_possible(settings: EngineSettings) -> bool:
+    """Whether this engine can run async PSD steps: a mode with sub-batches and the in-process executor (TP=1; the
+    model then runs on a thread of its own, see vllm_adapter/overlap.py). Tensor-parallel engines run synchronous
+    steps: vLLM's multiprocess executor would give real futures, but that path is not built or tested here."""
+    return settings.mode.uses_drafter and settings.tensor_parallel_size == 1
 
 
 def engine_args(settings: EngineSettings) -> Any:
@@ -164,6 +175,7 @@ def engine_args(settings: EngineSettings) -> Any:
                 "drafter_prestarted": True,
                 "pad_drafts_to_k": settings.pad_drafts_to_k,
                 "resident_sub_batches": settings.resident_sub_batches,
+                "async_steps": settings.async_psd_steps and overlap_possible(settings),
             }
         },
     )
@@ -217,12 +229,22 @@ class Engine:
             scheduler = self.psd_scheduler
             assert scheduler is not None
             scheduler.attach_drafter(drafter)
+        self.overlap: OverlappedSteps | None = None
+        if overlap_possible(settings):
+            # Installed on every engine that could use it, so async steps can be switched on and off at run time
+            # (benchmarks compare both in one run); with them off each step is exactly vLLM's EngineCore.step.
+            # The model thread computes on the target's own cores (a new thread starts with the process's affinity
+            # and OpenMP's default thread count, not the engine thread's binding).
+            model_placement = ComputePlacement(settings.target_cpu_cores, ())
+            self.overlap = OverlappedSteps(in_process_core(self._llm), model_thread_init(
+                self._llm, lambda: model_placement.apply(wide=False)))
         self.tokenizer = self._llm.get_tokenizer()
         self.startup_seconds = time.perf_counter() - started
         self._prompt_lengths: dict[str, int] = {}
         self._output_counts: dict[str, int] = {}
-        log.info("engine (%s, %s on %s) ready in %.1fs", settings.mode.value, settings.dtype,
-                 "gpu" if device.has_gpu else "cpu", self.startup_seconds)
+        log.info("engine (%s, %s on %s, %s steps) ready in %.1fs", settings.mode.value, settings.dtype,
+                 "gpu" if device.has_gpu else "cpu", "async psd" if self.async_psd_steps else "synchronous",
+                 self.startup_seconds)
 
     def _start_drafter(self, settings: EngineSettings) -> Any:
         if settings.drafter.address is not None:
@@ -310,7 +332,9 @@ class Engine:
             self._output_counts.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._llm.has_unfinished_requests())
+        # A step still in flight (async PSD steps) is finished by the next step() even if its requests were aborted.
+        in_flight = self.overlap is not None and self.overlap.num_in_flight > 0
+        return in_flight or bool(self._llm.has_unfinished_requests())
 
     def step(self) -> list[OutputDelta]:
         deltas = []
@@ -372,6 +396,19 @@ class Engine:
         if scheduler is None:
             raise ValueError(f"mode: this engine was built for {self.settings.mode.value} and cannot switch")
         scheduler.set_mode(mode, k, num_extra_draft_tokens, auto_settings)
+
+    @property
+    def async_psd_steps(self) -> bool:
+        """Whether psd steps are scheduled while the previous step computes (where they can be: see overlap.py)."""
+        scheduler = self.psd_scheduler
+        return self.overlap is not None and scheduler is not None and bool(scheduler.async_steps)
+
+    def set_async_psd_steps(self, enabled: bool) -> None:
+        """Switch async PSD steps on or off; a step in flight finishes with the next step() either way."""
+        scheduler = self.psd_scheduler
+        if self.overlap is None or scheduler is None:
+            raise ValueError("async_psd_steps: needs a psd, sd or auto engine at tensor_parallel_size 1")
+        scheduler.async_steps = enabled
 
     def set_resident_sub_batches(self, enabled: bool) -> None:
         """Keep both sub-batches resident in the target's model runner (True), or let vLLM's single persistent batch
@@ -436,6 +473,8 @@ class Engine:
 
     def shutdown(self) -> None:
         _LIVE_ENGINES.discard(id(self))
+        if self.overlap is not None:
+            self.overlap.shutdown()
         try:
             if _LIVE_ENGINES:
                 # The engine core runs in this process, and its shutdown tears down vLLM's process-wide

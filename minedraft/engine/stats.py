@@ -66,6 +66,9 @@ class StepRecord:
     # The cost model prices drafting by these, not by the requests verified with drafts, which differ around switches.
     draft_job_requests: int = 0
     draft_job_length: int = 0
+    # Async PSD steps: scheduled while the previous step was still in flight (before its output was processed).
+    # Its step_seconds then count from the previous step's end and verify_seconds is the model runner's own time.
+    scheduled_ahead: bool = False
 
 
 @dataclass

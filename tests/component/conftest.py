@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,9 @@ from .device_checks import on_gpu
 from .patience import wait_for_drafts
 
 MAX_MODEL_LEN = 512
+# MINEDRAFT_TEST_ASYNC_PSD_STEPS=1: the shared psd engines run async PSD steps, so every psd test runs them (the
+# default tests the default, synchronous steps; test_async_psd_steps_* turn them on for themselves either way).
+ASYNC_PSD_STEPS = os.environ.get("MINEDRAFT_TEST_ASYNC_PSD_STEPS") == "1"
 
 
 def engine_settings(pair_dir: Path, mode: Mode, backend: str = "torch", **changes) -> EngineSettings:
@@ -29,6 +33,7 @@ def engine_settings(pair_dir: Path, mode: Mode, backend: str = "torch", **change
         # CPU (in bf16 greedy choices depend on batch composition). "auto" resolving to float32 is tested in doctor's.
         # On GPUs the model's own 16-bit dtype, checked by agreement (device_checks).
         dtype="auto" if on_gpu() else "float32",
+        async_psd_steps=ASYNC_PSD_STEPS,
     )
     return settings.with_changes(**changes) if changes else settings
 

@@ -520,3 +520,66 @@ def test_auto_mode_switches_in_every_direction_and_stays_lossless(psd, prompts, 
     assert psd.psd_scheduler.cost_model.last_verify_step == private.last_verify_step
     psd.set_mode(Mode.PSD, 3, 0)
     assert psd.configured_mode is Mode.PSD
+
+
+@pytest.fixture
+def async_psd(psd):
+    """The shared psd engine with async PSD steps on (off again afterwards, whatever the default)."""
+    was = psd.async_psd_steps
+    psd.set_async_psd_steps(True)
+    yield psd
+    for _ in range(5000):
+        if not psd.has_unfinished_requests():
+            break
+        psd.step()
+    psd.set_async_psd_steps(was)
+
+
+def test_async_psd_steps_overlap_and_match_the_target_alone(async_psd, prompts, references):
+    """Steps scheduled before the previous step's output is processed, with arrivals mid-run, aborts and finishes while
+    a step is in flight: token-identical to the target alone, and the overlap counted from the step records."""
+    engine = async_psd
+    plan = [
+        Planned(f"async-{i}", prompts[i], GREEDY, arrive_at_step=(i % 4) * 5,
+                abort_after_tokens=(6 + i) if i in (3, 10) else None)
+        for i in range(16)
+    ]
+    first_step = last_step(engine)
+    before = engine.totals()
+    run = drive(engine, plan)
+    assert run.aborted == {"async-3", "async-10"}
+    for i in range(16):
+        tokens = run.completions[f"async-{i}"].token_ids
+        expected = references[i][: len(tokens)] if f"async-{i}" in run.aborted else references[i]
+        assert tokens == expected, f"request {i} diverged under async steps"
+    after = engine.totals()
+    assert after.accepted_tokens > before.accepted_tokens, drafts_missing(engine, before, after)
+    records = engine.step_records(first_step)
+    ahead = [r for r in records if r.scheduled_ahead]
+    # Steady psd with both sides decoding is most of this run: most decode steps were scheduled ahead.
+    decode = [r for r in records if r.num_decode_requests and not r.num_prefill_requests]
+    assert len(ahead) > len(decode) // 2, (len(ahead), len(decode))
+    by_step = {r.step: r for r in records}
+    for r in ahead:
+        previous = by_step.get(r.step - 1)
+        # A step scheduled ahead verifies the other sub-batch than the step in flight (never the same requests).
+        assert r.mode == "psd" and previous is not None and r.verified_group == 1 - previous.verified_group, r
+    assert_clean(engine)
+
+
+def test_async_psd_steps_fall_back_to_synchronous_in_sd_ar_and_one_sided_psd(async_psd, prompts, references):
+    engine = async_psd
+    for mode in (Mode.SD, Mode.AR):
+        engine.set_mode(mode, 3, 0)
+        first_step = last_step(engine)
+        run = drive(engine, [Planned(f"async-{mode.value}-{i}", prompts[i], GREEDY) for i in range(6)])
+        for i in range(6):
+            assert run.completions[f"async-{mode.value}-{i}"].token_ids == references[i]
+        assert not any(r.scheduled_ahead for r in engine.step_records(first_step)), mode
+    # psd with a single request: one sub-batch stays empty, so psd runs sequential sd steps.
+    engine.set_mode(Mode.PSD, 3, 0)
+    first_step = last_step(engine)
+    run = drive(engine, [Planned("async-alone", prompts[0], GREEDY)])
+    assert run.completions["async-alone"].token_ids == references[0]
+    assert not any(r.scheduled_ahead for r in engine.step_records(first_step))
+    assert_clean(engine)

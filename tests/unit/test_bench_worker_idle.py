@@ -46,3 +46,14 @@ def test_each_step_is_timed_from_execute_to_sampled_tokens_and_the_gaps_between_
     assert [(round(idle, 6), round(busy, 6)) for idle, busy in gaps] == [(0.005, 0.010), (0.001, 0.012)]
     # Across engine steps the previous end carries over.
     assert [round(idle, 6) for idle, _ in idle_gaps(steps[2:], steps[1][1])] == [0.001]
+
+
+def test_an_idle_gap_splits_into_waiting_for_drafts_and_host_work():
+    from minedraft.bench.steps import idle_split
+
+    # The wait for drafts inside the gap: 3 ms of a 5 ms gap waiting, 2 ms host work.
+    assert tuple(round(x, 6) for x in idle_split((1.000, 1.005), (1.001, 1.004))) == (0.003, 0.002)
+    # Async steps: the wait fell while the previous step computed (before the gap): all host work.
+    assert tuple(round(x, 6) for x in idle_split((1.000, 1.001), (0.990, 0.999))) == (0.0, 0.001)
+    # A wait running past the gap counts only inside it.
+    assert tuple(round(x, 6) for x in idle_split((1.000, 1.002), (0.999, 1.010))) == (0.002, 0.0)

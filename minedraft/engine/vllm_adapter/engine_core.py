@@ -44,3 +44,19 @@ def in_process_model_runner(llm_engine: Any) -> Any:
     """The model runner of a TP=1 in-process engine (its only worker runs in this process): for benchmarks that time
     the runner's own methods."""
     return in_process_core(llm_engine).model_executor.driver_worker.worker.model_runner
+
+
+def model_thread_init(llm_engine: Any, bind_cores: Any) -> Any:
+    """What a thread that runs the in-process model (async PSD steps) does first: `bind_cores()` (the target's CPU
+    cores and thread count), and on a GPU the worker's device, which is per thread in CUDA (a new thread starts on
+    device 0). Not run on a GPU yet: whether vLLM's GPU runner keeps any other per-thread state is unverified."""
+
+    def init() -> None:
+        bind_cores()
+        device = getattr(in_process_core(llm_engine).model_executor.driver_worker.worker, "device", None)
+        if device is not None and getattr(device, "type", "") == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
+
+    return init

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,10 +64,23 @@ class _StepTiming:
     draft_first_token_seconds: float = 0.0
     drafter_idle_seconds: float = 0.0
     draft_jobs_in_flight: int = 0
+    scheduled_ahead: bool = False
     # (draft, first-token, drafter-idle seconds) of the replies that arrived during this step, by sub-batch: the step
     # records only the verified sub-batch's (the job whose drafts it verified). Around a switch the other side's job
     # lands in the same step; summed in, it priced a draft of one sub-batch at two jobs' time in auto's cost model.
     drafts_by_group: dict[int, JobTimes] = field(default_factory=dict)
+
+
+@dataclass
+class _ScheduledStep:
+    """What update_from_output needs of a step scheduled and not yet processed (two with async PSD steps)."""
+
+    timing: _StepTiming
+    plan: StepPlan
+    mode: Mode
+    verified_group: int | None
+    # Requests the step runs: none of them may be scheduled again before its output is processed.
+    request_ids: frozenset[str]
 
 
 def _is_decoding(request: Request) -> bool:
@@ -110,10 +124,16 @@ class PSDScheduler(Scheduler):
         # With the model runner's resident sub-batches (set by the engine): no re-sending of whole contexts either.
         self.resident_sub_batches = bool(config.get("resident_sub_batches", True))
         self.stats = StatsRecorder(int(config.get("stats_history", 4096)))
-        self._verified_group: int | None = None
-        self._effective_mode: Mode = self.mode
-        self._plan = StepPlan(self.mode, None, {}, {}, frozenset())
+        # Steps scheduled and not yet processed, oldest first: one, or two while async PSD steps overlap.
+        self._scheduled: deque[_ScheduledStep] = deque()
+        # The newest scheduled step's timing: draft replies that arrive while it is scheduled are recorded in it.
         self._timing = _StepTiming()
+        # Async PSD steps (the engine's OverlappedSteps asks may_schedule_ahead): off unless the engine turns it on.
+        self.async_steps = bool(config.get("async_steps", False))
+        # Set by OverlappedSteps before each update: the seconds the model runner spent on the step (the engine
+        # thread's own clock would include scheduling the next step).
+        self.worker_seconds: float | None = None
+        self._last_update_finished = 0.0
         self._num_steps = 0
         self.link = DrafterLink(None, hang_seconds=float(config.get("hang_seconds", DEFAULT_HANG_SECONDS)),
                                 max_failed_jobs=int(config.get("max_missed_deadlines", 3)))
@@ -234,7 +254,13 @@ class PSDScheduler(Scheduler):
 
     # -- schedule ----------------------------------------------------------------------------------------------
 
-    def _states(self) -> list[RequestState]:
+    def _busy(self) -> frozenset[str]:
+        """Requests of steps scheduled and not yet processed: their next tokens are not known yet."""
+        if not self._scheduled:
+            return frozenset()
+        return frozenset().union(*(step.request_ids for step in self._scheduled))
+
+    def _states(self, busy: frozenset[str] = frozenset()) -> list[RequestState]:
         max_len = self.max_model_len
         states = []
         for request in self.running:
@@ -243,7 +269,7 @@ class PSDScheduler(Scheduler):
             states.append(RequestState(
                 request_id=request.request_id,
                 num_tokens=num_tokens,
-                decoding=_is_decoding(request),
+                decoding=_is_decoding(request) and request.request_id not in busy,
                 draft_room=min(request.max_tokens - request.num_output_tokens - 1, pad_room),
                 pad_room=pad_room,
                 last_token_id=request.all_token_ids[-1] if num_tokens else 0,
@@ -254,33 +280,65 @@ class PSDScheduler(Scheduler):
         timing = _StepTiming(started_at=time.perf_counter())
         self._timing = timing
         mode = self._current_mode()
-        self._effective_mode = mode
-        states = self._states()
+        # Async PSD steps: the step in flight verifies one sub-batch, this one the other (may_schedule_ahead).
+        busy = self._busy()
+        if self._scheduled and mode is Mode.PSD and self._scheduled[-1].verified_group is not None:
+            self.planner.turn = 1 - self._scheduled[-1].verified_group
+        states = self._states(busy)
         verified_group = self.planner.pick_group(states, mode)
         if verified_group is not None:
             self._await_drafts(verified_group, timing)
-        self._verified_group = verified_group
         # With no draft job in flight nothing drafts during this verification (ar; sd; psd with one side empty):
         # the target may compute on the drafter's cores too. A job in flight (psd's other side) keeps them apart.
         timing.draft_jobs_in_flight = len(self.link.tickets)
-        self.placement.apply(wide=should_widen(mode is Mode.AR, bool(self.link.tickets), self.link.loading))
+        # Scheduled ahead (async PSD steps): the step in flight's sub-batch is sent its draft job when that step's
+        # output is processed, while this step verifies, so nothing is lent. (Only this thread's cores: the model
+        # thread stays on the target's own.)
+        ahead = bool(self._scheduled)
+        self.placement.apply(wide=should_widen(mode is Mode.AR, bool(self.link.tickets) or ahead,
+                                               self.link.loading))
 
         plan = self.planner.plan(states, mode, verified_group, pad=self.auto is None)
-        self._plan = plan
         step_after_next = self.current_step + 2  # schedule() increments current_step before its running loop
         for request in self.running:
             request_id = request.request_id
             # A fresh list: vLLM trims spec_token_ids in place.
             request.spec_token_ids = list(plan.proposals.get(request_id, ()))
-            request.next_decode_eligible_step = step_after_next if request_id in plan.held_out else 0
+            # (A request in flight must not run again before its output is in. vLLM 0.32 skips a decoding one itself,
+            # its new-token count being at most zero; a prompt's next chunk it would schedule: held too.)
+            held = request_id in plan.held_out or request_id in busy
+            request.next_decode_eligible_step = step_after_next if held else 0
         if self.resident_sub_batches:
             skip_token_resend(self)
 
         output = super().schedule(*args, **kwargs)
         timing.scheduled_at = time.perf_counter()
+        timing.scheduled_ahead = bool(self._scheduled)
+        self._scheduled.append(_ScheduledStep(timing, plan, mode, verified_group,
+                                              frozenset(output.num_scheduled_tokens)))
         if self.check_invariants:
             self.planner.check_step(plan, states, output.scheduled_spec_decode_tokens)
         return output
+
+    def may_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled now, before the one step in flight has been processed.
+
+        Only in fixed psd with the drafter up, the step in flight verifying one sub-batch and the other holding
+        decoding requests outside it: those are what the next step verifies, their tokens final since the step
+        before. Not in sd or ar (every step verifies the same requests, whose tokens the step in flight is making),
+        not in auto (its decisions and cost model read each step's timings as a step of its own), and not with one
+        side empty (psd then runs sequential sd on the other)."""
+        if not self.async_steps or len(self._scheduled) != 1 or self.auto is not None or self.mode is not Mode.PSD:
+            return False
+        step = self._scheduled[0]
+        if step.mode is not Mode.PSD or step.verified_group is None or not self.drafter_up:
+            return False
+        busy = step.request_ids
+        for request_id in self.subbatches.members(1 - step.verified_group):
+            request = self.requests.get(request_id)
+            if request is not None and request_id not in busy and _is_decoding(request):
+                return True
+        return False
 
     def _current_mode(self) -> Mode:
         if self.mode is Mode.AR or self.drafter is None:
@@ -381,8 +439,9 @@ class PSDScheduler(Scheduler):
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> Any:
         verify_done = time.perf_counter()
-        timing = self._timing
-        plan = self._plan
+        step = self._scheduled.popleft()
+        timing, plan, verified_group = step.timing, step.plan, step.verified_group
+        worker_seconds, self.worker_seconds = self.worker_seconds, None
         drafted_per_position: list[int] = []
         accepted_per_position: list[int] = []
         num_draft_tokens = num_accepted_tokens = num_output_tokens = num_pad_tokens = num_with_drafts = 0
@@ -407,7 +466,6 @@ class PSDScheduler(Scheduler):
             _bump(accepted_per_position, accepted)
         new_request_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
         num_decode = sum(1 for rid in scheduler_output.num_scheduled_tokens if rid not in new_request_ids)
-        verified_group = self._verified_group
         num_verified_members = sum(
             1 for rid in scheduler_output.num_scheduled_tokens
             if rid not in new_request_ids and self.subbatches.group_of(rid) == verified_group
@@ -415,12 +473,16 @@ class PSDScheduler(Scheduler):
 
         outputs = super().update_from_output(scheduler_output, model_runner_output)
 
-        mode = self._effective_mode
+        mode = step.mode
         self._forget_finished()
-        states = self._states()
+        # (Requests of a step still in flight are not decoding yet: no newcomer admission or draft job for them.)
+        states = self._states(self._busy())
         self.planner.after_step(states, mode, verified_group, self.mode)
         if mode in (Mode.PSD, Mode.SD) and verified_group is not None:
             self._submit_drafts(verified_group, states)
+            if self._scheduled and verified_group in self.link.tickets:
+                # The next step, scheduled ahead, verifies while this job drafts.
+                self._scheduled[-1].timing.draft_jobs_in_flight += 1
         if self.check_invariants:
             alive = {rid for rid, r in self.requests.items() if not r.is_finished()}
             self.planner.check_invariants(states, alive, self.mode)
@@ -429,7 +491,8 @@ class PSDScheduler(Scheduler):
         job = timing.drafts_by_group.get(verified_group, JobTimes()) if verified_group is not None else JobTimes()
         timing.draft_seconds, timing.draft_first_token_seconds = job.draft_seconds, job.first_token_seconds
         timing.drafter_idle_seconds = job.idle_seconds
-        verify_seconds = max(0.0, verify_done - timing.scheduled_at)
+        # With a step scheduled ahead, the engine thread's clock from scheduled_at would include that scheduling.
+        verify_seconds = worker_seconds if worker_seconds is not None else max(0.0, verify_done - timing.scheduled_at)
         if mode is not Mode.AR:
             self.wait_policy.observe_verify(verify_seconds)
         self._num_steps += 1
@@ -454,7 +517,9 @@ class PSDScheduler(Scheduler):
             draft_first_token_seconds=timing.draft_first_token_seconds,
             drafter_idle_seconds=timing.drafter_idle_seconds,
             schedule_seconds=max(0.0, timing.scheduled_at - timing.started_at - timing.wait_seconds),
-            step_seconds=finished - timing.started_at,
+            # Steps scheduled ahead overlap: each one counts from the previous step's end, so the steps' times add up
+            # to the wall time (the same as finished - started_at for a step scheduled after the previous update).
+            step_seconds=finished - max(timing.started_at, self._last_update_finished),
             drafter_up=self.drafter_up,
             k=self.k,
             draft_token_budget=plan.draft_token_budget or 0,
@@ -468,7 +533,9 @@ class PSDScheduler(Scheduler):
             update_seconds=max(0.0, finished - verify_done),
             draft_job_requests=job.requests,
             draft_job_length=job.length,
+            scheduled_ahead=timing.scheduled_ahead,
         )
+        self._last_update_finished = finished
         self.stats.record(record)
         if self.auto is not None:
             num_running = sum(1 for r in self.running if _is_decoding(r) or r.num_output_tokens > 0)
