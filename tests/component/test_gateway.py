@@ -77,11 +77,12 @@ async def test_deadline_expiry_ends_the_stream_and_the_engine_call(stack):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await collect(target, request(max_tokens=1000), timeout=deadline_seconds)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    # The engine sees the client's deadline passed on, not a fresh or a missing one. gRPC carries deadlines in its
-    # own timer units, so the remaining time read at the engine may round up past the deadline by microseconds
-    # (0.50003 of 0.5 s in one CI run).
+    # The engine sees the client's deadline passed on, not a fresh or a missing one. gRPC core encodes a timeout
+    # compactly and may round it up at each hop, so the remaining time read at the engine can exceed the client's
+    # deadline a little (0.50003 s of 0.5 s; 3.009 s of 3 s): allowed 2%, far below any fresh deadline.
     assert fake.record.deadlines_seconds, "the request never reached the engine before its deadline"
-    assert fake.record.deadlines_seconds[0] is not None and fake.record.deadlines_seconds[0] <= deadline_seconds + 1e-3
+    assert fake.record.deadlines_seconds[0] is not None
+    assert fake.record.deadlines_seconds[0] <= deadline_seconds * 1.02, fake.record.deadlines_seconds
     await wait_for(lambda: len(fake.record.cancelled) == 1, what="the engine stream to end")
     assert not fake.record.completed
 
