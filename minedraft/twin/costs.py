@@ -40,6 +40,9 @@ class Hardware:
     shared_contention: float = 1.0
     # The engine's own work per step (scheduling, sampling, bookkeeping), beyond the forward pass. Not in the curves.
     step_overhead_ms: float = 0.0
+    # The same for steps of a drafting mode (sd, psd: they also send a draft job and store drafts), when measured
+    # apart (the engine's own steps on this CPU: 0.44 ms in ar, 0.66 in sd); None: step_overhead_ms.
+    drafting_step_overhead_ms: float | None = None
     # Prefill: the curves hold no prefill measurements. 0 leaves it out (prompts are free, TTFT is queueing and
     # the first step); a value charges each new prompt token this much target time in the step that takes it in.
     prefill_ms_per_token: float = 0.0
@@ -59,8 +62,8 @@ class Hardware:
                              f"got {self.drafter_placement!r}")
         if not 0.0 <= self.shared_contention <= 1.0:
             raise ValueError(f"shared_contention: must be within [0, 1], got {self.shared_contention}")
-        if self.step_overhead_ms < 0 or self.prefill_ms_per_token < 0:
-            raise ValueError("step_overhead_ms and prefill_ms_per_token must be >= 0")
+        if self.step_overhead_ms < 0 or self.prefill_ms_per_token < 0 or (self.drafting_step_overhead_ms or 0) < 0:
+            raise ValueError("step_overhead_ms, drafting_step_overhead_ms and prefill_ms_per_token must be >= 0")
         if self.drafter_window_tokens < 0:
             raise ValueError(f"drafter_window_tokens: must be >= 0 (0: no window), got {self.drafter_window_tokens}")
 
