@@ -172,7 +172,8 @@ class Measured:
 
     runs: dict[str, list[list[StepRecord]]]
     tokens_per_s: dict[tuple[str, int], list[float]]
-    records: dict[tuple[str, int], list[StepRecord]]
+    # Per (mode, requests): each round's step records, in the order of tokens_per_s.
+    records: dict[tuple[str, int], list[list[StepRecord]]]
 
 
 async def _load(engine: Any, mode: Mode, k: int, prompts: list[str], concurrency: int,
@@ -211,7 +212,7 @@ async def _measure(base: EngineSettings, settings: CalibrationSettings, prompts:
                 for mode in (Mode.AR, Mode.SD, Mode.PSD):
                     records, rate, _ = await _load(engine, mode, settings.k, chosen, concurrency, settings.max_tokens)
                     measured.tokens_per_s.setdefault((mode.value, concurrency), []).append(rate)
-                    measured.records.setdefault((mode.value, concurrency), []).extend(records)
+                    measured.records.setdefault((mode.value, concurrency), []).append(records)
                     _log(f"round {round_index + 1}: evaluation {mode.value} at {concurrency}: {rate:.0f} tok/s")
     finally:
         await engine.shutdown()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from minedraft.engine.auto import AutoSettings
@@ -183,12 +183,15 @@ def run_concurrency(costs: StepCosts, acceptance: AcceptanceModel, mode: str, k:
 
 def run_phases(costs: StepCosts, acceptance: AcceptanceModel, mode: str, k: int, phases: Sequence[Phase],
                workload: Workload = Workload(), seed: int = 0, auto: AutoSettings | None = None,
-               schedule: Sequence[tuple[str, int]] | None = None) -> RunResult:
+               schedule: Sequence[tuple[str, int]] | None = None,
+               follow: Callable[[int], tuple[str, int]] | None = None) -> RunResult:
     """Closed loop whose concurrency follows `phases` (each held for its duration of simulated time). Measures the
     whole trace: tokens over time, every request that finished.
 
     `schedule`: a (mode, k) per phase, switched to at the phase's start (an oracle that knows each phase's best
-    setting in advance; `mode` and `k` are then the first phase's and the run is labelled "oracle")."""
+    setting in advance; `mode` and `k` are then the first phase's and the run is labelled "oracle"). `follow`: the
+    (mode, k) to run at each number of running requests, applied before every step (an oracle that follows the load
+    as it moves, ramps and drains included, by a steady regime map)."""
     if not phases:
         raise ValueError("phases: at least one")
     if schedule is not None and len(schedule) != len(phases):
@@ -196,7 +199,7 @@ def run_phases(costs: StepCosts, acceptance: AcceptanceModel, mode: str, k: int,
     if schedule is not None:
         mode, k = schedule[0]
     run = _Run(costs, acceptance, mode, k, workload, seed, auto, max_num_seqs=max(p.concurrency for p in phases))
-    if schedule is not None:
+    if schedule is not None or follow is not None:
         run.result.mode, run.result.k, run.result.gpus = "oracle", 0, costs.gpus("psd")
     replica = run.replica
     end = 0.0
@@ -208,6 +211,10 @@ def run_phases(costs: StepCosts, acceptance: AcceptanceModel, mode: str, k: int,
         while replica.clock.now < end:
             while replica.num_in_system < phase.concurrency:
                 replica.add(run.new_request(replica.clock.now))
+            if follow is not None:
+                wanted = follow(replica.num_in_system)
+                if wanted != (replica.mode.value, 0 if replica.mode.value == "ar" else replica.planner.k):
+                    replica.switch(*wanted)
             outcome = replica.step()
             run.result.tokens += outcome.output_tokens
             run.record(outcome.finished, True)
