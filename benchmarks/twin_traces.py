@@ -125,6 +125,9 @@ def run_trace(costs: StepCosts, acceptance: AcceptanceModel, phases: Sequence[Ph
     following = run_phases(costs, acceptance, "ar", 0, phases, follow=steady_best).tokens_per_s
     oracle = max(oracle, following)
     auto = run_phases(costs, acceptance, "auto", 0, phases, auto=AutoSettings(k_candidates=KS))
+    # The controller as it was before it reacted to load shifts, for comparison.
+    before = run_phases(costs, acceptance, "auto", 0, phases, auto=AutoSettings(k_candidates=KS,
+                                                                                load_shift_factor=None))
     shares: dict[int, float] = {}
     total = sum(p.duration_s for p in phases)
     for p in phases:
@@ -137,6 +140,7 @@ def run_trace(costs: StepCosts, acceptance: AcceptanceModel, phases: Sequence[Ph
             "oracle_over_best_fixed": round(oracle / fixed[best], 3),
             "auto_over_best_fixed": round(auto.tokens_per_s / fixed[best], 3),
             "auto_over_oracle": round(auto.tokens_per_s / oracle, 3),
+            "auto_without_load_shift_over_best_fixed": round(before.tokens_per_s / fixed[best], 3),
             "auto_steps_by_setting": auto.steps_by_setting, "auto_decisions": auto.num_decisions,
             "fixed_tokens_per_s": {label: round(v, 1) for label, v in fixed.items()}}
 
@@ -192,12 +196,14 @@ def main(argv: list[str] | None = None) -> int:
                f"Oracle bound over any mix of loads: **{data['oracle_bound_any_mix']}** (at time shares "
                f"{data['bound_time_shares']}).", "",
                "| trace | phases (requests x s) | best fixed | its tok/s | steady oracle / best fixed | oracle / best "
-               "fixed | auto / best fixed | auto / oracle |", "|---|---|---|---|---|---|---|---|"]
+               "fixed | auto / best fixed | auto / oracle | auto without load-shift reaction / best fixed |",
+               "|---|---|---|---|---|---|---|---|---|"]
         for label, r in data["traces"].items():
             phases = ", ".join(f"{c}x{d:g}" for c, d in r["phases"])
             md.append(f"| {label} | {phases} | {r['best_fixed']} | {r['best_fixed_tokens_per_s']} | "
                       f"{r['steady_oracle_over_best_fixed']} | {r['oracle_over_best_fixed']} | "
-                      f"{r['auto_over_best_fixed']} | {r['auto_over_oracle']} |")
+                      f"{r['auto_over_best_fixed']} | {r['auto_over_oracle']} | "
+                      f"{r['auto_without_load_shift_over_best_fixed']} |")
         md.append("")
     (OUT / "traces.md").write_text("\n".join(md) + "\n")
     log(f"wrote {OUT}/traces.{{json,md}}")

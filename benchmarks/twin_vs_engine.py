@@ -44,6 +44,7 @@ TARGET, DRAFTER = "pair-v1-target", "pair-v1-draft"
 COMMAND = "python benchmarks/twin_vs_engine.py"
 GOAL = 0.15
 ARCHS: dict[str, Any] = {}
+DEVICE = "CPU (this machine): target core 0, drafter core 1"
 
 
 def log(message: str) -> None:
@@ -66,6 +67,20 @@ def _ms(seconds: list[float]) -> float | None:
     return round(statistics.mean(seconds) * 1000, 2) if seconds else None
 
 
+def hardware_of(doc: dict[str, Any]) -> Hardware:
+    """The engine's host work per step (by decoding requests, ar's and sd's) and its prefill cost, as measured."""
+    by_batch = doc.get("step_overhead_ms_by_batch", {})
+
+    def table(mode: str) -> tuple[tuple[float, float], ...]:
+        return tuple((float(row["batch"]), float(row["ms"])) for row in by_batch.get(mode, []))
+
+    overhead = doc["step_overhead_ms"]
+    return Hardware(step_overhead_ms=overhead.get("ar", overhead.get("all", 0.0)),
+                    drafting_step_overhead_ms=overhead.get("sd"), step_overhead_ms_by_batch=table("ar"),
+                    drafting_step_overhead_ms_by_batch=table("sd"),
+                    prefill_ms_per_token=doc.get("prefill_ms_per_token") or 0.0)
+
+
 def own_costs(doc: dict[str, Any], records: list[Any], mode: str, k: int, context: int) -> StepCosts:
     """The calibrated curves with the shapes this load ran, its host work and its prefill replaced by what this
     load's own steps measured (at the same moment as its throughput)."""
@@ -78,13 +93,14 @@ def own_costs(doc: dict[str, Any], records: list[Any], mode: str, k: int, contex
         replaced = {(r["batch"], r[third]) for r in own["models"][name][key]}
         rows = [r for r in merged["models"][name][key] if (r["batch"], r[third]) not in replaced]
         merged["models"][name][key] = sorted(rows + own["models"][name][key], key=lambda r: (r[third], r["batch"]))
-    overhead = own["step_overhead_ms"].get("all", doc["step_overhead_ms"].get(mode if mode == "ar" else "sd", 0.0))
-    prefill = own.get("prefill_ms_per_token") or doc.get("prefill_ms_per_token") or 0.0
-    return StepCosts.from_curves(parse_curves(merged), TARGET, DRAFTER, Hardware(
-        step_overhead_ms=overhead, prefill_ms_per_token=prefill))
+    kind = "ar" if mode == "ar" else "sd"
+    merged["step_overhead_ms"].update({k: v for k, v in own["step_overhead_ms"].items() if k == kind})
+    merged["step_overhead_ms_by_batch"].update(own["step_overhead_ms_by_batch"])
+    merged["prefill_ms_per_token"] = own.get("prefill_ms_per_token") or doc.get("prefill_ms_per_token")
+    return StepCosts.from_curves(parse_curves(merged), TARGET, DRAFTER, hardware_of(merged))
 
 
-def twin_rows(measured: Any, costs: dict[str, StepCosts], acceptance: AcceptanceModel, k: int,
+def twin_rows(measured: Any, costs: dict[str, StepCosts], acceptances: dict[int, AcceptanceModel], k: int,
               workload: Workload, num_requests: Any, doc: dict[str, Any], context: int) -> list[dict[str, Any]]:
     rows = []
     for (mode, concurrency), rates in sorted(measured.tokens_per_s.items(), key=lambda item: (item[0][1], item[0][0])):
@@ -100,7 +116,8 @@ def twin_rows(measured: Any, costs: dict[str, StepCosts], acceptance: Acceptance
                                "engine_wait_ms_per_step": _ms([r.wait_seconds for r in records])}
         load_costs = {**costs, "own_steps": own_costs(doc, round_records, mode, k, context)}
         for name, step_costs in load_costs.items():
-            twin = run_closed_loop(step_costs, acceptance, mode, k, concurrency, num_requests(concurrency), workload)
+            twin = run_closed_loop(step_costs, acceptances[concurrency], mode, k, concurrency,
+                                   num_requests(concurrency), workload)
             row[f"twin_{name}_tokens_per_s"] = round(twin.tokens_per_s, 1)
             row[f"twin_{name}_over_engine"] = round(twin.tokens_per_s / engine, 3)
         rows.append(row)
@@ -120,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                         "reuse them instead of starting the engine: to redo the twin's side only)")
     args = parser.parse_args(argv)
 
-    from minedraft.bench.calibrate import CalibrationSettings, calibrate
+    from minedraft.bench.calibrate import CalibrationSettings, calibrate, document
     from minedraft.bench.workload import bench_prompts
     from minedraft.cli import build_parser
     from minedraft.engine_options import _pair_dir, ensure_pair, settings_from_args
@@ -149,10 +166,12 @@ def main(argv: list[str] | None = None) -> int:
                                    requests_per_batch=args.requests_per_concurrency)
     session = Path(args.session) if args.session else None
     if session is not None and session.exists():
-        doc, measured, session_s = pickle.loads(session.read_bytes())
+        _, measured, session_s = pickle.loads(session.read_bytes())
+        doc = document(base, settings, measured, context, target, drafter, DEVICE, args.rounds)
+        doc["command"] = COMMAND
     else:
         doc, measured = calibrate(base, settings, prompts, context, target, drafter,
-                                  device="CPU (this machine): target core 0, drafter core 1",
+                                  device=DEVICE,
                                   evaluate=concurrencies, rounds=args.rounds)
         doc["command"] = COMMAND
         session_s = time.perf_counter() - started
@@ -163,26 +182,26 @@ def main(argv: list[str] | None = None) -> int:
     curves_path.write_text(json.dumps(doc, indent=1) + "\n")
     log(f"session {session_s:.0f} s: host work per step {doc['step_overhead_ms']} ms; wrote {curves_path}")
 
-    records = [r for key, runs in measured.records.items() if key[0] != "ar" for run in runs for r in run]
-    acceptance = acceptance_of(records)
-    overhead = doc["step_overhead_ms"]
+    # Acceptance is the prompts' (content), not a cost: each load's, pooled over its sd and psd rounds.
+    acceptances = {c: acceptance_of([r for (mode, cc), runs in measured.records.items() if mode != "ar" and cc == c
+                                     for run in runs for r in run]) for c in concurrencies}
+    acceptance = acceptance_of([r for key, runs in measured.records.items() if key[0] != "ar"
+                                for run in runs for r in run])
     prefill_ms = float(doc.get("prefill_ms_per_token") or 0.0)
     engine_curves = parse_curves(doc, str(curves_path))
     costs = {
-        "engine_curves": StepCosts.from_curves(engine_curves, TARGET, DRAFTER, Hardware(
-            step_overhead_ms=overhead.get("ar", 0.0), drafting_step_overhead_ms=overhead.get("sd"),
-            prefill_ms_per_token=prefill_ms)),
+        "engine_curves": StepCosts.from_curves(engine_curves, TARGET, DRAFTER, hardware_of(doc)),
         "eager_curves": StepCosts.from_curves(load_curves(EAGER_CURVES), TARGET, DRAFTER, Hardware()),
     }
     workload = Workload(prompt_tokens=prompt_tokens, output_tokens=args.max_tokens, output_spread=0.0)
-    rows = twin_rows(measured, costs, acceptance, args.k, workload, settings.num_requests, doc, context)
+    rows = twin_rows(measured, costs, acceptances, args.k, workload, settings.num_requests, doc, context)
     within = [abs(r["twin_engine_curves_over_engine"] - 1) <= GOAL for r in rows]
     within_own = [abs(r["twin_own_steps_over_engine"] - 1) <= GOAL for r in rows]
     report = {
         "command": COMMAND, "k": args.k, "concurrencies": concurrencies, "max_tokens": args.max_tokens,
         "prompt_tokens_mean": prompt_tokens, "session_seconds": round(session_s), "rounds": args.rounds,
         "requests_per_load": {str(c): settings.num_requests(c) for c in concurrencies},
-        "acceptance_per_position": list(acceptance.survival),
+        "acceptance_per_position": {str(c): [round(v, 3) for v in a.survival] for c, a in acceptances.items()},
         "step_overhead_ms": doc["step_overhead_ms"], "prefill_ms_per_token": prefill_ms,
         "curves_file": curves_path.name, "goal": f"twin / engine within {1 - GOAL:.2f}-{1 + GOAL:.2f}",
         "points_within_goal": f"{sum(within)}/{len(within)}",
@@ -196,9 +215,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.max_tokens} output tokens per request, prompts {prompt_tokens} tokens on average, k = {args.k}). "
           "Target on core 0, drafter on core 1, the target never widening onto the drafter's core; ar on core 0.", "",
           f"Inputs measured by the calibration (the engine's own steps): host work per step "
-          f"{doc['step_overhead_ms']} ms (median; the twin takes ar's for ar steps, sd's for sd and psd steps), "
-          f"prefill {prefill_ms:.3f} ms per prompt token; acceptance per position (from the evaluation) "
-          f"{', '.join(f'{v:.2f}' for v in acceptance.survival)}.",
+          f"{doc['step_overhead_ms']} ms (median over all steps), by decoding requests "
+          f"{doc['step_overhead_ms_by_batch']} (the twin interpolates ar's for ar steps, sd's for sd and psd steps), "
+          f"prefill {prefill_ms:.3f} ms per prompt token; acceptance per position (from the evaluation, each load's "
+          f"own; pooled: {', '.join(f'{v:.2f}' for v in acceptance.survival)}).",
           "",
           "| requests | mode | engine verify ms/step | engine draft ms/step | engine tok/s | "
           "twin (engine curves) tok/s | twin / engine | twin (this load's own step costs) / engine | "

@@ -14,7 +14,8 @@ batch) at each batch of the grid, and every decode step's `StepRecord` is a meas
 - step_overhead_ms: the median of the rest of a step (the engine's host work: scheduling, committing, sending the
   draft job, the output path), from consecutive decode steps: the time from one step's start to the next one's less
   its verification and its wait for drafts (what the engine's own cost model calls o(R));
-- prefill_ms_per_token: the median, over steps that only took in prompts, of their verification per prompt token.
+- prefill_ms_per_token: the median, over steps that took prompts in, of their verification less their decoding part
+  (the forward rows at its shape) per prompt token.
 
 The records carry no context length: every point is filed at the context the loads run at (mean prompt tokens plus
 half the output), one context level. `curves_from_records` is pure; `calibrate` starts the engine (vLLM).
@@ -27,7 +28,7 @@ import itertools
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -90,15 +91,47 @@ def draft_points(records: Iterable[StepRecord]) -> dict[tuple[int, int], list[fl
 
 def overhead_seconds(runs: Iterable[Sequence[StepRecord]]) -> list[float]:
     """Per pair of consecutive decode steps of one run: the first step's time not spent verifying or waiting."""
-    values: list[float] = []
+    return [value for values in overhead_points(runs).values() for value in values]
+
+
+def overhead_points(runs: Iterable[Sequence[StepRecord]]) -> dict[int, list[float]]:
+    """overhead_seconds by the first step's decoding requests (the engine's host work grows with them: committing,
+    detokenizing and streaming each request's tokens)."""
+    points: dict[int, list[float]] = {}
     for records in runs:
         for previous, record in itertools.pairwise(records):
             if not (_decode_only(previous) and _decode_only(record)):
                 continue
             gap = record.started_at - previous.started_at
             if 0 < gap < MAX_STEP_GAP_SECONDS:
-                values.append(max(0.0, gap - previous.verify_seconds - previous.wait_seconds))
+                points.setdefault(previous.num_decode_requests, []).append(
+                    max(0.0, gap - previous.verify_seconds - previous.wait_seconds))
+    return points
+
+
+def _prefill_per_token(records: Iterable[StepRecord], decode_ms: dict[tuple[int, int], float],
+                       q: int) -> list[float]:
+    """Seconds per prompt token of the steps that took prompts in: their verification less their decoding part's."""
+    values: list[float] = []
+    for record in records:
+        if record.num_prefill_requests == 0:
+            continue
+        decoding = record.num_decode_requests
+        prompt_tokens = record.num_scheduled_tokens - decoding * q
+        known = sorted((batch, ms) for (batch, qq), ms in decode_ms.items() if qq == q)
+        if prompt_tokens <= 0 or (decoding and not (known and known[0][0] <= decoding <= known[-1][0])):
+            continue
+        rest = record.verify_seconds - (_between(known, decoding) / 1000.0 if decoding else 0.0)
+        values.append(max(0.0, rest) / prompt_tokens)
     return values
+
+
+def _between(points: list[tuple[int, float]], x: int) -> float:
+    """Linear between the two measured batches around x (x within the measured range)."""
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x0 <= x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y0
+    return points[0][1]
 
 
 def _least_contended(per_run: Iterable[dict[Any, list[float]]], min_steps: int) -> dict[Any, tuple[float, int]]:
@@ -117,7 +150,7 @@ def _least_contended(per_run: Iterable[dict[Any, list[float]]], min_steps: int) 
     return best
 
 
-def curves_from_records(runs: dict[str, Sequence[Sequence[StepRecord]]], target: tuple[str, Architecture],
+def curves_from_records(runs: Mapping[str, Sequence[Sequence[StepRecord]]], target: tuple[str, Architecture],
                         drafter: tuple[str, Architecture], context: int, k: int, device: str, measured: str,
                         notes: Sequence[str] = (), min_steps: int = MIN_STEPS_PER_POINT,
                         batches: Sequence[int] | None = None) -> dict[str, Any]:
@@ -148,10 +181,20 @@ def curves_from_records(runs: dict[str, Sequence[Sequence[StepRecord]]], target:
         if mode in least:
             overhead[mode] = round(least[mode][0] * 1000.0, 3)
     doc["step_overhead_ms"] = overhead
-    prefill = _least_contended(({"prefill": [
-        r.verify_seconds / r.num_scheduled_tokens for r in run
-        if r.num_prefill_requests > 0 and r.num_decode_requests == 0 and r.num_scheduled_tokens > 0]}
-        for run in all_runs), 1)
+    # ... and by decoding requests per step, per mode: [{"batch", "ms"}] (what the twin interpolates).
+    by_batch: dict[str, Any] = {}
+    for mode, mode_runs in runs.items():
+        least = _least_contended((overhead_points([run]) for run in mode_runs), min_steps)
+        rows = [{"batch": b, "ms": round(v * 1000.0, 3)} for b, (v, _) in sorted(least.items())
+                if batches is None or b in batches]
+        if rows:
+            by_batch[mode] = rows
+    doc["step_overhead_ms_by_batch"] = by_batch
+    # A step that takes prompts in costs what its decoding part costs (the forward rows above, interpolated in batch)
+    # plus the prompts' tokens; steps whose decoding batch lies outside the rows are left out.
+    decode_ms = {(r["batch"], r["new_tokens"]): r["ms"] for r in forward}
+    prefill = _least_contended(({"prefill": _prefill_per_token(run, decode_ms, 1 if mode == "ar" else k + 1)}
+                                for mode, mode_runs in runs.items() for run in mode_runs), min_steps)
     doc["prefill_ms_per_token"] = round(prefill["prefill"][0] * 1000.0, 4) if prefill else None
     return doc
 
@@ -225,13 +268,19 @@ def calibrate(base: EngineSettings, settings: CalibrationSettings, prompts: list
     """Runs the engine (`base`: models, cores, KV cache) over the grid and returns its cost-curve document, with the
     evaluation loads (ar, sd, psd at each of `evaluate`) measured in the same session, `rounds` times."""
     measured = asyncio.run(_measure(base, settings, prompts, evaluate, rounds))
+    return document(base, settings, measured, context, target, drafter, device, rounds), measured
+
+
+def document(base: EngineSettings, settings: CalibrationSettings, measured: Measured, context: int,
+             target: tuple[str, Architecture], drafter: tuple[str, Architecture], device: str,
+             rounds: int) -> dict[str, Any]:
+    """The cost-curve document of a session's calibration loads."""
     notes = [f"ar and sd closed-loop loads of {settings.max_tokens} output tokens at batches "
              f"{', '.join(map(str, settings.batches))}, k = {settings.k}, {rounds} round(s); median of each shape's "
              "decode steps",
              "target cores " + ",".join(map(str, base.target_cpu_cores)) + "; drafter cores "
              + ",".join(map(str, base.drafter.cpu_cores)) + ("; the target never widens onto the drafter's cores"
                                                             if not base.lend_drafter_cores else "")]
-    doc = curves_from_records(measured.runs, target, drafter, context, settings.k, device,
-                              time.strftime("%Y-%m-%d") + ", minedraft.bench.calibrate", notes,
-                              batches=settings.batches)
-    return doc, measured
+    return curves_from_records(measured.runs, target, drafter, context, settings.k, device,
+                               time.strftime("%Y-%m-%d") + ", minedraft.bench.calibrate", notes,
+                               batches=settings.batches)

@@ -179,23 +179,30 @@ class AutoController:
             fallback, self._probe_return = self._probe_return, None
             return self.decide(record.step, after_probe=fallback)
 
-        if self._load_shifted():
+        shifted = self._steps_beyond_decided_load()
+        if shifted >= self.settings.load_shift_steps:
             # Decide on the new load alone: the window's older steps describe the load that has gone.
             self._window_running = self._window_running[-self.settings.load_shift_steps:]
             self._steps_in_choice = max(self._steps_in_choice, self.settings.min_dwell_steps)
             return self.decide(record.step)
-        if self._steps_since_decision < self.settings.decision_interval_steps:
+        if shifted or self._steps_since_decision < self.settings.decision_interval_steps:
+            # (A shift under way is decided on once it holds, not priced now from a window mixing both loads.)
             return None
         return self.decide(record.step)
 
-    def _load_shifted(self) -> bool:
+    def _steps_beyond_decided_load(self) -> int:
+        """How many of the latest steps in a row ran at a load beyond the load shift's band around the load of the
+        last decision (0 without load shifts)."""
         factor = self.settings.load_shift_factor
         decided = self._decided_running
-        recent = self._window_running[-self.settings.load_shift_steps:]
-        if factor is None or decided <= 0 or len(recent) < self.settings.load_shift_steps:
-            return False
-        return all(not decided / factor <= n <= decided * factor
-                   and abs(n - decided) >= self.settings.load_shift_min_requests for n in recent)
+        if factor is None or decided <= 0:
+            return 0
+        count = 0
+        for n in reversed(self._window_running[-self.settings.load_shift_steps:]):
+            if decided / factor <= n <= decided * factor or abs(n - decided) < self.settings.load_shift_min_requests:
+                break
+            count += 1
+        return count
 
     def decide(self, step: int, after_probe: tuple[str, int] | None = None) -> Decision | None:
         self._steps_since_decision = 0

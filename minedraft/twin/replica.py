@@ -322,9 +322,7 @@ class TwinReplica:
             self.wait_policy.observe_verify(verify_seconds)
         # As the scheduler records it: the drafting of the job whose drafts this step verified.
         job = self._drafts_by_group.get(group, JobTimes()) if group is not None else JobTimes()
-        hardware = self.costs.hardware
-        drafting = mode is not Mode.AR and hardware.drafting_step_overhead_ms is not None
-        overhead_seconds = (hardware.drafting_step_overhead_ms if drafting else hardware.step_overhead_ms) / 1000.0
+        overhead_seconds = self.costs.step_overhead_ms(len(decoders) + len(prefills), mode is not Mode.AR) / 1000.0
         self.clock.now += overhead_seconds
         self.step_number += 1
         self.steps_by_mode[mode.value] = self.steps_by_mode.get(mode.value, 0) + 1

@@ -66,7 +66,7 @@ def test_ramp_shapes_too_few_steps_mixed_draft_lengths_and_prefills_are_left_out
     ramp = [step(100 + i, 1.0 + i * 0.003, 3, 1, 0.009) for i in range(6)]  # batch 3: a ramp, not the grid
     few = [step(200 + i, 2.0 + i * 0.003, 8, 1, 0.004) for i in range(2)]  # batch 8: too few steps
     mixed = [StepRecord(**{**step(300, 3.0, 4, 4, 0.1).__dict__, "num_scheduled_tokens": 14})]  # 3.5 per request
-    prefill = [step(400 + i, 4.0 + i, 2, 1, 0.02, prefill=2) for i in range(3)]  # 2 tokens of prompt each
+    prefill = [step(400 + i, 4.0 + i, 2, 1, 0.02, prefill=2) for i in range(5)]  # 2 tokens of prompt each
     doc = curves_from_records({"ar": [ar_run(4, 0.002, 6, 0.0025), ramp, few, mixed, prefill]}, TARGET, DRAFTER,
                               100, 3, "cpu", "test", batches=(1, 2, 4, 8))
     assert [(r["batch"], r["new_tokens"]) for r in doc["models"]["t"]["forward_ms"]] == [(4, 1)]
@@ -80,3 +80,12 @@ def test_of_several_loads_of_a_shape_the_least_contended_one_counts() -> None:
     assert doc["models"]["t"]["forward_ms"] == [
         {"batch": 4, "context": 100, "new_tokens": 1, "ms": pytest.approx(2.0), "steps": 12}]
     assert doc["step_overhead_ms"]["ar"] == pytest.approx(0.5)
+
+
+def test_prefill_is_what_a_step_taking_prompts_in_costs_beyond_its_decoding_part() -> None:
+    decoding = [*ar_run(4, 0.002, 6, 0.0025), *[step(10 + i, 1.0 + i * 0.01, 8, 1, 0.004) for i in range(6)]]
+    # 6 decoding requests (between the rows at 4 and 8: 3 ms) and 10 prompt tokens in 13 ms: 1 ms per token.
+    mixed = [StepRecord(**{**step(20 + i, 2.0 + i * 0.02, 6, 1, 0.013).__dict__, "num_prefill_requests": 1,
+                           "num_scheduled_tokens": 16}) for i in range(5)]
+    doc = curves_from_records({"ar": [decoding, mixed]}, TARGET, DRAFTER, 100, 3, "cpu", "test")
+    assert doc["prefill_ms_per_token"] == pytest.approx(1.0)
