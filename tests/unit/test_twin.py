@@ -174,3 +174,14 @@ def test_a_closed_loop_of_n_requests_counts_every_token_and_its_drain() -> None:
     assert result.seconds == pytest.approx(3 * 20 * step_s, rel=0.01)
     with pytest.raises(ValueError, match="concurrency"):
         run_closed_loop(costs, acceptance, "ar", 0, 0, 10, fixed)
+
+
+def test_host_work_per_step_follows_the_requests_in_the_step_when_measured_by_batch() -> None:
+    hardware = Hardware(step_overhead_ms=100.0, step_overhead_ms_by_batch=((1, 1.0), (8, 8.0)),
+                        drafting_step_overhead_ms_by_batch=((1, 2.0), (8, 16.0)))
+    costs = costs_of(flat_curves(), hardware)
+    assert costs.step_overhead_ms(4, drafting=False) == pytest.approx(4.0)
+    assert costs.step_overhead_ms(4, drafting=True) == pytest.approx(8.0)
+    assert costs.step_overhead_ms(64, drafting=False) == pytest.approx(8.0)  # flat beyond the measured batches
+    ar = run_concurrency(costs, AcceptanceModel.constant(0.8), "ar", 0, 4, LONG)
+    assert ar.tokens_per_s == pytest.approx(4 / ((costs.verify_ms(4, 1024, 1) + 4.0) / 1000), rel=0.03)
