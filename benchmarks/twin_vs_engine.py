@@ -10,7 +10,7 @@
 3. the twin on those curves, with the acceptance per position the bench measured, at the same loads;
 and, as the old baseline, the twin on the profiler's eager-torch curves (benchmarks/curves/cpu-local-pair.json).
 
-    python benchmarks/twin_vs_engine.py            # ~10-20 minutes on a contended 2-core machine
+    python benchmarks/twin_vs_engine.py            # ~8 minutes on a contended 2-core machine (4 rounds)
 
 Both the calibration and the bench run the layout the twin models: the target on core 0, the drafter on core 1,
 the target never widening onto the drafter's core (sd leaves the drafter's device idle while it verifies), and ar on
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,2,4,8,16", help="the calibration's batch grid")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests-per-concurrency", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", default=str(OUT / "cpu-vs-engine.json"))
     parser.add_argument("--session", help="pickle the engine session's measurements here (or, if the file exists, "
                         "reuse them instead of starting the engine: to redo the twin's side only)")
