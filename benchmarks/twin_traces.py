@@ -188,9 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     md = ["# Auto over load-varying traces: against the best fixed mode and the per-phase oracle (twin)", "",
           f"Command: `{COMMAND}`. Acceptance {ACCEPTANCE} per position, prompts {Workload().prompt_tokens} tokens, "
           f"outputs {Workload().output_tokens} on average; TP = 1, drafter on its own GPU. Fixed settings: ar, sd and "
-          "psd at k 1-5. The oracle runs each phase in that load's steady best setting, switched at the phase's "
-          "start; the bound is the largest steady oracle / best fixed over any mix of the loads 1-256 (a linear "
-          "program over time shares).", ""]
+          "psd at k 1-5. The oracle runs each load's steady best setting: switched at each phase's start, or whenever "
+          "the number of requests in the system changes (ramps and drains too), the better of the two. The bound is "
+          "the largest steady oracle / best fixed over any mix of the loads 1-256 (a linear program over time "
+          "shares). 'Steady oracle' prices the trace's time shares at steady tokens/s (no transitions). The last "
+          "column is auto with its load-shift reaction turned off (load_shift_factor=None: the controller as it was "
+          "before), in the same run.", ""]
     for name, data in report["files"].items():
         md += [f"## {name}", "",
                f"Oracle bound over any mix of loads: **{data['oracle_bound_any_mix']}** (at time shares "

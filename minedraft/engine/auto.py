@@ -22,6 +22,10 @@ Pure policy over plain data: `AutoController.on_step(record, num_running)` is fe
   otherwise never be seen; the probe costs little because the setting is predicted nearly as good as what runs.
 - Drafting seconds of the first steps after steps without drafts are left out of the cost curves: they include
   the drafter's catch-up on every token committed meanwhile, a cost of the switch, not of the mode.
+- A load shift (the running requests of `load_shift_steps` steps in a row beyond `load_shift_factor` of the load of
+  the last decision) is decided on at once, on the new load alone, dwell and interval aside; while one may be under
+  way no regular decision is priced from a window that mixes the two loads. A burst that arrives (or ends) is met
+  within a few steps rather than after a decision interval priced at a blend of both loads.
 """
 
 from __future__ import annotations
