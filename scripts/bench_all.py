@@ -98,6 +98,18 @@ STEPS: tuple[Step, ...] = (
          ("benchmarks/results/gpu-twin/h200.json",),
          # About 10 minutes on the contended 2-core machine (load average ~9 from other jobs); pure Python, no engine.
          10 * 60),
+    Step("gpu-twin-traces", "auto over load-varying traces against the best fixed mode and the per-phase oracle, with "
+         "the oracle's bound over any load mix, on the H200 file, an eager-drafter file and an A100-like roofline",
+         ("python", "benchmarks/twin_traces.py"),
+         ("benchmarks/results/gpu-twin/traces.json",),
+         # About 7 minutes on the contended 2-core machine (load average ~9 from other jobs); pure Python, no engine.
+         8 * 60),
+    Step("twin-vs-engine", "the twin against the real engine in one run: cost curves measured through the engine's "
+         "own steps, ar/sd/psd at 1, 4, 16 requests, the twin's closed loops on those curves",
+         ("python", "benchmarks/twin_vs_engine.py"),
+         ("benchmarks/results/gpu-twin/cpu-vs-engine.json", "benchmarks/results/gpu-twin/cpu-vs-engine-curves.json"),
+         # About 8 minutes on the contended 2-core machine (one engine, three rounds); its figures need an idle one.
+         8 * 60),
     Step("gpu-twin-shared-drafter", "N replicas of a TP=4 target sharing one drafter GPU against psd 4+1 and vLLM's "
          "colocated SD, per GPU, contexts 1024/4096, with and without the drafter window, through the twin",
          ("python", "benchmarks/twin_shared_drafter.py"),

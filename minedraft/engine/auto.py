@@ -22,6 +22,10 @@ Pure policy over plain data: `AutoController.on_step(record, num_running)` is fe
   otherwise never be seen; the probe costs little because the setting is predicted nearly as good as what runs.
 - Drafting seconds of the first steps after steps without drafts are left out of the cost curves: they include
   the drafter's catch-up on every token committed meanwhile, a cost of the switch, not of the mode.
+- A load shift (the running requests of `load_shift_steps` steps in a row beyond `load_shift_factor` of the load of
+  the last decision) is decided on at once, on the new load alone, dwell and interval aside; while one may be under
+  way no regular decision is priced from a window that mixes the two loads. A burst that arrives (or ends) is met
+  within a few steps rather than after a decision interval priced at a blend of both loads.
 """
 
 from __future__ import annotations
@@ -60,6 +64,13 @@ class AutoSettings:
     # from costs at sizes beyond `close_call_slack` times any measured is probed once per load region (None: never).
     close_call_margin: float | None = 0.15
     close_call_slack: float = 1.1
+    # A load shift: when the running requests of the last `load_shift_steps` steps all lie beyond this factor of
+    # the load the last decision was made at (and at least `load_shift_min_requests` away from it), the controller
+    # decides at once on the new load, without waiting out the dwell or the decision interval (those keep a steady
+    # load from flapping; a burst arriving or ending is not steady). None: no such reaction.
+    load_shift_factor: float | None = 2.0
+    load_shift_steps: int = 4
+    load_shift_min_requests: int = 4
     # Whether steps run in fixed modes (before auto was turned on, or while it was off) teach auto's cost model too.
     # In service any measurement helps; a benchmark turns it off so that auto knows only what it paid to measure.
     learn_from_fixed_modes: bool = True
@@ -80,6 +91,10 @@ class AutoSettings:
             raise ValueError(f"close_call_margin: must be in [0, 1) or None, got {self.close_call_margin}")
         if self.close_call_slack < 1:
             raise ValueError(f"close_call_slack: must be >= 1, got {self.close_call_slack}")
+        if self.load_shift_factor is not None and self.load_shift_factor <= 1:
+            raise ValueError(f"load_shift_factor: must be > 1 or None, got {self.load_shift_factor}")
+        if self.load_shift_steps < 1 or self.load_shift_min_requests < 0:
+            raise ValueError("load_shift_steps must be >= 1 and load_shift_min_requests >= 0")
 
 
 @dataclass(frozen=True)
@@ -128,6 +143,8 @@ class AutoController:
     _steps_at_load: dict[str, dict[int, int]] = field(default_factory=dict)
     # (mode, k, running requests) of the close calls probed: each is measured once per load region.
     _close_calls: list[tuple[str, int, int]] = field(default_factory=list)
+    # Running requests (window average) at the last decision that saw any: a load shift is measured from it.
+    _decided_running: float = 0.0
 
     def _resuming(self, record: StepRecord) -> bool:
         if record.num_decode_requests == 0:
@@ -166,9 +183,30 @@ class AutoController:
             fallback, self._probe_return = self._probe_return, None
             return self.decide(record.step, after_probe=fallback)
 
-        if self._steps_since_decision < self.settings.decision_interval_steps:
+        shifted = self._steps_beyond_decided_load()
+        if shifted >= self.settings.load_shift_steps:
+            # Decide on the new load alone: the window's older steps describe the load that has gone.
+            self._window_running = self._window_running[-self.settings.load_shift_steps:]
+            self._steps_in_choice = max(self._steps_in_choice, self.settings.min_dwell_steps)
+            return self.decide(record.step)
+        if shifted or self._steps_since_decision < self.settings.decision_interval_steps:
+            # (A shift under way is decided on once it holds, not priced now from a window mixing both loads.)
             return None
         return self.decide(record.step)
+
+    def _steps_beyond_decided_load(self) -> int:
+        """How many of the latest steps in a row ran at a load beyond the load shift's band around the load of the
+        last decision (0 without load shifts)."""
+        factor = self.settings.load_shift_factor
+        decided = self._decided_running
+        if factor is None or decided <= 0:
+            return 0
+        count = 0
+        for n in reversed(self._window_running[-self.settings.load_shift_steps:]):
+            if decided / factor <= n <= decided * factor or abs(n - decided) < self.settings.load_shift_min_requests:
+                break
+            count += 1
+        return count
 
     def decide(self, step: int, after_probe: tuple[str, int] | None = None) -> Decision | None:
         self._steps_since_decision = 0
@@ -177,6 +215,8 @@ class AutoController:
         self._window_tokens, self._window_seconds = 0, 0.0
         if running <= 0 and after_probe is None:
             return None
+        if running > 0:
+            self._decided_running = running
         num_running = max(1, round(running))
         predictions = self.cost_model.predict_all(num_running, self.settings.allowed_modes,
                                                   self.settings.k_candidates)

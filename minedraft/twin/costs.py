@@ -14,6 +14,7 @@ see at the window plus its attention sinks; vLLM's colocated drafter has none.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -40,6 +41,14 @@ class Hardware:
     shared_contention: float = 1.0
     # The engine's own work per step (scheduling, sampling, bookkeeping), beyond the forward pass. Not in the curves.
     step_overhead_ms: float = 0.0
+    # The same for steps of a drafting mode (sd, psd: they also send a draft job and store drafts), when measured
+    # apart (the engine's own steps on this CPU: 0.44 ms in ar, 0.66 in sd); None: step_overhead_ms.
+    drafting_step_overhead_ms: float | None = None
+    # The same as measured by decoding requests per step, ((requests, ms), ...) sorted by requests, interpolated
+    # linearly in requests and held flat beyond the ends; when given they replace the constants above (the engine's
+    # host work grows with the requests it commits and streams: 0.4 ms at 1 request, 2-2.7 ms at 16 on this CPU).
+    step_overhead_ms_by_batch: tuple[tuple[float, float], ...] = ()
+    drafting_step_overhead_ms_by_batch: tuple[tuple[float, float], ...] = ()
     # Prefill: the curves hold no prefill measurements. 0 leaves it out (prompts are free, TTFT is queueing and
     # the first step); a value charges each new prompt token this much target time in the step that takes it in.
     prefill_ms_per_token: float = 0.0
@@ -59,8 +68,8 @@ class Hardware:
                              f"got {self.drafter_placement!r}")
         if not 0.0 <= self.shared_contention <= 1.0:
             raise ValueError(f"shared_contention: must be within [0, 1], got {self.shared_contention}")
-        if self.step_overhead_ms < 0 or self.prefill_ms_per_token < 0:
-            raise ValueError("step_overhead_ms and prefill_ms_per_token must be >= 0")
+        if self.step_overhead_ms < 0 or self.prefill_ms_per_token < 0 or (self.drafting_step_overhead_ms or 0) < 0:
+            raise ValueError("step_overhead_ms, drafting_step_overhead_ms and prefill_ms_per_token must be >= 0")
         if self.drafter_window_tokens < 0:
             raise ValueError(f"drafter_window_tokens: must be >= 0 (0: no window), got {self.drafter_window_tokens}")
 
@@ -82,6 +91,17 @@ class StepCosts:
         if tp == 1:
             return single_ms
         return single_ms / tp + layers * self.hardware.all_reduce_us_per_layer / 1000.0
+
+    def step_overhead_ms(self, requests: float, drafting: bool) -> float:
+        """The engine's own work in a step of `requests` requests (beyond the forward pass)."""
+        hardware = self.hardware
+        table = hardware.drafting_step_overhead_ms_by_batch if drafting else ()
+        table = table or hardware.step_overhead_ms_by_batch
+        if table:
+            return _interpolate(table, requests)
+        if drafting and hardware.drafting_step_overhead_ms is not None:
+            return hardware.drafting_step_overhead_ms
+        return hardware.step_overhead_ms
 
     def verify_ms(self, batch: float, context: float, new_tokens: float) -> float:
         if batch <= 0:
@@ -129,6 +149,16 @@ class StepCosts:
             flags |= self.target.forward_ms(batch, context, k + 1).extrapolated
             flags |= self.drafter.draft_loop_ms(batch, self.drafter_context(context), k).extrapolated
         return flags
+
+
+def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
+    """Piecewise linear through (x, y) points sorted by x, flat beyond the ends."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+    return points[-1][1]
 
 
 @dataclass(frozen=True)

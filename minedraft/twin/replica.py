@@ -322,7 +322,7 @@ class TwinReplica:
             self.wait_policy.observe_verify(verify_seconds)
         # As the scheduler records it: the drafting of the job whose drafts this step verified.
         job = self._drafts_by_group.get(group, JobTimes()) if group is not None else JobTimes()
-        overhead_seconds = self.costs.hardware.step_overhead_ms / 1000.0
+        overhead_seconds = self.costs.step_overhead_ms(len(decoders) + len(prefills), mode is not Mode.AR) / 1000.0
         self.clock.now += overhead_seconds
         self.step_number += 1
         self.steps_by_mode[mode.value] = self.steps_by_mode.get(mode.value, 0) + 1
@@ -361,11 +361,16 @@ class TwinReplica:
             self.planner.job_sent(group, plans)
 
     def _apply(self, decision: Decision) -> None:
-        mode = Mode(decision.mode)
-        k = self.planner.k if mode is Mode.AR else decision.k
+        self.switch(decision.mode, decision.k)
+        self.decisions.append(decision)
+
+    def switch(self, mode_name: str, k: int) -> None:
+        """Run `mode_name` at draft length k from the next step, as the scheduler applies a switch (auto's, or the
+        operator's): through the planner's switch_mode, requests in flight carrying on."""
+        mode = Mode(mode_name)
+        k = self.planner.k if mode is Mode.AR else k
         self.planner.switch_mode(self.mode, mode, k, 0)
         self.mode = mode
-        self.decisions.append(decision)
 
 
 def _bump(counts: list[int], upto: int) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from minedraft.engine.auto import AutoSettings
@@ -182,20 +182,39 @@ def run_concurrency(costs: StepCosts, acceptance: AcceptanceModel, mode: str, k:
 
 
 def run_phases(costs: StepCosts, acceptance: AcceptanceModel, mode: str, k: int, phases: Sequence[Phase],
-               workload: Workload = Workload(), seed: int = 0, auto: AutoSettings | None = None) -> RunResult:
+               workload: Workload = Workload(), seed: int = 0, auto: AutoSettings | None = None,
+               schedule: Sequence[tuple[str, int]] | None = None,
+               follow: Callable[[int], tuple[str, int]] | None = None) -> RunResult:
     """Closed loop whose concurrency follows `phases` (each held for its duration of simulated time). Measures the
-    whole trace: tokens over time, every request that finished."""
+    whole trace: tokens over time, every request that finished.
+
+    `schedule`: a (mode, k) per phase, switched to at the phase's start (an oracle that knows each phase's best
+    setting in advance; `mode` and `k` are then the first phase's and the run is labelled "oracle"). `follow`: the
+    (mode, k) to run at each number of running requests, applied before every step (an oracle that follows the load
+    as it moves, ramps and drains included, by a steady regime map)."""
     if not phases:
         raise ValueError("phases: at least one")
+    if schedule is not None and len(schedule) != len(phases):
+        raise ValueError(f"schedule: one (mode, k) per phase, got {len(schedule)} for {len(phases)} phases")
+    if schedule is not None:
+        mode, k = schedule[0]
     run = _Run(costs, acceptance, mode, k, workload, seed, auto, max_num_seqs=max(p.concurrency for p in phases))
+    if schedule is not None or follow is not None:
+        run.result.mode, run.result.k, run.result.gpus = "oracle", 0, costs.gpus("psd")
     replica = run.replica
     end = 0.0
-    for phase in phases:
+    for index, phase in enumerate(phases):
+        if schedule is not None and schedule[index] != (replica.mode.value, replica.planner.k):
+            replica.switch(*schedule[index])
         end += phase.duration_s
         idle = 0
         while replica.clock.now < end:
             while replica.num_in_system < phase.concurrency:
                 replica.add(run.new_request(replica.clock.now))
+            if follow is not None:
+                wanted = follow(replica.num_in_system)
+                if wanted != (replica.mode.value, 0 if replica.mode.value == "ar" else replica.planner.k):
+                    replica.switch(*wanted)
             outcome = replica.step()
             run.result.tokens += outcome.output_tokens
             run.record(outcome.finished, True)
@@ -226,4 +245,30 @@ def run_arrivals(costs: StepCosts, acceptance: AcceptanceModel, mode: str, k: in
         run.record(outcome.finished, True)
         remaining -= len(outcome.finished)
     run.result.seconds = replica.clock.now - first
+    return run.finish()
+
+
+def run_closed_loop(costs: StepCosts, acceptance: AcceptanceModel, mode: str, k: int, concurrency: int,
+                    num_requests: int, workload: Workload = Workload(), seed: int = 0,
+                    auto: AutoSettings | None = None) -> RunResult:
+    """What `minedraft bench` measures: `num_requests` requests, at most `concurrency` in flight (a finished one
+    replaced at once, the first `concurrency` all arriving at 0), until all are done; output tokens over the
+    makespan, ramp-up and drain included."""
+    if concurrency < 1 or num_requests < 1:
+        raise ValueError(f"closed loop: concurrency and num_requests must be >= 1, got {concurrency}, {num_requests}")
+    run = _Run(costs, acceptance, mode, k, workload, seed, auto, max_num_seqs=concurrency)
+    replica = run.replica
+    sent = done = idle = 0
+    while done < num_requests:
+        while sent < num_requests and replica.num_in_system < concurrency:
+            replica.add(run.new_request(replica.clock.now))
+            sent += 1
+        outcome = replica.step()
+        run.result.tokens += outcome.output_tokens
+        run.record(outcome.finished, True)
+        done += len(outcome.finished)
+        idle = 0 if outcome.output_tokens else idle + 1
+        if idle > MAX_IDLE_STEPS:
+            raise RuntimeError(f"twin: no progress in {MAX_IDLE_STEPS} steps ({run.result.mode})")
+    run.result.seconds = replica.clock.now
     return run.finish()

@@ -268,3 +268,27 @@ def test_a_close_call_on_extrapolated_costs_is_measured_once() -> None:
     assert close_calls and close_calls[0].step < 100, [(d.step, d.reason) for d in close_calls]
     # Each close call is measured once at this load.
     assert len({(d.mode, d.k) for d in close_calls}) == len(close_calls)
+
+
+@pytest.mark.parametrize("shift", [True, False])
+def test_a_load_shift_is_decided_on_at_once_and_on_the_new_load_alone(shift: bool) -> None:
+    settings = replace(SETTINGS, load_shift_factor=2.0 if shift else None)
+    controller = AutoController(settings, "sd", 2)
+    engine = SimulatedEngine(num_running=4, acceptance=0.8)
+    run(controller, engine, 600)  # settled at 4 requests
+    jump = engine.step
+    engine.num_running = 64
+    first = run(controller, engine, 40)[0]
+    if shift:
+        assert first.step - jump == settings.load_shift_steps and first.num_running == 64, first
+    else:  # the old behaviour: the next decision comes on the interval, priced at a mix of both loads
+        assert first.num_running < 64, first
+    # Steady noise around one load (1 and 2 requests in turn: far apart as a factor) is no shift.
+    controller = AutoController(settings, "sd", 2)
+    engine = SimulatedEngine(num_running=2, acceptance=0.8)
+    decisions = []
+    for step in range(600):
+        engine.num_running = 1 + step % 2
+        decision = controller.on_step(engine.next_record(controller.mode, controller.k), engine.num_running)
+        decisions += [decision] if decision else []
+    assert len(policy_switches(decisions)) <= 4

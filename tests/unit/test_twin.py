@@ -14,7 +14,7 @@ from minedraft.engine.auto import AutoSettings
 from minedraft.twin.costs import AcceptanceModel, Hardware, StepCosts
 from minedraft.twin.curves import load_curves, parse_curves
 from minedraft.twin.replica import ReplicaSettings, SimRequest, TwinReplica
-from minedraft.twin.run import Phase, Workload, run_arrivals, run_concurrency, run_phases
+from minedraft.twin.run import Phase, Workload, run_arrivals, run_closed_loop, run_concurrency, run_phases
 
 H200 = Path(__file__).resolve().parents[2] / "benchmarks" / "curves" / "h200-qwen3-32b.json"
 SHORT = Workload(prompt_tokens=1000, output_tokens=48)
@@ -146,3 +146,42 @@ def test_psd_over_sd_on_the_h200_curves_matches_the_arithmetic(concurrency: int,
 def test_h200_file_is_the_measured_one() -> None:
     data = json.loads(H200.read_text())
     assert data["device"].startswith("NVIDIA H200") and data["execution"] == "CUDA graphs"
+
+
+def test_an_oracle_schedule_runs_each_phase_in_its_setting_and_beats_each_fixed_one_on_a_two_load_trace() -> None:
+    costs = costs_of(flat_curves())
+    acceptance = AcceptanceModel.constant(0.8)
+    phases = [Phase(2, 2.0), Phase(64, 2.0)]
+    schedule = [("sd", 5), ("ar", 0)]
+    oracle = run_phases(costs, acceptance, "ar", 0, phases, SHORT, schedule=schedule)
+    assert oracle.mode == "oracle"
+    assert set(oracle.steps_by_setting) == {"sd-k5", "ar"}
+    sd = run_phases(costs, acceptance, "sd", 5, phases, SHORT)
+    ar = run_phases(costs, acceptance, "ar", 0, phases, SHORT)
+    assert oracle.tokens_per_s > max(sd.tokens_per_s, ar.tokens_per_s)
+    with pytest.raises(ValueError, match="schedule"):
+        run_phases(costs, acceptance, "ar", 0, phases, SHORT, schedule=schedule[:1])
+
+
+def test_a_closed_loop_of_n_requests_counts_every_token_and_its_drain() -> None:
+    costs = costs_of(flat_curves())
+    acceptance = AcceptanceModel.constant(0.8)
+    fixed = Workload(prompt_tokens=100, output_tokens=20, output_spread=0.0)
+    result = run_closed_loop(costs, acceptance, "ar", 0, 4, 10, fixed)
+    assert result.tokens == 10 * 20 and len(result.ttft_s) == 10
+    # ar, flat verification: waves of 4, 4 and 2 requests, each a prefill step then 19 decode steps.
+    step_s = costs.verify_ms(4, 100, 1) / 1000
+    assert result.seconds == pytest.approx(3 * 20 * step_s, rel=0.01)
+    with pytest.raises(ValueError, match="concurrency"):
+        run_closed_loop(costs, acceptance, "ar", 0, 0, 10, fixed)
+
+
+def test_host_work_per_step_follows_the_requests_in_the_step_when_measured_by_batch() -> None:
+    hardware = Hardware(step_overhead_ms=100.0, step_overhead_ms_by_batch=((1, 1.0), (8, 8.0)),
+                        drafting_step_overhead_ms_by_batch=((1, 2.0), (8, 16.0)))
+    costs = costs_of(flat_curves(), hardware)
+    assert costs.step_overhead_ms(4, drafting=False) == pytest.approx(4.0)
+    assert costs.step_overhead_ms(4, drafting=True) == pytest.approx(8.0)
+    assert costs.step_overhead_ms(64, drafting=False) == pytest.approx(8.0)  # flat beyond the measured batches
+    ar = run_concurrency(costs, AcceptanceModel.constant(0.8), "ar", 0, 4, LONG)
+    assert ar.tokens_per_s == pytest.approx(4 / ((costs.verify_ms(4, 1024, 1) + 4.0) / 1000), rel=0.03)
