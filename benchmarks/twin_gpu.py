@@ -20,7 +20,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minedraft.engine.auto import AutoSettings  # noqa: E402
+from minedraft.engine.control.auto import AutoSettings  # noqa: E402
 from minedraft.twin.costs import AcceptanceModel, Hardware, StepCosts  # noqa: E402
 from minedraft.twin.curves import load_curves, parse_curves  # noqa: E402
 from minedraft.twin.plot import regime_map  # noqa: E402

@@ -35,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minedraft.engine.auto import AutoSettings  # noqa: E402
+from minedraft.engine.control.auto import AutoSettings  # noqa: E402
 from minedraft.twin.costs import AcceptanceModel, Hardware, StepCosts  # noqa: E402
 from minedraft.twin.curves import parse_curves  # noqa: E402
 from minedraft.twin.run import Phase, Workload, parse_mode_label, run_phases  # noqa: E402

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from prometheus_client import CollectorRegistry
 
-from minedraft.engine.stats import EngineTotals, StepRecord
+from minedraft.engine.control.stats import EngineTotals, StepRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD_DIR = ROOT / "dashboards"
@@ -109,7 +109,7 @@ def drafter_registry() -> CollectorRegistry:
     the service's own collector over its counters (one engine's job answered)."""
     from types import SimpleNamespace
 
-    from minedraft.engine.drafter_service import ServiceCounters
+    from minedraft.engine.drafter.service import ServiceCounters
     from minedraft.server.drafter_metrics import DrafterServiceCollector
 
     registry = CollectorRegistry()
@@ -126,10 +126,9 @@ def drafter_service_registry() -> CollectorRegistry:
     """The metrics of a real drafter-service core (the service's session handling, batching and drafter job server,
     without sockets or a model): one engine opens an authenticated session and has one job drafted, so every pool
     series exists, as a `minedraft drafter` process exports them."""
-    from minedraft.engine import drafter_wire as wire
-    from minedraft.engine import protocol
-    from minedraft.engine.drafter_process import DrafterServer
-    from minedraft.engine.drafter_service import ServiceCore
+    from minedraft.engine.drafter import protocol, wire
+    from minedraft.engine.drafter.process import DrafterServer
+    from minedraft.engine.drafter.service import ServiceCore
     from minedraft.server.drafter_metrics import DrafterServiceCollector
 
     class EchoBackend:  # drafts the context's last token k times

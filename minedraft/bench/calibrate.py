@@ -33,8 +33,8 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
+from minedraft.engine.control.stats import StepRecord
 from minedraft.engine.settings import EngineSettings, Mode
-from minedraft.engine.stats import StepRecord
 from minedraft.profile.architecture import Architecture
 from minedraft.profile.curves import new_document
 

@@ -86,8 +86,8 @@ class JobTimers:
 def run_variant(drafter: Any, contexts: list[list[int]], variant: str, tag: str, jobs: int, k: int,
                 timers: Any) -> dict[str, Any]:
     """One run: a prefill job, then `jobs` measured jobs of 2 new tokens per request."""
-    from minedraft.engine import protocol
-    from minedraft.engine.drafter_process import DrafterServer
+    from minedraft.engine.drafter import protocol
+    from minedraft.engine.drafter.process import DrafterServer
 
     assert drafter.block_hashes is not None, "the drafter's vLLM has no prefix caching"
     drafter.block_hashes.enabled = variant == "reuse"
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from minedraft.bench.steps import _pair_for_context
     from minedraft.bench.workload import bench_prompts
-    from minedraft.engine.drafter_process import Drafter, _configure_device
+    from minedraft.engine.drafter.process import Drafter, _configure_device
     from minedraft.models.spec import default_pair_dir
 
     contexts = [int(c) for c in args.contexts.split(",")]

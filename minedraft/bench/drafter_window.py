@@ -101,8 +101,8 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from minedraft.engine.torch_drafter import TorchLlamaDrafter
-    from minedraft.engine.torch_drafter_window import WindowedTorchDrafter
+    from minedraft.engine.drafter.torch_backend import TorchLlamaDrafter
+    from minedraft.engine.drafter.torch_window import WindowedTorchDrafter
     from minedraft.models.spec import default_pair_dir
 
     torch.manual_seed(0)

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from minedraft.bench.workload import Trace, Workload
+from minedraft.engine.control.stats import EngineTotals
 from minedraft.engine.placement import detect_device, resolved_settings
 from minedraft.engine.settings import EngineSettings, Mode
-from minedraft.engine.stats import EngineTotals
 
 log = logging.getLogger(__name__)
 

@@ -151,7 +151,7 @@ def analyse(deliveries: dict[str, list[float]], records: Sequence[Any], window: 
             restarts: int, hangs: int, deadline_misses: int) -> dict[str, Any]:
     """Per-stream gaps around the stop against the target, and what the engine did meanwhile.
 
-    `records` are the scenario's StepRecords (minedraft.engine.stats). The stop's gaps are those overlapping
+    `records` are the scenario's StepRecords (minedraft.engine.control.stats). The stop's gaps are those overlapping
     [stopped_at, continued_at] (a stream waiting through the stop shows as one long gap ending after it); the
     recovery's gaps start after continued_at.
     """

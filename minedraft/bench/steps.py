@@ -271,7 +271,7 @@ def overlap(records: list[Any]) -> dict[str, float]:
     those steps; well below 1: time lost outside drafting (sending, the drafter picking the job up, replies, the
     drafter's process not running: other load on its cores).
     """
-    from minedraft.engine.stats import summarize
+    from minedraft.engine.control.stats import summarize
 
     drafted = [r for r in records if r.draft_seconds > 0]
     verify = sum(r.verify_seconds for r in drafted)

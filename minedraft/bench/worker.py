@@ -11,7 +11,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from minedraft.bench.workload import Trace, Workload, result_to_dict, run_trace, run_workload
-from minedraft.engine.auto import Decision
+from minedraft.engine.control.auto import Decision
 from minedraft.engine.settings import EngineSettings, Mode
 
 

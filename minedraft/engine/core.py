@@ -11,8 +11,9 @@ import os
 import time
 from typing import Any
 
-from minedraft.engine.auto import AutoSettings, Decision
-from minedraft.engine.cost_model import Prediction
+from minedraft.engine.control.auto import AutoSettings, Decision
+from minedraft.engine.control.cost_model import Prediction
+from minedraft.engine.control.stats import EngineTotals, StepRecord
 from minedraft.engine.placement import (
     ComputePlacement,
     DevicePlan,
@@ -25,7 +26,6 @@ from minedraft.engine.placement import (
 )
 from minedraft.engine.requests import OutputDelta, RequestError, SamplingSettings
 from minedraft.engine.settings import EngineSettings, Mode
-from minedraft.engine.stats import EngineTotals, StepRecord
 from minedraft.engine.vllm_adapter import (
     PROPOSER_CLASS,
     SCHEDULER_CLASS,
@@ -248,14 +248,14 @@ class Engine:
 
     def _start_drafter(self, settings: EngineSettings) -> Any:
         if settings.drafter.address is not None:
-            from minedraft.engine.drafter_remote import RemoteDrafterClient
-            from minedraft.engine.drafter_wire import read_token
+            from minedraft.engine.drafter.remote import RemoteDrafterClient
+            from minedraft.engine.drafter.wire import read_token
 
             remote = RemoteDrafterClient(settings.drafter.address, read_token(str(settings.drafter.token_file)),
                                          deadline_seconds=settings.drafter.deadline_seconds)
             remote.start()
             return remote
-        from minedraft.engine.drafter_client import DrafterClient
+        from minedraft.engine.drafter.client import DrafterClient
 
         drafter = DrafterClient(
             drafter_process_settings(settings, self.device_plan),

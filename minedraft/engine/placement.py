@@ -280,7 +280,7 @@ def check_model_pair(target: str, draft: str, drafter_backend: str) -> dict[str,
     draft_vocab = _vocab_size(draft_config)
     draft_type = str(getattr(draft_config, "model_type", ""))
     if drafter_backend == "torch":
-        from minedraft.engine.torch_drafter import ARCHITECTURES
+        from minedraft.engine.drafter.torch_backend import ARCHITECTURES
 
         if draft_type not in ARCHITECTURES:
             raise SettingsError("drafter.backend", f"the torch drafter implements {', '.join(ARCHITECTURES)}, not "

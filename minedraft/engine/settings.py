@@ -15,7 +15,7 @@ class Mode(StrEnum):
     SD: the same drafter process, draft-then-verify in sequence: the fair control for the overlap.
     AR: the target alone, no drafts.
     VLLM_SD: vLLM's built-in draft-model speculative decoding, the anchor.
-    AUTO: psd, sd or ar and the draft length k, chosen as the engine runs from its measured costs (auto.py).
+    AUTO: psd, sd or ar and the draft length k, chosen as the engine runs from its measured costs (control/auto.py).
     """
 
     PSD = "psd"
@@ -156,7 +156,7 @@ class EngineSettings:
     extra_vllm_args: dict[str, Any] = field(default_factory=dict)
     # CPU machines: while nothing is drafted (ar, a down drafter) the target also computes on the drafter's cores.
     lend_drafter_cores: bool = True
-    # Overrides of auto mode's policy settings (minedraft.engine.auto.AutoSettings field names).
+    # Overrides of auto mode's policy settings (minedraft.engine.control.auto.AutoSettings field names).
     auto: dict[str, Any] = field(default_factory=dict)
     # Fixed modes: pad every verified decoding request's proposal to exactly k (any proposal is lossless), so a
     # decode step has one shape (1 + k query tokens each): the one vLLM captures full CUDA graphs for.
@@ -264,7 +264,7 @@ def validate(settings: EngineSettings) -> None:
     if not settings.model:
         raise SettingsError("model", "a target model path or id is required")
     if settings.auto:
-        from minedraft.engine.auto import AutoSettings
+        from minedraft.engine.control.auto import AutoSettings
 
         try:
             auto = AutoSettings(**settings.auto)
@@ -277,6 +277,20 @@ def validate(settings: EngineSettings) -> None:
         raise SettingsError("drafter.model", f"mode {settings.mode.value} needs a draft model")
 
 
+def parse_address(address: str) -> tuple[str, int]:
+    """"HOST:PORT" -> (host, port); ValueError naming what is wrong."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"port must be a number, got {port_text!r}") from None
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port must be within 1..65535, got {port}")
+    return host.strip("[]"), port
+
+
 def _validate_remote_drafter(drafter: DrafterSettings) -> None:
     if drafter.window < 0:
         raise SettingsError("drafter.window", f"must be 0 (the whole context) or positive, got {drafter.window}")
@@ -285,8 +299,6 @@ def _validate_remote_drafter(drafter: DrafterSettings) -> None:
                             "vLLM's sliding window keeps no attention-sink tokens and is not applied to Qwen3 models")
     if drafter.address is None:
         return
-    from minedraft.engine.drafter_wire import parse_address
-
     try:
         parse_address(drafter.address)
     except ValueError as exc:

@@ -1,4 +1,4 @@
-"""`minedraft drafter`: the shared drafter service (minedraft/engine/drafter_service.py) as a command, with the
+"""`minedraft drafter`: the shared drafter service (minedraft/engine/drafter/service.py) as a command, with the
 pool's Prometheus endpoint (`minedraft_drafter_*`, minedraft/server/drafter_metrics.py)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from minedraft.engine import drafter_wire as wire
-from minedraft.engine.drafter_service import ServiceSettings, serve
+from minedraft.engine.drafter import wire
+from minedraft.engine.drafter.service import ServiceSettings, serve
 
 
 def add_subcommand(sub: Any) -> None:

@@ -1,6 +1,6 @@
 """Prometheus metrics of a shared drafter service (`minedraft_drafter_*`): an adapter over its plain counters.
 
-Read at scrape time from the service's ServiceCore (minedraft/engine/drafter_service.py), which only the service's
+Read at scrape time from the service's ServiceCore (minedraft/engine/drafter/service.py), which only the service's
 loop writes; a scrape reads plain numbers and copies the per-engine dicts, so a scrape during a batch sees the
 totals of the batches before it.
 """

@@ -10,7 +10,7 @@ Three sources, each counted once:
 - the Generate streams (`RequestMetrics.observe`): time to first token, time per output token, end-to-end seconds,
   finish reasons, prompt and streamed tokens.
 
-Overlap fraction (the engine's definition, minedraft/engine/stats.py): the share of drafting time hidden behind
+Overlap fraction (the engine's definition, minedraft/engine/control/stats.py): the share of drafting time hidden behind
 verification, `1 - wait / draft` over a window, clamped to [0, 1]. In PromQL:
     1 - rate(minedraft_engine_verifier_wait_seconds_sum[w]) / rate(minedraft_engine_draft_seconds_sum[w])
 (1.0: drafting fully hidden; 0: draft-then-verify in sequence).
@@ -33,9 +33,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from minedraft.engine.async_engine import AsyncEngine
+from minedraft.engine.control.stats import EngineTotals, StepRecord
 from minedraft.engine.core import Engine
 from minedraft.engine.requests import EngineDeadError, OutputDelta
-from minedraft.engine.stats import EngineTotals, StepRecord
 
 log = logging.getLogger(__name__)
 

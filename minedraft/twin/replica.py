@@ -1,15 +1,15 @@
 """One engine replica on simulated time: the engine's own planner, sub-batches, drafter link, wait policy and auto
 controller, with step and draft times from cost curves.
 
-The loop is the scheduler's (engine/scheduler.py: schedule() then update_from_output()), over plain requests instead
-of vLLM's: each step polls the drafter link, lets the planner pick the sub-batch, waits for its drafts through
-`DrafterLink.wait_for` under the `WaitPolicy` budget (abandoning a late job as the engine does), asks the planner
-for the step's proposals, verifies (time from the curves), commits tokens drawn from the acceptance model, hands
-the planner the step's outcome, sends the verified sub-batch's next draft job through the link, builds the engine's
-`StepRecord` and feeds it to the `AutoController` in auto mode (applying its decisions through the planner's
-`switch_mode`, as the scheduler does). The drafter is a simulated `DrafterClient`: a job occupies the drafter device
-from max(submission, drafter free) for the curves' draft-loop time, and its reply arrives then. vLLM itself
-(prefill chunking, preemption, the KV cache, CUDA graph choice) is not simulated.
+The loop is the scheduler's (engine/vllm_adapter/scheduler.py: schedule() then update_from_output()), over plain
+requests instead of vLLM's: each step polls the drafter link, lets the planner pick the sub-batch, waits for its
+drafts through `DrafterLink.wait_for` under the `WaitPolicy` budget (abandoning a late job as the engine does), asks
+the planner for the step's proposals, verifies (time from the curves), commits tokens drawn from the acceptance
+model, hands the planner the step's outcome, sends the verified sub-batch's next draft job through the link, builds
+the engine's `StepRecord` and feeds it to the `AutoController` in auto mode (applying its decisions through the
+planner's `switch_mode`, as the scheduler does). The drafter is a simulated `DrafterClient`: a job occupies the
+drafter device from max(submission, drafter free) for the curves' draft-loop time, and its reply arrives then. vLLM
+itself (prefill chunking, preemption, the KV cache, CUDA graph choice) is not simulated.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from minedraft.engine import protocol
-from minedraft.engine.auto import AutoController, AutoSettings, Decision
-from minedraft.engine.cost_model import CostModel
-from minedraft.engine.drafter_client import DrafterState, JobTicket
-from minedraft.engine.drafter_link import DrafterLink, JobTimes, add_reply
-from minedraft.engine.planner import Draft, PSDPlanner, RequestState, WaitPolicy
+from minedraft.engine.control.auto import AutoController, AutoSettings, Decision
+from minedraft.engine.control.cost_model import CostModel
+from minedraft.engine.control.stats import StepRecord
+from minedraft.engine.drafter import protocol
+from minedraft.engine.drafter.client import DrafterState, JobTicket
+from minedraft.engine.drafter.link import DrafterLink, JobTimes, add_reply
+from minedraft.engine.psd.planner import Draft, PSDPlanner, RequestState, WaitPolicy
 from minedraft.engine.settings import Mode
-from minedraft.engine.stats import StepRecord
 from minedraft.twin.costs import AcceptanceModel, StepCosts
 
 MAX_MODEL_LEN = 1 << 20

@@ -9,7 +9,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from minedraft.engine.auto import AutoSettings
+from minedraft.engine.control.auto import AutoSettings
 from minedraft.twin.costs import AcceptanceModel, StepCosts
 from minedraft.twin.replica import ReplicaSettings, SimRequest, TwinReplica
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from minedraft.engine import protocol
-from minedraft.engine.drafter_client import JobTicket
+from minedraft.engine.drafter import protocol
+from minedraft.engine.drafter.client import JobTicket
 from minedraft.engine.settings import Mode
 from minedraft.twin.costs import AcceptanceModel, StepCosts
 from minedraft.twin.replica import ReplicaSettings, SimClock, SimDrafter, SimRequest, TwinReplica

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from minedraft.engine.auto import AutoSettings
+from minedraft.engine.control.auto import AutoSettings
 from minedraft.twin.costs import FIXED_FAMILIES, AcceptanceModel, StepCosts
 from minedraft.twin.run import RunResult, Workload, mode_label, run_concurrency
 

@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from minedraft.engine.planner import WaitPolicy
+from minedraft.engine.psd.planner import WaitPolicy
 
 # A working drafter reports progress every 0.25 s of work: this much silence on a loaded machine is a real hang (the
 # test then fails, as it should, only later), never a slow step.

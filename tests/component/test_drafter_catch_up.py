@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from minedraft.engine.drafter_process import BROKEN_ENV
+from minedraft.engine.drafter.process import BROKEN_ENV
 from minedraft.engine.requests import SamplingSettings
 
 from .device_checks import assert_greedy_matches

@@ -12,7 +12,7 @@ import logging
 
 import pytest
 
-from minedraft.engine.drafter_process import POISON_TOKEN_ENV
+from minedraft.engine.drafter.process import POISON_TOKEN_ENV
 from minedraft.engine.requests import SamplingSettings
 from minedraft.engine.settings import Mode
 
@@ -90,7 +90,7 @@ def test_a_drafter_that_crashes_at_load_leaves_the_engine_serving_without_drafts
     settings = drafter._process_settings
     good_model = settings["model"]
     settings["model"] = str(tmp_path / "no-such-draft-model")  # every start fails while loading the model
-    caplog.set_level(logging.ERROR, logger="minedraft.engine.drafter_client")
+    caplog.set_level(logging.ERROR, logger="minedraft.engine.drafter.client")
     try:
         drafter.kill()
         starts_before = drafter.num_starts

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from minedraft.engine.drafter_process import STEP_SLEEP_ENV
+from minedraft.engine.drafter.process import STEP_SLEEP_ENV
 from minedraft.engine.settings import default_core_split
 
 STEP_SLEEP_SECONDS = 0.3
@@ -22,8 +22,8 @@ DRAFT_TOKENS = 8  # each job: about DRAFT_TOKENS x STEP_SLEEP_SECONDS = 2.4 s; t
 
 PARENT = """
 import os, signal, sys
-from minedraft.engine import protocol
-from minedraft.engine.drafter_client import DrafterClient
+from minedraft.engine.drafter import protocol
+from minedraft.engine.drafter.client import DrafterClient
 client = DrafterClient({settings!r})
 client.start()
 assert client.wait_ready(120), client.last_error

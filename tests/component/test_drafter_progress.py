@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from minedraft.engine import protocol
-from minedraft.engine.drafter_client import DrafterClient, DrafterState
-from minedraft.engine.drafter_link import DrafterLink
-from minedraft.engine.drafter_process import STEP_SLEEP_ENV
+from minedraft.engine.drafter import protocol
+from minedraft.engine.drafter.client import DrafterClient, DrafterState
+from minedraft.engine.drafter.link import DrafterLink
+from minedraft.engine.drafter.process import STEP_SLEEP_ENV
 from minedraft.engine.settings import default_core_split
 
 HANG_SECONDS = 1.5

@@ -27,10 +27,10 @@ from typing import Any
 
 import pytest
 
-from minedraft.engine import protocol
-from minedraft.engine.drafter_client import DrafterState
-from minedraft.engine.drafter_process import POISON_TOKEN_ENV
-from minedraft.engine.drafter_remote import RemoteDrafterClient
+from minedraft.engine.drafter import protocol
+from minedraft.engine.drafter.client import DrafterState
+from minedraft.engine.drafter.process import POISON_TOKEN_ENV
+from minedraft.engine.drafter.remote import RemoteDrafterClient
 from minedraft.engine.requests import Completion, SamplingSettings
 from minedraft.engine.settings import Mode, default_core_split
 

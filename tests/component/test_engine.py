@@ -472,7 +472,7 @@ def test_hung_drafter_costs_a_fraction_of_a_step_then_is_replaced_in_the_backgro
 
 
 def test_auto_mode_switches_in_every_direction_and_stays_lossless(psd, prompts, references):
-    from minedraft.engine.auto import AutoSettings
+    from minedraft.engine.control.auto import AutoSettings
 
     # A hair-trigger policy: decide every 3 steps, probe any mode unseen for 10 steps. Switches happen between
     # psd, sd and ar (and k) while requests are mid-stream, arriving and finishing. Which switches the policy

@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from minedraft.api import pb, pb_grpc
 from minedraft.engine.async_engine import AsyncEngine
+from minedraft.engine.control.stats import EngineTotals
 from minedraft.engine.settings import Mode
-from minedraft.engine.stats import EngineTotals
 from minedraft.gateway.app import Gateway, GatewayConfig
 from minedraft.server.app import EngineServer
 from tests.metrics_support import (

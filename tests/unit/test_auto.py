@@ -7,8 +7,8 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from minedraft.engine.auto import AutoController, AutoSettings, Decision
-from minedraft.engine.stats import StepRecord
+from minedraft.engine.control.auto import AutoController, AutoSettings, Decision
+from minedraft.engine.control.stats import StepRecord
 
 # V(tokens) = A + B * tokens (memory-bound: speculation pays); a draft of length k over n requests costs
 # k * (C + D * n) (drafting 48 requests costs about as much as verifying them: psd pays at high load).

@@ -7,8 +7,8 @@ from dataclasses import asdict
 import pytest
 
 from minedraft.bench.runner import Run, aggregate
+from minedraft.engine.control.stats import EngineTotals
 from minedraft.engine.settings import Mode
-from minedraft.engine.stats import EngineTotals
 
 
 def _request(num_tokens: int, tpot: float) -> dict[str, object]:

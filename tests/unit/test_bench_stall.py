@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from minedraft.bench import stall, steps
-from minedraft.engine.stats import StepRecord
+from minedraft.engine.control.stats import StepRecord
 
 
 def record(started_at: float, step_seconds: float = 0.05, wait: float = 0.0, draft: float = 0.04,

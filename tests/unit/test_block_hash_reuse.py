@@ -81,8 +81,8 @@ def test_a_cut_back_or_replaced_context_never_reuses_stale_hashes(vllm_hasher):
 
 
 def test_the_drafter_server_reports_every_cut_and_drop_to_the_backend():
-    from minedraft.engine import protocol
-    from minedraft.engine.drafter_process import DrafterServer
+    from minedraft.engine.drafter import protocol
+    from minedraft.engine.drafter.process import DrafterServer
 
     from .test_drafter_link import RecordingBackend, job
 

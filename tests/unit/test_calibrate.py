@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from minedraft.bench.calibrate import curves_from_records, overhead_seconds
-from minedraft.engine.stats import StepRecord
+from minedraft.engine.control.stats import StepRecord
 from minedraft.profile.architecture import resolve
 from minedraft.twin.costs import Hardware, StepCosts
 from minedraft.twin.curves import parse_curves

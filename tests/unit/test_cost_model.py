@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from minedraft.engine.cost_model import AcceptanceProfile, CostCurve, CostModel
-from minedraft.engine.stats import StepRecord
+from minedraft.engine.control.cost_model import AcceptanceProfile, CostCurve, CostModel
+from minedraft.engine.control.stats import StepRecord
 
 _clock = itertools.count()
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minedraft.engine import protocol
-from minedraft.engine.drafter_client import DrafterState, JobTicket
-from minedraft.engine.drafter_link import DrafterLink
-from minedraft.engine.drafter_process import DrafterServer
+from minedraft.engine.drafter import protocol
+from minedraft.engine.drafter.client import DrafterState, JobTicket
+from minedraft.engine.drafter.link import DrafterLink
+from minedraft.engine.drafter.process import DrafterServer
 
 
 class RecordingBackend:
@@ -303,7 +303,7 @@ def test_a_drafter_that_never_starts_is_reported_and_retried_with_backoff(tmp_pa
     instead of respawning every step."""
     import time as _time
 
-    from minedraft.engine.drafter_client import DrafterClient
+    from minedraft.engine.drafter.client import DrafterClient
 
     client = DrafterClient({"model": str(tmp_path / "no-such-model"), "backend": "torch", "max_model_len": 64,
                             "max_num_seqs": 2, "cpu_cores": [4095]}, restart=True)
@@ -381,8 +381,8 @@ def test_a_broken_drafter_is_restarted_and_no_request_is_quarantined():
     """The scheduler's handling of a failed job (PSDScheduler._on_message, without vLLM around it)."""
     from types import SimpleNamespace
 
-    from minedraft.engine.planner import JobItemPlan, PSDPlanner, WaitPolicy
-    from minedraft.engine.stats import StatsRecorder
+    from minedraft.engine.control.stats import StatsRecorder
+    from minedraft.engine.psd.planner import JobItemPlan, PSDPlanner, WaitPolicy
     from minedraft.engine.vllm_adapter.scheduler import PSDScheduler
 
     def scheduler_with_a_job():
@@ -417,7 +417,7 @@ def test_restarts_back_off_until_a_job_succeeds_not_until_the_drafter_is_up(tmp_
     the back-off, a drafted reply does."""
     import zmq
 
-    from minedraft.engine.drafter_client import DrafterClient
+    from minedraft.engine.drafter.client import DrafterClient
 
     client = DrafterClient({"model": "unused"}, restart=False)
     peer = client._context.socket(zmq.PAIR)
@@ -454,7 +454,7 @@ def test_a_step_does_not_wait_for_a_job_that_brings_no_drafts():
     step verifies at once instead of waiting up to the budget for it."""
     from types import SimpleNamespace
 
-    from minedraft.engine.planner import JobItemPlan, PSDPlanner, WaitPolicy
+    from minedraft.engine.psd.planner import JobItemPlan, PSDPlanner, WaitPolicy
     from minedraft.engine.vllm_adapter.scheduler import PSDScheduler, _StepTiming
 
     class NoWaitLink:

@@ -8,10 +8,9 @@ from typing import Any
 
 import pytest
 
-from minedraft.engine import drafter_wire as wire
-from minedraft.engine import protocol
-from minedraft.engine.drafter_process import DrafterServer
-from minedraft.engine.drafter_service import ServiceCore, ServiceSettings
+from minedraft.engine.drafter import protocol, wire
+from minedraft.engine.drafter.process import DrafterServer
+from minedraft.engine.drafter.service import ServiceCore, ServiceSettings
 from minedraft.engine.settings import DrafterSettings, EngineSettings, SettingsError
 
 TOKEN = b"a-token-of-enough-bytes"
@@ -256,7 +255,7 @@ def test_a_short_or_missing_token_file_is_refused_without_showing_the_token(tmp_
 def test_a_busy_answer_releases_the_sub_batchs_ticket_at_once():
     """The engine's link routes DrafterBusy to the job's sub-batch (the scheduler then verifies it without drafts and
     counts it) instead of leaving the ticket to time out."""
-    from minedraft.engine.drafter_link import DrafterLink
+    from minedraft.engine.drafter.link import DrafterLink
 
     from .test_drafter_link import FakeClient
 
@@ -303,8 +302,8 @@ def _fake_service(token: bytes, answer_proof: bool = True) -> tuple[Any, int, An
 
 @pytest.mark.parametrize("honest", [True, False], ids=["service-holds-the-token", "impostor"])
 def test_the_engine_checks_the_services_proof_before_sending_it_anything(honest: bool):
-    from minedraft.engine.drafter_client import DrafterState
-    from minedraft.engine.drafter_remote import RemoteDrafterClient
+    from minedraft.engine.drafter.client import DrafterState
+    from minedraft.engine.drafter.remote import RemoteDrafterClient
 
     router, port, thread = _fake_service(TOKEN, answer_proof=honest)
     client = RemoteDrafterClient(f"127.0.0.1:{port}", TOKEN, connect_timeout_seconds=10.0)
@@ -330,7 +329,7 @@ def test_the_engine_checks_the_services_proof_before_sending_it_anything(honest:
 def test_serve_takes_a_drafter_service_address_token_file_and_window(tmp_path):
     from minedraft.cli import build_parser, settings_from_args
     from minedraft.engine.core import Engine, drafter_process_settings
-    from minedraft.engine.drafter_remote import RemoteDrafterClient
+    from minedraft.engine.drafter.remote import RemoteDrafterClient
 
     token_file = tmp_path / "token"
     token_file.write_bytes(TOKEN)
@@ -354,8 +353,8 @@ def test_serve_takes_a_drafter_service_address_token_file_and_window(tmp_path):
 
 
 def test_an_engine_back_from_idle_does_not_take_its_own_silence_for_a_dead_service():
-    from minedraft.engine.drafter_client import DrafterState
-    from minedraft.engine.drafter_remote import RemoteDrafterClient
+    from minedraft.engine.drafter.client import DrafterState
+    from minedraft.engine.drafter.remote import RemoteDrafterClient
 
     router, port, thread = _fake_service(TOKEN)
     clock = Clock()
@@ -419,7 +418,7 @@ class _ThreadService:
 def test_a_session_the_service_dropped_is_reopened_at_once_and_drafting_goes_on():
     import time
 
-    from minedraft.engine.drafter_remote import RemoteDrafterClient
+    from minedraft.engine.drafter.remote import RemoteDrafterClient
 
     service = _ThreadService()
     client = RemoteDrafterClient(f"127.0.0.1:{service.port}", TOKEN)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from minedraft.engine import drafter_client
+from minedraft.engine.drafter import client as drafter_client
 
 
 def test_a_deep_tmpdir_falls_back_to_a_short_socket_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from minedraft.engine.control.stats import EngineTotals, StepRecord, summarize
 from minedraft.engine.requests import OutputDelta
-from minedraft.engine.stats import EngineTotals, StepRecord, summarize
 from minedraft.gateway.metrics import GatewayMetrics, gateway_state_families, outcome_code
 from minedraft.gateway.policy import Admission, EndpointSet
 from minedraft.server.metrics import (

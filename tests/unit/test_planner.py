@@ -2,7 +2,7 @@
 
 import pytest
 
-from minedraft.engine.planner import (
+from minedraft.engine.psd.planner import (
     QUARANTINE_AFTER_FAILED_JOBS,
     Draft,
     JobItemPlan,

@@ -1,7 +1,7 @@
 import pytest
 
-from minedraft.engine import protocol
-from minedraft.engine.stats import EngineTotals, StatsRecorder, StepRecord, summarize
+from minedraft.engine.control.stats import EngineTotals, StatsRecorder, StepRecord, summarize
+from minedraft.engine.drafter import protocol
 
 
 def record(step, drafted, accepted, wait, draft, per_pos_d=(), per_pos_a=()):

@@ -1,4 +1,4 @@
-from minedraft.engine.subbatch import SubBatches, select_draft_lengths
+from minedraft.engine.psd.subbatch import SubBatches, select_draft_lengths
 
 
 def test_newcomers_fill_the_smaller_side_and_ties_go_to_the_preferred_side():

@@ -10,7 +10,7 @@ import torch
 def models(pair_dir):
     from transformers import LlamaForCausalLM
 
-    from minedraft.engine.torch_drafter import TorchLlamaDrafter
+    from minedraft.engine.drafter.torch_backend import TorchLlamaDrafter
 
     drafter = TorchLlamaDrafter(str(pair_dir / "draft"), max_slots=4, max_model_len=512)
     reference = LlamaForCausalLM.from_pretrained(str(pair_dir / "draft")).eval()
@@ -56,7 +56,7 @@ def test_real_architectures_draft_what_transformers_decodes(architecture):
     """Qwen3's per-head q/k RMSNorm (and GQA) in the torch drafter, against transformers' own model."""
     from transformers import AutoModelForCausalLM
 
-    from minedraft.engine.torch_drafter import TorchLlamaDrafter
+    from minedraft.engine.drafter.torch_backend import TorchLlamaDrafter
     from minedraft.models.tiny import tiny_pair
 
     draft_dir = tiny_pair(architecture) / "draft"
@@ -74,7 +74,7 @@ def test_real_architectures_draft_what_transformers_decodes(architecture):
 def test_an_architecture_it_does_not_implement_is_refused_by_name(tmp_path):
     from transformers import MistralConfig
 
-    from minedraft.engine.torch_drafter import TorchLlamaDrafter
+    from minedraft.engine.drafter.torch_backend import TorchLlamaDrafter
 
     MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=1).save_pretrained(tmp_path)

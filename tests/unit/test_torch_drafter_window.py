@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from minedraft.engine.torch_drafter import TorchLlamaDrafter
-from minedraft.engine.torch_drafter_window import WindowedTorchDrafter
+from minedraft.engine.drafter.torch_backend import TorchLlamaDrafter
+from minedraft.engine.drafter.torch_window import WindowedTorchDrafter
 
 
 def _jobs(drafter, contexts, rng, num_jobs, n=3):

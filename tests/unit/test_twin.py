@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from minedraft.engine.auto import AutoSettings
+from minedraft.engine.control.auto import AutoSettings
 from minedraft.twin.costs import AcceptanceModel, Hardware, StepCosts
 from minedraft.twin.curves import load_curves, parse_curves
 from minedraft.twin.replica import ReplicaSettings, SimRequest, TwinReplica

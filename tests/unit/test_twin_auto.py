@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from minedraft.engine.auto import AutoSettings
+from minedraft.engine.control.auto import AutoSettings
 from minedraft.twin.costs import AcceptanceModel, Hardware, StepCosts
 from minedraft.twin.curves import parse_curves
 from minedraft.twin.run import Workload, run_concurrency

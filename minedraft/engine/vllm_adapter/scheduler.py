@@ -1,7 +1,7 @@
 """vLLM V1 scheduler subclass that runs batch-parallel speculative decoding: a thin adapter.
 
-The decisions live in minedraft/engine/planner.py (pure, over plain dataclasses) and the drafter plumbing in
-drafter_link.py; this class translates between them and vLLM's Request objects. Per step:
+The decisions live in minedraft/engine/psd/planner.py (pure, over plain dataclasses) and the drafter plumbing in
+minedraft/engine/drafter/link.py; this class translates between them and vLLM's Request objects. Per step:
   schedule():            the planner picks the sub-batch whose turn it is; wait for its drafts at most the planner's
                          budget (a fraction of a measured step; a late job is abandoned and the sub-batch decodes
                          without drafts this once); attach the planned proposals; hold out the other sub-batch's
@@ -27,13 +27,14 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-from minedraft.engine import protocol
-from minedraft.engine.auto import AutoController, AutoSettings, Decision
-from minedraft.engine.cost_model import CostModel
-from minedraft.engine.drafter_client import DrafterClient, DrafterState
-from minedraft.engine.drafter_link import DrafterLink, JobTimes, add_reply
+from minedraft.engine.control.auto import AutoController, AutoSettings, Decision
+from minedraft.engine.control.cost_model import CostModel
+from minedraft.engine.control.stats import StatsRecorder, StepRecord
+from minedraft.engine.drafter import protocol
+from minedraft.engine.drafter.client import DrafterClient, DrafterState
+from minedraft.engine.drafter.link import DrafterLink, JobTimes, add_reply
 from minedraft.engine.placement import ComputePlacement, should_widen
-from minedraft.engine.planner import (
+from minedraft.engine.psd.planner import (
     DEFAULT_CATCH_UP_TOKENS_PER_JOB,
     QUARANTINE_AFTER_HANGS,
     Draft,
@@ -42,9 +43,8 @@ from minedraft.engine.planner import (
     StepPlan,
     WaitPolicy,
 )
+from minedraft.engine.psd.subbatch import SubBatches
 from minedraft.engine.settings import DEFAULT_HANG_SECONDS, Mode
-from minedraft.engine.stats import StatsRecorder, StepRecord
-from minedraft.engine.subbatch import SubBatches
 from minedraft.engine.vllm_adapter.resident_batches import skip_token_resend
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """A model of one engine replica for the simulator: output tokens/s as a function of load, acceptance and k.
 
 Calibrated from the engine benchmark's JSON (`minedraft bench --json`), with the shape of the engine's own cost
-model (`minedraft/engine/cost_model.py`). Each ingredient is a cost curve through the benchmark's points (seconds
-against a size, made nondecreasing by isotonic regression, joined piecewise-linearly, extrapolated along the
+model (`minedraft/engine/control/cost_model.py`). Each ingredient is a cost curve through the benchmark's points
+(seconds against a size, made nondecreasing by isotonic regression, joined piecewise-linearly, extrapolated along the
 nearest segment), so a cost that is flat at small batches and steep at large ones (memory-bound, then
 compute-bound) is kept as measured rather than averaged into one line:
 

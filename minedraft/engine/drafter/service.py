@@ -1,8 +1,8 @@
 """One drafter shared by many engine replicas: `minedraft drafter` (the drafter as a network service).
 
 The drafter's job protocol is the local drafter's (protocol.py: token-id deltas in, drafts out), carried over TCP
-in authenticated sessions (drafter_wire.py). What the service adds to the local drafter's message loop
-(drafter_process.DrafterServer, reused as it is for the deltas, the backend and poison isolation):
+in authenticated sessions (wire.py). What the service adds to the local drafter's message loop
+(process.DrafterServer, reused as it is for the deltas, the backend and poison isolation):
 
 - sessions: each engine's request ids are namespaced by its session, so two engines' "req-1" never meet;
 - batching across engines: jobs of different sessions that are queued together are drafted in one batched forward
@@ -34,9 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from minedraft.engine import drafter_wire as wire
-from minedraft.engine import protocol
-from minedraft.engine.drafter_process import POISON_TOKEN_ENV, STEP_SLEEP_ENV, DrafterServer
+from minedraft.engine.drafter import protocol, wire
+from minedraft.engine.drafter.process import POISON_TOKEN_ENV, STEP_SLEEP_ENV, DrafterServer
 
 log = logging.getLogger("minedraft.drafter_service")
 
@@ -361,7 +360,7 @@ def serve(settings: dict[str, Any], host: str, port: int, token: bytes, service:
           ready: Callable[[int], None] | None = None, on_core: Callable[[ServiceCore], None] | None = None) -> int:
     """The service's loop (never returns while it runs). `on_core` receives the ServiceCore once it exists (the
     metrics exporter reads its counters)."""
-    from minedraft.engine.drafter_process import _configure_device, make_drafter
+    from minedraft.engine.drafter.process import _configure_device, make_drafter
 
     _configure_device(settings)
     started = time.perf_counter()

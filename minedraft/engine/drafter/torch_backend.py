@@ -132,7 +132,7 @@ class TorchLlamaDrafter:
         del model
 
     def _allocate_cache(self, max_slots: int, max_model_len: int, dtype: torch.dtype) -> None:
-        """Every position of every slot (torch_drafter_window.WindowedTorchDrafter keeps a bounded window instead)."""
+        """Every position of every slot (torch_window.WindowedTorchDrafter keeps a bounded window instead)."""
         shape = (max_slots, self.num_kv_heads, max_model_len, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
@@ -288,7 +288,7 @@ def concrete_dtype(settings: dict[str, Any]) -> torch.dtype:
 
 def make_torch_drafter(settings: dict[str, Any]) -> TorchLlamaDrafter:
     if settings.get("drafter_window") or settings.get("device", "cpu") != "cpu":
-        from minedraft.engine.torch_drafter_window import make_windowed_drafter
+        from minedraft.engine.drafter.torch_window import make_windowed_drafter
 
         return make_windowed_drafter(settings)
     return TorchLlamaDrafter(

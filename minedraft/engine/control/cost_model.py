@@ -34,7 +34,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from minedraft.engine.stats import StepRecord
+from minedraft.engine.control.stats import StepRecord
 
 # Steps further apart than this belong to different bursts of work: their gap is idle time, not overhead.
 MAX_STEP_GAP_SECONDS = 1.0

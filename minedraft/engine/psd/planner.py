@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from minedraft.engine.psd.subbatch import SubBatches, select_draft_lengths
 from minedraft.engine.settings import Mode
-from minedraft.engine.subbatch import SubBatches, select_draft_lengths
 
 # Jobs that carried a request and failed (the drafter naming no culprit) before that request is drafted no more.
 QUARANTINE_AFTER_FAILED_JOBS = 3

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import zmq
 
-from minedraft.engine import protocol
+from minedraft.engine.drafter import protocol
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class DrafterClient:
         env = dict(os.environ)
         env.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "minedraft.engine.drafter_process", address,
+            [sys.executable, "-m", "minedraft.engine.drafter.process", address,
              json.dumps(self._process_settings)],
             env=env,
             stdout=sys.stderr.fileno() if hasattr(sys.stderr, "fileno") else None,

@@ -1,6 +1,6 @@
 """The engine's side of a shared drafter service (`minedraft serve --drafter-address HOST:PORT`).
 
-RemoteDrafterClient stands where DrafterClient stands (drafter_link.DrafterLink and the scheduler use either): the
+RemoteDrafterClient stands where DrafterClient stands (link.DrafterLink and the scheduler use either): the
 same submit/cancel/receive calls and the same states, over an authenticated TCP session instead of a child process.
 Its "start" is a new session: the service then holds none of this engine's tokens, exactly as after a local
 drafter's restart, so the scheduler's restart path (full contexts on the next job) applies unchanged.
@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 import zmq
 
-from minedraft.engine import drafter_wire as wire
-from minedraft.engine import protocol
-from minedraft.engine.drafter_client import DrafterState, JobTicket
+from minedraft.engine.drafter import protocol, wire
+from minedraft.engine.drafter.client import DrafterState, JobTicket
+from minedraft.engine.settings import parse_address
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class RemoteDrafterClient:
                  heartbeat_seconds: float = 1.0, service_timeout_seconds: float = 5.0,
                  connect_timeout_seconds: float = 5.0, max_backoff_seconds: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        host, port = wire.parse_address(address)
+        host, port = parse_address(address)
         self.address = address
         self._endpoint = f"tcp://{host}:{port}"
         self._token = token

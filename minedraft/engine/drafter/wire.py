@@ -21,7 +21,7 @@ from pathlib import Path
 
 import msgspec
 
-from minedraft.engine import protocol
+from minedraft.engine.drafter import protocol
 from minedraft.engine.settings import SettingsError
 
 WIRE_VERSION = 1
@@ -152,16 +152,3 @@ def server_proof(token: bytes, client_nonce: bytes, server_nonce: bytes) -> byte
 def verify(expected: bytes, given: bytes) -> bool:
     return hmac.compare_digest(expected, given)
 
-
-def parse_address(address: str) -> tuple[str, int]:
-    """"HOST:PORT" -> (host, port); ValueError naming what is wrong."""
-    host, sep, port_text = address.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"expected HOST:PORT, got {address!r}")
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise ValueError(f"port must be a number, got {port_text!r}") from None
-    if not 1 <= port <= 65535:
-        raise ValueError(f"port must be within 1..65535, got {port}")
-    return host.strip("[]"), port

@@ -11,7 +11,7 @@ exactly lossless without draft probabilities.
 While a job runs the drafter reports progress after each step (protocol.Progress, rate-limited): the verifier restarts
 only a drafter that stops making progress, never one that is merely slow.
 
-Run as `python -m minedraft.engine.drafter_process ADDRESS SETTINGS_JSON`; the scheduler starts it.
+Run as `python -m minedraft.engine.drafter.process ADDRESS SETTINGS_JSON`; the scheduler starts it.
 
 Test-only environment variables (fault injection for the test suite; never set them in a deployment):
   MINEDRAFT_TEST_DRAFTER_STEP_SLEEP_SECONDS  sleep this long after every step of a job: a slow but working drafter.
@@ -102,7 +102,7 @@ class Drafter:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        from minedraft.engine.protocol import DraftResult
+        from minedraft.engine.drafter.protocol import DraftResult
 
         started = time.perf_counter()
         self.cancelled.clear()
@@ -178,7 +178,7 @@ class TorchDrafter:
     def __init__(self, settings: dict[str, Any]) -> None:
         import torch
 
-        from minedraft.engine.torch_drafter import make_torch_drafter
+        from minedraft.engine.drafter.torch_backend import make_torch_drafter
 
         torch.set_num_threads(max(1, len(settings.get("cpu_cores") or []) or 1))
         self.model = make_torch_drafter(settings)
@@ -197,7 +197,7 @@ class TorchDrafter:
 
     def draft(self, job: Any, poll_messages: Any, on_step: Callable[[], None] = _no_op
               ) -> tuple[list[Any], float, float]:
-        from minedraft.engine.protocol import DraftResult
+        from minedraft.engine.drafter.protocol import DraftResult
 
         started = time.perf_counter()
         if self.cancelled:
@@ -253,7 +253,7 @@ class DrafterServer:
         self._need_context: dict[int, list[str]] = {}
 
     def handle(self, message: Any) -> None:
-        from minedraft.engine import protocol
+        from minedraft.engine.drafter import protocol
 
         if isinstance(message, protocol.DraftJob):
             self.queued.append(self._take_in(message))
@@ -273,7 +273,7 @@ class DrafterServer:
     def _take_in(self, job: Any) -> Any:
         """Apply the job's deltas to the stored contexts; returns the job with whole contexts (the stored lists
         themselves, not copies: backends only read them)."""
-        from minedraft.engine import protocol
+        from minedraft.engine.drafter import protocol
 
         items: list[protocol.DraftItem] = []
         missing: list[str] = []
@@ -303,7 +303,7 @@ class DrafterServer:
         return protocol.DraftJob(job.job_id, items, job.want_logprobs)
 
     def run_job(self, job: Any, idle_seconds: float, poll_messages: Any) -> Any:
-        from minedraft.engine import protocol
+        from minedraft.engine.drafter import protocol
 
         need_context = self._need_context.pop(job.job_id, [])
         self._job_id, self._num_steps = job.job_id, 0
@@ -326,7 +326,7 @@ class DrafterServer:
 
     def _probe(self, job_id: int) -> str | None:
         """Draft one token from a one-token context no request can hold: None if that works, else its error."""
-        from minedraft.engine import protocol
+        from minedraft.engine.drafter import protocol
 
         probe = protocol.DraftJob(job_id, [protocol.DraftItem(PROBE_REQUEST_ID, [0], 1)], False)
         try:
@@ -342,7 +342,7 @@ class DrafterServer:
 
     def on_step(self) -> None:
         """A step of the current job finished: report it, at most every PROGRESS_INTERVAL_SECONDS."""
-        from minedraft.engine import protocol
+        from minedraft.engine.drafter import protocol
 
         if self._step_sleep_seconds:
             time.sleep(self._step_sleep_seconds)
@@ -361,7 +361,7 @@ class DrafterServer:
 
     def _culprits(self, job: Any) -> list[str]:
         """Retry a failed job's requests one at a time: those that still fail are named (and forgotten here)."""
-        from minedraft.engine import protocol
+        from minedraft.engine.drafter import protocol
 
         if len(job.items) <= 1:
             culprits = [i.request_id for i in job.items]
@@ -393,7 +393,7 @@ def main(argv: list[str]) -> int:
 
     import zmq
 
-    from minedraft.engine import protocol
+    from minedraft.engine.drafter import protocol
 
     context = zmq.Context()
     socket = context.socket(zmq.PAIR)

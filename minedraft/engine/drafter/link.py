@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from minedraft.engine import protocol
-from minedraft.engine.drafter_client import DrafterClient, DrafterState, JobTicket
+from minedraft.engine.drafter import protocol
+from minedraft.engine.drafter.client import DrafterClient, DrafterState, JobTicket
 
 log = logging.getLogger(__name__)
 

@@ -185,7 +185,7 @@ class StatsRecorder:
             _accumulate(self._totals, record)
 
     def record_decision(self, decision: Any) -> None:
-        """Auto mode's switches (minedraft.engine.auto.Decision), newest last."""
+        """Auto mode's switches (minedraft.engine.control.auto.Decision), newest last."""
         with self._lock:
             self._decisions.append(decision)
 

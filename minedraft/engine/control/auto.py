@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minedraft.engine.cost_model import CostModel, Prediction
-from minedraft.engine.stats import StepRecord
+from minedraft.engine.control.cost_model import CostModel, Prediction
+from minedraft.engine.control.stats import StepRecord
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from minedraft.engine.torch_drafter import DTYPES, TorchLlamaDrafter, _rms_norm, _rotate_half
+from minedraft.engine.drafter.torch_backend import DTYPES, TorchLlamaDrafter, _rms_norm, _rotate_half
 
 DEFAULT_NUM_SINK_TOKENS = 4
 # Positions a job may roll back (rejected drafts rewritten): at least the longest draft (MAX_NUM_SPECULATIVE_TOKENS).

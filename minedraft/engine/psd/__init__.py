@@ -1,0 +1,9 @@
+"""Batch-parallel speculative decoding's step policy: pure decisions over plain data (no vLLM, no I/O, no clocks).
+
+Runs in the engine replica's process, on its step thread, called by the vLLM adapter's scheduler
+(vllm_adapter/scheduler.py) once per step; the digital twin (minedraft.twin) runs the same code in simulated time.
+
+  planner.py   PSDPlanner: which sub-batch a step verifies, with which drafts, how long it may wait for them
+               (WaitPolicy), and what the next draft job sends
+  subbatch.py  SubBatches: who is in which of the two sub-batches, where newcomers go, how balance is restored
+"""
