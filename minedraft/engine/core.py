@@ -443,11 +443,12 @@ class Engine:
 
     @property
     def current_mode(self) -> tuple[Mode, int]:
-        """(mode, k) of the coming steps; k is 0 without drafts."""
+        """(mode, k) of the coming steps: the chosen mode (the fixed one, or auto's latest decision; a step runs ar
+        instead while the drafter is down); k is 0 without drafts."""
         scheduler = self.psd_scheduler
         if scheduler is None:
             return self.settings.mode, self.settings.num_speculative_tokens if self.settings.mode is Mode.VLLM_SD else 0
-        mode = scheduler.mode
+        mode = scheduler.chosen_mode
         return mode, 0 if mode is Mode.AR else int(scheduler.k)
 
     def auto_decisions(self) -> list[Decision]:

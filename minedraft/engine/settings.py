@@ -16,6 +16,12 @@ class Mode(StrEnum):
     AR: the target alone, no drafts.
     VLLM_SD: vLLM's built-in draft-model speculative decoding, the anchor.
     AUTO: psd, sd or ar and the draft length k, chosen as the engine runs from its measured costs (control/auto.py).
+
+    This enum is the configured mode (what was asked for, auto included). The engine's code keeps two other notions
+    of mode apart by name: the chosen mode (psd, sd or ar: the fixed mode, or auto's latest `Decision`;
+    `PSDScheduler.chosen_mode`, `Engine.current_mode`) and the step mode (what one step ran in: the chosen mode, or
+    ar while the drafter is down; `PlannedStep.step_mode`, `StepRecord.mode`). Benchmark labels such as "psd-k4" name
+    a (mode, k) setting.
     """
 
     PSD = "psd"

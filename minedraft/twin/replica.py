@@ -312,12 +312,12 @@ class TwinReplica:
             self.link.forget(self.planner.forget([r.request_id for r in finished]))
 
         after = [r.state() for r in self.requests.values()]
-        configured = self.mode
-        self.planner.after_step(after, mode, group, configured)
+        chosen = self.mode
+        self.planner.after_step(after, mode, group, chosen)
         if mode in (Mode.PSD, Mode.SD) and group is not None:
             self._submit(group, after)
         if self.settings.check_invariants:
-            self.planner.check_invariants(after, set(self.requests), configured)
+            self.planner.check_invariants(after, set(self.requests), chosen)
         if mode is not Mode.AR:
             self.wait_policy.observe_verify(verify_seconds)
         # As the scheduler records it: the drafting of the job whose drafts this step verified.

@@ -6,9 +6,9 @@ from minedraft.engine.psd.planner import (
     QUARANTINE_AFTER_FAILED_JOBS,
     Draft,
     JobItemPlan,
+    PlannedStep,
     PSDPlanner,
     RequestState,
-    StepPlan,
     WaitPolicy,
 )
 from minedraft.engine.settings import Mode
@@ -84,7 +84,7 @@ def test_drafts_are_cut_to_the_output_budget():
 def test_ar_plans_nothing_and_holds_nothing():
     planner = planner_with({"a": 0, "c": 1})
     planner.in_flight = {1: frozenset({"c"})}
-    assert planner.plan([req("a"), req("c")], Mode.AR, None) == StepPlan(Mode.AR, None, {}, {}, frozenset())
+    assert planner.plan([req("a"), req("c")], Mode.AR, None) == PlannedStep(Mode.AR, None, {}, {}, frozenset())
 
 
 def test_one_empty_side_falls_back_to_the_other_instead_of_stalling():

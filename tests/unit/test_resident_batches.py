@@ -2,46 +2,46 @@
 
 import pytest
 
-from minedraft.engine.vllm_adapter.resident_batches import StepPlan, plan_step
+from minedraft.engine.vllm_adapter.resident_batches import ResidentBatchChoice, choose_resident_batch
 
 A = {"a1", "a2", "a3"}
 B = {"b1", "b2", "b3"}
 
 
 def test_alternating_sub_batches_each_run_in_the_batch_that_holds_them():
-    assert plan_step(A, (), [A, B], current=1) == StepPlan(0, frozenset())
-    assert plan_step(B, (), [A, B], current=0) == StepPlan(1, frozenset())
+    assert choose_resident_batch(A, (), [A, B], current=1) == ResidentBatchChoice(0, frozenset())
+    assert choose_resident_batch(B, (), [A, B], current=0) == ResidentBatchChoice(1, frozenset())
 
 
 def test_first_two_sub_batches_land_in_different_batches():
     # Step 1: nothing resident, A's new requests go to the current batch.
-    first = plan_step(A, (), [set(), set()], current=0)
+    first = choose_resident_batch(A, (), [set(), set()], current=0)
     assert first.current == 0
     # Step 2: B's requests are not resident either; the empty batch takes them, so A stays where it is.
-    second = plan_step(B, (), [A, set()], current=0)
-    assert second == StepPlan(1, frozenset())
+    second = choose_resident_batch(B, (), [A, set()], current=0)
+    assert second == ResidentBatchChoice(1, frozenset())
     # From then on each sub-batch finds its own batch.
-    assert plan_step(A, (), [A, B], current=1).current == 0
+    assert choose_resident_batch(A, (), [A, B], current=1).current == 0
 
 
 def test_all_requests_every_step_keeps_one_batch():
     # ar and sd: every request each step; a new arrival never flips the batch.
     everyone = A | B
-    assert plan_step(everyone, (), [everyone, set()], current=0) == StepPlan(0, frozenset())
-    assert plan_step(everyone | {"new"}, (), [everyone, set()], current=0).current == 0
+    assert choose_resident_batch(everyone, (), [everyone, set()], current=0) == ResidentBatchChoice(0, frozenset())
+    assert choose_resident_batch(everyone | {"new"}, (), [everyone, set()], current=0).current == 0
     # A tie (nothing resident, nothing to remove) keeps the current batch.
-    assert plan_step({"x"}, (), [set(), set()], current=1).current == 1
+    assert choose_resident_batch({"x"}, (), [set(), set()], current=1).current == 1
 
 
 def test_a_request_moved_to_the_other_sub_batch_leaves_its_old_batch():
     # Rebalancing moved b1 into A's sub-batch: it runs in A's batch and must not stay behind in B's (a stale entry
     # there would be used the next time B's batch is current).
-    plan = plan_step(A | {"b1"}, (), [A, B], current=1)
-    assert plan == StepPlan(0, frozenset({"b1"}))
+    plan = choose_resident_batch(A | {"b1"}, (), [A, B], current=1)
+    assert plan == ResidentBatchChoice(0, frozenset({"b1"}))
 
 
 def test_finished_requests_leave_the_other_batch_too():
-    plan = plan_step(A, {"b2", "a3"}, [A, B], current=1)
+    plan = choose_resident_batch(A, {"b2", "a3"}, [A, B], current=1)
     assert plan.current == 0
     # a3 is in the current batch: vLLM's own path removes it there.
     assert plan.evict_from_other == frozenset({"b2"})
@@ -49,21 +49,23 @@ def test_finished_requests_leave_the_other_batch_too():
 
 def test_most_held_wins_over_the_current_batch():
     # A sub-batch that mostly lives in batch 1 runs there even if batch 0 was current.
-    plan = plan_step({"a1", "b1", "b2", "b3"}, (), [A, B], current=0)
-    assert plan == StepPlan(1, frozenset({"a1"}))
+    plan = choose_resident_batch({"a1", "b1", "b2", "b3"}, (), [A, B], current=0)
+    assert plan == ResidentBatchChoice(1, frozenset({"a1"}))
 
 
 def test_switched_off_is_vllms_single_batch():
     # Batch 0 always; whatever the other batch still holds drains into it as it is scheduled.
-    assert plan_step(B, (), [A, B], current=1, resident_sub_batches=False) == StepPlan(0, frozenset(B))
-    assert plan_step(A, (), [A, set()], current=0, resident_sub_batches=False) == StepPlan(0, frozenset())
+    assert (choose_resident_batch(B, (), [A, B], current=1, resident_sub_batches=False)
+            == ResidentBatchChoice(0, frozenset(B)))
+    assert (choose_resident_batch(A, (), [A, set()], current=0, resident_sub_batches=False)
+            == ResidentBatchChoice(0, frozenset()))
 
 
 def test_bad_arguments_name_the_field():
     with pytest.raises(ValueError, match="residents"):
-        plan_step(A, (), [A], current=0)
+        choose_resident_batch(A, (), [A], current=0)
     with pytest.raises(ValueError, match="current"):
-        plan_step(A, (), [A, B], current=2)
+        choose_resident_batch(A, (), [A, B], current=2)
 
 
 def _scheduler(async_scheduling=False, v2=False):

@@ -99,6 +99,8 @@ class AutoSettings:
 
 @dataclass(frozen=True)
 class Decision:
+    """One of auto's switches: the chosen mode (psd, sd or ar) and k it sets for the coming steps."""
+
     step: int
     mode: str
     k: int

@@ -18,6 +18,7 @@ from typing import Any
 class StepRecord:
     step: int
     started_at: float
+    # The step mode: what this step ran in (psd, sd or ar; ar while the drafter is down, whatever was chosen).
     mode: str
     # The sub-batch verified in this step (None when no sub-batches are in use: ar mode, or prefill only).
     verified_group: int | None

@@ -66,8 +66,12 @@ class Draft:
 
 
 @dataclass(frozen=True)
-class StepPlan:
-    mode: Mode
+class PlannedStep:
+    """The planner's decision for one step, made before it runs and never changed (vLLM's SchedulerOutput is the
+    model): the step's mode, the sub-batch it verifies, each request's proposal, and who is held out."""
+
+    # The mode this step runs in (psd, sd or ar): the chosen mode, or ar while the drafter is down.
+    step_mode: Mode
     verified_group: int | None
     # The proposal each request carries into this step (drafted tokens first, then padding).
     proposals: dict[str, list[int]]
@@ -156,10 +160,10 @@ class PSDPlanner:
 
     # -- the step ------------------------------------------------------------------------------------------------
 
-    def pick_group(self, requests: Sequence[RequestState], mode: Mode) -> int | None:
-        if mode is Mode.SD:
+    def pick_group(self, requests: Sequence[RequestState], step_mode: Mode) -> int | None:
+        if step_mode is Mode.SD:
             return 0
-        if mode is not Mode.PSD:
+        if step_mode is not Mode.PSD:
             return None
         decoding_members = [0, 0]
         for request in requests:
@@ -178,12 +182,12 @@ class PSDPlanner:
             return []
         return draft.token_ids[: max(0, min(request.draft_room, self.k + self.num_extra_draft_tokens))]
 
-    def plan(self, requests: Sequence[RequestState], mode: Mode, verified_group: int | None,
-             pad: bool = True) -> StepPlan:
+    def plan(self, requests: Sequence[RequestState], step_mode: Mode, verified_group: int | None,
+             pad: bool = True) -> PlannedStep:
         """Who runs in this step and with which proposals. `pad`: the mode is fixed (auto varies k anyway)."""
-        if mode not in (Mode.PSD, Mode.SD) or verified_group is None:
-            return StepPlan(mode, None, {}, {}, frozenset())
-        coming = self.in_flight.get(1 - verified_group, frozenset()) if mode is Mode.PSD else frozenset()
+        if step_mode not in (Mode.PSD, Mode.SD) or verified_group is None:
+            return PlannedStep(step_mode, None, {}, {}, frozenset())
+        coming = self.in_flight.get(1 - verified_group, frozenset()) if step_mode is Mode.PSD else frozenset()
         held_out: set[str] = set()
         drafted: dict[str, list[int]] = {}
         running: list[RequestState] = []
@@ -191,7 +195,7 @@ class PSDPlanner:
             if not request.decoding:
                 continue
             group = self.subbatches.group_of(request.request_id)
-            other_side = mode is Mode.PSD and group is not None and group != verified_group
+            other_side = step_mode is Mode.PSD and group is not None and group != verified_group
             if other_side and (request.request_id in coming or self.usable_draft(request)):
                 held_out.add(request.request_id)
                 continue
@@ -217,7 +221,7 @@ class PSDPlanner:
                     filler = proposal[-1] if proposal else request.last_token_id
                     proposals[request.request_id] = proposal + [filler] * (want - len(proposal))
                     drafted_lengths.setdefault(request.request_id, 0)
-        return StepPlan(mode, verified_group, proposals, drafted_lengths, frozenset(held_out), budget)
+        return PlannedStep(step_mode, verified_group, proposals, drafted_lengths, frozenset(held_out), budget)
 
     def budget(self, requests: Sequence[RequestState], group: int) -> int | None:
         """Extra drafts: the C positions kept in a sub-batch (k per member unless configured)."""
@@ -232,19 +236,19 @@ class PSDPlanner:
         draft = self.drafts[request_id]
         return [0.0] * length if draft.logprobs is None else draft.logprobs[:length]
 
-    def after_step(self, requests: Sequence[RequestState], mode: Mode, verified_group: int | None,
-                   configured_mode: Mode) -> None:
+    def after_step(self, requests: Sequence[RequestState], step_mode: Mode, verified_group: int | None,
+                   chosen_mode: Mode) -> None:
         """Admit new decoders (to the side drafted next), restore balance, pass the turn."""
         preferred = verified_group if verified_group is not None else self.turn
         for request in requests:
             if request.decoding and request.request_id not in self.subbatches:
-                if configured_mode is Mode.SD:
+                if chosen_mode is Mode.SD:
                     self.subbatches.admit(request.request_id, 0, balance=False)
                 else:
                     self.subbatches.admit(request.request_id, preferred)
-        if configured_mode is Mode.PSD:
+        if chosen_mode is Mode.PSD:
             self.subbatches.rebalance()
-        if mode is Mode.PSD and verified_group is not None:
+        if step_mode is Mode.PSD and verified_group is not None:
             self.turn = 1 - verified_group
 
     def switch_mode(self, previous: Mode, mode: Mode, k: int, num_extra_draft_tokens: int) -> None:
@@ -404,7 +408,7 @@ class PSDPlanner:
 
     # -- invariants ----------------------------------------------------------------------------------------------
 
-    def check_step(self, plan: StepPlan, requests: Sequence[RequestState], scheduled: dict[str, list[int]]) -> None:
+    def check_step(self, plan: PlannedStep, requests: Sequence[RequestState], scheduled: dict[str, list[int]]) -> None:
         """What vLLM scheduled matches the plan: drafted positions are exactly the held draft for the request's
         current context, and no held-out request ran."""
         by_id = {r.request_id: r for r in requests}
@@ -423,7 +427,7 @@ class PSDPlanner:
                             or draft.token_ids[:drafted] != proposal[:drafted]):
                 raise AssertionError(f"{request_id}: verified a draft not made from its committed context")
 
-    def check_invariants(self, requests: Sequence[RequestState], alive: set[str], configured_mode: Mode) -> None:
+    def check_invariants(self, requests: Sequence[RequestState], alive: set[str], chosen_mode: Mode) -> None:
         """`requests`: the running ones; `alive`: every unfinished request (running, waiting, preempted)."""
         running = {r.request_id for r in requests}
         decoding = {r.request_id for r in requests if r.decoding}
@@ -432,9 +436,9 @@ class PSDPlanner:
             raise AssertionError(f"decoding requests outside both sub-batches: {sorted(decoding - members)}")
         if members - running:
             raise AssertionError(f"sub-batch members that are not running: {sorted(members - running)}")
-        if configured_mode is Mode.PSD:
+        if chosen_mode is Mode.PSD:
             self.subbatches.check_balanced()
-        elif configured_mode is Mode.SD and self.subbatches.sizes()[1]:
+        elif chosen_mode is Mode.SD and self.subbatches.sizes()[1]:
             raise AssertionError("sd mode keeps every request in sub-batch 0")
         for name, kept in (("drafts", self.drafts), ("drafter tokens", self.drafter_holds)):
             leaked = sorted(set(kept) - alive)

@@ -10,13 +10,13 @@ The scheduler side has the same pattern: vLLM's scheduler re-sends the full toke
 not scheduled in the previous step, for a path that is off here (`skip_token_resend`).
 
 The runner here keeps two persistent batches and, at the start of each step, makes current the one that already holds
-most of the step's requests (`plan_step`, a pure choice from request ids). The other batch keeps its requests as they
-are until their turn. A request scheduled in a step always ends up in the current batch (vLLM's own path adds it if it
-is not there), so it is first removed from the other one: each request lives in at most one batch, and its entry is
-the one written the last time it was scheduled. Requests that did not run since are unchanged in the runner (their
-tokens, blocks and sampling state change only when scheduled, or on preemption, which vLLM's path handles through
-`resumed_req_ids`). Finished requests are removed from both. ar and sd schedule every request every step: the same
-batch stays current and nothing changes from vLLM's behaviour.
+most of the step's requests (`choose_resident_batch`, a pure choice from request ids). The other batch keeps its
+requests as they are until their turn. A request scheduled in a step always ends up in the current batch (vLLM's own
+path adds it if it is not there), so it is first removed from the other one: each request lives in at most one batch,
+and its entry is the one written the last time it was scheduled. Requests that did not run since are unchanged in the
+runner (their tokens, blocks and sampling state change only when scheduled, or on preemption, which vLLM's path
+handles through `resumed_req_ids`). Finished requests are removed from both. ar and sd schedule every request every
+step: the same batch stays current and nothing changes from vLLM's behaviour.
 
 It is installed per engine after the engine has started (the KV cache is sized and the input batch has its final
 block sizes) by `collective_rpc` on every worker, tensor-parallel ranks included, through the worker extension named
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class ResidentBatchChoice:
     """Which persistent batch a step runs in, and which requests leave the other one first."""
 
     current: int
@@ -50,13 +50,13 @@ class StepPlan:
     evict_from_other: frozenset[str]
 
 
-def plan_step(
+def choose_resident_batch(
     scheduled: Collection[str],
     finished: Collection[str],
     residents: Sequence[Collection[str]],
     current: int,
     resident_sub_batches: bool = True,
-) -> StepPlan:
+) -> ResidentBatchChoice:
     """The batch that makes the step cheapest becomes current: fewest requests added to it (the scheduled ones it does
     not hold, each a copy of its context) plus removed from a batch (its residents not scheduled, which vLLM's path
     removes, and the scheduled ones the other batch holds). That is the batch holding most of the step's requests;
@@ -84,7 +84,7 @@ def plan_step(
         chosen = 0
     other = residents[1 - chosen]
     evict = frozenset(r for r in scheduled_set | finished_set if r in other)
-    return StepPlan(chosen, evict)
+    return ResidentBatchChoice(chosen, evict)
 
 
 def skip_token_resend(scheduler: Any) -> None:
@@ -154,18 +154,18 @@ class ResidentBatchesRunner:
 
     def _update_states(self, scheduler_output: Any) -> Any:
         batches = self.minedraft_batches
-        plan = plan_step(
+        choice = choose_resident_batch(
             scheduler_output.num_scheduled_tokens.keys(), scheduler_output.finished_req_ids,
             [batch.req_id_to_index for batch in batches], self.minedraft_current, self.minedraft_resident)
-        other = batches[1 - plan.current]
-        if plan.evict_from_other:
-            for request_id in plan.evict_from_other:
+        other = batches[1 - choice.current]
+        if choice.evict_from_other:
+            for request_id in choice.evict_from_other:
                 other.remove_request(request_id)
             # vLLM leaves a batch consistent (no holes, logits processors told) within each step: do the same here.
             other.condense()
             other.refresh_metadata()
-        self.minedraft_current = plan.current
-        self.input_batch = batches[plan.current]
+        self.minedraft_current = choice.current
+        self.input_batch = batches[choice.current]
         return super()._update_states(scheduler_output)  # type: ignore[misc]
 
 

@@ -38,9 +38,9 @@ from minedraft.engine.psd.planner import (
     DEFAULT_CATCH_UP_TOKENS_PER_JOB,
     QUARANTINE_AFTER_HANGS,
     Draft,
+    PlannedStep,
     PSDPlanner,
     RequestState,
-    StepPlan,
     WaitPolicy,
 )
 from minedraft.engine.psd.subbatch import SubBatches
@@ -76,8 +76,8 @@ class _ScheduledStep:
     """What update_from_output needs of a step scheduled and not yet processed (two with async PSD steps)."""
 
     timing: _StepTiming
-    plan: StepPlan
-    mode: Mode
+    plan: PlannedStep
+    step_mode: Mode
     verified_group: int | None
     # Requests the step runs: none of them may be scheduled again before its output is processed.
     request_ids: frozenset[str]
@@ -98,8 +98,9 @@ class PSDScheduler(Scheduler):
         additional: Any = self.vllm_config.additional_config
         config = dict(additional.get(CONFIG_KEY, {}))
         configured_mode = Mode(config.get("mode", Mode.PSD.value))
-        # The concrete mode of the coming steps (psd, sd or ar); auto mode changes it through its controller.
-        self.mode: Mode = Mode.PSD if configured_mode is Mode.AUTO else configured_mode
+        # The chosen mode: the concrete mode of the coming steps (psd, sd or ar); auto changes it by its decisions.
+        # A step runs in its step mode: this one, or ar while the drafter is down (_step_mode).
+        self.chosen_mode: Mode = Mode.PSD if configured_mode is Mode.AUTO else configured_mode
         self.planner = PSDPlanner(
             k=int(config.get("num_speculative_tokens", self.num_spec_tokens)),
             num_extra_draft_tokens=int(config.get("num_extra_draft_tokens", 0)),
@@ -142,7 +143,7 @@ class PSDScheduler(Scheduler):
         drafter_settings = config.get("drafter")
         if config.get("drafter_prestarted"):
             pass  # the in-process Engine started it in parallel with model loading and attaches it next
-        elif drafter_settings and self.mode is not Mode.AR:
+        elif drafter_settings and self.chosen_mode is not Mode.AR:
             drafter = DrafterClient(
                 drafter_settings,
                 restart=bool(config.get("drafter_restart", True)),
@@ -150,7 +151,7 @@ class PSDScheduler(Scheduler):
             )
             drafter.start()
             self.link.attach(drafter)
-        elif self.mode is not Mode.AR:
+        elif self.chosen_mode is not Mode.AR:
             log.warning("no drafter configured: serving without drafts")
 
     # -- views the engine and tests read --------------------------------------------------------------------------
@@ -192,7 +193,7 @@ class PSDScheduler(Scheduler):
 
     @property
     def configured_mode(self) -> Mode:
-        return Mode.AUTO if self.auto is not None else self.mode
+        return Mode.AUTO if self.auto is not None else self.chosen_mode
 
     def set_mode(
         self,
@@ -216,7 +217,7 @@ class PSDScheduler(Scheduler):
                 if max(auto_settings.k_candidates) > self.num_spec_tokens:
                     raise ValueError(f"k_candidates: at most {self.num_spec_tokens} (max_num_speculative_tokens)")
                 self.auto_settings = auto_settings
-            self._apply_mode(self.mode, k, num_extra_draft_tokens)
+            self._apply_mode(self.chosen_mode, k, num_extra_draft_tokens)
             self.auto = self._new_auto_controller()
             return
         self._apply_mode(mode, k, num_extra_draft_tokens)
@@ -226,7 +227,7 @@ class PSDScheduler(Scheduler):
     def _new_auto_controller(self) -> AutoController:
         # A private cost model learns only from auto's own steps (benchmarks: auto pays for all it knows).
         cost_model = self.cost_model if self.auto_settings.learn_from_fixed_modes else CostModel()
-        return AutoController(self.auto_settings, self.mode.value, self.k, cost_model)
+        return AutoController(self.auto_settings, self.chosen_mode.value, self.k, cost_model)
 
     def _apply_mode(self, mode: Mode, k: int | None = None, num_extra_draft_tokens: int | None = None) -> None:
         """Switch at a step boundary: only sub-batch membership and draft lengths change, never a request's tokens
@@ -242,8 +243,8 @@ class PSDScheduler(Scheduler):
                 f"num_extra_draft_tokens: {new_e} is outside 0..{self.num_spec_tokens - new_k} (k + e <= "
                 f"{self.num_spec_tokens}, the engine's max_num_speculative_tokens)"
             )
-        self.planner.switch_mode(self.mode, mode, new_k, new_e)
-        self.mode = mode
+        self.planner.switch_mode(self.chosen_mode, mode, new_k, new_e)
+        self.chosen_mode = mode
 
     def attach_drafter(self, drafter: DrafterClient) -> None:
         self.link.attach(drafter)
@@ -279,13 +280,13 @@ class PSDScheduler(Scheduler):
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         timing = _StepTiming(started_at=time.perf_counter())
         self._timing = timing
-        mode = self._current_mode()
+        step_mode = self._step_mode()
         # Async PSD steps: the step in flight verifies one sub-batch, this one the other (may_schedule_ahead).
         busy = self._busy()
-        if self._scheduled and mode is Mode.PSD and self._scheduled[-1].verified_group is not None:
+        if self._scheduled and step_mode is Mode.PSD and self._scheduled[-1].verified_group is not None:
             self.planner.turn = 1 - self._scheduled[-1].verified_group
         states = self._states(busy)
-        verified_group = self.planner.pick_group(states, mode)
+        verified_group = self.planner.pick_group(states, step_mode)
         if verified_group is not None:
             self._await_drafts(verified_group, timing)
         # With no draft job in flight nothing drafts during this verification (ar; sd; psd with one side empty):
@@ -295,10 +296,10 @@ class PSDScheduler(Scheduler):
         # output is processed, while this step verifies, so nothing is lent. (Only this thread's cores: the model
         # thread stays on the target's own.)
         ahead = bool(self._scheduled)
-        self.placement.apply(wide=should_widen(mode is Mode.AR, bool(self.link.tickets) or ahead,
+        self.placement.apply(wide=should_widen(step_mode is Mode.AR, bool(self.link.tickets) or ahead,
                                                self.link.loading))
 
-        plan = self.planner.plan(states, mode, verified_group, pad=self.auto is None)
+        plan = self.planner.plan(states, step_mode, verified_group, pad=self.auto is None)
         step_after_next = self.current_step + 2  # schedule() increments current_step before its running loop
         for request in self.running:
             request_id = request.request_id
@@ -314,7 +315,7 @@ class PSDScheduler(Scheduler):
         output = super().schedule(*args, **kwargs)
         timing.scheduled_at = time.perf_counter()
         timing.scheduled_ahead = bool(self._scheduled)
-        self._scheduled.append(_ScheduledStep(timing, plan, mode, verified_group,
+        self._scheduled.append(_ScheduledStep(timing, plan, step_mode, verified_group,
                                               frozenset(output.num_scheduled_tokens)))
         if self.check_invariants:
             self.planner.check_step(plan, states, output.scheduled_spec_decode_tokens)
@@ -328,10 +329,11 @@ class PSDScheduler(Scheduler):
         before. Not in sd or ar (every step verifies the same requests, whose tokens the step in flight is making),
         not in auto (its decisions and cost model read each step's timings as a step of its own), and not with one
         side empty (psd then runs sequential sd on the other)."""
-        if not self.async_steps or len(self._scheduled) != 1 or self.auto is not None or self.mode is not Mode.PSD:
+        if (not self.async_steps or len(self._scheduled) != 1 or self.auto is not None
+                or self.chosen_mode is not Mode.PSD):
             return False
         step = self._scheduled[0]
-        if step.mode is not Mode.PSD or step.verified_group is None or not self.drafter_up:
+        if step.step_mode is not Mode.PSD or step.verified_group is None or not self.drafter_up:
             return False
         busy = step.request_ids
         for request_id in self.subbatches.members(1 - step.verified_group):
@@ -340,8 +342,8 @@ class PSDScheduler(Scheduler):
                 return True
         return False
 
-    def _current_mode(self) -> Mode:
-        if self.mode is Mode.AR or self.drafter is None:
+    def _step_mode(self) -> Mode:
+        if self.chosen_mode is Mode.AR or self.drafter is None:
             return Mode.AR
         self.link.poll(0.0, self._on_message)
         alive = self.link.check()
@@ -350,7 +352,7 @@ class PSDScheduler(Scheduler):
             self.planner.in_flight.clear()
             # Without a drafter, verifying half the batch per step would only halve throughput.
             return Mode.AR
-        return self.mode
+        return self.chosen_mode
 
     def _await_drafts(self, group: int, timing: _StepTiming) -> None:
         if group not in self.link.tickets or not self.planner.in_flight.get(group):
@@ -473,19 +475,19 @@ class PSDScheduler(Scheduler):
 
         outputs = super().update_from_output(scheduler_output, model_runner_output)
 
-        mode = step.mode
+        step_mode = step.step_mode
         self._forget_finished()
         # (Requests of a step still in flight are not decoding yet: no newcomer admission or draft job for them.)
         states = self._states(self._busy())
-        self.planner.after_step(states, mode, verified_group, self.mode)
-        if mode in (Mode.PSD, Mode.SD) and verified_group is not None:
+        self.planner.after_step(states, step_mode, verified_group, self.chosen_mode)
+        if step_mode in (Mode.PSD, Mode.SD) and verified_group is not None:
             self._submit_drafts(verified_group, states)
             if self._scheduled and verified_group in self.link.tickets:
                 # The next step, scheduled ahead, verifies while this job drafts.
                 self._scheduled[-1].timing.draft_jobs_in_flight += 1
         if self.check_invariants:
             alive = {rid for rid, r in self.requests.items() if not r.is_finished()}
-            self.planner.check_invariants(states, alive, self.mode)
+            self.planner.check_invariants(states, alive, self.chosen_mode)
 
         finished = time.perf_counter()
         job = timing.drafts_by_group.get(verified_group, JobTimes()) if verified_group is not None else JobTimes()
@@ -493,13 +495,13 @@ class PSDScheduler(Scheduler):
         timing.drafter_idle_seconds = job.idle_seconds
         # With a step scheduled ahead, the engine thread's clock from scheduled_at would include that scheduling.
         verify_seconds = worker_seconds if worker_seconds is not None else max(0.0, verify_done - timing.scheduled_at)
-        if mode is not Mode.AR:
+        if step_mode is not Mode.AR:
             self.wait_policy.observe_verify(verify_seconds)
         self._num_steps += 1
         record = StepRecord(
             step=self._num_steps,
             started_at=timing.started_at,
-            mode=mode.value,
+            mode=step_mode.value,
             verified_group=verified_group,
             group_sizes=self.subbatches.sizes(),
             num_decode_requests=num_decode,
