@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from minedraft.bench.steps import _pair_for_context
     from minedraft.bench.workload import bench_prompts
-    from minedraft.engine.drafter.process import Drafter, _configure_device
+    from minedraft.engine.drafter.process import _configure_device
+    from minedraft.engine.drafter.vllm_backend import VllmDrafter
     from minedraft.models.spec import default_pair_dir
 
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(str(source / "draft"))
     base_ids = list(tokenizer.encode(" ".join(bench_prompts(source, 64, chars=400))))
-    drafter = Drafter(settings)
+    drafter = VllmDrafter(settings)
     timers = JobTimers(drafter)
     results: dict[str, Any] = {
         "config": {"command": command, "contexts": contexts, "requests": args.requests, "jobs": args.jobs,

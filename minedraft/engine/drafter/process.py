@@ -1,4 +1,4 @@
-"""The drafter: a process of its own, on its own device, drafting greedily with vLLM.
+"""The drafter process: on its own device, drafting greedily with the backend backends.py picks (vLLM or torch).
 
 Each job carries, per request, only the tokens committed since the previous job (DrafterServer keeps the rest).
 The vLLM backend still re-admits each request per job (vLLM's engine cannot append tokens to a live request, so a
@@ -30,8 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from minedraft.engine.vllm_adapter.block_hashes import BlockHashReuse
-from minedraft.engine.vllm_adapter.block_hashes import install as install_block_hash_reuse
+from minedraft.engine.drafter.backends import make_drafter, no_op
 
 log = logging.getLogger("minedraft.drafter")
 
@@ -40,10 +39,6 @@ POISON_TOKEN_ENV = "MINEDRAFT_TEST_DRAFTER_POISON_TOKEN"
 BROKEN_ENV = "MINEDRAFT_TEST_DRAFTER_BROKEN"
 # The request id of the probe job a failed job is followed by (see DrafterServer.run_job); no real id has this form.
 PROBE_REQUEST_ID = "minedraft-probe:"
-
-
-def _no_op() -> None:
-    pass
 
 
 def _configure_device(settings: dict[str, Any]) -> None:
@@ -60,169 +55,6 @@ def _configure_device(settings: dict[str, Any]) -> None:
     # minedraft.engine.placement.plan_devices); the engine's own narrowed list must not leak in.
     if settings.get("cuda_visible_devices") is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(settings["cuda_visible_devices"])
-
-
-class Drafter:
-    def __init__(self, settings: dict[str, Any]) -> None:
-        from vllm import EngineArgs
-        from vllm.v1.engine.llm_engine import LLMEngine
-
-        extra: dict[str, Any] = {}
-        if settings.get("gpu_memory_utilization") is not None:
-            extra["gpu_memory_utilization"] = settings["gpu_memory_utilization"]
-        args = EngineArgs(
-            model=settings["model"],
-            # Concrete: the engine resolved "auto" (placement.resolve_dtype), so the draft loads as the target does.
-            dtype=settings["dtype"],
-            # -1: the draft's own context length fitted to its KV cache.
-            max_model_len=settings.get("max_model_len") or -1,
-            max_num_seqs=settings["max_num_seqs"],
-            enable_prefix_caching=True,
-            seed=settings.get("seed", 0),
-            disable_log_stats=True,
-            **extra,
-        )
-        self.engine = LLMEngine.from_engine_args(args)
-        self.max_model_len = int(self.engine.model_config.max_model_len)
-        self.vocab_size = self.engine.model_config.get_vocab_size()
-        self.cancelled: set[str] = set()
-        # The in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0) hashes blocks at admission: only new ones now.
-        self.block_hashes: BlockHashReuse | None = install_block_hash_reuse(self.engine)
-
-    def context_changed(self, request_id: str, num_tokens_kept: int) -> None:
-        """The stored context of a request was cut back to `num_tokens_kept` tokens (0: replaced or forgotten)."""
-        if self.block_hashes is not None:
-            self.block_hashes.context_changed(request_id, num_tokens_kept)
-
-    def draft(self, job: Any, poll_messages: Any, on_step: Callable[[], None] = _no_op
-              ) -> tuple[list[Any], float, float]:
-        """Returns the drafts, the job's seconds and the seconds to its first drafted token (vLLM's first step:
-        the prefill of what is not in the prefix cache, and position 1)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
-        from minedraft.engine.drafter.protocol import DraftResult
-
-        started = time.perf_counter()
-        self.cancelled.clear()
-        live: dict[str, Any] = {}
-        for item in job.items:
-            room = self.max_model_len - len(item.token_ids)
-            # No draft wanted: a chunk of a long catch-up, taken in (prefilled into the prefix cache) only. vLLM
-            # samples at least one token; it is dropped.
-            prefill_only = item.num_draft_tokens == 0
-            num = 1 if prefill_only else min(item.num_draft_tokens, room)
-            if num <= 0 or room <= 0 or not item.token_ids:
-                continue  # (token ids were checked against the vocabulary on receipt, in DrafterServer)
-            params = SamplingParams(
-                max_tokens=num,
-                temperature=0.0,
-                ignore_eos=True,
-                logprobs=0 if job.want_logprobs else None,
-                detokenize=False,
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )
-            key = f"{job.job_id}:{item.request_id}"
-            if self.block_hashes is not None:
-                self.block_hashes.expect(key, item.request_id)
-            self.engine.add_request(key, TokensPrompt(prompt_token_ids=list(item.token_ids)), params)
-            # The length now: a newer job taken in mid-job (poll_messages) extends the stored context in place.
-            live[key] = (item, len(item.token_ids), prefill_only)
-        results: list[DraftResult] = []
-        first_token_seconds = 0.0
-        while self.engine.has_unfinished_requests():
-            outputs = self.engine.step()
-            if not first_token_seconds:
-                first_token_seconds = time.perf_counter() - started
-            on_step()
-            for output in outputs:
-                if not output.finished or output.request_id not in live:
-                    continue
-                item, context_num_tokens, prefill_only = live.pop(output.request_id)
-                if prefill_only:
-                    continue
-                completion = output.outputs[0]  # type: ignore[index]
-                logprobs = None
-                if job.want_logprobs and completion.logprobs is not None:
-                    logprobs = [
-                        float(step[token].logprob)
-                        for step, token in zip(completion.logprobs, completion.token_ids, strict=True)
-                    ]
-                results.append(
-                    DraftResult(
-                        request_id=item.request_id,
-                        context_num_tokens=context_num_tokens,
-                        token_ids=list(completion.token_ids),
-                        logprobs=logprobs,
-                    )
-                )
-            # Cancels that arrive mid-job drop those requests here too, not just on the verifier's side.
-            poll_messages()
-            if self.cancelled:
-                doomed = [key for key, (item, _, _) in live.items() if item.request_id in self.cancelled]
-                if doomed:
-                    self.engine.abort_request(doomed)
-                    for key in doomed:
-                        live.pop(key, None)
-        return results, time.perf_counter() - started, first_token_seconds
-
-    @property
-    def max_context_tokens(self) -> int:
-        return self.max_model_len
-
-
-class TorchDrafter:
-    """The same job interface over the plain-torch drafter (KV cache kept per request between jobs)."""
-
-    def __init__(self, settings: dict[str, Any]) -> None:
-        import torch
-
-        from minedraft.engine.drafter.torch_backend import make_torch_drafter
-
-        torch.set_num_threads(max(1, len(settings.get("cpu_cores") or []) or 1))
-        self.model = make_torch_drafter(settings)
-        self.cancelled: set[str] = set()
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.model.vocab_size)
-
-    @property
-    def max_context_tokens(self) -> int:
-        return int(self.model.max_model_len)
-
-    def context_changed(self, request_id: str, num_tokens_kept: int) -> None:
-        """(Nothing to do: each job's context is compared with the request's cached tokens.)"""
-
-    def draft(self, job: Any, poll_messages: Any, on_step: Callable[[], None] = _no_op
-              ) -> tuple[list[Any], float, float]:
-        from minedraft.engine.drafter.protocol import DraftResult
-
-        started = time.perf_counter()
-        if self.cancelled:
-            self.model.forget(sorted(self.cancelled))
-            self.cancelled.clear()
-        # (Token ids were checked against the vocabulary on receipt, in DrafterServer.)
-        items = [(i.request_id, i.token_ids, i.num_draft_tokens) for i in job.items if i.token_ids]
-        try:
-            # (Messages are taken in only between jobs here: a newer job's tokens would extend these contexts in place.)
-            drafts = self.model.draft(items, job.want_logprobs, on_step) if items else []
-        except Exception:
-            self.model.forget([rid for rid, _, _ in items])
-            raise
-        first_token_seconds = self.model.last_first_token_seconds if items else 0.0
-        results = [
-            DraftResult(request_id=rid, context_num_tokens=len(context), token_ids=tokens, logprobs=logprobs)
-            for (rid, context, _), (tokens, logprobs) in zip(items, drafts, strict=True)
-        ]
-        return results, time.perf_counter() - started, first_token_seconds
-
-
-def make_drafter(settings: dict[str, Any]) -> Drafter | TorchDrafter:
-    if settings.get("backend", "vllm") == "torch":
-        return TorchDrafter(settings)
-    return Drafter(settings)
 
 
 class DrafterServer:
@@ -332,7 +164,7 @@ class DrafterServer:
         try:
             if self._broken:
                 raise RuntimeError("test fault injection: a broken drafter")
-            self.drafter.draft(probe, _no_op)
+            self.drafter.draft(probe, no_op)
             return None
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
@@ -371,7 +203,7 @@ class DrafterServer:
                 alone = protocol.DraftJob(job.job_id, [item], job.want_logprobs)
                 try:
                     self._check_poison(alone)
-                    self.drafter.draft(alone, _no_op, on_step=self.on_step)
+                    self.drafter.draft(alone, no_op, on_step=self.on_step)
                 except Exception:
                     culprits.append(item.request_id)
         for request_id in culprits:

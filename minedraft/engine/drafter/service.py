@@ -360,7 +360,8 @@ def serve(settings: dict[str, Any], host: str, port: int, token: bytes, service:
           ready: Callable[[int], None] | None = None, on_core: Callable[[ServiceCore], None] | None = None) -> int:
     """The service's loop (never returns while it runs). `on_core` receives the ServiceCore once it exists (the
     metrics exporter reads its counters)."""
-    from minedraft.engine.drafter.process import _configure_device, make_drafter
+    from minedraft.engine.drafter.backends import make_drafter
+    from minedraft.engine.drafter.process import _configure_device
 
     _configure_device(settings)
     started = time.perf_counter()

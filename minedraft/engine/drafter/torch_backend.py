@@ -284,16 +284,3 @@ def concrete_dtype(settings: dict[str, Any]) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"drafter dtype must be one of {', '.join(DTYPES)} (resolved by the engine), got {name!r}")
     return DTYPES[name]
-
-
-def make_torch_drafter(settings: dict[str, Any]) -> TorchLlamaDrafter:
-    if settings.get("drafter_window") or settings.get("device", "cpu") != "cpu":
-        from minedraft.engine.drafter.torch_window import make_windowed_drafter
-
-        return make_windowed_drafter(settings)
-    return TorchLlamaDrafter(
-        settings["model"],
-        max_slots=2 * int(settings["max_num_seqs"]) + 8,
-        max_model_len=int(settings["max_model_len"]),
-        dtype=concrete_dtype(settings),
-    )

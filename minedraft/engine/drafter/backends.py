@@ -1,0 +1,92 @@
+"""The drafting backends behind DrafterServer's job interface, and the one place that picks one (drafter process).
+
+A backend drafts one job (`draft`), drops cancelled requests (`cancelled`), hears when a request's stored context
+was cut back (`context_changed`) and states its vocabulary and longest context:
+  vllm   VllmDrafter (vllm_backend.py): the draft model in vLLM with prefix caching; any architecture
+  torch  TorchDrafter (here) over the plain-torch model (torch_backend.py, or torch_window.py's windowed one), which
+         keeps each request's KV cache between jobs
+
+Each backend imports torch or vLLM only when it is made, so the message loop (process.py) loads without them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from minedraft.engine.drafter.torch_backend import TorchLlamaDrafter
+    from minedraft.engine.drafter.vllm_backend import VllmDrafter
+
+
+def no_op() -> None:
+    pass
+
+
+class TorchDrafter:
+    """The same job interface over the plain-torch drafter (KV cache kept per request between jobs)."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        import torch
+
+        torch.set_num_threads(max(1, len(settings.get("cpu_cores") or []) or 1))
+        self.model = make_torch_drafter(settings)
+        self.cancelled: set[str] = set()
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.vocab_size)
+
+    @property
+    def max_context_tokens(self) -> int:
+        return int(self.model.max_model_len)
+
+    def context_changed(self, request_id: str, num_tokens_kept: int) -> None:
+        """(Nothing to do: each job's context is compared with the request's cached tokens.)"""
+
+    def draft(self, job: Any, poll_messages: Any, on_step: Callable[[], None] = no_op
+              ) -> tuple[list[Any], float, float]:
+        from minedraft.engine.drafter.protocol import DraftResult
+
+        started = time.perf_counter()
+        if self.cancelled:
+            self.model.forget(sorted(self.cancelled))
+            self.cancelled.clear()
+        # (Token ids were checked against the vocabulary on receipt, in DrafterServer.)
+        items = [(i.request_id, i.token_ids, i.num_draft_tokens) for i in job.items if i.token_ids]
+        try:
+            # (Messages are taken in only between jobs here: a newer job's tokens would extend these contexts in place.)
+            drafts = self.model.draft(items, job.want_logprobs, on_step) if items else []
+        except Exception:
+            self.model.forget([rid for rid, _, _ in items])
+            raise
+        first_token_seconds = self.model.last_first_token_seconds if items else 0.0
+        results = [
+            DraftResult(request_id=rid, context_num_tokens=len(context), token_ids=tokens, logprobs=logprobs)
+            for (rid, context, _), (tokens, logprobs) in zip(items, drafts, strict=True)
+        ]
+        return results, time.perf_counter() - started, first_token_seconds
+
+
+def make_torch_drafter(settings: dict[str, Any]) -> TorchLlamaDrafter:
+    """The torch model for these settings: windowed (bounded context) when asked for, and always on GPUs."""
+    from minedraft.engine.drafter.torch_backend import TorchLlamaDrafter, concrete_dtype
+    from minedraft.engine.drafter.torch_window import make_windowed_drafter
+
+    if settings.get("drafter_window") or settings.get("device", "cpu") != "cpu":
+        return make_windowed_drafter(settings)
+    return TorchLlamaDrafter(
+        settings["model"],
+        max_slots=2 * int(settings["max_num_seqs"]) + 8,
+        max_model_len=int(settings["max_model_len"]),
+        dtype=concrete_dtype(settings),
+    )
+
+
+def make_drafter(settings: dict[str, Any]) -> VllmDrafter | TorchDrafter:
+    if settings.get("backend", "vllm") == "torch":
+        return TorchDrafter(settings)
+    from minedraft.engine.drafter.vllm_backend import VllmDrafter
+
+    return VllmDrafter(settings)

@@ -1,0 +1,132 @@
+"""The vLLM drafting backend (drafter process): the draft model in vLLM's own engine, in this process.
+
+The vLLM backend re-admits each request per job (vLLM's engine cannot append tokens to a live request, so a request
+cannot stay resident between jobs); its prefix cache keeps the already-seen context cheap, at a per-job cost that
+grows with context (block hashing, made incremental by vllm_adapter/block_hashes.py). Any architecture vLLM runs;
+the choice for GPUs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from minedraft.engine.vllm_adapter.block_hashes import BlockHashReuse
+from minedraft.engine.vllm_adapter.block_hashes import install as install_block_hash_reuse
+
+
+def _no_op() -> None:
+    pass
+
+
+class VllmDrafter:
+    """The job interface (DrafterServer's `drafter`) over the draft model in an in-process vLLM engine."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        extra: dict[str, Any] = {}
+        if settings.get("gpu_memory_utilization") is not None:
+            extra["gpu_memory_utilization"] = settings["gpu_memory_utilization"]
+        args = EngineArgs(
+            model=settings["model"],
+            # Concrete: the engine resolved "auto" (placement.resolve_dtype), so the draft loads as the target does.
+            dtype=settings["dtype"],
+            # -1: the draft's own context length fitted to its KV cache.
+            max_model_len=settings.get("max_model_len") or -1,
+            max_num_seqs=settings["max_num_seqs"],
+            enable_prefix_caching=True,
+            seed=settings.get("seed", 0),
+            disable_log_stats=True,
+            **extra,
+        )
+        self.engine = LLMEngine.from_engine_args(args)
+        self.max_model_len = int(self.engine.model_config.max_model_len)
+        self.vocab_size = self.engine.model_config.get_vocab_size()
+        self.cancelled: set[str] = set()
+        # The in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0) hashes blocks at admission: only new ones now.
+        self.block_hashes: BlockHashReuse | None = install_block_hash_reuse(self.engine)
+
+    def context_changed(self, request_id: str, num_tokens_kept: int) -> None:
+        """The stored context of a request was cut back to `num_tokens_kept` tokens (0: replaced or forgotten)."""
+        if self.block_hashes is not None:
+            self.block_hashes.context_changed(request_id, num_tokens_kept)
+
+    def draft(self, job: Any, poll_messages: Any, on_step: Callable[[], None] = _no_op
+              ) -> tuple[list[Any], float, float]:
+        """Returns the drafts, the job's seconds and the seconds to its first drafted token (vLLM's first step:
+        the prefill of what is not in the prefix cache, and position 1)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        from minedraft.engine.drafter.protocol import DraftResult
+
+        started = time.perf_counter()
+        self.cancelled.clear()
+        live: dict[str, Any] = {}
+        for item in job.items:
+            room = self.max_model_len - len(item.token_ids)
+            # No draft wanted: a chunk of a long catch-up, taken in (prefilled into the prefix cache) only. vLLM
+            # samples at least one token; it is dropped.
+            prefill_only = item.num_draft_tokens == 0
+            num = 1 if prefill_only else min(item.num_draft_tokens, room)
+            if num <= 0 or room <= 0 or not item.token_ids:
+                continue  # (token ids were checked against the vocabulary on receipt, in DrafterServer)
+            params = SamplingParams(
+                max_tokens=num,
+                temperature=0.0,
+                ignore_eos=True,
+                logprobs=0 if job.want_logprobs else None,
+                detokenize=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            key = f"{job.job_id}:{item.request_id}"
+            if self.block_hashes is not None:
+                self.block_hashes.expect(key, item.request_id)
+            self.engine.add_request(key, TokensPrompt(prompt_token_ids=list(item.token_ids)), params)
+            # The length now: a newer job taken in mid-job (poll_messages) extends the stored context in place.
+            live[key] = (item, len(item.token_ids), prefill_only)
+        results: list[DraftResult] = []
+        first_token_seconds = 0.0
+        while self.engine.has_unfinished_requests():
+            outputs = self.engine.step()
+            if not first_token_seconds:
+                first_token_seconds = time.perf_counter() - started
+            on_step()
+            for output in outputs:
+                if not output.finished or output.request_id not in live:
+                    continue
+                item, context_num_tokens, prefill_only = live.pop(output.request_id)
+                if prefill_only:
+                    continue
+                completion = output.outputs[0]  # type: ignore[index]
+                logprobs = None
+                if job.want_logprobs and completion.logprobs is not None:
+                    logprobs = [
+                        float(step[token].logprob)
+                        for step, token in zip(completion.logprobs, completion.token_ids, strict=True)
+                    ]
+                results.append(
+                    DraftResult(
+                        request_id=item.request_id,
+                        context_num_tokens=context_num_tokens,
+                        token_ids=list(completion.token_ids),
+                        logprobs=logprobs,
+                    )
+                )
+            # Cancels that arrive mid-job drop those requests here too, not just on the verifier's side.
+            poll_messages()
+            if self.cancelled:
+                doomed = [key for key, (item, _, _) in live.items() if item.request_id in self.cancelled]
+                if doomed:
+                    self.engine.abort_request(doomed)
+                    for key in doomed:
+                        live.pop(key, None)
+        return results, time.perf_counter() - started, first_token_seconds
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self.max_model_len
