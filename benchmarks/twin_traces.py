@@ -209,8 +209,42 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['auto_without_load_shift_over_best_fixed']} |")
         md.append("")
     (OUT / "traces.md").write_text("\n".join(md) + "\n")
-    log(f"wrote {OUT}/traces.{{json,md}}")
+    plot(report, OUT / "traces.png")
+    log(f"wrote {OUT}/traces.{{json,md,png}}")
     return 0
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Per curve file and trace: the oracle, auto and auto without its load-shift reaction over the best fixed mode,
+    against the 1.1x goal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = report["files"]
+    fig, axes = plt.subplots(1, len(files), figsize=(5.2 * len(files), 4.2), sharey=True, squeeze=False)
+    series = (("oracle_over_best_fixed", "per-load oracle", "#bbbbbb"),
+              ("auto_over_best_fixed", "auto", "#1f77b4"),
+              ("auto_without_load_shift_over_best_fixed", "auto, no load-shift reaction", "#9ecae1"))
+    for ax, (name, data) in zip(axes[0], files.items(), strict=True):
+        labels = list(data["traces"])
+        width = 0.8 / len(series)
+        for n, (key, label, colour) in enumerate(series):
+            ax.bar([i + (n - 1) * width for i in range(len(labels))], [data["traces"][t][key] for t in labels],
+                   width, label=label, color=colour)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axhline(1.1, color="tab:red", linestyle="--", linewidth=0.8, label="goal 1.1x")
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_title(f"{name}\n(bound over any load mix {data['oracle_bound_any_mix']})", fontsize=9)
+        ax.set_ylim(0.85, max(1.25, *(data["traces"][t]["oracle_over_best_fixed"] + 0.05 for t in labels)))
+    axes[0][0].set_ylabel("tokens/s over the best single fixed mode")
+    axes[0][0].legend(fontsize=8, loc="upper left")
+    fig.suptitle("Auto over load-varying traces (twin; best fixed = ar, sd or psd at one k for the whole trace)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@
 and, as the old baseline, the twin on the profiler's eager-torch curves (benchmarks/curves/cpu-local-pair.json).
 
     python benchmarks/twin_vs_engine.py            # ~8 minutes on a contended 2-core machine (4 rounds)
+    python benchmarks/twin_vs_engine.py --twin-only   # seconds: today's twin against the committed engine figures
 
 Both the calibration and the bench run the layout the twin models: the target on core 0, the drafter on core 1,
 the target never widening onto the drafter's core (sd leaves the drafter's device idle while it verifies), and ar on
@@ -124,6 +125,30 @@ def twin_rows(measured: Any, costs: dict[str, StepCosts], acceptances: dict[int,
     return rows
 
 
+def twin_only(path: Path) -> str:
+    """The twin on the engine's curves now, against the engine's figures of the committed run (Markdown)."""
+    report = json.loads(path.read_text())
+    doc = json.loads(path.with_name(report["curves_file"]).read_text())
+    costs = StepCosts.from_curves(parse_curves(doc), TARGET, DRAFTER, hardware_of(doc))
+    workload = Workload(prompt_tokens=report["prompt_tokens_mean"], output_tokens=report["max_tokens"],
+                        output_spread=0.0)
+    lines = [f"Twin on the engine's curves now (`{COMMAND} --twin-only`) against the engine's figures recorded in "
+             f"{path.name}:", "", "| concurrency | mode | engine tok/s | twin/engine then | twin/engine now |",
+             "|---|---|---|---|---|"]
+    within = 0
+    for row in report["rows"]:
+        concurrency = row["concurrency"]
+        acceptance = AcceptanceModel(tuple(report["acceptance_per_position"][str(concurrency)]))
+        twin = run_closed_loop(costs, acceptance, row["mode"], report["k"], concurrency,
+                               report["requests_per_load"][str(concurrency)], workload)
+        ratio = twin.tokens_per_s / row["engine_tokens_per_s"]
+        within += abs(ratio - 1) <= GOAL
+        lines.append(f"| {concurrency} | {row['mode']} | {row['engine_tokens_per_s']} | "
+                     f"{row['twin_engine_curves_over_engine']} | {ratio:.3f} |")
+    lines += ["", f"{within}/{len(report['rows'])} within {GOAL:.0%} now (then: {report['points_within_goal']})."]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-k", type=int, default=3)
@@ -135,7 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(OUT / "cpu-vs-engine.json"))
     parser.add_argument("--session", help="pickle the engine session's measurements here (or, if the file exists, "
                         "reuse them instead of starting the engine: to redo the twin's side only)")
+    parser.add_argument("--twin-only", action="store_true",
+                        help="start no engine: rerun the twin on the committed curves, loads and acceptance of --out "
+                        "and print it beside the engine figures recorded there (after a change to the twin)")
     args = parser.parse_args(argv)
+    if args.twin_only:
+        print(twin_only(Path(args.out)))
+        return 0
 
     from minedraft.bench.calibrate import CalibrationSettings, calibrate, document
     from minedraft.bench.workload import bench_prompts

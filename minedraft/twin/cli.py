@@ -9,7 +9,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from minedraft.twin.costs import DRAFTER_PLACEMENTS, FIXED_FAMILIES, AcceptanceModel, Hardware, StepCosts
+from minedraft.twin.costs import (
+    DEFAULT_FAMILIES,
+    DEFAULT_GPU_HOST_MS_PER_STEP,
+    DRAFTER_PLACEMENTS,
+    FIXED_FAMILIES,
+    AcceptanceModel,
+    Hardware,
+    StepCosts,
+)
 from minedraft.twin.curves import CostCurves, CurveError, load_curves
 
 if TYPE_CHECKING:
@@ -88,12 +96,25 @@ def _pick(curves: CostCurves, role: str, name: str | None) -> str:
     return names[0]
 
 
-def _hardware(args: argparse.Namespace) -> Hardware:
+def curves_on_cpu(curves: CostCurves) -> bool:
+    """Curves measured on a CPU: vLLM runs no async scheduling there, so its own modes pay host work in series."""
+    return curves.device.lower().startswith("cpu") or "(cpu)" in curves.execution.lower()
+
+
+# What each figure of `plan` assumes about host work, in words (the JSON's `host_work`).
+HOST_WORK_NOTE = ("host work per step (scheduling, planning, input preparation, output processing) is not in the "
+                  "curves: the engine's ar, sd, psd and auto pay it after each forward pass; plain vLLM (vllm-ar), "
+                  "vLLM's colocated SD (vllm-sd) and psd with async steps (psd-async, TP = 1) overlap it with the "
+                  "forward pass where vLLM runs async scheduling (GPUs)")
+
+
+def _hardware(args: argparse.Namespace, on_cpu: bool = False) -> Hardware:
     try:
         return Hardware(tensor_parallel_size=args.tensor_parallel_size,
                         all_reduce_us_per_layer=args.all_reduce_us_per_layer,
                         drafter_placement=args.drafter_placement, shared_contention=args.shared_contention,
-                        step_overhead_ms=args.step_overhead_ms, prefill_ms_per_token=args.prefill_ms_per_token)
+                        step_overhead_ms=args.step_overhead_ms, prefill_ms_per_token=args.prefill_ms_per_token,
+                        vllm_async_scheduling=not on_cpu)
     except ValueError as exc:
         raise CurveError(str(exc).split(":", 1)[0], str(exc).split(":", 1)[-1].strip()) from None
 
@@ -114,9 +135,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--acceptance-from", help="a `minedraft bench` JSON: use the acceptance it measured")
     parser.add_argument("-k", "--draft-lengths", default=None, help="k values (default: 1 to the longest the "
                         "drafter's curves measure)")
-    parser.add_argument("--modes", default=",".join(FIXED_FAMILIES),
-                        help=f"fixed-mode families to run (some of {', '.join(FIXED_FAMILIES)}); auto always runs "
-                        "unless --no-auto")
+    parser.add_argument("--modes", default=",".join(DEFAULT_FAMILIES),
+                        help=f"fixed-mode families to run (some of {', '.join(FIXED_FAMILIES)}; default "
+                        f"{','.join(DEFAULT_FAMILIES)}; vllm-ar is plain decoding in vLLM itself, psd-async the "
+                        "engine's psd with --async-psd-steps); auto always runs unless --no-auto")
     parser.add_argument("--no-auto", action="store_true")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--all-reduce-us-per-layer", type=float, default=25.0,
@@ -125,8 +147,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="own: a GPU of its own (psd/sd hold TP + 1 GPUs); shared: on the target's first GPU")
     parser.add_argument("--shared-contention", type=float, default=1.0,
                         help="shared placement: share of overlapping draft/verify time that serialises (0-1)")
-    parser.add_argument("--step-overhead-ms", type=float, default=0.0,
-                        help="the engine's own work per step beyond the forward (not in the curves)")
+    parser.add_argument("--step-overhead-ms", type=float, default=DEFAULT_GPU_HOST_MS_PER_STEP,
+                        help="host work per step beyond the forward pass (not in the curves): paid after each "
+                        "forward by the engine's own steps, overlapped with it by plain vLLM, vLLM's colocated SD "
+                        "and psd-async on a GPU (default %(default)s: an estimate of 1.7-3.3 ms at TP = 1 from the "
+                        "engine's code, not measured; more at TP > 1)")
     parser.add_argument("--prefill-ms-per-token", type=float, default=0.0,
                         help="target time per prompt token (the curves hold no prefill; 0 leaves it out)")
     parser.add_argument("--max-tpot-ms", type=float, help="rate planning: only loads whose p50 time per output "
@@ -155,7 +180,7 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise CurveError("load", "give exactly one of --concurrency, --rate or --trace")
     curves = load_curves(args.curves)
     target, drafter = _pick(curves, "target", args.target), _pick(curves, "drafter", args.drafter)
-    costs = StepCosts.from_curves(curves, target, drafter, _hardware(args))
+    costs = StepCosts.from_curves(curves, target, drafter, _hardware(args, curves_on_cpu(curves)))
     if args.acceptance_from:
         acceptance = acceptance_from_bench(Path(args.acceptance_from))
     else:
@@ -188,6 +213,9 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise CurveError(str(exc).split(":", 1)[0], str(exc).split(":", 1)[-1].strip()) from None
     loads = sweep(costs, acceptance, settings)
     result: dict[str, Any] = {"loads": [load.to_json() for load in loads]}
+    # Additions to the first interface (tools reading `loads` are unaffected): what the figures assume.
+    result["host_work"] = {"step_overhead_ms": costs.hardware.step_overhead_ms,
+                           "vllm_async_scheduling": costs.hardware.vllm_async_scheduling, "note": HOST_WORK_NOTE}
     if bands:
         result["bands"] = [plan_band(loads, band, args.output_tokens, args.max_tpot_ms) for band in bands]
     if args.plot:
@@ -212,9 +240,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def describe(label: str) -> str:
+    """A mode label for people: plain vLLM is not the engine at all."""
+    return "plain vLLM (vllm-ar)" if label == "vllm-ar" else label
+
+
 def render(result: dict[str, Any]) -> str:
-    lines = ["| concurrency | fastest fixed mode | tok/s | most tok/s per GPU | tok/s/GPU | auto runs | auto tok/s |",
-             "|---|---|---|---|---|---|---|"]
+    host = result.get("host_work")
+    lines = [f"Host work per step: {host['step_overhead_ms']:g} ms; {host['note']}.", ""] if host else []
+    lines += ["| concurrency | fastest fixed mode | tok/s | most tok/s per GPU | tok/s/GPU | auto runs | auto tok/s |",
+              "|---|---|---|---|---|---|---|"]
     for load in result["loads"]:
         modes = {label: m for label, m in load["modes"].items() if label != "auto"}
         fastest = max(modes, key=lambda label: modes[label]["tokens_per_s"])
@@ -222,7 +257,8 @@ def render(result: dict[str, Any]) -> str:
         auto = load["modes"].get("auto")
         auto_runs = (f"{auto['mode']}" + (f" k={auto['k']}" if auto["mode"] != "ar" else "")) if auto else "-"
         auto_rate = f"{auto['tokens_per_s']:.0f}" if auto else "-"
-        lines.append(f"| {load['concurrency']} | {fastest} | {modes[fastest]['tokens_per_s']:.0f} | {thrifty} | "
+        lines.append(f"| {load['concurrency']} | {describe(fastest)} | {modes[fastest]['tokens_per_s']:.0f} | "
+                     f"{describe(thrifty)} | "
                      f"{modes[thrifty]['tokens_per_s_per_gpu']:.0f} | {auto_runs} | {auto_rate} |")
     for band in result.get("bands", []):
         run = band["run"]
@@ -231,7 +267,7 @@ def render(result: dict[str, Any]) -> str:
         if run is None:
             lines.append("  no measured load serves it within the limits")
             continue
-        lines.append(f"  run {run['mode']}: {run['replicas']} replica(s), {run['gpus']} GPUs, "
+        lines.append(f"  run {describe(run['mode'])}: {run['replicas']} replica(s), {run['gpus']} GPUs, "
                      f"{run['tokens_per_s_per_gpu']:.0f} tok/s per GPU, ~{run['concurrency_per_replica']:.0f} requests "
                      "in flight per replica")
         for family, choice in band["by_family"].items():

@@ -9,6 +9,13 @@ serialise, what two memory-bound kernels sharing HBM bandwidth do; 0.0: perfect 
 (`vllm-sd`) drafts on the target's GPUs with the target's tensor parallelism, in sequence with verification.
 A drafter window (`drafter_window_tokens`, MineDraft's `--drafter-window`) caps the context the drafter's KV reads
 see at the window plus its attention sinks; vLLM's colocated drafter has none.
+
+Host work per step (`step_overhead_ms`: scheduling, planning, input preparation, output processing) is a separate,
+stated cost: the curves hold forward passes only. The engine's synchronous steps (ar, sd, psd, auto) pay it in
+series with the step's forward pass. vLLM's own modes, plain decoding (`vllm-ar`) and colocated SD (`vllm-sd`), run
+with async scheduling (Model Runner V2 on GPUs), which prepares step n+1 while step n computes: there a step costs
+max(host, device) instead of the sum (`vllm_async_scheduling`; vLLM turns async scheduling off on CPUs). The
+engine's psd with async steps (`--async-psd-steps`) hides it the same way, where the engine runs them.
 """
 
 from __future__ import annotations
@@ -22,8 +29,16 @@ from dataclasses import dataclass
 
 from minedraft.twin.curves import CostCurves, CurveError, ModelCurves
 
-# The fixed-mode families the twin can run (auto runs besides them).
-FIXED_FAMILIES = ("ar", "sd", "psd", "vllm-sd")
+# The fixed-mode families the twin can run (auto runs besides them). `vllm-ar`: plain decoding in vLLM itself (no
+# MineDraft: async scheduling hides the host work); `psd-async`: the engine's psd with --async-psd-steps.
+FIXED_FAMILIES = ("ar", "vllm-ar", "sd", "psd", "psd-async", "vllm-sd")
+# What `minedraft plan` runs unless told otherwise (the engine's defaults: psd steps synchronous).
+DEFAULT_FAMILIES = ("ar", "vllm-ar", "sd", "psd", "vllm-sd")
+# Families without a draft length.
+PLAIN_FAMILIES = ("ar", "vllm-ar")
+# Host work per step on a GPU when none is given: the middle of the 1.7-3.3 ms estimated from the engine's code for
+# a TP = 1 step (vLLM's schedule and update, PSD planning, input preparation, output processing). Not measured.
+DEFAULT_GPU_HOST_MS_PER_STEP = 2.5
 
 DRAFTER_PLACEMENTS = ("own", "shared")
 # Attention-sink tokens a windowed drafter keeps besides its window (the torch drafter's default).
@@ -40,6 +55,7 @@ class Hardware:
     drafter_placement: str = "own"
     shared_contention: float = 1.0
     # The engine's own work per step (scheduling, sampling, bookkeeping), beyond the forward pass. Not in the curves.
+    # The engine's synchronous steps pay it after the forward; vLLM's async scheduling hides it (see the docstring).
     step_overhead_ms: float = 0.0
     # The same for steps of a drafting mode (sd, psd: they also send a draft job and store drafts), when measured
     # apart (the engine's own steps on this CPU: 0.44 ms in ar, 0.66 in sd); None: step_overhead_ms.
@@ -57,6 +73,10 @@ class Hardware:
     # vLLM's colocated drafter at TP > 1: True divides its draft loop by TP (plus all-reduces), as for the target;
     # False keeps its one-GPU time (a small drafter's loop is largely launch-bound, which TP does not shorten).
     colocated_draft_scales_with_tp: bool = True
+    # vLLM's own modes (vllm-ar, vllm-sd) schedule the next step while the current one computes (async scheduling,
+    # on by default on GPUs in vLLM 0.32, draft-model SD included): their host work hides behind the device's.
+    # False: they pay it in series like the engine's steps (vLLM turns async scheduling off on CPUs).
+    vllm_async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.tensor_parallel_size <= 64:
@@ -68,8 +88,10 @@ class Hardware:
                              f"got {self.drafter_placement!r}")
         if not 0.0 <= self.shared_contention <= 1.0:
             raise ValueError(f"shared_contention: must be within [0, 1], got {self.shared_contention}")
-        if self.step_overhead_ms < 0 or self.prefill_ms_per_token < 0 or (self.drafting_step_overhead_ms or 0) < 0:
-            raise ValueError("step_overhead_ms, drafting_step_overhead_ms and prefill_ms_per_token must be >= 0")
+        for name in ("step_overhead_ms", "drafting_step_overhead_ms", "prefill_ms_per_token"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name}: must be >= 0, got {value}")
         if self.drafter_window_tokens < 0:
             raise ValueError(f"drafter_window_tokens: must be >= 0 (0: no window), got {self.drafter_window_tokens}")
 
@@ -102,6 +124,12 @@ class StepCosts:
         if drafting and hardware.drafting_step_overhead_ms is not None:
             return hardware.drafting_step_overhead_ms
         return hardware.step_overhead_ms
+
+    @staticmethod
+    def step_period_s(device_s: float, host_s: float, hidden: bool) -> float:
+        """A step's wall time from its device time and its host work: in series (the engine's synchronous steps)
+        or, `hidden`, overlapped with the device's (async scheduling: the host prepares the next step meanwhile)."""
+        return max(device_s, host_s) if hidden else device_s + host_s
 
     def verify_ms(self, batch: float, context: float, new_tokens: float) -> float:
         if batch <= 0:
@@ -139,7 +167,7 @@ class StepCosts:
     def gpus(self, mode: str) -> int:
         """GPUs one replica holds in this mode: the target's, plus the drafter's own unless it shares or it is ar."""
         tp = self.hardware.tensor_parallel_size
-        if mode == "ar" or mode.startswith("vllm-sd") or self.hardware.drafter_placement == "shared":
+        if mode in PLAIN_FAMILIES or mode.startswith("vllm-sd") or self.hardware.drafter_placement == "shared":
             return tp
         return tp + 1
 

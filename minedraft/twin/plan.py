@@ -20,7 +20,7 @@ class Band:
 
 @dataclass(frozen=True)
 class Choice:
-    mode: str  # a label: ar, sd-k3, psd-k5, vllm-sd-k3, auto
+    mode: str  # a label: ar, vllm-ar (plain vLLM), sd-k3, psd-k5, psd-async-k5, vllm-sd-k3, auto
     replicas: int
     gpus_per_replica: int
     concurrency_per_replica: float
@@ -92,8 +92,14 @@ def plan_band(loads: Sequence[LoadResult], band: Band, output_tokens: int,
         "demand_tokens_per_s": round(demand, 1),
         "run": best.to_json() if best else None,
         "auto": feasible["auto"].to_json() if "auto" in feasible else None,
-        "by_family": {family: best_of(family) for family in ("ar", "sd", "psd", "vllm-sd")},
+        "by_family": {family: best_of(family) for family in ("ar", "sd", "psd", "vllm-sd", *_extra_families(labels))},
     }
+
+
+def _extra_families(labels: Sequence[str]) -> list[str]:
+    """Families added after the first interface (plain vLLM, psd with async steps), where the sweep ran them."""
+    present = {_family(label) for label in labels}
+    return [family for family in ("vllm-ar", "psd-async") if family in present]
 
 
 def parse_trace(text: str) -> list[Band]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from minedraft.twin.sweep import LoadResult, _family
+from minedraft.twin.sweep import BASELINE_FAMILIES, LoadResult, _family
 
-COLOURS = {"ar": "#7f7f7f", "sd": "#1f77b4", "psd": "#d62728", "vllm-sd": "#2ca02c", "auto": "#000000"}
+COLOURS = {"ar": "#7f7f7f", "vllm-ar": "#8c564b", "sd": "#1f77b4", "psd": "#d62728", "psd-async": "#ff7f0e",
+           "vllm-sd": "#2ca02c", "auto": "#000000"}
+FAMILY_NAMES = {"vllm-ar": "plain vLLM (vllm-ar)", "psd-async": "psd, async steps"}
 
 
 def regime_map(loads: Sequence[LoadResult], path: Path, title: str = "") -> None:
@@ -20,21 +22,22 @@ def regime_map(loads: Sequence[LoadResult], path: Path, title: str = "") -> None
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
     for ax, per_gpu, heading in ((axes[0], False, "output tokens/s per replica"),
                                  (axes[1], True, "output tokens/s per GPU")):
-        for family in ("ar", "sd", "psd", "vllm-sd"):
+        present = {_family(label) for load in loads for label in load.runs}
+        for family in [f for f in COLOURS if f in present]:
             best = []
             for load in loads:
                 runs = [r for label, r in load.runs.items() if _family(label) == family]
                 best.append(max((r.tokens_per_s_per_gpu if per_gpu else r.tokens_per_s) for r in runs)
                             if runs else float("nan"))
             ax.plot(concurrencies, best, marker="o", color=COLOURS[family],
-                    label=f"{family} (best k)" if family != "ar" else "ar")
+                    label=FAMILY_NAMES.get(family, family) + ("" if family in ("ar", "vllm-ar") else " (best k)"))
         if all(load.auto is not None for load in loads):
             ax.plot(concurrencies, [(load.auto.tokens_per_s_per_gpu if per_gpu else load.auto.tokens_per_s)
                                     for load in loads if load.auto is not None],
                     color=COLOURS["auto"], linestyle="--", marker="x", label="auto")
-        # Shade each load by the fixed mode that wins it (per replica: the engine's own ar/sd/psd).
+        # Shade each load by the fixed mode that wins it (per replica: the engine's own modes or plain vLLM).
         for i, load in enumerate(loads):
-            families = ("ar", "sd", "psd", "vllm-sd") if per_gpu else ("ar", "sd", "psd")
+            families = (*BASELINE_FAMILIES, "vllm-sd") if per_gpu else BASELINE_FAMILIES
             winner = load.best(families, per_gpu=per_gpu)
             low = concurrencies[i - 1] if i else concurrencies[i] / 1.5
             high = concurrencies[i + 1] if i + 1 < len(concurrencies) else concurrencies[i] * 1.5
@@ -45,7 +48,7 @@ def regime_map(loads: Sequence[LoadResult], path: Path, title: str = "") -> None
         ax.set_xscale("log", base=2)
         ax.set_xlabel("requests in flight per replica")
         ax.set_ylabel(heading)
-        ax.set_title(heading + (" (shade: winner incl. vllm-sd)" if per_gpu else " (shade: engine's winner)"),
+        ax.set_title(heading + (" (shade: winner incl. vllm-sd)" if per_gpu else " (shade: winner, plain vLLM incl.)"),
                      fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

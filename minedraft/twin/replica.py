@@ -10,6 +10,11 @@ the engine's `StepRecord` and feeds it to the `AutoController` in auto mode (app
 planner's `switch_mode`, as the scheduler does). The drafter is a simulated `DrafterClient`: a job occupies the
 drafter device from max(submission, drafter free) for the curves' draft-loop time, and its reply arrives then. vLLM
 itself (prefill chunking, preemption, the KV cache, CUDA graph choice) is not simulated.
+
+Host work per step: the engine's synchronous steps pay it after the forward pass. vLLM's own plain decoding
+(`vllm-ar`) and colocated SD (`vllm-sd`) hide it behind the step's device time (async scheduling), and so does psd
+with async steps wherever the engine runs them (`async_psd_steps`: psd set by the operator, not auto, at TP = 1,
+both sub-batches non-empty; their wait for drafts is still paid in series here, which is conservative).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from minedraft.engine.settings import Mode
 from minedraft.twin.costs import AcceptanceModel, StepCosts
 
 MAX_MODEL_LEN = 1 << 20
+# Plain decoding in vLLM itself (no MineDraft): the target alone, with vLLM's async scheduling.
+VLLM_AR = "vllm-ar"
 
 
 class SimClock:
@@ -157,7 +164,7 @@ class StepOutcome:
 
 @dataclass
 class ReplicaSettings:
-    mode: str  # ar, sd, psd, auto, vllm-sd
+    mode: str  # ar, sd, psd, auto, vllm-sd, vllm-ar
     k: int = 3
     max_num_seqs: int = 512
     deadline_seconds: float = 5.0
@@ -165,6 +172,8 @@ class ReplicaSettings:
     seed: int = 0
     # Check the planner's invariants after every step (tests), as the engine does with check_invariants.
     check_invariants: bool = False
+    # The engine's --async-psd-steps: psd steps scheduled while the previous one computes (see the module's doc).
+    async_psd_steps: bool = False
 
 
 class TwinReplica:
@@ -178,6 +187,8 @@ class TwinReplica:
         self.rng = random.Random(settings.seed)
         self.clock = SimClock()
         colocated = settings.mode == Mode.VLLM_SD.value
+        # vLLM's own modes: no MineDraft in the loop; their host work hides behind the device with async scheduling.
+        self.vllm_own = settings.mode in (VLLM_AR, Mode.VLLM_SD.value)
         self.shared_device = colocated or costs.hardware.drafter_placement == "shared"
         self.drafter = drafter(self.clock) if drafter is not None else SimDrafter(self.clock, costs, colocated)
         self.link = DrafterLink(self.drafter, hang_seconds=1e9, max_failed_jobs=3, clock=self.clock)  # type: ignore[arg-type]
@@ -188,7 +199,7 @@ class TwinReplica:
         if not costs.hardware.prefill_ms_per_token:
             self.planner.catch_up_tokens_per_job = 2**62
         self.wait_policy = WaitPolicy(cap_seconds=settings.deadline_seconds)
-        configured = Mode(settings.mode)
+        configured = Mode.AR if settings.mode == VLLM_AR else Mode(settings.mode)
         self.auto: AutoController | None = None
         if configured is Mode.AUTO:
             self.mode = Mode.PSD
@@ -314,6 +325,15 @@ class TwinReplica:
         after = [r.state() for r in self.requests.values()]
         chosen = self.mode
         self.planner.after_step(after, mode, group, chosen)
+        overhead_seconds = self.costs.step_overhead_ms(len(decoders) + len(prefills), mode is not Mode.AR) / 1000.0
+        # The device's time in this step: the forward, and for vLLM's colocated SD its draft loop on the same GPU.
+        device_seconds = verify_seconds + (wait_seconds if self.vllm_own else 0.0)
+        hidden = self._hides_host_work(mode, group)
+        if not hidden:
+            # A synchronous step: its host work (committing, planning, the next step's scheduling and inputs) runs
+            # with both devices idle: the next draft job goes out only once this step's tokens are committed, and
+            # the next verification needs those drafts, so none of it overlaps the drafter's work either.
+            self.clock.now += overhead_seconds
         if mode in (Mode.PSD, Mode.SD) and group is not None:
             self._submit(group, after)
         if self.settings.check_invariants:
@@ -322,8 +342,8 @@ class TwinReplica:
             self.wait_policy.observe_verify(verify_seconds)
         # As the scheduler records it: the drafting of the job whose drafts this step verified.
         job = self._drafts_by_group.get(group, JobTimes()) if group is not None else JobTimes()
-        overhead_seconds = self.costs.step_overhead_ms(len(decoders) + len(prefills), mode is not Mode.AR) / 1000.0
-        self.clock.now += overhead_seconds
+        if hidden:
+            self.clock.now += self.costs.step_period_s(device_seconds, overhead_seconds, True) - device_seconds
         self.step_number += 1
         self.steps_by_mode[mode.value] = self.steps_by_mode.get(mode.value, 0) + 1
         setting = mode.value if mode is Mode.AR else f"{mode.value}-k{self.planner.k}"
@@ -350,6 +370,15 @@ class TwinReplica:
             if decision is not None:
                 self._apply(decision)
         return StepOutcome(self.clock.now, output_tokens, finished)
+
+    def _hides_host_work(self, mode: Mode, group: int | None) -> bool:
+        """Whether this step's host work overlaps a forward pass (async scheduling) rather than following it."""
+        if self.vllm_own:
+            return self.costs.hardware.vllm_async_scheduling
+        # The engine schedules psd steps ahead only where they verify disjoint requests: psd chosen by the operator
+        # (auto reads each step's timings as a step of its own), one GPU for the target, both sub-batches in use.
+        return (self.settings.async_psd_steps and self.auto is None and mode is Mode.PSD and group is not None
+                and self.costs.hardware.tensor_parallel_size == 1 and min(self.planner.subbatches.sizes()) > 0)
 
     def _submit(self, group: int, states: list[RequestState]) -> None:
         plans = self.planner.draft_job(states, group)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from minedraft.engine.control.auto import AutoSettings
-from minedraft.twin.costs import AcceptanceModel, StepCosts
+from minedraft.twin.costs import PLAIN_FAMILIES, AcceptanceModel, StepCosts
 from minedraft.twin.replica import ReplicaSettings, SimRequest, TwinReplica
 
 # Stop a run that makes no progress (a bug, not a load): steps without a single output token.
@@ -97,17 +97,18 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def mode_label(mode: str, k: int) -> str:
-    """The engine's mode names with the draft length: ar, sd-k3, psd-k5, vllm-sd-k3, auto."""
-    return mode if mode in ("ar", "auto") else f"{mode}-k{k}"
+    """The engine's mode names with the draft length: ar, sd-k3, psd-k5, vllm-sd-k3, auto; vllm-ar (plain vLLM) and
+    psd-async-k3 (psd with --async-psd-steps) besides."""
+    return mode if mode in (*PLAIN_FAMILIES, "auto") else f"{mode}-k{k}"
 
 
 def parse_mode_label(label: str) -> tuple[str, int]:
-    for prefix in ("vllm-sd", "psd", "sd"):
+    for prefix in ("vllm-sd", "psd-async", "psd", "sd"):
         if label.startswith(prefix + "-k") and label[len(prefix) + 2:].isdigit():
             return prefix, int(label[len(prefix) + 2:])
-    if label in ("ar", "auto"):
+    if label in (*PLAIN_FAMILIES, "auto"):
         return label, 0
-    raise ValueError(f"mode: {label!r} is not ar, auto, sd-kK, psd-kK or vllm-sd-kK")
+    raise ValueError(f"mode: {label!r} is not ar, vllm-ar, auto, sd-kK, psd-kK, psd-async-kK or vllm-sd-kK")
 
 
 class _Run:
@@ -117,13 +118,15 @@ class _Run:
         if mode == "auto":
             # Auto starts where an engine built for auto starts: psd, at k=3 when that is a candidate.
             k = 3 if 3 in auto_settings.k_candidates else max(auto_settings.k_candidates)
-        settings = ReplicaSettings(mode=mode, k=max(1, k), auto=auto_settings, seed=seed, max_num_seqs=max_num_seqs)
+        # psd-async: the engine's psd with --async-psd-steps (the same mode, its steps scheduled ahead).
+        settings = ReplicaSettings(mode="psd" if mode == "psd-async" else mode, k=max(1, k), auto=auto_settings,
+                                   seed=seed, max_num_seqs=max_num_seqs, async_psd_steps=mode == "psd-async")
         self.replica = TwinReplica(costs, acceptance, settings)
         self.workload = workload
         self.rng = random.Random(seed + 1)
         self.count = 0
         # Auto holds what psd holds: the drafter's device stays with the replica whichever mode runs.
-        self.result = RunResult(mode_label(mode, k), 0 if mode in ("ar", "auto") else k,
+        self.result = RunResult(mode_label(mode, k), 0 if mode in (*PLAIN_FAMILIES, "auto") else k,
                                 costs.gpus("psd" if mode == "auto" else mode), 0, 0.0)
 
     def new_request(self, at_s: float, prompt: int | None = None, output: int | None = None) -> SimRequest:

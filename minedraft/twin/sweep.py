@@ -8,17 +8,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minedraft.engine.control.auto import AutoSettings
-from minedraft.twin.costs import FIXED_FAMILIES, AcceptanceModel, StepCosts
+from minedraft.twin.costs import DEFAULT_FAMILIES, FIXED_FAMILIES, PLAIN_FAMILIES, AcceptanceModel, StepCosts
 from minedraft.twin.run import RunResult, Workload, mode_label, run_concurrency
 
 LATENCY_KEYS = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99")
+# What auto chooses among (the engine's synchronous steps), and the baseline it is also judged against: the best of
+# every fixed way to run the target on its GPU with the drafter on its own, psd with async steps and plain
+# decoding in vLLM itself (the faster plain decoding on a GPU) included.
+SYNC_FAMILIES = ("ar", "sd", "psd")
+BASELINE_FAMILIES = (*SYNC_FAMILIES, "psd-async", "vllm-ar")
 
 
 @dataclass(frozen=True)
 class SweepSettings:
     concurrencies: tuple[int, ...]
     ks: tuple[int, ...] = (1, 2, 3, 4, 5)
-    families: tuple[str, ...] = FIXED_FAMILIES
+    families: tuple[str, ...] = DEFAULT_FAMILIES
     with_auto: bool = True
     workload: Workload = field(default_factory=Workload)
     warmup_steps: int = 40
@@ -45,7 +50,7 @@ class SweepSettings:
     def settings(self) -> list[tuple[str, int]]:
         out: list[tuple[str, int]] = []
         for family in self.families:
-            out += [("ar", 0)] if family == "ar" else [(family, k) for k in self.ks]
+            out += [(family, 0)] if family in PLAIN_FAMILIES else [(family, k) for k in self.ks]
         return out
 
 
@@ -55,7 +60,7 @@ class LoadResult:
     runs: dict[str, RunResult] = field(default_factory=dict)
     auto: RunResult | None = None
 
-    def best(self, families: Sequence[str] = ("ar", "sd", "psd"), per_gpu: bool = False) -> RunResult:
+    def best(self, families: Sequence[str] = SYNC_FAMILIES, per_gpu: bool = False) -> RunResult:
         candidates = [r for label, r in self.runs.items() if _family(label) in families]
         return max(candidates, key=lambda r: r.tokens_per_s_per_gpu if per_gpu else r.tokens_per_s)
 
@@ -103,9 +108,10 @@ def sweep(costs: StepCosts, acceptance: AcceptanceModel, settings: SweepSettings
                                         settings.auto_warmup_steps, settings.auto_measure_steps, settings.seed,
                                         auto=settings.auto_settings())
         if progress is not None:
-            best = load.best(("ar", "sd", "psd"))
+            best = load.best(BASELINE_FAMILIES)
             auto = f", auto {load.auto.tokens_per_s:.0f} ({load.auto.tokens_per_s / best.tokens_per_s:.2f}x)" \
                 if load.auto else ""
-            progress(f"twin: concurrency {concurrency}: best fixed {best.mode} {best.tokens_per_s:.0f} tok/s{auto}")
+            progress(f"twin: concurrency {concurrency}: best fixed (plain vLLM included) {best.mode} "
+                     f"{best.tokens_per_s:.0f} tok/s{auto}")
         results.append(load)
     return results

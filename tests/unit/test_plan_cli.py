@@ -20,11 +20,14 @@ def test_plan_json_interface(capsys: pytest.CaptureFixture[str]) -> None:
                "-k", "3", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert list(out) == ["loads"]
+    # The first interface's `loads`, and additions only: what the figures assume about host work.
+    assert list(out) == ["loads", "host_work"]
+    assert out["host_work"]["step_overhead_ms"] == 2.5 and out["host_work"]["vllm_async_scheduling"] is True
     assert [load["concurrency"] for load in out["loads"]] == [1, 16]
     for load in out["loads"]:
         assert set(load) == {"concurrency", "modes"}
-        assert set(load["modes"]) == {"ar", "sd-k3", "psd-k3", "vllm-sd-k3", "auto"}
+        # Plain decoding in vLLM itself (vllm-ar) beside the engine's own ar, at every load.
+        assert set(load["modes"]) == {"ar", "vllm-ar", "sd-k3", "psd-k3", "vllm-sd-k3", "auto"}
         for label, entry in load["modes"].items():
             assert entry["tokens_per_s"] > 0
             if label == "auto":
@@ -33,8 +36,38 @@ def test_plan_json_interface(capsys: pytest.CaptureFixture[str]) -> None:
                 assert entry["tokens_per_s_per_gpu"] == pytest.approx(entry["tokens_per_s"] / entry["gpus"], rel=0.01)
         # vLLM's colocated SD costs what sd costs, on the target's GPU alone.
         assert load["modes"]["vllm-sd-k3"]["gpus"] == 1 and load["modes"]["sd-k3"]["gpus"] == 2
+        # The engine's ar pays its host work after each forward; plain vLLM overlaps it.
+        assert load["modes"]["vllm-ar"]["gpus"] == 1
+        assert load["modes"]["vllm-ar"]["tokens_per_s"] > load["modes"]["ar"]["tokens_per_s"] * 1.05
     low = out["loads"][0]
     assert low["modes"]["sd-k3"]["tokens_per_s"] > low["modes"]["psd-k3"]["tokens_per_s"] * 0.99
+
+
+def _slow_drafter_curves(path: Path) -> str:
+    """A flat 20 ms target and a drafter as slow as the target: speculation cannot pay, plain decoding does."""
+    forward = [{"batch": b, "context": 1024, "new_tokens": q, "ms": 20.0} for b in (1, 4, 16) for q in (1, 4)]
+    loops = [{"batch": b, "context": 1024, "k": 3, "ms": 60.0} for b in (1, 4, 16)]
+    path.write_text(json.dumps({"format": "minedraft-cost-curves/v1", "device": "a GPU", "models": {
+        "t": {"role": "target", "config": {"layers": 10}, "forward_ms": forward},
+        "d": {"role": "drafter", "draft_loop_ms": loops}}}))
+    return str(path)
+
+
+def test_plan_recommends_plain_vllm_where_it_is_fastest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--curves", _slow_drafter_curves(tmp_path / "c.json"), "--concurrency", "4", "-k", "3",
+            "--no-auto", "--step-overhead-ms", "5"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "| 4 | plain vLLM (vllm-ar) |" in text and "Host work per step: 5 ms" in text
+    assert main([*argv, "--json"]) == 0
+    modes = json.loads(capsys.readouterr().out)["loads"][0]["modes"]
+    assert max(modes, key=lambda label: modes[label]["tokens_per_s"]) == "vllm-ar"
+    assert modes["vllm-ar"]["tokens_per_s"] / modes["ar"]["tokens_per_s"] == pytest.approx(25.0 / 20.0, rel=0.01)
+    # Rate planning names it too, among the families it compares.
+    assert main([*argv[:3], "--rate", "20", "--max-concurrency", "16", "-k", "3", "--no-auto",
+                 "--step-overhead-ms", "5", "--json"]) == 0
+    band = json.loads(capsys.readouterr().out)["bands"][0]
+    assert band["run"]["mode"] == "vllm-ar" and band["by_family"]["vllm-ar"]["mode"] == "vllm-ar"
 
 
 @pytest.mark.parametrize(("argv", "field_name"), [
@@ -45,6 +78,9 @@ def test_plan_json_interface(capsys: pytest.CaptureFixture[str]) -> None:
     (["--curves", H200, "--drafter", "qwen3-9b", "--concurrency", "4"], "drafter"),
     (["--curves", H200, "--drafter", "qwen3-1.7b", "--concurrency", "4", "--acceptance", "0.5,0.7"], "acceptance"),
     (["--curves", H200, "--drafter", "qwen3-1.7b", "--concurrency", "4", "-tp", "0"], "tensor_parallel_size"),
+    (["--curves", H200, "--drafter", "qwen3-1.7b", "--concurrency", "4", "--modes", "vllm-xx"], "modes"),
+    (["--curves", H200, "--drafter", "qwen3-1.7b", "--concurrency", "4", "--step-overhead-ms", "-1"],
+     "step_overhead_ms"),
 ])
 def test_plan_errors_name_the_field(argv: list[str], field_name: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", *argv]) == 2
