@@ -17,6 +17,7 @@ async steps and plain vLLM included.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -168,7 +169,9 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> list[str]:
     return lines
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    # A parser, so that --help (or a stray argument) explains instead of running and overwriting the results.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     curves = load_curves(CURVES)
     costs = StepCosts.from_curves(curves, "qwen3-32b", "qwen3-1.7b", Hardware(step_overhead_ms=HOST_MS))
     acceptance = AcceptanceModel.constant(ACCEPTANCE)
@@ -192,7 +195,7 @@ def main() -> int:
                                 Hardware(tensor_parallel_size=4, step_overhead_ms=HOST_MS))
     tp4_loads = sweep(tp4, acceptance, SweepSettings(concurrencies=(4, 16, 64, 128), ks=(1, 3, 5),
                                                      families=("ar", "vllm-ar", "sd", "psd", "vllm-sd")), progress=log)
-    report = {
+    report: dict[str, Any] = {
         "command": COMMAND, "plan_command": PLAN_COMMAND,
         "curves": {"file": "benchmarks/curves/h200-qwen3-32b.json", "device": curves.device,
                    "execution": curves.execution, "measured": "measured on an H200, 2026-12-04"},
@@ -278,4 +281,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

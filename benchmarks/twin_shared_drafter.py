@@ -12,6 +12,7 @@ with N = 2, 4, 8 replicas sharing one drafter GPU (4N + 1 GPUs). The window is M
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -158,7 +159,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    # A parser, so that --help (or a stray argument) explains instead of running and overwriting the results.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     curves = load_curves(CURVES)
     rows = measure()
     flags: set[str] = set()
@@ -182,4 +185,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

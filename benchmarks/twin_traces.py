@@ -24,6 +24,7 @@ Writes benchmarks/results/gpu-twin/traces.{json,md}.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -114,8 +115,7 @@ def run_trace(costs: StepCosts, acceptance: AcceptanceModel, phases: Sequence[Ph
         mode, k = parse_mode_label(label)
         fixed[label] = run_phases(costs, acceptance, mode, k, phases).tokens_per_s
     best = max(fixed, key=lambda label: fixed[label])
-    schedule = [parse_mode_label(max(rates[p.concurrency], key=lambda m, c=p.concurrency: rates[c][m]))
-                for p in phases]
+    schedule = [parse_mode_label(max(rates[p.concurrency].items(), key=lambda item: item[1])[0]) for p in phases]
     oracle = run_phases(costs, acceptance, "ar", 0, phases, schedule=schedule).tokens_per_s
 
     def steady_best(running: int) -> tuple[str, int]:
@@ -145,6 +145,10 @@ def run_trace(costs: StepCosts, acceptance: AcceptanceModel, phases: Sequence[Ph
             "fixed_tokens_per_s": {label: round(v, 1) for label, v in fixed.items()}}
 
 
+# The first word of each curve file's name in curve_files(): how the command line names it.
+FILE_KEYS = ("h200", "eager-drafter", "a100-like")
+
+
 def curve_files() -> dict[str, StepCosts]:
     h200 = json.loads(CURVES.read_text())
     files = {"h200": h200, "eager-drafter (H200, drafts x6)": slow_drafter(h200, 6.0),
@@ -154,7 +158,13 @@ def curve_files() -> dict[str, StepCosts]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    names = argv if argv else None
+    # A parser, so that --help (or a misspelt file name) explains instead of writing an empty report over the results.
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="*", metavar="FILE", help=f"curve files to run, of {', '.join(FILE_KEYS)} "
+                        "(default: all)")
+    names = parser.parse_args(argv).files or None
+    if unknown := sorted(set(names or ()) - set(FILE_KEYS)):
+        parser.error(f"files: unknown {', '.join(unknown)}; choose from {', '.join(FILE_KEYS)}")
     acceptance = AcceptanceModel.constant(ACCEPTANCE)
     report: dict[str, Any] = {"command": COMMAND, "acceptance_per_position": ACCEPTANCE,
                               "workload": {"prompt_tokens": Workload().prompt_tokens,
@@ -202,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                "fixed | auto / best fixed | auto / oracle | auto without load-shift reaction / best fixed |",
                "|---|---|---|---|---|---|---|---|---|"]
         for label, r in data["traces"].items():
-            phases = ", ".join(f"{c}x{d:g}" for c, d in r["phases"])
-            md.append(f"| {label} | {phases} | {r['best_fixed']} | {r['best_fixed_tokens_per_s']} | "
+            phase_list = ", ".join(f"{c}x{d:g}" for c, d in r["phases"])
+            md.append(f"| {label} | {phase_list} | {r['best_fixed']} | {r['best_fixed_tokens_per_s']} | "
                       f"{r['steady_oracle_over_best_fixed']} | {r['oracle_over_best_fixed']} | "
                       f"{r['auto_over_best_fixed']} | {r['auto_over_oracle']} | "
                       f"{r['auto_without_load_shift_over_best_fixed']} |")
