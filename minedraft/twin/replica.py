@@ -245,7 +245,8 @@ class TwinReplica:
         if group is None:
             return
         self.planner.job_done(group)
-        self._drafts_by_group[group] = add_reply(self._drafts_by_group.get(group), message)
+        self._drafts_by_group[group] = add_reply(self._drafts_by_group.get(group), message,
+                                                 self.link.reply_catch_up_tokens)
         self.planner.store_drafts(((r.request_id, Draft(r.context_num_tokens, r.token_ids, r.logprobs))
                                    for r in message.results), lambda rid: rid in self.requests)
 
@@ -361,6 +362,7 @@ class TwinReplica:
             draft_jobs_in_flight=jobs_in_flight, num_held_out=len(plan.held_out),
             num_pad_tokens=num_pad, wait_budget_seconds=wait_budget, update_seconds=overhead_seconds,
             draft_job_requests=job.requests, draft_job_length=job.length,
+            draft_job_catch_up_tokens=job.catch_up_tokens,
         )
         if self.settings.check_invariants:
             self.records.append(record)

@@ -419,7 +419,8 @@ class PSDScheduler(Scheduler):
         if group is None:
             return  # a job abandoned after its deadline: its drafts are stale
         self.planner.job_done(group)
-        self._timing.drafts_by_group[group] = add_reply(self._timing.drafts_by_group.get(group), message)
+        self._timing.drafts_by_group[group] = add_reply(self._timing.drafts_by_group.get(group), message,
+                                                        self.link.reply_catch_up_tokens)
         self.planner.store_drafts(
             ((r.request_id, Draft(r.context_num_tokens, r.token_ids, r.logprobs)) for r in message.results),
             self._is_live,
@@ -535,6 +536,7 @@ class PSDScheduler(Scheduler):
             update_seconds=max(0.0, finished - verify_done),
             draft_job_requests=job.requests,
             draft_job_length=job.length,
+            draft_job_catch_up_tokens=job.catch_up_tokens,
             scheduled_ahead=timing.scheduled_ahead,
         )
         self._last_update_finished = finished
