@@ -8,7 +8,9 @@ the planner for the step's proposals, verifies (time from the curves), commits t
 model, hands the planner the step's outcome, sends the verified sub-batch's next draft job through the link, builds
 the engine's `StepRecord` and feeds it to the `AutoController` in auto mode (applying its decisions through the
 planner's `switch_mode`, as the scheduler does). The drafter is a simulated `DrafterClient`: a job occupies the
-drafter device from max(submission, drafter free) for the curves' draft-loop time, and its reply arrives then. vLLM
+drafter device from max(submission, drafter free) for the curves' draft-loop time plus its catch-up tokens at the
+drafter's per-token price (calibrated from the engine's jobs, where the curve file gives one), and its reply arrives
+then: churn (newcomers' prompts) makes drafts late, as in the engine. vLLM
 itself (prefill chunking, preemption, the KV cache, CUDA graph choice) is not simulated.
 
 Host work per step: the engine's synchronous steps pay it after the forward pass. vLLM's own plain decoding
@@ -28,7 +30,7 @@ from minedraft.engine.control.cost_model import CostModel
 from minedraft.engine.control.stats import StepRecord
 from minedraft.engine.drafter import protocol
 from minedraft.engine.drafter.client import DrafterState, JobTicket
-from minedraft.engine.drafter.link import DrafterLink, JobTimes, add_reply
+from minedraft.engine.drafter.link import DrafterLink, JobTimes, add_reply, catch_up_tokens
 from minedraft.engine.psd.planner import Draft, PSDPlanner, RequestState, WaitPolicy
 from minedraft.engine.settings import Mode
 from minedraft.twin.costs import AcceptanceModel, StepCosts
@@ -80,10 +82,16 @@ class SimDrafter:
         batch = len(items)
         k = max(item.num_draft_tokens for item in items)
         context = sum(item.base_num_tokens + len(item.token_ids) for item in items) / batch
-        # Tokens beyond the k + 1 the loop's first pass takes in are a catch-up (a new request's prompt).
-        catch_up = sum(max(0, len(item.token_ids) - (k + 1)) for item in items)
-        seconds = (self.costs.draft_ms(batch, context, k, colocated=self.colocated)
-                   + self.costs.drafter_prefill_ms(catch_up)) / 1000.0
+        price = self.costs.drafter.catch_up_ms_per_token
+        if price is not None:
+            # Measured (calibrated from the engine's jobs): every catch-up token the job carries at that price, the
+            # accepted tokens since each request's last job and newcomers' prompts alike, besides the loop.
+            catch_up_ms = price * catch_up_tokens(items)
+        else:
+            # Not measured: tokens beyond the k + 1 the loop's first pass takes in (a new request's prompt), at the
+            # target's prefill cost scaled to the drafter.
+            catch_up_ms = self.costs.drafter_prefill_ms(sum(max(0, len(item.token_ids) - (k + 1)) for item in items))
+        seconds = (self.costs.draft_ms(batch, context, k, colocated=self.colocated) + catch_up_ms) / 1000.0
         start = max(now, self.free_at)
         results = [protocol.DraftResult(item.request_id, item.base_num_tokens + len(item.token_ids),
                                         [0] * item.num_draft_tokens) for item in items]
@@ -193,10 +201,10 @@ class TwinReplica:
         self.drafter = drafter(self.clock) if drafter is not None else SimDrafter(self.clock, costs, colocated)
         self.link = DrafterLink(self.drafter, hang_seconds=1e9, max_failed_jobs=3, clock=self.clock)  # type: ignore[arg-type]
         # The engine bounds one draft job's catch-up (newcomers' prompts) because the drafter's prefill takes time. The
-        # curves hold no prefill, so unless a prefill cost is given the simulated drafter takes prompts for free, and
-        # the bound would only hold newcomers' drafts back for nothing it models: it applies when prefill is priced.
+        # curves hold no prefill, so unless a prefill or catch-up cost is given the simulated drafter takes prompts for
+        # free, and the bound would only hold newcomers' drafts back for nothing it models: it applies when priced.
         self.planner = PSDPlanner(k=settings.k)
-        if not costs.hardware.prefill_ms_per_token:
+        if not costs.hardware.prefill_ms_per_token and costs.drafter.catch_up_ms_per_token is None:
             self.planner.catch_up_tokens_per_job = 2**62
         self.wait_policy = WaitPolicy(cap_seconds=settings.deadline_seconds)
         configured = Mode.AR if settings.mode == VLLM_AR else Mode(settings.mode)
