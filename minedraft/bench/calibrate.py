@@ -182,8 +182,8 @@ def curves_from_records(runs: Mapping[str, Sequence[Sequence[StepRecord]]], targ
     each the median of its steps within a load, the least of those over loads (_least_contended). The engine's host
     work per step goes into the document's `step_overhead_ms`, per mode and overall, and the prefill cost per prompt
     token into `prefill_ms_per_token`, alike; the drafter's price per catch-up token into its model's
-    `catch_up_ms_per_token` (the draft loops then net of it). `batches`: keep only the grid's batch sizes (a load's ramp-up and
-    drain pass through others for a few steps, whose drafts include newcomers' prompts)."""
+    `catch_up_ms_per_token` (the draft loops then net of it). `batches`: keep only the grid's batch sizes (a load's
+    ramp-up and drain pass through others for a few steps, whose drafts include newcomers' prompts)."""
     all_runs = [run for mode_runs in runs.values() for run in mode_runs]
     doc = new_document(device, "float32", "vLLM (the engine's own steps)", measured, list(notes),
                        [(target[0], "target", target[1]), (drafter[0], "drafter", drafter[1])])
