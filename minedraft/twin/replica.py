@@ -15,8 +15,10 @@ itself (prefill chunking, preemption, the KV cache, CUDA graph choice) is not si
 
 Host work per step: the engine's synchronous steps pay it after the forward pass. vLLM's own plain decoding
 (`vllm-ar`) and colocated SD (`vllm-sd`) hide it behind the step's device time (async scheduling), and so does psd
-with async steps wherever the engine runs them (`async_psd_steps`: psd set by the operator, not auto, at TP = 1,
-both sub-batches non-empty; their wait for drafts is still paid in series here, which is conservative).
+with async steps wherever the engine runs them (`async_psd_steps`: psd, set by the operator or chosen by auto, at
+TP = 1, both sub-batches non-empty; their wait for drafts is still paid in series here, which is conservative). A
+decision of auto's taken while a step is scheduled ahead waits for that step, and the step after the switch runs
+synchronously (the engine drains its queue before switching).
 """
 
 from __future__ import annotations
@@ -211,7 +213,8 @@ class TwinReplica:
         self.auto: AutoController | None = None
         if configured is Mode.AUTO:
             self.mode = Mode.PSD
-            self.auto = AutoController(settings.auto, Mode.PSD.value, settings.k, CostModel())
+            self.auto = AutoController(settings.auto, Mode.PSD.value, settings.k,
+                                       CostModel(async_psd_steps=settings.async_psd_steps))
         else:
             # vLLM's colocated SD is sequential SD whose drafter shares the target's GPUs (costs alike, no extra GPU).
             self.mode = Mode.SD if configured is Mode.VLLM_SD else configured
@@ -225,6 +228,12 @@ class TwinReplica:
         # Decode steps run at each setting ("psd-k3", "ar"), for what auto chose.
         self.steps_by_setting: dict[str, int] = {}
         self._drafts_by_group: dict[int, JobTimes] = {}
+        # Async steps under auto: whether the last step was scheduled ahead (the next one is then already in flight
+        # when a decision comes: the decision waits one step for it, as the scheduler drains its queue), the decision
+        # waiting, and whether the next step follows a drain (scheduled synchronously, nothing in flight).
+        self._last_ahead = False
+        self._pending: Decision | None = None
+        self._drained = False
 
     # -- arrivals ------------------------------------------------------------------------------------------------
 
@@ -337,7 +346,8 @@ class TwinReplica:
         overhead_seconds = self.costs.step_overhead_ms(len(decoders) + len(prefills), mode is not Mode.AR) / 1000.0
         # The device's time in this step: the forward, and for vLLM's colocated SD its draft loop on the same GPU.
         device_seconds = verify_seconds + (wait_seconds if self.vllm_own else 0.0)
-        hidden = self._hides_host_work(mode, group)
+        hidden = self._hides_host_work(mode, group) and not self._drained
+        self._drained = False
         if not hidden:
             # A synchronous step: its host work (committing, planning, the next step's scheduling and inputs) runs
             # with both devices idle: the next draft job goes out only once this step's tokens are committed, and
@@ -371,23 +381,32 @@ class TwinReplica:
             num_pad_tokens=num_pad, wait_budget_seconds=wait_budget, update_seconds=overhead_seconds,
             draft_job_requests=job.requests, draft_job_length=job.length,
             draft_job_catch_up_tokens=job.catch_up_tokens,
+            scheduled_ahead=hidden and not self.vllm_own,
         )
         if self.settings.check_invariants:
             self.records.append(record)
         if self.auto is not None:
             num_running = sum(1 for r in self.requests.values() if r.prefilled)
             decision = self.auto.on_step(record, num_running)
+            if self._pending is not None:
+                # The step in flight at the decision is done: switch, and schedule the next step synchronously.
+                self._apply(self._pending)
+                self._pending, self._drained = None, True
             if decision is not None:
-                self._apply(decision)
+                if record.scheduled_ahead:
+                    self._pending = decision  # (the next step is already scheduled, for the setting it leaves)
+                else:
+                    self._apply(decision)
         return StepOutcome(self.clock.now, output_tokens, finished)
 
     def _hides_host_work(self, mode: Mode, group: int | None) -> bool:
         """Whether this step's host work overlaps a forward pass (async scheduling) rather than following it."""
         if self.vllm_own:
             return self.costs.hardware.vllm_async_scheduling
-        # The engine schedules psd steps ahead only where they verify disjoint requests: psd chosen by the operator
-        # (auto reads each step's timings as a step of its own), one GPU for the target, both sub-batches in use.
-        return (self.settings.async_psd_steps and self.auto is None and mode is Mode.PSD and group is not None
+        # The engine schedules psd steps ahead only where they verify disjoint requests: psd (set by the operator or
+        # chosen by auto, whose cost model reads such steps apart), one GPU for the target, both sub-batches in use
+        # (and not the first step after a switch of auto's: see step()).
+        return (self.settings.async_psd_steps and mode is Mode.PSD and group is not None
                 and self.costs.hardware.tensor_parallel_size == 1 and min(self.planner.subbatches.sizes()) > 0)
 
     def _submit(self, group: int, states: list[RequestState]) -> None:
