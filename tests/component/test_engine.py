@@ -592,6 +592,11 @@ def test_auto_with_async_psd_steps_schedules_ahead_on_psd_drains_before_switchin
             previous = by_step.get(r.step - 1)
             assert r.mode == "psd" and previous is not None and r.verified_group == 1 - previous.verified_group, r
         assert engine.psd_scheduler.auto.cost_model.overhead_ahead.num_observations > 0
+        # Records carry each verified job's catch-up as the job carried it: newcomers' prompts (one arrives every
+        # step here) ride in jobs beyond anything steady decoding (at most k accepted tokens a request) could carry.
+        jobs = [r for r in records if r.draft_job_requests]
+        assert any(r.draft_job_catch_up_tokens > r.draft_job_requests * r.draft_job_length for r in jobs), jobs
+        assert all(r.draft_job_catch_up_tokens >= 0 for r in jobs)
         decisions = engine.auto_decisions()[decisions_before:]
         assert {(d.previous_mode, d.mode) for d in decisions} & {("psd", "sd"), ("sd", "psd")}, decisions
         decided_at = {d.step for d in decisions}
