@@ -122,11 +122,18 @@ def auto_rows(loads: list[Any]) -> list[dict[str, Any]]:
                          f"-k{k}" if mode != "ar" else ""),
                      "auto_over_best_fixed": round(load.auto.tokens_per_s / best.tokens_per_s, 3),
                      "auto_over_best_any": round(load.auto.tokens_per_s / overall.tokens_per_s, 3)})
+        if load.auto_async is not None:
+            mode, k = load.auto_async.main_setting
+            rows[-1].update({"auto_async_runs": f"{mode}" + (f"-k{k}" if mode != "ar" else ""),
+                             "auto_async_tokens_per_s": round(load.auto_async.tokens_per_s, 1),
+                             "auto_async_over_best_any": round(load.auto_async.tokens_per_s / overall.tokens_per_s, 3)})
     return rows
 
 
 AUTO_COLUMNS = ["concurrency", "best_fixed", "best_fixed_tokens_per_s", "best_any", "best_any_tokens_per_s",
                 "auto_runs", "auto_tokens_per_s", "auto_over_best_fixed", "auto_over_best_any"]
+# The H200 map also runs auto with the engine's async PSD steps on (psd's steps scheduled ahead once auto runs psd).
+AUTO_ASYNC_COLUMNS = [*AUTO_COLUMNS, "auto_async_runs", "auto_async_tokens_per_s", "auto_async_over_best_any"]
 
 
 def host_sensitivity(curves: Any, loads: list[Any], acceptance: AcceptanceModel) -> list[dict[str, Any]]:
@@ -177,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     acceptance = AcceptanceModel.constant(ACCEPTANCE)
     ks = (1, 2, 3, 4, 5)
     log(f"sweep: H200, TP=1, drafter on its own GPU, host work {HOST_MS} ms per step")
-    loads = sweep(costs, acceptance, SweepSettings(concurrencies=CONCURRENCIES, ks=ks, families=FIXED_FAMILIES),
-                  progress=log)
+    loads = sweep(costs, acceptance, SweepSettings(concurrencies=CONCURRENCIES, ks=ks, families=FIXED_FAMILIES,
+                                                   with_auto_async=True), progress=log)
     OUT.mkdir(parents=True, exist_ok=True)
     regime_map(loads, OUT / "h200.png", title="Qwen3-32B + Qwen3-1.7B on one H200 (measured curves), acceptance 0.8 "
                "per position; twin of the engine")
@@ -232,12 +239,14 @@ def main(argv: list[str] | None = None) -> int:
           "psd/sd arithmetic check leaves it out (it checks the curves' own arithmetic).", "",
           "**Baselines.** `best_fixed` / `auto_over_best_fixed`: the best of the engine's synchronous fixed modes "
           "(ar, sd, psd at any k), what auto chooses among, like for like. `best_any` / `auto_over_best_any`: the "
-          "best of any fixed mode, psd with async steps (which auto does not run: its decisions read each step's "
-          "own timings) and plain vLLM (the faster plain decoding on a GPU) included. Where plain vLLM is the best, "
-          "the engine should not run at all: run vLLM. vLLM's colocated SD is left out of both (it needs no "
-          "drafter GPU; compare it per GPU below).", "",
+          "best of any fixed mode, psd with async steps and plain vLLM (the faster plain decoding on a GPU) "
+          "included. Where plain vLLM is the best, the engine should not run at all: run vLLM. vLLM's colocated SD "
+          "is left out of both (it needs no drafter GPU; compare it per GPU below). `auto` runs synchronous steps "
+          "(the engine's default); `auto-async` is auto with `--async-psd-steps`: once it runs psd, psd's steps are "
+          "scheduled ahead as in psd-async (its cost model reads those steps apart and prices psd by them), and a "
+          "switch waits for the step in flight.", "",
           "## Best per load, and auto", ""]
-    md += table(report["auto_vs_best_fixed"], AUTO_COLUMNS)
+    md += table(report["auto_vs_best_fixed"], AUTO_ASYNC_COLUMNS)
     md += ["", "## Tokens/s per replica and per GPU (best k per family)", "",
            "| concurrency | ar | plain vLLM | sd | psd | psd-async | vllm-sd (colocated) | per GPU: ar | plain vLLM | "
            "sd | psd | psd-async | vllm-sd |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -12,6 +12,7 @@ and, as the old baseline, the twin on the profiler's eager-torch curves (benchma
 
     python benchmarks/twin_vs_engine.py            # ~8 minutes on a contended 2-core machine (4 rounds)
     python benchmarks/twin_vs_engine.py --twin-only   # seconds: today's twin against the committed engine figures
+    python benchmarks/twin_vs_engine.py --twin-only --measure-catch-up   # + the drafter's catch-up price, measured
 
 Both the calibration and the bench run the layout the twin models: the target on core 0, the drafter on core 1,
 the target never widening onto the drafter's core (sd leaves the drafter's device idle while it verifies), and ar on
@@ -125,17 +126,84 @@ def twin_rows(measured: Any, costs: dict[str, StepCosts], acceptances: dict[int,
     return rows
 
 
-def twin_only(path: Path) -> str:
-    """The twin on the engine's curves now, against the engine's figures of the committed run (Markdown)."""
+def measure_catch_up_ms_per_token(k: int, prompt_tokens: int, batches: tuple[int, ...] = (4, 8, 16),
+                                  jobs_per_batch: int = 60, seed: int = 0) -> float | None:
+    """The drafter's price per catch-up token, measured on the engine's CPU drafter (the torch backend over the
+    local pair's draft model, pinned to the drafter's core 1 with one thread, as the calibration's layout runs it):
+    jobs of 4-16 requests, each carrying 1 to k + 1 committed tokens per request (a verification's accepted tokens
+    and bonus) and, every few jobs, a newcomer's whole prompt; fitted from each job's time to its first drafted
+    token by the engine's own CatchUpPrice (the same fit the calibration makes of the engine's jobs)."""
+    import os
+    import random
+
+    import torch
+
+    from minedraft.engine.control.cost_model import CatchUpPrice
+    from minedraft.engine.drafter.torch_backend import TorchLlamaDrafter
+    from minedraft.engine_options import _pair_dir, ensure_pair
+
+    os.sched_setaffinity(0, {1} if 1 in os.sched_getaffinity(0) else os.sched_getaffinity(0))
+    torch.set_num_threads(1)
+    pair = ensure_pair(_pair_dir(None))
+    drafter = TorchLlamaDrafter(str(pair / "draft"), max_slots=2 * max(batches) + 8, max_model_len=2048)
+    rng = random.Random(seed)
+    price = CatchUpPrice(decay=1.0)
+    vocab = min(drafter.vocab_size, 30000)
+    serial = 0
+    for batch in batches:
+        contexts: dict[str, list[int]] = {}
+        for _ in range(batch):
+            serial += 1
+            contexts[f"r{serial}"] = [rng.randrange(vocab) for _ in range(prompt_tokens)]
+        drafter.draft([(rid, ctx, k) for rid, ctx in contexts.items()], False)  # every prompt in (not timed)
+        for job in range(jobs_per_batch + 5):
+            carried = 0
+            if job % 4 == 1:  # a request finishes, a newcomer takes its place: its whole prompt rides in this job
+                drafter.forget([next(iter(contexts))])
+                del contexts[next(iter(contexts))]
+                serial += 1
+                contexts[f"r{serial}"] = [rng.randrange(vocab) for _ in range(prompt_tokens)]
+                carried += prompt_tokens - 1
+            for rid, ctx in contexts.items():
+                if len(ctx) > prompt_tokens or job % 4 != 1 or rid != f"r{serial}":
+                    new = rng.randint(1, k + 1)
+                    ctx.extend(rng.randrange(vocab) for _ in range(new))
+                    carried += new - 1
+            drafter.draft([(rid, ctx, k) for rid, ctx in contexts.items()], False)
+            if job >= 5:  # (the first jobs warm the allocator up)
+                price.observe(batch, k, carried, drafter.last_first_token_seconds)
+        drafter.forget(list(contexts))
+    seconds = price.seconds_per_token()
+    return None if seconds is None else seconds * 1000.0
+
+
+def _with_catch_up_price(doc: dict[str, Any], ms_per_token: float, accepted_per_request: float) -> dict[str, Any]:
+    """The curves with the drafter's catch-up priced: its loops net of the steady catch-up they hold (each request's
+    accepted tokens since its last job, at the price), which the twin now charges per job instead."""
+    priced = json.loads(json.dumps(doc))
+    drafter = priced["models"][DRAFTER]
+    drafter["catch_up_ms_per_token"] = ms_per_token
+    for row in drafter["draft_loop_ms"]:
+        row["ms"] = max(0.1 * row["ms"], row["ms"] - ms_per_token * row["batch"] * accepted_per_request)
+    return priced
+
+
+def twin_only(path: Path, catch_up_ms_per_token: float | None = None) -> str:
+    """The twin on the engine's curves now, against the engine's figures of the committed run (Markdown); with a
+    catch-up price, beside the twin on the same curves with that price (one run: before and after)."""
     report = json.loads(path.read_text())
     doc = json.loads(path.with_name(report["curves_file"]).read_text())
     costs = StepCosts.from_curves(parse_curves(doc), TARGET, DRAFTER, hardware_of(doc))
     workload = Workload(prompt_tokens=report["prompt_tokens_mean"], output_tokens=report["max_tokens"],
                         output_spread=0.0)
+    priced = catch_up_ms_per_token is not None
+    header = "| concurrency | mode | engine tok/s | twin/engine then | twin/engine now |"
+    if priced:
+        header += (f" twin/engine now, catch-up at {catch_up_ms_per_token:.4f} ms/token | twin's late draft jobs "
+                   "(unpriced, priced) |")
     lines = [f"Twin on the engine's curves now (`{COMMAND} --twin-only`) against the engine's figures recorded in "
-             f"{path.name}:", "", "| concurrency | mode | engine tok/s | twin/engine then | twin/engine now |",
-             "|---|---|---|---|---|"]
-    within = 0
+             f"{path.name}:", "", header, "|---|---|---|---|---|" + ("---|---|" if priced else "")]
+    within = within_priced = 0
     for row in report["rows"]:
         concurrency = row["concurrency"]
         acceptance = AcceptanceModel(tuple(report["acceptance_per_position"][str(concurrency)]))
@@ -143,9 +211,21 @@ def twin_only(path: Path) -> str:
                                report["requests_per_load"][str(concurrency)], workload)
         ratio = twin.tokens_per_s / row["engine_tokens_per_s"]
         within += abs(ratio - 1) <= GOAL
-        lines.append(f"| {concurrency} | {row['mode']} | {row['engine_tokens_per_s']} | "
-                     f"{row['twin_engine_curves_over_engine']} | {ratio:.3f} |")
-    lines += ["", f"{within}/{len(report['rows'])} within {GOAL:.0%} now (then: {report['points_within_goal']})."]
+        line = (f"| {concurrency} | {row['mode']} | {row['engine_tokens_per_s']} | "
+                f"{row['twin_engine_curves_over_engine']} | {ratio:.3f} |")
+        misses = twin.deadline_misses
+        if catch_up_ms_per_token is not None:
+            accepted = acceptance.expected_accepted_length(report["k"]) - 1.0
+            priced_doc = _with_catch_up_price(doc, catch_up_ms_per_token, accepted)
+            priced_costs = StepCosts.from_curves(parse_curves(priced_doc), TARGET, DRAFTER, hardware_of(priced_doc))
+            twin = run_closed_loop(priced_costs, acceptance, row["mode"], report["k"], concurrency,
+                                   report["requests_per_load"][str(concurrency)], workload)
+            priced_ratio = twin.tokens_per_s / row["engine_tokens_per_s"]
+            within_priced += abs(priced_ratio - 1) <= GOAL
+            line += f" {priced_ratio:.3f} | {misses}, {twin.deadline_misses} |"
+        lines.append(line)
+    lines += ["", f"{within}/{len(report['rows'])} within {GOAL:.0%} now (then: {report['points_within_goal']})"
+              + (f"; {within_priced}/{len(report['rows'])} with the catch-up priced." if priced else ".")]
     return "\n".join(lines)
 
 
@@ -163,9 +243,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--twin-only", action="store_true",
                         help="start no engine: rerun the twin on the committed curves, loads and acceptance of --out "
                         "and print it beside the engine figures recorded there (after a change to the twin)")
+    parser.add_argument("--catch-up-ms-per-token", type=float,
+                        help="with --twin-only: also run the twin with the drafter's catch-up priced at this")
+    parser.add_argument("--measure-catch-up", action="store_true",
+                        help="with --twin-only: measure that price on the engine's CPU drafter first (~1 minute)")
     args = parser.parse_args(argv)
     if args.twin_only:
-        print(twin_only(Path(args.out)))
+        price = args.catch_up_ms_per_token
+        if args.measure_catch_up:
+            report = json.loads(Path(args.out).read_text())
+            log("measuring the drafter's catch-up price (torch drafter, core 1)")
+            price = measure_catch_up_ms_per_token(report["k"], report["prompt_tokens_mean"])
+            log(f"catch-up price: {price} ms per token")
+        print(twin_only(Path(args.out), price))
         return 0
 
     from minedraft.bench.calibrate import CalibrationSettings, calibrate, document

@@ -84,9 +84,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
                         help="any other vLLM engine argument, checked by vLLM's own parser; repeat for more "
                         "(e.g. --vllm-arg=--enable-prefix-caching --vllm-arg=--max-num-batched-tokens=8192)")
     parser.add_argument("--async-psd-steps", action=argparse.BooleanOptionalAction, default=False,
-                        help="psd: schedule each step while the target computes the previous one (the two verify "
-                        "disjoint sub-batches: nothing speculative, no rollback); sd, ar, auto and TP>1 run "
-                        "synchronous steps")
+                        help="psd (and auto while it runs psd): schedule each step while the target computes the "
+                        "previous one (the two verify disjoint sub-batches: nothing speculative, no rollback); sd, "
+                        "ar and TP>1 run synchronous steps")
     parser.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds are separate)")
     parser.add_argument("--max-num-speculative-tokens", type=int,
                         help="the longest draft the engine can switch to at run time (auto mode's k range)")

@@ -10,7 +10,11 @@ batch) at each batch of the grid, and every decode step's `StepRecord` is a meas
 - forward_ms[batch, q]: the median `verify_seconds` of decode-only steps of `batch` requests with q tokens each
   (q = 1 from ar, q = k + 1 from sd);
 - draft_loop_ms[batch, k]: the median `draft_seconds` of the draft jobs of `batch` requests and length k (the job's
-  own size, `draft_job_requests`, not the requests verified);
+  own size, `draft_job_requests`, not the requests verified), less each job's catch-up at the price below;
+- the drafter's catch_up_ms_per_token: the price of a job's catch-up tokens (`draft_job_catch_up_tokens`: the
+  tokens accepted since the drafter's last job for each request, newcomers' prompts), fitted by least squares within
+  jobs of one size and length (the engine's own `CatchUpPrice`) from the time up to each job's first drafted token
+  (the whole job where the drafter does not report it); left out when the jobs' tokens did not vary enough;
 - step_overhead_ms: the median of the rest of a step (the engine's host work: scheduling, committing, sending the
   draft job, the output path), from consecutive decode steps: the time from one step's start to the next one's less
   its verification and its wait for drafts (what the engine's own cost model calls o(R));
@@ -33,6 +37,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
+from minedraft.engine.control.cost_model import CatchUpPrice
 from minedraft.engine.control.stats import StepRecord
 from minedraft.engine.settings import EngineSettings, Mode
 from minedraft.profile.architecture import Architecture
@@ -80,13 +85,29 @@ def forward_points(records: Iterable[StepRecord]) -> dict[tuple[int, int], list[
     return points
 
 
-def draft_points(records: Iterable[StepRecord]) -> dict[tuple[int, int], list[float]]:
-    """Seconds of whole draft jobs by (requests in the job, draft length)."""
+def draft_points(records: Iterable[StepRecord], catch_up_s_per_token: float = 0.0
+                 ) -> dict[tuple[int, int], list[float]]:
+    """Seconds of whole draft jobs by (requests in the job, draft length), less their catch-up at the given price."""
     points: dict[tuple[int, int], list[float]] = {}
     for record in records:
         if record.draft_job_requests > 0 and record.draft_job_length > 0 and record.draft_seconds > 0:
-            points.setdefault((record.draft_job_requests, record.draft_job_length), []).append(record.draft_seconds)
+            loop = record.draft_seconds - catch_up_s_per_token * record.draft_job_catch_up_tokens
+            points.setdefault((record.draft_job_requests, record.draft_job_length), []).append(
+                max(loop, 0.1 * record.draft_seconds))
     return points
+
+
+def catch_up_price(records: Iterable[StepRecord]) -> float | None:
+    """Seconds per catch-up token of the drafter, from the jobs the records verified (see CatchUpPrice), or None
+    when their catch-up tokens did not vary enough within jobs of one size to tell."""
+    price = CatchUpPrice(decay=1.0)
+    for record in records:
+        if record.draft_job_requests > 0 and record.draft_job_length > 0 and record.draft_seconds > 0:
+            first = record.draft_first_token_seconds
+            seconds = first if 0 < first <= record.draft_seconds else record.draft_seconds
+            price.observe(record.draft_job_requests, record.draft_job_length, record.draft_job_catch_up_tokens,
+                          seconds)
+    return price.seconds_per_token()
 
 
 def overhead_seconds(runs: Iterable[Sequence[StepRecord]]) -> list[float]:
@@ -160,8 +181,9 @@ def curves_from_records(runs: Mapping[str, Sequence[Sequence[StepRecord]]], targ
     Forward times at q = 1 come from ar's steps and at q = k + 1 from sd's; draft loops from sd's jobs of length k;
     each the median of its steps within a load, the least of those over loads (_least_contended). The engine's host
     work per step goes into the document's `step_overhead_ms`, per mode and overall, and the prefill cost per prompt
-    token into `prefill_ms_per_token`, alike. `batches`: keep only the grid's batch sizes (a load's ramp-up and
-    drain pass through others for a few steps, whose drafts include newcomers' prompts)."""
+    token into `prefill_ms_per_token`, alike; the drafter's price per catch-up token into its model's
+    `catch_up_ms_per_token` (the draft loops then net of it). `batches`: keep only the grid's batch sizes (a load's
+    ramp-up and drain pass through others for a few steps, whose drafts include newcomers' prompts)."""
     all_runs = [run for mode_runs in runs.values() for run in mode_runs]
     doc = new_document(device, "float32", "vLLM (the engine's own steps)", measured, list(notes),
                        [(target[0], "target", target[1]), (drafter[0], "drafter", drafter[1])])
@@ -171,7 +193,12 @@ def curves_from_records(runs: Mapping[str, Sequence[Sequence[StepRecord]]], targ
             forward.append({"batch": batch, "context": context, "new_tokens": q, "ms": round(seconds * 1000.0, 3),
                             "steps": count})
     loops = doc["models"][drafter[0]]["draft_loop_ms"]
-    for (batch, length), (seconds, count) in sorted(_least_contended(map(draft_points, all_runs), min_steps).items()):
+    # Fitted over every job of the session (its variation comes from newcomers' prompts, rare in any one load).
+    price = catch_up_price(record for run in all_runs for record in run)
+    if price is not None:
+        doc["models"][drafter[0]]["catch_up_ms_per_token"] = round(price * 1000.0, 5)
+    loop_points = (draft_points(run, price or 0.0) for run in all_runs)
+    for (batch, length), (seconds, count) in sorted(_least_contended(loop_points, min_steps).items()):
         if length == k and (batches is None or batch in batches):
             loops.append({"batch": batch, "context": context, "k": length, "ms": round(seconds * 1000.0, 3),
                           "steps": count})

@@ -171,8 +171,9 @@ class EngineSettings:
     # in a step stay resident instead of being removed and re-added (a copy of their context) every other step.
     resident_sub_batches: bool = True
     # psd: schedule each step, and prepare its inputs, while the target still computes the previous one (the two
-    # verify disjoint sub-batches, so nothing is speculative about it and nothing is rolled back). sd, ar, auto,
-    # one-sided psd and tensor parallelism run synchronous steps whatever this says (docs/architecture.md).
+    # verify disjoint sub-batches, so nothing is speculative about it and nothing is rolled back); auto too while it
+    # runs psd. sd, ar, one-sided psd and tensor parallelism run synchronous steps whatever this says
+    # (docs/architecture.md).
     async_psd_steps: bool = False
 
     def __post_init__(self) -> None:

@@ -157,6 +157,10 @@ class ModelCurves:
     kv_bytes_per_token: int | None
     forward: _Grid | None
     draft_loop: _Grid | None
+    # A drafter's price per catch-up token (optional `catch_up_ms_per_token`): the tokens a draft job makes it take
+    # in before drafting, beyond each request's last (accepted tokens since its last job, a newcomer's prompt).
+    # None: not measured; the twin then estimates newcomers' prompts from the target's prefill cost.
+    catch_up_ms_per_token: float | None = None
 
     @property
     def layers(self) -> int:
@@ -299,7 +303,14 @@ def parse_curves(data: Any, source: str = "<curves>") -> CostCurves:
             raise CurveError(f"{where}.draft_loop_ms", "missing (a drafter needs draft loops)")
         if loop is not None and role != "drafter":
             raise CurveError(f"{where}.draft_loop_ms", "only drafters have draft loops")
-        models[name] = ModelCurves(name, role, params, dict(config), kv, forward, loop)
+        catch_up = model.get("catch_up_ms_per_token")
+        if catch_up is not None and (isinstance(catch_up, bool) or not isinstance(catch_up, int | float)
+                                     or not 0 <= catch_up < float("inf")):
+            raise CurveError(f"{where}.catch_up_ms_per_token", f"expected a finite number >= 0, got {catch_up!r}")
+        if catch_up is not None and role != "drafter":
+            raise CurveError(f"{where}.catch_up_ms_per_token", "only drafters take in catch-up tokens")
+        models[name] = ModelCurves(name, role, params, dict(config), kv, forward, loop,
+                                   None if catch_up is None else float(catch_up))
     if not any(m.role == "target" for m in models.values()):
         raise CurveError("models", "no model with role 'target'")
     return CostCurves(

@@ -8,13 +8,17 @@ the planner for the step's proposals, verifies (time from the curves), commits t
 model, hands the planner the step's outcome, sends the verified sub-batch's next draft job through the link, builds
 the engine's `StepRecord` and feeds it to the `AutoController` in auto mode (applying its decisions through the
 planner's `switch_mode`, as the scheduler does). The drafter is a simulated `DrafterClient`: a job occupies the
-drafter device from max(submission, drafter free) for the curves' draft-loop time, and its reply arrives then. vLLM
+drafter device from max(submission, drafter free) for the curves' draft-loop time plus its catch-up tokens at the
+drafter's per-token price (calibrated from the engine's jobs, where the curve file gives one), and its reply arrives
+then: churn (newcomers' prompts) makes drafts late, as in the engine. vLLM
 itself (prefill chunking, preemption, the KV cache, CUDA graph choice) is not simulated.
 
 Host work per step: the engine's synchronous steps pay it after the forward pass. vLLM's own plain decoding
 (`vllm-ar`) and colocated SD (`vllm-sd`) hide it behind the step's device time (async scheduling), and so does psd
-with async steps wherever the engine runs them (`async_psd_steps`: psd set by the operator, not auto, at TP = 1,
-both sub-batches non-empty; their wait for drafts is still paid in series here, which is conservative).
+with async steps wherever the engine runs them (`async_psd_steps`: psd, set by the operator or chosen by auto, at
+TP = 1, both sub-batches non-empty; their wait for drafts is still paid in series here, which is conservative). A
+decision of auto's taken while a step is scheduled ahead waits for that step, and the step after the switch runs
+synchronously (the engine drains its queue before switching).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from minedraft.engine.control.cost_model import CostModel
 from minedraft.engine.control.stats import StepRecord
 from minedraft.engine.drafter import protocol
 from minedraft.engine.drafter.client import DrafterState, JobTicket
-from minedraft.engine.drafter.link import DrafterLink, JobTimes, add_reply
+from minedraft.engine.drafter.link import DrafterLink, JobTimes, add_reply, catch_up_tokens
 from minedraft.engine.psd.planner import Draft, PSDPlanner, RequestState, WaitPolicy
 from minedraft.engine.settings import Mode
 from minedraft.twin.costs import AcceptanceModel, StepCosts
@@ -80,10 +84,16 @@ class SimDrafter:
         batch = len(items)
         k = max(item.num_draft_tokens for item in items)
         context = sum(item.base_num_tokens + len(item.token_ids) for item in items) / batch
-        # Tokens beyond the k + 1 the loop's first pass takes in are a catch-up (a new request's prompt).
-        catch_up = sum(max(0, len(item.token_ids) - (k + 1)) for item in items)
-        seconds = (self.costs.draft_ms(batch, context, k, colocated=self.colocated)
-                   + self.costs.drafter_prefill_ms(catch_up)) / 1000.0
+        price = self.costs.drafter.catch_up_ms_per_token
+        if price is not None:
+            # Measured (calibrated from the engine's jobs): every catch-up token the job carries at that price, the
+            # accepted tokens since each request's last job and newcomers' prompts alike, besides the loop.
+            catch_up_ms = price * catch_up_tokens(items)
+        else:
+            # Not measured: tokens beyond the k + 1 the loop's first pass takes in (a new request's prompt), at the
+            # target's prefill cost scaled to the drafter.
+            catch_up_ms = self.costs.drafter_prefill_ms(sum(max(0, len(item.token_ids) - (k + 1)) for item in items))
+        seconds = (self.costs.draft_ms(batch, context, k, colocated=self.colocated) + catch_up_ms) / 1000.0
         start = max(now, self.free_at)
         results = [protocol.DraftResult(item.request_id, item.base_num_tokens + len(item.token_ids),
                                         [0] * item.num_draft_tokens) for item in items]
@@ -193,17 +203,18 @@ class TwinReplica:
         self.drafter = drafter(self.clock) if drafter is not None else SimDrafter(self.clock, costs, colocated)
         self.link = DrafterLink(self.drafter, hang_seconds=1e9, max_failed_jobs=3, clock=self.clock)  # type: ignore[arg-type]
         # The engine bounds one draft job's catch-up (newcomers' prompts) because the drafter's prefill takes time. The
-        # curves hold no prefill, so unless a prefill cost is given the simulated drafter takes prompts for free, and
-        # the bound would only hold newcomers' drafts back for nothing it models: it applies when prefill is priced.
+        # curves hold no prefill, so unless a prefill or catch-up cost is given the simulated drafter takes prompts for
+        # free, and the bound would only hold newcomers' drafts back for nothing it models: it applies when priced.
         self.planner = PSDPlanner(k=settings.k)
-        if not costs.hardware.prefill_ms_per_token:
+        if not costs.hardware.prefill_ms_per_token and costs.drafter.catch_up_ms_per_token is None:
             self.planner.catch_up_tokens_per_job = 2**62
         self.wait_policy = WaitPolicy(cap_seconds=settings.deadline_seconds)
         configured = Mode.AR if settings.mode == VLLM_AR else Mode(settings.mode)
         self.auto: AutoController | None = None
         if configured is Mode.AUTO:
             self.mode = Mode.PSD
-            self.auto = AutoController(settings.auto, Mode.PSD.value, settings.k, CostModel())
+            self.auto = AutoController(settings.auto, Mode.PSD.value, settings.k,
+                                       CostModel(async_psd_steps=settings.async_psd_steps))
         else:
             # vLLM's colocated SD is sequential SD whose drafter shares the target's GPUs (costs alike, no extra GPU).
             self.mode = Mode.SD if configured is Mode.VLLM_SD else configured
@@ -217,6 +228,12 @@ class TwinReplica:
         # Decode steps run at each setting ("psd-k3", "ar"), for what auto chose.
         self.steps_by_setting: dict[str, int] = {}
         self._drafts_by_group: dict[int, JobTimes] = {}
+        # Async steps under auto: whether the last step was scheduled ahead (the next one is then already in flight
+        # when a decision comes: the decision waits one step for it, as the scheduler drains its queue), the decision
+        # waiting, and whether the next step follows a drain (scheduled synchronously, nothing in flight).
+        self._last_ahead = False
+        self._pending: Decision | None = None
+        self._drained = False
 
     # -- arrivals ------------------------------------------------------------------------------------------------
 
@@ -245,7 +262,8 @@ class TwinReplica:
         if group is None:
             return
         self.planner.job_done(group)
-        self._drafts_by_group[group] = add_reply(self._drafts_by_group.get(group), message)
+        self._drafts_by_group[group] = add_reply(self._drafts_by_group.get(group), message,
+                                                 self.link.reply_catch_up_tokens)
         self.planner.store_drafts(((r.request_id, Draft(r.context_num_tokens, r.token_ids, r.logprobs))
                                    for r in message.results), lambda rid: rid in self.requests)
 
@@ -328,7 +346,8 @@ class TwinReplica:
         overhead_seconds = self.costs.step_overhead_ms(len(decoders) + len(prefills), mode is not Mode.AR) / 1000.0
         # The device's time in this step: the forward, and for vLLM's colocated SD its draft loop on the same GPU.
         device_seconds = verify_seconds + (wait_seconds if self.vllm_own else 0.0)
-        hidden = self._hides_host_work(mode, group)
+        hidden = self._hides_host_work(mode, group) and not self._drained
+        self._drained = False
         if not hidden:
             # A synchronous step: its host work (committing, planning, the next step's scheduling and inputs) runs
             # with both devices idle: the next draft job goes out only once this step's tokens are committed, and
@@ -361,23 +380,33 @@ class TwinReplica:
             draft_jobs_in_flight=jobs_in_flight, num_held_out=len(plan.held_out),
             num_pad_tokens=num_pad, wait_budget_seconds=wait_budget, update_seconds=overhead_seconds,
             draft_job_requests=job.requests, draft_job_length=job.length,
+            draft_job_catch_up_tokens=job.catch_up_tokens,
+            scheduled_ahead=hidden and not self.vllm_own,
         )
         if self.settings.check_invariants:
             self.records.append(record)
         if self.auto is not None:
             num_running = sum(1 for r in self.requests.values() if r.prefilled)
             decision = self.auto.on_step(record, num_running)
+            if self._pending is not None:
+                # The step in flight at the decision is done: switch, and schedule the next step synchronously.
+                self._apply(self._pending)
+                self._pending, self._drained = None, True
             if decision is not None:
-                self._apply(decision)
+                if record.scheduled_ahead:
+                    self._pending = decision  # (the next step is already scheduled, for the setting it leaves)
+                else:
+                    self._apply(decision)
         return StepOutcome(self.clock.now, output_tokens, finished)
 
     def _hides_host_work(self, mode: Mode, group: int | None) -> bool:
         """Whether this step's host work overlaps a forward pass (async scheduling) rather than following it."""
         if self.vllm_own:
             return self.costs.hardware.vllm_async_scheduling
-        # The engine schedules psd steps ahead only where they verify disjoint requests: psd chosen by the operator
-        # (auto reads each step's timings as a step of its own), one GPU for the target, both sub-batches in use.
-        return (self.settings.async_psd_steps and self.auto is None and mode is Mode.PSD and group is not None
+        # The engine schedules psd steps ahead only where they verify disjoint requests: psd (set by the operator or
+        # chosen by auto, whose cost model reads such steps apart), one GPU for the target, both sub-batches in use
+        # (and not the first step after a switch of auto's: see step()).
+        return (self.settings.async_psd_steps and mode is Mode.PSD and group is not None
                 and self.costs.hardware.tensor_parallel_size == 1 and min(self.planner.subbatches.sizes()) > 0)
 
     def _submit(self, group: int, states: list[RequestState]) -> None:

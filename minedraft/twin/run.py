@@ -15,6 +15,8 @@ from minedraft.twin.replica import ReplicaSettings, SimRequest, TwinReplica
 
 # Stop a run that makes no progress (a bug, not a load): steps without a single output token.
 MAX_IDLE_STEPS = 10_000
+# Auto, and auto with the engine's --async-psd-steps (psd's steps scheduled ahead once auto runs psd).
+AUTO_MODES = ("auto", "auto-async")
 
 
 @dataclass(frozen=True)
@@ -99,35 +101,38 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 def mode_label(mode: str, k: int) -> str:
     """The engine's mode names with the draft length: ar, sd-k3, psd-k5, vllm-sd-k3, auto; vllm-ar (plain vLLM) and
     psd-async-k3 (psd with --async-psd-steps) besides."""
-    return mode if mode in (*PLAIN_FAMILIES, "auto") else f"{mode}-k{k}"
+    return mode if mode in (*PLAIN_FAMILIES, *AUTO_MODES) else f"{mode}-k{k}"
 
 
 def parse_mode_label(label: str) -> tuple[str, int]:
     for prefix in ("vllm-sd", "psd-async", "psd", "sd"):
         if label.startswith(prefix + "-k") and label[len(prefix) + 2:].isdigit():
             return prefix, int(label[len(prefix) + 2:])
-    if label in (*PLAIN_FAMILIES, "auto"):
+    if label in (*PLAIN_FAMILIES, *AUTO_MODES):
         return label, 0
-    raise ValueError(f"mode: {label!r} is not ar, vllm-ar, auto, sd-kK, psd-kK, psd-async-kK or vllm-sd-kK")
+    raise ValueError(f"mode: {label!r} is not ar, vllm-ar, auto, auto-async, sd-kK, psd-kK, psd-async-kK or "
+                     "vllm-sd-kK")
 
 
 class _Run:
     def __init__(self, costs: StepCosts, acceptance: AcceptanceModel, mode: str, k: int, workload: Workload,
                  seed: int, auto: AutoSettings | None, max_num_seqs: int) -> None:
         auto_settings = auto or AutoSettings()
-        if mode == "auto":
+        if mode in AUTO_MODES:
             # Auto starts where an engine built for auto starts: psd, at k=3 when that is a candidate.
             k = 3 if 3 in auto_settings.k_candidates else max(auto_settings.k_candidates)
-        # psd-async: the engine's psd with --async-psd-steps (the same mode, its steps scheduled ahead).
-        settings = ReplicaSettings(mode="psd" if mode == "psd-async" else mode, k=max(1, k), auto=auto_settings,
-                                   seed=seed, max_num_seqs=max_num_seqs, async_psd_steps=mode == "psd-async")
+        # psd-async, auto-async: the engine's psd or auto with --async-psd-steps (psd's steps scheduled ahead).
+        async_steps = mode in ("psd-async", "auto-async")
+        replica_mode = {"psd-async": "psd", "auto-async": "auto"}.get(mode, mode)
+        settings = ReplicaSettings(mode=replica_mode, k=max(1, k), auto=auto_settings,
+                                   seed=seed, max_num_seqs=max_num_seqs, async_psd_steps=async_steps)
         self.replica = TwinReplica(costs, acceptance, settings)
         self.workload = workload
         self.rng = random.Random(seed + 1)
         self.count = 0
         # Auto holds what psd holds: the drafter's device stays with the replica whichever mode runs.
-        self.result = RunResult(mode_label(mode, k), 0 if mode in (*PLAIN_FAMILIES, "auto") else k,
-                                costs.gpus("psd" if mode == "auto" else mode), 0, 0.0)
+        self.result = RunResult(mode_label(mode, k), 0 if mode in (*PLAIN_FAMILIES, *AUTO_MODES) else k,
+                                costs.gpus("psd" if mode in AUTO_MODES else mode), 0, 0.0)
 
     def new_request(self, at_s: float, prompt: int | None = None, output: int | None = None) -> SimRequest:
         self.count += 1

@@ -33,6 +33,8 @@ class SweepSettings:
     auto_warmup_steps: int = 300
     auto_measure_steps: int = 1200
     auto: AutoSettings | None = None
+    # Auto also with the engine's async PSD steps on (`auto-async`: psd's steps scheduled ahead once auto runs psd).
+    with_auto_async: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -59,6 +61,7 @@ class LoadResult:
     concurrency: int
     runs: dict[str, RunResult] = field(default_factory=dict)
     auto: RunResult | None = None
+    auto_async: RunResult | None = None
 
     def best(self, families: Sequence[str] = SYNC_FAMILIES, per_gpu: bool = False) -> RunResult:
         candidates = [r for label, r in self.runs.items() if _family(label) in families]
@@ -71,13 +74,15 @@ class LoadResult:
                     "gpus": r.gpus, **{key: r.summary()[key] for key in LATENCY_KEYS}}
             for label, r in self.runs.items()
         }
-        if self.auto is not None:
-            mode, k = self.auto.main_setting
-            summary = self.auto.summary()
-            modes["auto"] = {"tokens_per_s": round(self.auto.tokens_per_s, 1), "mode": mode, "k": k,
-                             "tokens_per_s_per_gpu": round(self.auto.tokens_per_s_per_gpu, 1), "gpus": self.auto.gpus,
-                             "tpot_ms_p50": summary["tpot_ms_p50"], "tpot_ms_p99": summary["tpot_ms_p99"],
-                             "steps_by_setting": self.auto.steps_by_setting}
+        for name, auto in (("auto", self.auto), ("auto-async", self.auto_async)):
+            if auto is None:
+                continue
+            mode, k = auto.main_setting
+            summary = auto.summary()
+            modes[name] = {"tokens_per_s": round(auto.tokens_per_s, 1), "mode": mode, "k": k,
+                           "tokens_per_s_per_gpu": round(auto.tokens_per_s_per_gpu, 1), "gpus": auto.gpus,
+                           "tpot_ms_p50": summary["tpot_ms_p50"], "tpot_ms_p99": summary["tpot_ms_p99"],
+                           "steps_by_setting": auto.steps_by_setting}
         return {"concurrency": self.concurrency, "modes": modes}
 
 
@@ -107,10 +112,14 @@ def sweep(costs: StepCosts, acceptance: AcceptanceModel, settings: SweepSettings
             load.auto = run_concurrency(costs, acceptance, "auto", 0, concurrency, settings.workload,
                                         settings.auto_warmup_steps, settings.auto_measure_steps, settings.seed,
                                         auto=settings.auto_settings())
+        if settings.with_auto_async:
+            load.auto_async = run_concurrency(costs, acceptance, "auto-async", 0, concurrency, settings.workload,
+                                              settings.auto_warmup_steps, settings.auto_measure_steps, settings.seed,
+                                              auto=settings.auto_settings())
         if progress is not None:
             best = load.best(BASELINE_FAMILIES)
-            auto = f", auto {load.auto.tokens_per_s:.0f} ({load.auto.tokens_per_s / best.tokens_per_s:.2f}x)" \
-                if load.auto else ""
+            auto = "".join(f", {name} {run.tokens_per_s:.0f} ({run.tokens_per_s / best.tokens_per_s:.2f}x)"
+                           for name, run in (("auto", load.auto), ("auto-async", load.auto_async)) if run)
             progress(f"twin: concurrency {concurrency}: best fixed (plain vLLM included) {best.mode} "
                      f"{best.tokens_per_s:.0f} tok/s{auto}")
         results.append(load)

@@ -567,6 +567,49 @@ def test_async_psd_steps_overlap_and_match_the_target_alone(async_psd, prompts, 
     assert_clean(engine)
 
 
+def test_auto_with_async_psd_steps_schedules_ahead_on_psd_drains_before_switching_and_stays_lossless(
+        async_psd, prompts, references):
+    """With async PSD steps on, auto schedules psd's steps ahead once it runs psd (its cost model reads those steps
+    apart: their unhidden host work on its own), applies a switch only after the step in flight is processed, and
+    stays token-identical to the target alone while switching between psd and sd mid-stream."""
+    from minedraft.engine.control.auto import AutoSettings
+
+    engine = async_psd
+    first_step = last_step(engine)
+    decisions_before = len(engine.auto_decisions())
+    twitchy = AutoSettings(allowed_modes=("psd", "sd"), k_candidates=(2, 3), decision_interval_steps=3,
+                           min_dwell_steps=3, switch_margin=0.0, stale_after_steps=10, probe_steps=4)
+    engine.set_mode(Mode.AUTO, auto_settings=twitchy)
+    try:
+        run = drive(engine, [Planned(f"auto-async-{i}", prompts[i], GREEDY, arrive_at_step=i) for i in range(12)])
+        for i in range(12):
+            assert run.completions[f"auto-async-{i}"].token_ids == references[i], f"request {i} diverged"
+        records = [r for r in engine.step_records(first_step) if r.auto]
+        by_step = {r.step: r for r in records}
+        ahead = [r for r in records if r.scheduled_ahead]
+        assert ahead, "auto never scheduled a step ahead"
+        for r in ahead:
+            previous = by_step.get(r.step - 1)
+            assert r.mode == "psd" and previous is not None and r.verified_group == 1 - previous.verified_group, r
+        assert engine.psd_scheduler.auto.cost_model.overhead_ahead.num_observations > 0
+        # Records carry each verified job's catch-up as the job carried it: newcomers' prompts (one arrives every
+        # step here) ride in jobs beyond anything steady decoding (at most k accepted tokens a request) could carry.
+        jobs = [r for r in records if r.draft_job_requests]
+        assert any(r.draft_job_catch_up_tokens > r.draft_job_requests * r.draft_job_length for r in jobs), jobs
+        assert all(r.draft_job_catch_up_tokens >= 0 for r in jobs)
+        decisions = engine.auto_decisions()[decisions_before:]
+        assert {(d.previous_mode, d.mode) for d in decisions} & {("psd", "sd"), ("sd", "psd")}, decisions
+        decided_at = {d.step for d in decisions}
+        for d in decisions:
+            after = by_step.get(d.step + 2)
+            if d.previous_mode == "psd" and d.mode == "sd" and after is not None and d.step + 1 not in decided_at:
+                # Applied at the latest once the step in flight at the decision was processed; nothing ahead in sd.
+                assert after.mode == "sd" and not after.scheduled_ahead, (d, after)
+        assert_clean(engine)
+    finally:
+        engine.set_mode(Mode.PSD, 3, 0)
+
+
 def test_async_psd_steps_fall_back_to_synchronous_in_sd_ar_and_one_sided_psd(async_psd, prompts, references):
     engine = async_psd
     for mode in (Mode.SD, Mode.AR):

@@ -89,3 +89,56 @@ def test_prefill_is_what_a_step_taking_prompts_in_costs_beyond_its_decoding_part
                            "num_scheduled_tokens": 16}) for i in range(5)]
     doc = curves_from_records({"ar": [decoding, mixed]}, TARGET, DRAFTER, 100, 3, "cpu", "test")
     assert doc["prefill_ms_per_token"] == pytest.approx(1.0)
+
+
+def test_the_drafters_catch_up_price_is_fitted_from_the_jobs_and_the_twin_charges_it() -> None:
+    """sd jobs of 4 and 8 requests whose loops cost 1.5 and 2.5 ms carry 0-12 accepted tokens and, now and then, a
+    newcomer's 120-token prompt at 20 us a token: the file gets that price and the loops net of it, and the twin
+    charges a job its catch-up tokens at the price (a prompt makes the job later, as in the engine)."""
+    from dataclasses import replace
+
+    from minedraft.engine.drafter import protocol
+    from minedraft.twin.costs import AcceptanceModel
+    from minedraft.twin.replica import ReplicaSettings, TwinReplica
+
+    price_s = 0.00002
+    runs = []
+    for requests, loop in ((4, 0.0015), (8, 0.0025)):
+        run = []
+        for i in range(30):
+            tokens = (i * 5) % 13 + (120 if i % 6 == 1 else 0)
+            base = step(i, i * 0.01, requests, 4, 0.003, "sd", job=requests, draft=loop + tokens * price_s)
+            run.append(replace(base, draft_job_catch_up_tokens=tokens))
+        runs.append(run)
+    doc = curves_from_records({"sd": runs}, TARGET, DRAFTER, 100, 3, "cpu", "test")
+    drafter = doc["models"]["d"]
+    assert drafter["catch_up_ms_per_token"] == pytest.approx(price_s * 1000, rel=0.01)
+    assert {r["batch"]: r["ms"] for r in drafter["draft_loop_ms"]} == {4: pytest.approx(1.5), 8: pytest.approx(2.5)}
+    curves = parse_curves(doc)
+    assert curves.models["d"].catch_up_ms_per_token == pytest.approx(0.02)
+
+    replica = TwinReplica(StepCosts.from_curves(curves, "t", "d", Hardware()), AcceptanceModel.constant(0.7),
+                          ReplicaSettings(mode="sd", k=3))
+    # A newcomer's 121-token prompt (120 catch-up tokens) and a request with 3 accepted tokens (3): 123 tokens.
+    items = [protocol.DraftItem("new", [0] * 121, 3, 0), protocol.DraftItem("old", [0] * 4, 3, 200)]
+    assert replica.link.submit(0, items, want_logprobs=False)
+    assert replica.drafter.jobs[-1].reply.draft_seconds == pytest.approx(
+        (replica.costs.draft_ms(2, (121 + 204) / 2, 3) + 123 * 0.02) / 1000)
+    assert replica.link.tickets[0].catch_up_tokens == 123
+
+
+def test_catch_up_ms_per_token_is_optional_and_checked_by_name() -> None:
+    from minedraft.twin.curves import CurveError
+
+    doc = curves_from_records({"sd": [sd_run(4, 0.003, 0.0015, 6, 0.005)]}, TARGET, DRAFTER, 100, 3, "cpu", "test")
+    assert "catch_up_ms_per_token" not in doc["models"]["d"]  # the jobs' tokens never varied: no price
+    assert parse_curves(doc).models["d"].catch_up_ms_per_token is None
+    for bad, where in ((-1, "models.d.catch_up_ms_per_token"), ("fast", "models.d.catch_up_ms_per_token")):
+        doc["models"]["d"]["catch_up_ms_per_token"] = bad
+        with pytest.raises(CurveError) as error:
+            parse_curves(doc)
+        assert error.value.field_name == where
+    del doc["models"]["d"]["catch_up_ms_per_token"]
+    doc["models"]["t"]["catch_up_ms_per_token"] = 0.01
+    with pytest.raises(CurveError, match="only drafters"):
+        parse_curves(doc)

@@ -288,3 +288,96 @@ def test_drafting_is_priced_by_the_jobs_own_size_not_the_requests_verified_with_
     run_steps(model, after_probe, 1, 0.009)
     assert model._draft_seconds(32, 3) == pytest.approx(0.009, rel=0.01)
     assert model._draft_seconds(64, 1) == pytest.approx(0.008, rel=0.01)
+
+
+# -- catch-up tokens priced per token (issue 26) ---------------------------------------------------------------------
+
+def _job_record(step: int, *, requests: int, k: int, catch_up_tokens: int, loop_seconds: float,
+                price_seconds: float, first_share: float = 0.4, split: bool = True) -> StepRecord:
+    """A psd step whose verified job of `requests` requests and length k carried `catch_up_tokens`: it took
+    loop_seconds (first_share of it up to the first token) plus the tokens at `price_seconds` each."""
+    catch_up = catch_up_tokens * price_seconds
+    first = first_share * loop_seconds + catch_up
+    base = record(step, step * 0.05, mode="psd", num_requests=requests, num_tokens=requests * (k + 1),
+                  verify_seconds=0.02, draft_seconds=loop_seconds + catch_up, drafted=(requests,) * k,
+                  accepted=tuple(max(0, requests - i * requests // (k + 1)) for i in range(1, k + 1)))
+    return replace(base, draft_first_token_seconds=first if split else 0.0, draft_job_requests=requests,
+                   draft_job_length=k, draft_job_catch_up_tokens=catch_up_tokens)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["first-token-split", "whole-job-only"])
+def test_the_catch_up_price_per_token_is_recovered_from_jobs_of_several_sizes(split: bool) -> None:
+    """Jobs of 2, 4 and 8 requests (their loops costing anything) carry steady deltas and, now and then, a
+    newcomer's prompt; the per-token price comes back, and the loop curves hold the loop alone."""
+    price = 0.00004  # 40 us per token
+    loops = {2: 0.003, 4: 0.0045, 8: 0.009}
+    model = CostModel()
+    step = 0
+    for i in range(60):
+        for requests, loop in loops.items():
+            step += 1
+            tokens = requests * (i % 3) + (300 if i % 7 == 3 else 0)  # deltas of 0-2 accepted; a prompt now and then
+            model.observe(_job_record(step, requests=requests, k=3, catch_up_tokens=tokens, loop_seconds=loop,
+                                      price_seconds=price, split=split))
+    fitted = model.catch_up.seconds_per_token()
+    assert fitted == pytest.approx(price, rel=0.02)
+    # The loop alone at 4 requests (0.4 of it to the first token), priced without the average catch-up in it.
+    first = model.draft_first.predict(4)
+    assert first == pytest.approx(0.4 * 0.0045 if split else 0.0045 / 3, rel=0.1)
+    # A predicted job adds the expected catch-up: per request its accepted drafts plus the churn seen lately.
+    expected_tokens = 4 * (model.acceptance.expected_accepted_length(3) - 1 + model.churn_tokens_per_request)
+    assert model.catch_up_seconds(4, 3) == pytest.approx(price * expected_tokens, rel=0.03)
+    assert model.churn_tokens_per_request > 0
+
+
+def test_the_catch_up_price_stays_unknown_until_the_tokens_vary() -> None:
+    model = CostModel()
+    for step in range(1, 40):
+        model.observe(_job_record(step, requests=4, k=3, catch_up_tokens=8, loop_seconds=0.004,
+                                  price_seconds=0.0001))
+    assert model.catch_up.seconds_per_token() is None
+    # Unknown price: the first-token curve keeps the average catch-up in it, as before (nothing subtracted).
+    assert model.draft_first.predict(4) == pytest.approx(0.4 * 0.004 + 8 * 0.0001)
+    assert model.catch_up_seconds(4, 3) == 0.0
+
+
+def test_churn_makes_drafting_dearer_only_once_priced() -> None:
+    """Two models see the same loops; one sees newcomers' prompts in its jobs. Its drafting prediction is dearer
+    by the churn at the fitted price, where one fed only steady deltas predicts the loop."""
+    calm, churned = CostModel(), CostModel()
+    for step in range(1, 80):
+        steady = 4 * (step % 4)
+        calm.observe(_job_record(step, requests=4, k=3, catch_up_tokens=steady, loop_seconds=0.004,
+                                 price_seconds=0.0001))
+        churned.observe(_job_record(step, requests=4, k=3, catch_up_tokens=steady + (200 if step % 5 == 0 else 0),
+                                    loop_seconds=0.004, price_seconds=0.0001))
+    assert churned._draft_seconds(4, 3) > calm._draft_seconds(4, 3) + 0.0001 * 4 * 5
+
+
+# -- steps scheduled ahead (async PSD steps, issue 28) ---------------------------------------------------------------
+
+def test_steps_scheduled_ahead_teach_their_own_host_work_and_price_psd_when_async() -> None:
+    """Synchronous psd steps show 3 ms of host work between them; steps scheduled ahead overlap the previous one,
+    so their start-to-start gaps are shorter than their own forward. Those must not be read as host work (which
+    would make sd, priced from psd's kind of step where the target never widens, look 3 ms a step cheaper), and
+    psd is priced from what such steps left unhidden once the engine runs them."""
+    sync, mixed = CostModel(), CostModel(async_psd_steps=True)
+    template = record(1, 0.0, mode="psd", num_requests=8, num_tokens=32, verify_seconds=0.020, draft_seconds=0.01,
+                      drafted=(8, 8, 8), accepted=(6, 4, 2))
+    for model in (sync, mixed):
+        run_steps(model, template, 40, gap_seconds=0.023)  # 20 ms forward + 3 ms host work, in series
+    ahead = replace(template, scheduled_ahead=True, step_seconds=0.0205)  # 0.5 ms of it left unhidden
+    last = mixed._previous
+    assert last is not None
+    for i in range(40):
+        # Scheduled while the previous step computed: 8 ms after its start, 20.5 ms apart at their ends.
+        mixed.observe(replace(ahead, step=last.step + 1 + i, started_at=last.started_at + 0.008 + i * 0.0205))
+    overhead_sync = sync._curve(sync.overhead, "beside").predict(8)
+    assert overhead_sync == pytest.approx(0.003, rel=0.01)
+    # The synchronous host work is not dragged down by the overlapped steps' gaps ...
+    assert mixed._curve(mixed.overhead, "beside").predict(8) == pytest.approx(0.003, rel=0.01)
+    # ... and psd, run ahead, is priced from what those steps left unhidden.
+    assert mixed.overhead_ahead.predict(8) == pytest.approx(0.0005, rel=0.01)
+    assert mixed._verify_seconds(4, 3, alone=False) < sync._verify_seconds(4, 3, alone=False) - 0.002
+    # sd (the same kind of step on a machine that never widens) keeps the synchronous host work.
+    assert mixed._verify_seconds(8, 3, alone=True) == pytest.approx(sync._verify_seconds(8, 3, alone=True))

@@ -469,3 +469,23 @@ def test_a_step_does_not_wait_for_a_job_that_brings_no_drafts():
     timing = _StepTiming()
     PSDScheduler._await_drafts(fake, 0, timing)  # type: ignore[arg-type]
     assert timing.wait_seconds == 0.0 and 0 in planner.in_flight
+
+
+def test_each_reply_is_handed_over_with_the_catch_up_tokens_its_job_really_carried():
+    """Per request, the committed tokens a job carries beyond the last one (accepted tokens since the drafter's last
+    job, a newcomer's whole prompt; a catch-up chunk's all), counted at submission and given with the reply; a reply
+    of an abandoned job counts none."""
+    client = FakeClient()
+    link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3, clock=Clock())  # type: ignore[arg-type]
+    steady = protocol.DraftItem("a", [5, 6, 7], 3, 40)  # two accepted tokens and the bonus: 2
+    newcomer = protocol.DraftItem("b", list(range(120)), 3, 0)  # a whole prompt: 119
+    chunk = protocol.DraftItem("c", list(range(64)), 0, 10)  # a catch-up chunk, nothing drafted: 64
+    assert link.submit(0, [steady, newcomer, chunk], False)
+    assert link.submit(1, [protocol.DraftItem("d", [9], 3, 70)], False)
+    assert link.tickets[0].catch_up_tokens == 2 + 119 + 64
+    link.abandon(1)
+    seen: list[tuple[int | None, int]] = []
+    client.inbox += [protocol.DraftReply(client.sent_jobs[1], [], 0.01, 0.0),
+                     protocol.DraftReply(client.sent_jobs[0], [], 0.02, 0.0)]
+    link.poll(0.0, lambda group, message: seen.append((group, link.reply_catch_up_tokens)))
+    assert seen == [(None, 0), (0, 185)]

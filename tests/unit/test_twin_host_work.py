@@ -96,3 +96,67 @@ def test_auto_runs_the_engines_synchronous_steps() -> None:
     vllm_ar = run_concurrency(slow, AcceptanceModel.constant(0.05), "vllm-ar", 0, 8, LONG)
     assert auto.main_setting == ("ar", 0)
     assert auto.tokens_per_s < 0.9 * vllm_ar.tokens_per_s
+
+
+def compute_bound_costs(host_ms: float) -> StepCosts:
+    """A target whose forward grows with the batch (2.5 ms a request) and a drafter of 6 ms a token: at 16 requests
+    psd (2 x max(20 + host, 18) ms a cycle) beats sd (18 + 40 + host)."""
+    forward = [{"batch": b, "context": 1024, "new_tokens": q, "ms": 2.5 * b} for b in (1, 4, 16, 64) for q in (1, 4)]
+    loops = [{"batch": b, "context": 1024, "k": k, "ms": 6.0 * k} for b in (1, 4, 16, 64) for k in (3, 5)]
+    data = {"format": "minedraft-cost-curves/v1", "models": {
+        "t": {"role": "target", "config": {"layers": 10}, "forward_ms": forward},
+        "d": {"role": "drafter", "draft_loop_ms": loops}}}
+    return StepCosts.from_curves(parse_curves(data), "t", "d", Hardware(step_overhead_ms=host_ms))
+
+
+def test_auto_with_async_steps_runs_psd_as_psd_async_does() -> None:
+    """With the engine's async PSD steps on, auto's psd steps are scheduled ahead once it runs psd: it reaches
+    psd-async's pace, where auto in synchronous steps pays the host work after every forward."""
+    from minedraft.engine.control.auto import AutoSettings
+
+    costs = compute_bound_costs(host_ms=4.0)
+    settings = AutoSettings(k_candidates=(3,))
+    psd_async = run_concurrency(costs, ACCEPTANCE, "psd-async", 3, 16, LONG)
+    auto = run_concurrency(costs, ACCEPTANCE, "auto", 0, 16, LONG, 300, 600, auto=settings)
+    auto_async = run_concurrency(costs, ACCEPTANCE, "auto-async", 0, 16, LONG, 300, 600, auto=settings)
+    assert auto.main_setting == auto_async.main_setting == ("psd", 3)
+    assert auto.tokens_per_s < 0.92 * psd_async.tokens_per_s  # 4 of 24 ms a step in series
+    assert auto_async.tokens_per_s >= 0.97 * psd_async.tokens_per_s
+    assert auto_async.mode == "auto-async" and auto_async.gpus == 2
+
+
+def test_a_decision_under_async_steps_waits_for_the_step_in_flight() -> None:
+    """A switch decided while a step scheduled ahead is in flight applies after that step (which still runs the
+    setting it was planned for), and the first step after it runs synchronously, as the scheduler drains its queue."""
+    from dataclasses import replace
+
+    from minedraft.engine.control.auto import AutoSettings, Decision
+    from minedraft.twin.replica import ReplicaSettings, SimRequest, TwinReplica
+
+    replica = TwinReplica(compute_bound_costs(host_ms=4.0), ACCEPTANCE,
+                          ReplicaSettings(mode="auto", k=3, async_psd_steps=True, check_invariants=True,
+                                          auto=AutoSettings(k_candidates=(3,), decision_interval_steps=10_000,
+                                                            load_shift_factor=None)))
+    for i in range(16):
+        replica.add(SimRequest(f"r{i}", 1000, 1000, 0.0))
+    assert replica.auto is not None
+    on_step = replica.auto.on_step
+    switch_at: list[int] = []
+
+    def decide_once(record, num_running):  # type: ignore[no-untyped-def]
+        decision = on_step(record, num_running)
+        if record.scheduled_ahead and not switch_at and record.step > 20:
+            switch_at.append(record.step)
+            return Decision(record.step, "sd", 3, "psd", 3, "test", "switch", num_running, 0.0, 0.0, 0.0)
+        return decision
+
+    replica.auto.on_step = decide_once  # type: ignore[method-assign]
+    for _ in range(40):
+        replica.step()
+    by_step = {r.step: r for r in replica.records}
+    step = switch_at[0]
+    # The step in flight at the decision: still psd, scheduled ahead; then sd, synchronous, from the next one on.
+    assert by_step[step + 1].mode == "psd" and by_step[step + 1].scheduled_ahead
+    assert by_step[step + 2].mode == "sd" and not by_step[step + 2].scheduled_ahead
+    assert not any(r.scheduled_ahead for r in replica.records if r.step > step + 1)
+    assert replace(by_step[step + 2], step=0).auto

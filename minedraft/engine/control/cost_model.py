@@ -19,13 +19,23 @@ kept per kind of decode step where the kinds cost differently:
 - s_i: of the drafts that reached position i, the share accepted up to and including i. The expected tokens per
   request per verification with draft length k is L(k) = 1 + sum_{i<k} s_i (not 1 + k * rate: acceptance falls
   along the draft);
-- o(requests): the rest of a step (scheduling, draft bookkeeping, detokenization), per kind of step.
+- o(requests): the rest of a step (scheduling, draft bookkeeping, detokenization), per kind of step. Steps
+  scheduled ahead (async PSD steps: scheduled while the previous step computes) overlap their neighbours, so their
+  start-to-start gaps say nothing of host work: they teach o_ahead(requests) instead, the part of such a step's wall
+  time the forward pass and the wait for drafts did not cover, which prices psd while the engine runs it that way;
+- c: seconds per catch-up token, the tokens a draft job makes the drafter take in before it drafts (per request,
+  those carried beyond the last one: the tokens accepted since its last job, a newcomer's whole prompt), fitted by
+  least squares within jobs of one size and draft length (`CatchUpPrice`); f1 is then learned net of it, and a job
+  is priced f1 + (k - 1) fn + c * (catch-up tokens): R (L(k) - 1) in steady decoding, plus the newcomers' tokens per
+  request per job seen lately (churn). Until the records show tokens varying within one job size, c is unknown and
+  f1 keeps the average catch-up in it, as before.
 
 For R decoding requests the predicted output tokens per second are
     ar:      R / (V(R) + o(R))
     sd(k):   R * L(k) / (t(R, k) + V(R (k+1)) + o(R))
     psd(k):  R * L(k) / (max(V'(A (k+1)) + o'(A), t(B, k)) + max(V'(B (k+1)) + o'(B), t(A, k)))
-with A = ceil(R/2), B = R - A, and V', o' those of steps beside a draft. psd with one side empty is sd.
+with A = ceil(R/2), B = R - A, and V', o' those of steps beside a draft (o_ahead where psd's steps are scheduled
+ahead and such steps were measured). psd with one side empty is sd.
 """
 
 from __future__ import annotations
@@ -185,6 +195,51 @@ class AcceptanceProfile:
         return 1.0 + sum(self.survival(k))
 
 
+@dataclass
+class CatchUpPrice:
+    """Seconds per catch-up token of a draft job, from jobs' (requests, draft length, catch-up tokens, seconds).
+
+    Least squares within groups of jobs of one size (quarter-octave buckets of requests) and one draft length: what
+    a job costs besides its catch-up depends on those arbitrarily (the draft loop), so only the tokens' variation
+    within a group tells their price, pooled over groups (slope = sum of within-group covariances / sum of
+    within-group variances). Sums decay by `decay` per observation of their group: the price tracks drift."""
+
+    decay: float = 0.99
+    # The price is unknown until the groups' tokens have varied this much (pooled within-group standard deviation,
+    # in tokens) over at least `min_jobs` jobs: steady deltas of a few tokens leave the slope to timing noise.
+    min_spread_tokens: float = 2.0
+    min_jobs: float = 8.0
+    # (requests bucket, draft length) -> [weight, sum x, sum y, sum xx, sum xy]
+    sums: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+
+    def observe(self, requests: int, length: int, tokens: int, seconds: float) -> None:
+        if requests <= 0 or tokens < 0 or seconds < 0 or not math.isfinite(seconds):
+            return
+        key = (CostCurve._bucket(requests), length)
+        sums = self.sums.setdefault(key, [0.0] * 5)
+        for i in range(5):
+            sums[i] *= self.decay
+        x, y = float(tokens), float(seconds)
+        sums[0] += 1.0
+        sums[1] += x
+        sums[2] += y
+        sums[3] += x * x
+        sums[4] += x * y
+
+    def seconds_per_token(self) -> float | None:
+        """The fitted price (never negative), or None while the tokens have not varied enough to tell it."""
+        weight = sxx = sxy = 0.0
+        for n, sx, sy, sxx_raw, sxy_raw in self.sums.values():
+            if n < 2:
+                continue
+            weight += n
+            sxx += sxx_raw - sx * sx / n
+            sxy += sxy_raw - sx * sy / n
+        if weight < self.min_jobs or sxx <= 0 or sxx / weight < self.min_spread_tokens ** 2:
+            return None
+        return max(0.0, sxy / sxx)
+
+
 @dataclass(frozen=True)
 class Prediction:
     mode: str
@@ -233,6 +288,16 @@ class CostModel:
     # forwards (both curves fed the average).
     draft_first: CostCurve = field(default_factory=CostCurve)
     draft_next: CostCurve = field(default_factory=CostCurve)
+    # The drafter's price per catch-up token (draft_first is learned net of it once known), and the catch-up tokens
+    # per request per job beyond steady decoding's (newcomers' prompts: churn), smoothed over jobs.
+    catch_up: CatchUpPrice = field(default_factory=CatchUpPrice)
+    churn_tokens_per_request: float = 0.0
+    churn_smoothing: float = 0.05
+    # Host work of steps scheduled ahead (async PSD steps), against running requests: see the module's doc.
+    overhead_ahead: CostCurve = field(default_factory=CostCurve)
+    # Whether the engine schedules psd's steps ahead (its async_psd_steps setting): psd is then priced with
+    # o_ahead where measured.
+    async_psd_steps: bool = False
     acceptance: AcceptanceProfile = field(default_factory=AcceptanceProfile)
     # Step numbers of the last observation of each ingredient (for staleness).
     last_verify_step: int = -1
@@ -283,7 +348,13 @@ class CostModel:
             if record.draft_seconds > 0 and not resuming:
                 self._observe_draft(record)
                 self.last_draft_step = record.step
-        if previous is not None and decode_only:
+        if decode_only and record.scheduled_ahead:
+            # Its wall time beyond the forward and the wait for drafts: host work async steps did not hide.
+            self.overhead_ahead.observe(
+                max(1, record.num_decode_requests + record.num_prefill_requests),
+                max(0.0, record.step_seconds - record.verify_seconds - record.wait_seconds))
+        if previous is not None and decode_only and not (record.scheduled_ahead or previous.scheduled_ahead):
+            # (Around a step scheduled ahead, start-to-start gaps overlap a forward pass: not host work.)
             gap = record.started_at - previous.started_at
             if 0 < gap < MAX_STEP_GAP_SECONDS:
                 other = gap - previous.verify_seconds - previous.wait_seconds
@@ -296,13 +367,26 @@ class CostModel:
         requests = record.draft_job_requests or record.num_requests_with_drafts
         length = max(1, record.draft_job_length or len(record.drafted_per_position))
         first = record.draft_first_token_seconds
-        if 0 < first <= record.draft_seconds:
-            self.draft_first.observe(requests, first)
+        split = 0 < first <= record.draft_seconds
+        # The catch-up is taken in before position 1: it is the first token's time that carries it.
+        catch_up_seconds = 0.0
+        if record.draft_job_requests > 0:
+            tokens = record.draft_job_catch_up_tokens
+            self.catch_up.observe(requests, length, tokens, first if split else record.draft_seconds)
+            steady = requests * length  # at most every draft accepted: beyond it, newcomers' tokens
+            churn = max(0, tokens - steady) / requests
+            self.churn_tokens_per_request += self.churn_smoothing * (churn - self.churn_tokens_per_request)
+            price = self.catch_up.seconds_per_token()
+            if price is not None:
+                catch_up_seconds = price * tokens
+        if split:
+            self.draft_first.observe(requests, max(0.0, first - catch_up_seconds))
             if length > 1:
                 self.draft_next.observe(requests, (record.draft_seconds - first) / (length - 1))
         else:
-            self.draft_first.observe(requests, record.draft_seconds / length)
-            self.draft_next.observe(requests, record.draft_seconds / length)
+            loop = max(0.0, record.draft_seconds - catch_up_seconds)
+            self.draft_first.observe(requests, loop / length)
+            self.draft_next.observe(requests, loop / length)
 
     def _verify_curve(self, alone: bool, drafted: bool = True) -> CostCurve:
         return self._curve(self.verify, PLAIN if not drafted else ALONE if alone else BESIDE)
@@ -317,7 +401,10 @@ class CostModel:
     def _verify_seconds(self, requests: int, k: int, alone: bool = True) -> float:
         kind = PLAIN if k == 0 else ALONE if alone else BESIDE
         seconds = self._shaped_verify_seconds(kind, requests, k + 1)
-        overhead = self._curve(self.overhead, kind).predict(requests) or 0.0
+        if kind == BESIDE and self.async_psd_steps and self.overhead_ahead.buckets:
+            overhead = self.overhead_ahead.predict(requests) or 0.0
+        else:
+            overhead = self._curve(self.overhead, kind).predict(requests) or 0.0
         return (seconds or 0.0) + overhead
 
     def _shaped_verify_seconds(self, kind: str, requests: int, q: int) -> float | None:
@@ -371,7 +458,16 @@ class CostModel:
             return 0.0
         first = self.draft_first.predict(requests) or 0.0
         following = self.draft_next if self.draft_next.buckets else self.draft_first
-        return first + (k - 1) * (following.predict(requests) or 0.0)
+        return first + (k - 1) * (following.predict(requests) or 0.0) + self.catch_up_seconds(requests, k)
+
+    def catch_up_seconds(self, requests: int, k: int) -> float:
+        """A job's expected catch-up at its learned price (0 while the price is unknown: f1 then holds it):
+        each request's accepted drafts since its last job (L(k) - 1 on average) plus the churn seen lately."""
+        price = self.catch_up.seconds_per_token()
+        if not price:
+            return 0.0
+        tokens = requests * (self.acceptance.expected_accepted_length(k) - 1.0 + self.churn_tokens_per_request)
+        return price * tokens
 
     def _drafting_covers(self, requests: int, k: int, slack: float) -> bool:
         if not self.draft_first.covers(requests, slack):

@@ -67,6 +67,10 @@ class StepRecord:
     # The cost model prices drafting by these, not by the requests verified with drafts, which differ around switches.
     draft_job_requests: int = 0
     draft_job_length: int = 0
+    # Of that job, the committed tokens its drafter had to take in before drafting (per request, what it carried
+    # beyond the last token: the tokens accepted since the drafter last saw it, a newcomer's whole prompt), as the job
+    # really carried them. The cost model and the calibration price them per token.
+    draft_job_catch_up_tokens: int = 0
     # Async PSD steps: scheduled while the previous step was still in flight (before its output was processed).
     # Its step_seconds then count from the previous step's end and verify_seconds is the model runner's own time.
     scheduled_ahead: bool = False

@@ -43,15 +43,24 @@ class JobTimes:
     idle_seconds: float = 0.0
     requests: int = 0
     length: int = 0
+    # Catch-up tokens the job carried (see catch_up_tokens): what its drafter took in before drafting position 1.
+    catch_up_tokens: int = 0
 
 
-def add_reply(times: JobTimes | None, reply: protocol.DraftReply) -> JobTimes:
-    """A sub-batch's job times in a step, with one more reply for it."""
+def catch_up_tokens(items: list[protocol.DraftItem]) -> int:
+    """The tokens a job makes the drafter take in before it can draft: per request, the committed tokens it carries
+    beyond the last one (which the draft loop's first pass reads anyway): the tokens accepted since the drafter last
+    saw the request, or a newcomer's whole prompt (a catch-up chunk's tokens all count)."""
+    return sum(max(0, len(item.token_ids) - 1) if item.num_draft_tokens else len(item.token_ids) for item in items)
+
+
+def add_reply(times: JobTimes | None, reply: protocol.DraftReply, catch_up: int = 0) -> JobTimes:
+    """A sub-batch's job times in a step, with one more reply for it (`catch_up`: the tokens its job carried)."""
     times = times or JobTimes()
     length = max((len(result.token_ids) for result in reply.results), default=0)
     return JobTimes(times.draft_seconds + reply.draft_seconds, times.first_token_seconds + reply.first_token_seconds,
                     times.idle_seconds + reply.idle_seconds, times.requests + len(reply.results),
-                    max(times.length, length))
+                    max(times.length, length), times.catch_up_tokens + catch_up)
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,9 @@ class DrafterLink:
         self.num_progress_reports = 0
         # Requests of the job the drafter was stuck on at its last hang (the oldest outstanding: jobs run in order).
         self._hung_job: frozenset[str] | None = None
+        # The catch-up tokens of the job whose reply is being handled (set just before each DraftReply is handed to
+        # the handler: what that job really carried, for the step record and the cost model).
+        self.reply_catch_up_tokens = 0
 
     def attach(self, client: DrafterClient) -> None:
         self.client = client
@@ -173,6 +185,7 @@ class DrafterLink:
         ticket = self.client.submit(items, want_logprobs)
         if ticket is None:
             return False
+        ticket.catch_up_tokens = catch_up_tokens(items)
         if not self.tickets:
             self._busy_since = self._clock()
         self.tickets[group] = ticket
@@ -201,8 +214,9 @@ class DrafterLink:
                 self.num_progress_reports += 1
                 continue
             group = None
+            self.reply_catch_up_tokens = 0
             if isinstance(message, protocol.DraftReply | protocol.DrafterError | protocol.DrafterBusy):
-                group = self._drop_ticket(message.job_id)
+                group, self.reply_catch_up_tokens = self._drop_ticket(message.job_id)
                 if isinstance(message, protocol.DraftReply):
                     self.consecutive_failed_jobs = 0
             handle(group, message)
@@ -223,13 +237,14 @@ class DrafterLink:
                 break
         return WaitResult(self._clock() - started, not down and group not in self.tickets)
 
-    def _drop_ticket(self, job_id: int) -> int | None:
+    def _drop_ticket(self, job_id: int) -> tuple[int | None, int]:
+        """The sub-batch of a tracked job (None: abandoned or unknown) and its catch-up tokens."""
         for group, ticket in list(self.tickets.items()):
             if ticket.job_id == job_id:
                 del self.tickets[group]
                 self._busy_since = self._clock() if self.tickets else None
-                return group
-        return None
+                return group, ticket.catch_up_tokens
+        return None, 0
 
     def shutdown(self) -> None:
         if self.client is not None:

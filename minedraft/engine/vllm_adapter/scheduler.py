@@ -134,6 +134,9 @@ class PSDScheduler(Scheduler):
         # Set by OverlappedSteps before each update: the seconds the model runner spent on the step (the engine
         # thread's own clock would include scheduling the next step).
         self.worker_seconds: float | None = None
+        # An auto decision taken while a step scheduled ahead was still in flight: applied once that step's output is
+        # processed (the queue drained), never under a step planned for the setting it leaves.
+        self._pending_decision: Decision | None = None
         self._last_update_finished = 0.0
         self._num_steps = 0
         self.link = DrafterLink(None, hang_seconds=float(config.get("hang_seconds", DEFAULT_HANG_SECONDS)),
@@ -202,10 +205,12 @@ class PSDScheduler(Scheduler):
         num_extra_draft_tokens: int | None = None,
         auto_settings: AutoSettings | None = None,
     ) -> None:
+        plain = k is None and num_extra_draft_tokens is None and auto_settings is None
+        if mode is Mode.AUTO and plain and self.auto is not None:
+            return
+        # The operator's setting supersedes a decision of auto's still waiting for a step in flight.
+        self._pending_decision = None
         if mode is Mode.AUTO:
-            plain = k is None and num_extra_draft_tokens is None and auto_settings is None
-            if plain and self.auto is not None:
-                return
             parked, self._auto_parked = self._auto_parked, None
             if plain and parked is not None:
                 # Back on after fixed modes: carry on from its last choice with all it learned.
@@ -324,13 +329,14 @@ class PSDScheduler(Scheduler):
     def may_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled now, before the one step in flight has been processed.
 
-        Only in fixed psd with the drafter up, the step in flight verifying one sub-batch and the other holding
-        decoding requests outside it: those are what the next step verifies, their tokens final since the step
-        before. Not in sd or ar (every step verifies the same requests, whose tokens the step in flight is making),
-        not in auto (its decisions and cost model read each step's timings as a step of its own), and not with one
-        side empty (psd then runs sequential sd on the other)."""
-        if (not self.async_steps or len(self._scheduled) != 1 or self.auto is not None
-                or self.chosen_mode is not Mode.PSD):
+        Only in psd (fixed, or auto's choice) with the drafter up, the step in flight verifying one sub-batch and
+        the other holding decoding requests outside it: those are what the next step verifies, their tokens final
+        since the step before. Not in sd or ar (every step verifies the same requests, whose tokens the step in
+        flight is making), not with one side empty (psd then runs sequential sd on the other), and not while an
+        auto decision waits for the step in flight to drain. Auto reads such steps apart (StepRecord.scheduled_ahead:
+        its cost model learns their unhidden host work on its own and prices psd by it)."""
+        if (not self.async_steps or len(self._scheduled) != 1 or self.chosen_mode is not Mode.PSD
+                or self._pending_decision is not None):
             return False
         step = self._scheduled[0]
         if step.step_mode is not Mode.PSD or step.verified_group is None or not self.drafter_up:
@@ -419,7 +425,8 @@ class PSDScheduler(Scheduler):
         if group is None:
             return  # a job abandoned after its deadline: its drafts are stale
         self.planner.job_done(group)
-        self._timing.drafts_by_group[group] = add_reply(self._timing.drafts_by_group.get(group), message)
+        self._timing.drafts_by_group[group] = add_reply(self._timing.drafts_by_group.get(group), message,
+                                                        self.link.reply_catch_up_tokens)
         self.planner.store_drafts(
             ((r.request_id, Draft(r.context_num_tokens, r.token_ids, r.logprobs)) for r in message.results),
             self._is_live,
@@ -535,15 +542,27 @@ class PSDScheduler(Scheduler):
             update_seconds=max(0.0, finished - verify_done),
             draft_job_requests=job.requests,
             draft_job_length=job.length,
+            draft_job_catch_up_tokens=job.catch_up_tokens,
             scheduled_ahead=timing.scheduled_ahead,
         )
         self._last_update_finished = finished
         self.stats.record(record)
+        self.cost_model.async_psd_steps = self.async_steps
         if self.auto is not None:
+            self.auto.cost_model.async_psd_steps = self.async_steps
             num_running = sum(1 for r in self.running if _is_decoding(r) or r.num_output_tokens > 0)
             decision = self.auto.on_step(record, num_running)
+            if self._pending_decision is not None and not self._scheduled:
+                # The step that was in flight at the decision is done: switch now, before anything is scheduled.
+                self._apply_decision(self._pending_decision)
+                self._pending_decision = None
             if decision is not None:
-                self._apply_decision(decision)
+                if self._scheduled:
+                    # A step scheduled ahead is in flight, planned for the current setting: drain it first (no more
+                    # steps are scheduled ahead meanwhile) and switch once its output is in.
+                    self._pending_decision = decision
+                else:
+                    self._apply_decision(decision)
             if self.auto.cost_model is not self.cost_model:
                 self.cost_model.observe(record)
         else:
