@@ -9,8 +9,10 @@ model, hands the planner the step's outcome, sends the verified sub-batch's next
 the engine's `StepRecord` and feeds it to the `AutoController` in auto mode (applying its decisions through the
 planner's `switch_mode`, as the scheduler does). The drafter is a simulated `DrafterClient`: a job occupies the
 drafter device from max(submission, drafter free) for the curves' draft-loop time plus its catch-up tokens at the
-drafter's per-token price (calibrated from the engine's jobs, where the curve file gives one), and its reply arrives
-then: churn (newcomers' prompts) makes drafts late, as in the engine. vLLM
+drafter's per-token price (calibrated from the engine's jobs, where the curve file gives one), times a draw from the
+drafter's time spread where one is given (a drafter on shared cores), and its reply arrives then: churn (newcomers'
+prompts) and a slow job make drafts late, an abandoned job still occupies the drafter and delays the next, as in the
+engine. vLLM
 itself (prefill chunking, preemption, the KV cache, CUDA graph choice) is not simulated.
 
 Host work per step: the engine's synchronous steps pay it after the forward pass. vLLM's own plain decoding
@@ -61,10 +63,12 @@ class _Job:
 class SimDrafter:
     """A `DrafterClient` on simulated time: what the engine's DrafterLink talks to in the twin."""
 
-    def __init__(self, clock: SimClock, costs: StepCosts, colocated: bool) -> None:
+    def __init__(self, clock: SimClock, costs: StepCosts, colocated: bool, seed: int = 0) -> None:
         self.clock = clock
         self.costs = costs
         self.colocated = colocated
+        # Draws of the drafter's time spread (Hardware.drafter_time_spread), apart from the acceptance's draws.
+        self.rng = random.Random(seed)
         self.state = DrafterState.UP
         self.num_starts = 1
         self.free_at = 0.0
@@ -94,6 +98,9 @@ class SimDrafter:
             # target's prefill cost scaled to the drafter.
             catch_up_ms = self.costs.drafter_prefill_ms(sum(max(0, len(item.token_ids) - (k + 1)) for item in items))
         seconds = (self.costs.draft_ms(batch, context, k, colocated=self.colocated) + catch_up_ms) / 1000.0
+        spread = self.costs.hardware.drafter_time_spread
+        if spread:
+            seconds *= self.rng.choice(spread)
         start = max(now, self.free_at)
         results = [protocol.DraftResult(item.request_id, item.base_num_tokens + len(item.token_ids),
                                         [0] * item.num_draft_tokens) for item in items]
@@ -200,7 +207,8 @@ class TwinReplica:
         # vLLM's own modes: no MineDraft in the loop; their host work hides behind the device with async scheduling.
         self.vllm_own = settings.mode in (VLLM_AR, Mode.VLLM_SD.value)
         self.shared_device = colocated or costs.hardware.drafter_placement == "shared"
-        self.drafter = drafter(self.clock) if drafter is not None else SimDrafter(self.clock, costs, colocated)
+        self.drafter = (drafter(self.clock) if drafter is not None
+                        else SimDrafter(self.clock, costs, colocated, seed=settings.seed + 1))
         self.link = DrafterLink(self.drafter, hang_seconds=1e9, max_failed_jobs=3, clock=self.clock)  # type: ignore[arg-type]
         # The engine bounds one draft job's catch-up (newcomers' prompts) because the drafter's prefill takes time. The
         # curves hold no prefill, so unless a prefill or catch-up cost is given the simulated drafter takes prompts for

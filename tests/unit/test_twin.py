@@ -106,6 +106,26 @@ def test_the_engines_invariants_hold_through_switches_and_steps_record_only_thei
     assert max(r.draft_seconds for r in replica.records) <= longest_job_s
 
 
+def test_a_drafter_whose_job_times_spread_misses_budgets_and_costs_throughput_at_the_same_mean_time() -> None:
+    # The engine's sd at 16 on a loaded CPU: its drafter's jobs of one shape took 0.5-3x their median. The twin draws
+    # each job's time from such a spread (mean 1 here: the same drafting on average) and runs the engine's wait
+    # policy and drafter link on it: jobs past the budget are abandoned and the next job queues behind the one the
+    # drafter is still finishing, so steps go without drafts that the spread-free twin drafts, and throughput drops.
+    data = flat_curves(draft_ms_per_k=5.0)
+    data["models"]["d"]["catch_up_ms_per_token"] = 0.03
+    workload = Workload(prompt_tokens=100, output_tokens=64, output_spread=0.0)
+    acceptance = AcceptanceModel.constant(0.8)
+    steady = run_closed_loop(costs_of(data), acceptance, "sd", 3, 16, 128, workload)
+    spread = (0.6, 0.8, 1.0, 1.0, 1.6)
+    jittery = run_closed_loop(costs_of(data, Hardware(drafter_time_spread=spread)), acceptance, "sd", 3, 16, 128,
+                              workload)
+    assert steady.deadline_misses <= 2
+    assert jittery.deadline_misses >= 5 * max(1, steady.deadline_misses)
+    assert jittery.tokens_per_s < 0.97 * steady.tokens_per_s
+    with pytest.raises(ValueError, match="drafter_time_spread"):
+        Hardware(drafter_time_spread=(1.0, 0.0))
+
+
 def test_arrivals_open_loop_and_phases_finish_with_latencies() -> None:
     costs = costs_of(flat_curves())
     acceptance = AcceptanceModel.constant(0.8)
