@@ -158,31 +158,35 @@ def instrument(scheduler: Any, watch: Watch) -> None:
     scheduler.schedule, scheduler._on_message = schedule, on_message
 
 
-ABANDONED_KINDS = ("load_start", "queued_behind_abandoned", "newcomer_job_slow", "steady_job_slow")
+ABANDONED_KINDS = ("load_start", "queued_behind_abandoned", "newcomer_job_slow", "steady_job_slow", "late_start")
 
 
 def abandoned_kinds(jobs: list[dict[str, Any]]) -> dict[str, int]:
-    """Why each abandoned job was late: the first job of a load (every request's prompt at once), one queued behind
-    an abandoned job the drafter was still finishing (it arrived over 3 ms after its own drafting time), or its own
-    drafting slow (a job carrying a newcomer's prompt, or a steady one)."""
+    """Why each abandoned job was late, from the drafter's own timings (the engine handles a late reply only at its
+    next poll, so arrival times say little): the first job of a load (every request's prompt at once); queued
+    behind an abandoned job (the previous job was abandoned and the drafter went from it to this one without idling,
+    under 0.5 ms); its drafting alone longer than the budget (a job carrying a newcomer's prompt, or a steady one);
+    or none of these: its drafting fit the budget but started late (the drafter process waking up late on its
+    loaded core, or reading the job late)."""
     kinds = dict.fromkeys(ABANDONED_KINDS, 0)
     for i, job in enumerate(jobs):
         if not job["abandoned"]:
             continue
-        latency_s = job["arrived_at"] - job["sent_at"] if job["arrived_at"] is not None else None
-        queued = latency_s is not None and job["draft_s"] is not None and latency_s - job["draft_s"] > 0.003
         if i == 0:
             kinds["load_start"] += 1
-        elif queued and jobs[i - 1]["abandoned"]:
+        elif jobs[i - 1]["abandoned"] and job["idle_s"] is not None and job["idle_s"] < 0.0005:
             kinds["queued_behind_abandoned"] += 1
-        else:
+        elif job["draft_s"] is not None and job["budget_s"] is not None and job["draft_s"] > job["budget_s"]:
             kinds["newcomer_job_slow" if job["newcomer"] else "steady_job_slow"] += 1
+        else:
+            kinds["late_start"] += 1
     return kinds
 
 
 def draft_time_spread(jobs: list[dict[str, Any]]) -> list[float]:
-    """Each answered job's drafting time over the median of the jobs of its size and kind (carrying a newcomer's
-    prompt or not) in the same load: how much the drafter's time for one job shape varied (deciles)."""
+    """Each answered job's drafting time (the drafter's own measure) over the median of the jobs of its size and
+    kind (carrying a newcomer's prompt or not) in the same load: how much the drafter's time for one job shape
+    varied. Deciles p0-p90, then the maximum. (Late starts are not in it: the twin models queueing, not waking.)"""
     groups: dict[tuple[int, bool], list[float]] = {}
     for job in jobs:
         if job["draft_s"] is not None:
@@ -192,6 +196,21 @@ def draft_time_spread(jobs: list[dict[str, Any]]) -> list[float]:
         return []
     return [round(ratios[min(len(ratios) - 1, int(q * len(ratios) / 10))], 3) for q in range(10)] + [
         round(ratios[-1], 3)]
+
+
+def start_delay_ms(jobs: list[dict[str, Any]]) -> list[float]:
+    """How long after its sending a job's drafting began, where the drafter was idle (not queued behind another job)
+    and the job was waited for and arrived: its reply's arrival less its drafting time (the drafter process waking
+    up and reading it, and the reply's way back). Deciles p0-p90, then the maximum. Not a clean measure: a reply
+    that came before the engine began waiting is read at its first poll, so the engine's own work after sending
+    counts in (high); jobs that started later than the budget allowed were abandoned and are left out (low)."""
+    delays = sorted(1000 * (job["arrived_at"] - job["sent_at"] - job["draft_s"]) for i, job in enumerate(jobs)
+                    if not job["abandoned"] and job["arrived_at"] is not None and job["draft_s"] is not None
+                    and i and not jobs[i - 1]["abandoned"] and (job["idle_s"] or 0.0) >= 0.0005)
+    if not delays:
+        return []
+    return [round(max(0.0, delays[min(len(delays) - 1, int(q * len(delays) / 10))]), 3) for q in range(10)] + [
+        round(delays[-1], 3)]
 
 
 def summary(watch: Watch, mode: str, concurrency: int, tokens_per_s: float, records: list[Any],
@@ -224,7 +243,8 @@ def summary(watch: Watch, mode: str, concurrency: int, tokens_per_s: float, reco
         "verify_ms_median": round(1000 * statistics.median(r.verify_seconds for r in decode), 2) if decode else None,
         "deadline_misses": totals.deadline_misses, "drafter_restarts": totals.drafter_restarts,
         "abandoned_by_kind": abandoned_kinds([watch.jobs[i] for i in sorted(watch.jobs)]),
-        "draft_time_spread_deciles": draft_time_spread(list(watch.jobs.values())),
+        "draft_time_spread_deciles": draft_time_spread([watch.jobs[i] for i in sorted(watch.jobs)]),
+        "start_delay_ms_deciles": start_delay_ms([watch.jobs[i] for i in sorted(watch.jobs)]),
         "job_log": [{"job_id": job_id, **job} for job_id, job in sorted(watch.jobs.items())],
     }
 
@@ -279,10 +299,11 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| requests | mode | tok/s | request-steps | without drafts | " + " | ".join(CAUSES)
-             + " | steps abandoned | abandoned: load start / queued behind one / newcomer job slow / steady job slow | "
+             + " | steps abandoned | abandoned: load start / queued behind one / newcomer job's drafting slow / "
+             "steady job's drafting slow / late start | "
              "jobs (with a newcomer; of those abandoned) | wait budget ms | draft ms steady / newcomer jobs | "
-             "drafting time / its shape's median, p50 p90 max |",
-             "|---|---|---|---|---|" + "---|" * len(CAUSES) + "---|---|---|---|---|---|"]
+             "a job's drafting time / its shape's median, p50 p90 max | start delay ms (idle drafter), p50 p90 |",
+             "|---|---|---|---|---|" + "---|" * len(CAUSES) + "---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']} | {r['decode_request_steps']} | "
@@ -294,7 +315,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{r['newcomer_jobs_abandoned']}) | {r['wait_budget_ms_median']} | "
             f"{r['draft_ms_median_steady_jobs']} / {r['draft_ms_median_newcomer_jobs']} | "
             + (" ".join(str(r["draft_time_spread_deciles"][i]) for i in (5, 9, 10))
-               if r["draft_time_spread_deciles"] else "") + " |")
+               if r["draft_time_spread_deciles"] else "") + " | "
+            + (" ".join(str(r["start_delay_ms_deciles"][i]) for i in (5, 9)) if r["start_delay_ms_deciles"] else "")
+            + " |")
     return "\n".join(lines)
 
 
@@ -309,8 +332,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the rows here (without the per-job log)")
     parser.add_argument("--md", help="write the table here, with the command")
     parser.add_argument("--job-log", help="write the rows with every job's log here")
+    parser.add_argument("--rescore", help="start no engine: recompute the causes of abandonment and the spreads from "
+                        "a --job-log file of an earlier run (after a change to how they are derived)")
     args = parser.parse_args(argv)
-    rows = asyncio.run(run(args))
+    if args.rescore:
+        rows = json.loads(Path(args.rescore).read_text())
+        for row in rows:
+            row["abandoned_by_kind"] = abandoned_kinds(row["job_log"])
+            row["draft_time_spread_deciles"] = draft_time_spread(row["job_log"])
+            row["start_delay_ms_deciles"] = start_delay_ms(row["job_log"])
+    else:
+        rows = asyncio.run(run(args))
     if args.job_log:
         Path(args.job_log).write_text(json.dumps(rows) + "\n")
     for row in rows:

@@ -191,8 +191,10 @@ def _with_catch_up_price(doc: dict[str, Any], ms_per_token: float, accepted_per_
 
 def drafter_spreads(path: Path) -> dict[tuple[str, int], tuple[float, ...]]:
     """The drafter's time spread per (mode, requests) as `benchmarks/draftless_steps.py` measured it in the engine
-    (each load's deciles of a job's drafting time over its shape's median; per decile the median over the rounds),
-    and under ("*", 0) the same over every load (for loads it did not run)."""
+    (each load's deciles of a job's drafting time over its shape's median, the drafter's own measure; per decile the
+    median over the rounds), and under ("*", 0) the same over every load (for loads it did not run). Its start
+    delays are left out: measured from the engine's side they include the engine's own work before it reads a reply
+    (tried: the twin then fell to 0.45-0.84x the engine at 1 and 4 requests)."""
     rows = [row for row in json.loads(path.read_text()) if row.get("draft_time_spread_deciles")]
 
     def pooled(chosen: list[dict[str, Any]]) -> tuple[float, ...]:
@@ -252,7 +254,7 @@ def twin_only(path: Path, catch_up_ms_per_token: float | None = None, spread_pat
             base_doc = doc if catch_up_ms_per_token is None else _with_catch_up_price(
                 doc, catch_up_ms_per_token, acceptance.expected_accepted_length(report["k"]) - 1.0)
             spread = spreads.get((row["mode"], concurrency), spreads.get(("*", 0), ()))
-            hardware = replace(hardware_of(base_doc), drafter_time_spread=spread if row["mode"] != "ar" else ())
+            hardware = replace(hardware_of(base_doc), drafter_time_spread=spread)
             spread_costs = StepCosts.from_curves(parse_curves(base_doc), TARGET, DRAFTER, hardware)
             twin = run_closed_loop(spread_costs, acceptance, row["mode"], report["k"], concurrency,
                                    report["requests_per_load"][str(concurrency)], workload)
@@ -265,8 +267,8 @@ def twin_only(path: Path, catch_up_ms_per_token: float | None = None, spread_pat
               + (f"; {within_spread}/{len(report['rows'])} with the drafter's time spread too" if spreads else "")
               + "."]
     if spreads:
-        lines += ["", "Drafter time spreads used (multipliers of a job's time, equally likely; from "
-                  f"{spread_path.name if spread_path else ''}): "
+        lines += ["", "Drafter time spreads used (multipliers of a job's time, ten equally likely draws each, from "
+                  f"{spread_path.name if spread_path else ''}; `*`: pooled, for loads it did not run): "
                   + "; ".join(f"{mode} at {c}: {', '.join(str(v) for v in values)}"
                               for (mode, c), values in sorted(spreads.items()))]
     return "\n".join(lines)
