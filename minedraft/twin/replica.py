@@ -58,6 +58,7 @@ class _Job:
     start: float
     end: float
     reply: protocol.DraftReply
+    submitted: float = 0.0
 
 
 class SimDrafter:
@@ -106,7 +107,7 @@ class SimDrafter:
                                         [0] * item.num_draft_tokens) for item in items]
         reply = protocol.DraftReply(self._next_id, results, draft_seconds=seconds,
                                     idle_seconds=max(0.0, now - self.free_at))
-        self.jobs.append(_Job(self._next_id, start, start + seconds, reply))
+        self.jobs.append(_Job(self._next_id, start, start + seconds, reply, now))
         self.free_at = start + seconds
         self.busy_seconds += seconds
         return JobTicket(self._next_id, frozenset(item.request_id for item in items), now)
@@ -138,7 +139,23 @@ class SimDrafter:
         """Forgotten requests: nothing to free in a simulation."""
 
     def cancel_jobs(self, job_ids: list[int]) -> None:
-        """Abandoned jobs: the drafter is already on them, so they still occupy it; their replies go nowhere."""
+        """Abandoned jobs: one the drafter has started still occupies it (its reply goes nowhere); one still queued
+        behind another is dropped unstarted, as the drafter process drops it (DrafterServer: CancelJobs), and the
+        jobs after it move up."""
+        doomed = set(job_ids)
+        now = self.clock.now
+        dropped = [job for job in self.jobs if job.job_id in doomed and job.start > now]
+        if not dropped:
+            return
+        for job in dropped:
+            self.jobs.remove(job)
+            self.busy_seconds -= job.end - job.start
+        free = max([now] + [job.end for job in self.jobs if job.start <= now])
+        for job in sorted((job for job in self.jobs if job.start > now), key=lambda job: job.job_id):
+            seconds = job.end - job.start
+            job.start = max(job.submitted, free)
+            job.end = free = job.start + seconds
+        self.free_at = max([now] + [job.end for job in self.jobs])
 
     def shutdown(self) -> None:
         self.jobs.clear()
