@@ -164,17 +164,19 @@ ABANDONED_KINDS = ("load_start", "queued_behind_abandoned", "newcomer_job_slow",
 def abandoned_kinds(jobs: list[dict[str, Any]]) -> dict[str, int]:
     """Why each abandoned job was late, from the drafter's own timings (the engine handles a late reply only at its
     next poll, so arrival times say little): the first job of a load (every request's prompt at once); queued
-    behind an abandoned job (the previous job was abandoned and the drafter went from it to this one without idling,
-    under 0.5 ms); its drafting alone longer than the budget (a job carrying a newcomer's prompt, or a steady one);
-    or none of these: its drafting fit the budget but started late (the drafter process waking up late on its
-    loaded core, or reading the job late)."""
+    behind an abandoned job (the previous job was abandoned, and the drafter went from it to this one without
+    idling, under 0.5 ms, or never started this one: it drops a job abandoned before it starts); its drafting alone
+    longer than the budget (a job carrying a newcomer's prompt, or a steady one); or none of these: it started late,
+    the drafter idle before it (its process waking up late on its loaded core), whether it then drafted within the
+    budget or never started before being abandoned."""
     kinds = dict.fromkeys(ABANDONED_KINDS, 0)
     for i, job in enumerate(jobs):
         if not job["abandoned"]:
             continue
+        started = job["draft_s"] is not None  # (no reply: the drafter dropped it unstarted when it was abandoned)
         if i == 0:
             kinds["load_start"] += 1
-        elif jobs[i - 1]["abandoned"] and job["idle_s"] is not None and job["idle_s"] < 0.0005:
+        elif jobs[i - 1]["abandoned"] and (not started or (job["idle_s"] is not None and job["idle_s"] < 0.0005)):
             kinds["queued_behind_abandoned"] += 1
         elif job["draft_s"] is not None and job["budget_s"] is not None and job["draft_s"] > job["budget_s"]:
             kinds["newcomer_job_slow" if job["newcomer"] else "steady_job_slow"] += 1

@@ -208,6 +208,11 @@ class ReplicaSettings:
     check_invariants: bool = False
     # The engine's --async-psd-steps: psd steps scheduled while the previous one computes (see the module's doc).
     async_psd_steps: bool = False
+    # A policy tried in the twin, not in the engine: send no draft job while the drafter is still finishing an
+    # abandoned one (the new job would only queue behind it, and its step wait its whole budget for it); the steps
+    # meanwhile verify without drafts at once. (The engine's drafter drops an abandoned job it has not started
+    # without a word, so its link cannot yet tell when the drafter is free: see docs/gpu.md.)
+    hold_jobs_behind_abandoned: bool = False
 
 
 class TwinReplica:
@@ -435,6 +440,8 @@ class TwinReplica:
                 and self.costs.hardware.tensor_parallel_size == 1 and min(self.planner.subbatches.sizes()) > 0)
 
     def _submit(self, group: int, states: list[RequestState]) -> None:
+        if self.settings.hold_jobs_behind_abandoned and not self.link.tickets and self.drafter.free_at > self.clock.now:
+            return  # (nothing of ours in flight, yet the drafter is busy: an abandoned job)
         plans = self.planner.draft_job(states, group)
         if not plans:
             return
