@@ -215,6 +215,24 @@ def start_delay_ms(jobs: list[dict[str, Any]]) -> list[float]:
         round(delays[-1], 3)]
 
 
+def newcomer_catch_up_ms_per_token(jobs: list[dict[str, Any]]) -> float | None:
+    """What a newcomer's prompt costs the drafter per token in this load: among answered jobs of the load's usual
+    size, the median drafting time of jobs carrying a newcomer's prompt less that of steady jobs, over the difference
+    in their median catch-up tokens (a load's first job, every prompt at once, left out). The torch drafter takes a
+    prompt over 16 tokens in a pass of its own, so this need not be the same at every job size."""
+    answered = [job for job in jobs if job["draft_s"] is not None and job["catch_up"] < 1000]
+    if not answered:
+        return None
+    size = statistics.mode(job["requests"] for job in answered)
+    steady = [job for job in answered if job["requests"] == size and not job["newcomer"]]
+    newcomer = [job for job in answered if job["requests"] == size and job["newcomer"]]
+    if len(steady) < 5 or len(newcomer) < 3:
+        return None
+    tokens = statistics.median(j["catch_up"] for j in newcomer) - statistics.median(j["catch_up"] for j in steady)
+    seconds = statistics.median(j["draft_s"] for j in newcomer) - statistics.median(j["draft_s"] for j in steady)
+    return round(1000 * seconds / tokens, 4) if tokens > 0 else None
+
+
 def summary(watch: Watch, mode: str, concurrency: int, tokens_per_s: float, records: list[Any],
             totals: Any) -> dict[str, Any]:
     decode = [r for r in records if r.num_decode_requests > 0]
@@ -247,6 +265,7 @@ def summary(watch: Watch, mode: str, concurrency: int, tokens_per_s: float, reco
         "abandoned_by_kind": abandoned_kinds([watch.jobs[i] for i in sorted(watch.jobs)]),
         "draft_time_spread_deciles": draft_time_spread([watch.jobs[i] for i in sorted(watch.jobs)]),
         "start_delay_ms_deciles": start_delay_ms([watch.jobs[i] for i in sorted(watch.jobs)]),
+        "newcomer_catch_up_ms_per_token": newcomer_catch_up_ms_per_token(list(watch.jobs.values())),
         "job_log": [{"job_id": job_id, **job} for job_id, job in sorted(watch.jobs.items())],
     }
 
@@ -304,8 +323,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
              + " | steps abandoned | abandoned: load start / queued behind one / newcomer job's drafting slow / "
              "steady job's drafting slow / late start | "
              "jobs (with a newcomer; of those abandoned) | wait budget ms | draft ms steady / newcomer jobs | "
-             "a job's drafting time / its shape's median, p50 p90 max | start delay ms (idle drafter), p50 p90 |",
-             "|---|---|---|---|---|" + "---|" * len(CAUSES) + "---|---|---|---|---|---|---|"]
+             "a job's drafting time / its shape's median, p50 p90 max | start delay ms (idle drafter), p50 p90 | "
+             "a newcomer's catch-up, ms per token |",
+             "|---|---|---|---|---|" + "---|" * len(CAUSES) + "---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']} | {r['decode_request_steps']} | "
@@ -319,7 +339,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             + (" ".join(str(r["draft_time_spread_deciles"][i]) for i in (5, 9, 10))
                if r["draft_time_spread_deciles"] else "") + " | "
             + (" ".join(str(r["start_delay_ms_deciles"][i]) for i in (5, 9)) if r["start_delay_ms_deciles"] else "")
-            + " |")
+            + f" | {r['newcomer_catch_up_ms_per_token']} |")
     return "\n".join(lines)
 
 
@@ -343,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             row["abandoned_by_kind"] = abandoned_kinds(row["job_log"])
             row["draft_time_spread_deciles"] = draft_time_spread(row["job_log"])
             row["start_delay_ms_deciles"] = start_delay_ms(row["job_log"])
+            row["newcomer_catch_up_ms_per_token"] = newcomer_catch_up_ms_per_token(row["job_log"])
     else:
         rows = asyncio.run(run(args))
     if args.job_log:

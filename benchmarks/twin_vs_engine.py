@@ -209,6 +209,16 @@ def drafter_spreads(path: Path) -> dict[tuple[str, int], tuple[float, ...]]:
     return spreads
 
 
+def load_catch_up_prices(path: Path) -> dict[tuple[str, int], float]:
+    """A newcomer's catch-up price per (mode, requests) as the engine's own jobs showed it (draftless_steps.py: the
+    median over the rounds). It grows with the job's size (the torch drafter is not linear in it), which one price
+    for every load cannot show."""
+    rows = [row for row in json.loads(path.read_text()) if row.get("newcomer_catch_up_ms_per_token")]
+    return {(mode, c): statistics.median(r["newcomer_catch_up_ms_per_token"] for r in rows
+                                         if (r["mode"], r["concurrency"]) == (mode, c))
+            for mode, c in {(r["mode"], r["concurrency"]) for r in rows}}
+
+
 def twin_only(path: Path, catch_up_ms_per_token: float | None = None, spread_path: Path | None = None) -> str:
     """The twin on the engine's curves now, against the engine's figures of the committed run (Markdown); with a
     catch-up price, beside the twin on the same curves with that price (one run: before and after); with the
@@ -218,6 +228,7 @@ def twin_only(path: Path, catch_up_ms_per_token: float | None = None, spread_pat
     doc = json.loads(path.with_name(report["curves_file"]).read_text())
     costs = StepCosts.from_curves(parse_curves(doc), TARGET, DRAFTER, hardware_of(doc))
     spreads = drafter_spreads(spread_path) if spread_path is not None else {}
+    load_prices = load_catch_up_prices(spread_path) if spread_path is not None else {}
     workload = Workload(prompt_tokens=report["prompt_tokens_mean"], output_tokens=report["max_tokens"],
                         output_spread=0.0)
     priced = catch_up_ms_per_token is not None
@@ -226,7 +237,8 @@ def twin_only(path: Path, catch_up_ms_per_token: float | None = None, spread_pat
         header += (f" twin/engine now, catch-up at {catch_up_ms_per_token:.4f} ms/token | twin's late draft jobs "
                    "(unpriced, priced) |")
     if spreads:
-        header += " twin/engine, + the drafter's time spread as measured | its late draft jobs |"
+        header += (" twin/engine, + the drafter's time spread and this load's catch-up price, as measured | "
+                   "its late draft jobs |")
     lines = [f"Twin on the engine's curves now (`{COMMAND} --twin-only`) against the engine's figures recorded in "
              f"{path.name}:", "", header, "|---|---|---|---|---|" + ("---|---|" if priced else "")
              + ("---|---|" if spreads else "")]
@@ -251,8 +263,9 @@ def twin_only(path: Path, catch_up_ms_per_token: float | None = None, spread_pat
             within_priced += abs(priced_ratio - 1) <= GOAL
             line += f" {priced_ratio:.3f} | {misses}, {twin.deadline_misses} |"
         if spreads:
-            base_doc = doc if catch_up_ms_per_token is None else _with_catch_up_price(
-                doc, catch_up_ms_per_token, acceptance.expected_accepted_length(report["k"]) - 1.0)
+            load_price = load_prices.get((row["mode"], concurrency), catch_up_ms_per_token)
+            base_doc = doc if load_price is None else _with_catch_up_price(
+                doc, load_price, acceptance.expected_accepted_length(report["k"]) - 1.0)
             spread = spreads.get((row["mode"], concurrency), spreads.get(("*", 0), ()))
             hardware = replace(hardware_of(base_doc), drafter_time_spread=spread)
             spread_costs = StepCosts.from_curves(parse_curves(base_doc), TARGET, DRAFTER, hardware)
@@ -264,13 +277,17 @@ def twin_only(path: Path, catch_up_ms_per_token: float | None = None, spread_pat
         lines.append(line)
     lines += ["", f"{within}/{len(report['rows'])} within {GOAL:.0%} now (then: {report['points_within_goal']})"
               + (f"; {within_priced}/{len(report['rows'])} with the catch-up priced" if priced else "")
-              + (f"; {within_spread}/{len(report['rows'])} with the drafter's time spread too" if spreads else "")
+              + (f"; {within_spread}/{len(report['rows'])} with the drafter's time spread and each load's price"
+                 if spreads else "")
               + "."]
     if spreads:
         lines += ["", "Drafter time spreads used (multipliers of a job's time, ten equally likely draws each, from "
                   f"{spread_path.name if spread_path else ''}; `*`: pooled, for loads it did not run): "
                   + "; ".join(f"{mode} at {c}: {', '.join(str(v) for v in values)}"
-                              for (mode, c), values in sorted(spreads.items()))]
+                              for (mode, c), values in sorted(spreads.items())),
+                  "", "Catch-up prices per load used there (ms per token, a newcomer's as the engine's own jobs showed "
+                  "it; loads not measured: the price above): "
+                  + "; ".join(f"{mode} at {c}: {price:.4f}" for (mode, c), price in sorted(load_prices.items()))]
     return "\n".join(lines)
 
 
