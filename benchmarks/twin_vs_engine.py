@@ -13,7 +13,8 @@ and, as the old baseline, the twin on the profiler's eager-torch curves (benchma
     python benchmarks/twin_vs_engine.py            # ~8 minutes on a contended 2-core machine (4 rounds)
     python benchmarks/twin_vs_engine.py --twin-only   # seconds: today's twin against the committed engine figures
     python benchmarks/twin_vs_engine.py --twin-only --measure-catch-up   # + the drafter's catch-up price, measured
-    python benchmarks/twin_vs_engine.py --twin-only --measure-catch-up --drafter-spread   # + its time spread
+    python benchmarks/twin_vs_engine.py --twin-only --measure-catch-up --drafter-spread   # + its time spread and
+                                                    # each load's catch-up price, as draftless_steps.py measured them
 
 Both the calibration and the bench run the layout the twin models: the target on core 0, the drafter on core 1,
 the target never widening onto the drafter's core (sd leaves the drafter's device idle while it verifies), and ar on
@@ -308,8 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--catch-up-ms-per-token", type=float,
                         help="with --twin-only: also run the twin with the drafter's catch-up priced at this")
     parser.add_argument("--drafter-spread", nargs="?", const=str(OUT / "draftless-steps.json"),
-                        help="with --twin-only: also run the twin with the drafter's time spread measured in the "
-                        "engine by benchmarks/draftless_steps.py (default: its committed results)")
+                        help="with --twin-only: also run the twin with the drafter's time spread and each load's "
+                        "catch-up price measured in the engine by benchmarks/draftless_steps.py (default: its "
+                        "committed results)")
     parser.add_argument("--measure-catch-up", action="store_true",
                         help="with --twin-only: measure that price on the engine's CPU drafter first (~1 minute)")
     args = parser.parse_args(argv)

@@ -54,3 +54,14 @@ def test_the_drafting_time_spread_is_each_job_over_its_shapes_median() -> None:
     assert len(deciles) == 11 and deciles[0] == 0.5 and deciles[-1] == 3.0
     assert deciles[5] == 1.0
     assert bench.draft_time_spread([job(0.005)] * 3) == [], "too few jobs of a shape to tell its median"
+
+
+def test_a_newcomers_catch_up_price_is_read_from_the_jobs_of_the_loads_usual_size() -> None:
+    bench = _benchmark()
+    steady = [dict(job(0.006), catch_up=30) for _ in range(6)]
+    # Jobs carrying a newcomer's 88-token prompt: 8 ms more for 88 tokens more (0.0909 ms a token).
+    newcomers = [dict(job(0.014, newcomer=True), catch_up=118) for _ in range(3)]
+    first = dict(job(0.060, newcomer=True), catch_up=1268)  # a load's first job: left out
+    smaller = [dict(job(0.001), catch_up=5, requests=4) for _ in range(2)]  # the drain: not the usual size
+    assert bench.newcomer_catch_up_ms_per_token([first, *steady, *newcomers, *smaller]) == 0.0909
+    assert bench.newcomer_catch_up_ms_per_token(steady) is None, "no newcomer's job: no price"
