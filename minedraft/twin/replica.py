@@ -29,7 +29,7 @@ from minedraft.engine.control.stats import StepRecord
 from minedraft.engine.drafter import protocol
 from minedraft.engine.drafter.client import DrafterState, JobTicket
 from minedraft.engine.drafter.link import DrafterLink, JobTimes, add_reply
-from minedraft.engine.psd.inflight import DraftJob
+from minedraft.engine.psd.inflight import JobInFlight
 from minedraft.engine.psd.planner import Draft, PSDPlanner, RequestState, WaitPolicy
 from minedraft.engine.settings import Mode
 from minedraft.twin.costs import AcceptanceModel, StepCosts
@@ -239,7 +239,7 @@ class TwinReplica:
 
     # -- the step (scheduler.schedule + update_from_output) -------------------------------------------------------
 
-    def _on_message(self, job: DraftJob | None, message: protocol.FromDrafter) -> None:
+    def _on_message(self, job: JobInFlight | None, message: protocol.FromDrafter) -> None:
         if not isinstance(message, protocol.DraftReply):
             return
         self.wait_policy.observe_draft(message.draft_seconds)

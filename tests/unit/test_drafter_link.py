@@ -8,7 +8,7 @@ from minedraft.engine.drafter import protocol
 from minedraft.engine.drafter.client import DrafterState, JobTicket
 from minedraft.engine.drafter.link import DrafterLink
 from minedraft.engine.drafter.process import DrafterServer
-from minedraft.engine.psd.inflight import DraftJob, InFlight
+from minedraft.engine.psd.inflight import InFlight, JobInFlight
 
 
 class RecordingBackend:
@@ -37,7 +37,7 @@ class RecordingBackend:
 
 
 def job(job_id, *items, want_logprobs=False):
-    return protocol.DraftJob(job_id, [protocol.DraftItem(*i) for i in items], want_logprobs)
+    return protocol.JobInFlight(job_id, [protocol.DraftItem(*i) for i in items], want_logprobs)
 
 
 def test_jobs_carry_deltas_and_the_drafter_rebuilds_whole_contexts():
@@ -468,7 +468,7 @@ def test_a_step_does_not_wait_for_a_job_that_brings_no_drafts():
 
     link = NoWaitLink()
     planner = PSDPlanner(k=3, in_flight=link.jobs)
-    link.jobs.add(DraftJob(0, 1, frozenset({"new"}), frozenset(), 0.0))  # what the link records for the job below
+    link.jobs.add(JobInFlight(0, 1, frozenset({"new"}), frozenset(), 0.0))  # what the link records for the job below
     planner.job_sent([JobItemPlan("new", 0, 512, 0)])
     fake = SimpleNamespace(planner=planner, link=link, wait_policy=WaitPolicy(5.0))
     timing = _StepTiming()

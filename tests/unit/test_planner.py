@@ -5,7 +5,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from minedraft.engine.psd.inflight import DraftJob
+from minedraft.engine.psd.inflight import JobInFlight
 from minedraft.engine.psd.planner import (
     QUARANTINE_AFTER_FAILED_JOBS,
     Draft,
@@ -43,17 +43,17 @@ def give_drafts(planner: PSDPlanner, drafts: dict[str, Draft]) -> None:
 
 def coming(planner: PSDPlanner, group: int, drafted: set[str]) -> None:
     """A job in flight for `group` drafting `drafted` (the drafter link's write, here by hand)."""
-    planner.in_flight.add(DraftJob(group, 100 + group, frozenset(drafted), frozenset(drafted), 0.0))
+    planner.in_flight.add(JobInFlight(group, 100 + group, frozenset(drafted), frozenset(drafted), 0.0))
 
 
 def sent(planner: PSDPlanner, group: int, items: Sequence[JobItemPlan]) -> None:
     """What the engine does when the drafter takes a job: the link records it in flight, the planner what it holds."""
-    planner.in_flight.add(DraftJob(group, next(JOB_IDS), frozenset(i.request_id for i in items),
+    planner.in_flight.add(JobInFlight(group, next(JOB_IDS), frozenset(i.request_id for i in items),
                                    frozenset(i.request_id for i in items if i.num_draft_tokens > 0), 0.0))
     planner.job_sent(items)
 
 
-def answered(planner: PSDPlanner, group: int) -> DraftJob | None:
+def answered(planner: PSDPlanner, group: int) -> JobInFlight | None:
     """The drafter answered `group`'s job: the link takes it out of flight and hands it to the handler."""
     job = planner.in_flight.get(group)
     return planner.in_flight.complete(job.job_id) if job is not None else None
@@ -302,7 +302,8 @@ def test_a_job_that_blames_every_request_it_carried_blames_the_drafter():
     assert planner.quarantined == set() and 0 not in planner.in_flight and planner.drafter_holds == {}
     lone = planner_with({"a": 0})
     sent(lone, 0, [JobItemPlan("a", 0, 10, 3)])
-    assert not lone.blames_the_drafter(lone.in_flight.get(0), ["a"]), "one request alone may be poison (the probe tells)"
+    lone_job = lone.in_flight.get(0)
+    assert not lone.blames_the_drafter(lone_job, ["a"]), "one request alone may be poison (the probe tells)"
 
 
 def test_a_burst_of_newcomers_goes_whole_and_only_each_prompt_is_bounded():

@@ -295,5 +295,5 @@ def test_random_lives_keep_one_owner_of_in_flight_work_and_leave_no_state_behind
         assert engine.planner.known() == set(), f"seed {seed}"
         assert not engine.link.jobs, f"seed {seed}: jobs in flight after the drafter answered them all"
     # The lives did exercise what they are about.
-    assert totals["jobs"] > 1000 and totals["held_out"] > 1000 and totals["quarantined"] > 0 and totals["restarts"] > 20, (
-        totals)
+    assert totals["jobs"] > 1000 and totals["held_out"] > 1000, totals
+    assert totals["quarantined"] > 0 and totals["restarts"] > 20, totals

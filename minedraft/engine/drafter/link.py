@@ -26,13 +26,13 @@ from dataclasses import dataclass
 
 from minedraft.engine.drafter import protocol
 from minedraft.engine.drafter.client import DrafterClient, DrafterState
-from minedraft.engine.psd.inflight import DraftJob, InFlight
+from minedraft.engine.psd.inflight import InFlight, JobInFlight
 
 log = logging.getLogger(__name__)
 
 # (the job the message answers, no longer in flight, or None for one abandoned or sent to a replaced process; the
 # message)
-MessageHandler = Callable[[DraftJob | None, protocol.FromDrafter], None]
+MessageHandler = Callable[[JobInFlight | None, protocol.FromDrafter], None]
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ class DrafterLink:
         if not self.jobs:
             self._busy_since = self._clock()
         drafted = frozenset(item.request_id for item in items if item.num_draft_tokens > 0)
-        self.jobs.add(DraftJob(group, ticket.job_id, ticket.request_ids, drafted, ticket.sent_at))
+        self.jobs.add(JobInFlight(group, ticket.job_id, ticket.request_ids, drafted, ticket.sent_at))
         return True
 
     def abandon(self, group: int) -> None:
@@ -229,7 +229,7 @@ class DrafterLink:
                 break
         return WaitResult(self._clock() - started, not down and group not in self.jobs)
 
-    def _complete(self, job_id: int) -> DraftJob | None:
+    def _complete(self, job_id: int) -> JobInFlight | None:
         job = self.jobs.complete(job_id)
         if job is not None:
             self._busy_since = self._clock() if self.jobs else None

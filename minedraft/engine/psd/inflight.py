@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class DraftJob:
+class JobInFlight:
     """One draft job the drafter holds and has not answered."""
 
     group: int
@@ -31,7 +31,7 @@ class InFlight:
     """At most one draft job per sub-batch, by sub-batch."""
 
     def __init__(self) -> None:
-        self._jobs: dict[int, DraftJob] = {}
+        self._jobs: dict[int, JobInFlight] = {}
 
     def __contains__(self, group: object) -> bool:
         return group in self._jobs
@@ -39,10 +39,10 @@ class InFlight:
     def __len__(self) -> int:
         return len(self._jobs)
 
-    def __iter__(self) -> Iterator[DraftJob]:
+    def __iter__(self) -> Iterator[JobInFlight]:
         return iter(list(self._jobs.values()))
 
-    def get(self, group: int | None) -> DraftJob | None:
+    def get(self, group: int | None) -> JobInFlight | None:
         return self._jobs.get(group) if group is not None else None
 
     def coming(self, group: int) -> frozenset[str]:
@@ -50,13 +50,13 @@ class InFlight:
         job = self._jobs.get(group)
         return job.drafted if job is not None else frozenset()
 
-    def oldest(self) -> DraftJob | None:
+    def oldest(self) -> JobInFlight | None:
         """The job sent first (the drafter runs jobs in order: the one it is working on, or stuck on)."""
         return min(self._jobs.values(), key=lambda job: job.job_id, default=None)
 
     # -- the only writes (by the drafter link) ----------------------------------------------------------------------
 
-    def add(self, job: DraftJob) -> None:
+    def add(self, job: JobInFlight) -> None:
         if job.group in self._jobs:
             raise ValueError(f"sub-batch {job.group} already has draft job {self._jobs[job.group].job_id} in flight")
         if not job.drafted <= job.carried:
@@ -64,7 +64,7 @@ class InFlight:
                              f"{sorted(job.drafted - job.carried)}")
         self._jobs[job.group] = job
 
-    def complete(self, job_id: int) -> DraftJob | None:
+    def complete(self, job_id: int) -> JobInFlight | None:
         """The drafter answered `job_id`. Returns its job, or None for one no longer in flight (abandoned, or sent to
         a process since replaced)."""
         for group, job in self._jobs.items():
@@ -73,11 +73,11 @@ class InFlight:
                 return job
         return None
 
-    def cancel(self, group: int) -> DraftJob | None:
+    def cancel(self, group: int) -> JobInFlight | None:
         """A step goes ahead without `group`'s job (its drafts are late): it is no longer awaited."""
         return self._jobs.pop(group, None)
 
-    def drop_all(self) -> list[DraftJob]:
+    def drop_all(self) -> list[JobInFlight]:
         """The drafter process was replaced or went down: nothing sent to it will be answered."""
         dropped = list(self._jobs.values())
         self._jobs.clear()

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from minedraft.engine.psd.inflight import DraftJob, InFlight
+from minedraft.engine.psd.inflight import InFlight, JobInFlight
 from minedraft.engine.psd.subbatch import SubBatches, select_draft_lengths
 from minedraft.engine.settings import Mode
 
@@ -396,13 +396,13 @@ class PSDPlanner:
             record.drafter_holds = None
 
     @staticmethod
-    def blames_the_drafter(job: DraftJob | None, culprits: Sequence[str]) -> bool:
+    def blames_the_drafter(job: JobInFlight | None, culprits: Sequence[str]) -> bool:
         """A failed job that names every request it drafted (two or more) as a culprit: each failed alone, which
         says more about the drafter (a device error that fails everything) than about the requests."""
         drafted = job.drafted if job is not None else frozenset()
         return len(drafted) >= 2 and drafted <= set(culprits)
 
-    def drafter_failed(self, job: DraftJob | None) -> None:
+    def drafter_failed(self, job: JobInFlight | None) -> None:
         """A job failed for the drafter's sake, not its requests': nobody is blamed; the next drafter gets whole
         contexts."""
         self.need_full_context(job.drafted if job is not None else frozenset())
@@ -424,7 +424,7 @@ class PSDPlanner:
                 newly.append(request_id)
         return newly
 
-    def job_failed(self, job: DraftJob | None, culprits: Sequence[str]) -> list[str]:
+    def job_failed(self, job: JobInFlight | None, culprits: Sequence[str]) -> list[str]:
         """A job failed (`job`: it, answered; None for one no longer tracked). Named culprits are quarantined at once;
         without names every request it drafted is suspect, and one carried by QUARANTINE_AFTER_FAILED_JOBS failed
         jobs in a row is quarantined. Returns the newly quarantined ids. Quarantined requests decode without drafts;

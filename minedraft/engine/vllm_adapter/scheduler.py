@@ -34,7 +34,7 @@ from minedraft.engine.drafter import protocol
 from minedraft.engine.drafter.client import DrafterClient, DrafterState
 from minedraft.engine.drafter.link import DrafterLink, JobTimes, add_reply
 from minedraft.engine.placement import ComputePlacement, should_widen
-from minedraft.engine.psd.inflight import DraftJob
+from minedraft.engine.psd.inflight import JobInFlight
 from minedraft.engine.psd.planner import (
     DEFAULT_CATCH_UP_TOKENS_PER_JOB,
     QUARANTINE_AFTER_HANGS,
@@ -379,7 +379,7 @@ class PSDScheduler(Scheduler):
         if self.link.take_restarted():
             self.planner.drafter_restarted()
 
-    def _on_message(self, job: DraftJob | None, message: protocol.FromDrafter) -> None:
+    def _on_message(self, job: JobInFlight | None, message: protocol.FromDrafter) -> None:
         """A message from the drafter; `job`: the job it answers (the link has taken it out of flight), None for one
         abandoned or sent to a replaced process."""
         if isinstance(message, protocol.DrafterError):
