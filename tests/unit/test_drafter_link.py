@@ -37,7 +37,7 @@ class RecordingBackend:
 
 
 def job(job_id, *items, want_logprobs=False):
-    return protocol.JobInFlight(job_id, [protocol.DraftItem(*i) for i in items], want_logprobs)
+    return protocol.DraftJob(job_id, [protocol.DraftItem(*i) for i in items], want_logprobs)
 
 
 def test_jobs_carry_deltas_and_the_drafter_rebuilds_whole_contexts():
