@@ -35,6 +35,7 @@ from minedraft.engine.control.stats import StepRecord
 from minedraft.engine.drafter import protocol
 from minedraft.engine.drafter.client import DrafterState, JobTicket
 from minedraft.engine.drafter.link import DrafterLink, JobTimes, add_reply, catch_up_tokens
+from minedraft.engine.psd.inflight import JobInFlight
 from minedraft.engine.psd.planner import Draft, PSDPlanner, RequestState, WaitPolicy
 from minedraft.engine.settings import Mode
 from minedraft.twin.costs import AcceptanceModel, StepCosts
@@ -235,7 +236,7 @@ class TwinReplica:
         # The engine bounds one draft job's catch-up (newcomers' prompts) because the drafter's prefill takes time. The
         # curves hold no prefill, so unless a prefill or catch-up cost is given the simulated drafter takes prompts for
         # free, and the bound would only hold newcomers' drafts back for nothing it models: it applies when priced.
-        self.planner = PSDPlanner(k=settings.k)
+        self.planner = PSDPlanner(k=settings.k, in_flight=self.link.jobs)
         if not costs.hardware.prefill_ms_per_token and costs.drafter.catch_up_ms_per_token is None:
             self.planner.catch_up_tokens_per_job = 2**62
         self.wait_policy = WaitPolicy(cap_seconds=settings.deadline_seconds)
@@ -285,15 +286,13 @@ class TwinReplica:
 
     # -- the step (scheduler.schedule + update_from_output) -------------------------------------------------------
 
-    def _on_message(self, group: int | None, message: protocol.FromDrafter) -> None:
+    def _on_message(self, job: JobInFlight | None, message: protocol.FromDrafter) -> None:
         if not isinstance(message, protocol.DraftReply):
             return
         self.wait_policy.observe_draft(message.draft_seconds)
-        if group is None:
+        if job is None:
             return
-        self.planner.job_done(group)
-        self._drafts_by_group[group] = add_reply(self._drafts_by_group.get(group), message,
-                                                 self.link.reply_catch_up_tokens)
+        self._drafts_by_group[job.group] = add_reply(self._drafts_by_group.get(job.group), message, job.catch_up_tokens)
         self.planner.store_drafts(((r.request_id, Draft(r.context_num_tokens, r.token_ids, r.logprobs))
                                    for r in message.results), lambda rid: rid in self.requests)
 
@@ -307,15 +306,14 @@ class TwinReplica:
             self.link.poll(0.0, self._on_message)
         group = self.planner.pick_group(states, mode)
         wait_seconds = wait_budget = 0.0
-        if group is not None and group in self.link.tickets:
+        if group is not None and group in self.link.jobs:
             wait_budget = self.wait_policy.budget_seconds()
             result = self.link.wait_for(group, wait_budget, self._on_message)
             wait_seconds = result.waited_seconds
-            if group in self.link.tickets:
+            if group in self.link.jobs:
                 self.link.abandon(group)
-                self.planner.job_done(group)
                 self.deadline_misses += 1
-        jobs_in_flight = len(self.link.tickets)
+        jobs_in_flight = len(self.link.jobs)
         plan = self.planner.plan(states, mode, group, pad=self.auto is None)
 
         # Who the target computes: decoders not held out (with their proposals), and prompts taken in this step.
@@ -448,7 +446,7 @@ class TwinReplica:
         items = [protocol.DraftItem(p.request_id, [0] * (p.num_tokens - p.base_num_tokens), p.num_draft_tokens,
                                     p.base_num_tokens) for p in plans]
         if self.link.submit(group, items, want_logprobs=False):
-            self.planner.job_sent(group, plans)
+            self.planner.job_sent(plans)
 
     def _apply(self, decision: Decision) -> None:
         self.switch(decision.mode, decision.k)

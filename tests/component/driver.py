@@ -71,7 +71,7 @@ def drafter_keeps_up(engine: Engine, timeout_seconds: float = 120.0) -> Callable
 
     def wait() -> None:
         deadline = time.monotonic() + timeout_seconds
-        while scheduler.link.tickets and time.monotonic() < deadline:
+        while scheduler.link.jobs and time.monotonic() < deadline:
             scheduler.link.poll(0.05, scheduler._on_message)
             scheduler.link.check()
 

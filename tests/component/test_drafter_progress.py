@@ -39,7 +39,7 @@ def test_a_slow_drafter_finishes_its_jobs_unrestarted_and_a_stopped_one_is_resta
     link = DrafterLink(client, hang_seconds=HANG_SECONDS, max_failed_jobs=3)
     replies: list[protocol.DraftReply] = []
 
-    def handle(group, message):
+    def handle(job, message):
         if isinstance(message, protocol.DraftReply):
             replies.append(message)
 
@@ -47,7 +47,7 @@ def test_a_slow_drafter_finishes_its_jobs_unrestarted_and_a_stopped_one_is_resta
     context = list(range(10, 60))
     assert link.submit(0, [protocol.DraftItem("slow", context, 12)], want_logprobs=False)
     started = time.monotonic()
-    while 0 in link.tickets and time.monotonic() - started < 120:
+    while 0 in link.jobs and time.monotonic() - started < 120:
         link.wait_for(0, 0.5, handle)
     assert replies and replies[0].results[0].context_num_tokens == len(context)
     assert len(replies[0].results[0].token_ids) == 12
@@ -78,7 +78,7 @@ def test_a_slow_drafter_finishes_its_jobs_unrestarted_and_a_stopped_one_is_resta
     finally:
         with contextlib.suppress(ProcessLookupError):  # (the restart killed it already)
             os.kill(pid, signal.SIGCONT)
-    assert link.num_hangs == 1 and link.tickets == {}
+    assert link.num_hangs == 1 and not link.jobs
     assert waited_on_step_thread == [], "the step thread waited for the hung drafter's exit"
     assert stopped.poll() is not None or real_wait(30) is not None  # killed all the same, reaped later
     # The replacement starts after the client's restart back-off, in the background; the link notices it once.

@@ -124,7 +124,8 @@ def test_the_drafters_catch_up_price_is_fitted_from_the_jobs_and_the_twin_charge
     assert replica.link.submit(0, items, want_logprobs=False)
     assert replica.drafter.jobs[-1].reply.draft_seconds == pytest.approx(
         (replica.costs.draft_ms(2, (121 + 204) / 2, 3) + 123 * 0.02) / 1000)
-    assert replica.link.tickets[0].catch_up_tokens == 123
+    job = replica.link.jobs.get(0)
+    assert job is not None and job.catch_up_tokens == 123
 
 
 def test_catch_up_ms_per_token_is_optional_and_checked_by_name() -> None:

@@ -8,6 +8,7 @@ from minedraft.engine.drafter import protocol
 from minedraft.engine.drafter.client import DrafterState, JobTicket
 from minedraft.engine.drafter.link import DrafterLink
 from minedraft.engine.drafter.process import DrafterServer
+from minedraft.engine.psd.inflight import InFlight, JobInFlight
 
 
 class RecordingBackend:
@@ -197,14 +198,14 @@ def test_a_silent_drafter_with_work_outstanding_is_restarted_and_a_slow_but_aliv
     for _ in range(10):  # slow but alive: replies keep coming, every 2 s, each job late
         clock.now += 2.0
         client.inbox.append(protocol.DraftReply(client.sent_jobs[-1], [], 2.0, 0.0))
-        link.poll(0.0, lambda group, message: None)
+        link.poll(0.0, lambda job, message: None)
         assert link.check() and client.hung_reasons == []
         assert link.submit(0, [item("a")], False)
     clock.now += 4.0
     assert link.check() and client.hung_reasons == []
     clock.now += 1.5  # 5.5 s without a word while a job is outstanding
     link.check()
-    assert len(client.hung_reasons) == 1 and link.tickets == {}
+    assert len(client.hung_reasons) == 1 and not link.jobs
     assert link.take_restarted() and not link.take_restarted()
 
 
@@ -219,9 +220,9 @@ def test_a_drafter_reporting_progress_is_never_restarted_however_long_its_job_ta
     for step in range(1, 1800):
         clock.now += 2.0
         client.inbox.append(protocol.Progress(client.sent_jobs[-1], step))
-        link.poll(0.0, lambda group, message: routed.append(message))
+        link.poll(0.0, lambda job, message: routed.append(message))
         assert link.check(), f"restarted after {step * 2} s of progress"
-    assert client.hung_reasons == [] and 0 in link.tickets and routed == []
+    assert client.hung_reasons == [] and 0 in link.jobs and routed == []
     assert link.num_progress_reports == 1799
     clock.now += 5.5
     link.check()
@@ -256,7 +257,7 @@ def test_a_drafter_heard_from_between_bursts_starts_its_silence_afresh():
         assert link.submit(0, [item("a")], False)
         clock.now += 2.0
         client.inbox.append(protocol.Progress(client.sent_jobs[-1], 1))  # alive: working on it
-        link.poll(0.0, lambda group, message: None)
+        link.poll(0.0, lambda job, message: None)
         clock.now += 2.0
         link.abandon(0)
         clock.now += 30.0
@@ -277,14 +278,14 @@ def test_abandoning_a_late_job_cancels_its_work_and_routes_its_late_reply_nowher
     link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3)  # type: ignore[arg-type]
     link.submit(0, [item("a")], False)
     link.submit(1, [item("b")], False)
-    result = link.wait_for(0, 0.01, lambda group, message: None)
-    assert not result.arrived and 0 in link.tickets
+    result = link.wait_for(0, 0.01, lambda job, message: None)
+    assert not result.arrived and 0 in link.jobs
     link.abandon(0)
     assert client.cancelled_jobs == [1]
     routed: list[int | None] = []
     client.inbox = [protocol.DraftReply(1, [], 0.1, 0.0), protocol.DraftReply(2, [], 0.1, 0.0)]
-    link.poll(0.0, lambda group, message: routed.append(group))
-    assert routed == [None, 1] and link.tickets == {}
+    link.poll(0.0, lambda job, message: routed.append(job.group if job else None))
+    assert routed == [None, 1] and not link.jobs
 
 
 def test_unattributed_failed_jobs_restart_the_drafter_after_a_run_of_them():
@@ -345,7 +346,7 @@ def test_jobs_sent_to_a_replaced_drafter_do_not_make_its_successor_look_hung():
     client.num_starts += 1  # killed and replaced outside the link (a crash, an operator, a test)
     assert link.check()
     assert link.num_hangs == 0 and client.hung_reasons == []
-    assert link.tickets == {}
+    assert not link.jobs
     assert link.take_restarted() and not link.take_restarted()
     # The new process is judged from its own jobs.
     assert link.submit(0, [item("a")], False)
@@ -388,27 +389,29 @@ def test_a_broken_drafter_is_restarted_and_no_request_is_quarantined():
     def scheduler_with_a_job():
         client = FakeClient()
         link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3)  # type: ignore[arg-type]
-        planner = PSDPlanner(k=3)
+        planner = PSDPlanner(k=3, in_flight=link.jobs)
         assert link.submit(0, [item("a"), item("b")], False)
-        planner.job_sent(0, [JobItemPlan("a", 0, 1, 3), JobItemPlan("b", 0, 1, 3)])
+        planner.job_sent([JobItemPlan("a", 0, 1, 3), JobItemPlan("b", 0, 1, 3)])
         return SimpleNamespace(planner=planner, link=link, stats=StatsRecorder(16), wait_policy=WaitPolicy(5.0)), client
 
     for error in (protocol.DrafterError(1, "CUDA error", [], drafter_broken=True),
                   # A drafter without the probe naming every request of the job alone: the same verdict.
                   protocol.DrafterError(1, "CUDA error", ["a", "b"])):
         fake, client = scheduler_with_a_job()
-        PSDScheduler._on_message(fake, 0, error)  # type: ignore[arg-type]
+        PSDScheduler._on_message(fake, fake.link.jobs.complete(1), error)  # type: ignore[arg-type]
         assert fake.planner.quarantined == set(), error
         assert len(client.hung_reasons) == 1 and fake.link.num_drafter_failures == 1, error
     # Both sub-batches' jobs fail on the same broken process: the first restarts it, the second (its ticket gone with
     # the old process) does not restart the replacement again.
     fake, client = scheduler_with_a_job()
-    PSDScheduler._on_message(fake, 0, protocol.DrafterError(1, "CUDA error", [], drafter_broken=True))  # type: ignore
+    job = fake.link.jobs.complete(1)
+    PSDScheduler._on_message(fake, job, protocol.DrafterError(1, "CUDA error", [], drafter_broken=True))  # type: ignore
     PSDScheduler._on_message(fake, None, protocol.DrafterError(2, "CUDA error", [], drafter_broken=True))  # type: ignore
     assert len(client.hung_reasons) == 1 and fake.planner.quarantined == set()
     # A poison request among healthy ones: quarantined, the drafter left alone.
     fake, client = scheduler_with_a_job()
-    PSDScheduler._on_message(fake, 0, protocol.DrafterError(1, "bad context", ["b"]))  # type: ignore[arg-type]
+    job = fake.link.jobs.complete(1)
+    PSDScheduler._on_message(fake, job, protocol.DrafterError(1, "bad context", ["b"]))  # type: ignore[arg-type]
     assert fake.planner.quarantined == {"b"} and client.hung_reasons == []
 
 
@@ -458,14 +461,16 @@ def test_a_step_does_not_wait_for_a_job_that_brings_no_drafts():
     from minedraft.engine.vllm_adapter.scheduler import PSDScheduler, _StepTiming
 
     class NoWaitLink:
-        tickets = {0: JobTicket(1, frozenset({"new"}), 0.0)}
+        jobs = InFlight()
 
         def wait_for(self, group, budget_seconds, handle):
             raise AssertionError("waited for a job that brings no drafts")
 
-    planner = PSDPlanner(k=3)
-    planner.job_sent(0, [JobItemPlan("new", 0, 512, 0)])
-    fake = SimpleNamespace(planner=planner, link=NoWaitLink(), wait_policy=WaitPolicy(5.0))
+    link = NoWaitLink()
+    planner = PSDPlanner(k=3, in_flight=link.jobs)
+    link.jobs.add(JobInFlight(0, 1, frozenset({"new"}), frozenset(), 0.0))  # what the link records for the job below
+    planner.job_sent([JobItemPlan("new", 0, 512, 0)])
+    fake = SimpleNamespace(planner=planner, link=link, wait_policy=WaitPolicy(5.0))
     timing = _StepTiming()
     PSDScheduler._await_drafts(fake, 0, timing)  # type: ignore[arg-type]
     assert timing.wait_seconds == 0.0 and 0 in planner.in_flight
@@ -482,10 +487,11 @@ def test_each_reply_is_handed_over_with_the_catch_up_tokens_its_job_really_carri
     chunk = protocol.DraftItem("c", list(range(64)), 0, 10)  # a catch-up chunk, nothing drafted: 64
     assert link.submit(0, [steady, newcomer, chunk], False)
     assert link.submit(1, [protocol.DraftItem("d", [9], 3, 70)], False)
-    assert link.tickets[0].catch_up_tokens == 2 + 119 + 64
+    job = link.jobs.get(0)
+    assert job is not None and job.catch_up_tokens == 2 + 119 + 64
     link.abandon(1)
     seen: list[tuple[int | None, int]] = []
     client.inbox += [protocol.DraftReply(client.sent_jobs[1], [], 0.01, 0.0),
                      protocol.DraftReply(client.sent_jobs[0], [], 0.02, 0.0)]
-    link.poll(0.0, lambda group, message: seen.append((group, link.reply_catch_up_tokens)))
+    link.poll(0.0, lambda job, message: seen.append((None, 0) if job is None else (job.group, job.catch_up_tokens)))
     assert seen == [(None, 0), (0, 185)]

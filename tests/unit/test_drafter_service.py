@@ -264,8 +264,8 @@ def test_a_busy_answer_releases_the_sub_batchs_ticket_at_once():
     assert link.submit(0, [protocol.DraftItem("r", [1, 2], 3)], False)
     client.inbox.append(protocol.DrafterBusy(client.sent_jobs[-1], "queue full"))
     seen: list[tuple[int | None, Any]] = []
-    link.poll(0.0, lambda group, message: seen.append((group, message)))
-    assert 0 not in link.tickets
+    link.poll(0.0, lambda job, message: seen.append((job.group if job else None, message)))
+    assert 0 not in link.jobs
     assert seen and seen[0][0] == 0 and isinstance(seen[0][1], protocol.DrafterBusy)
 
 

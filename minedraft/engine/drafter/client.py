@@ -46,8 +46,6 @@ class JobTicket:
     job_id: int
     request_ids: frozenset[str]
     sent_at: float
-    # Committed tokens the job carried for the drafter to take in before drafting (DrafterLink.submit counts them).
-    catch_up_tokens: int = 0
 
 
 class DrafterClient:

@@ -1,9 +1,10 @@
-"""The verifier's link to the drafter: job tickets per sub-batch, bounded waits, hang detection and restarts.
+"""The verifier's link to the drafter: draft jobs in flight per sub-batch, bounded waits, hang detection and restarts.
 
-No policy lives here (the planner decides what to draft and how long a step may wait); this module only knows
-which job is in flight for which sub-batch, routes the drafter's messages to their sub-batch, and notices a drafter
-that makes no progress with work outstanding, which it restarts in the background (the new process loads while the
-engine keeps serving without drafts).
+No policy lives here (the planner decides what to draft and how long a step may wait); this module keeps the one
+record of which job is in flight for which sub-batch (psd.inflight.InFlight, which the planner reads by reference:
+the link is its only writer), routes the drafter's answers to their job, and notices a drafter that makes no
+progress with work outstanding, which it restarts in the background (the new process loads while the engine keeps
+serving without drafts).
 
 Slow is not hung: a working drafter reports progress after its steps (protocol.Progress), so a job may take any time
 while steps keep finishing (a long prompt's prefill, a drafter sharing its cores); late drafts only cost the planner
@@ -24,12 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from minedraft.engine.drafter import protocol
-from minedraft.engine.drafter.client import DrafterClient, DrafterState, JobTicket
+from minedraft.engine.drafter.client import DrafterClient, DrafterState
+from minedraft.engine.psd.inflight import InFlight, JobInFlight
 
 log = logging.getLogger(__name__)
 
-# (sub-batch of the job the message answers, or None for an abandoned job; the message)
-MessageHandler = Callable[[int | None, protocol.FromDrafter], None]
+# (the job the message answers, no longer in flight, or None for one abandoned or sent to a replaced process; the
+# message)
+MessageHandler = Callable[[JobInFlight | None, protocol.FromDrafter], None]
 
 
 @dataclass(frozen=True)
@@ -71,9 +74,10 @@ class WaitResult:
 
 class DrafterLink:
     def __init__(self, client: DrafterClient | None, hang_seconds: float, max_failed_jobs: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, jobs: InFlight | None = None) -> None:
         self.client = client
-        self.tickets: dict[int, JobTicket] = {}
+        # The jobs in flight: shared with the planner (PSDPlanner.in_flight), written only here.
+        self.jobs = jobs if jobs is not None else InFlight()
         # Work outstanding and no progress from the drafter for this long: it is hung (alive but stopped). Its own
         # setting (drafter.hang_seconds), not the draft deadline: a job later than its step is normal under load.
         self.hang_seconds = hang_seconds
@@ -93,14 +97,11 @@ class DrafterLink:
         self.num_progress_reports = 0
         # Requests of the job the drafter was stuck on at its last hang (the oldest outstanding: jobs run in order).
         self._hung_job: frozenset[str] | None = None
-        # The catch-up tokens of the job whose reply is being handled (set just before each DraftReply is handed to
-        # the handler: what that job really carried, for the step record and the cost model).
-        self.reply_catch_up_tokens = 0
 
     def attach(self, client: DrafterClient) -> None:
         self.client = client
         self._starts_seen = client.num_starts
-        self.tickets.clear()
+        self.jobs.drop_all()
 
     @property
     def up(self) -> bool:
@@ -123,9 +124,10 @@ class DrafterLink:
             # answered, and their age says nothing about the new one. take_restarted() still reports the restart.
             self._clear()
         silent_busy_seconds = self.silent_busy_seconds(now)
-        if self.tickets and silent_busy_seconds > self.hang_seconds:
+        stuck = self.jobs.oldest()
+        if stuck is not None and silent_busy_seconds > self.hang_seconds:
             self.num_hangs += 1
-            self._hung_job = min(self.tickets.values(), key=lambda ticket: ticket.job_id).request_ids
+            self._hung_job = stuck.carried
             self._restart(f"no progress for {silent_busy_seconds:.1f}s with a job outstanding")
         alive = self.client.check_alive()
         if not alive:
@@ -173,31 +175,32 @@ class DrafterLink:
         self.client.mark_hung(reason)
 
     def _clear(self) -> None:
-        self.tickets.clear()
+        self.jobs.drop_all()
         self._busy_since = None
         self._busy_before_seconds = 0.0
 
     # -- jobs ------------------------------------------------------------------------------------------------------
 
     def submit(self, group: int, items: list[protocol.DraftItem], want_logprobs: bool) -> bool:
-        if self.client is None or group in self.tickets:
+        if self.client is None or group in self.jobs:
             return False
         ticket = self.client.submit(items, want_logprobs)
         if ticket is None:
             return False
-        ticket.catch_up_tokens = catch_up_tokens(items)
-        if not self.tickets:
+        if not self.jobs:
             self._busy_since = self._clock()
-        self.tickets[group] = ticket
+        drafted = frozenset(item.request_id for item in items if item.num_draft_tokens > 0)
+        self.jobs.add(JobInFlight(group, ticket.job_id, ticket.request_ids, drafted, ticket.sent_at,
+                                  catch_up_tokens(items)))
         return True
 
     def abandon(self, group: int) -> None:
         """Go ahead without this job's drafts: the drafter skips it but keeps its requests' tokens and KV."""
-        ticket = self.tickets.pop(group, None)
-        if not self.tickets:
+        job = self.jobs.cancel(group)
+        if not self.jobs:
             self._set_idle(self._clock())
-        if ticket is not None and self.client is not None:
-            self.client.cancel_jobs([ticket.job_id])
+        if job is not None and self.client is not None:
+            self.client.cancel_jobs([job.job_id])
 
     def forget(self, request_ids: list[str]) -> None:
         if self.client is not None and request_ids:
@@ -213,13 +216,12 @@ class DrafterLink:
             if isinstance(message, protocol.Progress):
                 self.num_progress_reports += 1
                 continue
-            group = None
-            self.reply_catch_up_tokens = 0
+            job = None
             if isinstance(message, protocol.DraftReply | protocol.DrafterError | protocol.DrafterBusy):
-                group, self.reply_catch_up_tokens = self._drop_ticket(message.job_id)
+                job = self._complete(message.job_id)
                 if isinstance(message, protocol.DraftReply):
                     self.consecutive_failed_jobs = 0
-            handle(group, message)
+            handle(job, message)
 
     def wait_for(self, group: int, budget_seconds: float, handle: MessageHandler) -> WaitResult:
         """Wait at most `budget_seconds` for the job of `group`, handling every message meanwhile. Timed by the link's
@@ -227,7 +229,7 @@ class DrafterLink:
         started = self._clock()
         deadline = started + budget_seconds
         down = False
-        while group in self.tickets:
+        while group in self.jobs:
             remaining = deadline - self._clock()
             if remaining <= 0:
                 break
@@ -235,16 +237,13 @@ class DrafterLink:
             if not self.check():
                 down = True
                 break
-        return WaitResult(self._clock() - started, not down and group not in self.tickets)
+        return WaitResult(self._clock() - started, not down and group not in self.jobs)
 
-    def _drop_ticket(self, job_id: int) -> tuple[int | None, int]:
-        """The sub-batch of a tracked job (None: abandoned or unknown) and its catch-up tokens."""
-        for group, ticket in list(self.tickets.items()):
-            if ticket.job_id == job_id:
-                del self.tickets[group]
-                self._busy_since = self._clock() if self.tickets else None
-                return group, ticket.catch_up_tokens
-        return None, 0
+    def _complete(self, job_id: int) -> JobInFlight | None:
+        job = self.jobs.complete(job_id)
+        if job is not None:
+            self._busy_since = self._clock() if self.jobs else None
+        return job
 
     def shutdown(self) -> None:
         if self.client is not None:

@@ -6,4 +6,5 @@ Runs in the engine replica's process, on its step thread, called by the vLLM ada
   planner.py   PSDPlanner: which sub-batch a step verifies, with which drafts, how long it may wait for them
                (WaitPolicy), and what the next draft job sends
   subbatch.py  SubBatches: who is in which of the two sub-batches, where newcomers go, how balance is restored
+  inflight.py  InFlight: the one record of draft jobs in flight (written by the drafter link, read by the planner)
 """

@@ -16,8 +16,12 @@ and engines built with a larger maximum run k below it: such steps fall back to 
 outside the graph) whatever the padding, so auto's switches to a smaller k cost that fallback on every step at that
 k, and a switch itself costs nothing more (no capture at run time). Not measured here: there is no GPU.
 
-The planner also remembers what the drafter holds of each request (deltas), which requests it must forget, and
-which requests are quarantined because every job that carried them failed.
+State, and who owns it: the planner keeps one `RequestRecord` per request it knows (its held draft, the tokens the
+drafter holds of it, its failed jobs and hangs, whether it is quarantined) in one dict, `records`, and drops a
+request's record in one place (`forget`: finished and aborted requests; a preempted one only leaves its sub-batch,
+its tokens kept on both sides). Sub-batch membership is `SubBatches`' (its order is the rebalancing policy: the
+newest move first); every member has a record. Which draft jobs are in flight is `InFlight`'s (psd/inflight.py),
+written by the drafter link alone and read here by reference.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from minedraft.engine.psd.inflight import InFlight, JobInFlight
 from minedraft.engine.psd.subbatch import SubBatches, select_draft_lengths
 from minedraft.engine.settings import Mode
 
@@ -63,6 +68,23 @@ class Draft:
     context_num_tokens: int
     token_ids: list[int]
     logprobs: list[float] | None
+
+
+@dataclass
+class RequestRecord:
+    """What the planner remembers of one request between steps (its sub-batch is SubBatches')."""
+
+    # The latest draft made for it (used only while its committed context is still exactly draft.context_num_tokens).
+    draft: Draft | None = None
+    # Committed tokens the drafter holds of it (sent in earlier jobs): the base of the next delta. None: nothing known
+    # to be held (never sent, or lost by the drafter); the next job sends the whole context.
+    drafter_holds: int | None = None
+    # Jobs that carried it and failed without a culprit named, since its last draft arrived.
+    failed_jobs: int = 0
+    # Drafter hangs in which it was the suspect.
+    hangs: int = 0
+    # Drafted no more (every job that carried it failed, or the drafter kept hanging on it): decodes without drafts.
+    quarantined: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,19 +166,53 @@ class PSDPlanner:
     send_deltas: bool = True
     subbatches: SubBatches = field(default_factory=SubBatches)
     turn: int = 0
-    drafts: dict[str, Draft] = field(default_factory=dict)
-    # Request ids of the draft job in flight for each sub-batch (at most one job per sub-batch).
-    in_flight: dict[int, frozenset[str]] = field(default_factory=dict)
-    # Committed tokens the drafter holds of each request (sent in earlier jobs): the base of the next delta.
-    drafter_holds: dict[str, int] = field(default_factory=dict)
-    quarantined: set[str] = field(default_factory=set)
-    failed_jobs: dict[str, int] = field(default_factory=dict)
-    hangs: dict[str, int] = field(default_factory=dict)
+    # The draft jobs in flight: the drafter link's (it is their only writer); read here, never copied.
+    in_flight: InFlight = field(default_factory=InFlight)
+    # One record per request the planner knows, dropped only by forget().
+    records: dict[str, RequestRecord] = field(default_factory=dict)
     # The longest context the drafter holds (its Ready; 0: no known limit). Requests at or past it are never sent: they
     # decode in every step without drafts instead of sitting out every other step for drafts that never come.
     drafter_max_tokens: int = 0
     # Bound on one job's catch-up (see DEFAULT_CATCH_UP_TOKENS_PER_JOB).
     catch_up_tokens_per_job: int = DEFAULT_CATCH_UP_TOKENS_PER_JOB
+
+    # -- the records ---------------------------------------------------------------------------------------------
+
+    def record(self, request_id: str) -> RequestRecord:
+        """The request's record, made on first sight."""
+        record = self.records.get(request_id)
+        if record is None:
+            record = self.records[request_id] = RequestRecord()
+        return record
+
+    def known(self) -> set[str]:
+        """Every request the planner holds anything of (a record or a sub-batch slot)."""
+        return set(self.records) | self.subbatches.all_members()
+
+    def _draft_of(self, request_id: str) -> Draft | None:
+        record = self.records.get(request_id)
+        return record.draft if record is not None else None
+
+    def _holds(self, request_id: str) -> int:
+        record = self.records.get(request_id)
+        return (record.drafter_holds or 0) if record is not None else 0
+
+    def _is_quarantined(self, request_id: str) -> bool:
+        record = self.records.get(request_id)
+        return record is not None and record.quarantined
+
+    # Read-only snapshots for tests and the engine's views (built from the records; writing to them changes nothing).
+    @property
+    def drafts(self) -> dict[str, Draft]:
+        return {rid: r.draft for rid, r in self.records.items() if r.draft is not None}
+
+    @property
+    def drafter_holds(self) -> dict[str, int]:
+        return {rid: r.drafter_holds for rid, r in self.records.items() if r.drafter_holds is not None}
+
+    @property
+    def quarantined(self) -> set[str]:
+        return {rid for rid, r in self.records.items() if r.quarantined}
 
     # -- the step ------------------------------------------------------------------------------------------------
 
@@ -177,8 +233,9 @@ class PSDPlanner:
 
     def usable_draft(self, request: RequestState) -> list[int]:
         """The held draft for exactly this request's committed context, cut to what the step can use."""
-        draft = self.drafts.get(request.request_id)
-        if draft is None or draft.context_num_tokens != request.num_tokens or request.request_id in self.quarantined:
+        record = self.records.get(request.request_id)
+        draft = record.draft if record is not None else None
+        if draft is None or draft.context_num_tokens != request.num_tokens or record is None or record.quarantined:
             return []
         return draft.token_ids[: max(0, min(request.draft_room, self.k + self.num_extra_draft_tokens))]
 
@@ -187,7 +244,7 @@ class PSDPlanner:
         """Who runs in this step and with which proposals. `pad`: the mode is fixed (auto varies k anyway)."""
         if step_mode not in (Mode.PSD, Mode.SD) or verified_group is None:
             return PlannedStep(step_mode, None, {}, {}, frozenset())
-        coming = self.in_flight.get(1 - verified_group, frozenset()) if step_mode is Mode.PSD else frozenset()
+        coming = self.in_flight.coming(1 - verified_group) if step_mode is Mode.PSD else frozenset()
         held_out: set[str] = set()
         drafted: dict[str, list[int]] = {}
         running: list[RequestState] = []
@@ -233,7 +290,8 @@ class PSDPlanner:
         return self.k * max(1, members)
 
     def _logprobs(self, request_id: str, length: int) -> list[float]:
-        draft = self.drafts[request_id]
+        draft = self.records[request_id].draft
+        assert draft is not None
         return [0.0] * length if draft.logprobs is None else draft.logprobs[:length]
 
     def after_step(self, requests: Sequence[RequestState], step_mode: Mode, verified_group: int | None,
@@ -242,6 +300,7 @@ class PSDPlanner:
         preferred = verified_group if verified_group is not None else self.turn
         for request in requests:
             if request.decoding and request.request_id not in self.subbatches:
+                self.record(request.request_id)
                 if chosen_mode is Mode.SD:
                     self.subbatches.admit(request.request_id, 0, balance=False)
                 else:
@@ -279,14 +338,14 @@ class PSDPlanner:
         num_draft_tokens = self.k + self.num_extra_draft_tokens
         usual_delta = num_draft_tokens + 1
         others_drafting = any(
-            self.subbatches.group_of(r.request_id) == group and r.decoding and r.request_id not in self.quarantined
-            and 0 < r.num_tokens - self.drafter_holds.get(r.request_id, 0) <= usual_delta for r in requests)
+            self.subbatches.group_of(r.request_id) == group and r.decoding and not self._is_quarantined(r.request_id)
+            and 0 < r.num_tokens - self._holds(r.request_id) <= usual_delta for r in requests)
         catch_up_left = self.catch_up_tokens_per_job
         for request in requests:
             rid = request.request_id
-            if self.subbatches.group_of(rid) != group or not request.decoding or rid in self.quarantined:
+            if self.subbatches.group_of(rid) != group or not request.decoding or self._is_quarantined(rid):
                 continue
-            existing = self.drafts.get(rid)
+            existing = self._draft_of(rid)
             if existing is not None and existing.context_num_tokens == request.num_tokens:
                 continue  # still holds valid drafts (it was not verified this step)
             room = min(num_draft_tokens, request.draft_room)
@@ -294,7 +353,7 @@ class PSDPlanner:
                 room = min(room, self.drafter_max_tokens - request.num_tokens)
             if room <= 0:
                 continue
-            base = self.drafter_holds.get(rid, 0) if self.send_deltas else 0
+            base = self._holds(rid) if self.send_deltas else 0
             if base > request.num_tokens:
                 base = 0  # cannot happen without a bug elsewhere (committed tokens never shrink): resend all
             new = request.num_tokens - base
@@ -310,45 +369,43 @@ class PSDPlanner:
                 catch_up_left = max(0, catch_up_left - new)
         return items
 
-    def job_sent(self, group: int, items: Sequence[JobItemPlan]) -> None:
-        # Only drafted items are coming (and hold their requests out of the other sub-batch's steps); a catch-up chunk
-        # lets its request decode meanwhile. The group's entry exists either way: one job per sub-batch at a time.
-        self.in_flight[group] = frozenset(i.request_id for i in items if i.num_draft_tokens > 0)
+    def job_sent(self, items: Sequence[JobItemPlan]) -> None:
+        """The drafter took a job (the link recorded it in flight): it holds the job's tokens from now on."""
         for item in items:
             # The drafter takes in a job's tokens on receipt, even if it is later told to drop the job's work.
-            self.drafter_holds[item.request_id] = item.num_tokens
-
-    def job_done(self, group: int) -> None:
-        self.in_flight.pop(group, None)
+            self.record(item.request_id).drafter_holds = item.num_tokens
 
     def store_drafts(self, drafts: Iterable[tuple[str, Draft]], is_live: Callable[[str], bool]) -> None:
         """Keep drafts of requests that have not finished."""
         for request_id, draft in drafts:
             if is_live(request_id):
-                self.drafts[request_id] = draft
-                self.failed_jobs.pop(request_id, None)
+                record = self.record(request_id)
+                record.draft = draft
+                record.failed_jobs = 0
 
     def need_full_context(self, request_ids: Iterable[str]) -> None:
         """The drafter lost these requests (evicted, or an unexpected base): the next job sends everything."""
         for request_id in request_ids:
-            self.drafter_holds.pop(request_id, None)
+            record = self.records.get(request_id)
+            if record is not None:
+                record.drafter_holds = None
 
     def drafter_restarted(self) -> None:
-        """A new drafter process holds nothing and owes nothing."""
-        self.drafter_holds.clear()
-        self.in_flight.clear()
+        """A new drafter process holds nothing (the link dropped what was in flight to the old one)."""
+        for record in self.records.values():
+            record.drafter_holds = None
 
-    def blames_the_drafter(self, group: int | None, culprits: Sequence[str]) -> bool:
-        """A failed job that names every request it carried (two or more) as a culprit: each failed alone, which
+    @staticmethod
+    def blames_the_drafter(job: JobInFlight | None, culprits: Sequence[str]) -> bool:
+        """A failed job that names every request it drafted (two or more) as a culprit: each failed alone, which
         says more about the drafter (a device error that fails everything) than about the requests."""
-        carried = self.in_flight.get(group, frozenset()) if group is not None else frozenset()
-        return len(carried) >= 2 and carried <= set(culprits)
+        drafted = job.drafted if job is not None else frozenset()
+        return len(drafted) >= 2 and drafted <= set(culprits)
 
-    def drafter_failed(self, group: int | None) -> None:
+    def drafter_failed(self, job: JobInFlight | None) -> None:
         """A job failed for the drafter's sake, not its requests': nobody is blamed; the next drafter gets whole
         contexts."""
-        carried = self.in_flight.pop(group, frozenset()) if group is not None else frozenset()
-        self.need_full_context(carried)
+        self.need_full_context(job.drafted if job is not None else frozenset())
 
     def job_hung(self, carried: Iterable[str], num_tokens: dict[str, int]) -> list[str]:
         """The drafter hung on a job carrying `carried`. The suspect is its longest context (hangs come with long
@@ -359,45 +416,46 @@ class PSDPlanner:
         longest = max(num_tokens[rid] for rid in known)
         newly: list[str] = []
         for request_id in sorted(rid for rid in known if num_tokens[rid] == longest):
-            self.hangs[request_id] = self.hangs.get(request_id, 0) + 1
-            if self.hangs[request_id] >= QUARANTINE_AFTER_HANGS and request_id not in self.quarantined:
-                self.quarantined.add(request_id)
-                self.drafts.pop(request_id, None)
+            record = self.record(request_id)
+            record.hangs += 1
+            if record.hangs >= QUARANTINE_AFTER_HANGS and not record.quarantined:
+                record.quarantined = True
+                record.draft = None
                 newly.append(request_id)
         return newly
 
-    def job_failed(self, group: int | None, culprits: Sequence[str]) -> list[str]:
-        """A job failed. Named culprits are quarantined at once; without names every request it carried is
-        suspect, and one carried by QUARANTINE_AFTER_FAILED_JOBS failed jobs in a row is quarantined. Returns the
-        newly quarantined ids. Quarantined requests decode without drafts; the drafter keeps serving the rest."""
-        carried = self.in_flight.pop(group, frozenset()) if group is not None else frozenset()
+    def job_failed(self, job: JobInFlight | None, culprits: Sequence[str]) -> list[str]:
+        """A job failed (`job`: it, answered; None for one no longer tracked). Named culprits are quarantined at once;
+        without names every request it drafted is suspect, and one carried by QUARANTINE_AFTER_FAILED_JOBS failed
+        jobs in a row is quarantined. Returns the newly quarantined ids. Quarantined requests decode without drafts;
+        the drafter keeps serving the rest."""
+        drafted = job.drafted if job is not None else frozenset()
         newly: list[str] = []
-        suspects = list(culprits) if culprits else sorted(carried)
+        suspects = list(culprits) if culprits else sorted(drafted)
         for request_id in suspects:
-            count = self.failed_jobs.get(request_id, 0) + 1
-            self.failed_jobs[request_id] = count
-            if culprits or count >= QUARANTINE_AFTER_FAILED_JOBS:
-                if request_id not in self.quarantined:
-                    self.quarantined.add(request_id)
+            record = self.records.get(request_id)
+            if record is None:
+                continue  # forgotten already (it finished while its job ran): nothing to quarantine
+            record.failed_jobs += 1
+            if culprits or record.failed_jobs >= QUARANTINE_AFTER_FAILED_JOBS:
+                if not record.quarantined:
+                    record.quarantined = True
                     newly.append(request_id)
-                self.drafts.pop(request_id, None)
+                record.draft = None
         # The drafter may have half taken in a failed job's tokens: resend whole contexts next time.
-        self.need_full_context(carried)
+        self.need_full_context(drafted)
         return newly
 
     # -- leaving -------------------------------------------------------------------------------------------------
 
     def forget(self, request_ids: Iterable[str]) -> list[str]:
-        """Requests that finished, were aborted or were preempted out of the running set. Returns those the drafter
-        holds tokens of (to be forgotten there too)."""
+        """Requests that finished or were aborted: the one place a request's state is dropped (its record and its
+        sub-batch slot). Returns those the drafter holds tokens of (to be forgotten there too)."""
         drop_in_drafter: list[str] = []
         for request_id in request_ids:
             self.subbatches.remove(request_id)
-            self.drafts.pop(request_id, None)
-            self.failed_jobs.pop(request_id, None)
-            self.hangs.pop(request_id, None)
-            self.quarantined.discard(request_id)
-            if self.drafter_holds.pop(request_id, None) is not None:
+            record = self.records.pop(request_id, None)
+            if record is not None and record.drafter_holds is not None:
                 drop_in_drafter.append(request_id)
         return drop_in_drafter
 
@@ -421,7 +479,7 @@ class PSDPlanner:
             if proposal is None or tokens != proposal[: len(tokens)]:
                 raise AssertionError(f"{request_id}: verified {tokens}, planned {proposal}")
             drafted = plan.drafted_lengths.get(request_id, 0)
-            draft = self.drafts.get(request_id)
+            draft = self._draft_of(request_id)
             request = by_id.get(request_id)
             if drafted and (draft is None or request is None or draft.context_num_tokens != request.num_tokens
                             or draft.token_ids[:drafted] != proposal[:drafted]):
@@ -440,7 +498,10 @@ class PSDPlanner:
             self.subbatches.check_balanced()
         elif chosen_mode is Mode.SD and self.subbatches.sizes()[1]:
             raise AssertionError("sd mode keeps every request in sub-batch 0")
-        for name, kept in (("drafts", self.drafts), ("drafter tokens", self.drafter_holds)):
-            leaked = sorted(set(kept) - alive)
-            if leaked:
-                raise AssertionError(f"{name} kept for requests that finished: {leaked}")
+        leaked = sorted(set(self.records) - alive)
+        if leaked:
+            raise AssertionError(f"state kept for requests that finished: {leaked}")
+        unrecorded = sorted(members - set(self.records))
+        if unrecorded:
+            raise AssertionError(f"sub-batch members without a record: {unrecorded}")
+

@@ -34,6 +34,7 @@ from minedraft.engine.drafter import protocol
 from minedraft.engine.drafter.client import DrafterClient, DrafterState
 from minedraft.engine.drafter.link import DrafterLink, JobTimes, add_reply
 from minedraft.engine.placement import ComputePlacement, should_widen
+from minedraft.engine.psd.inflight import JobInFlight
 from minedraft.engine.psd.planner import (
     DEFAULT_CATCH_UP_TOKENS_PER_JOB,
     QUARANTINE_AFTER_HANGS,
@@ -139,8 +140,9 @@ class PSDScheduler(Scheduler):
         self._pending_decision: Decision | None = None
         self._last_update_finished = 0.0
         self._num_steps = 0
+        # The link writes the draft jobs in flight; the planner reads the same object (one owner, no copies).
         self.link = DrafterLink(None, hang_seconds=float(config.get("hang_seconds", DEFAULT_HANG_SECONDS)),
-                                max_failed_jobs=int(config.get("max_missed_deadlines", 3)))
+                                max_failed_jobs=int(config.get("max_missed_deadlines", 3)), jobs=self.planner.in_flight)
         self.placement = ComputePlacement(tuple(config.get("target_cpu_cores", ())),
                                           tuple(config.get("lend_cpu_cores", ())))
         drafter_settings = config.get("drafter")
@@ -170,10 +172,6 @@ class PSDScheduler(Scheduler):
     @property
     def drafts(self) -> dict[str, Draft]:
         return self.planner.drafts
-
-    @property
-    def tickets(self) -> dict[int, Any]:
-        return self.link.tickets
 
     @property
     def k(self) -> int:
@@ -296,12 +294,12 @@ class PSDScheduler(Scheduler):
             self._await_drafts(verified_group, timing)
         # With no draft job in flight nothing drafts during this verification (ar; sd; psd with one side empty):
         # the target may compute on the drafter's cores too. A job in flight (psd's other side) keeps them apart.
-        timing.draft_jobs_in_flight = len(self.link.tickets)
+        timing.draft_jobs_in_flight = len(self.link.jobs)
         # Scheduled ahead (async PSD steps): the step in flight's sub-batch is sent its draft job when that step's
         # output is processed, while this step verifies, so nothing is lent. (Only this thread's cores: the model
         # thread stays on the target's own.)
         ahead = bool(self._scheduled)
-        self.placement.apply(wide=should_widen(step_mode is Mode.AR, bool(self.link.tickets) or ahead,
+        self.placement.apply(wide=should_widen(step_mode is Mode.AR, bool(self.link.jobs) or ahead,
                                                self.link.loading))
 
         plan = self.planner.plan(states, step_mode, verified_group, pad=self.auto is None)
@@ -352,16 +350,15 @@ class PSDScheduler(Scheduler):
         if self.chosen_mode is Mode.AR or self.drafter is None:
             return Mode.AR
         self.link.poll(0.0, self._on_message)
-        alive = self.link.check()
+        alive = self.link.check()  # (a drafter found down drops its jobs in flight)
         self._after_link_check()
         if not alive:
-            self.planner.in_flight.clear()
             # Without a drafter, verifying half the batch per step would only halve throughput.
             return Mode.AR
         return self.chosen_mode
 
     def _await_drafts(self, group: int, timing: _StepTiming) -> None:
-        if group not in self.link.tickets or not self.planner.in_flight.get(group):
+        if not self.link.jobs.coming(group):
             # Nothing drafted is coming (no job, or a job of catch-up chunks only): verify now, the job runs on.
             return
         budget = self.wait_policy.budget_seconds()
@@ -369,16 +366,13 @@ class PSDScheduler(Scheduler):
         result = self.link.wait_for(group, budget, self._on_message)
         timing.wait_seconds = result.waited_seconds
         self._after_link_check()
-        if group in self.link.tickets:
+        if group in self.link.jobs:
             # Later than the step is expected to take: verify this sub-batch without drafts now (plain decoding,
             # one step) instead of holding the whole replica. The drafter skips the job but keeps the requests'
             # tokens and KV, so the next job is a small delta again.
             self.link.abandon(group)
-            self.planner.job_done(group)
             self.stats.count(deadline_misses=1)
             log.debug("drafts for sub-batch %d later than %.3fs: verifying without them", group, budget)
-        elif not result.arrived:
-            self.planner.in_flight.clear()
 
     def _after_link_check(self) -> None:
         hung = self.link.take_hung_job()
@@ -391,19 +385,21 @@ class PSDScheduler(Scheduler):
         if self.link.take_restarted():
             self.planner.drafter_restarted()
 
-    def _on_message(self, group: int | None, message: protocol.FromDrafter) -> None:
+    def _on_message(self, job: JobInFlight | None, message: protocol.FromDrafter) -> None:
+        """A message from the drafter; `job`: the job it answers (the link has taken it out of flight), None for one
+        abandoned or sent to a replaced process."""
         if isinstance(message, protocol.DrafterError):
             self.stats.count(drafter_errors=1)
             log.error("draft job %d failed in the drafter: %s", message.job_id, message.message)
-            if message.drafter_broken or self.planner.blames_the_drafter(group, message.request_ids):
+            if message.drafter_broken or self.planner.blames_the_drafter(job, message.request_ids):
                 # Not a poison request: the drafter fails whatever it is given. Restart it; blame nobody. (Not for a
                 # job no longer tracked: one abandoned, or one of a process already being replaced, whose other job
                 # reported the same; the next job of a still-broken drafter says so again.)
-                if group is not None:
-                    self.planner.drafter_failed(group)
+                if job is not None:
+                    self.planner.drafter_failed(job)
                     self.link.drafter_failed(f"draft job {message.job_id} failed for every request: {message.message}")
                 return
-            quarantined = self.planner.job_failed(group, message.request_ids)
+            quarantined = self.planner.job_failed(job, message.request_ids)
             if quarantined:
                 log.warning("no more drafts for %s: every job that carried them failed", quarantined)
             if not message.request_ids:
@@ -413,8 +409,6 @@ class PSDScheduler(Scheduler):
             # A shared drafter service pushed back (queue full or past this engine's deadline): this sub-batch is
             # verified without drafts now instead of waiting; counted, so metrics show a saturated service.
             self.stats.count(drafter_busy=1)
-            if group is not None:
-                self.planner.job_done(group)
             return
         if not isinstance(message, protocol.DraftReply):
             return
@@ -422,11 +416,10 @@ class PSDScheduler(Scheduler):
         # Late replies count too: a drafter slower than the budget would otherwise never be measured, every job
         # abandoned, and the budget never grow to fit it (a hung drafter sends nothing, so it cannot inflate it).
         self.wait_policy.observe_draft(message.draft_seconds)
-        if group is None:
+        if job is None:
             return  # a job abandoned after its deadline: its drafts are stale
-        self.planner.job_done(group)
-        self._timing.drafts_by_group[group] = add_reply(self._timing.drafts_by_group.get(group), message,
-                                                        self.link.reply_catch_up_tokens)
+        self._timing.drafts_by_group[job.group] = add_reply(self._timing.drafts_by_group.get(job.group), message,
+                                                            job.catch_up_tokens)
         self.planner.store_drafts(
             ((r.request_id, Draft(r.context_num_tokens, r.token_ids, r.logprobs)) for r in message.results),
             self._is_live,
@@ -489,7 +482,7 @@ class PSDScheduler(Scheduler):
         self.planner.after_step(states, step_mode, verified_group, self.chosen_mode)
         if step_mode in (Mode.PSD, Mode.SD) and verified_group is not None:
             self._submit_drafts(verified_group, states)
-            if self._scheduled and verified_group in self.link.tickets:
+            if self._scheduled and verified_group in self.link.jobs:
                 # The next step, scheduled ahead, verifies while this job drafts.
                 self._scheduled[-1].timing.draft_jobs_in_flight += 1
         if self.check_invariants:
@@ -600,16 +593,17 @@ class PSDScheduler(Scheduler):
             items.append(protocol.DraftItem(item.request_id, new_tokens, item.num_draft_tokens,
                                             item.base_num_tokens))
         if self.link.submit(group, items, want_logprobs=self.num_extra_draft_tokens > 0):
-            self.planner.job_sent(group, plans)
+            self.planner.job_sent(plans)
         elif self.link.take_restarted():
             self.planner.drafter_restarted()
 
     def _forget_finished(self) -> None:
-        """Drop the sub-batch slot, stored drafts and drafter-side tokens of requests that left the running set."""
+        """Requests that left the running set: finished or aborted ones lose their PSD state (planner.forget, the one
+        cleanup path, and the drafter's copy of their tokens); preempted ones only their sub-batch slot."""
         planner = self.planner
         gone: list[str] = []
         preempted: list[str] = []
-        for request_id in planner.subbatches.all_members() | set(planner.drafts) | set(planner.drafter_holds):
+        for request_id in planner.known():
             request = self.requests.get(request_id)
             if request is None or request.is_finished():
                 gone.append(request_id)
