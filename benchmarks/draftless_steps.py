@@ -81,7 +81,8 @@ def instrument(scheduler: Any, watch: Watch) -> None:
     def submit(group: int, items: list[Any], want_logprobs: bool) -> bool:
         ok = orig_submit(group, items, want_logprobs)
         if ok:
-            ticket = link.tickets[group]
+            ticket = link.jobs.get(group)
+            assert ticket is not None
             newcomer = any(item.base_num_tokens == 0 for item in items)
             watch.job_has_newcomer[ticket.job_id] = newcomer
             watch.jobs[ticket.job_id] = {"sent_at": time.perf_counter(), "catch_up": ticket.catch_up_tokens,
@@ -94,10 +95,10 @@ def instrument(scheduler: Any, watch: Watch) -> None:
         return bool(ok)
 
     def abandon(group: int) -> None:
-        ticket = link.tickets.get(group)
+        ticket = link.jobs.get(group)
         if ticket is not None:
             watch.abandoned_now = True
-            watch.abandoned_ids = ticket.request_ids
+            watch.abandoned_ids = ticket.carried
             if watch.job_has_newcomer.get(ticket.job_id):
                 watch.newcomer_jobs_abandoned += 1
             watch.waits_abandoned_ms.append(1000 * scheduler._timing.wait_seconds)

@@ -438,7 +438,7 @@ class TwinReplica:
                 and self.costs.hardware.tensor_parallel_size == 1 and min(self.planner.subbatches.sizes()) > 0)
 
     def _submit(self, group: int, states: list[RequestState]) -> None:
-        if self.settings.hold_jobs_behind_abandoned and not self.link.tickets and self.drafter.free_at > self.clock.now:
+        if self.settings.hold_jobs_behind_abandoned and not self.link.jobs and self.drafter.free_at > self.clock.now:
             return  # (nothing of ours in flight, yet the drafter is busy: an abandoned job)
         plans = self.planner.draft_job(states, group)
         if not plans:
