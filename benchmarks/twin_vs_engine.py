@@ -13,6 +13,8 @@ and, as the old baseline, the twin on the profiler's eager-torch curves (benchma
     python benchmarks/twin_vs_engine.py            # ~8 minutes on a contended 2-core machine (4 rounds)
     python benchmarks/twin_vs_engine.py --twin-only   # seconds: today's twin against the committed engine figures
     python benchmarks/twin_vs_engine.py --twin-only --measure-catch-up   # + the drafter's catch-up price, measured
+    python benchmarks/twin_vs_engine.py --twin-only --measure-catch-up --drafter-spread   # + its time spread and
+                                                    # each load's catch-up price, as draftless_steps.py measured them
 
 Both the calibration and the bench run the layout the twin models: the target on core 0, the drafter on core 1,
 the target never widening onto the drafter's core (sd leaves the drafter's device idle while it verifies), and ar on
@@ -188,12 +190,46 @@ def _with_catch_up_price(doc: dict[str, Any], ms_per_token: float, accepted_per_
     return priced
 
 
-def twin_only(path: Path, catch_up_ms_per_token: float | None = None) -> str:
+def drafter_spreads(path: Path) -> dict[tuple[str, int], tuple[float, ...]]:
+    """The drafter's time spread per (mode, requests) as `benchmarks/draftless_steps.py` measured it in the engine
+    (each load's deciles of a job's drafting time over its shape's median, the drafter's own measure; per decile the
+    median over the rounds), and under ("*", 0) the same over every load (for loads it did not run). Its start
+    delays are left out: measured from the engine's side they include the engine's own work before it reads a reply
+    (tried: the twin then fell to 0.45-0.84x the engine at 1 and 4 requests)."""
+    rows = [row for row in json.loads(path.read_text()) if row.get("draft_time_spread_deciles")]
+
+    def pooled(chosen: list[dict[str, Any]]) -> tuple[float, ...]:
+        # p0, p10, ..., p90: ten equally likely draws (the maximum left out).
+        return tuple(round(statistics.median(row["draft_time_spread_deciles"][i] for row in chosen), 3)
+                     for i in range(10))
+
+    spreads = {(mode, c): pooled([r for r in rows if (r["mode"], r["concurrency"]) == (mode, c)])
+               for mode, c in {(r["mode"], r["concurrency"]) for r in rows}}
+    if rows:
+        spreads[("*", 0)] = pooled(rows)
+    return spreads
+
+
+def load_catch_up_prices(path: Path) -> dict[tuple[str, int], float]:
+    """A newcomer's catch-up price per (mode, requests) as the engine's own jobs showed it (draftless_steps.py: the
+    median over the rounds). It grows with the job's size (the torch drafter is not linear in it), which one price
+    for every load cannot show."""
+    rows = [row for row in json.loads(path.read_text()) if row.get("newcomer_catch_up_ms_per_token")]
+    return {(mode, c): statistics.median(r["newcomer_catch_up_ms_per_token"] for r in rows
+                                         if (r["mode"], r["concurrency"]) == (mode, c))
+            for mode, c in {(r["mode"], r["concurrency"]) for r in rows}}
+
+
+def twin_only(path: Path, catch_up_ms_per_token: float | None = None, spread_path: Path | None = None) -> str:
     """The twin on the engine's curves now, against the engine's figures of the committed run (Markdown); with a
-    catch-up price, beside the twin on the same curves with that price (one run: before and after)."""
+    catch-up price, beside the twin on the same curves with that price (one run: before and after); with the
+    drafter's time spread measured in the engine (draftless_steps.py's results), beside that too (with the price,
+    where given)."""
     report = json.loads(path.read_text())
     doc = json.loads(path.with_name(report["curves_file"]).read_text())
     costs = StepCosts.from_curves(parse_curves(doc), TARGET, DRAFTER, hardware_of(doc))
+    spreads = drafter_spreads(spread_path) if spread_path is not None else {}
+    load_prices = load_catch_up_prices(spread_path) if spread_path is not None else {}
     workload = Workload(prompt_tokens=report["prompt_tokens_mean"], output_tokens=report["max_tokens"],
                         output_spread=0.0)
     priced = catch_up_ms_per_token is not None
@@ -201,9 +237,13 @@ def twin_only(path: Path, catch_up_ms_per_token: float | None = None) -> str:
     if priced:
         header += (f" twin/engine now, catch-up at {catch_up_ms_per_token:.4f} ms/token | twin's late draft jobs "
                    "(unpriced, priced) |")
+    if spreads:
+        header += (" twin/engine, + the drafter's time spread and this load's catch-up price, as measured | "
+                   "its late draft jobs |")
     lines = [f"Twin on the engine's curves now (`{COMMAND} --twin-only`) against the engine's figures recorded in "
-             f"{path.name}:", "", header, "|---|---|---|---|---|" + ("---|---|" if priced else "")]
-    within = within_priced = 0
+             f"{path.name}:", "", header, "|---|---|---|---|---|" + ("---|---|" if priced else "")
+             + ("---|---|" if spreads else "")]
+    within = within_priced = within_spread = 0
     for row in report["rows"]:
         concurrency = row["concurrency"]
         acceptance = AcceptanceModel(tuple(report["acceptance_per_position"][str(concurrency)]))
@@ -223,9 +263,32 @@ def twin_only(path: Path, catch_up_ms_per_token: float | None = None) -> str:
             priced_ratio = twin.tokens_per_s / row["engine_tokens_per_s"]
             within_priced += abs(priced_ratio - 1) <= GOAL
             line += f" {priced_ratio:.3f} | {misses}, {twin.deadline_misses} |"
+        if spreads:
+            load_price = load_prices.get((row["mode"], concurrency), catch_up_ms_per_token)
+            base_doc = doc if load_price is None else _with_catch_up_price(
+                doc, load_price, acceptance.expected_accepted_length(report["k"]) - 1.0)
+            spread = spreads.get((row["mode"], concurrency), spreads.get(("*", 0), ()))
+            hardware = replace(hardware_of(base_doc), drafter_time_spread=spread)
+            spread_costs = StepCosts.from_curves(parse_curves(base_doc), TARGET, DRAFTER, hardware)
+            twin = run_closed_loop(spread_costs, acceptance, row["mode"], report["k"], concurrency,
+                                   report["requests_per_load"][str(concurrency)], workload)
+            spread_ratio = twin.tokens_per_s / row["engine_tokens_per_s"]
+            within_spread += abs(spread_ratio - 1) <= GOAL
+            line += f" {spread_ratio:.3f} | {twin.deadline_misses} |"
         lines.append(line)
     lines += ["", f"{within}/{len(report['rows'])} within {GOAL:.0%} now (then: {report['points_within_goal']})"
-              + (f"; {within_priced}/{len(report['rows'])} with the catch-up priced." if priced else ".")]
+              + (f"; {within_priced}/{len(report['rows'])} with the catch-up priced" if priced else "")
+              + (f"; {within_spread}/{len(report['rows'])} with the drafter's time spread and each load's price"
+                 if spreads else "")
+              + "."]
+    if spreads:
+        lines += ["", "Drafter time spreads used (multipliers of a job's time, ten equally likely draws each, from "
+                  f"{spread_path.name if spread_path else ''}; `*`: pooled, for loads it did not run): "
+                  + "; ".join(f"{mode} at {c}: {', '.join(str(v) for v in values)}"
+                              for (mode, c), values in sorted(spreads.items())),
+                  "", "Catch-up prices per load used there (ms per token, a newcomer's as the engine's own jobs showed "
+                  "it; loads not measured: the price above): "
+                  + "; ".join(f"{mode} at {c}: {price:.4f}" for (mode, c), price in sorted(load_prices.items()))]
     return "\n".join(lines)
 
 
@@ -245,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
                         "and print it beside the engine figures recorded there (after a change to the twin)")
     parser.add_argument("--catch-up-ms-per-token", type=float,
                         help="with --twin-only: also run the twin with the drafter's catch-up priced at this")
+    parser.add_argument("--drafter-spread", nargs="?", const=str(OUT / "draftless-steps.json"),
+                        help="with --twin-only: also run the twin with the drafter's time spread and each load's "
+                        "catch-up price measured in the engine by benchmarks/draftless_steps.py (default: its "
+                        "committed results)")
     parser.add_argument("--measure-catch-up", action="store_true",
                         help="with --twin-only: measure that price on the engine's CPU drafter first (~1 minute)")
     args = parser.parse_args(argv)
@@ -255,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             log("measuring the drafter's catch-up price (torch drafter, core 1)")
             price = measure_catch_up_ms_per_token(report["k"], report["prompt_tokens_mean"])
             log(f"catch-up price: {price} ms per token")
-        print(twin_only(Path(args.out), price))
+        print(twin_only(Path(args.out), price, Path(args.drafter_spread) if args.drafter_spread else None))
         return 0
 
     from minedraft.bench.calibrate import CalibrationSettings, calibrate, document

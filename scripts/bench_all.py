@@ -110,6 +110,14 @@ STEPS: tuple[Step, ...] = (
          ("benchmarks/results/gpu-twin/cpu-vs-engine.json", "benchmarks/results/gpu-twin/cpu-vs-engine-curves.json"),
          # About 8 minutes on the contended 2-core machine (one engine, three rounds); its figures need an idle one.
          8 * 60),
+    Step("draftless-steps", "the engine's decode steps without drafts by cause (sd and psd at 16 and 4 requests, "
+         "three rounds) and the drafter's time spread that twin_vs_engine.py --twin-only --drafter-spread reads",
+         ("python", "benchmarks/draftless_steps.py", "--modes", "sd,psd", "--concurrency", "16,4", "--rounds", "3",
+          "--json", "benchmarks/results/gpu-twin/draftless-steps.json",
+          "--md", "benchmarks/results/gpu-twin/draftless-steps.md"),
+         ("benchmarks/results/gpu-twin/draftless-steps.json",),
+         # About 3 minutes on the contended 2-core machine (one engine, 12 loads).
+         3 * 60),
     Step("gpu-twin-shared-drafter", "N replicas of a TP=4 target sharing one drafter GPU against psd 4+1 and vLLM's "
          "colocated SD, per GPU, contexts 1024/4096, with and without the drafter window, through the twin",
          ("python", "benchmarks/twin_shared_drafter.py"),

@@ -77,6 +77,11 @@ class Hardware:
     # on by default on GPUs in vLLM 0.32, draft-model SD included): their host work hides behind the device's.
     # False: they pay it in series like the engine's steps (vLLM turns async scheduling off on CPUs).
     vllm_async_scheduling: bool = True
+    # The spread of the drafter's time for one job shape: multipliers of a job's time (curve loop plus catch-up), one
+    # drawn per job, uniformly among these (seeded). Empty: every job takes exactly its curves' time. The curves
+    # hold each shape's least contended median; a drafter whose cores are shared (this CPU under load: its jobs of
+    # one shape took 0.5-3x their median) has jobs past the wait budget, abandoned, and the next queued behind them.
+    drafter_time_spread: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.tensor_parallel_size <= 64:
@@ -94,6 +99,9 @@ class Hardware:
                 raise ValueError(f"{name}: must be >= 0, got {value}")
         if self.drafter_window_tokens < 0:
             raise ValueError(f"drafter_window_tokens: must be >= 0 (0: no window), got {self.drafter_window_tokens}")
+        if any(not 0.0 < factor < float("inf") for factor in self.drafter_time_spread):
+            raise ValueError(f"drafter_time_spread: multipliers must be positive and finite, got "
+                             f"{self.drafter_time_spread}")
 
 
 @dataclass(frozen=True)

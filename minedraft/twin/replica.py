@@ -9,8 +9,10 @@ model, hands the planner the step's outcome, sends the verified sub-batch's next
 the engine's `StepRecord` and feeds it to the `AutoController` in auto mode (applying its decisions through the
 planner's `switch_mode`, as the scheduler does). The drafter is a simulated `DrafterClient`: a job occupies the
 drafter device from max(submission, drafter free) for the curves' draft-loop time plus its catch-up tokens at the
-drafter's per-token price (calibrated from the engine's jobs, where the curve file gives one), and its reply arrives
-then: churn (newcomers' prompts) makes drafts late, as in the engine. vLLM
+drafter's per-token price (calibrated from the engine's jobs, where the curve file gives one), times a draw from the
+drafter's time spread where one is given (a drafter on shared cores), and its reply arrives then: churn (newcomers'
+prompts) and a slow job make drafts late, an abandoned job still occupies the drafter and delays the next, as in the
+engine. vLLM
 itself (prefill chunking, preemption, the KV cache, CUDA graph choice) is not simulated.
 
 Host work per step: the engine's synchronous steps pay it after the forward pass. vLLM's own plain decoding
@@ -57,15 +59,18 @@ class _Job:
     start: float
     end: float
     reply: protocol.DraftReply
+    submitted: float = 0.0
 
 
 class SimDrafter:
     """A `DrafterClient` on simulated time: what the engine's DrafterLink talks to in the twin."""
 
-    def __init__(self, clock: SimClock, costs: StepCosts, colocated: bool) -> None:
+    def __init__(self, clock: SimClock, costs: StepCosts, colocated: bool, seed: int = 0) -> None:
         self.clock = clock
         self.costs = costs
         self.colocated = colocated
+        # Draws of the drafter's time spread (Hardware.drafter_time_spread), apart from the acceptance's draws.
+        self.rng = random.Random(seed)
         self.state = DrafterState.UP
         self.num_starts = 1
         self.free_at = 0.0
@@ -95,12 +100,15 @@ class SimDrafter:
             # target's prefill cost scaled to the drafter.
             catch_up_ms = self.costs.drafter_prefill_ms(sum(max(0, len(item.token_ids) - (k + 1)) for item in items))
         seconds = (self.costs.draft_ms(batch, context, k, colocated=self.colocated) + catch_up_ms) / 1000.0
+        spread = self.costs.hardware.drafter_time_spread
+        if spread:
+            seconds *= self.rng.choice(spread)
         start = max(now, self.free_at)
         results = [protocol.DraftResult(item.request_id, item.base_num_tokens + len(item.token_ids),
                                         [0] * item.num_draft_tokens) for item in items]
         reply = protocol.DraftReply(self._next_id, results, draft_seconds=seconds,
                                     idle_seconds=max(0.0, now - self.free_at))
-        self.jobs.append(_Job(self._next_id, start, start + seconds, reply))
+        self.jobs.append(_Job(self._next_id, start, start + seconds, reply, now))
         self.free_at = start + seconds
         self.busy_seconds += seconds
         return JobTicket(self._next_id, frozenset(item.request_id for item in items), now)
@@ -132,7 +140,23 @@ class SimDrafter:
         """Forgotten requests: nothing to free in a simulation."""
 
     def cancel_jobs(self, job_ids: list[int]) -> None:
-        """Abandoned jobs: the drafter is already on them, so they still occupy it; their replies go nowhere."""
+        """Abandoned jobs: one the drafter has started still occupies it (its reply goes nowhere); one still queued
+        behind another is dropped unstarted, as the drafter process drops it (DrafterServer: CancelJobs), and the
+        jobs after it move up."""
+        doomed = set(job_ids)
+        now = self.clock.now
+        dropped = [job for job in self.jobs if job.job_id in doomed and job.start > now]
+        if not dropped:
+            return
+        for job in dropped:
+            self.jobs.remove(job)
+            self.busy_seconds -= job.end - job.start
+        free = max([now] + [job.end for job in self.jobs if job.start <= now])
+        for job in sorted((job for job in self.jobs if job.start > now), key=lambda job: job.job_id):
+            seconds = job.end - job.start
+            job.start = max(job.submitted, free)
+            job.end = free = job.start + seconds
+        self.free_at = max([now] + [job.end for job in self.jobs])
 
     def shutdown(self) -> None:
         self.jobs.clear()
@@ -185,6 +209,11 @@ class ReplicaSettings:
     check_invariants: bool = False
     # The engine's --async-psd-steps: psd steps scheduled while the previous one computes (see the module's doc).
     async_psd_steps: bool = False
+    # A policy tried in the twin, not in the engine: send no draft job while the drafter is still finishing an
+    # abandoned one (the new job would only queue behind it, and its step wait its whole budget for it); the steps
+    # meanwhile verify without drafts at once. (The engine's drafter drops an abandoned job it has not started
+    # without a word, so its link cannot yet tell when the drafter is free: see docs/gpu.md.)
+    hold_jobs_behind_abandoned: bool = False
 
 
 class TwinReplica:
@@ -201,7 +230,8 @@ class TwinReplica:
         # vLLM's own modes: no MineDraft in the loop; their host work hides behind the device with async scheduling.
         self.vllm_own = settings.mode in (VLLM_AR, Mode.VLLM_SD.value)
         self.shared_device = colocated or costs.hardware.drafter_placement == "shared"
-        self.drafter = drafter(self.clock) if drafter is not None else SimDrafter(self.clock, costs, colocated)
+        self.drafter = (drafter(self.clock) if drafter is not None
+                        else SimDrafter(self.clock, costs, colocated, seed=settings.seed + 1))
         self.link = DrafterLink(self.drafter, hang_seconds=1e9, max_failed_jobs=3, clock=self.clock)  # type: ignore[arg-type]
         # The engine bounds one draft job's catch-up (newcomers' prompts) because the drafter's prefill takes time. The
         # curves hold no prefill, so unless a prefill or catch-up cost is given the simulated drafter takes prompts for
@@ -408,6 +438,8 @@ class TwinReplica:
                 and self.costs.hardware.tensor_parallel_size == 1 and min(self.planner.subbatches.sizes()) > 0)
 
     def _submit(self, group: int, states: list[RequestState]) -> None:
+        if self.settings.hold_jobs_behind_abandoned and not self.link.jobs and self.drafter.free_at > self.clock.now:
+            return  # (nothing of ours in flight, yet the drafter is busy: an abandoned job)
         plans = self.planner.draft_job(states, group)
         if not plans:
             return

@@ -116,7 +116,8 @@ def parse_mode_label(label: str) -> tuple[str, int]:
 
 class _Run:
     def __init__(self, costs: StepCosts, acceptance: AcceptanceModel, mode: str, k: int, workload: Workload,
-                 seed: int, auto: AutoSettings | None, max_num_seqs: int) -> None:
+                 seed: int, auto: AutoSettings | None, max_num_seqs: int,
+                 hold_jobs_behind_abandoned: bool = False) -> None:
         auto_settings = auto or AutoSettings()
         if mode in AUTO_MODES:
             # Auto starts where an engine built for auto starts: psd, at k=3 when that is a candidate.
@@ -125,7 +126,8 @@ class _Run:
         async_steps = mode in ("psd-async", "auto-async")
         replica_mode = {"psd-async": "psd", "auto-async": "auto"}.get(mode, mode)
         settings = ReplicaSettings(mode=replica_mode, k=max(1, k), auto=auto_settings,
-                                   seed=seed, max_num_seqs=max_num_seqs, async_psd_steps=async_steps)
+                                   seed=seed, max_num_seqs=max_num_seqs, async_psd_steps=async_steps,
+                                   hold_jobs_behind_abandoned=hold_jobs_behind_abandoned)
         self.replica = TwinReplica(costs, acceptance, settings)
         self.workload = workload
         self.rng = random.Random(seed + 1)
@@ -258,13 +260,14 @@ def run_arrivals(costs: StepCosts, acceptance: AcceptanceModel, mode: str, k: in
 
 def run_closed_loop(costs: StepCosts, acceptance: AcceptanceModel, mode: str, k: int, concurrency: int,
                     num_requests: int, workload: Workload = Workload(), seed: int = 0,
-                    auto: AutoSettings | None = None) -> RunResult:
+                    auto: AutoSettings | None = None, hold_jobs_behind_abandoned: bool = False) -> RunResult:
     """What `minedraft bench` measures: `num_requests` requests, at most `concurrency` in flight (a finished one
     replaced at once, the first `concurrency` all arriving at 0), until all are done; output tokens over the
-    makespan, ramp-up and drain included."""
+    makespan, ramp-up and drain included. (`hold_jobs_behind_abandoned`: see ReplicaSettings.)"""
     if concurrency < 1 or num_requests < 1:
         raise ValueError(f"closed loop: concurrency and num_requests must be >= 1, got {concurrency}, {num_requests}")
-    run = _Run(costs, acceptance, mode, k, workload, seed, auto, max_num_seqs=concurrency)
+    run = _Run(costs, acceptance, mode, k, workload, seed, auto, max_num_seqs=concurrency,
+               hold_jobs_behind_abandoned=hold_jobs_behind_abandoned)
     replica = run.replica
     sent = done = idle = 0
     while done < num_requests:

@@ -106,6 +106,51 @@ def test_the_engines_invariants_hold_through_switches_and_steps_record_only_thei
     assert max(r.draft_seconds for r in replica.records) <= longest_job_s
 
 
+def test_a_drafter_whose_job_times_spread_misses_budgets_and_costs_throughput_at_the_same_mean_time() -> None:
+    # The engine's sd at 16 on a loaded CPU: its drafter's jobs of one shape took 0.5-3x their median. The twin draws
+    # each job's time from such a spread (mean 1 here: the same drafting on average) and runs the engine's wait
+    # policy and drafter link on it: jobs past the budget are abandoned and the next job queues behind the one the
+    # drafter is still finishing, so steps go without drafts that the spread-free twin drafts, and throughput drops.
+    data = flat_curves(draft_ms_per_k=5.0)
+    data["models"]["d"]["catch_up_ms_per_token"] = 0.03
+    workload = Workload(prompt_tokens=100, output_tokens=64, output_spread=0.0)
+    acceptance = AcceptanceModel.constant(0.8)
+    steady = run_closed_loop(costs_of(data), acceptance, "sd", 3, 16, 128, workload)
+    spread = (0.6, 0.8, 1.0, 1.0, 1.6)
+    jittery = run_closed_loop(costs_of(data, Hardware(drafter_time_spread=spread)), acceptance, "sd", 3, 16, 128,
+                              workload)
+    assert steady.deadline_misses <= 2
+    assert jittery.deadline_misses >= 5 * max(1, steady.deadline_misses)
+    assert jittery.tokens_per_s < 0.97 * steady.tokens_per_s
+    # A drafter that stalls now and then: the policy tried in the twin (no job sent while the drafter finishes an
+    # abandoned one) keeps steps from waiting whole budgets for jobs queued behind it.
+    stalls = costs_of(data, Hardware(drafter_time_spread=(0.5, 0.8, 0.9, 1.0, 1.0, 1.0, 1.1, 1.3, 2.0, 30.0)))
+    queued, held = (run_closed_loop(stalls, acceptance, "sd", 3, 16, 128, workload, hold_jobs_behind_abandoned=hold)
+                    for hold in (False, True))
+    assert held.deadline_misses < queued.deadline_misses and held.tokens_per_s > 1.1 * queued.tokens_per_s
+    with pytest.raises(ValueError, match="drafter_time_spread"):
+        Hardware(drafter_time_spread=(1.0, 0.0))
+
+
+def test_an_abandoned_job_the_drafter_has_not_started_is_dropped_and_the_next_moves_up() -> None:
+    # As the drafter process does on CancelJobs: a started job runs on (its reply goes nowhere), a queued one is
+    # dropped, so a run of late jobs does not pile up behind the one the drafter is still finishing.
+    from minedraft.engine.drafter import protocol
+    from minedraft.twin.replica import SimClock, SimDrafter
+
+    clock = SimClock()
+    drafter = SimDrafter(clock, costs_of(flat_curves()), colocated=False)
+    items = [protocol.DraftItem(f"r{i}", [1], 3) for i in range(4)]
+    first, second, third = (drafter.submit(items, False) for _ in range(3))
+    assert first is not None and second is not None and third is not None
+    job_s = drafter.jobs[0].end - drafter.jobs[0].start
+    clock.now = 0.5 * job_s  # the first job is running, the other two queued behind it
+    drafter.cancel_jobs([first.job_id, second.job_id])
+    assert [job.job_id for job in drafter.jobs] == [first.job_id, third.job_id]
+    assert drafter.jobs[1].start == pytest.approx(job_s) and drafter.free_at == pytest.approx(2 * job_s)
+    assert drafter.busy_seconds == pytest.approx(2 * job_s)
+
+
 def test_arrivals_open_loop_and_phases_finish_with_latencies() -> None:
     costs = costs_of(flat_curves())
     acceptance = AcceptanceModel.constant(0.8)
