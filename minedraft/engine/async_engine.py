@@ -48,6 +48,10 @@ class _Call:
 
 
 class AsyncEngine:
+    """The engine driven from a thread of this process (`EngineProcess` is the same interface over a process)."""
+
+    in_process = True
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.settings = engine.settings
@@ -69,6 +73,24 @@ class AsyncEngine:
         if wait_for_drafter:
             await asyncio.to_thread(engine.wait_for_drafter)
         return cls(engine)
+
+    # -- what the servers read (fixed once the engine is loaded; the same attributes as EngineProcess's) ---------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def startup_seconds(self) -> float:
+        return self.engine.startup_seconds
 
     # -- public API --------------------------------------------------------------------------------------------
 

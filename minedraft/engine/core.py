@@ -24,7 +24,7 @@ from minedraft.engine.placement import (
     plan_devices,
     resolved_settings,
 )
-from minedraft.engine.requests import OutputDelta, RequestError, SamplingSettings
+from minedraft.engine.requests import OutputDelta, SamplingSettings, encode_prompt
 from minedraft.engine.settings import EngineSettings, Mode
 from minedraft.engine.vllm_adapter import (
     PROPOSER_CLASS,
@@ -288,20 +288,7 @@ class Engine:
     # -- requests ----------------------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        token_ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise RequestError("prompt", "is empty")
-        vocab_size = self.vocab_size
-        if any(not 0 <= t < vocab_size for t in token_ids):
-            raise RequestError("prompt_token_ids", f"token ids must be in [0, {vocab_size})")
-        max_model_len = self.max_model_len
-        if len(token_ids) >= max_model_len:
-            raise RequestError(
-                "prompt",
-                f"is {len(token_ids)} tokens; the context holds {max_model_len} "
-                "including at least one generated token",
-            )
-        return token_ids
+        return encode_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSettings) -> None:
         from vllm import SamplingParams

@@ -1,0 +1,87 @@
+"""A fake engine for the engine process's protocol tests: imported by the spawned engine process, so it lives in a
+module of its own (a test module would be collected twice)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from minedraft.engine.requests import OutputDelta, RequestError, SamplingSettings
+from minedraft.engine.settings import DrafterSettings, EngineSettings, SettingsError
+
+# A request with this many max_tokens is refused at admission, as vLLM refuses some requests only when added.
+REFUSED_MAX_TOKENS = 13
+
+
+def fake_settings() -> EngineSettings:
+    return EngineSettings(model="fake-target", drafter=DrafterSettings(model="fake-draft"))
+
+
+class FakeEngine:
+    """Engine's surface the loop uses: one token per request per step (token i for the request's i-th step)."""
+
+    vocab_size = 100
+    max_model_len = 64
+    startup_seconds = 0.25
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self.requests: dict[str, list[int]] = {}  # request id -> [tokens made, max_tokens]
+        self.aborted: list[str] = []
+        self.steps = 0
+        self.step_sizes: list[int] = []
+
+    def wait_for_drafter(self) -> bool:
+        return True
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSettings) -> None:
+        if sampling.max_tokens == REFUSED_MAX_TOKENS:
+            raise RequestError("max_tokens", "refused by the fake engine")
+        self.requests[request_id] = [0, sampling.max_tokens]
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            if self.requests.pop(request_id, None) is not None:
+                self.aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[OutputDelta]:
+        self.steps += 1
+        time.sleep(0.005)  # a step takes time: streams stay open long enough to be aborted or killed mid-way
+        deltas = []
+        for request_id, state in list(self.requests.items()):
+            state[0] += 1
+            finished = state[0] >= state[1]
+            deltas.append(OutputDelta(request_id, [state[0]], f"t{state[0]}", "length" if finished else None,
+                                      num_output_tokens=state[0]))
+            if finished:
+                del self.requests[request_id]
+        self.step_sizes.append(len(deltas))
+        return deltas
+
+    def shutdown(self) -> None:
+        pass
+
+
+def refusing_engine(settings: EngineSettings) -> Any:
+    """A factory whose engine refuses its settings at startup (as Engine's checks or vLLM's do)."""
+    raise SettingsError("max_model_len", "the fake engine refuses these settings")
+
+
+def pid(engine: Any) -> int:
+    return os.getpid()
+
+
+def aborted(engine: Any) -> list[str]:
+    return list(engine.aborted)
+
+
+def in_flight(engine: Any) -> list[str]:
+    return sorted(engine.requests)
+
+
+def steps(engine: Any) -> int:
+    return int(engine.steps)
