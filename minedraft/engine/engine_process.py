@@ -34,6 +34,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -125,10 +126,20 @@ def _read_commands(conn: Connection, commands: queue.SimpleQueue[tuple[Any, ...]
     threading.Thread(target=exit_if_still_here, name="minedraft-orphan-exit", daemon=True).start()
 
 
+def _leave_to_the_serving_process(signum: int, frame: Any) -> None:
+    log.info("engine process: %s left to the serving process (it stops this one)", signal.Signals(signum).name)
+
+
 def engine_process_main(conn: Connection, factory: Callable[[EngineSettings], Any], settings: EngineSettings,
                         wait_for_drafter: bool, log_level: int) -> None:
     """The engine process's entry point: build the engine, say ready (or why not), run the loop."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine process] %(message)s")
+    # The serving process owns this one's lifecycle (stop, EOF, SIGKILL past the shutdown timeout): a Ctrl-C or a
+    # SIGTERM sent to the whole process group must start its graceful drain, not end the engine under open streams.
+    # A handler rather than SIG_IGN: ignored signals stay ignored in processes this one starts (the drafter, vLLM's
+    # workers), handled ones go back to their defaults there.
+    signal.signal(signal.SIGINT, _leave_to_the_serving_process)
+    signal.signal(signal.SIGTERM, _leave_to_the_serving_process)
     commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
     # Reading starts before the (long) load so that the serving process's end is noticed during it too.
     threading.Thread(target=_read_commands, args=(conn, commands), name="minedraft-engine-commands",

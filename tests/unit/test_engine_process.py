@@ -43,6 +43,10 @@ async def test_streams_aborts_and_calls_cross_the_process_and_shutdown_ends_it()
     try:
         assert engine.pid != os.getpid() and await engine.call(fakes.pid) == engine.pid
         assert (engine.vocab_size, engine.max_model_len, engine.settings.model) == (100, 64, "fake-target")
+        # A Ctrl-C or SIGTERM sent to the whole process group is the serving process's to act on (a graceful drain).
+        os.kill(engine.pid, signal.SIGINT)
+        os.kill(engine.pid, signal.SIGTERM)
+        assert await engine.call(fakes.pid) == engine.pid and engine.process.is_alive()
         # Concurrent streams each get their own deltas, in order, ending with the final one.
         first, second = await asyncio.gather(collect(engine.generate([1, 2, 3], SamplingSettings(max_tokens=5))),
                                              collect(engine.generate([4], SamplingSettings(max_tokens=3))))
