@@ -373,3 +373,19 @@ async def test_readiness_follows_the_engine_loop(psd):
     finally:
         await server.stop()
         await engine.shutdown(shutdown_engine=False)
+
+
+def test_the_front_ends_own_tokenizer_encodes_and_renders_as_the_engines(psd, texts):
+    """An engine process's front end loads the tokenizer itself (load_tokenizer) and encodes prompts before anything
+    reaches the engine: ids and chat renderings must be the engine's own, or the engine process would compute on a
+    different prompt than the in-process path."""
+    from minedraft.engine.engine_process import load_tokenizer
+
+    own = load_tokenizer(psd.settings)
+    for text in [*texts[:4], "  leading spaces, ünïcödé and\ttabs\n", "def f(x):\n    return x ** 2\n"]:
+        assert own.encode(text) == psd.tokenizer.encode(text), text
+    assert own.get_vocab() == psd.tokenizer.get_vocab()
+    messages = [{"role": "user", "content": texts[0]}]
+    if getattr(psd.tokenizer, "chat_template", None):
+        assert (own.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                == psd.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
