@@ -181,6 +181,26 @@ def engine_args(settings: EngineSettings) -> Any:
     )
 
 
+def vllm_sampling_params(sampling: SamplingSettings, max_tokens: int, detokenize: bool = True) -> Any:
+    """vLLM's sampling parameters of a request (streamed as deltas). Without detokenisation vLLM takes no stop
+    strings: whoever detokenises matches them."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        seed=sampling.seed,
+        stop=(list(sampling.stop) or None) if detokenize else None,
+        stop_token_ids=list(sampling.stop_token_ids) or None,
+        ignore_eos=sampling.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=detokenize,
+    )
+
+
 class Engine:
     """Synchronous engine: add requests, step, read deltas. Not thread-safe; AsyncEngine drives it from a thread."""
 
@@ -290,24 +310,15 @@ class Engine:
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSettings) -> None:
-        from vllm import SamplingParams
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSettings,
+                    detokenize: bool = True) -> None:
+        """`detokenize=False`: token ids only, no text and no stop strings (an engine process's front end
+        detokenises and matches stop strings itself, then aborts the request)."""
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
         sampling.validate()
         room = self.max_model_len - len(prompt_token_ids)
-        params = SamplingParams(
-            max_tokens=min(sampling.max_tokens, room),
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            seed=sampling.seed,
-            stop=list(sampling.stop) or None,
-            stop_token_ids=list(sampling.stop_token_ids) or None,
-            ignore_eos=sampling.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        params = vllm_sampling_params(sampling, min(sampling.max_tokens, room), detokenize)
         self._llm.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_token_ids), params)
         self._prompt_lengths[request_id] = len(prompt_token_ids)
         self._output_counts[request_id] = 0

@@ -7,12 +7,14 @@ tokenizer (prompts are encoded and checked before anything crosses); the engine 
 loop AsyncEngine's thread runs: commands between steps, then a step.
 
 What runs where:
-- serving process: gRPC, HTTP, metrics export, prompt encoding and its checks (`encode_prompt`), this front end and
-  one reader thread that turns the engine process's messages into stream deltas and call results.
-- engine process: `Engine` (vLLM's engine core in-process, our scheduler, the drafter's client), the step loop,
-  detokenisation (vLLM's output processor runs inside `step()`; stop strings are matched there) and one reader thread
-  that queues the commands arriving from the pipe (so a long step never leaves the serving process blocked on a full
-  pipe) and notices the serving process's end (EOF).
+- serving process: gRPC, HTTP, metrics export, prompt encoding and its checks (`encode_prompt`), detokenisation and
+  stop strings (detokenize.py: vLLM's own incremental detokenizer per stream; a stop string aborts the request in the
+  engine, as vLLM's output processor does), this front end and one reader thread that turns the engine process's
+  messages into stream deltas and call results.
+- engine process: `Engine` (vLLM's engine core in-process, our scheduler, the drafter's client) with requests added
+  with detokenize=False (token ids only), the step loop and one reader thread that queues the commands arriving from
+  the pipe (so a long step never leaves the serving process blocked on a full pipe) and notices the serving process's
+  end (EOF).
 
 The link is a multiprocessing Pipe (a Unix socket pair) from the "spawn" context: exactly one peer, ordered, with
 pickling built in, no address, port or file to manage, and the peer's death seen as EOF on both sides, which is all
@@ -45,6 +47,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
 
+from minedraft.engine.detokenize import StreamDetokenizer
 from minedraft.engine.requests import EngineDeadError, OutputDelta, RequestError, SamplingSettings, encode_prompt
 from minedraft.engine.settings import EngineSettings
 
@@ -200,9 +203,12 @@ def _serve(engine: Any, conn: Connection, commands: queue.SimpleQueue[tuple[Any,
 def _handle(engine: Any, conn: Connection, command: tuple[Any, ...], events: list[OutputDelta | _Failed]) -> None:
     kind = command[0]
     if kind == "add":
-        _, request_id, token_ids, sampling = command
+        _, request_id, token_ids, sampling, detokenize = command
         try:
-            engine.add_request(request_id, token_ids, sampling)
+            if detokenize:
+                engine.add_request(request_id, token_ids, sampling)
+            else:  # the front end detokenises and matches stop strings
+                engine.add_request(request_id, token_ids, sampling, detokenize=False)
         except Exception as exc:  # vLLM's own validation: fail this request, not the engine
             events.append(_Failed(request_id, exc if isinstance(exc, RequestError) else RequestError("request",
                                                                                                      str(exc))))
@@ -317,13 +323,16 @@ class EngineProcess:
         token_ids = encode_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = _Stream(asyncio.get_running_loop())
+        # Text is made here, off the engine's GIL, when this front end has the tokenizer (see detokenize.py).
+        detokenizer = (StreamDetokenizer(self.tokenizer, request_id, token_ids, sampling)
+                       if self.tokenizer is not None else None)
         with self._lock:
             if self._closed:
                 raise EngineDeadError(f"engine is not running: {self._dead or 'shut down'}")
             if request_id in self._streams:
                 raise RequestError("request_id", f"{request_id!r} is already in flight")
             self._streams[request_id] = stream
-            self._send_locked(("add", request_id, token_ids, sampling))
+            self._send_locked(("add", request_id, token_ids, sampling, detokenizer is None))
         finished = False
         try:
             while True:
@@ -331,6 +340,10 @@ class EngineProcess:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                if detokenizer is not None:
+                    item, stopped_here = detokenizer.apply(item)
+                    if stopped_here:  # a stop string: the engine still runs the request
+                        self._abort_quietly(request_id)
                 if item.finished:
                     finished = True
                 yield item
@@ -349,6 +362,14 @@ class EngineProcess:
         with self._lock:
             if not self._closed:
                 self._send_locked(("abort", request_id, True))
+
+    def _abort_quietly(self, request_id: str) -> None:
+        """Abort a request in the engine without a final delta (its stream has ended here already)."""
+        with self._lock:
+            self._streams.pop(request_id, None)
+            if not self._closed:
+                with contextlib.suppress(EngineDeadError):
+                    self._send_locked(("abort", request_id, False))
 
     async def call(self, fn: Callable[[Any], T]) -> T:
         """Run fn(engine) in the engine process between steps. fn must pickle (a module-level function, or a

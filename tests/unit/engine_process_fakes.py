@@ -35,15 +35,16 @@ class FakeEngine:
     def wait_for_drafter(self) -> bool:
         return True
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSettings) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSettings,
+                    detokenize: bool = True) -> None:
         if sampling.max_tokens == REFUSED_MAX_TOKENS:
             raise RequestError("max_tokens", "refused by the fake engine")
         self.requests[request_id] = [0, sampling.max_tokens]
 
     def abort(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            if self.requests.pop(request_id, None) is not None:
-                self.aborted.append(request_id)
+        for request_id in request_ids:  # every abort received, the request still running or not
+            self.requests.pop(request_id, None)
+            self.aborted.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -64,6 +65,42 @@ class FakeEngine:
 
     def shutdown(self) -> None:
         pass
+
+
+class ParrotEngine(FakeEngine):
+    """Answers each request with its own prompt's token ids, two per step (as a speculative step accepts several),
+    then "length"; no text: what an engine sends when asked not to detokenise."""
+
+    vocab_size = 200_000
+    max_model_len = 4096
+
+    def __init__(self, settings: EngineSettings) -> None:
+        super().__init__(settings)
+        self.prompts: dict[str, list[int]] = {}
+        self.detokenize: dict[str, bool] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSettings,
+                    detokenize: bool = True) -> None:
+        self.requests[request_id] = [0, len(prompt_token_ids)]
+        self.prompts[request_id] = list(prompt_token_ids)
+        self.detokenize[request_id] = detokenize
+
+    def step(self) -> list[OutputDelta]:
+        self.steps += 1
+        deltas = []
+        for request_id, state in list(self.requests.items()):
+            tokens = self.prompts[request_id][state[0]:state[0] + 2]
+            state[0] += len(tokens)
+            finished = state[0] >= state[1]
+            deltas.append(OutputDelta(request_id, tokens, "", "length" if finished else None,
+                                      num_output_tokens=state[0]))
+            if finished:
+                del self.requests[request_id]
+        return deltas
+
+
+def detokenize_flags(engine: Any) -> dict[str, bool]:
+    return dict(engine.detokenize)
 
 
 def refusing_engine(settings: EngineSettings) -> Any:

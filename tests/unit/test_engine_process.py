@@ -161,3 +161,35 @@ def test_the_engine_process_does_not_outlive_its_serving_process():
         if engine_pid and not _gone(engine_pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(engine_pid, signal.SIGKILL)
+
+
+async def test_text_and_stop_strings_are_made_in_the_front_end_as_the_engine_makes_them():
+    """With the tokenizer, the front end asks the engine for token ids only and detokenises them itself (vLLM's own
+    incremental detokenizer): the text of a stream is its tokens' text; a stop string cuts the text before it and the
+    token ids after the one that completed it, ends the stream with "stop" and aborts the request in the engine."""
+    from minedraft.engine.engine_process import load_tokenizer
+
+    pair = Path(__file__).resolve().parents[2] / "minedraft" / "models" / "data" / "pair-v1"
+    tokenizer = load_tokenizer(fakes.fake_settings().with_changes(model=str(pair / "target")))
+    text = "def area(radius):\n    return 3.14159 * radius ** 2  # STOP here, and never this tail\n"
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    engine = await EngineProcess.create(fakes.fake_settings(), factory=fakes.ParrotEngine,
+                                        tokenizer_loader=lambda settings: tokenizer)
+    try:
+        whole = await collect(engine.generate(ids, SamplingSettings(max_tokens=500), request_id="whole"))
+        assert "".join(d.text for d in whole) == tokenizer.decode(ids)
+        assert [t for d in whole for t in d.token_ids] == ids and whole[-1].finish_reason == "length"
+
+        cut = await collect(engine.generate(ids, SamplingSettings(max_tokens=500, stop=("STOP",)), request_id="cut"))
+        streamed = "".join(d.text for d in cut)
+        assert streamed == tokenizer.decode(ids).split("STOP")[0]
+        assert all("ST" not in d.text for d in cut), "a possible stop string's start is held back until it settles"
+        tokens = [t for d in cut for t in d.token_ids]
+        assert tokens == ids[:len(tokens)] and "STOP" in tokenizer.decode(tokens)
+        assert "STOP" not in tokenizer.decode(tokens[:-1]), "tokens past the one completing the stop string are cut"
+        assert cut[-1].finish_reason == "stop" and cut[-1].num_output_tokens == len(tokens)
+        assert "cut" in await engine.call(fakes.aborted), "the front end aborts it in the engine"
+        assert "whole" not in await engine.call(fakes.aborted)
+        assert await engine.call(fakes.detokenize_flags) == {"whole": False, "cut": False}
+    finally:
+        await engine.shutdown()
