@@ -11,9 +11,10 @@ GPU host where the servers have cores of their own: between the servers and the 
 GIL (in-process) or nothing (engine process).
 Both engines are loaded at once; every round runs the four scenarios in a rotating order. Per scenario: the p90 of
 the scheduler's step time (StepRecord.step_seconds: schedule to update) and of the wall time between consecutive
-steps' starts (everything the loop does per step: output processing, detokenisation, handing out deltas, and waiting
-for the GIL): each round's p90, the quietest round's and the median over rounds. The figure of interest is
-the ratio grpc / direct per front end: how much serving 64 streams slows the engine's steps.
+steps' starts (everything the loop does per step: output processing, detokenisation where the engine does it
+(in-process only: an engine process's front end detokenises), handing out deltas, and waiting for the GIL): each
+round's p90, the quietest round's and the median over rounds. The figure of interest is the ratio grpc / direct per
+front end: how much serving 64 streams slows the engine's steps.
 
 Usage (from the repository root): python benchmarks/engine_process.py [--rounds 12] [--max-tokens 32]
 Writes benchmarks/results/step-breakdown/engine-process.{json,md}. On a machine shared with other jobs the absolute
@@ -204,7 +205,8 @@ def markdown(report: dict[str, Any]) -> str:
              f"Target on cores {config['cores']['target']}, servers and clients on "
              f"{config['cores']['servers_and_clients']} (the drafter's, idle in ar).", "",
              "step = the scheduler's step time (schedule to update); interval = wall time between consecutive steps' "
-             "starts (the whole loop turn: output processing, detokenisation, deltas out, GIL waits).", "",
+             "starts (the whole loop turn: output processing, detokenisation (in-process only: an engine process's "
+             "front end detokenises), deltas out, GIL waits).", "",
              "Per scenario, each round's p90: the quietest round's (best; on a machine other jobs load in bursts, the "
              "closest to the path's own cost) and the median over rounds.", "",
              "| engine | clients | steps | step p90 ms best | step p90 ms median | interval p90 ms best | "
