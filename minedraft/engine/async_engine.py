@@ -185,6 +185,8 @@ class AsyncEngine:
                 if sink is not None:
                     sink(OutputDelta(command.request_id, [], "", finish_reason="abort"))
         else:
+            if not command.future.set_running_or_notify_cancel():
+                return  # its caller was cancelled while it waited: nothing to run, nobody to answer
             try:
                 command.future.set_result(command.fn(self.engine))
             except Exception as exc:

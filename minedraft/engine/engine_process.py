@@ -361,7 +361,8 @@ class EngineProcess:
         """Abort a request; its stream ends with a final delta whose finish reason is "abort"."""
         with self._lock:
             if not self._closed:
-                self._send_locked(("abort", request_id, True))
+                with contextlib.suppress(EngineDeadError):  # gone: its streams end with EngineDeadError anyway
+                    self._send_locked(("abort", request_id, True))
 
     def _abort_quietly(self, request_id: str) -> None:
         """Abort a request in the engine without a final delta (its stream has ended here already)."""
@@ -375,6 +376,9 @@ class EngineProcess:
         """Run fn(engine) in the engine process between steps. fn must pickle (a module-level function, or a
         functools.partial of one) and so must its result."""
         future: Future[T] = Future()
+        # Running from the start: a caller cancelled meanwhile (a task stopped while it waits) cannot cancel this
+        # future under the reader thread, which sets its result whenever the engine answers.
+        future.set_running_or_notify_cancel()
         with self._lock:
             if self._closed:
                 raise EngineDeadError(f"engine is not running: {self._dead or 'shut down'}")

@@ -120,5 +120,10 @@ def in_flight(engine: Any) -> list[str]:
     return sorted(engine.requests)
 
 
+def slow_pid(engine: Any) -> int:
+    time.sleep(0.5)
+    return os.getpid()
+
+
 def steps(engine: Any) -> int:
     return int(engine.steps)

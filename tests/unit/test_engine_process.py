@@ -79,6 +79,11 @@ async def test_streams_aborts_and_calls_cross_the_process_and_shutdown_ends_it()
         with pytest.raises(Exception, match="pickle"):
             await engine.call(lambda e: e.steps)
         assert await engine.call(partial(fakes.steps)) > 0
+        # A caller cancelled while its call runs (a metrics poll when the server stops) leaves the engine running.
+        waiting = asyncio.ensure_future(engine.call(fakes.slow_pid))
+        await asyncio.sleep(0.1)
+        waiting.cancel()
+        assert await engine.call(fakes.pid) == engine.pid and engine.dead_error is None
         assert engine.num_in_flight == 0 and engine.dead_error is None
 
         # Shutdown: a stream in flight ends with EngineDeadError; the process exits; nothing more is accepted.
