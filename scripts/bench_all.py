@@ -74,7 +74,8 @@ STEPS: tuple[Step, ...] = (
     Step("engine-process", "the engine's step-time p90 with 64 streaming gRPC clients against none, the engine "
          "in-process against in a process of its own, in one run",
          ("python", "benchmarks/engine_process.py"),
-         # Two engine loads and 4 x 3 runs of 64 requests x 32 tokens; a guess until timed on an idle machine.
+         # About 4 minutes on the contended 2-core machine (load average 6-11 from other jobs): two engine loads,
+         # a warm-up and 12 rounds of four runs of 64 requests x 32 tokens.
          ("benchmarks/results/step-breakdown/engine-process.json",), 6 * 60),
     Step("drafter-stall", "inter-token gaps of 16 streams while the drafter is SIGSTOPped (and restarted after a hang)",
          ("minedraft", "bench", "stall", "--out", "benchmarks/results/drafter/stall"),
