@@ -71,6 +71,12 @@ STEPS: tuple[Step, ...] = (
           "--contexts", "2048,8192", "--modes", "psd,psd-full,ar", "--max-tokens", "12"),
          # Took about 4 minutes on the shared machine (load average 4-16 from other jobs).
          ("benchmarks/results/step-breakdown/long.json",), 6 * 60),
+    Step("engine-process", "the engine's step-time p90 with 64 streaming gRPC clients against none, the engine "
+         "in-process against in a process of its own, in one run",
+         ("python", "benchmarks/engine_process.py"),
+         # About 4 minutes on the contended 2-core machine (load average 6-11 from other jobs): two engine loads,
+         # a warm-up and 12 rounds of four runs of 64 requests x 32 tokens.
+         ("benchmarks/results/step-breakdown/engine-process.json",), 6 * 60),
     Step("drafter-stall", "inter-token gaps of 16 streams while the drafter is SIGSTOPped (and restarted after a hang)",
          ("minedraft", "bench", "stall", "--out", "benchmarks/results/drafter/stall"),
          # Took 5-6 minutes at load averages of 3-24 (a replacement drafter may take the minute it is allowed).

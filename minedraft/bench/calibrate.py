@@ -249,13 +249,15 @@ class Measured:
 async def _load(engine: Any, mode: Mode, k: int, prompts: list[str], concurrency: int,
                 max_tokens: int) -> tuple[list[StepRecord], float, float]:
     from minedraft.bench.workload import Workload, run_workload
+    from minedraft.engine import calls
 
     await engine.call(partial(_set_mode, mode=mode, k=k))
-    records = engine.engine.step_records()
+    records = await engine.call(calls.step_records)
     first = records[-1].step if records else 0
     results, seconds = await run_workload(engine, Workload(prompts, concurrency, max_tokens))
     tokens = sum(len(r.token_ids) for r in results)
-    return [r for r in engine.engine.step_records(first) if r.step > first], tokens / seconds, seconds
+    since = await engine.call(partial(calls.step_records, since_step=first))
+    return [r for r in since if r.step > first], tokens / seconds, seconds
 
 
 async def _measure(base: EngineSettings, settings: CalibrationSettings, prompts: list[str],

@@ -22,10 +22,11 @@ def worker_main(settings: EngineSettings, conn: Connection) -> None:
 
 
 async def _serve(settings: EngineSettings, conn: Connection) -> None:
+    from minedraft.engine import calls
     from minedraft.engine.async_engine import AsyncEngine
 
     engine = await AsyncEngine.create(settings)
-    conn.send(("ready", engine.engine.startup_seconds))
+    conn.send(("ready", engine.startup_seconds))
     try:
         while True:
             command: tuple[Any, ...] = await asyncio.to_thread(conn.recv)
@@ -38,23 +39,24 @@ async def _serve(settings: EngineSettings, conn: Connection) -> None:
             _, mode_name, workload = command
             assert isinstance(workload, Workload | Trace)
             mode = Mode(mode_name)
-            if engine.engine.psd_scheduler is not None:
+            if await engine.call(calls.switchable):
                 # Fixed modes at the configured k (auto may have left another); auto resumes its last choice.
                 k = None if mode is Mode.AUTO else settings.num_speculative_tokens
                 await engine.call(partial(_set_mode, mode=mode, k=k))
-            before = engine.engine.totals()
-            first_step = engine.engine.step_records()[-1].step if engine.engine.step_records() else 0
+            before = await engine.call(calls.totals)
+            records = await engine.call(calls.step_records)
+            first_step = records[-1].step if records else 0
             if isinstance(workload, Trace):
                 results, makespan = await run_trace(engine, workload)
             else:
                 results, makespan = await run_workload(engine, workload)
             # Counts pooled over the whole run (the step-record ring buffer may hold only its tail).
-            totals = engine.engine.totals() - before
+            totals = await engine.call(calls.totals) - before
             tokens_by_mode: dict[str, int] = {}
-            for record in engine.engine.step_records(first_step):
+            for record in await engine.call(partial(calls.step_records, since_step=first_step)):
                 key = record.mode if record.mode == "ar" else f"{record.mode} k={record.k}"
                 tokens_by_mode[key] = tokens_by_mode.get(key, 0) + record.num_output_tokens
-            decisions = [_decision_summary(d) for d in engine.engine.auto_decisions() if d.step > first_step]
+            decisions = [_decision_summary(d) for d in await engine.call(calls.auto_decisions) if d.step > first_step]
             conn.send(("result", [result_to_dict(r) for r in results], makespan, asdict(totals), tokens_by_mode,
                        decisions))
     finally:

@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from minedraft.engine.async_engine import AsyncEngine
 from minedraft.engine.requests import SamplingSettings
+from minedraft.engine.serving import ServingEngine
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def bench_prompts(pair_dir: Path, count: int, chars: int = 240, stride: int = 90
     return prompts
 
 
-async def run_workload(engine: AsyncEngine, workload: Workload) -> tuple[list[RequestResult], float]:
+async def run_workload(engine: ServingEngine, workload: Workload) -> tuple[list[RequestResult], float]:
     """Returns per-request results (in prompt order) and the makespan in seconds."""
     semaphore = asyncio.Semaphore(workload.concurrency)
     results: list[RequestResult | None] = [None] * len(workload.prompts)
@@ -120,7 +120,7 @@ async def run_workload(engine: AsyncEngine, workload: Workload) -> tuple[list[Re
     return [r for r in results if r is not None], makespan
 
 
-async def run_trace(engine: AsyncEngine, trace: Trace) -> tuple[list[RequestResult], float]:
+async def run_trace(engine: ServingEngine, trace: Trace) -> tuple[list[RequestResult], float]:
     results: list[RequestResult] = []
     makespan = 0.0
     for phase in trace.phases:

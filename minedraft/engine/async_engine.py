@@ -48,6 +48,10 @@ class _Call:
 
 
 class AsyncEngine:
+    """The engine driven from a thread of this process (`EngineProcess` is the same interface over a process)."""
+
+    in_process = True
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.settings = engine.settings
@@ -69,6 +73,24 @@ class AsyncEngine:
         if wait_for_drafter:
             await asyncio.to_thread(engine.wait_for_drafter)
         return cls(engine)
+
+    # -- what the servers read (fixed once the engine is loaded; the same attributes as EngineProcess's) ---------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def startup_seconds(self) -> float:
+        return self.engine.startup_seconds
 
     # -- public API --------------------------------------------------------------------------------------------
 
@@ -163,6 +185,8 @@ class AsyncEngine:
                 if sink is not None:
                     sink(OutputDelta(command.request_id, [], "", finish_reason="abort"))
         else:
+            if not command.future.set_running_or_notify_cancel():
+                return  # its caller was cancelled while it waited: nothing to run, nobody to answer
             try:
                 command.future.set_result(command.fn(self.engine))
             except Exception as exc:

@@ -24,7 +24,7 @@ from minedraft.engine.placement import (
     plan_devices,
     resolved_settings,
 )
-from minedraft.engine.requests import OutputDelta, RequestError, SamplingSettings
+from minedraft.engine.requests import OutputDelta, SamplingSettings, encode_prompt
 from minedraft.engine.settings import EngineSettings, Mode
 from minedraft.engine.vllm_adapter import (
     PROPOSER_CLASS,
@@ -181,6 +181,26 @@ def engine_args(settings: EngineSettings) -> Any:
     )
 
 
+def vllm_sampling_params(sampling: SamplingSettings, max_tokens: int, detokenize: bool = True) -> Any:
+    """vLLM's sampling parameters of a request (streamed as deltas). Without detokenisation vLLM takes no stop
+    strings: whoever detokenises matches them."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        seed=sampling.seed,
+        stop=(list(sampling.stop) or None) if detokenize else None,
+        stop_token_ids=list(sampling.stop_token_ids) or None,
+        ignore_eos=sampling.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=detokenize,
+    )
+
+
 class Engine:
     """Synchronous engine: add requests, step, read deltas. Not thread-safe; AsyncEngine drives it from a thread."""
 
@@ -288,39 +308,17 @@ class Engine:
     # -- requests ----------------------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        token_ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise RequestError("prompt", "is empty")
-        vocab_size = self.vocab_size
-        if any(not 0 <= t < vocab_size for t in token_ids):
-            raise RequestError("prompt_token_ids", f"token ids must be in [0, {vocab_size})")
-        max_model_len = self.max_model_len
-        if len(token_ids) >= max_model_len:
-            raise RequestError(
-                "prompt",
-                f"is {len(token_ids)} tokens; the context holds {max_model_len} "
-                "including at least one generated token",
-            )
-        return token_ids
+        return encode_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSettings) -> None:
-        from vllm import SamplingParams
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSettings,
+                    detokenize: bool = True) -> None:
+        """`detokenize=False`: token ids only, no text and no stop strings (an engine process's front end
+        detokenises and matches stop strings itself, then aborts the request)."""
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
         sampling.validate()
         room = self.max_model_len - len(prompt_token_ids)
-        params = SamplingParams(
-            max_tokens=min(sampling.max_tokens, room),
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            seed=sampling.seed,
-            stop=list(sampling.stop) or None,
-            stop_token_ids=list(sampling.stop_token_ids) or None,
-            ignore_eos=sampling.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        params = vllm_sampling_params(sampling, min(sampling.max_tokens, room), detokenize)
         self._llm.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_token_ids), params)
         self._prompt_lengths[request_id] = len(prompt_token_ids)
         self._output_counts[request_id] = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestError(ValueError):
@@ -12,9 +13,41 @@ class RequestError(ValueError):
         super().__init__(f"{field_name}: {message}")
         self.field_name = field_name
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Crosses the engine process's pipe intact (the default would call RequestError(full_text) and fail).
+        return rebuild_error, (type(self), self.args, self.__dict__)
+
+
+def rebuild_error(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    """Unpickle an error whose constructor does not take its own `args` (errors that name a field)."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class EngineDeadError(RuntimeError):
     """The engine stopped; requests in flight end with this error instead of silently."""
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[int], vocab_size: int, max_model_len: int) -> list[int]:
+    """A prompt's token ids (text encoded by the target's tokenizer), checked against the vocabulary and context."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError("prompt", "text prompts need a tokenizer; send token ids")
+        token_ids = list(tokenizer.encode(prompt))
+    else:
+        token_ids = list(prompt)
+    if not token_ids:
+        raise RequestError("prompt", "is empty")
+    if any(not 0 <= t < vocab_size for t in token_ids):
+        raise RequestError("prompt_token_ids", f"token ids must be in [0, {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise RequestError(
+            "prompt",
+            f"is {len(token_ids)} tokens; the context holds {max_model_len} including at least one generated token",
+        )
+    return token_ids
 
 
 @dataclass(frozen=True)

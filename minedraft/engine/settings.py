@@ -50,6 +50,12 @@ class SettingsError(ValueError):
         super().__init__(f"{field_name}: {message}")
         self.field_name = field_name
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Crosses the engine process's pipe intact (a startup refusal reaches `serve` as it is raised in-process).
+        from minedraft.engine.requests import rebuild_error
+
+        return rebuild_error, (type(self), self.args, self.__dict__)
+
 
 MAX_NUM_SPECULATIVE_TOKENS = 16
 DTYPES = ("auto", "bfloat16", "float16", "float32")

@@ -22,7 +22,8 @@ from prometheus_client import CollectorRegistry
 
 from minedraft.api import SERVICE_NAME, grpc_policy
 from minedraft.api.auth import TokenAuthInterceptor
-from minedraft.engine.async_engine import AsyncEngine
+from minedraft.engine import calls
+from minedraft.engine.serving import ServingEngine
 from minedraft.openai_api.server import HttpServer
 from minedraft.server.metrics import EngineExporter
 from minedraft.server.servicer import EngineService, GenerationServicer, ServerState
@@ -93,7 +94,7 @@ class EngineServer:
         log.info("gRPC server on %s (port %d), loading", address, self.port)
         return self.port
 
-    async def attach(self, engine: AsyncEngine) -> None:
+    async def attach(self, engine: ServingEngine) -> None:
         """The engine is ready: start admitting requests."""
         self.service.attach(engine)
         if self.registry is not None and self.exporter is None:
@@ -107,7 +108,7 @@ class EngineServer:
         self._engine_check_task = asyncio.create_task(self._check_engine_loop(engine), name="engine loop check")
         log.info("serving %s (%s, %s)", engine.settings.model, engine.settings.mode.value, engine.settings.dtype)
 
-    async def _check_engine_loop(self, engine: AsyncEngine) -> None:
+    async def _check_engine_loop(self, engine: ServingEngine) -> None:
         """Readiness follows the engine loop: NOT_SERVING while it does not answer (stuck, or dead), SERVING again
         once it does. The probe is never cancelled (the engine thread would find its future cancelled): a slow one
         is waited for again at the next check."""
@@ -116,7 +117,7 @@ class EngineServer:
         while self.service.state is ServerState.SERVING:
             await asyncio.sleep(self.engine_check_interval_seconds)
             if probe is None or probe.done():
-                probe = asyncio.ensure_future(engine.call(lambda _: None))
+                probe = asyncio.ensure_future(engine.call(calls.noop))
             try:
                 await asyncio.wait_for(asyncio.shield(probe), self.engine_check_timeout_seconds)
                 alive = True
@@ -173,7 +174,7 @@ class EngineServer:
 
 
 async def serve(
-    engine_factory: Callable[[], Coroutine[Any, Any, AsyncEngine]],
+    engine_factory: Callable[[], Coroutine[Any, Any, ServingEngine]],
     grpc_address: str,
     grace_seconds: float,
     replica_id: str | None = None,
@@ -198,7 +199,7 @@ async def serve(
     load = asyncio.create_task(engine_factory())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    engine: AsyncEngine | None = None
+    engine: ServingEngine | None = None
     if load.done():
         engine = load.result()  # a failed load raises here: the process exits non-zero
         await server.attach(engine)

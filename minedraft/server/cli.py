@@ -31,6 +31,9 @@ def add_subcommands(sub: Any) -> None:
     serve.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
                        help="the names clients address the model by: GetModelInfo's model and /v1/models answer the "
                        "first, requests may name any (aliases); default: the model's path or hub id")
+    serve.add_argument("--engine-in-process", action="store_true",
+                       help="run the engine's step loop on a thread of the serving process instead of in an engine "
+                       "process of its own (the servers then share its GIL; for comparisons and debugging)")
     serve.add_argument("--replica-id", default=os.environ.get("POD_NAME"),
                        help="reported by GetServerInfo (default: $POD_NAME, else the host name)")
     serve.set_defaults(func=cmd_serve)
@@ -52,7 +55,9 @@ def start_metrics(host: str, port: int) -> Any:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from minedraft.engine.async_engine import AsyncEngine
+    from minedraft.engine.engine_process import EngineProcess
     from minedraft.engine.placement import detect_device, resolved_settings
+    from minedraft.engine.serving import ServingEngine
     from minedraft.engine_options import settings_from_args
     from minedraft.server.app import serve
 
@@ -74,7 +79,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"minedraft serve: gRPC on {args.host}:{port}, loading the {settings.mode.value} engine ({dtype})",
               file=sys.stderr, flush=True)
 
-    return asyncio.run(serve(lambda: AsyncEngine.create(settings), f"{args.host}:{args.grpc_port}",
+    async def start_engine() -> ServingEngine:
+        if args.engine_in_process:
+            return await AsyncEngine.create(settings)
+        # Default: the engine core in a process of its own, apart from the servers' GIL (engine_process.py).
+        return await EngineProcess.create(settings)
+
+    return asyncio.run(serve(start_engine, f"{args.host}:{args.grpc_port}",
                              args.grace_seconds, args.replica_id, on_started=on_started, registry=registry,
                              http_address=(args.host, args.http_port) if args.http_port else None, tokens=tokens,
                              served_model_names=tuple(args.served_model_name)))

@@ -70,7 +70,7 @@ class EngineBackend:
         if service.state is not ServerState.SERVING or engine is None or limits is None:
             raise BackendError(grpc.StatusCode.UNAVAILABLE,
                                f"replica {service.replica_id} is {service.state.value}")
-        tokenizer = engine.engine.tokenizer
+        tokenizer = engine.tokenizer
         try:
             # As on the gRPC side: the cheap bounds on the loop, tokenizing (or rendering the chat) in a thread.
             check_before_tokenizing(request, limits)

@@ -4,7 +4,7 @@ Three sources, each counted once:
 - step records (`Engine.step_records(since)`), polled by `EngineExporter.run` on the event loop: per-mode counters
   and per-step histograms. Only records newer than the last seen step are ingested, so nothing is counted twice;
   counters start at zero when the exporter starts (a replica's metrics start with its server).
-- a snapshot read on the engine thread at the same poll (`AsyncEngine.call`): totals kept by the engine only
+- a snapshot read between steps at the same poll (`call`, wherever the engine runs): totals kept by the engine only
   (drafter restarts, deadline misses, preemptions, auto switches) and gauges (load, KV cache, mode, k, drafter up,
   predicted goodput). `SnapshotCollector` turns the latest snapshot into metric families at scrape time.
 - the Generate streams (`RequestMetrics.observe`): time to first token, time per output token, end-to-end seconds,
@@ -16,7 +16,8 @@ verification, `1 - wait / draft` over a window, clamped to [0, 1]. In PromQL:
 (1.0: drafting fully hidden; 0: draft-then-verify in sequence).
 
 vLLM's own metrics (`vllm:*`) live in prometheus_client's process-global registry, where vLLM's in-process engine
-registers them; `VllmMetricsBridge` re-exposes them on this server's registry unchanged.
+registers them; `VllmMetricsBridge` re-exposes them on this server's registry unchanged (with the engine in a process of
+its own, as each poll brought them from there).
 """
 
 from __future__ import annotations
@@ -27,15 +28,17 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from minedraft.engine.async_engine import AsyncEngine
+from minedraft.engine import calls
 from minedraft.engine.control.stats import EngineTotals, StepRecord
 from minedraft.engine.core import Engine
 from minedraft.engine.requests import EngineDeadError, OutputDelta
+from minedraft.engine.serving import ServingEngine
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ class EngineSnapshot:
 
 
 def read_snapshot(engine: Engine) -> EngineSnapshot:
-    """Runs on the engine thread (AsyncEngine.call): every read here is consistent with the last completed step."""
+    """Runs between steps wherever the engine runs (`call`): every read is consistent with the last completed step."""
     running, waiting = engine.load()
     mode, k = engine.current_mode
     scheduler = engine.psd_scheduler
@@ -393,18 +396,33 @@ class RequestTimer:
         )
 
 
+def vllm_metric_families(source: CollectorRegistry = REGISTRY, prefix: str = "vllm:") -> list[Metric]:
+    """vLLM's own metric families as its engine registered them in this process's global registry."""
+    return [family for family in source.collect() if family.name.startswith(prefix)]
+
+
+def poll_engine(engine: Engine, since_step: int,
+                vllm_metrics: bool) -> tuple[list[StepRecord], EngineSnapshot, list[Metric] | None]:
+    """One metrics poll, run in the engine's process between steps (`call`): new step records, a snapshot and, for
+    an engine in its own process, vLLM's metric families there (they pickle: plain names and samples)."""
+    return engine.step_records(since_step), read_snapshot(engine), vllm_metric_families() if vllm_metrics else None
+
+
 class VllmMetricsBridge(Collector):
-    """Re-exposes vLLM's own `vllm:*` metrics (registered by its in-process engine into prometheus_client's global
-    registry) on this server's registry, so one scrape carries both."""
+    """Re-exposes vLLM's own `vllm:*` metrics on this server's registry, so one scrape carries both: read live from
+    prometheus_client's global registry (where vLLM's in-process engine registers them), or, with the engine in a
+    process of its own, the families its last poll brought (`families`)."""
 
     def __init__(self, source: CollectorRegistry = REGISTRY, prefix: str = "vllm:") -> None:
         self.source = source
         self.prefix = prefix
+        self.families: list[Metric] | None = None
 
     def collect(self) -> Iterator[Metric]:
-        for family in self.source.collect():
-            if family.name.startswith(self.prefix):
-                yield family
+        if self.families is not None:
+            yield from self.families
+            return
+        yield from vllm_metric_families(self.source, self.prefix)
 
     def describe(self) -> Iterable[Metric]:
         return []
@@ -422,6 +440,7 @@ class EngineExporter:
     steps: StepMetrics = field(init=False)
     requests: RequestMetrics = field(init=False)
     snapshots: SnapshotCollector = field(init=False)
+    vllm_bridge: VllmMetricsBridge | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.steps = StepMetrics(self.registry, self.model, self.max_positions)
@@ -429,21 +448,26 @@ class EngineExporter:
         self.snapshots = SnapshotCollector(self.model)
         self.registry.register(self.snapshots)
         if self.expose_vllm:
-            self.registry.register(VllmMetricsBridge())
+            self.vllm_bridge = VllmMetricsBridge()
+            self.registry.register(self.vllm_bridge)
 
-    async def start(self, engine: AsyncEngine) -> None:
+    async def start(self, engine: ServingEngine) -> None:
         """Count from now on: steps the engine made before this are not this exporter's."""
-        records = await engine.call(lambda e: e.step_records())
+        records = await engine.call(calls.step_records)
         self.steps.start_after(max((r.step for r in records), default=0))
         await self.poll(engine)
 
-    async def poll(self, engine: AsyncEngine) -> None:
+    async def poll(self, engine: ServingEngine) -> None:
         since = self.steps.last_step if self.steps.last_step is not None else -1
-        records, snapshot = await engine.call(lambda e: (e.step_records(since), read_snapshot(e)))
+        # vLLM's own metrics live in the engine's process: from an engine process they come with each poll.
+        records, snapshot, vllm_families = await engine.call(partial(poll_engine, since_step=since,
+                                                                     vllm_metrics=not engine.in_process))
         self.steps.ingest(records)
         self.snapshots.snapshot = snapshot
+        if self.vllm_bridge is not None and vllm_families is not None:
+            self.vllm_bridge.families = vllm_families
 
-    async def run(self, engine: AsyncEngine) -> None:
+    async def run(self, engine: ServingEngine) -> None:
         while True:
             try:
                 await self.poll(engine)

@@ -1,4 +1,5 @@
-"""The Generation service over an AsyncEngine: a thin adapter. Checks and conversions live in convert.py."""
+"""The Generation service over an engine front end (AsyncEngine or EngineProcess): a thin adapter. Checks and
+conversions live in convert.py."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import grpc
 from minedraft import __version__
 from minedraft.api import pb, pb_grpc
 from minedraft.api.grpc_policy import reject_undecodable
-from minedraft.engine.async_engine import AsyncEngine
+from minedraft.engine import calls
 from minedraft.engine.requests import EngineDeadError, RequestError
+from minedraft.engine.serving import ServingEngine
 from minedraft.server.convert import (
     ModelLimits,
     PreparedRequest,
@@ -49,19 +51,15 @@ async def abort_invalid(context: grpc.aio.ServicerContext, error: RequestError) 
     raise AssertionError("unreachable: context.abort raises")
 
 
-def engine_vocab_size(engine: AsyncEngine) -> int:
-    # The same source encode_prompt checks against, so OOV checks here and in the engine agree.
-    return engine.engine.vocab_size
-
-
-def engine_limits(engine: AsyncEngine) -> ModelLimits:
-    tokenizer = engine.engine.tokenizer
+def engine_limits(engine: ServingEngine) -> ModelLimits:
+    # The same sources encode_prompt checks against, so the checks here and the front end's agree.
+    tokenizer = engine.tokenizer
     try:
         longest = max_token_bytes(tokenizer.get_vocab())
     except Exception:  # a tokenizer without a readable vocabulary: the conservative default bound
         log.warning("cannot read the tokenizer's vocabulary; prompts bounded at the default bytes per token")
-        return ModelLimits(vocab_size=engine_vocab_size(engine), max_model_len=engine.settings.max_model_len)
-    return ModelLimits(vocab_size=engine_vocab_size(engine), max_model_len=engine.settings.max_model_len,
+        return ModelLimits(vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
+    return ModelLimits(vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
                        max_token_bytes=longest)
 
 
@@ -85,7 +83,7 @@ class EngineService:
         # path or hub id.
         self.served_model_names = served_model_names
         self.state = ServerState.LOADING
-        self.engine: AsyncEngine | None = None
+        self.engine: ServingEngine | None = None
         self.limits: ModelLimits | None = None
         self.started_monotonic = time.monotonic()
         self.num_active_streams = 0
@@ -96,7 +94,7 @@ class EngineService:
         # Set by the server when it exports metrics: times and counts every Generate stream.
         self.request_metrics: RequestMetrics | None = None
 
-    def attach(self, engine: AsyncEngine) -> None:
+    def attach(self, engine: ServingEngine) -> None:
         self.engine = engine
         self.limits = engine_limits(engine)
         self.state = ServerState.SERVING
@@ -122,7 +120,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
     def __init__(self, service: EngineService) -> None:
         self._service = service
 
-    async def _serving_engine(self, context: grpc.aio.ServicerContext) -> tuple[AsyncEngine, ModelLimits]:
+    async def _serving_engine(self, context: grpc.aio.ServicerContext) -> tuple[ServingEngine, ModelLimits]:
         service = self._service
         if service.state is not ServerState.SERVING or service.engine is None or service.limits is None:
             # UNAVAILABLE: the gateway (or any client) may retry on another replica.
@@ -134,7 +132,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         await reject_undecodable(request, context, "minedraft.v1.GenerateRequest")
         engine, limits = await self._serving_engine(context)
-        tokenizer = engine.engine.tokenizer
+        tokenizer = engine.tokenizer
         try:
             # Cheap checks first, on the loop: they bound what tokenizing may cost. Tokenizing runs in a thread so
             # a long prompt does not stall every other stream and the health service. Nothing reaches the engine
@@ -205,7 +203,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
         running = waiting = 0
         if service.engine is not None and service.state is ServerState.SERVING:
             with contextlib.suppress(EngineDeadError):
-                load: Any = await service.engine.call(lambda e: e.load())
+                load: Any = await service.engine.call(calls.load)
                 running, waiting = load
         return pb.GetServerInfoResponse(
             version=__version__,

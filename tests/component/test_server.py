@@ -373,3 +373,63 @@ async def test_readiness_follows_the_engine_loop(psd):
     finally:
         await server.stop()
         await engine.shutdown(shutdown_engine=False)
+
+
+def test_the_front_ends_own_tokenizer_encodes_and_renders_as_the_engines(psd, texts):
+    """An engine process's front end loads the tokenizer itself (load_tokenizer) and encodes prompts before anything
+    reaches the engine: ids and chat renderings must be the engine's own, or the engine process would compute on a
+    different prompt than the in-process path."""
+    from minedraft.engine.engine_process import load_tokenizer
+
+    own = load_tokenizer(psd.settings)
+    for text in [*texts[:4], "  leading spaces, ünïcödé and\ttabs\n", "def f(x):\n    return x ** 2\n"]:
+        assert own.encode(text) == psd.tokenizer.encode(text), text
+    assert own.get_vocab() == psd.tokenizer.get_vocab()
+    messages = [{"role": "user", "content": texts[0]}]
+    if getattr(psd.tokenizer, "chat_template", None):
+        assert (own.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                == psd.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+def test_front_end_detokenisation_and_stop_strings_equal_the_engines(psd, texts):
+    """An engine process is asked for token ids only and its front end makes the text and matches stop strings
+    (detokenize.py). On the real psd engine (steps that accept several tokens at once), the same greedy request with a
+    stop string, once as vLLM runs it in-process and once token ids only through the front end's detokenizer, must
+    give the same text, token ids, output count and finish reason."""
+    from minedraft.engine.detokenize import StreamDetokenizer
+
+    prompt = psd.encode_prompt(texts[1])
+    plain = _run(psd, "plain", prompt, SamplingSettings(max_tokens=40, ignore_eos=True))
+    text = "".join(d.text for d in plain)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), text
+    sampling = SamplingSettings(max_tokens=40, ignore_eos=True, stop=(stop, "\x00never"))
+    in_engine = _run(psd, "in-engine", prompt, sampling)
+    detokenizer = StreamDetokenizer(psd.tokenizer, "front-end", prompt, sampling)
+    front_end = []
+    for delta in _run(psd, "front-end", prompt, sampling, detokenize=False):
+        made, stopped_here = detokenizer.apply(delta)
+        front_end.append(made)
+        if made.finished:
+            if stopped_here:
+                psd.abort(["front-end"])
+            break
+    assert in_engine[-1].finish_reason == front_end[-1].finish_reason == "stop"
+    assert "".join(d.text for d in front_end) == "".join(d.text for d in in_engine) == text.split(stop)[0]
+    assert [t for d in front_end for t in d.token_ids] == [t for d in in_engine for t in d.token_ids]
+    assert front_end[-1].num_output_tokens == in_engine[-1].num_output_tokens
+
+
+def _run(engine, request_id: str, prompt: list[int], sampling: SamplingSettings, detokenize: bool = True) -> list:
+    if detokenize:
+        engine.add_request(request_id, prompt, sampling)
+    else:
+        engine.add_request(request_id, prompt, sampling, detokenize=False)
+    deltas = []
+    for _ in range(2000):
+        for delta in engine.step():
+            if delta.request_id == request_id:
+                deltas.append(delta)
+        if deltas and deltas[-1].finished:
+            return deltas
+    raise AssertionError(f"{request_id} did not finish")

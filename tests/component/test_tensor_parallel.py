@@ -129,10 +129,15 @@ def test_every_worker_keeps_both_sub_batches_resident(tp_engine, tp_prompts, tp_
 
 def test_serve_at_tp2_answers_as_the_target_alone(pair_dir, tp_prompts, tp_references, tmp_path):
     """`minedraft serve --tensor-parallel-size 2` end to end: its workers start by spawn (the serving process already
-    runs gRPC and ZMQ threads before the engine loads) and one greedy psd request over gRPC equals ar at TP=2."""
+    runs gRPC and ZMQ threads before the engine loads) and one greedy psd request over gRPC equals ar at TP=2.
+
+    The engine runs in a process of its own (the serving process's child, the workers' parent), streaming through
+    it; killing that process ends the open stream with UNAVAILABLE and turns readiness NOT_SERVING, as an engine
+    loop dying in-process does, while the server itself lives on."""
     import asyncio
     import os
     import re
+    import signal
     import subprocess
     import sys
     import threading
@@ -176,6 +181,23 @@ def test_serve_at_tp2_answers_as_the_target_alone(pair_dir, tp_prompts, tp_refer
                 responses = [r async for r in pb_grpc.GenerationStub(channel).Generate(request, timeout=300)]
             return [t for r in responses for t in r.token_ids]
 
+        async def kill_the_engine_mid_stream(engine_pid: int) -> tuple[int, grpc.StatusCode | None]:
+            from grpc_health.v1 import health_pb2
+
+            request = pb.GenerateRequest(prompt_token_ids=tp_prompts[0], request_id="tp2-killed",
+                                         sampling_params=pb.SamplingParams(max_tokens=400, ignore_eos=True))
+            received, code = 0, None
+            async with grpc.aio.insecure_channel(target) as channel:
+                try:
+                    async for response in pb_grpc.GenerationStub(channel).Generate(request, timeout=300):
+                        if received == 0:
+                            os.kill(engine_pid, signal.SIGKILL)
+                        received += len(response.token_ids)
+                except grpc.aio.AioRpcError as exc:
+                    code = exc.code()
+            await wait_for_health(target, health_pb2.HealthCheckResponse.NOT_SERVING, timeout_seconds=120)
+            return received, code
+
         tokens = asyncio.run(generate())
         assert process.poll() is None, "".join(lines[-40:])
         # How the workers started: a spawned worker is a fresh exec, so its initial environment (/proc/PID/environ)
@@ -184,6 +206,14 @@ def test_serve_at_tp2_answers_as_the_target_alone(pair_dir, tp_prompts, tp_refer
         workers = [pid for pid in _descendants(process.pid) if _cmdline(pid).startswith("VLLM::Worker")]
         worker_environments = [_environ(pid) for pid in workers]
         serve_environment = _environ(process.pid)
+        engine_processes = {_parent(pid) for pid in workers}
+        assert len(engine_processes) == 1, engine_processes
+        engine_pid = engine_processes.pop()
+        assert engine_pid != process.pid and _parent(engine_pid) == process.pid, "no engine process of its own"
+        received, code = asyncio.run(kill_the_engine_mid_stream(engine_pid))
+        assert code == grpc.StatusCode.UNAVAILABLE, (received, code)
+        assert received < 400
+        assert process.poll() is None, "the server exited with its engine: " + "".join(lines[-40:])
     finally:
         process.terminate()
         try:
@@ -195,6 +225,12 @@ def test_serve_at_tp2_answers_as_the_target_alone(pair_dir, tp_prompts, tp_refer
     assert len(workers) == 2, workers
     assert "VLLM_WORKER_MULTIPROC_METHOD" not in serve_environment
     assert all(e.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn" for e in worker_environments), "a worker was forked"
+
+
+def _parent(pid: int) -> int:
+    from pathlib import Path
+
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def _cmdline(pid: int) -> str:

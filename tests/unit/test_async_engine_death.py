@@ -55,3 +55,22 @@ async def test_streams_in_flight_end_with_engine_dead_and_new_work_is_refused():
     with pytest.raises(EngineDeadError):
         await engine.call(lambda e: e.steps)
     await engine.shutdown()
+
+
+async def test_a_call_cancelled_while_queued_does_not_kill_the_loop():
+    """A caller cancelled while its call waits behind another (a metrics poll when the server stops) must not take the
+    engine loop down when the loop gets to it."""
+    import asyncio
+    import time
+
+    engine = AsyncEngine(DyingEngine(die_at_step=1000))  # type: ignore[arg-type]
+    try:
+        slow = asyncio.ensure_future(engine.call(lambda e: time.sleep(0.3)))
+        await asyncio.sleep(0.05)
+        queued = asyncio.ensure_future(engine.call(lambda e: e.steps))
+        await asyncio.sleep(0.05)
+        queued.cancel()
+        await slow
+        assert await engine.call(lambda e: "alive") == "alive" and engine.dead_error is None
+    finally:
+        await engine.shutdown()

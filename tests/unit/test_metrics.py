@@ -384,3 +384,25 @@ def test_alert_rules_fire_on_synthetic_series():
     cases = yaml.safe_load(RULE_TESTS.read_text())["tests"]
     fired = {t["alertname"] for case in cases for t in case.get("alert_rule_test", []) if t["exp_alerts"]}
     assert fired == {rule["alert"] for rule in alert_rules()}, "every alert needs a case where it fires"
+
+
+def test_vllm_metrics_cross_from_an_engine_process_unchanged():
+    """With the engine in a process of its own, vLLM's families are read there (poll_engine) and pickled across; the
+    bridge then exposes what the last poll brought instead of this process's (empty) global registry."""
+    import pickle
+
+    from prometheus_client import Counter, generate_latest
+
+    from minedraft.server.metrics import VllmMetricsBridge, vllm_metric_families
+
+    engine_registry = CollectorRegistry()
+    Counter("vllm:generation_tokens", "Generated tokens.", ["model_name"], registry=engine_registry).labels("m").inc(7)
+    Counter("other_total", "Not vLLM's.", registry=engine_registry).inc()
+    families = pickle.loads(pickle.dumps(vllm_metric_families(engine_registry)))
+    assert [f.name for f in families] == ["vllm:generation_tokens"]
+    server_registry = CollectorRegistry()
+    bridge = VllmMetricsBridge(source=CollectorRegistry())
+    server_registry.register(bridge)
+    assert b"vllm:generation_tokens" not in generate_latest(server_registry)
+    bridge.families = families
+    assert 'vllm:generation_tokens_total{model_name="m"} 7.0' in generate_latest(server_registry).decode()
