@@ -147,7 +147,7 @@ class EngineServer:
             await asyncio.wait_for(self.service.idle.wait(), grace_seconds)
         except TimeoutError:
             log.warning("grace period over: cutting %d streams", self.service.num_active_streams)
-            self.service.cut_all()
+            await self.service.cut_all()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.service.idle.wait(), 2.0)
         # grace=0: whatever is still open is cancelled now; the servicer's stream closes and aborts it in the engine.

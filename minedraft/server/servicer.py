@@ -64,12 +64,12 @@ def engine_limits(engine: ServingEngine) -> ModelLimits:
 
 
 class _OpenStream:
-    """A Generate stream in progress: its task (to cut it at the end of a drain) and how far it got."""
+    """A Generate stream in progress: its engine request (to cut it at the end of a drain) and how far it got."""
 
-    __slots__ = ("cut", "task", "tokens_sent")
+    __slots__ = ("cut", "engine_request_id", "tokens_sent")
 
-    def __init__(self, task: asyncio.Task[Any] | None) -> None:
-        self.task = task
+    def __init__(self, engine_request_id: str) -> None:
+        self.engine_request_id = engine_request_id
         self.tokens_sent = 0
         self.cut = False
 
@@ -99,12 +99,22 @@ class EngineService:
         self.limits = engine_limits(engine)
         self.state = ServerState.SERVING
 
-    def cut_all(self) -> None:
-        """End every open stream now with UNAVAILABLE and its token count (the end of a drain's grace period)."""
+    async def cut_all(self) -> None:
+        """End every open stream with UNAVAILABLE and its token count (the end of a drain's grace period).
+
+        Each stream's request is aborted in the engine, whose final "abort" delta reaches the stream's own handler,
+        which then ends the call with that status. Not by cancelling the handler's task: a cancellation that lands
+        while gRPC itself is writing a response (not inside the handler) never reaches the handler, and the caller
+        would see only the server's stop ("Cancelling all calls"). A stream whose caller reads nothing is ended by
+        that stop, after the drain's last wait."""
+        engine = self.engine
         for stream in list(self.open_streams):
-            if stream.task is not None and not stream.cut:
-                stream.cut = True
-                stream.task.cancel()
+            if stream.cut:
+                continue
+            stream.cut = True
+            if engine is not None:
+                with contextlib.suppress(EngineDeadError):
+                    await engine.abort(stream.engine_request_id)
 
     def stream_opened(self) -> None:
         self.num_active_streams += 1
@@ -114,6 +124,13 @@ class EngineService:
         self.num_active_streams -= 1
         if self.num_active_streams == 0:
             self.idle.set()
+
+
+async def abort_cut(context: grpc.aio.ServicerContext, service: EngineService, open_stream: _OpenStream) -> None:
+    """End a stream cut by the drain with UNAVAILABLE, saying why and how far it got."""
+    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                        f"replica {service.replica_id} shutting down: stream cut at the end of the drain grace "
+                        f"period after {open_stream.tokens_sent} tokens")
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
@@ -156,8 +173,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
             log.debug("request %r runs as %s", prepared.request_id, engine_request_id)
         service = self._service
         service.stream_opened()
-        open_stream = _OpenStream(asyncio.current_task())
+        open_stream = _OpenStream(engine_request_id)
         service.open_streams.add(open_stream)
+        cut_off = False
         try:
             stream = engine.generate(prepared.prompt_token_ids, prepared.sampling, engine_request_id)
             if service.request_metrics is not None:
@@ -166,23 +184,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
             # request in the engine.
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 async for delta in stream:
+                    if open_stream.cut and delta.finish_reason == "abort":
+                        cut_off = True
+                        break  # cut by the drain: the caller hears why below, not a plain "abort"
                     response = response_from_delta(delta)
                     response.request_id = response_id
                     open_stream.tokens_sent += len(delta.token_ids)
                     yield response
+            if cut_off:
+                await abort_cut(context, service, open_stream)
         except RequestError as exc:
             await abort_invalid(context, exc)
         except EngineDeadError as exc:
             log.error("engine dead: %s", exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica {service.replica_id}: the engine is not running")
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if not open_stream.cut or task is None or task.uncancel() > 0:
-                raise
-            # Cut by the drain (the caller is still there): tell it why and how far it got.
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"replica {service.replica_id} shutting down: stream cut at the end of the drain "
-                                f"grace period after {open_stream.tokens_sent} tokens")
         finally:
             service.open_streams.discard(open_stream)
             service.stream_closed()
