@@ -33,13 +33,19 @@ from minedraft.openai_api.protocol import (
     Kind,
     ParsedRequest,
     ResponseState,
+    choice_events,
+    choice_states,
     decode_body,
     encode,
     error_from_status,
     full_response,
+    merged_full_response,
+    merged_speculation,
+    merged_usage,
     models_list,
     parse_request,
     stream_events,
+    usage_event,
 )
 
 log = logging.getLogger(__name__)
@@ -274,6 +280,117 @@ class _GenerationResponse:
         await self._send(send, {"type": "http.response.body", "body": body})
 
 
+# What a fanned-out request's sub-generations report: (choice index, a response | the error it ended with | None at
+# its end).
+_Report = tuple[int, pb.GenerateResponse | Exception | None]
+
+
+class _FanOutResponse(_GenerationResponse):
+    """A request fanned out into several generations (n > 1, a batch of prompts), merged into one OpenAI answer.
+
+    Every choice is its own backend stream, all running at once, each read by a pump task into one bounded queue (a
+    client that reads slowly holds the pumps, and through them the engines, as a single stream's reader does). A
+    streamed answer waits for every choice's first response before its 200, so a refusal of any of them (an invalid
+    field, the gateway's admission) is the HTTP status; then chunks go out as they come, each with its choice's
+    index; usage (summed) and [DONE] once, after the last choice. One choice failing fails the whole request (an
+    error status, or an error event and [DONE] once streaming) and closes the others' streams, which aborts them in
+    the engine; the client going away cancels this task, which does the same."""
+
+    def __init__(self, backend: Backend, states: list[ResponseState], streams: list[AsyncIterator[pb.GenerateResponse]],
+                 headers: list[tuple[bytes, bytes]], client_stall_timeout_s: float | None) -> None:
+        super().__init__(backend, states[0], streams[0], headers, client_stall_timeout_s)
+        self._states = states
+        self._streams = streams
+
+    async def _pump(self, index: int, stream: AsyncIterator[pb.GenerateResponse],
+                    queue: asyncio.Queue[_Report]) -> None:
+        async with contextlib.aclosing(stream):  # type: ignore[type-var]
+            try:
+                async for response in stream:
+                    await queue.put((index, response))
+            except Exception as exc:  # the backend's errors and anything else: the merge decides
+                await queue.put((index, exc))
+                return
+        await queue.put((index, None))
+
+    def _error(self, item: Exception) -> ApiError:
+        if isinstance(item, self._backend.error_types):
+            return _api_error(self._backend, item, self._state.parsed)
+        raise item  # not a backend's answer: the catch-all (a 500, or a cut stream)
+
+    async def _respond(self, send: Send) -> None:
+        queue: asyncio.Queue[_Report] = asyncio.Queue(maxsize=len(self._streams))
+        pumps = [asyncio.ensure_future(self._pump(index, stream, queue)) for index, stream in enumerate(self._streams)]
+        try:
+            if self._state.parsed.stream:
+                await self._respond_fanned_streamed(send, queue)
+            else:
+                await self._respond_fanned_full(send, queue)
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+    async def _respond_fanned_full(self, send: Send, queue: asyncio.Queue[_Report]) -> None:
+        states = self._states
+        ended = 0
+        while ended < len(states):
+            index, item = await queue.get()
+            if item is None:
+                ended += 1
+            elif isinstance(item, Exception):
+                await self._send_error(send, self._error(item))
+                return
+            else:
+                state = states[index]
+                state.absorb(item)
+                state.texts.append(item.text)
+                state.token_ids.extend(item.token_ids)
+        body = encode(merged_full_response(states))
+        await self._send(send, {"type": "http.response.start", "status": 200,
+                                "headers": [(b"content-type", b"application/json"),
+                                            (b"content-length", str(len(body)).encode()), *self._headers]})
+        await self._send(send, {"type": "http.response.body", "body": body})
+
+    async def _respond_fanned_streamed(self, send: Send, queue: asyncio.Queue[_Report]) -> None:
+        states = self._states
+        # Every choice's first report before the 200 (kept, in arrival order, to go out right after it).
+        early: list[_Report] = []
+        started = [False] * len(states)
+        while not all(started):
+            index, item = report = await queue.get()
+            if isinstance(item, Exception):
+                await self._send_error(send, self._error(item))
+                return
+            started[index] = True
+            early.append(report)
+        await self._send(send, {"type": "http.response.start", "status": 200,
+                                "headers": [*_SSE_HEADERS, *self._headers]})
+        ended = 0
+        pending = iter(early)
+        while ended < len(states):
+            report = next(pending, None)
+            index, item = report if report is not None else await queue.get()
+            if item is None:
+                ended += 1
+                continue
+            if isinstance(item, Exception):
+                error = self._error(item)
+                await self._send(send, {"type": "http.response.body",
+                                        "body": b"data: " + encode(error.body()) + b"\n\n" + SSE_DONE,
+                                        "more_body": True})
+                break
+            events = choice_events(states[index], item)
+            if events:
+                await self._send(send, {"type": "http.response.body", "body": b"".join(events), "more_body": True})
+        else:
+            tail = [usage_event(states[0], merged_usage(states), merged_speculation(states))] \
+                if self._state.parsed.include_usage else []
+            await self._send(send, {"type": "http.response.body", "body": b"".join([*tail, SSE_DONE]),
+                                    "more_body": True})
+        await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
+
+
 _SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no"))
 
@@ -404,15 +521,21 @@ class OpenAiApp:
                                "model", code="model_not_found")
             timeout_seconds = _timeout_seconds(request)
             request_id = _request_id_header(request)
-            # The backend checks the headers it forwards (raising ApiError) before any work starts.
-            stream = self.backend.generate(parsed.request, request.headers, PROTOCOL, timeout_seconds)
+            # The backend checks the headers it forwards (raising ApiError) before any work starts. A fanned-out
+            # request: one stream per choice (through the gateway, each takes its own admission slot).
+            streams = [self.backend.generate(sub, request.headers, PROTOCOL, timeout_seconds)
+                       for sub in parsed.requests]
         except ApiError as exc:
             self.backend.refused(exc)
             raise
         if parsed.ignored_fields:
             log.info("request %s: ignored unknown fields %s", parsed.request.request_id, list(parsed.ignored_fields))
         headers = [] if request_id is None else [(REQUEST_ID_HEADER.encode(), request_id.encode())]
-        return _GenerationResponse(self.backend, ResponseState(parsed), stream, headers,  # type: ignore[return-value]
+        states = choice_states(parsed)
+        if parsed.fanned:
+            return _FanOutResponse(self.backend, states, streams, headers,  # type: ignore[return-value]
+                                   self.client_stall_timeout_s)
+        return _GenerationResponse(self.backend, states[0], streams[0], headers,  # type: ignore[return-value]
                                    self.client_stall_timeout_s)
 
 
@@ -420,7 +543,7 @@ def _parse(raw: bytes, kind: Kind) -> ParsedRequest:
     parsed = parse_request(decode_body(raw), kind)
     # The engine's gRPC API takes messages up to this size: a larger request is the client's (413), never the
     # engine's RESOURCE_EXHAUSTED (a 429 the SDKs retry).
-    size_bytes = parsed.request.ByteSize()
+    size_bytes = max(request.ByteSize() for request in parsed.requests)
     if size_bytes > MAX_ENGINE_REQUEST_BYTES:
         param = "messages" if kind is Kind.CHAT else "prompt"
         raise ApiError(413, f"{param}: the request is {size_bytes} bytes as an engine request; at most "

@@ -34,6 +34,11 @@ MAX_STOP_SEQUENCES = 4
 MAX_PROMPT_TOKEN_IDS = 1 << 20
 MAX_STOP_TOKEN_IDS = 1024
 MAX_MESSAGES = 1 << 16
+# Fan-out bounds: one HTTP request becomes n generations per prompt, each its own engine request (and, through the
+# gateway, its own admission slot). Bounded so that one request cannot take a whole server's batch.
+MAX_CHOICES = 16  # n
+MAX_PROMPTS = 64  # a completions batch: a list of prompts
+MAX_GENERATIONS = 64  # n times the number of prompts
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -86,13 +91,24 @@ class ParsedRequest:
     return_token_ids: bool = False
     # Fields this endpoint does not know, ignored (the front end logs them).
     ignored_fields: tuple[str, ...] = ()
+    # Choices per prompt, and the engine requests of a fanned-out request (n > 1 or a batch of prompts): one per
+    # choice, in choice order (index = prompt_index * n + i, as OpenAI and vLLM number them). Empty: `request` alone.
+    n: int = 1
+    fanned: tuple[pb.GenerateRequest, ...] = ()
+    # completions' `echo`: each prompt's text, put before its choices' text.
+    echo_texts: tuple[str, ...] = ()
+
+    @property
+    def requests(self) -> tuple[pb.GenerateRequest, ...]:
+        """Every engine request this HTTP request runs."""
+        return self.fanned or (self.request,)
 
 
 # Fields accepted and ignored because they do not change the output (OpenAI's own bookkeeping fields).
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 # Fields that change the output and that MineDraft can only honour at their neutral value.
 _NEUTRAL: dict[str, Any] = {
-    "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "best_of": 1, "echo": False,
+    "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "best_of": 1,
     "suffix": None, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
     "response_format": None, "parallel_tool_calls": None, "top_logprobs": None, "modalities": None,
     "audio": None, "prediction": None, "reasoning_effort": None, "web_search_options": None,
@@ -104,7 +120,7 @@ _ALSO_NEUTRAL: dict[str, tuple[Any, ...]] = {
 _COMMON = frozenset({"model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
                      "logprobs", "top_k", "ignore_eos", "stop_token_ids", "return_token_ids"})
 _ALLOWED = {
-    Kind.COMPLETION: _COMMON | {"prompt"},
+    Kind.COMPLETION: _COMMON | {"prompt", "echo"},
     Kind.CHAT: _COMMON | {"messages", "max_completion_tokens"},
 }
 
@@ -157,6 +173,11 @@ def _check_fields(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool)
     for name, value in body.items():
         if name in _IGNORED:
             continue
+        if name == "echo" and kind is Kind.CHAT:
+            # vLLM's chat `echo` (repeat the last message) is not OpenAI's and not implemented: never ignored.
+            if value not in (None, False):
+                raise invalid(name, "is supported by completions only", "unsupported_parameter")
+            continue
         if name in _NEUTRAL:
             neutral = _NEUTRAL[name]
             if value in _ALSO_NEUTRAL.get(name, ()):
@@ -197,21 +218,38 @@ def _token_ids(value: Any, name: str, max_count: int = MAX_PROMPT_TOKEN_IDS) -> 
     return None
 
 
-def _prompt(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
+def _prompts(body: Mapping[str, Any]) -> list[str | list[int]]:
+    """The prompts of a completions request: one (a string or a list of token ids) or a batch (a list of those)."""
     if "prompt" not in body or body["prompt"] is None:
         raise invalid("prompt", "is required")
     prompt = body["prompt"]
-    # OpenAI's batch forms (a list of strings or of token id lists) with exactly one element are one prompt.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
     if isinstance(prompt, str):
-        request.prompt = prompt
-        return
+        return [prompt]
+    # OpenAI's batch forms: a list of strings, or a list of token id lists.
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise invalid("prompt", f"a batch of {len(prompt)} prompts; at most {MAX_PROMPTS} per request")
+        prompts: list[str | list[int]] = []
+        for index, item in enumerate(prompt):
+            if isinstance(item, str):
+                prompts.append(item)
+                continue
+            token_ids = _token_ids(item, "prompt")
+            if token_ids is None:
+                raise invalid("prompt", f"prompt[{index}] must be a string or a list of token ids")
+            prompts.append(token_ids)
+        return prompts
     token_ids = _token_ids(prompt, "prompt")
     if token_ids is None:
-        raise invalid("prompt", "must be a string or a list of token ids (a batch of prompts is not supported: one "
-                                "prompt per request)", "unsupported_parameter" if isinstance(prompt, list) else None)
-    request.prompt_token_ids.extend(token_ids)
+        raise invalid("prompt", "must be a string, a list of token ids, or a list of those (a batch)")
+    return [token_ids]
+
+
+def _set_prompt(request: pb.GenerateRequest, prompt: str | list[int]) -> None:
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt_token_ids.extend(prompt)
 
 
 def _content(value: Any, index: int) -> str:
@@ -254,9 +292,7 @@ def parse_request(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool 
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "is required: one of the ids GET /v1/models lists")
-    n = _int(body, "n", 1, INT32_MAX)
-    if n not in (None, 1):
-        raise invalid("n", f"only n=1 is supported, got {n}", "unsupported_parameter")
+    n = _int(body, "n", 1, MAX_CHOICES) or 1
     stream = _bool(body, "stream")
     include_usage = False
     options = body.get("stream_options")
@@ -269,9 +305,20 @@ def parse_request(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool 
 
     request = pb.GenerateRequest(request_id=new_request_id(kind))
     params: dict[str, str] = {}
+    prompts: list[str | list[int]] = []
+    echo = False
     if kind is Kind.COMPLETION:
-        _prompt(body, request)
+        prompts = _prompts(body)
+        if len(prompts) * n > MAX_GENERATIONS:
+            raise invalid("n", f"n={n} for {len(prompts)} prompts is {len(prompts) * n} generations; at most "
+                               f"{MAX_GENERATIONS} per request")
+        _set_prompt(request, prompts[0])
         params["prompt_token_ids"] = "prompt"
+        echo = _bool(body, "echo")
+        if echo and any(not isinstance(p, str) for p in prompts):
+            # The front end has no tokenizer (the gateway): the prompt's text is only known when it was sent as text.
+            raise invalid("echo", "needs text prompts: a prompt of token ids cannot be echoed by this server",
+                          "unsupported_parameter")
     else:
         _messages(body, request)
         params["prompt"] = params["prompt_token_ids"] = "messages"
@@ -306,8 +353,33 @@ def parse_request(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool 
             raise invalid("stop_token_ids", "must be a list of token ids")
         sampling.stop_token_ids.extend(ids)
     sampling.ignore_eos = _bool(body, "ignore_eos")
+    fanned = fan_out(request, prompts, n) if n > 1 or len(prompts) > 1 else ()
+    echo_texts = tuple(p for p in prompts if isinstance(p, str)) if echo else ()
     return ParsedRequest(kind, model, request, stream, include_usage, params, _bool(body, "return_token_ids"),
-                         tuple(ignored))
+                         tuple(ignored), n, fanned, echo_texts)
+
+
+def fan_out(request: pb.GenerateRequest, prompts: list[str | list[int]], n: int) -> tuple[pb.GenerateRequest, ...]:
+    """One engine request per choice, choice `prompt_index * n + i` for the i-th choice of each prompt. A chat's
+    `prompts` is empty (its messages are in `request`). A seed gives choice i of each prompt seed + i, as vLLM's
+    parallel sampling does, so the choices differ and a seeded request stays seeded."""
+    seeded = request.sampling_params.HasField("seed")
+    if seeded and request.sampling_params.seed + n - 1 > INT64_MAX:
+        raise invalid("seed", f"seed + n - 1 must be at most {INT64_MAX} (choice i is sampled with seed + i)")
+    requests = []
+    for prompt_index, prompt in enumerate(prompts or [None]):
+        for i in range(n):
+            sub = pb.GenerateRequest()
+            sub.CopyFrom(request)
+            sub.request_id = f"{request.request_id}-{prompt_index * n + i}"
+            if prompt is not None:
+                sub.ClearField("prompt")
+                sub.ClearField("prompt_token_ids")
+                _set_prompt(sub, prompt)
+            if seeded:
+                sub.sampling_params.seed = request.sampling_params.seed + i
+            requests.append(sub)
+    return tuple(requests)
 
 
 def new_request_id(kind: Kind) -> str:
@@ -369,6 +441,9 @@ class ResponseState:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     role_sent: bool = False
+    # This choice's index (fanned-out requests) and the prompt text still to echo before its first text.
+    index: int = 0
+    echo_text: str = ""
 
     @property
     def id(self) -> str:
@@ -396,19 +471,54 @@ def finish_reason(engine_reason: str) -> str:
     return engine_reason if engine_reason in ("stop", "length") else "stop"
 
 
+def choice_states(parsed: ParsedRequest) -> list[ResponseState]:
+    """One ResponseState per choice of a request (one, unless fanned out), each with its index and echo text."""
+    created = int(time.time())
+    echo = parsed.echo_texts
+    return [ResponseState(parsed, created, index=index, echo_text=echo[index // parsed.n] if echo else "")
+            for index in range(len(parsed.requests))]
+
+
+def _full_choice(state: ResponseState, text: str) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": state.index, "logprobs": None, "finish_reason": state.finish_reason}
+    if state.parsed.return_token_ids:
+        choice["token_ids"] = state.token_ids
+    if state.parsed.kind is Kind.CHAT:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = state.echo_text + text
+    return choice
+
+
 def full_response(state: ResponseState, text: str) -> dict[str, Any]:
     parsed = state.parsed
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": state.finish_reason}
-    if parsed.return_token_ids:
-        choice["token_ids"] = state.token_ids
-    if parsed.kind is Kind.CHAT:
-        choice["message"] = {"role": "assistant", "content": text}
-        obj = "chat.completion"
-    else:
-        choice["text"] = text
-        obj = "text_completion"
-    return {"id": state.id, "object": obj, "created": state.created, "model": parsed.model, "choices": [choice],
+    return {"id": state.id, "object": "chat.completion" if parsed.kind is Kind.CHAT else "text_completion",
+            "created": state.created, "model": parsed.model, "choices": [_full_choice(state, text)],
             "usage": state.usage(), "speculation": state.speculation()}
+
+
+def merged_usage(states: list[ResponseState]) -> dict[str, int]:
+    """A fanned-out request's usage, as vLLM's server counts it: every choice's completion tokens, each prompt's
+    tokens once (not once per choice)."""
+    prompt_tokens = sum(s.prompt_tokens for s in states if s.index % s.parsed.n == 0)
+    completion_tokens = sum(s.completion_tokens for s in states)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def merged_speculation(states: list[ResponseState]) -> dict[str, int]:
+    return {"num_draft_tokens": sum(s.num_draft_tokens for s in states),
+            "num_accepted_tokens": sum(s.num_accepted_tokens for s in states)}
+
+
+def merged_full_response(states: list[ResponseState]) -> dict[str, Any]:
+    """The non-streamed answer of a fanned-out request: every choice in index order, usage summed."""
+    first = states[0]
+    parsed = first.parsed
+    return {"id": first.id, "object": "chat.completion" if parsed.kind is Kind.CHAT else "text_completion",
+            "created": first.created, "model": parsed.model,
+            "choices": [_full_choice(s, "".join(s.texts)) for s in sorted(states, key=lambda s: s.index)],
+            "usage": merged_usage(states), "speculation": merged_speculation(states)}
 
 
 def _chunk(state: ResponseState, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -429,23 +539,47 @@ def stream_events(state: ResponseState, response: pb.GenerateResponse) -> list[b
     """The SSE events one engine response becomes (OpenAI's sequence: a chat's first chunk carries the role; text
     chunks; a final chunk with an empty delta and the finish reason, plus `speculation`; with include_usage a last
     chunk with `choices: []` and the usage)."""
+    events = choice_events(state, response)
+    if response.finish_reason:
+        if state.parsed.include_usage:
+            events.append(usage_event(state, state.usage(), state.speculation()))
+        events.append(SSE_DONE)
+    return events
+
+
+def usage_event(state: ResponseState, usage: dict[str, int], speculation: dict[str, int]) -> bytes:
+    usage_chunk = _chunk(state, [])
+    usage_chunk["usage"] = usage
+    usage_chunk["speculation"] = speculation
+    return sse(usage_chunk)
+
+
+def choice_events(state: ResponseState, response: pb.GenerateResponse) -> list[bytes]:
+    """One choice's chunks for one engine response (no usage chunk, no [DONE]: a fanned-out request sends those
+    once, after every choice has finished)."""
     state.absorb(response)
     chat = state.parsed.kind is Kind.CHAT
+    index = state.index
     events: list[bytes] = []
     if chat and not state.role_sent:
         state.role_sent = True
-        events.append(sse(_chunk(state, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+        events.append(sse(_chunk(state, [{"index": index, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}])))
+    text = response.text
+    if state.echo_text:
+        # completions' echo: the prompt goes out with the choice's first response (as vLLM's server sends it).
+        text = state.echo_text + text
+        state.echo_text = ""
     # A token whose text is not complete yet (part of a character) has no text of its own; its id still goes out.
-    if response.text or (state.parsed.return_token_ids and response.token_ids):
-        piece = {"content": response.text} if chat else None
-        choice: dict[str, Any] = ({"index": 0, "delta": piece, "logprobs": None, "finish_reason": None} if chat
-                                  else {"index": 0, "text": response.text, "logprobs": None, "finish_reason": None})
+    if text or (state.parsed.return_token_ids and response.token_ids):
+        choice: dict[str, Any] = ({"index": index, "delta": {"content": text}, "logprobs": None,
+                                   "finish_reason": None} if chat
+                                  else {"index": index, "text": text, "logprobs": None, "finish_reason": None})
         if state.parsed.return_token_ids:
             choice["token_ids"] = list(response.token_ids)
         events.append(sse(_chunk(state, [choice])))
     if response.finish_reason:
-        final: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": state.finish_reason}
+        final: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": state.finish_reason}
         if chat:
             final["delta"] = {}
         else:
@@ -453,12 +587,6 @@ def stream_events(state: ResponseState, response: pb.GenerateResponse) -> list[b
         chunk = _chunk(state, [final])
         chunk["speculation"] = state.speculation()
         events.append(sse(chunk))
-        if state.parsed.include_usage:
-            usage_chunk = _chunk(state, [])
-            usage_chunk["usage"] = state.usage()
-            usage_chunk["speculation"] = state.speculation()
-            events.append(sse(usage_chunk))
-        events.append(SSE_DONE)
     return events
 
 

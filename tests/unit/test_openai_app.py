@@ -3,6 +3,8 @@ are decoded off the event loop, and an unexpected failure is an OpenAI-shaped 50
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 from collections.abc import AsyncIterator, Mapping
 
@@ -121,3 +123,99 @@ def test_gateway_flags_for_http_clients():
                                                  "--cors-origins", "https://a.example, https://b.example"]))
     assert config.client_stall_timeout_seconds is None
     assert config.cors_origins == ("https://a.example", "https://b.example")
+
+
+class FanStub(StubBackend):
+    """Each request answers its own request id's suffix as text, one token per response; `fail_index` fails that
+    choice's stream after its first response; every stream's close is recorded (closing aborts in the engine)."""
+
+    def __init__(self, tokens: int = 3, fail_index: int | None = None, refuse_index: int | None = None) -> None:
+        super().__init__()
+        self.tokens = tokens
+        self.fail_index = fail_index
+        self.refuse_index = refuse_index
+        self.closed: list[str] = []
+        self.finished: list[str] = []
+
+    async def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str], protocol: str,
+                       timeout_seconds: float | None) -> AsyncIterator[pb.GenerateResponse]:
+        self.requests.append(request)
+        index = int(request.request_id.rsplit("-", 1)[1])
+        try:
+            if index == self.refuse_index:
+                raise BackendError(grpc.StatusCode.RESOURCE_EXHAUSTED, "at the limit")
+            for position in range(self.tokens):
+                await asyncio.sleep(0)
+                if index == self.fail_index and position == 1:
+                    raise BackendError(grpc.StatusCode.UNAVAILABLE, "replica went away")
+                last = position == self.tokens - 1
+                response = pb.GenerateResponse(request_id=request.request_id, token_ids=[index],
+                                               text=f"{index}.", finish_reason="length" if last else "")
+                if last:
+                    response.usage.prompt_tokens = 2
+                    response.usage.completion_tokens = self.tokens
+                yield response
+            self.finished.append(request.request_id)
+        finally:
+            self.closed.append(request.request_id)
+            if index == self.fail_index or index == self.refuse_index:
+                await asyncio.sleep(0)  # the others are still running when this one ends
+
+
+def sse_payloads(text: str) -> list[dict | str]:
+    return [json.loads(e[6:]) if e != "data: [DONE]" else "[DONE]" for e in text.split("\n\n") if e]
+
+
+async def test_n_and_a_batch_are_merged_into_one_answer():
+    backend = FanStub()
+    async with http(backend) as client:
+        full = (await client.post("/v1/completions", json={
+            "model": "m", "prompt": ["a", "b"], "n": 2, "seed": 5, "max_tokens": 3})).json()
+        streamed = await client.post("/v1/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3, "stream": True,
+            "stream_options": {"include_usage": True}})
+    assert [c["index"] for c in full["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in full["choices"]] == ["0.0.0.", "1.1.1.", "2.2.2.", "3.3.3."]
+    assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}
+    assert [r.sampling_params.seed for r in backend.requests[:4]] == [5, 6, 5, 6]
+
+    assert streamed.status_code == 200
+    events = sse_payloads(streamed.text)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = events[:-1]
+    assert len({c["id"] for c in chunks}) == 1
+    content: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        for choice in chunk["choices"]:
+            content[choice["index"]] = content.get(choice["index"], "") + (choice["delta"].get("content") or "")
+    assert content == {0: "0.0.0.", 1: "1.1.1.", 2: "2.2.2."}
+    finals = [c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert sorted(finals) == [0, 1, 2]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 9
+    assert chunks[-1]["usage"]["prompt_tokens"] == 2  # one prompt, counted once
+
+
+async def test_one_failing_choice_fails_the_request_and_aborts_the_others():
+    for stream in (False, True):
+        backend = FanStub(tokens=50, fail_index=1)
+        async with http(backend) as client:
+            response = await client.post("/v1/completions", json={
+                "model": "m", "prompt": "x", "n": 3, "max_tokens": 50, "stream": stream})
+        if stream:  # after the 200: an error event, then [DONE]
+            events = sse_payloads(response.text)
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "unavailable"
+        else:
+            assert response.status_code == 503 and response.json()["error"]["code"] == "unavailable"
+        # Every stream closed (aborted in the engine), none ran to its end.
+        assert sorted(backend.closed) == sorted(r.request_id for r in backend.requests) and len(backend.closed) == 3
+        assert backend.finished == []
+
+
+async def test_a_choice_refused_before_its_first_token_is_the_http_status():
+    # Through the gateway each choice takes an admission slot: one refused is the whole request's 429.
+    backend = FanStub(tokens=50, refuse_index=2)
+    async with http(backend) as client:
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "n": 3,
+                                                               "max_tokens": 50, "stream": True})
+    assert response.status_code == 429
+    assert len(backend.closed) == 3 and backend.finished == []

@@ -9,16 +9,23 @@ import pytest
 
 from minedraft.api import pb
 from minedraft.openai_api.protocol import (
+    MAX_CHOICES,
+    MAX_GENERATIONS,
     MAX_MESSAGES,
     MAX_PROMPT_TOKEN_IDS,
+    MAX_PROMPTS,
     MAX_STOP_TOKEN_IDS,
     SSE_DONE,
     ApiError,
     Kind,
     ResponseState,
+    choice_events,
+    choice_states,
     decode_body,
     error_from_status,
     full_response,
+    merged_full_response,
+    merged_usage,
     parse_request,
     stream_events,
 )
@@ -60,8 +67,9 @@ def test_prompt_forms():
     assert list(parse(prompt=[1, 2, 3]).request.prompt_token_ids) == [1, 2, 3]
     assert parse(prompt=["one"]).request.prompt == "one"
     assert list(parse(prompt=[[4, 5]]).request.prompt_token_ids) == [4, 5]
-    assert param_of(prompt=["a", "b"]) == "prompt"
     assert param_of(prompt=[1, True]) == "prompt"
+    assert param_of(prompt=["a", [1, True]]) == "prompt"
+    assert param_of(prompt=["a", 5]) == "prompt"
     assert param_of(prompt=None) == "prompt"
 
 
@@ -77,10 +85,16 @@ def test_chat_messages_and_max_completion_tokens():
 
 
 @pytest.mark.parametrize(("kind", "body", "param"), [
-    (Kind.COMPLETION, {"n": 2}, "n"),
+    (Kind.COMPLETION, {"n": MAX_CHOICES + 1}, "n"),
+    (Kind.COMPLETION, {"n": 0}, "n"),
+    (Kind.COMPLETION, {"prompt": ["a"] * (MAX_PROMPTS + 1)}, "prompt"),
+    (Kind.COMPLETION, {"prompt": ["a"] * 8, "n": MAX_GENERATIONS // 8 + 1}, "n"),
+    (Kind.COMPLETION, {"seed": 2**63 - 2, "n": 3}, "seed"),
+    (Kind.COMPLETION, {"echo": True, "prompt": [1, 2]}, "echo"),
+    (Kind.COMPLETION, {"echo": True, "prompt": ["a", [1, 2]]}, "echo"),
+    (Kind.CHAT, {"echo": True}, "echo"),
     (Kind.COMPLETION, {"logprobs": 1}, "logprobs"),
     (Kind.CHAT, {"logprobs": True}, "logprobs"),
-    (Kind.COMPLETION, {"echo": True}, "echo"),
     (Kind.COMPLETION, {"best_of": 2}, "best_of"),
     (Kind.COMPLETION, {"frequency_penalty": 1.0}, "frequency_penalty"),
     (Kind.COMPLETION, {"logit_bias": {"5": 1}}, "logit_bias"),
@@ -92,8 +106,6 @@ def test_chat_messages_and_max_completion_tokens():
     (Kind.CHAT, {"top_logprobs": 2}, "top_logprobs"),
     (Kind.CHAT, {"logprobs": True}, "logprobs"),
     (Kind.COMPLETION, {"presence_penalty": 0.5}, "presence_penalty"),
-    (Kind.COMPLETION, {"prompt": ["a", "b"]}, "prompt"),  # a batch of prompts
-    (Kind.COMPLETION, {"n": 2}, "n"),
     (Kind.COMPLETION, {"max_tokens": 1.5}, "max_tokens"),
     (Kind.COMPLETION, {"max_tokens": True}, "max_tokens"),
     (Kind.COMPLETION, {"max_tokens": 2**40}, "max_tokens"),
@@ -247,3 +259,65 @@ def test_seeds_are_promised_as_best_effort_only():
     assert "reproducible sampling at temperature > 0" not in docs + proto
     assert "**not reproducible** under speculation" in docs
     assert "identical seeded\n  // requests at temperature > 0 may differ" in proto
+
+
+# -- fan-out (n > 1, a batch of prompts) and echo ---------------------------------------------------------------------
+
+def test_n_and_a_batch_fan_out_in_openai_choice_order_with_vllm_seeds():
+    parsed = parse(prompt=["a", [7, 8]], n=3, seed=10, max_tokens=5)
+    subs = parsed.requests
+    assert len(subs) == 6 and parsed.n == 3
+    # Choice index = prompt_index * n + i (as OpenAI and vLLM number them).
+    assert [s.prompt for s in subs[:3]] == ["a"] * 3 and all(not s.prompt_token_ids for s in subs[:3])
+    assert all(list(s.prompt_token_ids) == [7, 8] and not s.prompt for s in subs[3:])
+    # vLLM's parallel sampling: choice i of every prompt gets seed + i.
+    assert [s.sampling_params.seed for s in subs] == [10, 11, 12, 10, 11, 12]
+    assert all(s.sampling_params.max_tokens == 5 for s in subs)
+    # Unique engine request ids under the response's own id.
+    assert [s.request_id for s in subs] == [f"{parsed.request.request_id}-{i}" for i in range(6)]
+    # Without a seed the choices stay unseeded; a single choice is not fanned out.
+    assert not any(s.sampling_params.HasField("seed") for s in parse(n=2).requests)
+    assert parse().fanned == () and parse(prompt=["one"]).fanned == ()
+    chat = parse(Kind.CHAT, n=2)
+    assert [len(s.messages) for s in chat.requests] == [1, 1]
+
+
+def test_merged_full_response_orders_choices_and_sums_usage():
+    parsed = parse(prompt=["p", "q"], n=2)
+    states = choice_states(parsed)
+    assert [s.index for s in states] == [0, 1, 2, 3] and len({s.created for s in states}) == 1
+    for state in reversed(states):  # finished in any order
+        for response in responses(["t", str(state.index)]):
+            state.absorb(response)
+            state.texts.append(response.text)
+    body = merged_full_response(states)
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "t0"), (1, "t1"), (2, "t2"), (3, "t3")]
+    # As vLLM counts: each prompt's tokens once, every choice's completion tokens.
+    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 8, "total_tokens": 16}
+    assert body["speculation"] == {"num_draft_tokens": 24, "num_accepted_tokens": 8}
+    assert merged_usage(states[:1]) == states[0].usage()
+
+
+def test_fanned_out_chunks_carry_their_choice_index():
+    parsed = parse(Kind.CHAT, n=2, stream=True)
+    states = choice_states(parsed)
+    first = json.loads(b"".join(choice_events(states[1], responses(["x"])[0]))[len(b"data: "):].split(b"\n\n")[0])
+    assert first["choices"][0]["index"] == 1 and first["choices"][0]["delta"]["role"] == "assistant"
+    # A choice's own events never carry [DONE] or usage: the merge sends them once.
+    assert SSE_DONE not in b"".join(choice_events(states[0], responses(["y"])[-1]))
+
+
+def test_echo_puts_the_prompt_before_the_completion_streamed_and_not():
+    parsed = parse(prompt="Hello", echo=True, stream=True)
+    texts = [e["choices"][0]["text"] for e in events_of_states(choice_states(parsed)[0], ["", " world", "!"])]
+    assert texts == ["Hello", " world", "!", ""]  # vLLM: the prompt with the first response
+    state = choice_states(parse(prompt="Hello", echo=True))[0]
+    assert full_response(state, " world")["choices"][0]["text"] == "Hello world"
+    batch = choice_states(parse(prompt=["A", "B"], n=2, echo=True))
+    assert [s.echo_text for s in batch] == ["A", "A", "B", "B"]
+    assert full_response(choice_states(parse(prompt="Hello"))[0], "x")["choices"][0]["text"] == "x"
+
+
+def events_of_states(state, texts) -> list[dict]:
+    raw = b"".join(b"".join(stream_events(state, r)) for r in responses(texts))
+    return [json.loads(e[len(b"data: "):]) for e in raw.split(b"\n\n")[:-1] if e != SSE_DONE.strip()]
