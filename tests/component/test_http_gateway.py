@@ -186,3 +186,38 @@ async def test_deadline_header_is_a_504_and_cancels_the_engine_stream(http_stack
     assert 0.25 < fake.record.deadlines_seconds[0] <= 0.31  # the deadline went on to the engine
     await wait_for(lambda: len(fake.record.cancelled) == 2, what="both engine streams ended by the deadline")
     await wait_for(lambda: gateway.admission.in_flight == 0, what="admission released")
+
+
+async def test_n_and_a_batch_through_the_gateway_one_admission_slot_per_choice(http_stack):
+    """The official client's n > 1 and batch of prompts through the gateway: each choice its own engine stream and
+    admission slot; past the free slots the whole request is a 429 and the choices admitted are aborted."""
+    gateway, (fake,), base_url, _ = await http_stack([FakeBehaviour(token_interval_seconds=0.001)], max_in_flight=4)
+    api = client(base_url)
+    completion = await api.completions.create(model="fake", prompt=["a", "bb"], n=2, max_tokens=3)
+    assert [(c.index, c.text) for c in completion.choices] == [
+        (0, fake_text("a", 3)), (1, fake_text("a", 3)), (2, fake_text("bb", 3)), (3, fake_text("bb", 3))]
+    assert completion.usage.completion_tokens == 12
+    assert len(fake.record.requests) == 4
+    stream = await api.completions.create(model="fake", prompt="echo me", n=2, max_tokens=3, stream=True, echo=True,
+                                          stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == {0: "echo me" + fake_text("echo me", 3), 1: "echo me" + fake_text("echo me", 3)}
+    assert chunks[-1].usage.completion_tokens == 6
+    assert gateway.admission.in_flight == 0
+
+    # Five choices, four slots: refused as a whole (the SDK's RateLimitError), every admitted choice aborted.
+    fake.behaviour.token_interval_seconds = 0.05
+    completed = len(fake.record.completed)
+    for stream_flag in (False, True):
+        with pytest.raises(openai.RateLimitError):
+            await api.completions.create(model="fake", prompt="x", n=5, max_tokens=50, stream=stream_flag)
+        await wait_for(lambda: gateway.admission.in_flight == 0, what="every admitted choice released")
+    # Whatever of the admitted choices reached the engine was aborted there, none ran to its end.
+    record = fake.record
+    await wait_for(lambda: len(record.started) == len(record.completed) + len(record.cancelled) + len(record.failed),
+                   what="every stream the engine started ended")
+    assert len(record.completed) == completed and not record.failed

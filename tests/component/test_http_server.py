@@ -181,16 +181,17 @@ INVALID = [
     ("completions", {"max_tokens": 0}, "max_tokens"),
     ("completions", {"max_tokens": 100_000}, "max_tokens"),
     ("completions", {"seed": -3}, "seed"),
-    ("completions", {"n": 2}, "n"),
+    ("completions", {"n": 17}, "n"),
+    ("completions", {"prompt": ["a"] * 8, "n": 9}, "n"),
     ("completions", {"logprobs": 2}, "logprobs"),
-    ("completions", {"echo": True}, "echo"),
+    ("completions", {"echo": True, "prompt": [1, 2]}, "echo"),
     ("completions", {"best_of": 3}, "best_of"),
     ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
     ("completions", {"stop": ["a", ""]}, "stop"),
     ("completions", {"stop": 7}, "stop"),
     ("completions", {"prompt": [1, 2, 99_999]}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),
-    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"prompt": ["a", [1, True]]}, "prompt"),
     ("completions", {"prompt": " word" * 2000}, "prompt"),
     ("completions", {"stop_token_ids": [99_999]}, "stop_token_ids"),
     ("completions", {"top_k": -5}, "top_k"),
@@ -332,3 +333,38 @@ async def test_health_and_ready_through_load_and_drain(psd):
         if drain is None:
             await server.stop()
         await engine.shutdown(shutdown_engine=False)
+
+
+async def test_n_batch_and_echo_match_the_grpc_api_directly_and_through_the_gateway(http_served):
+    """The official client's n > 1, batch of prompts and echo on the real PSD engine, on the engine server's own HTTP
+    port (not streamed) and through the gateway (streamed): greedy, every choice is the gRPC API's output for its
+    prompt, in OpenAI's choice order."""
+    grpc_target, base_url, engine, _ = http_served
+    model = engine.settings.model
+    prompts = [PROMPT, "import numpy as np\n"]
+    expected = [(await grpc_generate(grpc_target, pb.GenerateRequest(
+        prompt=p, sampling_params=pb.SamplingParams(max_tokens=MAX_TOKENS))))[1] for p in prompts]
+    full = await client(base_url).completions.create(model=model, prompt=prompts, n=2, max_tokens=MAX_TOKENS,
+                                                     temperature=0, echo=True)
+    assert [(c.index, c.text) for c in full.choices] == [(i, prompts[i // 2] + expected[i // 2]) for i in range(4)]
+    assert full.usage.completion_tokens == 4 * MAX_TOKENS
+
+    gateway = Gateway(GatewayConfig(health_retry_seconds=0.05))
+    await gateway.start()
+    port = await gateway.start_http("127.0.0.1", 0)
+    try:
+        gateway.set_engines([grpc_target])
+        await wait_for(lambda: any(e.healthy for e in gateway.endpoints), what="engine healthy at the gateway")
+        stream = await client(f"http://127.0.0.1:{port}").completions.create(
+            model=model, prompt=prompts, n=2, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True})
+        texts: dict[int, str] = {}
+        async for chunk in stream:
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + choice.text
+        assert texts == {i: expected[i // 2] for i in range(4)}
+        assert chunk.usage.completion_tokens == 4 * MAX_TOKENS
+        assert gateway.admission.in_flight == 0
+    finally:
+        await gateway.stop()
+    await no_unfinished(engine)
