@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import grpc
@@ -18,7 +19,7 @@ from minedraft.engine.requests import EngineDeadError, RequestError
 from minedraft.openai_api.app import BackendError, OpenAiApp
 from minedraft.openai_api.protocol import ApiError
 from minedraft.server.convert import chat_renderer, check_before_tokenizing, prepare_request, response_from_delta
-from minedraft.server.servicer import EngineService, ServerState
+from minedraft.server.servicer import EngineService, OpenStream, ServerState, cut_message
 
 
 class EngineBackend:
@@ -78,19 +79,27 @@ class EngineBackend:
                                                lambda text: list(tokenizer.encode(text)), chat_renderer(tokenizer))
         except RequestError as exc:
             raise BackendError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field_name) from exc
+        # The drain cuts a stream still open at the end of its grace period by aborting its request in the engine
+        # (as the gRPC side's): the final "abort" delta ends it here with UNAVAILABLE, saying why and how far it got
+        # (an error event and [DONE], or a 503), rather than the HTTP server's stop closing the connection bare.
+        engine_request_id = prepared.request_id or uuid.uuid4().hex
+        open_stream = OpenStream(engine_request_id)
         service.stream_opened()
+        service.open_streams.add(open_stream)
         try:
-            stream = engine.generate(prepared.prompt_token_ids, prepared.sampling, prepared.request_id)
+            stream = engine.generate(prepared.prompt_token_ids, prepared.sampling, engine_request_id)
             if service.request_metrics is not None:
                 stream = service.request_metrics.observe(stream, len(prepared.prompt_token_ids), protocol)
             # Closing this generator (the client went away) closes the engine stream, which aborts the request.
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 if deadline is None:
                     async for delta in stream:
+                        if open_stream.cut and delta.finish_reason == "abort":
+                            raise BackendError(grpc.StatusCode.UNAVAILABLE, cut_message(service, open_stream))
+                        open_stream.tokens_sent += len(delta.token_ids)
                         yield response_from_delta(delta)
                     return
                 # Each wait bounded by what is left (a timeout around the yields would cancel the consumer instead).
-                tokens_sent = 0
                 while True:
                     try:
                         delta = await asyncio.wait_for(anext(stream), max(0.0, deadline - loop.time()))
@@ -98,14 +107,17 @@ class EngineBackend:
                         return
                     except TimeoutError:
                         raise BackendError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                           f"deadline exceeded after {tokens_sent} tokens") from None
-                    tokens_sent += len(delta.token_ids)
+                                           f"deadline exceeded after {open_stream.tokens_sent} tokens") from None
+                    if open_stream.cut and delta.finish_reason == "abort":
+                        raise BackendError(grpc.StatusCode.UNAVAILABLE, cut_message(service, open_stream))
+                    open_stream.tokens_sent += len(delta.token_ids)
                     yield response_from_delta(delta)
         except RequestError as exc:
             raise BackendError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field_name) from exc
         except EngineDeadError as exc:
             raise BackendError(grpc.StatusCode.UNAVAILABLE, f"replica {service.replica_id}: {exc}") from exc
         finally:
+            service.open_streams.discard(open_stream)
             service.stream_closed()
 
 

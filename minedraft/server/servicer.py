@@ -63,7 +63,7 @@ def engine_limits(engine: ServingEngine) -> ModelLimits:
                        max_token_bytes=longest)
 
 
-class _OpenStream:
+class OpenStream:
     """A Generate stream in progress: its engine request (to cut it at the end of a drain) and how far it got."""
 
     __slots__ = ("cut", "engine_request_id", "tokens_sent")
@@ -87,7 +87,7 @@ class EngineService:
         self.limits: ModelLimits | None = None
         self.started_monotonic = time.monotonic()
         self.num_active_streams = 0
-        self.open_streams: set[_OpenStream] = set()
+        self.open_streams: set[OpenStream] = set()
         # Set whenever no Generate stream is open (drain waits on it).
         self.idle = asyncio.Event()
         self.idle.set()
@@ -126,11 +126,15 @@ class EngineService:
             self.idle.set()
 
 
-async def abort_cut(context: grpc.aio.ServicerContext, service: EngineService, open_stream: _OpenStream) -> None:
+def cut_message(service: EngineService, open_stream: OpenStream) -> str:
+    """Why a stream cut by the drain ended, and how far it got (both APIs' callers read the same words)."""
+    return (f"replica {service.replica_id} shutting down: stream cut at the end of the drain grace period after "
+            f"{open_stream.tokens_sent} tokens")
+
+
+async def abort_cut(context: grpc.aio.ServicerContext, service: EngineService, open_stream: OpenStream) -> None:
     """End a stream cut by the drain with UNAVAILABLE, saying why and how far it got."""
-    await context.abort(grpc.StatusCode.UNAVAILABLE,
-                        f"replica {service.replica_id} shutting down: stream cut at the end of the drain grace "
-                        f"period after {open_stream.tokens_sent} tokens")
+    await context.abort(grpc.StatusCode.UNAVAILABLE, cut_message(service, open_stream))
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
@@ -173,7 +177,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
             log.debug("request %r runs as %s", prepared.request_id, engine_request_id)
         service = self._service
         service.stream_opened()
-        open_stream = _OpenStream(engine_request_id)
+        open_stream = OpenStream(engine_request_id)
         service.open_streams.add(open_stream)
         cut_off = False
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import grpc
 import httpx
@@ -368,3 +369,35 @@ async def test_n_batch_and_echo_match_the_grpc_api_directly_and_through_the_gate
     finally:
         await gateway.stop()
     await no_unfinished(engine)
+
+
+async def test_a_stream_cut_by_the_drain_ends_with_an_error_event_saying_why(psd):
+    """At the end of a drain's grace period an HTTP stream still open is ended by aborting its request in the
+    engine: the client reads an OpenAI error event (UNAVAILABLE, why, how many tokens it got) and [DONE], then the
+    response's proper end; before, the HTTP server's stop closed the connection bare."""
+    engine = AsyncEngine(psd)
+    server = EngineServer("replica-http-cut")
+    await server.start()
+    port = await server.start_http("127.0.0.1", 0)
+    try:
+        await server.attach(engine)
+        held = json.dumps({"model": engine.settings.model, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+                           "stream": True}).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(held)).encode() + b"\r\n\r\n" + held)
+        while not (await asyncio.wait_for(reader.readline(), 60)).startswith(b"data: "):
+            pass
+        await asyncio.wait_for(server.drain(0), 60)
+        rest = await asyncio.wait_for(reader.read(), 60)  # to the connection's end
+        writer.close()
+    finally:
+        await engine.shutdown(shutdown_engine=False)
+    events = re.findall(rb"data: (.*?)\n\n", rest)  # each send is one HTTP chunk holding whole events
+    assert events[-1] == b"[DONE]", rest[-500:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "unavailable" and error["message"].startswith(
+        "replica replica-http-cut shutting down: stream cut at the end of the drain grace period after ")
+    # How far it got: at least the tokens this read saw after the first event (one token per event or more).
+    assert int(error["message"].rsplit(" ", 2)[1]) >= len(events) - 2
+    assert rest.endswith(b"0\r\n\r\n"), "the chunked response was not ended properly"
