@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from minedraft.engine.control.auto import AutoSettings, Decision
@@ -24,7 +25,7 @@ from minedraft.engine.placement import (
     plan_devices,
     resolved_settings,
 )
-from minedraft.engine.requests import OutputDelta, SamplingSettings, encode_prompt
+from minedraft.engine.requests import OutputDelta, SamplingSettings, TokenLogprob, encode_prompt
 from minedraft.engine.settings import EngineSettings, Mode
 from minedraft.engine.vllm_adapter import (
     PROPOSER_CLASS,
@@ -196,9 +197,26 @@ def vllm_sampling_params(sampling: SamplingSettings, max_tokens: int, detokenize
         stop=(list(sampling.stop) or None) if detokenize else None,
         stop_token_ids=list(sampling.stop_token_ids) or None,
         ignore_eos=sampling.ignore_eos,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        logprobs=sampling.logprobs,
         output_kind=RequestOutputKind.DELTA,
         detokenize=detokenize,
     )
+
+
+def token_logprobs(token_ids: Sequence[int], positions: Iterable[Mapping[int, Any]] | Any,
+                   num_top: int) -> tuple[TokenLogprob, ...]:
+    """vLLM's per-position log-probabilities ({token id: Logprob(logprob, rank)}: the chosen token and the top ones)
+    as the engine's own: the chosen token's, and the `num_top` most likely tokens by rank. Under speculation vLLM's
+    rejection sampler reports them for every accepted token from the target's own logits at that position, so they
+    are the same as without speculation (tests/component/test_sampling_parity.py)."""
+    out = []
+    for token_id, position in zip(token_ids, positions, strict=False):
+        top = sorted(((lp.rank, t, lp.logprob) for t, lp in position.items()
+                      if lp.rank is not None and lp.rank <= num_top), key=lambda entry: entry[0])
+        out.append(TokenLogprob(position[token_id].logprob, tuple((t, lp) for _, t, lp in top)))
+    return tuple(out)
 
 
 class Engine:
@@ -262,6 +280,8 @@ class Engine:
         self.startup_seconds = time.perf_counter() - started
         self._prompt_lengths: dict[str, int] = {}
         self._output_counts: dict[str, int] = {}
+        # Requests asking for log-probabilities: how many top tokens each wants per position.
+        self._top_logprobs: dict[str, int] = {}
         log.info("engine (%s, %s on %s, %s steps) ready in %.1fs", settings.mode.value, settings.dtype,
                  "gpu" if device.has_gpu else "cpu", "async psd" if self.async_psd_steps else "synchronous",
                  self.startup_seconds)
@@ -322,12 +342,15 @@ class Engine:
         self._llm.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_token_ids), params)
         self._prompt_lengths[request_id] = len(prompt_token_ids)
         self._output_counts[request_id] = 0
+        if sampling.logprobs is not None:
+            self._top_logprobs[request_id] = sampling.logprobs
 
     def abort(self, request_ids: list[str]) -> None:
         self._llm.abort_request(request_ids)
         for request_id in request_ids:
             self._prompt_lengths.pop(request_id, None)
             self._output_counts.pop(request_id, None)
+            self._top_logprobs.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         # A step still in flight (async PSD steps) is finished by the next step() even if its requests were aborted.
@@ -358,11 +381,14 @@ class Engine:
                     num_output_tokens=count,
                     num_draft_tokens=drafted,
                     num_accepted_tokens=accepted,
+                    logprobs=None if completion.logprobs is None else token_logprobs(
+                        completion.token_ids, completion.logprobs, self._top_logprobs.get(request_id, 0)),
                 )
             )
             if finished:
                 self._prompt_lengths.pop(request_id, None)
                 self._output_counts.pop(request_id, None)
+                self._top_logprobs.pop(request_id, None)
             else:
                 self._output_counts[request_id] = count
         return deltas

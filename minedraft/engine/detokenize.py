@@ -50,6 +50,9 @@ class StreamDetokenizer:
         stopped_here = stop_string is not None and not delta.finished
         finished = delta.finished or stop_string is not None
         text = detokenizer.get_next_output_text(finished, delta=True)
-        return replace(delta, token_ids=list(kept), text=text,
+        logprobs = delta.logprobs
+        if logprobs is not None and len(logprobs) > len(kept):
+            logprobs = logprobs[:len(kept)]  # the tokens cut after a stop string take theirs with them
+        return replace(delta, token_ids=list(kept), text=text, logprobs=logprobs,
                        finish_reason="stop" if stop_string is not None else delta.finish_reason,
                        num_output_tokens=delta.num_output_tokens - self._num_dropped), stopped_here

@@ -50,6 +50,10 @@ def encode_prompt(tokenizer: Any, prompt: str | list[int], vocab_size: int, max_
     return token_ids
 
 
+# vLLM's default `max_logprobs`: the most top tokens a request may ask for at each position.
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
     max_tokens: int = 64
@@ -60,6 +64,10 @@ class SamplingSettings:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # None: no log-probabilities; 0: the chosen token's; k: also the k most likely tokens at each position.
+    logprobs: int | None = None
 
     def validate(self) -> None:
         if self.max_tokens <= 0:
@@ -72,6 +80,21 @@ class SamplingSettings:
             raise RequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
         if self.seed is not None and self.seed < 0:
             raise RequestError("seed", f"must be >= 0, got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:  # NaN fails this too
+                raise RequestError(name, f"must be in [-2, 2], got {value}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target and the most likely tokens at its position
+    ((token id, log-probability), most likely first)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,6 +108,8 @@ class OutputDelta:
     # Per-request speculation: filled on the final delta.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # With SamplingSettings.logprobs: one per token of token_ids.
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def finished(self) -> bool:

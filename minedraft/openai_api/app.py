@@ -267,9 +267,7 @@ class _GenerationResponse:
         state = self._state
         try:
             async for response in self._stream:
-                state.absorb(response)
-                state.texts.append(response.text)
-                state.token_ids.extend(response.token_ids)
+                state.collect(response)
         except self._backend.error_types as exc:
             await self._send_error(send, _api_error(self._backend, exc, state.parsed))
             return
@@ -342,10 +340,7 @@ class _FanOutResponse(_GenerationResponse):
                 await self._send_error(send, self._error(item))
                 return
             else:
-                state = states[index]
-                state.absorb(item)
-                state.texts.append(item.text)
-                state.token_ids.extend(item.token_ids)
+                states[index].collect(item)
         body = encode(merged_full_response(states))
         await self._send(send, {"type": "http.response.start", "status": 200,
                                 "headers": [(b"content-type", b"application/json"),
@@ -369,8 +364,8 @@ class _FanOutResponse(_GenerationResponse):
         ended = 0
         pending = iter(early)
         while ended < len(states):
-            report = next(pending, None)
-            index, item = report if report is not None else await queue.get()
+            buffered = next(pending, None)
+            index, item = buffered if buffered is not None else await queue.get()
             if item is None:
                 ended += 1
                 continue

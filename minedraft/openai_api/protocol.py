@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -39,6 +39,10 @@ MAX_MESSAGES = 1 << 16
 MAX_CHOICES = 16  # n
 MAX_PROMPTS = 64  # a completions batch: a list of prompts
 MAX_GENERATIONS = 64  # n times the number of prompts
+# The most top tokens per position a request may ask log-probabilities of (vLLM's default `max_logprobs`).
+MAX_TOP_LOGPROBS = 20
+# -inf is not JSON: OpenAI's servers (and vLLM's) send this floor instead.
+MIN_LOGPROB = -9999.0
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -97,6 +101,8 @@ class ParsedRequest:
     fanned: tuple[pb.GenerateRequest, ...] = ()
     # completions' `echo`: each prompt's text, put before its choices' text.
     echo_texts: tuple[str, ...] = ()
+    # The answer carries the generated tokens' log-probabilities.
+    logprobs: bool = False
 
     @property
     def requests(self) -> tuple[pb.GenerateRequest, ...]:
@@ -108,20 +114,21 @@ class ParsedRequest:
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 # Fields that change the output and that MineDraft can only honour at their neutral value.
 _NEUTRAL: dict[str, Any] = {
-    "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "best_of": 1,
+    "logit_bias": None, "best_of": 1,
     "suffix": None, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-    "response_format": None, "parallel_tool_calls": None, "top_logprobs": None, "modalities": None,
+    "response_format": None, "parallel_tool_calls": None, "modalities": None,
     "audio": None, "prediction": None, "reasoning_effort": None, "web_search_options": None,
 }
 # Further values of those fields that ask for nothing the engine does not do anyway.
 _ALSO_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "tool_choice": ("none",), "response_format": ({"type": "text"},), "top_logprobs": (0,),
+    "tool_choice": ("none",), "response_format": ({"type": "text"},),
 }
 _COMMON = frozenset({"model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
-                     "logprobs", "top_k", "ignore_eos", "stop_token_ids", "return_token_ids"})
+                     "logprobs", "top_k", "ignore_eos", "stop_token_ids", "return_token_ids", "presence_penalty",
+                     "frequency_penalty"})
 _ALLOWED = {
     Kind.COMPLETION: _COMMON | {"prompt", "echo"},
-    Kind.CHAT: _COMMON | {"messages", "max_completion_tokens"},
+    Kind.CHAT: _COMMON | {"messages", "max_completion_tokens", "top_logprobs"},
 }
 
 
@@ -167,7 +174,7 @@ def _bool(body: Mapping[str, Any], name: str) -> bool:
     return value
 
 
-def _check_fields(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool) -> list[str]:
+def _check_fields(body: Mapping[str, Any], kind: Kind) -> list[str]:
     """Refuses the fields that would change the output and cannot be honoured; returns the unknown ones."""
     ignored: list[str] = []
     for name, value in body.items():
@@ -187,9 +194,6 @@ def _check_fields(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool)
             continue
         if name not in _ALLOWED[kind]:
             ignored.append(name)  # as vLLM's server does: ignored (and logged), not refused
-    logprobs = body.get("logprobs")
-    if logprobs is not None and logprobs is not False and not logprobs_supported:
-        raise invalid("logprobs", "this server's engine does not produce log-probabilities", "unsupported_parameter")
     return ignored
 
 
@@ -282,13 +286,13 @@ def _messages(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
         request.messages.add(role=role, content="" if content is None else _content(content, index))
 
 
-def parse_request(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool = False) -> ParsedRequest:
+def parse_request(body: Mapping[str, Any], kind: Kind) -> ParsedRequest:
     """Translate a completions or chat completions body (already JSON-decoded) into the engine request.
 
     Raises ApiError(400) naming the OpenAI parameter. Range checks the engine makes itself (temperature, top_p,
     max_tokens against the context, token ids against the vocabulary) are left to it, so both APIs share them.
     """
-    ignored = _check_fields(body, kind, logprobs_supported)
+    ignored = _check_fields(body, kind)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "is required: one of the ids GET /v1/models lists")
@@ -353,10 +357,32 @@ def parse_request(body: Mapping[str, Any], kind: Kind, logprobs_supported: bool 
             raise invalid("stop_token_ids", "must be a list of token ids")
         sampling.stop_token_ids.extend(ids)
     sampling.ignore_eos = _bool(body, "ignore_eos")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if (penalty := _number(body, name)) is not None:
+            setattr(sampling, name, penalty)  # the range ([-2, 2]) is checked by the engine, for both APIs
+    top_logprobs = _logprobs(body, kind)
+    if top_logprobs is not None:
+        sampling.logprobs = top_logprobs
+        params["sampling_params.logprobs"] = "logprobs" if kind is Kind.COMPLETION else "top_logprobs"
+        if echo:
+            raise invalid("echo", "with logprobs would return the prompt's log-probabilities, which this server does "
+                                  "not compute", "unsupported_parameter")
     fanned = fan_out(request, prompts, n) if n > 1 or len(prompts) > 1 else ()
     echo_texts = tuple(p for p in prompts if isinstance(p, str)) if echo else ()
     return ParsedRequest(kind, model, request, stream, include_usage, params, _bool(body, "return_token_ids"),
-                         tuple(ignored), n, fanned, echo_texts)
+                         tuple(ignored), n, fanned, echo_texts, top_logprobs is not None)
+
+
+def _logprobs(body: Mapping[str, Any], kind: Kind) -> int | None:
+    """How many top tokens per position the request wants log-probabilities of (None: no log-probabilities).
+    Completions: `logprobs` is that number; chat: `logprobs: true` and `top_logprobs` (OpenAI's forms)."""
+    if kind is Kind.COMPLETION:
+        return _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    wanted = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top and not wanted:
+        raise invalid("top_logprobs", "needs logprobs: true")
+    return (top or 0) if wanted else None
 
 
 def fan_out(request: pb.GenerateRequest, prompts: list[str | list[int]], n: int) -> tuple[pb.GenerateRequest, ...]:
@@ -444,10 +470,22 @@ class ResponseState:
     # This choice's index (fanned-out requests) and the prompt text still to echo before its first text.
     index: int = 0
     echo_text: str = ""
+    # With logprobs: the entries of a non-streamed answer, and where the next token's text starts (completions'
+    # text_offset, counted over the streamed chunks).
+    logprob_entries: list[pb.TokenLogprob] = field(default_factory=list)
+    text_offset: int = 0
 
     @property
     def id(self) -> str:
         return self.parsed.request.request_id
+
+    def collect(self, response: pb.GenerateResponse) -> None:
+        """Accumulate one engine response for a non-streamed answer."""
+        self.absorb(response)
+        self.texts.append(response.text)
+        self.token_ids.extend(response.token_ids)
+        if self.parsed.logprobs:
+            self.logprob_entries.extend(response.logprobs)
 
     def absorb(self, response: pb.GenerateResponse) -> None:
         if response.finish_reason:
@@ -479,8 +517,36 @@ def choice_states(parsed: ParsedRequest) -> list[ResponseState]:
             for index in range(len(parsed.requests))]
 
 
+def _logprob(value: float) -> float:
+    return value if value > MIN_LOGPROB else MIN_LOGPROB  # -inf (and NaN) as OpenAI's floor
+
+
+def choice_logprobs(state: ResponseState, entries: Sequence[pb.TokenLogprob]) -> dict[str, Any] | None:
+    """OpenAI's `logprobs` of a choice (or of one chunk) for these tokens: completions' legacy object (tokens,
+    token_logprobs, top_logprobs as {token: logprob} with the chosen token first, as vLLM's server; text_offset),
+    chat's `content` list (token, logprob, bytes, top_logprobs)."""
+    if not state.parsed.logprobs:
+        return None
+    if state.parsed.kind is Kind.CHAT:
+        return {"content": [{"token": e.token, "logprob": _logprob(e.logprob), "bytes": list(e.token.encode()),
+                             "top_logprobs": [{"token": t.token, "logprob": _logprob(t.logprob),
+                                               "bytes": list(t.token.encode())} for t in e.top_logprobs]}
+                            for e in entries]}
+    offsets, top = [], []
+    for entry in entries:
+        offsets.append(state.text_offset)
+        state.text_offset += len(entry.token)
+        tops = {entry.token: _logprob(entry.logprob)}
+        for t in entry.top_logprobs:
+            tops.setdefault(t.token, _logprob(t.logprob))
+        top.append(tops)
+    return {"text_offset": offsets, "token_logprobs": [_logprob(e.logprob) for e in entries],
+            "tokens": [e.token for e in entries], "top_logprobs": top}
+
+
 def _full_choice(state: ResponseState, text: str) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": state.index, "logprobs": None, "finish_reason": state.finish_reason}
+    choice: dict[str, Any] = {"index": state.index, "logprobs": choice_logprobs(state, state.logprob_entries),
+                              "finish_reason": state.finish_reason}
     if state.parsed.return_token_ids:
         choice["token_ids"] = state.token_ids
     if state.parsed.kind is Kind.CHAT:
@@ -570,11 +636,14 @@ def choice_events(state: ResponseState, response: pb.GenerateResponse) -> list[b
         # completions' echo: the prompt goes out with the choice's first response (as vLLM's server sends it).
         text = state.echo_text + text
         state.echo_text = ""
-    # A token whose text is not complete yet (part of a character) has no text of its own; its id still goes out.
-    if text or (state.parsed.return_token_ids and response.token_ids):
-        choice: dict[str, Any] = ({"index": index, "delta": {"content": text}, "logprobs": None,
+    # A token whose text is not complete yet (part of a character) has no text of its own; its id (and log-
+    # probability) still goes out.
+    parsed = state.parsed
+    if text or ((parsed.return_token_ids or parsed.logprobs) and response.token_ids):
+        logprobs = choice_logprobs(state, response.logprobs) if parsed.logprobs else None
+        choice: dict[str, Any] = ({"index": index, "delta": {"content": text}, "logprobs": logprobs,
                                    "finish_reason": None} if chat
-                                  else {"index": index, "text": text, "logprobs": None, "finish_reason": None})
+                                  else {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None})
         if state.parsed.return_token_ids:
             choice["token_ids"] = list(response.token_ids)
         events.append(sse(_chunk(state, [choice])))

@@ -3,13 +3,14 @@ state is touched. No I/O, no gRPC calls: tested directly in tests/unit."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from minedraft.api import pb
-from minedraft.engine.requests import OutputDelta, RequestError, SamplingSettings
+from minedraft.engine.requests import MAX_TOP_LOGPROBS, OutputDelta, RequestError, SamplingSettings
 from minedraft.engine.settings import EngineSettings, Mode
 
 # Request ids are echoed in responses and logged: keep them bounded.
@@ -124,6 +125,15 @@ def sampling_from_proto(params: pb.SamplingParams, num_prompt_tokens: int, limit
     seed = params.seed if params.HasField("seed") else None
     if seed is not None and seed < 0:
         raise RequestError("sampling_params.seed", f"must be >= 0, got {seed}")
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name) if params.HasField(name) else 0.0
+        if not -2.0 <= value <= 2.0:  # NaN fails this too
+            raise RequestError(f"sampling_params.{name}", f"must be in [-2, 2], got {value}")
+        penalties[name] = value
+    logprobs = params.logprobs if params.HasField("logprobs") else None
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError("sampling_params.logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
     check_list_sizes(params)
     _check_token_ids("sampling_params.stop_token_ids", list(params.stop_token_ids), limits.vocab_size)
     if any(not s for s in params.stop):
@@ -137,6 +147,8 @@ def sampling_from_proto(params: pb.SamplingParams, num_prompt_tokens: int, limit
         stop=tuple(params.stop),
         stop_token_ids=tuple(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        logprobs=logprobs,
+        **penalties,
     )
     sampling.validate()  # the engine's own rules, in case they are stricter than the above
     return sampling
@@ -192,8 +204,32 @@ def prepare_request(request: pb.GenerateRequest, limits: ModelLimits,
     return PreparedRequest(request.request_id or None, token_ids, sampling)
 
 
-def response_from_delta(delta: OutputDelta) -> pb.GenerateResponse:
+def token_texts(tokenizer: Any) -> Callable[[int], str]:
+    """Each token's text by itself (for log-probabilities; cached: the same ids recur)."""
+    if tokenizer is None:
+        return lambda token_id: ""
+
+    # vLLM's own per-token text (decode, with a SentencePiece token's leading space put back), so the tokens read
+    # as vLLM's server reports them.
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def text(token_id: int) -> str:
+        return str(convert_ids_list_to_tokens(tokenizer, [token_id])[0])
+
+    return text
+
+
+def _no_token_text(token_id: int) -> str:
+    return ""
+
+
+def response_from_delta(delta: OutputDelta, token_text: Callable[[int], str] = _no_token_text) -> pb.GenerateResponse:
     response = pb.GenerateResponse(request_id=delta.request_id, token_ids=delta.token_ids, text=delta.text)
+    if delta.logprobs is not None:
+        for token_id, entry in zip(delta.token_ids, delta.logprobs, strict=False):
+            response.logprobs.add(logprob=entry.logprob, token=token_text(token_id), top_logprobs=[
+                pb.TopLogprob(token_id=t, token=token_text(t), logprob=lp) for t, lp in entry.top])
     if delta.finished:
         response.finish_reason = delta.finish_reason or "stop"
         response.usage.prompt_tokens = delta.num_prompt_tokens

@@ -97,7 +97,7 @@ class EngineBackend:
                         if open_stream.cut and delta.finish_reason == "abort":
                             raise BackendError(grpc.StatusCode.UNAVAILABLE, cut_message(service, open_stream))
                         open_stream.tokens_sent += len(delta.token_ids)
-                        yield response_from_delta(delta)
+                        yield response_from_delta(delta, service.token_text)
                     return
                 # Each wait bounded by what is left (a timeout around the yields would cancel the consumer instead).
                 while True:
@@ -111,7 +111,7 @@ class EngineBackend:
                     if open_stream.cut and delta.finish_reason == "abort":
                         raise BackendError(grpc.StatusCode.UNAVAILABLE, cut_message(service, open_stream))
                     open_stream.tokens_sent += len(delta.token_ids)
-                    yield response_from_delta(delta)
+                    yield response_from_delta(delta, service.token_text)
         except RequestError as exc:
             raise BackendError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field_name) from exc
         except EngineDeadError as exc:

@@ -9,7 +9,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from enum import StrEnum
 from typing import Any, NoReturn
 
@@ -30,6 +30,7 @@ from minedraft.server.convert import (
     model_info,
     prepare_request,
     response_from_delta,
+    token_texts,
 )
 from minedraft.server.metrics import RequestMetrics
 
@@ -93,9 +94,12 @@ class EngineService:
         self.idle.set()
         # Set by the server when it exports metrics: times and counts every Generate stream.
         self.request_metrics: RequestMetrics | None = None
+        # Each token's text alone (the log-probabilities' tokens), from the engine's tokenizer once attached.
+        self.token_text: Callable[[int], str] = lambda token_id: ""
 
     def attach(self, engine: ServingEngine) -> None:
         self.engine = engine
+        self.token_text = token_texts(engine.tokenizer)
         self.limits = engine_limits(engine)
         self.state = ServerState.SERVING
 
@@ -191,7 +195,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
                     if open_stream.cut and delta.finish_reason == "abort":
                         cut_off = True
                         break  # cut by the drain: the caller hears why below, not a plain "abort"
-                    response = response_from_delta(delta)
+                    response = response_from_delta(delta, service.token_text)
                     response.request_id = response_id
                     open_stream.tokens_sent += len(delta.token_ids)
                     yield response

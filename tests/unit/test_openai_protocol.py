@@ -93,19 +93,21 @@ def test_chat_messages_and_max_completion_tokens():
     (Kind.COMPLETION, {"echo": True, "prompt": [1, 2]}, "echo"),
     (Kind.COMPLETION, {"echo": True, "prompt": ["a", [1, 2]]}, "echo"),
     (Kind.CHAT, {"echo": True}, "echo"),
-    (Kind.COMPLETION, {"logprobs": 1}, "logprobs"),
-    (Kind.CHAT, {"logprobs": True}, "logprobs"),
+    (Kind.COMPLETION, {"logprobs": 21}, "logprobs"),
+    (Kind.COMPLETION, {"logprobs": True}, "logprobs"),
+    (Kind.CHAT, {"logprobs": 1}, "logprobs"),
+    (Kind.CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (Kind.COMPLETION, {"echo": True, "logprobs": 1}, "echo"),  # prompt log-probabilities: not computed
     (Kind.COMPLETION, {"best_of": 2}, "best_of"),
-    (Kind.COMPLETION, {"frequency_penalty": 1.0}, "frequency_penalty"),
+    (Kind.COMPLETION, {"frequency_penalty": "1"}, "frequency_penalty"),
     (Kind.COMPLETION, {"logit_bias": {"5": 1}}, "logit_bias"),
     (Kind.COMPLETION, {"suffix": "x"}, "suffix"),
     (Kind.CHAT, {"tools": [{"type": "function"}]}, "tools"),
     (Kind.CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
     (Kind.CHAT, {"tools": [{"type": "function"}], "tool_choice": "auto"}, "tools"),
     (Kind.CHAT, {"tool_choice": "required"}, "tool_choice"),
-    (Kind.CHAT, {"top_logprobs": 2}, "top_logprobs"),
-    (Kind.CHAT, {"logprobs": True}, "logprobs"),
-    (Kind.COMPLETION, {"presence_penalty": 0.5}, "presence_penalty"),
+    (Kind.CHAT, {"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
+    (Kind.COMPLETION, {"presence_penalty": True}, "presence_penalty"),
     (Kind.COMPLETION, {"max_tokens": 1.5}, "max_tokens"),
     (Kind.COMPLETION, {"max_tokens": True}, "max_tokens"),
     (Kind.COMPLETION, {"max_tokens": 2**40}, "max_tokens"),
@@ -321,3 +323,65 @@ def test_echo_puts_the_prompt_before_the_completion_streamed_and_not():
 def events_of_states(state, texts) -> list[dict]:
     raw = b"".join(b"".join(stream_events(state, r)) for r in responses(texts))
     return [json.loads(e[len(b"data: "):]) for e in raw.split(b"\n\n")[:-1] if e != SSE_DONE.strip()]
+
+
+
+# -- penalties and log-probabilities ---------------------------------------------------------------------------------
+
+def test_penalties_and_logprobs_become_sampling_fields():
+    sampling = parse(presence_penalty=0.5, frequency_penalty=-1, logprobs=3).request.sampling_params
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.logprobs) == (0.5, -1.0, 3)
+    assert not parse().request.sampling_params.HasField("logprobs") and not parse().logprobs
+    chat = parse(Kind.CHAT, logprobs=True, top_logprobs=2)
+    assert chat.logprobs and chat.request.sampling_params.logprobs == 2
+    assert parse(Kind.CHAT, logprobs=True).request.sampling_params.logprobs == 0
+    assert not parse(Kind.CHAT, logprobs=False, top_logprobs=0).logprobs
+    # An engine error about the field names the client's parameter.
+    assert error_from_status(grpc.StatusCode.INVALID_ARGUMENT, "x", "sampling_params.logprobs",
+                             chat.params).param == "top_logprobs"
+    assert error_from_status(grpc.StatusCode.INVALID_ARGUMENT, "x", "sampling_params.presence_penalty",
+                             chat.params).param == "presence_penalty"
+
+
+def logprob_responses() -> list[pb.GenerateResponse]:
+    first = pb.GenerateResponse(token_ids=[1, 2], text="ab", logprobs=[
+        pb.TokenLogprob(logprob=-0.5, token="a", top_logprobs=[pb.TopLogprob(token_id=1, token="a", logprob=-0.5),
+                                                                pb.TopLogprob(token_id=3, token="c", logprob=-1.5)]),
+        pb.TokenLogprob(logprob=float("-inf"), token="b", top_logprobs=[
+            pb.TopLogprob(token_id=4, token="é", logprob=-0.25)])])
+    last = pb.GenerateResponse(token_ids=[5], text="dd", finish_reason="length",
+                               logprobs=[pb.TokenLogprob(logprob=-1.0, token="dd")])
+    return [first, last]
+
+
+def test_completion_logprobs_streamed_and_not():
+    state = choice_states(parse(logprobs=2))[0]
+    for response in logprob_responses():
+        state.collect(response)
+    logprobs = full_response(state, "abdd")["choices"][0]["logprobs"]
+    assert logprobs == {"text_offset": [0, 1, 2], "token_logprobs": [-0.5, -9999.0, -1.0], "tokens": ["a", "b", "dd"],
+                        "top_logprobs": [{"a": -0.5, "c": -1.5}, {"b": -9999.0, "é": -0.25}, {"dd": -1.0}]}
+    streamed = choice_states(parse(logprobs=2, stream=True))[0]
+    chunks = [json.loads(e[len(b"data: "):]) for r in logprob_responses() for e in stream_events(streamed, r)
+              if e != SSE_DONE]
+    per_chunk = [c["choices"][0]["logprobs"] for c in chunks]
+    assert per_chunk[0]["tokens"] == ["a", "b"] and per_chunk[1]["text_offset"] == [2]  # offsets run on
+    assert per_chunk[-1] is None  # the final chunk (finish reason only)
+
+
+def test_chat_logprobs_streamed_and_not():
+    state = choice_states(parse(Kind.CHAT, logprobs=True, top_logprobs=1))[0]
+    for response in logprob_responses():
+        state.collect(response)
+    content = full_response(state, "abdd")["choices"][0]["logprobs"]["content"]
+    assert content[0] == {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [
+        {"token": "a", "logprob": -0.5, "bytes": [97]}, {"token": "c", "logprob": -1.5, "bytes": [99]}]}
+    assert content[1]["top_logprobs"][0]["bytes"] == [195, 169] and content[1]["logprob"] == -9999.0
+    streamed = choice_states(parse(Kind.CHAT, logprobs=True, stream=True))[0]
+    events = [json.loads(e[len(b"data: "):]) for r in logprob_responses() for e in stream_events(streamed, r)
+              if e != SSE_DONE]
+    assert [len(e["choices"][0]["logprobs"]["content"]) for e in events[1:3]] == [2, 1]
+    # Without logprobs asked for: null, as before.
+    plain = choice_states(parse(Kind.CHAT))[0]
+    plain.collect(logprob_responses()[1])
+    assert full_response(plain, "dd")["choices"][0]["logprobs"] is None

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from minedraft.api import pb
-from minedraft.engine.requests import OutputDelta, RequestError
+from minedraft.engine.requests import OutputDelta, RequestError, TokenLogprob
 from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode
 from minedraft.server.convert import ModelLimits, model_info, prepare_request, response_from_delta
 
@@ -40,6 +40,10 @@ def test_token_prompt_and_every_sampling_field_carried():
     s = prepared.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (5, 0.5, 0.25, 7, 3)
     assert s.stop == ("\n",) and s.stop_token_ids == (9,) and s.ignore_eos
+    assert (s.presence_penalty, s.frequency_penalty, s.logprobs) == (0.0, 0.0, None)
+    params = pb.SamplingParams(presence_penalty=-1.5, frequency_penalty=2, logprobs=0)
+    s = prepare_request(pb.GenerateRequest(prompt="a", sampling_params=params), LIMITS, tokenize).sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.logprobs) == (-1.5, 2.0, 0)
 
 
 @pytest.mark.parametrize(("request_", "field"), [
@@ -63,6 +67,12 @@ def test_token_prompt_and_every_sampling_field_carried():
      "sampling_params.stop_token_ids"),
     (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(stop=[""])), "sampling_params.stop"),
     (pb.GenerateRequest(prompt="a", request_id="x" * 300), "request_id"),
+    (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(presence_penalty=2.5)),
+     "sampling_params.presence_penalty"),
+    (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(frequency_penalty=math.nan)),
+     "sampling_params.frequency_penalty"),
+    (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(logprobs=21)), "sampling_params.logprobs"),
+    (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(logprobs=-1)), "sampling_params.logprobs"),
 ])
 def test_each_invalid_field_is_named(request_, field):
     assert field_of(request_) == field
@@ -152,3 +162,28 @@ def test_chat_message_count_is_bounded_before_its_bytes_are_summed():
     with pytest.raises(RequestError) as info:
         prepare_request(request, LIMITS, tokenize)
     assert info.value.field_name == "messages" and "32 messages" in str(info.value)
+
+
+def test_response_carries_logprobs_with_each_tokens_text():
+    delta = OutputDelta("r", [5, 6], "xy", logprobs=(TokenLogprob(-0.5, ((5, -0.5), (7, -1.0))),
+                                                      TokenLogprob(-2.0, ((8, -0.1),))))
+    response = response_from_delta(delta, lambda token_id: f"<{token_id}>")
+    assert [(e.logprob, e.token) for e in response.logprobs] == [(-0.5, "<5>"), (-2.0, "<6>")]
+    assert [[(t.token_id, t.token, t.logprob) for t in e.top_logprobs] for e in response.logprobs] == [
+        [(5, "<5>", -0.5), (7, "<7>", -1.0)], [(8, "<8>", pytest.approx(-0.1))]]
+    assert not response_from_delta(OutputDelta("r", [1], "a")).logprobs
+
+
+def test_engine_logprobs_from_vllms_keep_the_top_by_rank():
+    from minedraft.engine.core import token_logprobs
+
+    class Logprob:
+        def __init__(self, logprob: float, rank: int) -> None:
+            self.logprob, self.rank = logprob, rank
+
+    # vLLM's position dicts: the chosen token (any rank) plus the top k; the chosen one outside the top k is not
+    # among the top.
+    positions = [{9: Logprob(-3.0, 4), 1: Logprob(-0.1, 1), 2: Logprob(-0.7, 2)}, {1: Logprob(-0.2, 1)}]
+    out = token_logprobs([9, 1], positions, 2)
+    assert out == (TokenLogprob(-3.0, ((1, -0.1), (2, -0.7))), TokenLogprob(-0.2, ((1, -0.2),)))
+    assert token_logprobs([1], positions[1:], 0) == (TokenLogprob(-0.2, ()),)

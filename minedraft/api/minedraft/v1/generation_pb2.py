@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dminedraft/v1/generation.proto\x12\x0cminedraft.v1\"\xb3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.minedraft.v1.SamplingParams\x12+\n\x08messages\x18\x05 \x03(\x0b\x32\x19.minedraft.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xb7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.minedraft.v1.Usage\x12\x33\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1e.minedraft.v1.SpeculationStats\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"I\n\x10SpeculationStats\x12\x18\n\x10num_draft_tokens\x18\x01 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x02 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xc9\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\r\x12\x1e\n\x16num_extra_draft_tokens\x18\x07 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\"\x16\n\x14GetServerInfoRequest\"\xca\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x1c\n\x14num_running_requests\x18\x03 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x04 \x01(\r\x12\x1a\n\x12num_active_streams\x18\x05 \x01(\r\x12\x16\n\x0euptime_seconds\x18\x06 \x01(\x01\x12\r\n\x05state\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t2\x8a\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.minedraft.v1.GenerateRequest\x1a\x1e.minedraft.v1.GenerateResponse0\x01\x12U\n\x0cGetModelInfo\x12!.minedraft.v1.GetModelInfoRequest\x1a\".minedraft.v1.GetModelInfoResponse\x12X\n\rGetServerInfo\x12\".minedraft.v1.GetServerInfoRequest\x1a#.minedraft.v1.GetServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dminedraft/v1/generation.proto\x12\x0cminedraft.v1\"\xb3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.minedraft.v1.SamplingParams\x12+\n\x08messages\x18\x05 \x03(\x0b\x32\x19.minedraft.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x82\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobs\"\xe5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.minedraft.v1.Usage\x12\x33\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1e.minedraft.v1.SpeculationStats\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.minedraft.v1.TokenLogprob\"^\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\r\n\x05token\x18\x02 \x01(\t\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.minedraft.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"I\n\x10SpeculationStats\x12\x18\n\x10num_draft_tokens\x18\x01 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x02 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xc9\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\r\x12\x1e\n\x16num_extra_draft_tokens\x18\x07 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\"\x16\n\x14GetServerInfoRequest\"\xca\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x1c\n\x14num_running_requests\x18\x03 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x04 \x01(\r\x12\x1a\n\x12num_active_streams\x18\x05 \x01(\r\x12\x16\n\x0euptime_seconds\x18\x06 \x01(\x01\x12\r\n\x05state\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t2\x8a\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.minedraft.v1.GenerateRequest\x1a\x1e.minedraft.v1.GenerateResponse0\x01\x12U\n\x0cGetModelInfo\x12!.minedraft.v1.GetModelInfoRequest\x1a\".minedraft.v1.GetModelInfoResponse\x12X\n\rGetServerInfo\x12\".minedraft.v1.GetServerInfoRequest\x1a#.minedraft.v1.GetServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,21 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=229
   _globals['_CHATMESSAGE']._serialized_end=273
   _globals['_SAMPLINGPARAMS']._serialized_start=276
-  _globals['_SAMPLINGPARAMS']._serialized_end=520
-  _globals['_GENERATERESPONSE']._serialized_start=523
-  _globals['_GENERATERESPONSE']._serialized_end=706
-  _globals['_USAGE']._serialized_start=708
-  _globals['_USAGE']._serialized_end=765
-  _globals['_SPECULATIONSTATS']._serialized_start=767
-  _globals['_SPECULATIONSTATS']._serialized_end=840
-  _globals['_GETMODELINFOREQUEST']._serialized_start=842
-  _globals['_GETMODELINFOREQUEST']._serialized_end=863
-  _globals['_GETMODELINFORESPONSE']._serialized_start=866
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1067
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1069
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1091
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=1094
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=1296
-  _globals['_GENERATION']._serialized_start=1299
-  _globals['_GENERATION']._serialized_end=1565
+  _globals['_SAMPLINGPARAMS']._serialized_end=662
+  _globals['_GENERATERESPONSE']._serialized_start=665
+  _globals['_GENERATERESPONSE']._serialized_end=894
+  _globals['_TOKENLOGPROB']._serialized_start=896
+  _globals['_TOKENLOGPROB']._serialized_end=990
+  _globals['_TOPLOGPROB']._serialized_start=992
+  _globals['_TOPLOGPROB']._serialized_end=1054
+  _globals['_USAGE']._serialized_start=1056
+  _globals['_USAGE']._serialized_end=1113
+  _globals['_SPECULATIONSTATS']._serialized_start=1115
+  _globals['_SPECULATIONSTATS']._serialized_end=1188
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1190
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1211
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1214
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1415
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1417
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1439
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=1442
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=1644
+  _globals['_GENERATION']._serialized_start=1647
+  _globals['_GENERATION']._serialized_end=1913
 # @@protoc_insertion_point(module_scope)
