@@ -403,7 +403,8 @@ def test_front_end_detokenisation_and_stop_strings_equal_the_engines(psd, texts)
     text = "".join(d.text for d in plain)
     stop = text[len(text) // 2:len(text) // 2 + 3]
     assert stop.strip(), text
-    sampling = SamplingSettings(max_tokens=40, ignore_eos=True, stop=(stop, "\x00never"))
+    # With log-probabilities: the tokens cut after the stop string take theirs with them, in both.
+    sampling = SamplingSettings(max_tokens=40, ignore_eos=True, stop=(stop, "\x00never"), logprobs=1)
     in_engine = _run(psd, "in-engine", prompt, sampling)
     detokenizer = StreamDetokenizer(psd.tokenizer, "front-end", prompt, sampling)
     front_end = []
@@ -418,6 +419,10 @@ def test_front_end_detokenisation_and_stop_strings_equal_the_engines(psd, texts)
     assert "".join(d.text for d in front_end) == "".join(d.text for d in in_engine) == text.split(stop)[0]
     assert [t for d in front_end for t in d.token_ids] == [t for d in in_engine for t in d.token_ids]
     assert front_end[-1].num_output_tokens == in_engine[-1].num_output_tokens
+    for deltas in (front_end, in_engine):
+        assert all(len(d.logprobs) == len(d.token_ids) for d in deltas if d.token_ids)
+    assert [e.logprob for d in front_end for e in d.logprobs or ()] == pytest.approx(
+        [e.logprob for d in in_engine for e in d.logprobs or ()], abs=1e-4)
 
 
 def _run(engine, request_id: str, prompt: list[int], sampling: SamplingSettings, detokenize: bool = True) -> list:
