@@ -130,7 +130,7 @@ async def test_engine_invalid_argument_is_a_400_naming_the_param(http_stack):
     assert info.value.body["param"] == "max_completion_tokens"
     # Refused at the gateway's HTTP edge: never forwarded.
     with pytest.raises(openai.BadRequestError):
-        await api.completions.create(model="fake", prompt="x", n=3)
+        await api.completions.create(model="fake", prompt="x", n=17)
     assert all(r.sampling_params.max_tokens == -1 for r in fake.record.requests)
     # Refused by the engine (3) or at the HTTP edge (1): all counted as HTTP streams ended with INVALID_ARGUMENT.
     assert registry.get_sample_value("minedraft_gateway_streams_finished_total",

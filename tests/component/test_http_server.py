@@ -184,10 +184,12 @@ INVALID = [
     ("completions", {"seed": -3}, "seed"),
     ("completions", {"n": 17}, "n"),
     ("completions", {"prompt": ["a"] * 8, "n": 9}, "n"),
-    ("completions", {"logprobs": 2}, "logprobs"),
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"presence_penalty": 3}, "presence_penalty"),
+    ("completions", {"echo": True, "logprobs": 1}, "echo"),
     ("completions", {"echo": True, "prompt": [1, 2]}, "echo"),
     ("completions", {"best_of": 3}, "best_of"),
-    ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("completions", {"logit_bias": {"5": 1}}, "logit_bias"),
     ("completions", {"stop": ["a", ""]}, "stop"),
     ("completions", {"stop": 7}, "stop"),
     ("completions", {"prompt": [1, 2, 99_999]}, "prompt"),
@@ -205,7 +207,8 @@ INVALID = [
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content"),
-    ("chat/completions", {"logprobs": True}, "logprobs"),
+    ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat/completions", {"messages": [{"role": "user", "content": " word" * 2000}]}, "messages"),
 ]
@@ -401,3 +404,50 @@ async def test_a_stream_cut_by_the_drain_ends_with_an_error_event_saying_why(psd
     # How far it got: at least the tokens this read saw after the first event (one token per event or more).
     assert int(error["message"].rsplit(" ", 2)[1]) >= len(events) - 2
     assert rest.endswith(b"0\r\n\r\n"), "the chunked response was not ended properly"
+
+
+async def test_logprobs_and_penalties_with_the_official_client_directly_and_through_the_gateway(http_served):
+    """The official client's logprobs (completions: legacy object; chat: content list, streamed through the gateway)
+    and presence/frequency penalties on the real PSD engine: the same tokens and log-probabilities as the gRPC API."""
+    grpc_target, base_url, engine, _ = http_served
+    model = engine.settings.model
+    async with grpc.aio.insecure_channel(grpc_target) as channel:
+        responses = [r async for r in pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+            prompt=PROMPT, sampling_params=pb.SamplingParams(max_tokens=MAX_TOKENS, logprobs=2)), timeout=120)]
+    grpc_logprobs = [e for r in responses for e in r.logprobs]
+    assert len(grpc_logprobs) == MAX_TOKENS and all(len(e.top_logprobs) == 2 for e in grpc_logprobs)
+
+    completion = await client(base_url).completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                                           logprobs=2, temperature=0)
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.tokens == [e.token for e in grpc_logprobs]
+    assert logprobs.token_logprobs == pytest.approx([e.logprob for e in grpc_logprobs], abs=1e-5)
+    assert all(len(top) >= 2 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+
+    penalised = pb.SamplingParams(max_tokens=MAX_TOKENS, presence_penalty=1.5, frequency_penalty=1.0)
+    _, penalised_text = await grpc_generate(grpc_target, pb.GenerateRequest(prompt=PROMPT,
+                                                                           sampling_params=penalised))
+    _, plain_text = await grpc_generate(grpc_target, pb.GenerateRequest(
+        prompt=PROMPT, sampling_params=pb.SamplingParams(max_tokens=MAX_TOKENS)))
+    assert penalised_text != plain_text, "the penalties change nothing here: the check below would prove nothing"
+    penalised_completion = await client(base_url).completions.create(
+        model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, presence_penalty=1.5, frequency_penalty=1.0)
+    assert penalised_completion.choices[0].text == penalised_text
+
+    gateway = Gateway(GatewayConfig(health_retry_seconds=0.05))
+    await gateway.start()
+    port = await gateway.start_http("127.0.0.1", 0)
+    try:
+        gateway.set_engines([grpc_target])
+        await wait_for(lambda: any(e.healthy for e in gateway.endpoints), what="engine healthy at the gateway")
+        stream = await client(f"http://127.0.0.1:{port}").chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "import sys"}], max_tokens=MAX_TOKENS, stream=True,
+            logprobs=True, top_logprobs=2, presence_penalty=0.5, extra_body={"ignore_eos": True})
+        content = [entry async for chunk in stream for choice in chunk.choices
+                   for entry in (choice.logprobs.content if choice.logprobs else [])]
+        assert len(content) == MAX_TOKENS
+        assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in content)
+        assert all(e.logprob <= 0 for e in content)
+    finally:
+        await gateway.stop()
