@@ -204,3 +204,23 @@ async def test_the_engine_port_front_end_cancels_a_queued_request_whose_client_l
         await wait_for(lambda: backend.cancelled == 1, what="the queued request cancelled")
     finally:
         await server.stop()
+
+
+async def test_a_stream_cut_by_the_gateways_drain_ends_with_an_error_event(http_stack):
+    """The gateway's drain cuts a stream still open at the end of its grace period by cancelling its engine call (not
+    the HTTP handler's task): the client reads an OpenAI error event saying why and how far it got, then [DONE],
+    and the engine sees the abort. A fanned-out request (n = 2) is cut as a whole the same way."""
+    gateway, (fake,), base_url = await http_stack([FakeBehaviour(token_interval_seconds=0.02)])
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        async def lines(n: int) -> list[str]:
+            async with http.stream("POST", "/v1/completions", json={
+                    "model": "fake", "prompt": "x", "max_tokens": 5000, "stream": True, "n": n}) as r:
+                return [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        streams = [asyncio.ensure_future(lines(n)) for n in (1, 2)]
+        await wait_for(lambda: fake.record.num_responses_sent >= 9, what="all three choices streaming")
+        await asyncio.wait_for(gateway.drain(grace_seconds=0), 30)
+        for got in await asyncio.wait_for(asyncio.gather(*streams), 30):
+            assert got[-1] == "data: [DONE]"
+            error = json.loads(got[-2][len("data: "):])["error"]
+            assert error["code"] == "unavailable" and "drain" in error["message"], error
+    assert len(fake.record.cancelled) == 3 and fake.record.completed == []
