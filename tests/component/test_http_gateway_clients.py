@@ -224,3 +224,15 @@ async def test_a_stream_cut_by_the_gateways_drain_ends_with_an_error_event(http_
             error = json.loads(got[-2][len("data: "):])["error"]
             assert error["code"] == "unavailable" and "drain" in error["message"], error
     assert len(fake.record.cancelled) == 3 and fake.record.completed == []
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_client_gone_cancels_every_choice_of_a_fanned_out_request(http_stack, stream):
+    gateway, (fake,), base_url = await http_stack([FakeBehaviour(token_interval_seconds=0.05)])
+    _, writer = await raw_request(base_url, {"model": "fake", "prompt": ["a", "b"], "n": 2, "max_tokens": 5000,
+                                             "stream": stream})
+    await wait_for(lambda: len(fake.record.started) == 4, what="the four choices on the engine")
+    writer.close()
+    await wait_for(lambda: len(fake.record.cancelled) == 4, what="every choice aborted in the engine")
+    await wait_for(lambda: gateway.admission.in_flight == 0, what="every admission slot freed")
+    assert fake.record.completed == []
