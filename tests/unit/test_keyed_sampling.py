@@ -37,31 +37,46 @@ def test_positions_must_match_seeds():
         ks.position_keys([1, 2], [0])
 
 
-def test_the_race_winner_is_an_exact_sample_of_the_distribution():
+@pytest.fixture(params=["torch", "fused-cpu"])
+def race(request):
+    fused = ks.fused_cpu_race()
+    if request.param == "fused-cpu" and fused is None:
+        pytest.skip("vLLM's CPU kernel is not built here")
+    return None if request.param == "torch" else fused
+
+
+def test_the_race_winner_is_an_exact_sample_of_the_distribution(race):
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     expected = torch.softmax(logits, dim=0).double()
     n = 20_000
-    winners = ks.keyed_tokens(logits.expand(n, -1), list(range(n)), [3] * n)
+    winners = ks.keyed_tokens(logits.expand(n, -1), list(range(n)), [3] * n, race)
     counts = torch.bincount(winners, minlength=6).double()
     assert chisquare(counts.numpy(), (expected * n).numpy()).pvalue > 1e-3
 
 
-def test_masked_entries_never_win():
+def test_masked_entries_never_win(race):
     logits = torch.tensor([[0.0, float("-inf"), 0.0, float("-inf")]]).expand(4000, -1)
-    winners = ks.keyed_tokens(logits, list(range(4000)), [0] * 4000)
+    winners = ks.keyed_tokens(logits, list(range(4000)), [0] * 4000, race)
     assert set(winners.tolist()) == {0, 2}
 
 
-def test_draws_at_two_positions_are_independent():
+def test_draws_at_two_positions_are_independent(race):
     # A weak hash would correlate neighbouring positions of one seed; the joint counts must factor.
     logits = torch.zeros(4)
     n = 8000
-    first = ks.keyed_tokens(logits.expand(n, -1), list(range(n)), [10] * n)
-    second = ks.keyed_tokens(logits.expand(n, -1), list(range(n)), [11] * n)
+    first = ks.keyed_tokens(logits.expand(n, -1), list(range(n)), [10] * n, race)
+    second = ks.keyed_tokens(logits.expand(n, -1), list(range(n)), [11] * n, race)
     table = torch.zeros(4, 4)
     for a, b in zip(first.tolist(), second.tolist(), strict=True):
         table[a, b] += 1
     assert chi2_contingency(table.numpy())[1] > 1e-3
+
+
+def test_a_rows_winner_does_not_depend_on_the_other_rows(race):
+    logits = torch.randn(6, 500)
+    together = ks.keyed_tokens(logits, [1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5], race)
+    alone = torch.cat([ks.keyed_tokens(logits[i:i + 1], [i + 1], [i], race) for i in range(6)])
+    assert torch.equal(together, alone)
 
 
 def test_keyed_step_positions_without_and_with_drafts():
@@ -80,14 +95,14 @@ class _Metadata:
     all_random: bool
 
 
-def test_rejection_step_verifies_keyed_requests_greedily_on_their_keyed_scores():
+def test_rejection_step_verifies_keyed_requests_greedily_on_their_winners(race):
     seen = {}
 
     def vllm_rejection_sample(draft_ids, num_draft, max_len, cu, draft_probs, target_logits, bonus, metadata):
         seen.update(target=target_logits.clone(), metadata=metadata)
         return "vllm's output"
 
-    wrapped = ks.keyed_rejection_sample(vllm_rejection_sample)
+    wrapped = ks.keyed_rejection_sample(vllm_rejection_sample, race)
     vocab = 50
     # Three requests: 0 keyed with 2 drafts, 1 unseeded random with 1 draft, 2 keyed with no drafts (bonus only).
     logits = torch.randn(3, vocab)
@@ -100,8 +115,9 @@ def test_rejection_step_verifies_keyed_requests_greedily_on_their_keyed_scores()
     finally:
         ks._STEP.reset(token)
     assert out == "vllm's output"
-    expected_keyed = ks.race_scores(logits[:2], ks.position_keys([11, 11], [4, 5]))
-    assert torch.allclose(seen["target"][:2], expected_keyed)
+    # The keyed request's two draft positions (4 and 5) are its winners there, what the plain stage would draw.
+    expected = ks.keyed_tokens(logits[:2], [11, 11], [4, 5], race)
+    assert torch.equal(seen["target"][:2].argmax(dim=-1), expected)
     assert torch.equal(seen["target"][2], logits[2]), "an unseeded request's logits were touched"
     assert seen["metadata"].temperature.tolist() == pytest.approx([0.0, 0.7, 0.0])
     assert not seen["metadata"].all_greedy and not seen["metadata"].all_random
@@ -116,11 +132,11 @@ def test_rejection_step_outside_a_keyed_step_is_vllms():
     assert calls[0][7] is metadata and torch.equal(calls[0][5], logits)
 
 
-def test_the_top_k_top_p_stage_overwrites_keyed_rows_only():
+def test_the_top_k_top_p_stage_overwrites_keyed_rows_only(race):
     pytest.importorskip("vllm")
     vocab = 40
     stage = SimpleNamespace(forward=lambda logits, generators, k, p: (torch.full((logits.shape[0],), 39), None))
-    ks._wrap_top_k_top_p(SimpleNamespace(topk_topp_sampler=stage))
+    ks._wrap_top_k_top_p(SimpleNamespace(topk_topp_sampler=stage), race)
     logits = torch.randn(3, vocab)
     # Row 2 nearly flat under top-k 2: unfiltered, its winner would fall outside {38, 39} nineteen times in twenty.
     logits[2] = torch.arange(vocab) * 0.01
@@ -133,5 +149,5 @@ def test_the_top_k_top_p_stage_overwrites_keyed_rows_only():
         finally:
             ks._STEP.reset(token)
         assert sampled[1] == 39, "an unkeyed row's draw was replaced"
-        assert sampled[0] == ks.keyed_tokens(logits[:1], [3], [1])[0]
+        assert sampled[0] == ks.keyed_tokens(logits[:1], [3], [1], race)[0]
         assert int(sampled[2]) in {38, 39}, "top-k was not applied before the race"

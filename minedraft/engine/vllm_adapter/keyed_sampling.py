@@ -7,7 +7,7 @@ two identical seeded requests at temperature > 0 could give different outputs.
 
 Here a seeded request's token at output position t is the winner of an exponential race keyed by (seed, t):
 
-    token_t = argmax_v  log p_t(v) + G(seed, t, v),    G = Gumbel noise from a counter-based hash
+    token_t = argmax_v  log p_t(v) + G(seed, t, v),    G = Gumbel noise from a counter-based hash of (seed, t, v)
 
 where p_t is the target's processed distribution (temperature, top-k, top-p, as vLLM computes it). That is an exact
 sample from p_t (the Gumbel-max trick), and it is a function of the seed, the position and the context alone. With
@@ -75,30 +75,60 @@ def position_keys(seeds: Sequence[int], positions: Sequence[int], device: torch.
     where = torch.tensor([p & _MASK32 for p in positions], dtype=torch.int64, device=device)
     key = _mix32(low ^ 0x5BD1E995)
     key = _mix32(key ^ high)
-    return _mix32(key ^ where)
+    # Two rounds after the position: neighbouring positions of one seed (keys differing in one low bit before mixing)
+    # must give unrelated keys, and vLLM's CPU kernel derives its per-token noise from the key by simple arithmetic.
+    return _mix32(_mix32(key ^ where) ^ _GOLDEN32)
+
+
+# Rows of noise made at once: bounds the int64 temporaries to ~128 MiB each whatever the batch and vocabulary.
+_NOISE_ELEMENTS_PER_CHUNK = 1 << 24
 
 
 def keyed_gumbel(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Gumbel(0, 1) noise [n, vocab_size] (float32), a pure function of each row's key and the vocabulary id."""
-    ids = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)
-    counters = (keys.unsqueeze(-1) + ids * _GOLDEN32) & _MASK32
-    first = _mix32(counters)
-    second = _mix32(first ^ 0x68E31DA4)
-    # 53 random bits -> a uniform in (0, 1), never 0 or 1, in float64 so -log(-log(u)) keeps its tails.
-    uniform = ((first << 21) + (second >> 11)).to(torch.float64).add_(0.5).mul_(2.0 ** -53)
-    return (-torch.log(-torch.log(uniform))).to(torch.float32)
+    ids = torch.arange(vocab_size, dtype=torch.int64, device=keys.device) * _GOLDEN32
+    noise = torch.empty((keys.shape[0], vocab_size), dtype=torch.float32, device=keys.device)
+    rows_per_chunk = max(1, _NOISE_ELEMENTS_PER_CHUNK // max(1, vocab_size))
+    for start in range(0, keys.shape[0], rows_per_chunk):
+        chunk = keys[start:start + rows_per_chunk]
+        bits = _mix32((chunk.unsqueeze(-1) + ids) & _MASK32)
+        # A uniform in (0, 1), never 0 or 1 (32 bits: the largest Gumbel value it can give, ~22.9, is far above the
+        # maximum of a vocabulary's worth of draws, ~12 for 150k tokens); float64 keeps -log(-log(u)) accurate.
+        uniform = bits.to(torch.float64).add_(0.5).mul_(2.0 ** -32)
+        noise[start:start + rows_per_chunk] = uniform.log_().neg_().log_().neg_()
+    return noise
 
 
 def race_scores(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """log p + keyed Gumbel noise per row: its argmax is an exact sample from softmax(logits), keyed by `keys`.
-    Masked entries (-inf, from top-k/top-p) stay -inf."""
-    return torch.log_softmax(logits.to(torch.float32), dim=-1) + keyed_gumbel(keys, logits.shape[-1])
+    """logits + keyed Gumbel noise per row: its argmax is an exact sample from softmax(logits), keyed by `keys` (the
+    softmax's normaliser is one constant per row, so it cannot move the argmax). Masked entries (-inf, from top-k or
+    top-p) stay -inf."""
+    return logits.to(torch.float32) + keyed_gumbel(keys, logits.shape[-1])
 
 
-def keyed_tokens(logits: torch.Tensor, seeds: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-    """The keyed race's winner for each row of processed logits [n, vocab] -> [n] int64."""
-    keys = position_keys(seeds, positions, logits.device)
+def fused_cpu_race() -> Any | None:
+    """vLLM's CPU kernel for a Gumbel-max draw per row with noise keyed by (row seed, token id) (what vLLM's own CPU
+    sampler draws with), or None where it is not built (GPU builds)."""
+    try:
+        import vllm._C  # noqa: F401  (registers torch.ops._C)
+    except ImportError:
+        return None
+    return getattr(torch.ops._C, "fused_gumbel_argmax", None)
+
+
+def keyed_winners(logits: torch.Tensor, keys: torch.Tensor, fused: Any | None = None) -> torch.Tensor:
+    """The keyed race's winner of each row of processed logits [n, vocab] -> [n] int64: on CPUs vLLM's fused kernel
+    keyed by `keys` (one pass, no noise tensor), elsewhere `race_scores` (`fused` None). One deployment always takes
+    the same path, so a position's winner does not depend on which sampler stage draws it."""
+    if fused is not None and logits.device.type == "cpu":
+        return fused(logits.to(torch.float32).contiguous(), keys).to(torch.int64)
     return race_scores(logits, keys).argmax(dim=-1)
+
+
+def keyed_tokens(logits: torch.Tensor, seeds: Sequence[int], positions: Sequence[int],
+                 fused: Any | None = None) -> torch.Tensor:
+    """The keyed race's winner for each row of processed logits, keyed by (seed, position) per row."""
+    return keyed_winners(logits, position_keys(seeds, positions, logits.device), fused)
 
 
 @dataclass(frozen=True)
@@ -163,7 +193,7 @@ def _wrap_sample(runner: Any) -> None:
     runner._sample = _sample
 
 
-def _wrap_top_k_top_p(sampler: Any) -> None:
+def _wrap_top_k_top_p(sampler: Any, fused: Any | None) -> None:
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
     stage = sampler.topk_topp_sampler
@@ -180,7 +210,7 @@ def _wrap_top_k_top_p(sampler: Any) -> None:
                                  None if k is None else k.index_select(0, rows),
                                  None if p is None else p.index_select(0, rows))
         sampled, processed = original(logits, generators, k, p)
-        winners = keyed_tokens(mine, step.seeds, step.sample_positions)
+        winners = keyed_tokens(mine, step.seeds, step.sample_positions, fused)
         sampled = sampled.clone()
         sampled[rows] = winners.to(sampled.dtype)
         return sampled, processed
@@ -188,7 +218,7 @@ def _wrap_top_k_top_p(sampler: Any) -> None:
     stage.forward = forward
 
 
-def keyed_rejection_sample(original: Any) -> Any:
+def keyed_rejection_sample(original: Any, fused: Any | None = None) -> Any:
     """vLLM's `rejection_sample` with the step's keyed requests verified against their keyed race winners."""
 
     def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: list[int], max_spec_len: int,
@@ -213,10 +243,14 @@ def keyed_rejection_sample(original: Any) -> Any:
                 positions.append(first + j)
         if token_rows:
             index = torch.tensor(token_rows, dtype=torch.int64, device=target_logits.device)
-            keys = position_keys(seeds, positions, target_logits.device)
-            target_logits[index] = race_scores(target_logits.index_select(0, index), keys).to(target_logits.dtype)
-        # Keyed requests are verified by vLLM's greedy rule on the perturbed logits (their bonus tokens were drawn by
-        # the keyed top-k/top-p stage).
+            winners = keyed_winners(target_logits.index_select(0, index),
+                                    position_keys(seeds, positions, target_logits.device), fused)
+            # Only the argmax of these rows is read from here on (vLLM's greedy rule; log-probabilities come from the
+            # raw logits, see install): the winner is made the only choice.
+            target_logits[index] = float("-inf")
+            target_logits[index, winners] = 0.0
+        # Keyed requests are verified by vLLM's greedy rule on their winners (their bonus tokens were drawn by the
+        # keyed top-k/top-p stage).
         temperature = sampling_metadata.temperature.clone()
         temperature[torch.tensor(step.rows, dtype=torch.int64, device=temperature.device)] = 0.0
         greedy = temperature < SAMPLING_EPS
@@ -231,14 +265,18 @@ def keyed_rejection_sample(original: Any) -> Any:
 
 def install(runner: Any, enabled: bool = True) -> bool:
     """Key seeded sampling in this runner (installed once; `enabled` switches it at run time); returns `enabled`."""
+    if enabled and runner.sampler.logprobs_mode not in ("raw_logprobs", "raw_logits"):
+        # Processed log-probabilities would be read from the rows this module rewrites.
+        raise ValueError(f"reproducible_seeds: needs vLLM's raw logprobs mode, not {runner.sampler.logprobs_mode!r}")
     runner.minedraft_reproducible_seeds = enabled
     if getattr(runner._sample, "minedraft_keyed", False):
         return enabled
     import vllm.v1.sample.rejection_sampler as rejection_module
 
+    fused = fused_cpu_race()
     if not getattr(rejection_module.rejection_sample, "minedraft_keyed", False):
-        rejection_module.rejection_sample = keyed_rejection_sample(rejection_module.rejection_sample)
-    _wrap_top_k_top_p(runner.sampler)
+        rejection_module.rejection_sample = keyed_rejection_sample(rejection_module.rejection_sample, fused)
+    _wrap_top_k_top_p(runner.sampler, fused)
     _wrap_sample(runner)
     log.info("seeded requests sample by keyed races (reproducible under speculation)")
     return enabled
