@@ -260,6 +260,9 @@ class Engine:
             drafter = self._start_drafter(settings)
         # After the engine: its in-process worker has just registered the CPU platform's kernels.
         apply_cpu_fixes()
+        if settings.mode is not Mode.VLLM_SD:
+            # vLLM's own speculative decoding (the anchor) keeps vLLM's sampling; every engine mode of ours keys it.
+            self.set_reproducible_seeds(settings.reproducible_seeds)
         if settings.mode.uses_drafter and settings.resident_sub_batches:
             # After the KV cache is sized: the runner's persistent batch has its final block sizes by now.
             self.set_resident_sub_batches(True)
@@ -433,6 +436,15 @@ class Engine:
         if self.overlap is None or scheduler is None:
             raise ValueError("async_psd_steps: needs a psd, sd or auto engine at tensor_parallel_size 1")
         scheduler.async_steps = enabled
+
+    def set_reproducible_seeds(self, enabled: bool) -> None:
+        """Seeded requests at temperature > 0 sample by randomness keyed by (seed, output position) (True), or by
+        vLLM's per-request generator, whose draws shift with the drafts verified beside each token (False). Every
+        worker, TP ranks too; takes effect from the next step."""
+        if self.settings.mode is Mode.VLLM_SD:
+            raise ValueError("reproducible_seeds: a vllm-sd engine samples as vLLM does")
+        self._llm.collective_rpc("minedraft_set_reproducible_seeds", args=(enabled,))
+        self.settings = self.settings.with_changes(reproducible_seeds=enabled)
 
     def set_resident_sub_batches(self, enabled: bool) -> None:
         """Keep both sub-batches resident in the target's model runner (True), or let vLLM's single persistent batch

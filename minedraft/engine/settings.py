@@ -181,6 +181,10 @@ class EngineSettings:
     # runs psd. sd, ar, one-sided psd and tensor parallelism run synchronous steps whatever this says
     # (docs/architecture.md).
     async_psd_steps: bool = False
+    # Seeded requests at temperature > 0 draw each token from randomness keyed by (seed, output position), so their
+    # output does not depend on how many drafts were verified when (reproducible in every mode, identical across
+    # modes); False leaves them to vLLM's per-request generator (minedraft/engine/vllm_adapter/keyed_sampling.py).
+    reproducible_seeds: bool = True
 
     def __post_init__(self) -> None:
         validate(self)

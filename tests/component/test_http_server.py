@@ -122,6 +122,41 @@ async def test_through_the_gateway_greedy_output_matches_the_grpc_api(http_serve
         await gateway.stop()
 
 
+async def test_seeded_requests_are_reproducible_through_both_apis_streamed_and_not(http_served):
+    """Identical seeded requests at temperature 1, sent together with other traffic so their drafts are verified in
+    different groupings and at different steps: one output, whichever API, streamed or not (psd with drafts)."""
+    grpc_target, base_url, engine, _ = http_served
+    api = client(base_url)
+    model = engine.settings.model
+    seeded = {"temperature": 1.0, "seed": 4321, "max_tokens": 16}
+    before = engine.engine.totals().accepted_tokens
+
+    async def full() -> str:
+        completion = await api.completions.create(model=model, prompt=PROMPT, **seeded)
+        return completion.choices[0].text
+
+    async def streamed() -> str:
+        stream = await api.completions.create(model=model, prompt=PROMPT, stream=True, **seeded)
+        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    async def over_grpc() -> str:
+        _, text = await grpc_generate(grpc_target, pb.GenerateRequest(prompt=PROMPT, sampling_params=pb.SamplingParams(
+            temperature=1.0, seed=4321, max_tokens=16)))
+        return text
+
+    async def other(i: int) -> None:
+        await asyncio.sleep(0.05 * i)
+        await api.completions.create(model=model, prompt=f"x = {i}\n", max_tokens=24, temperature=0.8)
+
+    texts, _ = await asyncio.gather(
+        asyncio.gather(*[make() for make in (full, streamed, over_grpc) for _ in range(4)]),
+        asyncio.gather(*[other(i) for i in range(6)]))
+    assert engine.engine.totals().accepted_tokens > before, "psd accepted no drafts: the test shows nothing"
+    assert len(set(texts)) == 1, f"identical seeded requests gave {len(set(texts))} outputs: {sorted(set(texts))}"
+    # And a later one, alone, gives it again.
+    assert await full() == texts[0]
+
+
 async def test_streamed_chat_with_include_usage(http_served):
     _, base_url, engine, _ = http_served
     api = client(base_url)

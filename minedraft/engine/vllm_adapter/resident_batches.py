@@ -198,6 +198,12 @@ class MineDraftWorkerExtension(CpuFixesWorkerExtension):
         install(self.model_runner, enabled)
         return enabled
 
+    def minedraft_set_reproducible_seeds(self, enabled: bool) -> bool:
+        """Key seeded sampling by (seed, output position) in this worker's runner (keyed_sampling.py), or not."""
+        from minedraft.engine.vllm_adapter import keyed_sampling
+
+        return keyed_sampling.install(self.model_runner, enabled)
+
     def minedraft_resident_batch_sizes(self) -> list[int]:
         """Requests held by each persistent batch (0 and 1; one entry when not installed)."""
         batches = getattr(self.model_runner, "minedraft_batches", [self.model_runner.input_batch])

@@ -1,0 +1,282 @@
+"""Seeded sampling that does not depend on speculation: each token's randomness keyed by (seed, output position).
+
+vLLM gives a seeded request a `torch.Generator` and draws from it as it goes: one uniform number per verified draft
+token, one recovered-token row per step with drafts, one noise row per step without. How many draws a token gets then
+depends on how many drafts were verified beside it, which under PSD depends on timing (a draft job late or not), so
+two identical seeded requests at temperature > 0 could give different outputs.
+
+Here a seeded request's token at output position t is the winner of an exponential race keyed by (seed, t):
+
+    token_t = argmax_v  log p_t(v) + G(seed, t, v),    G = Gumbel noise from a counter-based hash of (seed, t, v)
+
+where p_t is the target's processed distribution (temperature, top-k, top-p, as vLLM computes it). That is an exact
+sample from p_t (the Gumbel-max trick), and it is a function of the seed, the position and the context alone. With
+drafts, verification becomes: accept draft token x at position t iff x == token_t, and on the first mismatch emit
+token_t; with drafts proposed greedily (a one-hot proposal, as every MineDraft drafter sends) a draft is accepted with
+probability p_t(x), exactly as vLLM's rejection sampler accepts it, so acceptance does not drop. Whether a position
+is reached with a draft, without one, as a bonus token, in ar, sd or psd, the token is the same: seeded output is
+reproducible, and identical across modes (up to the target's own floating-point agreement between batch shapes,
+which greedy identity rests on too).
+
+How it plugs into vLLM 0.32 (target workers, installed per runner by `install`):
+- the runner's `_sample` is wrapped to put the step's keyed rows (seeded random requests, their seeds and output
+  positions) in a context variable for the duration of the call;
+- the sampler's top-k/top-p stage (`TopKTopPSampler.forward`, the last stage before the draw, used for steps without
+  drafts and for bonus tokens) is wrapped to overwrite keyed rows with their race winners;
+- the rejection sampler's module function `rejection_sample` is wrapped to perturb keyed requests' target logits with
+  their keyed noise and verify them as greedy requests (vLLM's greedy kernel: accept while equal, then the target's
+  choice, then the bonus token).
+Unseeded and greedy requests go through vLLM untouched.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_MASK32 = 0xFFFFFFFF
+# Weyl-sequence step (2^32 / golden ratio): consecutive vocabulary ids land far apart before mixing.
+_GOLDEN32 = 0x9E3779B9
+# vLLM's own threshold between greedy and random sampling (vllm.v1.sample.sampler._SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+
+
+def _mul32(x: torch.Tensor, multiplier: int) -> torch.Tensor:
+    """(x * multiplier) mod 2^32 for x in [0, 2^32), without int64 overflow (16-bit halves of the multiplier)."""
+    low, high = multiplier & 0xFFFF, multiplier >> 16
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash with good avalanche (the "lowbias32" constants), on int64 tensors holding
+    32-bit values; the same on every device."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def position_keys(seeds: Sequence[int], positions: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """One 32-bit key per (seed, position) pair: [n] int64. Seeds may use all 64 bits (vLLM's accept int64)."""
+    if len(seeds) != len(positions):
+        raise ValueError(f"positions: expected {len(seeds)} (one per seed), got {len(positions)}")
+    seed_words = [(seed & _MASK32, (seed >> 32) & _MASK32) for seed in seeds]
+    low = torch.tensor([w[0] for w in seed_words], dtype=torch.int64, device=device)
+    high = torch.tensor([w[1] for w in seed_words], dtype=torch.int64, device=device)
+    where = torch.tensor([p & _MASK32 for p in positions], dtype=torch.int64, device=device)
+    key = _mix32(low ^ 0x5BD1E995)
+    key = _mix32(key ^ high)
+    # Two rounds after the position: neighbouring positions of one seed (keys differing in one low bit before mixing)
+    # must give unrelated keys, and vLLM's CPU kernel derives its per-token noise from the key by simple arithmetic.
+    return _mix32(_mix32(key ^ where) ^ _GOLDEN32)
+
+
+# Rows of noise made at once: bounds the int64 temporaries to ~128 MiB each whatever the batch and vocabulary.
+_NOISE_ELEMENTS_PER_CHUNK = 1 << 24
+
+
+def keyed_gumbel(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [n, vocab_size] (float32), a pure function of each row's key and the vocabulary id."""
+    ids = torch.arange(vocab_size, dtype=torch.int64, device=keys.device) * _GOLDEN32
+    noise = torch.empty((keys.shape[0], vocab_size), dtype=torch.float32, device=keys.device)
+    rows_per_chunk = max(1, _NOISE_ELEMENTS_PER_CHUNK // max(1, vocab_size))
+    for start in range(0, keys.shape[0], rows_per_chunk):
+        chunk = keys[start:start + rows_per_chunk]
+        bits = _mix32((chunk.unsqueeze(-1) + ids) & _MASK32)
+        # A uniform in (0, 1), never 0 or 1 (32 bits: the largest Gumbel value it can give, ~22.9, is far above the
+        # maximum of a vocabulary's worth of draws, ~12 for 150k tokens); float64 keeps -log(-log(u)) accurate.
+        uniform = bits.to(torch.float64).add_(0.5).mul_(2.0 ** -32)
+        noise[start:start + rows_per_chunk] = uniform.log_().neg_().log_().neg_()
+    return noise
+
+
+def race_scores(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """logits + keyed Gumbel noise per row: its argmax is an exact sample from softmax(logits), keyed by `keys` (the
+    softmax's normaliser is one constant per row, so it cannot move the argmax). Masked entries (-inf, from top-k or
+    top-p) stay -inf."""
+    return logits.to(torch.float32) + keyed_gumbel(keys, logits.shape[-1])
+
+
+def fused_cpu_race() -> Any | None:
+    """vLLM's CPU kernel for a Gumbel-max draw per row with noise keyed by (row seed, token id) (what vLLM's own CPU
+    sampler draws with), or None where it is not built (GPU builds)."""
+    try:
+        import vllm._C  # noqa: F401  (registers torch.ops._C)
+    except ImportError:
+        return None
+    return getattr(torch.ops._C, "fused_gumbel_argmax", None)
+
+
+def keyed_winners(logits: torch.Tensor, keys: torch.Tensor, fused: Any | None = None) -> torch.Tensor:
+    """The keyed race's winner of each row of processed logits [n, vocab] -> [n] int64: on CPUs vLLM's fused kernel
+    keyed by `keys` (one pass, no noise tensor), elsewhere `race_scores` (`fused` None). One deployment always takes
+    the same path, so a position's winner does not depend on which sampler stage draws it."""
+    if fused is not None and logits.device.type == "cpu":
+        return fused(logits.to(torch.float32).contiguous(), keys).to(torch.int64)
+    return race_scores(logits, keys).argmax(dim=-1)
+
+
+def keyed_tokens(logits: torch.Tensor, seeds: Sequence[int], positions: Sequence[int],
+                 fused: Any | None = None) -> torch.Tensor:
+    """The keyed race's winner for each row of processed logits, keyed by (seed, position) per row."""
+    return keyed_winners(logits, position_keys(seeds, positions, logits.device), fused)
+
+
+@dataclass(frozen=True)
+class KeyedStep:
+    """The keyed rows of one sampling call: rows (request indices in the runner's batch), their seeds, the output
+    position of the request's first token this step (`first_positions`), and where the plain sampler's draw goes
+    (`sample_positions`: the first position without drafts, the bonus position after n drafts)."""
+
+    rows: tuple[int, ...]
+    seeds: tuple[int, ...]
+    first_positions: tuple[int, ...]
+    sample_positions: tuple[int, ...]
+
+
+def keyed_step(row_seeds: Sequence[tuple[int, int, int]], num_draft_tokens: Sequence[int] | None) -> KeyedStep | None:
+    """From (row, seed, output tokens so far) of each seeded random request and the step's drafts per row (None
+    without drafts): what the samplers key. None when no row is keyed. Pure."""
+    if not row_seeds:
+        return None
+    rows = tuple(row for row, _, _ in row_seeds)
+    firsts = tuple(done for _, _, done in row_seeds)
+    drafts = [0] * len(rows) if num_draft_tokens is None else [num_draft_tokens[row] for row in rows]
+    return KeyedStep(rows, tuple(seed for _, seed, _ in row_seeds), firsts,
+                     tuple(first + n for first, n in zip(firsts, drafts, strict=True)))
+
+
+_STEP: contextvars.ContextVar[KeyedStep | None] = contextvars.ContextVar("minedraft_keyed_step", default=None)
+
+
+def _seeded_rows(runner: Any) -> list[tuple[int, int, int]]:
+    """(row, seed, output tokens so far) for each seeded random request in the runner's current batch."""
+    batch = runner.input_batch
+    if not getattr(runner, "minedraft_reproducible_seeds", False) or not batch.random_reqs:
+        return []
+    found = []
+    for row, request_id in enumerate(batch.req_ids):
+        if request_id is None or request_id not in batch.random_reqs:
+            continue
+        state = runner.requests.get(request_id)
+        params = getattr(state, "sampling_params", None)
+        if params is None or params.seed is None:
+            continue
+        found.append((row, int(params.seed), len(state.output_token_ids)))
+    return found
+
+
+def _wrap_sample(runner: Any) -> None:
+    original = runner._sample
+
+    def _sample(logits: Any, spec_decode_metadata: Any) -> Any:
+        step = keyed_step(_seeded_rows(runner),
+                          None if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens)
+        if step is None:
+            return original(logits, spec_decode_metadata)
+        token = _STEP.set(step)
+        try:
+            return original(logits, spec_decode_metadata)
+        finally:
+            _STEP.reset(token)
+
+    _sample.minedraft_keyed = True  # type: ignore[attr-defined]
+    runner._sample = _sample
+
+
+def _wrap_top_k_top_p(sampler: Any, fused: Any | None) -> None:
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    stage = sampler.topk_topp_sampler
+    original = stage.forward
+
+    def forward(logits: torch.Tensor, generators: Any, k: torch.Tensor | None,
+                p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        step = _STEP.get()
+        if step is None:
+            return original(logits, generators, k, p)
+        rows = torch.tensor(step.rows, dtype=torch.int64, device=logits.device)
+        # vLLM's stage filters in place; keep the keyed rows' logits as they come (temperature already applied).
+        mine = apply_top_k_top_p(logits.index_select(0, rows).clone(),
+                                 None if k is None else k.index_select(0, rows),
+                                 None if p is None else p.index_select(0, rows))
+        sampled, processed = original(logits, generators, k, p)
+        winners = keyed_tokens(mine, step.seeds, step.sample_positions, fused)
+        sampled = sampled.clone()
+        sampled[rows] = winners.to(sampled.dtype)
+        return sampled, processed
+
+    stage.forward = forward
+
+
+def keyed_rejection_sample(original: Any, fused: Any | None = None) -> Any:
+    """vLLM's `rejection_sample` with the step's keyed requests verified against their keyed race winners."""
+
+    def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: list[int], max_spec_len: int,
+                         cu_num_draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                         target_logits: torch.Tensor, bonus_token_ids: torch.Tensor, sampling_metadata: Any,
+                         *args: Any, **kwargs: Any) -> torch.Tensor:
+        step = _STEP.get()
+        if step is None or draft_probs is not None:
+            # Without a keyed row, or with a drafter that sends its probabilities (not MineDraft's), vLLM's own rule.
+            return original(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                            target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
+        starts = [0]
+        for n in num_draft_tokens:
+            starts.append(starts[-1] + n)
+        token_rows: list[int] = []
+        seeds: list[int] = []
+        positions: list[int] = []
+        for row, seed, first in zip(step.rows, step.seeds, step.first_positions, strict=True):
+            for j in range(num_draft_tokens[row]):
+                token_rows.append(starts[row] + j)
+                seeds.append(seed)
+                positions.append(first + j)
+        if token_rows:
+            index = torch.tensor(token_rows, dtype=torch.int64, device=target_logits.device)
+            winners = keyed_winners(target_logits.index_select(0, index),
+                                    position_keys(seeds, positions, target_logits.device), fused)
+            # Only the argmax of these rows is read from here on (vLLM's greedy rule; log-probabilities come from the
+            # raw logits, see install): the winner is made the only choice.
+            target_logits[index] = float("-inf")
+            target_logits[index, winners] = 0.0
+        # Keyed requests are verified by vLLM's greedy rule on their winners (their bonus tokens were drawn by the
+        # keyed top-k/top-p stage).
+        temperature = sampling_metadata.temperature.clone()
+        temperature[torch.tensor(step.rows, dtype=torch.int64, device=temperature.device)] = 0.0
+        greedy = temperature < SAMPLING_EPS
+        metadata = dataclasses.replace(sampling_metadata, temperature=temperature,
+                                       all_greedy=bool(greedy.all()), all_random=bool((~greedy).all()))
+        return original(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                        target_logits, bonus_token_ids, metadata, *args, **kwargs)
+
+    rejection_sample.minedraft_keyed = True  # type: ignore[attr-defined]
+    return rejection_sample
+
+
+def install(runner: Any, enabled: bool = True) -> bool:
+    """Key seeded sampling in this runner (installed once; `enabled` switches it at run time); returns `enabled`."""
+    if enabled and runner.sampler.logprobs_mode not in ("raw_logprobs", "raw_logits"):
+        # Processed log-probabilities would be read from the rows this module rewrites.
+        raise ValueError(f"reproducible_seeds: needs vLLM's raw logprobs mode, not {runner.sampler.logprobs_mode!r}")
+    runner.minedraft_reproducible_seeds = enabled
+    if getattr(runner._sample, "minedraft_keyed", False):
+        return enabled
+    import vllm.v1.sample.rejection_sampler as rejection_module
+
+    fused = fused_cpu_race()
+    if not getattr(rejection_module.rejection_sample, "minedraft_keyed", False):
+        rejection_module.rejection_sample = keyed_rejection_sample(rejection_module.rejection_sample, fused)
+    _wrap_top_k_top_p(runner.sampler, fused)
+    _wrap_sample(runner)
+    log.info("seeded requests sample by keyed races (reproducible under speculation)")
+    return enabled
