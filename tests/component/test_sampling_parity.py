@@ -76,3 +76,19 @@ def test_logprobs_are_the_targets_under_speculation(psd):
             assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-4), mode.value
             assert [[lp for _, lp in e.top] for e in got] == [
                 pytest.approx([lp for _, lp in e.top], abs=1e-4) for e in want]
+
+
+def test_seeded_sampling_with_penalties_and_logprobs_is_the_same_in_every_mode(psd):
+    """At temperature 1 with a seed (keyed races: the same tokens whatever was drafted), penalties and log-probabilities
+    together: sd and psd give ar's tokens and log-probabilities."""
+    sampling = SamplingSettings(max_tokens=MAX_TOKENS, temperature=1.0, seed=7, presence_penalty=1.0,
+                                frequency_penalty=0.5, logprobs=2)
+    target = run(psd, Mode.AR, sampling, "seeded")
+    assert all(len(lps) == len(tokens) == MAX_TOKENS for tokens, lps in zip(target.tokens, target.logprobs,
+                                                                             strict=True))
+    for mode in (Mode.SD, Mode.PSD):
+        speculative = run(psd, mode, sampling, "seeded")
+        assert speculative.drafted > 0, f"{mode.value} drafted nothing"
+        assert speculative.tokens == target.tokens, mode.value
+        for got, want in zip(speculative.logprobs, target.logprobs, strict=True):
+            assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-4), mode.value
