@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 
 import grpc
 import httpx
@@ -324,10 +325,19 @@ async def test_client_disconnect_aborts_the_request_in_the_engine(http_served, e
 async def test_deadline_header_is_a_504_and_aborts_in_the_engine(http_served, engine_calls):  # noqa: F811
     _, base_url, engine, _ = http_served
     body = {"model": engine.settings.model, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
-    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
-        response = await http.post("/v1/completions", json=body, headers={"minedraft-timeout-seconds": "0.5"})
+    # The engine's loop is held (a call blocking it) until the answer is in, so the request cannot finish before its
+    # deadline however fast the machine is (unheld, 400 tokens sometimes took under 0.5 s here).
+    release = threading.Event()
+    held = asyncio.ensure_future(engine.call(lambda _: release.wait(120)))
+    try:
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+            response = await http.post("/v1/completions", json=body, headers={"minedraft-timeout-seconds": "0.5"})
+    finally:
+        release.set()
+        await held
     assert response.status_code == 504, response.text
     assert response.json()["error"]["message"].startswith("deadline exceeded after")
+    await wait_for(lambda: bool(engine_calls["added"]), what="the request reached the engine")
     request_id = engine_calls["added"][0]
     await wait_for(lambda: request_id in engine_calls["aborted"], timeout_seconds=30, what="the engine abort")
     await no_unfinished(engine)
