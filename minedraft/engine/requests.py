@@ -52,6 +52,8 @@ def encode_prompt(tokenizer: Any, prompt: str | list[int], vocab_size: int, max_
 
 # vLLM's default `max_logprobs`: the most top tokens a request may ask for at each position.
 MAX_TOP_LOGPROBS = 20
+# The largest temperature: OpenAI's range, and vLLM 0.32 refuses more (a ValueError at request creation).
+MAX_TEMPERATURE = 2.0
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,8 @@ class SamplingSettings:
     def validate(self) -> None:
         if self.max_tokens <= 0:
             raise RequestError("max_tokens", f"must be positive, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise RequestError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails this too
+            raise RequestError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise RequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

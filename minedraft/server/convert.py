@@ -4,13 +4,12 @@ state is touched. No I/O, no gRPC calls: tested directly in tests/unit."""
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from minedraft.api import pb
-from minedraft.engine.requests import MAX_TOP_LOGPROBS, OutputDelta, RequestError, SamplingSettings
+from minedraft.engine.requests import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, OutputDelta, RequestError, SamplingSettings
 from minedraft.engine.settings import EngineSettings, Mode
 
 # Request ids are echoed in responses and logged: keep them bounded.
@@ -114,8 +113,8 @@ def sampling_from_proto(params: pb.SamplingParams, num_prompt_tokens: int, limit
                            f"{max_tokens} tokens do not fit: the context holds {limits.max_model_len} tokens and "
                            f"the prompt takes {num_prompt_tokens}")
     temperature = params.temperature if params.HasField("temperature") else 0.0
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise RequestError("sampling_params.temperature", f"must be >= 0, got {temperature}")
+    if not 0 <= temperature <= MAX_TEMPERATURE:  # NaN fails this too
+        raise RequestError("sampling_params.temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
     top_p = params.top_p if params.HasField("top_p") else 1.0
     if not 0 < top_p <= 1:  # NaN fails this too
         raise RequestError("sampling_params.top_p", f"must be in (0, 1], got {top_p}")

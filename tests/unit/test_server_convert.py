@@ -59,6 +59,10 @@ def test_token_prompt_and_every_sampling_field_carried():
      "sampling_params.temperature"),
     (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(temperature=math.nan)),
      "sampling_params.temperature"),
+    (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(temperature=2.5)),
+     "sampling_params.temperature"),
+    (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(temperature=math.inf)),
+     "sampling_params.temperature"),
     (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(top_p=0.0)), "sampling_params.top_p"),
     (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(top_p=1.5)), "sampling_params.top_p"),
     (pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(top_k=-1)), "sampling_params.top_k"),
@@ -76,6 +80,32 @@ def test_token_prompt_and_every_sampling_field_carried():
 ])
 def test_each_invalid_field_is_named(request_, field):
     assert field_of(request_) == field
+
+
+@pytest.mark.parametrize(("name", "values"), [
+    ("temperature", [-1.0, 0.0, 1.0, 2.0, 2.5, 100.0, math.inf, math.nan]),
+    ("top_p", [-0.5, 0.0, 1e-6, 1.0, 1.5, math.nan]),
+    ("top_k", [-2, -1, 0, 1, 99, 100, 10**6]),
+    ("presence_penalty", [-3.0, -2.0, 0.0, 2.0, 2.5, math.nan]),
+    ("frequency_penalty", [-3.0, -2.0, 0.0, 2.0, 2.5, math.inf]),
+    ("logprobs", [-2, -1, 0, 20, 21]),
+    ("seed", [-1, 0, 2**63 - 1]),
+    ("max_tokens", [-1, 0, 1, 31]),
+])
+def test_every_value_accepted_here_is_accepted_by_vllm(name, values):
+    # vLLM's own SamplingParams checks run at request creation, in the engine: a value they refuse that passed here
+    # was an unhandled ValueError there, a 500 the SDKs retry (temperature 2.5 was one). Each value is refused here
+    # (naming the field) or accepted by vLLM too.
+    from minedraft.engine.core import vllm_sampling_params
+
+    for value in values:
+        request = pb.GenerateRequest(prompt="a", sampling_params=pb.SamplingParams(**{name: value}))
+        try:
+            sampling = prepare_request(request, LIMITS, tokenize).sampling
+        except RequestError as error:
+            assert error.field_name == f"sampling_params.{name}"
+            continue
+        vllm_sampling_params(sampling, sampling.max_tokens)
 
 
 def test_max_tokens_fitting_exactly_is_accepted():
