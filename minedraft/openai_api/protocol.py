@@ -103,6 +103,9 @@ class ParsedRequest:
     echo_texts: tuple[str, ...] = ()
     # The answer carries the generated tokens' log-probabilities.
     logprobs: bool = False
+    # completions' echo with max_tokens 0: the prompt alone. The engine generates one token (as vLLM's server has
+    # its engine do), which the answer leaves out.
+    echo_only: bool = False
 
     @property
     def requests(self) -> tuple[pb.GenerateRequest, ...]:
@@ -306,6 +309,11 @@ def parse_request(body: Mapping[str, Any], kind: Kind) -> ParsedRequest:
         if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
             raise invalid("stream_options", "must be an object with include_usage")
         include_usage = _bool(options, "include_usage")
+        if _bool(options, "continuous_usage_stats"):
+            # vLLM's extension (usage on every chunk): the engine reports usage with a request's last response only,
+            # and the gateway cannot count prompt tokens. Refused rather than silently left out.
+            raise invalid("stream_options.continuous_usage_stats", "is not supported by this server (usage comes in "
+                          "the last chunk, with include_usage)", "unsupported_parameter")
 
     request = pb.GenerateRequest(request_id=new_request_id(kind))
     params: dict[str, str] = {}
@@ -337,6 +345,9 @@ def parse_request(body: Mapping[str, Any], kind: Kind) -> ParsedRequest:
         max_tokens = _int(body, "max_completion_tokens", -INT32_MAX, INT32_MAX)
     if max_tokens is None and kind is Kind.COMPLETION:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    echo_only = echo and max_tokens == 0
+    if echo_only:
+        max_tokens = 1
     if max_tokens is not None:
         sampling.max_tokens = max_tokens
     params["sampling_params.max_tokens"] = max_tokens_name
@@ -370,7 +381,7 @@ def parse_request(body: Mapping[str, Any], kind: Kind) -> ParsedRequest:
     fanned = fan_out(request, prompts, n) if n > 1 or len(prompts) > 1 else ()
     echo_texts = tuple(p for p in prompts if isinstance(p, str)) if echo else ()
     return ParsedRequest(kind, model, request, stream, include_usage, params, _bool(body, "return_token_ids"),
-                         tuple(ignored), n, fanned, echo_texts, top_logprobs is not None)
+                         tuple(ignored), n, fanned, echo_texts, top_logprobs is not None, echo_only)
 
 
 def _logprobs(body: Mapping[str, Any], kind: Kind) -> int | None:
@@ -482,6 +493,8 @@ class ResponseState:
     def collect(self, response: pb.GenerateResponse) -> None:
         """Accumulate one engine response for a non-streamed answer."""
         self.absorb(response)
+        if self.parsed.echo_only:
+            return
         self.texts.append(response.text)
         self.token_ids.extend(response.token_ids)
         if self.parsed.logprobs:
@@ -624,6 +637,8 @@ def choice_events(state: ResponseState, response: pb.GenerateResponse) -> list[b
     """One choice's chunks for one engine response (no usage chunk, no [DONE]: a fanned-out request sends those
     once, after every choice has finished)."""
     state.absorb(response)
+    if state.parsed.echo_only:
+        response = _without_output(response)
     chat = state.parsed.kind is Kind.CHAT
     index = state.index
     events: list[bytes] = []
@@ -657,6 +672,15 @@ def choice_events(state: ResponseState, response: pb.GenerateResponse) -> list[b
         chunk["speculation"] = state.speculation()
         events.append(sse(chunk))
     return events
+
+
+def _without_output(response: pb.GenerateResponse) -> pb.GenerateResponse:
+    """An engine response with its generated tokens left out (echo with max_tokens 0)."""
+    bare = pb.GenerateResponse(request_id=response.request_id, finish_reason=response.finish_reason)
+    if response.finish_reason:
+        bare.usage.CopyFrom(response.usage)
+        bare.speculation.CopyFrom(response.speculation)
+    return bare
 
 
 def models_list(model_ids: list[str], created: int, owned_by: str = "minedraft") -> dict[str, Any]:

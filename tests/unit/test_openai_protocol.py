@@ -122,6 +122,8 @@ def test_chat_messages_and_max_completion_tokens():
     (Kind.COMPLETION, {"stream": 1}, "stream"),
     (Kind.COMPLETION, {"stream_options": {"include_usage": True}}, "stream_options"),
     (Kind.COMPLETION, {"stream": True, "stream_options": {"bogus": 1}}, "stream_options"),
+    (Kind.CHAT, {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
     (Kind.COMPLETION, {"model": ""}, "model"),
     (Kind.CHAT, {"messages": "hi"}, "messages"),
     (Kind.CHAT, {"messages": [{"content": "x"}]}, "messages[0].role"),
@@ -136,6 +138,7 @@ def test_neutral_values_of_unsupported_fields_are_accepted():
     parse(presence_penalty=0.0, frequency_penalty=0, logit_bias={}, best_of=1, echo=False, suffix=None)
     parse(Kind.CHAT, tools=[], tool_choice=None, logprobs=False, metadata={"a": "b"}, store=False)
     parse(Kind.CHAT, tool_choice="none", response_format={"type": "text"}, top_logprobs=0)
+    parse(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": False})
 
 
 def test_unknown_fields_are_ignored_and_reported():
@@ -319,6 +322,24 @@ def test_echo_puts_the_prompt_before_the_completion_streamed_and_not():
     batch = choice_states(parse(prompt=["A", "B"], n=2, echo=True))
     assert [s.echo_text for s in batch] == ["A", "A", "B", "B"]
     assert full_response(choice_states(parse(prompt="Hello"))[0], "x")["choices"][0]["text"] == "x"
+
+
+def test_echo_with_max_tokens_0_answers_the_prompt_alone_streamed_and_not():
+    # As vLLM's server (and OpenAI's legacy API): the engine generates one token, the answer leaves it out.
+    parsed = parse(prompt="Hello", echo=True, max_tokens=0, return_token_ids=True, n=2)
+    assert all(r.sampling_params.max_tokens == 1 for r in parsed.requests)
+    states = choice_states(parsed)
+    for state in states:
+        for response in responses([" world"]):
+            state.collect(response)
+    body = merged_full_response(states)
+    assert [(c["text"], c["token_ids"], c["finish_reason"]) for c in body["choices"]] == [("Hello", [], "length")] * 2
+    streamed = parse(prompt="Hello", echo=True, max_tokens=0, stream=True, return_token_ids=True)
+    chunks = events_of_states(choice_states(streamed)[0], [" world"])
+    assert [c["choices"][0]["text"] for c in chunks] == ["Hello", ""]
+    assert all(c["choices"][0].get("token_ids", []) == [] for c in chunks)
+    # Without echo, max_tokens 0 is left to the engine to refuse (as vLLM's server refuses it).
+    assert parse(max_tokens=0).request.sampling_params.max_tokens == 0
 
 
 def events_of_states(state, texts) -> list[dict]:
