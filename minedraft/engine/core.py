@@ -25,7 +25,7 @@ from minedraft.engine.placement import (
     plan_devices,
     resolved_settings,
 )
-from minedraft.engine.requests import OutputDelta, SamplingSettings, TokenLogprob, encode_prompt
+from minedraft.engine.requests import OutputDelta, RequestError, SamplingSettings, TokenLogprob, encode_prompt
 from minedraft.engine.settings import EngineSettings, Mode
 from minedraft.engine.vllm_adapter import (
     PROPOSER_CLASS,
@@ -186,23 +186,31 @@ def vllm_sampling_params(sampling: SamplingSettings, max_tokens: int, detokenize
     """vLLM's sampling parameters of a request (streamed as deltas). Without detokenisation vLLM takes no stop
     strings: whoever detokenises matches them."""
     from vllm import SamplingParams
+    from vllm.exceptions import VLLMClientError
     from vllm.sampling_params import RequestOutputKind
 
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        seed=sampling.seed,
-        stop=(list(sampling.stop) or None) if detokenize else None,
-        stop_token_ids=list(sampling.stop_token_ids) or None,
-        ignore_eos=sampling.ignore_eos,
-        presence_penalty=sampling.presence_penalty,
-        frequency_penalty=sampling.frequency_penalty,
-        logprobs=sampling.logprobs,
-        output_kind=RequestOutputKind.DELTA,
-        detokenize=detokenize,
-    )
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=sampling.seed,
+            stop=(list(sampling.stop) or None) if detokenize else None,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            ignore_eos=sampling.ignore_eos,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            logprobs=sampling.logprobs,
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=detokenize,
+        )
+    except (ValueError, VLLMClientError) as exc:
+        # vLLM's own checks at request creation: a value they refuse is the request's fault (INVALID_ARGUMENT naming
+        # the field), never an unhandled error (a 500 the SDKs retry). The server's checks refuse such values first;
+        # this keeps a check vLLM adds later from becoming a 500.
+        field_name = getattr(exc, "parameter", None) or "sampling"
+        raise RequestError(field_name, str(exc.args[0]) if exc.args else repr(exc)) from exc
 
 
 def token_logprobs(token_ids: Sequence[int], positions: Iterable[Mapping[int, Any]] | Any,

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from minedraft.api import pb
-from minedraft.engine.requests import OutputDelta, RequestError, TokenLogprob
+from minedraft.engine.requests import OutputDelta, RequestError, SamplingSettings, TokenLogprob
 from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode
 from minedraft.server.convert import ModelLimits, model_info, prepare_request, response_from_delta
 
@@ -106,6 +106,16 @@ def test_every_value_accepted_here_is_accepted_by_vllm(name, values):
             assert error.field_name == f"sampling_params.{name}"
             continue
         vllm_sampling_params(sampling, sampling.max_tokens)
+
+
+def test_a_value_vllm_refuses_at_request_creation_is_a_request_error_naming_it():
+    # Defence in depth behind the checks above: should vLLM refuse a value they let through (a check added in a later
+    # vLLM), the engine answers INVALID_ARGUMENT naming the field, not an unhandled error (a 500).
+    from minedraft.engine.core import vllm_sampling_params
+
+    with pytest.raises(RequestError) as info:
+        vllm_sampling_params(SamplingSettings(max_tokens=1, temperature=3.0), 1)  # not validated: straight to vLLM
+    assert info.value.field_name == "temperature" and "temperature" in str(info.value)
 
 
 def test_max_tokens_fitting_exactly_is_accepted():
