@@ -97,6 +97,11 @@ class GatewayBackend:
         except RouteError as exc:
             log.info("model ids not refreshed: %s", exc)
 
+    def max_streams(self) -> int | None:
+        # Every choice takes its own admission slot (what it costs the engines); more than --max-in-flight choices
+        # could never all be admitted.
+        return self.router.admission.max_in_flight
+
     def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str], protocol: str,
                  timeout_seconds: float | None) -> AsyncIterator[pb.GenerateResponse]:
         # The router's own generator, not a wrapper: each async-generator layer costs every token a few microseconds.

@@ -105,6 +105,11 @@ class Backend(Protocol):
         """The served model ids if known now without waiting (None: do not check the request's model)."""
         ...
 
+    def max_streams(self) -> int | None:
+        """The most engine requests one HTTP request can ever have admitted at once (None: no such bound). A fanned-out
+        request with more choices could never run: a 400 naming the field, not a 429 the SDKs retry in vain."""
+        ...
+
     def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str], protocol: str,
                  timeout_seconds: float | None) -> AsyncIterator[pb.GenerateResponse]:
         """The engine's responses for one request; raises one of error_types (DEADLINE_EXCEEDED past
@@ -514,6 +519,7 @@ class OpenAiApp:
             if known is not None and parsed.model not in known:
                 raise ApiError(404, f"The model `{parsed.model}` does not exist; GET /v1/models lists {known}",
                                "model", code="model_not_found")
+            _check_stream_bound(parsed, self.backend.max_streams())
             timeout_seconds = _timeout_seconds(request)
             request_id = _request_id_header(request)
             # The backend checks the headers it forwards (raising ApiError) before any work starts. A fanned-out
@@ -544,6 +550,15 @@ def _parse(raw: bytes, kind: Kind) -> ParsedRequest:
         raise ApiError(413, f"{param}: the request is {size_bytes} bytes as an engine request; at most "
                             f"{MAX_ENGINE_REQUEST_BYTES}", param, code="request_too_large")
     return parsed
+
+
+def _check_stream_bound(parsed: ParsedRequest, max_streams: int | None) -> None:
+    count = len(parsed.requests)
+    if max_streams is not None and count > max_streams:
+        param = "n" if parsed.n > 1 else "prompt"
+        raise ApiError(400, f"{param}: the request is {count} generations (n times the prompts), each an engine stream "
+                            f"of its own; this server admits at most {max_streams} streams at once", param,
+                       code="too_many_generations")
 
 
 def _check_content_type(request: Request) -> None:

@@ -62,6 +62,9 @@ class EngineBackend:
         engine = self.service.engine
         return None if engine is None else list(self.service.served_model_names) or [engine.settings.model]
 
+    def max_streams(self) -> int | None:
+        return None  # the engine queues what its batch cannot take yet
+
     async def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str], protocol: str,
                        timeout_seconds: float | None) -> AsyncIterator[pb.GenerateResponse]:
         service = self.service

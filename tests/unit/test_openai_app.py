@@ -20,8 +20,9 @@ from minedraft.openai_api.protocol import ApiError
 class StubBackend:
     error_types: tuple[type[Exception], ...] = (BackendError,)
 
-    def __init__(self, failure: Exception | None = None) -> None:
+    def __init__(self, failure: Exception | None = None, max_streams: int | None = None) -> None:
         self.failure = failure
+        self._max_streams = max_streams
         self.requests: list[pb.GenerateRequest] = []
 
     def backend_error(self, error: Exception) -> BackendError:
@@ -45,6 +46,9 @@ class StubBackend:
 
     def known_model_ids(self) -> list[str] | None:
         return ["m"]
+
+    def max_streams(self) -> int | None:
+        return self._max_streams
 
     async def generate(self, request: pb.GenerateRequest, headers: Mapping[str, str], protocol: str,
                        timeout_seconds: float | None) -> AsyncIterator[pb.GenerateResponse]:
@@ -219,3 +223,26 @@ async def test_a_choice_refused_before_its_first_token_is_the_http_status():
                                                                "max_tokens": 50, "stream": True})
     assert response.status_code == 429
     assert len(backend.closed) == 3 and backend.finished == []
+
+
+async def test_more_choices_than_can_ever_be_admitted_is_a_400_naming_the_field():
+    # Through the gateway each choice takes one of --max-in-flight slots: a request with more choices than that could
+    # never run. Answered 400 naming the field (it was a 429, which the SDKs retry in vain), before any engine work.
+    backend = StubBackend(max_streams=4)
+    async with http(backend) as client:
+        too_many = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "n": 5, "stream": True})
+        batch = await client.post("/v1/completions", json={"model": "m", "prompt": ["a"] * 5})
+        fits = await client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"], "n": 2})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+    assert batch.status_code == 400 and batch.json()["error"]["param"] == "prompt"
+    assert fits.status_code == 200 and len(backend.requests) == 4  # only the request that fits reached the backend
+
+
+def test_the_gateway_bounds_a_request_by_its_admission_limit():
+    from types import SimpleNamespace
+
+    from minedraft.gateway.http import GatewayBackend
+    from minedraft.gateway.policy import Admission
+
+    router = SimpleNamespace(admission=Admission(3))
+    assert GatewayBackend(router, lambda: True).max_streams() == 3  # type: ignore[arg-type]
