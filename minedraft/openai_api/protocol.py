@@ -122,6 +122,24 @@ _NEUTRAL: dict[str, Any] = {
     "response_format": None, "parallel_tool_calls": None, "modalities": None,
     "audio": None, "prediction": None, "reasoning_effort": None, "web_search_options": None,
 }
+# vLLM's own extensions (its server honours them) that change the output or its shape, with the values that ask for
+# nothing: a client moving from vLLM that sets one otherwise gets a 400 naming it, not a silently different answer.
+# vLLM's fields that change neither (priority, cache_salt, request_id, kv_transfer_params, stream_interval, ...) stay
+# unknown here: ignored and logged.
+_VLLM_NEUTRAL: dict[str, Any] = {
+    "use_beam_search": False, "min_p": 0.0, "repetition_penalty": 1.0, "watermarking": False, "length_penalty": 1.0,
+    "include_stop_str_in_output": False, "min_tokens": 0, "skip_special_tokens": True,
+    "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "allowed_token_ids": None,
+    "prompt_logprobs": None, "logprob_token_ids": None, "bad_words": None, "prompt_embeds": None,
+    "structured_outputs": None, "return_tokens_as_token_ids": False, "return_token_offsets": False,
+    "vllm_xargs": None, "repetition_detection": None, "thinking_token_budget": None,
+}
+_VLLM_CHAT_NEUTRAL: dict[str, Any] = {
+    "add_generation_prompt": True, "continue_final_message": False, "documents": None, "chat_template": None,
+    "chat_template_kwargs": None, "return_prompt_text": False,
+}
+_NEUTRAL_BY_KIND = {Kind.COMPLETION: {**_NEUTRAL, **_VLLM_NEUTRAL},
+                    Kind.CHAT: {**_NEUTRAL, **_VLLM_NEUTRAL, **_VLLM_CHAT_NEUTRAL}}
 # Further values of those fields that ask for nothing the engine does not do anyway.
 _ALSO_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none",), "response_format": ({"type": "text"},),
@@ -188,8 +206,9 @@ def _check_fields(body: Mapping[str, Any], kind: Kind) -> list[str]:
             if value not in (None, False):
                 raise invalid(name, "is supported by completions only", "unsupported_parameter")
             continue
-        if name in _NEUTRAL:
-            neutral = _NEUTRAL[name]
+        neutrals = _NEUTRAL_BY_KIND[kind]
+        if name in neutrals:
+            neutral = neutrals[name]
             if value in _ALSO_NEUTRAL.get(name, ()):
                 continue
             if value is not None and value != neutral and not (neutral is None and value in ({}, [], False)):

@@ -122,6 +122,19 @@ def test_chat_messages_and_max_completion_tokens():
     (Kind.COMPLETION, {"stream": 1}, "stream"),
     (Kind.COMPLETION, {"stream_options": {"include_usage": True}}, "stream_options"),
     (Kind.COMPLETION, {"stream": True, "stream_options": {"bogus": 1}}, "stream_options"),
+    # vLLM's own extensions that change the output: a client moving from vLLM is told, not silently ignored.
+    (Kind.COMPLETION, {"min_tokens": 5}, "min_tokens"),
+    (Kind.CHAT, {"repetition_penalty": 1.2}, "repetition_penalty"),
+    (Kind.COMPLETION, {"min_p": 0.1}, "min_p"),
+    (Kind.COMPLETION, {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    (Kind.CHAT, {"skip_special_tokens": False}, "skip_special_tokens"),
+    (Kind.COMPLETION, {"bad_words": ["x"]}, "bad_words"),
+    (Kind.COMPLETION, {"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
+    (Kind.COMPLETION, {"prompt_logprobs": 1}, "prompt_logprobs"),
+    (Kind.COMPLETION, {"use_beam_search": True}, "use_beam_search"),
+    (Kind.CHAT, {"add_generation_prompt": False}, "add_generation_prompt"),
+    (Kind.CHAT, {"continue_final_message": True}, "continue_final_message"),
+    (Kind.CHAT, {"chat_template": "{{ messages }}"}, "chat_template"),
     (Kind.CHAT, {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
     (Kind.COMPLETION, {"model": ""}, "model"),
@@ -138,6 +151,14 @@ def test_neutral_values_of_unsupported_fields_are_accepted():
     parse(presence_penalty=0.0, frequency_penalty=0, logit_bias={}, best_of=1, echo=False, suffix=None)
     parse(Kind.CHAT, tools=[], tool_choice=None, logprobs=False, metadata={"a": "b"}, store=False)
     parse(Kind.CHAT, tool_choice="none", response_format={"type": "text"}, top_logprobs=0)
+    parse(min_tokens=0, repetition_penalty=1, min_p=0, skip_special_tokens=True, bad_words=[], use_beam_search=False,
+          include_stop_str_in_output=False, length_penalty=1.0, prompt_logprobs=None)
+    parse(Kind.CHAT, add_generation_prompt=True, continue_final_message=False, chat_template_kwargs={},
+          chat_template=None)
+    # vLLM's fields that change neither the output nor its shape stay unknown (ignored, logged); so do vLLM's chat-only
+    # fields on completions (vLLM does not know them there either).
+    assert parse(priority=1, cache_salt="s", add_generation_prompt=False).ignored_fields == (
+        "priority", "cache_salt", "add_generation_prompt")
     parse(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": False})
 
 
