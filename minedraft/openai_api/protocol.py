@@ -169,6 +169,8 @@ def _int(body: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # an integer written as 2.0 (vLLM's validation accepts it too)
     # JSON true/false decode to bool, a subclass of int: not a number here.
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid(name, f"must be an integer, got {value!r}")

@@ -162,6 +162,14 @@ def test_neutral_values_of_unsupported_fields_are_accepted():
     parse(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": False})
 
 
+def test_integers_written_as_floats_are_integers():
+    # As vLLM's validation (pydantic) takes them: 2.0 is 2; 1.5 stays a 400 naming the field.
+    parsed = parse(n=2.0, max_tokens=3.0, seed=7.0, logprobs=1.0)
+    floats = parsed.request.sampling_params
+    assert parsed.n == 2 and (floats.max_tokens, floats.seed, floats.logprobs) == (3, 7, 1)
+    assert param_of(n=1.5) == "n" and param_of(max_tokens=float("inf")) == "max_tokens"
+
+
 def test_unknown_fields_are_ignored_and_reported():
     # As vLLM's server: unknown fields do not fail the request; the front end logs their names.
     parsed = parse(bogus=1, messages=[])
