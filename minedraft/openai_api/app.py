@@ -367,6 +367,11 @@ class _FanOutResponse(_GenerationResponse):
         await self._send(send, {"type": "http.response.start", "status": 200,
                                 "headers": [*_SSE_HEADERS, *self._headers]})
         ended = 0
+        # The early reports in choice order (each choice's own in arrival order): every choice's first chunk comes
+        # after those of the choices before it, as OpenAI's and vLLM's servers send them. The official SDKs' stream
+        # accumulators rely on it (the first chunk's choice is put at its index in a list as long as the chunk's
+        # choices; a later new choice is appended): a first chunk of choice 1 failed with IndexError there.
+        early.sort(key=lambda report: report[0])
         pending = iter(early)
         while ended < len(states):
             buffered = next(pending, None)

@@ -133,9 +133,11 @@ class FanStub(StubBackend):
     """Each request answers its own request id's suffix as text, one token per response; `fail_index` fails that
     choice's stream after its first response; every stream's close is recorded (closing aborts in the engine)."""
 
-    def __init__(self, tokens: int = 3, fail_index: int | None = None, refuse_index: int | None = None) -> None:
+    def __init__(self, tokens: int = 3, fail_index: int | None = None, refuse_index: int | None = None,
+                 start_ticks: Mapping[int, int] | None = None) -> None:
         super().__init__()
         self.tokens = tokens
+        self.start_ticks = dict(start_ticks or {})  # choice index -> event-loop turns before its first response
         self.fail_index = fail_index
         self.refuse_index = refuse_index
         self.closed: list[str] = []
@@ -148,6 +150,8 @@ class FanStub(StubBackend):
         try:
             if index == self.refuse_index:
                 raise BackendError(grpc.StatusCode.RESOURCE_EXHAUSTED, "at the limit")
+            for _ in range(self.start_ticks.get(index, 0)):
+                await asyncio.sleep(0)
             for position in range(self.tokens):
                 await asyncio.sleep(0)
                 if index == self.fail_index and position == 1:
@@ -246,3 +250,28 @@ def test_the_gateway_bounds_a_request_by_its_admission_limit():
 
     router = SimpleNamespace(admission=Admission(3))
     assert GatewayBackend(router, lambda: True).max_streams() == 3  # type: ignore[arg-type]
+
+
+async def test_a_fanned_out_stream_starts_its_choices_in_index_order():
+    # Later choices answer first here. OpenAI's and vLLM's servers send each choice's first chunk in index order, and
+    # the official SDK's stream accumulator relies on it: a first chunk of choice 1 raised IndexError there.
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    backend = FanStub(tokens=3, start_ticks={0: 40, 1: 20})
+    async with http(backend) as client:
+        response = await client.post("/v1/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3, "stream": True,
+            "logprobs": True})
+    chunks = [e for e in sse_payloads(response.text) if e != "[DONE]"]
+    first_seen: list[int] = []
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            if choice["index"] not in first_seen:
+                first_seen.append(choice["index"])
+    assert first_seen == [0, 1, 2]
+    state = ChatCompletionStreamState()
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    final = state.current_completion_snapshot  # (get_final_completion refuses a "length" finish: it parses)
+    assert [(c.index, c.message.content) for c in final.choices] == [(0, "0.0.0."), (1, "1.1.1."), (2, "2.2.2.")]
