@@ -209,12 +209,24 @@ async def test_n_and_a_batch_through_the_gateway_one_admission_slot_per_choice(h
     assert chunks[-1].usage.completion_tokens == 6
     assert gateway.admission.in_flight == 0
 
-    # Five choices, four slots: refused as a whole (the SDK's RateLimitError), every admitted choice aborted.
+    # Five choices, four slots in all: it could never be admitted, a 400 naming n (not a 429 the SDK retries in
+    # vain), and no engine stream started.
+    started = len(fake.record.requests)
+    for stream_flag in (False, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            await api.completions.create(model="fake", prompt="x", n=5, max_tokens=50, stream=stream_flag)
+        assert info.value.body["param"] == "n"
+    assert len(fake.record.requests) == started
+
+    # Four choices while another stream holds one of the four slots: refused as a whole (the SDK's RateLimitError),
+    # every admitted choice aborted.
     fake.behaviour.token_interval_seconds = 0.05
     completed = len(fake.record.completed)
     for stream_flag in (False, True):
+        held = await hold_stream(base_url, {"model": "fake", "prompt": "long", "max_tokens": 400, "stream": True})
         with pytest.raises(openai.RateLimitError):
-            await api.completions.create(model="fake", prompt="x", n=5, max_tokens=50, stream=stream_flag)
+            await api.completions.create(model="fake", prompt="x", n=4, max_tokens=50, stream=stream_flag)
+        held.close()
         await wait_for(lambda: gateway.admission.in_flight == 0, what="every admitted choice released")
     # Whatever of the admitted choices reached the engine was aborted there, none ran to its end.
     record = fake.record
