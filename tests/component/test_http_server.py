@@ -213,6 +213,10 @@ async def test_sse_framing_byte_for_byte(http_served):
 INVALID = [
     # (endpoint, body changes, param named in the 400)
     ("completions", {"temperature": -1}, "temperature"),
+    ("completions", {"temperature": 2.5}, "temperature"),  # vLLM refuses it at request creation: was a 500
+    ("completions", {"min_tokens": 3}, "min_tokens"),  # vLLM's extension: was silently ignored
+    ("chat/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
     ("completions", {"top_p": 0}, "top_p"),
     ("completions", {"top_p": 1.5}, "top_p"),
     ("completions", {"max_tokens": 0}, "max_tokens"),
