@@ -690,7 +690,7 @@ def pod_monitor(meta: s.ObjectMeta) -> Manifest:
 # -- drafter pool ----------------------------------------------------------------------------------------------------
 
 DRAFTER_TOKEN_DIR = "/etc/minedraft/drafter-token"
-DRAFTER_METRICS_PORT = 9402
+DRAFTER_METRICS_PORT = s.DRAFTER_METRICS_PORT
 
 
 def _drafter_token_volumes(spec: s.MineDraftSpec) -> list[dict[str, Any]]:
