@@ -278,7 +278,43 @@ def rendered_problems(doc: dict[str, Any], options: render.RenderOptions) -> lis
                      if not (options.pod_fs_group is not None and v.endswith(".fsGroup is fixed"))]
         if all(c["image"].startswith(REGISTRY + "/") for c in pod["containers"]):
             problems += [f"{where}: {p}" for p in image_problems(pod, images(), REGISTRY)]
+        problems += [f"{where}: {p}" for p in placement_problems(pod, doc, options)]
+        problems += [f"{where}: {p}" for p in least_privilege_problems(pod)]
     return problems
+
+
+def placement_problems(pod: dict[str, Any], doc: dict[str, Any], options: render.RenderOptions) -> list[str]:
+    """A pod that asks for GPUs goes where the engine's own pods go (GPU nodes often need the nvidia runtime class,
+    a node selector and a taint toleration); one that writes a claim gets the fsGroup that makes it writable."""
+    out: list[str] = []
+    engine = defaulted(doc)["spec"]["engine"]
+    (container,) = pod["containers"]
+    if "nvidia.com/gpu" in container["resources"].get("limits", {}):
+        for field, key in (("runtimeClassName", "runtimeClassName"), ("nodeSelector", "nodeSelector"),
+                           ("tolerations", "tolerations"), ("affinity", "affinity"),
+                           ("priorityClassName", "priorityClassName")):
+            if engine.get(key) and pod.get(field) != engine[key]:
+                out.append(f"asks for GPUs without the engine's {field} {engine[key]!r}")
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    writes_claim = any("persistentVolumeClaim" in volumes[m["name"]] and not m.get("readOnly")
+                       for m in container.get("volumeMounts", []))
+    if writes_claim and options.pod_fs_group is not None and "fsGroup" not in pod.get("securityContext", {}):
+        out.append("writes a PersistentVolumeClaim (root-owned when freshly provisioned) without the fsGroup "
+                   f"{options.pod_fs_group} that makes it writable")
+    return out
+
+
+def least_privilege_problems(pod: dict[str, Any]) -> list[str]:
+    """Every Secret a container mounts is a file its command reads (no credential where nothing uses it)."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    out = []
+    for container in pod["containers"]:
+        words = " ".join(container.get("command", []) + container.get("args", []))
+        for mount in container.get("volumeMounts", []):
+            if "secret" in volumes[mount["name"]] and mount["mountPath"] not in words:
+                out.append(f"{container['name']} mounts Secret {volumes[mount['name']]['secret']['secretName']} at "
+                           f"{mount['mountPath']}, which its command never reads")
+    return out
 
 
 def generated(count: int, seed: int = SEED) -> list[dict[str, Any]]:
