@@ -88,9 +88,9 @@ _SECRET_KEY = re.compile(SECRET_KEY_PATTERN)
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 # Label keys ([prefix/]name: a DNS subdomain prefix, a name of at most 63 characters) and values (at most 63), as
 # the API server checks nodeSelector entries; and Toleration's enums.
-LABEL_KEY_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-                     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-LABEL_VALUE_PATTERN = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
+LABEL_KEY_PATTERN = (r"^([a-z0-9]+(-+[a-z0-9]+)*([.][a-z0-9]+(-+[a-z0-9]+)*)*/)?"
+                     r"([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]$")
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
 _LABEL_KEY = re.compile(LABEL_KEY_PATTERN)
 _LABEL_VALUE = re.compile(LABEL_VALUE_PATTERN)
 TOLERATION_OPERATORS = ("Exists", "Equal")
