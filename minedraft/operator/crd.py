@@ -374,6 +374,10 @@ def spec_schema() -> Schema:
         _rule("self.gateway.enabled || !has(self.autoscaling) || self.autoscaling.minReplicas > 0",
               "minReplicas 0 (scale to zero) needs the gateway: it holds the first request while an engine starts",
               ".autoscaling.minReplicas"),
+        _rule("!self.gateway.enabled || self.gateway.replicas > 0 || !has(self.autoscaling) || "
+              "self.autoscaling.minReplicas > 0",
+              "minReplicas 0 (scale to zero) needs gateway.replicas of at least 1: a gateway pod holds the first "
+              "request and is what wakes the engines", ".autoscaling.minReplicas"),
         _rule("self.gateway.enabled || !has(self.gateway.authTokenSecretRef)",
               "authTokenSecretRef needs gateway.enabled: without the gateway nothing checks the token",
               ".gateway.authTokenSecretRef", reason="FieldValueForbidden"),

@@ -848,6 +848,9 @@ def _check_combinations(r: _Reader, spec: MineDraftSpec) -> None:
         r.fail("spec.engine.targetGPUs", f"targetGPUs plus the drafter's GPU ({gpus}) must fit on one node of at "
                                          f"most {MAX_GPUS_PER_POD} GPUs (mode {spec.speculation.mode} drafts on a "
                                          "GPU of its own)")
+    if gw.enabled and gw.replicas == 0 and spec.autoscaling is not None and spec.autoscaling.min_replicas == 0:
+        r.fail("spec.autoscaling.minReplicas", "0 (scale to zero) needs gateway.replicas of at least 1: a gateway "
+                                               "pod holds the first request and is what wakes the engines")
     if not gw.enabled:
         if spec.autoscaling is not None and spec.autoscaling.min_replicas == 0:
             r.fail("spec.autoscaling.minReplicas", "0 (scale to zero) needs the gateway: it holds the first request "

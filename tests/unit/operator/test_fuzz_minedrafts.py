@@ -186,7 +186,9 @@ def valid_minedraft(rng: random.Random) -> dict[str, Any]:
     gateway: dict[str, Any] = {"enabled": gateway_on} if not gateway_on or maybe(rng, 0.2) else {}
     if gateway_on:
         port = rng.choice([1, 443, 50051, 65535])
-        for key, value in (("replicas", rng.choice([0, 1, 100])), ("image", "registry.example.com/gw:2"),
+        scale_to_zero = spec.get("autoscaling", {}).get("minReplicas") == 0
+        for key, value in (("replicas", rng.choice([1, 100] if scale_to_zero else [0, 1, 100])),
+                           ("image", "registry.example.com/gw:2"),
                            ("serviceType", rng.choice(s.SERVICE_TYPES)), ("port", port),
                            ("httpPort", rng.choice([0, 8080, 65535 if port != 65535 else 1])),
                            ("authTokenSecretRef", secret_ref(rng)),
@@ -476,6 +478,8 @@ INVALID: list[tuple[Any, ...]] = [
     ("spec.gateway.memory", "lots", "spec.gateway.memory"),
     ("spec.gateway", {"enabled": False, "authTokenSecretRef": {"name": "t"}}, "spec.gateway.authTokenSecretRef"),
     ("spec.gateway", {"enabled": False, "tlsSecretRef": {"name": "t"}}, "spec.gateway.tlsSecretRef"),
+    ("spec", {"target": {"source": {"image": {"path": "/m"}}}, "draft": {"source": {"image": {"path": "/d"}}},
+              "autoscaling": {"minReplicas": 0}, "gateway": {"replicas": 0}}, "spec.autoscaling.minReplicas"),
     ("spec.imagePullSecrets", [{"name": "Reg"}], "spec.imagePullSecrets"),
     ("spec.imagePullSecrets", ["regcred"], "spec.imagePullSecrets"),
     ("spec.servedModelNames", ["has space"], "spec.servedModelNames"),
@@ -579,3 +583,46 @@ def test_a_claim_without_path_serves_the_volumes_root() -> None:
                   if m["kind"] == "Deployment" and m["metadata"]["name"].endswith("-engine"))
     command = engine["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[command.index("--model") + 1] == f"{render.MODEL_PVC_ROOT}/weights"
+
+
+WRONG_TYPES: list[Any] = [[], {}, "x", "", 0, -1, True, 1.5, [{}], ["x"], {"x": 1}]
+
+
+def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix] if prefix else []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            out += _paths(value, (*prefix, key))
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            out += _paths(value, (*prefix, index))
+    return out
+
+
+def test_any_field_of_any_type_is_answered_never_crashed_on() -> None:
+    """Every field of generated MineDrafts replaced by values of every other JSON type: admission answers (a list,
+    no exception) and the operator's parser raises SpecError or renders, never another exception, which would be a
+    crash loop of the handler for a MineDraft stored before a rule existed (or edited through a lax client)."""
+    rng = random.Random(SEED + 2)
+    crashes: list[str] = []
+    for doc in generated(12, seed=SEED + 3):
+        paths = _paths(doc["spec"], ("spec",))
+        for path in rng.sample(paths, min(len(paths), 40)):
+            for value in WRONG_TYPES:
+                bad = copy.deepcopy(doc)
+                node = bad
+                for key in path[:-1]:
+                    node = node[key]
+                node[path[-1]] = value
+                where = ".".join(map(str, path))
+                try:
+                    assert isinstance(admit(bad), list)
+                except Exception as exc:  # noqa: BLE001 - reported with the case
+                    crashes.append(f"admit, {where}={value!r}: {type(exc).__name__}: {exc}")
+                try:
+                    render.render_resource(defaulted(bad), OPTIONS[0])
+                except s.SpecError:
+                    pass
+                except Exception as exc:  # noqa: BLE001 - reported with the case
+                    crashes.append(f"parser, {where}={value!r}: {type(exc).__name__}: {exc}")
+    assert not crashes, f"{len(crashes)} crashes:\n" + "\n".join(sorted(set(crashes))[:25])
