@@ -554,6 +554,31 @@ def test_the_quick_start_drives_what_exists(doc: str, heading: str) -> None:
     assert requested.get("ephemeral-storage") in (None, "40Gi"), requested
 
 
+def test_the_charts_notes_drive_what_exists() -> None:
+    """What `helm install` prints next: example files of the clone (nothing is published at a URL), the CRD's name,
+    the operator Deployment the chart renders."""
+    pytest.importorskip("helm_sdkpy", reason="helm-sdkpy is installed by scripts/setup.sh")
+    import shlex as sh
+
+    from tests.component.test_chart_helm import NAMESPACE, helm_render
+
+    out = helm_render({"image": {"registry": REGISTRY}})
+    (deployment,) = [d for d in out["docs"] if d["kind"] == "Deployment"]
+    commands = [sh.split(line.split("#", 1)[0]) for line in out["notes"].splitlines()
+                if line.strip().startswith("kubectl ")]
+    applied = [c[c.index("-f") + 1] for c in commands if c[1] == "apply"]
+    assert applied, out["notes"]
+    for path in applied:
+        assert "://" not in path and (ROOT / path).is_file(), path
+        assert render_documents([yaml.safe_load((ROOT / path).read_text())], OperatorSettings(), False)
+    waits = [c for c in commands if c[1] == "wait"]
+    assert [c[2] for c in waits] == [f"crd/{CRD_NAME}"]
+    for command in commands:
+        if command[1] == "logs":
+            assert command[2] == f"deploy/{deployment['metadata']['name']}"
+            assert command[command.index("-n") + 1] == NAMESPACE
+
+
 def check_helm_install(commands: list[str]) -> None:
     """`helm install RELEASE CHART -n NS --set k=v...`: every --set names a chart value, and a `rollout status`
     names the operator Deployment that chart renders in that namespace."""
