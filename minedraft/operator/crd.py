@@ -127,7 +127,7 @@ def _model(role: str) -> Schema:
                 "(FailedAttachVolume: Multi-Attach error).", {
                 "claimName": _name("Name of the PersistentVolumeClaim in the MineDraft's namespace."),
                 "path": _str("Directory of the model relative to the volume's root (no leading '/', no '..').",
-                             default="", **{"x-kubernetes-validations": [_rule(
+                             default="", maxLength=4096, **{"x-kubernetes-validations": [_rule(
                                  "!self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)')",
                                  "path must be relative to the volume's root, without '..'")]}),
             }, required=["claimName"]),
@@ -257,7 +257,8 @@ def spec_schema() -> Schema:
             _rule("self.drafterBackend != 'torch'", "torch is the CPU drafter; engine pods run on GPUs: use vllm",
                   ".drafterBackend", reason="FieldValueNotSupported"),
             # Written --flag, --flag=value or "--flag value", with '-' or '_' inside the name (vLLM takes both).
-            _rule(f"!has(self.extraArgs) || self.extraArgs.all(a, !a.matches('{s.RESERVED_FLAG_PATTERN}'))",
+            _rule(f"!has(self.extraArgs) || self.extraArgs.all(a, !(a in {list(s.RESERVED_FLAG_SPELLINGS)}) && "
+                  f"!{list(s.RESERVED_FLAG_SPELLINGS)}.exists(f, a.startsWith(f + '=') || a.startsWith(f + ' ')))",
                   "extraArgs must not set flags the operator sets from the MineDraft's own fields (--model, "
                   "--dtype, --tensor-parallel-size, --max-model-len, ...): set those fields", ".extraArgs"),
             # A value word belongs to the flag before it: a list cannot start with one.

@@ -54,10 +54,13 @@ RESERVED_ENGINE_FLAGS = ("--host", "--grpc-port", "--metrics-port", "--grace-sec
                          "--speculative-config", "--scheduler-cls", "--pipeline-parallel-size", "-pp",
                          "--data-parallel-size", "-dp", "--async-scheduling", "--served-model-name", "--token-file",
                          "--http-port")
-# RESERVED_ENGINE_FLAGS as one regular expression over an extraArgs word (the flag alone, or followed by '=' or a
-# space), each '-' inside a flag name also matching '_': vLLM's parser takes --max_model_len for --max-model-len.
-RESERVED_FLAG_PATTERN = ("^(" + "|".join(f[:2] + f[2:].replace("-", "[-_]") if f.startswith("--") else f
-                                         for f in RESERVED_ENGINE_FLAGS) + ")([= ]|$)")
+# RESERVED_ENGINE_FLAGS as admission spells them: each also with '_' for '-' inside its name (vLLM's parser takes
+# --max_model_len for --max-model-len). A list, not a regular expression: the API server prices a regex over every
+# extraArgs item by the item's and the pattern's lengths, close to its cost limit for a CRD; the parser also catches
+# mixed spellings (--max_model-len).
+RESERVED_FLAG_SPELLINGS = tuple(dict.fromkeys(
+    spelling for f in RESERVED_ENGINE_FLAGS
+    for spelling in ((f, "--" + f[2:].replace("-", "_")) if f.startswith("--") else (f,))))
 # extraArgs that are `minedraft serve` flags of their own (the engine sets these vLLM arguments itself from them):
 # passed as they are, not as --vllm-arg.
 ENGINE_OWN_EXTRA_FLAGS = ("--gpu-memory-utilization", "--drafter-gpu-memory-utilization", "--seed",
