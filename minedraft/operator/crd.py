@@ -186,8 +186,11 @@ def spec_schema() -> Schema:
                                 "verification (not requested for ar and vllm-sd).", default=1, minimum=1,
                                 maximum=1),
             "cpu": _quantity("CPU request per engine pod.", eng.cpu),
-            "memory": _quantity("Memory request and limit per engine pod.", eng.memory),
-            "shmSize": _quantity("Size of /dev/shm (memory-backed) for NCCL and worker processes.", eng.shm_size),
+            "memory": _quantity("Memory request and limit per engine pod: its processes (the servers, the engine "
+                                "core, the drafter) and what they keep in /dev/shm, which counts against it.",
+                                eng.memory),
+            "shmSize": _quantity("Size of /dev/shm (memory-backed, within the memory limit) for NCCL and worker "
+                                 "processes.", eng.shm_size),
             "ephemeralStorage": _quantity("Node-local ephemeral storage requested and limited per engine pod "
                                           "(unset: none requested).", None),
             "maxNumSeqs": _int("Most requests batched at once per engine (vLLM max_num_seqs).",
