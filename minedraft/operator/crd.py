@@ -116,7 +116,8 @@ def _model(role: str) -> Schema:
     return _obj(f"The {role} model and where its weights come from.", {
         "source": _obj("Where the weights come from: exactly one of huggingFace, persistentVolumeClaim or image.", {
             "huggingFace": _obj("Download from the Hugging Face hub into the model cache at start-up.", {
-                "id": _str("Repository id, e.g. Qwen/Qwen3-32B.", minLength=1),
+                "id": _str("Repository id, e.g. Qwen/Qwen3-32B (not a URL).", minLength=1,
+                           maxLength=s.MAX_HUB_ID_LENGTH, pattern=s.HUB_ID_PATTERN),
                 "tokenSecretRef": _secret_key_ref(
                     "Secret holding a hub token (for gated models); passed to the engine as HF_TOKEN."),
             }, required=["id"]),

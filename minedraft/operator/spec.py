@@ -81,6 +81,11 @@ DEFAULT_ENGINE_HTTP_PORT = 8000
 MAX_GPUS_PER_POD = 8
 
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+# A Hugging Face repository id, [namespace/]name of letters, digits, '-', '_' and '.': a URL or a name with spaces
+# would pass on to the engine and fail its download at every start.
+HUB_ID_PATTERN = r"^[A-Za-z0-9_][-A-Za-z0-9_.]*(/[A-Za-z0-9_][-A-Za-z0-9_.]*)?$"
+_HUB_ID = re.compile(HUB_ID_PATTERN)
+MAX_HUB_ID_LENGTH = 256
 # Object names (Secrets, PVCs, RuntimeClasses, PriorityClasses): RFC 1123 subdomains, as the API server checks them.
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]+(-+[a-z0-9]+)*(\.[a-z0-9]+(-+[a-z0-9]+)*)*$"
 _DNS_SUBDOMAIN = re.compile(DNS_SUBDOMAIN_PATTERN)
@@ -434,7 +439,7 @@ def _model(r: _Reader, data: Mapping[str, Any] | None, path: str) -> ModelSpec:
         sub = r.obj(source, kind, src_path) or {}
         if kind == "huggingFace":
             model_source = ModelSource(
-                hugging_face_id=r.str_(sub, "id", f"{src_path}.huggingFace", required=True),
+                hugging_face_id=_hub_id(r, sub, f"{src_path}.huggingFace"),
                 hugging_face_token=_secret_key_ref(r, r.obj(sub, "tokenSecretRef", f"{src_path}.huggingFace"),
                                                    f"{src_path}.huggingFace.tokenSecretRef", "token"),
             )
@@ -456,6 +461,14 @@ def _model(r: _Reader, data: Mapping[str, Any] | None, path: str) -> ModelSpec:
                 r.fail(f"{src_path}.image.path", "must be an absolute path inside the engine image")
             model_source = ModelSource(image_path=image_path)
     return ModelSpec(source=model_source)
+
+
+def _hub_id(r: _Reader, data: Mapping[str, Any], path: str) -> str | None:
+    hub_id = r.str_(data, "id", path, required=True)
+    if hub_id is not None and not (_HUB_ID.match(hub_id) and len(hub_id) <= MAX_HUB_ID_LENGTH):
+        r.fail(f"{path}.id", f"must be a Hugging Face repository id such as Qwen/Qwen3-8B (not a URL) (got {hub_id!r})")
+        return None
+    return hub_id
 
 
 def _or(value: int | None, default: int) -> int:

@@ -71,7 +71,8 @@ def maybe(rng: random.Random, p: float = 0.5) -> bool:
 def source(rng: random.Random, token: dict[str, str] | None) -> dict[str, Any]:
     kind = rng.choice(["huggingFace", "persistentVolumeClaim", "image"])
     if kind == "huggingFace":
-        hf: dict[str, Any] = {"id": rng.choice(["Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B-Instruct", "x"])}
+        hf: dict[str, Any] = {"id": rng.choice(["Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B-Instruct", "x",
+                                                "google/gemma_2.b-it", "gpt2"])}
         if token is not None:
             hf["tokenSecretRef"] = token
         return {"huggingFace": hf}
@@ -376,6 +377,9 @@ INVALID: list[tuple[Any, ...]] = [
     ("spec.draft.source", {}, "spec.draft.source"),
     ("spec.target.source", {"image": {"path": "/m"}, "huggingFace": {"id": "x"}}, "spec.target.source"),
     ("spec.target.source", {"huggingFace": {"id": ""}}, "spec.target.source.huggingFace.id"),
+    ("spec.target.source", {"huggingFace": {"id": "https://huggingface.co/Qwen/Qwen3-8B"}},
+     "spec.target.source.huggingFace.id"),
+    ("spec.draft.source", {"huggingFace": {"id": "Qwen/Qwen3 0.6B"}}, "spec.draft.source.huggingFace.id"),
     ("spec.target.source", {"huggingFace": {"id": "x", "tokenSecretRef": {"name": "HF"}}},
      "spec.target.source.huggingFace.tokenSecretRef.name"),
     ("spec.target.source", {"persistentVolumeClaim": {"claimName": "Weights"}},
