@@ -81,6 +81,7 @@ def make_torch_drafter(settings: dict[str, Any]) -> TorchLlamaDrafter:
         max_slots=2 * int(settings["max_num_seqs"]) + 8,
         max_model_len=int(settings["max_model_len"]),
         dtype=concrete_dtype(settings),
+        config_overrides=settings.get("hf_overrides"),
     )
 
 

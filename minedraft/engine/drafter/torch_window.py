@@ -35,7 +35,8 @@ MIN_CHUNK_TOKENS = 64
 
 class WindowedTorchDrafter(TorchLlamaDrafter):
     def __init__(self, model_dir: str, max_slots: int, max_model_len: int, dtype: torch.dtype = torch.float32,
-                 window: int = 0, num_sink_tokens: int = DEFAULT_NUM_SINK_TOKENS, device: str = "cpu") -> None:
+                 window: int = 0, num_sink_tokens: int = DEFAULT_NUM_SINK_TOKENS, device: str = "cpu",
+                 config_overrides: dict[str, Any] | None = None) -> None:
         if window < 0 or num_sink_tokens < 0:
             raise ValueError(f"window and num_sink_tokens must be non-negative, got {window}, {num_sink_tokens}")
         # 0: the whole context (the ring then holds every position: this class only for its device).
@@ -44,7 +45,7 @@ class WindowedTorchDrafter(TorchLlamaDrafter):
         self.ring = self.window + ROLLBACK_MARGIN
         self.capacity = self.num_sink_tokens + self.ring
         self.device = torch.device(device)
-        super().__init__(model_dir, max_slots, max_model_len, dtype)
+        super().__init__(model_dir, max_slots, max_model_len, dtype, config_overrides)
         self._to_device()
 
     def _to_device(self) -> None:
@@ -152,4 +153,5 @@ def make_windowed_drafter(settings: dict[str, Any]) -> WindowedTorchDrafter:
         window=int(settings.get("drafter_window") or 0),
         num_sink_tokens=int(settings.get("drafter_sink_tokens", DEFAULT_NUM_SINK_TOKENS)),
         device=str(settings.get("device", "cpu")),
+        config_overrides=settings.get("hf_overrides"),
     )
