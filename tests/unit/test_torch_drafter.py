@@ -124,6 +124,6 @@ def test_a_stretched_context_drafts_what_transformers_decodes_with_the_same_over
 def test_a_rope_scaling_that_changes_with_the_context_is_refused_by_name(pair_dir):
     from minedraft.engine.drafter.torch_backend import TorchLlamaDrafter
 
-    with pytest.raises(ValueError, match="rope_type.*'dynamic'"):
+    with pytest.raises(ValueError, match=r"rope_type.*'dynamic'"):
         TorchLlamaDrafter(str(pair_dir / "draft"), max_slots=1, max_model_len=32,
                           config_overrides={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
