@@ -35,7 +35,7 @@ from typing import Any
 
 DEFAULT_CONTEXTS = (256, 1024, 2048, 4096, 8064)
 DEFAULT_WINDOWS = ("full", "512", "256", "64", "512/nosink", "256/nosink", "64/nosink")
-DEFAULT_ROPE_SCALINGS = ("none", "yarn:4")
+DEFAULT_ROPE_SCALINGS = ("none", "yarn:4", "linear:4")
 # Prompt tokens over which the models' own next-token accuracy is measured.
 TAIL_TOKENS = 256
 
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="none, linear:F, yarn:F (comma-separated; contexts past a scaling's length are skipped)")
     parser.add_argument("--text", choices=("files", "heldout"), default="files",
                         help="prompts from long held-out stdlib files, or the pair's held-out snippets")
-    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("-k", type=int, default=3)
     args = parser.parse_args(argv)
