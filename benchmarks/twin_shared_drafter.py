@@ -165,7 +165,7 @@ def markdown(report: dict[str, Any]) -> str:
         "target's TP GPUs. Colocated SD twice at TP > 1: its drafter's loop divided by TP plus all-reduces (the "
         "twin's default) and, in brackets, at its one-GPU time (a small drafter's loop is largely launch-bound, "
         "which TP hardly shortens); the truth lies between. Window 512: the drafter's KV reads capped at 516 "
-        "positions (below the curves' lowest context level: extrapolated), and each request's catch-up at 516 "
+        "positions (below the curves' lowest context level: extrapolated), and each request's catch-up at most 516 "
         "tokens. psd pays: psd with its own drafter beats ar in tokens/s per replica. Drafter util: busy share of "
         "the shared drafter GPU at N=2.", "",
         f"Prefill priced per token (read off the curves' forward passes: one more token in a 128-request forward): "

@@ -40,6 +40,7 @@ class _Round:
     catch_up_ms: float = 0.0  # summed over the round's jobs: newcomers' prompts (and priced accepted tokens)
     jobs: int = 0
     closed: bool = False  # a replica received a reply of it: it can no longer grow
+    counted: bool = False  # in the measured statistics (not by id(): ids of dropped rounds are reused)
 
 
 @dataclass
@@ -171,7 +172,6 @@ def run_shared(costs: StepCosts, acceptance: AcceptanceModel, k: int, replicas: 
     measure_from = [0.0] * replicas
     busy_from = rounds_from = time_from = 0.0
     batch_total = jobs_total = 0
-    counted_rounds: set[int] = set()
     started_measuring = False
     while min(steps) < warmup_steps + measure_steps or sum(tokens) < min_measure_tokens:
         index = min(range(replicas), key=lambda i: members[i].clock.now)
@@ -190,8 +190,8 @@ def run_shared(costs: StepCosts, acceptance: AcceptanceModel, k: int, replicas: 
             replica.add(new_request(replica.clock.now))
         if started_measuring:
             for round_ in drafter.rounds:
-                if round_.closed and id(round_) not in counted_rounds:
-                    counted_rounds.add(id(round_))
+                if round_.closed and not round_.counted:
+                    round_.counted = True
                     batch_total += round_.batch
                     jobs_total += round_.jobs
                     rounds_from += 1

@@ -45,3 +45,15 @@ def test_a_target_stretched_by_hf_overrides_gets_a_drafter_stretched_the_same_wa
                                                                   "max_position_embeddings": 8192}
     plain = settings_from_args(build_parser().parse_args(["run", "--model", "t", "--draft", "d", "--prompt", "x"]))
     assert drafter_process_settings(plain)["hf_overrides"] is None
+
+
+def test_the_drafter_service_takes_a_context_stretch_as_a_json_object_and_names_the_flag(capsys):
+    from minedraft.cli import build_parser
+
+    rope = '{"rope_parameters": {"rope_type": "linear", "factor": 4.0}, "max_position_embeddings": 8192}'
+    args = build_parser().parse_args(["drafter", "--token-file", "t", "--hf-overrides", rope])
+    assert args.hf_overrides["rope_parameters"]["rope_type"] == "linear"
+    for bad in ("[1, 2]", "{not json"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["drafter", "--token-file", "t", "--hf-overrides", bad])
+        assert "--hf-overrides" in capsys.readouterr().err
