@@ -87,11 +87,12 @@ STEPS: tuple[Step, ...] = (
           "--rounds", "3"),
          # Measured on the contended 2-core machine: about 5 minutes.
          ("benchmarks/results/drafter/jobs.json",), 6 * 60),
-    Step("drafter-window", "acceptance of a context-bounded drafter (window 512/256/64 + 4 sink tokens) against the "
-         "whole-context drafter on 256 to 1900-token prompts (greedy SD simulated exactly, no engine)",
+    Step("drafter-window", "acceptance of a context-bounded drafter (window 512/256/64, with and without 4 sink "
+         "tokens) against the whole-context drafter on 256 to 8064-token prompts, past 2k with both models' RoPE "
+         "stretched (YaRN and linear, factor 4) as hf_overrides stretch them in vLLM (greedy SD simulated exactly)",
          ("python", "-m", "minedraft.bench.drafter_window", "--out", "benchmarks/results/drafter/window"),
-         # A guess until timed on an idle machine (target continuations plus five drafters over 18 prompts).
-         ("benchmarks/results/drafter/window.json",), 8 * 60),
+         # About 6 minutes on the 2-core machine shared with two other helpers' runs.
+         ("benchmarks/results/drafter/window.json",), 12 * 60),
     Step("step-breakdown-resident", "per-step time at 32 requests, 512 to 8k tokens: psd with the model runner's "
          "resident sub-batches against vLLM's single persistent batch (psd-churn), and ar",
          ("minedraft", "bench", "steps", "--out", "benchmarks/results/step-breakdown/resident",
@@ -124,12 +125,13 @@ STEPS: tuple[Step, ...] = (
          ("benchmarks/results/gpu-twin/draftless-steps.json",),
          # About 3 minutes on the contended 2-core machine (one engine, 12 loads).
          3 * 60),
-    Step("gpu-twin-shared-drafter", "N replicas of a TP=4 target sharing one drafter GPU against psd 4+1 and vLLM's "
-         "colocated SD, per GPU, contexts 1024/4096, with and without the drafter window, through the twin",
+    Step("gpu-twin-shared-drafter", "N replicas sharing one drafter GPU against a drafter per replica and vLLM's "
+         "colocated SD, per GPU, at TP=4/2/1 (and a 0.6B drafter), contexts 1024/4096, with and without the "
+         "drafter window, drafters paying their catch-up, through the twin",
          ("python", "benchmarks/twin_shared_drafter.py"),
          ("benchmarks/results/gpu-twin/shared-drafter.json",),
-         # About 40 s on the contended 2-core machine; pure Python, no engine.
-         2 * 60),
+         # About 2 minutes on the 2-core machine shared with other helpers' runs; pure Python, no engine.
+         5 * 60),
     Step("autoscaling", "speculation-aware autoscaler against the HPA algorithm and an oracle, simulated",
          ("minedraft", "autoscale", "bench", "--out", "benchmarks/results/autoscale"),
          # Not timed when the committed set was made: a guess from the simulator's speed on 2 cores.

@@ -15,6 +15,7 @@ from typing import Any
 from minedraft.engine.control.auto import AutoSettings, Decision
 from minedraft.engine.control.cost_model import Prediction
 from minedraft.engine.control.stats import EngineTotals, StepRecord
+from minedraft.engine.drafter.backends import context_overrides
 from minedraft.engine.placement import (
     ComputePlacement,
     DevicePlan,
@@ -95,6 +96,8 @@ def drafter_process_settings(settings: EngineSettings, plan: DevicePlan | None =
         "gpu_memory_utilization": drafter.gpu_memory_utilization,
         "kv_cache_gib": drafter.kv_cache_gib,
         "drafter_window": drafter.window,
+        # A target stretched past its native context (--hf-overrides with RoPE scaling): its drafter too.
+        "hf_overrides": context_overrides(settings.extra_vllm_args.get("hf_overrides")),
         # 0: vLLM fits the draft's own context length to its KV cache.
         "max_model_len": settings.max_model_len,
         "max_num_seqs": settings.max_num_seqs,

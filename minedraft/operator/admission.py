@@ -62,9 +62,14 @@ def cel_errors(node: Schema, value: Any, old: Any, path: str = "") -> list[str]:
                 continue  # transition rules run on update only
             else:
                 variables["oldSelf"] = old
-        if cel.evaluate(expression, variables) is not True:
-            where = f"{path}{rule.get('fieldPath', '')}".lstrip(".")
-            found.append(f"{where or '<root>'}: {rule['message']}")
+        where = f"{path}{rule.get('fieldPath', '')}".lstrip(".") or "<root>"
+        try:
+            passed = cel.evaluate(expression, variables) is True
+        except Exception as exc:  # the library's own error types; the API server answers a rule it cannot run too
+            found.append(f"{where}: {rule['message']} (the rule could not be evaluated: {exc})")
+            continue
+        if not passed:
+            found.append(f"{where}: {rule['message']}")
     if isinstance(value, dict):
         for name, sub in node.get("properties", {}).items():
             if name in value:
@@ -85,11 +90,37 @@ def admit(obj: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
     root = schema()
     obj = crd_module.apply_defaults(root, obj)
     validator = jsonschema.Draft7Validator(_json_schema())
-    problems = [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+    problems = [_schema_message(e)
                 for e in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path)))]
+    problems += _metadata_problems(obj)
     if problems:
         return problems
     return cel_errors(root, obj, crd_module.apply_defaults(root, old) if old is not None else None)
+
+
+def _schema_message(error: Any) -> str:
+    """`path: message`, with a missing required property named as its own path (`spec.target: required`), as the
+    API server's "Required value" names it."""
+    path = ".".join(map(str, error.absolute_path))
+    if error.validator == "required":
+        missing = re.match(r"^'([^']+)' is a required property$", error.message)
+        if missing:
+            return f"{path + '.' if path else ''}{missing.group(1)}: required"
+    return f"{path or '<root>'}: {error.message}"
+
+
+def _metadata_problems(obj: Any) -> list[str]:
+    """The API server's own check of metadata.name (a create names the object, or has it generated), before any
+    rule reads it."""
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    if not isinstance(meta, dict):
+        return []  # the schema reported it
+    name = meta.get("name")
+    if name is None and not meta.get("generateName"):
+        return ["metadata.name: required"]
+    if name is not None and not isinstance(name, str):
+        return [f"metadata.name: must be a string (got {type(name).__name__})"]
+    return []
 
 
 @cache

@@ -130,7 +130,8 @@ def render_documents(documents: list[Any], settings: OperatorSettings, monitorin
     errors: list[str] = []
     options = settings.render_options(monitoring_available)
     for index, doc in enumerate(d for d in documents if d is not None):
-        if doc.get("kind") != s.KIND or doc.get("apiVersion") != f"{s.API_GROUP}/{s.API_VERSION}":
+        if (not isinstance(doc, dict) or doc.get("kind") != s.KIND
+                or doc.get("apiVersion") != f"{s.API_GROUP}/{s.API_VERSION}"):
             errors.append(f"document {index}: not a {s.KIND} ({s.API_GROUP}/{s.API_VERSION})")
             continue
         name = (doc.get("metadata") or {}).get("name", "?")

@@ -68,11 +68,56 @@ def _secret_key_ref(description: str) -> Schema:
     }, required=["name"])
 
 
+def _key_ref(kind: str) -> Schema:
+    return _obj(f"A key of a {kind} in the MineDraft's namespace.", {
+        "name": _name(f"Name of the {kind}."),
+        "key": _str("The key.", minLength=1, maxLength=253, pattern=s.SECRET_KEY_PATTERN),
+        "optional": {"type": "boolean", "description": f"Whether the {kind} or its key may be missing."},
+    }, required=["name", "key"])
+
+
+def _env_var_source() -> Schema:
+    """core/v1 EnvVarSource: exactly one source (the API server refuses the Deployment otherwise, after admission)."""
+    return _obj("A core/v1 EnvVarSource: exactly one of fieldRef, resourceFieldRef, configMapKeyRef, secretKeyRef.", {
+        "fieldRef": _obj("A field of the pod (core/v1 ObjectFieldSelector).", {
+            "apiVersion": _str("Version of the schema the path is written in."),
+            "fieldPath": _str("Path of the field, e.g. spec.nodeName.", minLength=1)}, required=["fieldPath"]),
+        "resourceFieldRef": _obj("A resource of the container (core/v1 ResourceFieldSelector).", {
+            "containerName": _str("Container name."),
+            "resource": _str("Resource, e.g. limits.memory.", minLength=1),
+            "divisor": _quantity("Output format of the exposed resources.", None)}, required=["resource"]),
+        "configMapKeyRef": _key_ref("ConfigMap"),
+        "secretKeyRef": _key_ref("Secret"),
+    }, **{"x-kubernetes-validations": [_rule(
+        "[" + ", ".join(f"has(self.{k})" for k in s.ENV_VALUE_SOURCES) + "].filter(x, x).size() == 1",
+        f"valueFrom must set exactly one of {', '.join(s.ENV_VALUE_SOURCES)}", reason="FieldValueRequired")]})
+
+
+def _toleration() -> Schema:
+    """core/v1 Toleration with the API server's own checks (a bad one would fail only in the derived Deployment)."""
+    return _obj("A core/v1 Toleration.", {
+        "key": _str("Taint key (empty with operator Exists: every taint).", pattern=f"{s.LABEL_KEY_PATTERN}|^$"),
+        "operator": _str("Exists or Equal (the default).", enum=list(s.TOLERATION_OPERATORS)),
+        "value": _str("Taint value (operator Equal)."),
+        "effect": _str("Taint effect (empty: all).", enum=["", *s.TAINT_EFFECTS]),
+        "tolerationSeconds": {"type": "integer", "format": "int64",
+                              "description": "With effect NoExecute: seconds the pod stays after the taint."},
+    }, **{"x-kubernetes-validations": [
+        _rule("!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+              "value must be empty when operator is Exists", ".value"),
+        _rule("(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+              "operator must be Exists when key is empty", ".operator"),
+        _rule("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+              "tolerationSeconds needs effect NoExecute", ".tolerationSeconds"),
+    ]})
+
+
 def _model(role: str) -> Schema:
     return _obj(f"The {role} model and where its weights come from.", {
         "source": _obj("Where the weights come from: exactly one of huggingFace, persistentVolumeClaim or image.", {
             "huggingFace": _obj("Download from the Hugging Face hub into the model cache at start-up.", {
-                "id": _str("Repository id, e.g. Qwen/Qwen3-32B.", minLength=1),
+                "id": _str("Repository id, e.g. Qwen/Qwen3-32B (not a URL).", minLength=1,
+                           maxLength=s.MAX_HUB_ID_LENGTH, pattern=s.HUB_ID_PATTERN),
                 "tokenSecretRef": _secret_key_ref(
                     "Secret holding a hub token (for gated models); passed to the engine as HF_TOKEN."),
             }, required=["id"]),
@@ -82,7 +127,10 @@ def _model(role: str) -> Schema:
                 "ReadWriteOnce volume attaches to one node and pods on others stay in ContainerCreating "
                 "(FailedAttachVolume: Multi-Attach error).", {
                 "claimName": _name("Name of the PersistentVolumeClaim in the MineDraft's namespace."),
-                "path": _str("Directory of the model relative to the volume's root.", default=""),
+                "path": _str("Directory of the model relative to the volume's root (no leading '/', no '..').",
+                             default="", maxLength=4096, **{"x-kubernetes-validations": [_rule(
+                                 "!self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)')",
+                                 "path must be relative to the volume's root, without '..'")]}),
             }, required=["claimName"]),
             "image": _obj("Weights baked into the engine image.", {
                 "path": _str("Absolute path of the model directory inside the image.", pattern="^/"),
@@ -139,8 +187,11 @@ def spec_schema() -> Schema:
                                 "verification (not requested for ar and vllm-sd).", default=1, minimum=1,
                                 maximum=1),
             "cpu": _quantity("CPU request per engine pod.", eng.cpu),
-            "memory": _quantity("Memory request and limit per engine pod.", eng.memory),
-            "shmSize": _quantity("Size of /dev/shm (memory-backed) for NCCL and worker processes.", eng.shm_size),
+            "memory": _quantity("Memory request and limit per engine pod: its processes (the servers, the engine "
+                                "core, the drafter) and what they keep in /dev/shm, which counts against it.",
+                                eng.memory),
+            "shmSize": _quantity("Size of /dev/shm (memory-backed, within the memory limit) for NCCL and worker "
+                                 "processes.", eng.shm_size),
             "ephemeralStorage": _quantity("Node-local ephemeral storage requested and limited per engine pod "
                                           "(unset: none requested).", None),
             "maxNumSeqs": _int("Most requests batched at once per engine (vLLM max_num_seqs).",
@@ -156,13 +207,13 @@ def spec_schema() -> Schema:
                           "items": _str("One argument.", minLength=1, maxLength=1024), "default": [], "maxItems": 64},
             "env": {"type": "array", "description": "Extra environment variables of the engine container "
                                                     "(core/v1 EnvVar: name with value or valueFrom).",
-                    "items": {"type": "object", "description": "A core/v1 EnvVar.", "required": ["name"],
-                              "properties": {
-                                  "name": _str("Variable name.", minLength=1, pattern=s.ENV_NAME_PATTERN),
-                                  "value": _str("The value (a string: quote numbers and booleans)."),
-                                  "valueFrom": {"type": "object", "description": "A core/v1 EnvVarSource.",
-                                                "x-kubernetes-preserve-unknown-fields": True}},
-                              "x-kubernetes-preserve-unknown-fields": True}},
+                    "items": _obj("A core/v1 EnvVar.", {
+                        "name": _str("Variable name.", minLength=1, pattern=s.ENV_NAME_PATTERN),
+                        "value": _str("The value (a string: quote numbers and booleans)."),
+                        "valueFrom": _env_var_source()}, required=["name"], **{"x-kubernetes-validations": [_rule(
+                            "!has(self.valueFrom) || !has(self.value) || self.value == ''",
+                            "valueFrom must not be set together with a non-empty value", ".valueFrom")]}),
+                    "maxItems": 256},
             "runtimeClassName": _name("RuntimeClass of the engine pods (GPU nodes often need nvidia)."),
             "rolloutStrategy": _str("How a changed MineDraft replaces engine pods. Surge: a new pod starts before an "
                                     "old one stops (no capacity lost, but it needs a spare pod's worth of GPUs: in "
@@ -173,12 +224,17 @@ def spec_schema() -> Schema:
             "podDisruptionBudget": {"type": "boolean", "description": "Render a PodDisruptionBudget letting one "
                                                                       "engine pod go at a time.", "default": True},
             "nodeSelector": {"type": "object", "description": "Node labels the engine pods must match.",
-                             "additionalProperties": _str("Label value.")},
+                             # Keys are checked by the operator (Ready=False, InvalidSpec): a CEL rule over map
+                             # keys has no length bound for the API server's cost estimate.
+                             "additionalProperties": _str("Label value.", maxLength=63,
+                                                          pattern=s.LABEL_VALUE_PATTERN),
+                             "maxProperties": 64},
             "tolerations": {"type": "array", "description": "Tolerations of the engine pods (core/v1 Toleration).",
-                            "items": {"type": "object", "description": "A core/v1 Toleration.",
-                                      "x-kubernetes-preserve-unknown-fields": True}},
-            "affinity": {"type": "object", "description": "Affinity of the engine pods (core/v1 Affinity).",
-                         "x-kubernetes-preserve-unknown-fields": True},
+                            "items": _toleration(), "maxItems": 64},
+            "affinity": _obj("Affinity of the engine pods (core/v1 Affinity: nodeAffinity, podAffinity, "
+                             "podAntiAffinity; their contents are checked by the API server on the Deployment).",
+                             {kind: {"type": "object", "description": f"A core/v1 {kind[0].upper()}{kind[1:]}.",
+                                     "x-kubernetes-preserve-unknown-fields": True} for kind in s.AFFINITY_KINDS}),
             "priorityClassName": _name("PriorityClass of the engine pods."),
             "modelCache": _obj("Volume for downloaded weights and compile caches.", {
                 "claimName": _name("A PersistentVolumeClaim to keep the cache across restarts; an emptyDir when "
@@ -204,10 +260,15 @@ def spec_schema() -> Schema:
         }, default={}, **{"x-kubernetes-validations": [
             _rule("self.drafterBackend != 'torch'", "torch is the CPU drafter; engine pods run on GPUs: use vllm",
                   ".drafterBackend", reason="FieldValueNotSupported"),
-            _rule(f"!has(self.extraArgs) || self.extraArgs.all(a, !(a in {list(s.RESERVED_ENGINE_FLAGS)}) && "
-                  f"!{list(s.RESERVED_ENGINE_FLAGS)}.exists(f, a.startsWith(f + '=') || a.startsWith(f + ' ')))",
+            # Written --flag, --flag=value or "--flag value", with '-' or '_' inside the name (vLLM takes both).
+            _rule(f"!has(self.extraArgs) || self.extraArgs.all(a, !(a in {list(s.RESERVED_FLAG_SPELLINGS)}) && "
+                  f"!{list(s.RESERVED_FLAG_SPELLINGS)}.exists(f, a.startsWith(f + '=') || a.startsWith(f + ' ')))",
                   "extraArgs must not set flags the operator sets from the MineDraft's own fields (--model, "
                   "--dtype, --tensor-parallel-size, --max-model-len, ...): set those fields", ".extraArgs"),
+            # A value word belongs to the flag before it: a list cannot start with one.
+            _rule("!has(self.extraArgs) || self.extraArgs.size() == 0 || self.extraArgs[0].startsWith('--')",
+                  "extraArgs must start with a vLLM engine argument (--flag, --flag=value or \"--flag value\"); "
+                  "a word without -- is the value of the flag before it", ".extraArgs"),
             _rule(f"!has(self.httpPort) || !(self.httpPort in [{s.ENGINE_GRPC_PORT}, {s.ENGINE_METRICS_PORT}])",
                   f"httpPort must differ from the engine's gRPC ({s.ENGINE_GRPC_PORT}) and metrics "
                   f"({s.ENGINE_METRICS_PORT}) ports", ".httpPort"),
@@ -261,7 +322,8 @@ def spec_schema() -> Schema:
                 minimum=s.MIN_REPLICA_CAPACITY_TOKENS_PER_SECOND),
             "prometheus": _obj("Where the autoscaler reads metrics.", {
                 "address": _str("Prometheus HTTP API base URL, e.g. http://prometheus.monitoring:9090; when "
-                                "unset the engines' metrics endpoints are scraped directly."),
+                                "unset the engines' metrics endpoints are scraped directly.",
+                                pattern=s.PROMETHEUS_ADDRESS_PATTERN),
             }, default={}),
         }, **{"x-kubernetes-validations": [_rule("self.minReplicas <= self.maxReplicas",
                                                  "minReplicas must not exceed maxReplicas", ".minReplicas")]}),
@@ -283,7 +345,7 @@ def spec_schema() -> Schema:
             "tlsSecretRef": _obj("A kubernetes.io/tls Secret (tls.crt, tls.key) to serve TLS; plaintext when unset.",
                                  {"name": _name("Name of the Secret.")}, required=["name"]),
             "maxInFlight": _int("Admission bound: streams in flight per gateway replica before RESOURCE_EXHAUSTED.",
-                                default=gw.max_in_flight, minimum=1),
+                                default=gw.max_in_flight, minimum=1, maximum=s.MAX_GATEWAY_IN_FLIGHT),
             "cpu": _quantity("CPU request per gateway pod.", gw.cpu),
             "memory": _quantity("Memory request and limit per gateway pod.", gw.memory),
         }, default={}, **{"x-kubernetes-validations": [
@@ -317,6 +379,10 @@ def spec_schema() -> Schema:
         _rule("self.gateway.enabled || !has(self.autoscaling) || self.autoscaling.minReplicas > 0",
               "minReplicas 0 (scale to zero) needs the gateway: it holds the first request while an engine starts",
               ".autoscaling.minReplicas"),
+        _rule("!self.gateway.enabled || self.gateway.replicas > 0 || !has(self.autoscaling) || "
+              "self.autoscaling.minReplicas > 0",
+              "minReplicas 0 (scale to zero) needs gateway.replicas of at least 1: a gateway pod holds the first "
+              "request and is what wakes the engines", ".autoscaling.minReplicas"),
         _rule("self.gateway.enabled || !has(self.gateway.authTokenSecretRef)",
               "authTokenSecretRef needs gateway.enabled: without the gateway nothing checks the token",
               ".gateway.authTokenSecretRef", reason="FieldValueForbidden"),
@@ -343,12 +409,14 @@ def _drafter_pool() -> Schema:
         "backend": _str("Drafter backend: vllm (any architecture) or torch (Llama/Qwen3, with window support).",
                         enum=list(s.DRAFTER_BACKENDS), default=pool.backend),
         "window": _int("torch backend: each draft step reads at most the last window tokens of a context plus 4 "
-                       "attention-sink tokens (0: the whole context).", default=pool.window, minimum=0),
+                       "attention-sink tokens (0: the whole context).", default=pool.window, minimum=0,
+                       maximum=s.MAX_DRAFTER_WINDOW),
         "cpu": _quantity("CPU request per drafter pod.", pool.cpu),
         "memory": _quantity("Memory request and limit per drafter pod.", pool.memory),
         "maxQueuedJobs": _int("Draft jobs queued (all engines) before the pool answers busy and engines decode "
                               "without drafts.", default=pool.max_queued_jobs, minimum=1, maximum=100000),
-        "port": _int("Port of the drafter pool's Service.", default=pool.port, minimum=1, maximum=65535),
+        "port": _int(f"Port of the drafter pool's Service (not {s.DRAFTER_METRICS_PORT}, its metrics port).",
+                     default=pool.port, minimum=1, maximum=65535),
         "minReplicas": _int("With maxReplicas: the operator scales the pool on its own utilisation (apart from the "
                             "engines), never below this.", minimum=1, maximum=64),
         "maxReplicas": _int("With minReplicas: the most pool replicas the operator scales to.", minimum=1,
@@ -359,6 +427,8 @@ def _drafter_pool() -> Schema:
     }, required=["tokenSecretRef"], **{"x-kubernetes-validations": [
         _rule("self.window == 0 || self.backend == 'torch'",
               "drafterPool.window needs backend torch (vLLM's sliding window keeps no sink tokens)", ".window"),
+        _rule(f"self.port != {s.DRAFTER_METRICS_PORT}",
+              f"drafterPool.port must differ from the drafter's metrics port ({s.DRAFTER_METRICS_PORT})", ".port"),
         _rule("has(self.minReplicas) == has(self.maxReplicas)",
               "drafterPool.minReplicas and drafterPool.maxReplicas go together (both set: the pool is autoscaled)",
               ".minReplicas"),

@@ -233,7 +233,9 @@ def _auth_volume(spec: s.MineDraftSpec) -> tuple[dict[str, Any], dict[str, Any]]
             {"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
 
 
-def _engine_volumes(spec: s.MineDraftSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _engine_volumes(spec: s.MineDraftSpec, drafter: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The engine pod's volumes and mounts; `drafter`: the drafter pool's (the draft's weights only, and no gateway
+    token: it never reads one)."""
     eng = spec.engine
     volumes: list[dict[str, Any]] = [
         {"name": "tmp", "emptyDir": {}},
@@ -251,12 +253,13 @@ def _engine_volumes(spec: s.MineDraftSpec) -> tuple[list[dict[str, Any]], list[d
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "model-cache", "mountPath": MODEL_CACHE_DIR},
     ]
-    claims = sorted({m.source.pvc_claim_name for m in (spec.target, spec.draft) if m.source.pvc_claim_name})
+    models = (spec.draft,) if drafter else (spec.target, spec.draft)
+    claims = sorted({m.source.pvc_claim_name for m in models if m.source.pvc_claim_name})
     for index, claim in enumerate(claims):
         volumes.append({"name": f"models-{index}",
                         "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": f"models-{index}", "mountPath": f"{MODEL_PVC_ROOT}/{claim}", "readOnly": True})
-    if engines_need_token(spec):
+    if engines_need_token(spec) and not drafter:
         volume, mount = _auth_volume(spec)
         volumes.append(volume)
         mounts.append(mount)
@@ -337,12 +340,7 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Render
     volumes, mounts = volumes + _drafter_token_volumes(spec), mounts + _drafter_token_mounts(spec)
     requests = {"cpu": eng.cpu, "memory": eng.memory, "nvidia.com/gpu": gpus}
     limits = {"memory": eng.memory, "nvidia.com/gpu": gpus}
-    if eng.ephemeral_storage is not None:
-        requests["ephemeral-storage"] = limits["ephemeral-storage"] = eng.ephemeral_storage
-    elif not eng.model_cache.claim_name:
-        # The emptyDir cache lives on the node's disk: without a request the scheduler may place the pod where it
-        # does not fit, and the kubelet evicts it once downloads fill the disk (the sizeLimit alone only evicts).
-        requests["ephemeral-storage"] = eng.model_cache.size_limit
+    _request_local_disk(eng, requests, limits)
     container = {
         "name": "engine",
         # render() fills in the operator's image; called on its own, the built-in default.
@@ -370,17 +368,8 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Render
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": eng.termination_grace_period_seconds,
+        **_gpu_placement(eng),
     }
-    if eng.node_selector:
-        pod_spec["nodeSelector"] = dict(eng.node_selector)
-    if eng.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in eng.tolerations]
-    if eng.affinity:
-        pod_spec["affinity"] = dict(eng.affinity)
-    if eng.priority_class_name:
-        pod_spec["priorityClassName"] = eng.priority_class_name
-    if eng.runtime_class_name:
-        pod_spec["runtimeClassName"] = eng.runtime_class_name
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
     labels = _labels(meta, "engine")
@@ -401,6 +390,32 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Render
             },
         },
     }
+
+
+def _request_local_disk(eng: s.EngineSpec, requests: dict[str, Any], limits: dict[str, Any]) -> None:
+    if eng.ephemeral_storage is not None:
+        requests["ephemeral-storage"] = limits["ephemeral-storage"] = eng.ephemeral_storage
+    elif not eng.model_cache.claim_name:
+        # The emptyDir cache lives on the node's disk: without a request the scheduler may place the pod where it
+        # does not fit, and the kubelet evicts it once downloads fill the disk (the sizeLimit alone only evicts).
+        requests["ephemeral-storage"] = eng.model_cache.size_limit
+
+
+def _gpu_placement(eng: s.EngineSpec) -> dict[str, Any]:
+    """Where pods that use GPUs go: the engine's node selector, tolerations, affinity, priority and runtime class
+    (GPU nodes are often tainted and need the nvidia runtime class), for the drafter pool's GPU pods too."""
+    out: dict[str, Any] = {}
+    if eng.node_selector:
+        out["nodeSelector"] = dict(eng.node_selector)
+    if eng.tolerations:
+        out["tolerations"] = [dict(t) for t in eng.tolerations]
+    if eng.affinity:
+        out["affinity"] = dict(eng.affinity)
+    if eng.priority_class_name:
+        out["priorityClassName"] = eng.priority_class_name
+    if eng.runtime_class_name:
+        out["runtimeClassName"] = eng.runtime_class_name
+    return out
 
 
 def engine_strategy(eng: s.EngineSpec) -> dict[str, Any]:
@@ -690,7 +705,7 @@ def pod_monitor(meta: s.ObjectMeta) -> Manifest:
 # -- drafter pool ----------------------------------------------------------------------------------------------------
 
 DRAFTER_TOKEN_DIR = "/etc/minedraft/drafter-token"
-DRAFTER_METRICS_PORT = 9402
+DRAFTER_METRICS_PORT = s.DRAFTER_METRICS_PORT
 
 
 def _drafter_token_volumes(spec: s.MineDraftSpec) -> list[dict[str, Any]]:
@@ -728,16 +743,18 @@ def drafter_command(spec: s.MineDraftSpec) -> list[str]:
     return cmd
 
 
-def drafter_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
+def drafter_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | None = None) -> Manifest:
     """The drafter pool: `minedraft drafter` on its own GPUs, shared by every engine replica."""
     pool = spec.drafter_pool
     assert pool is not None
-    volumes, mounts = _engine_volumes(spec)
+    options = options or RenderOptions()
+    volumes, mounts = _engine_volumes(spec, drafter=True)
     volumes, mounts = volumes + _drafter_token_volumes(spec), mounts + _drafter_token_mounts(spec)
     requests: dict[str, Any] = {"cpu": pool.cpu, "memory": pool.memory}
     limits: dict[str, Any] = {"memory": pool.memory}
     if pool.gpus:
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(pool.gpus)
+    _request_local_disk(spec.engine, requests, limits)
     # The service binds its port once the draft model is loaded: an open port is readiness.
     tcp = {"tcpSocket": {"port": pool.port}}
     container = {
@@ -759,14 +776,12 @@ def drafter_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         "volumeMounts": mounts,
     }
     pod_spec: dict[str, Any] = {
-        "containers": [container], "volumes": volumes, "securityContext": _pod_security(),
+        # The model cache may be a claim it writes: the engine pods' fsGroup.
+        "containers": [container], "volumes": volumes, "securityContext": _pod_security(options.pod_fs_group),
         "automountServiceAccountToken": False, "enableServiceLinks": False,
+        # On GPUs, where the engines run (a CPU pool goes anywhere, as before: no GPU node's taints to tolerate).
+        **(_gpu_placement(spec.engine) if pool.gpus else {}),
     }
-    eng = spec.engine
-    if eng.node_selector:
-        pod_spec["nodeSelector"] = dict(eng.node_selector)
-    if eng.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in eng.tolerations]
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
     return {
@@ -847,7 +862,7 @@ def render(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | N
         if spec.gateway.enabled:
             manifests.append(gateway_network_policy(spec, meta, options))
     if spec.drafter_pool is not None:
-        manifests += [drafter_service(spec, meta), drafter_deployment(spec, meta)]
+        manifests += [drafter_service(spec, meta), drafter_deployment(spec, meta, options)]
         if options.network_policy:
             manifests.append(drafter_network_policy(spec, meta, options))
         if options.monitoring:

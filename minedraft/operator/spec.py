@@ -54,6 +54,13 @@ RESERVED_ENGINE_FLAGS = ("--host", "--grpc-port", "--metrics-port", "--grace-sec
                          "--speculative-config", "--scheduler-cls", "--pipeline-parallel-size", "-pp",
                          "--data-parallel-size", "-dp", "--async-scheduling", "--served-model-name", "--token-file",
                          "--http-port")
+# RESERVED_ENGINE_FLAGS as admission spells them: each also with '_' for '-' inside its name (vLLM's parser takes
+# --max_model_len for --max-model-len). A list, not a regular expression: the API server prices a regex over every
+# extraArgs item by the item's and the pattern's lengths, close to its cost limit for a CRD; the parser also catches
+# mixed spellings (--max_model-len).
+RESERVED_FLAG_SPELLINGS = tuple(dict.fromkeys(
+    spelling for f in RESERVED_ENGINE_FLAGS
+    for spelling in ((f, "--" + f[2:].replace("-", "_")) if f.startswith("--") else (f,))))
 # extraArgs that are `minedraft serve` flags of their own (the engine sets these vLLM arguments itself from them):
 # passed as they are, not as --vllm-arg.
 ENGINE_OWN_EXTRA_FLAGS = ("--gpu-memory-utilization", "--drafter-gpu-memory-utilization", "--seed",
@@ -74,13 +81,34 @@ DEFAULT_ENGINE_HTTP_PORT = 8000
 MAX_GPUS_PER_POD = 8
 
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+# A Hugging Face repository id, [namespace/]name of letters, digits, '-', '_' and '.': a URL or a name with spaces
+# would pass on to the engine and fail its download at every start.
+HUB_ID_PATTERN = r"^[A-Za-z0-9_][-A-Za-z0-9_.]*(/[A-Za-z0-9_][-A-Za-z0-9_.]*)?$"
+_HUB_ID = re.compile(HUB_ID_PATTERN)
+MAX_HUB_ID_LENGTH = 256
 # Object names (Secrets, PVCs, RuntimeClasses, PriorityClasses): RFC 1123 subdomains, as the API server checks them.
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]+(-+[a-z0-9]+)*(\.[a-z0-9]+(-+[a-z0-9]+)*)*$"
 _DNS_SUBDOMAIN = re.compile(DNS_SUBDOMAIN_PATTERN)
-# Keys of a Secret's data (the API server's IsConfigMapKey).
-SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+# Keys of a Secret's data (the API server's IsConfigMapKey: these characters, and not ".", ".." or "..anything",
+# which a Secret volume's item path refuses too).
+SECRET_KEY_PATTERN = r"^([-_a-zA-Z0-9]|\.[-_a-zA-Z0-9])[-._a-zA-Z0-9]*$"
 _SECRET_KEY = re.compile(SECRET_KEY_PATTERN)
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+# Label keys ([prefix/]name: a DNS subdomain prefix, a name of at most 63 characters) and values (at most 63), as
+# the API server checks nodeSelector entries; and Toleration's enums.
+LABEL_KEY_PATTERN = (r"^([a-z0-9]+(-+[a-z0-9]+)*([.][a-z0-9]+(-+[a-z0-9]+)*)*/)?"
+                     r"([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]$")
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
+_LABEL_KEY = re.compile(LABEL_KEY_PATTERN)
+_LABEL_VALUE = re.compile(LABEL_VALUE_PATTERN)
+TOLERATION_OPERATORS = ("Exists", "Equal")
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+# The sources of an EnvVar's valueFrom (core/v1 EnvVarSource), exactly one per variable.
+ENV_VALUE_SOURCES = ("fieldRef", "resourceFieldRef", "configMapKeyRef", "secretKeyRef")
+# The drafter pool's own metrics port (its `port` must differ).
+DRAFTER_METRICS_PORT = 9402
+MAX_GATEWAY_IN_FLIGHT = 1_000_000
+MAX_DRAFTER_WINDOW = 1_000_000
 # A served model name (OpenAI's `model`): any printable text without spaces, e.g. qwen3-8b or Qwen/Qwen3-8B.
 SERVED_NAME_PATTERN = r"^[!-,.-~][!-~]{0,255}$"
 _SERVED_NAME = re.compile(SERVED_NAME_PATTERN)
@@ -411,13 +439,17 @@ def _model(r: _Reader, data: Mapping[str, Any] | None, path: str) -> ModelSpec:
         sub = r.obj(source, kind, src_path) or {}
         if kind == "huggingFace":
             model_source = ModelSource(
-                hugging_face_id=r.str_(sub, "id", f"{src_path}.huggingFace", required=True),
+                hugging_face_id=_hub_id(r, sub, f"{src_path}.huggingFace"),
                 hugging_face_token=_secret_key_ref(r, r.obj(sub, "tokenSecretRef", f"{src_path}.huggingFace"),
                                                    f"{src_path}.huggingFace.tokenSecretRef", "token"),
             )
         elif kind == "persistentVolumeClaim":
-            model_path = r.str_(sub, "path", f"{src_path}.persistentVolumeClaim", default="") or ""
-            if model_path.startswith("/") or ".." in model_path.split("/"):
+            # "" (the CRD's default, the volume's root) is a path here, unlike the names str_ reads.
+            model_path = sub.get("path", "")
+            if not isinstance(model_path, str):
+                r.fail(f"{src_path}.persistentVolumeClaim.path", "must be a string")
+                model_path = ""
+            elif model_path.startswith("/") or ".." in model_path.split("/"):
                 r.fail(f"{src_path}.persistentVolumeClaim.path", "must be relative to the volume, without '..'")
             model_source = ModelSource(
                 pvc_claim_name=r.name(sub, "claimName", f"{src_path}.persistentVolumeClaim"),
@@ -429,6 +461,14 @@ def _model(r: _Reader, data: Mapping[str, Any] | None, path: str) -> ModelSpec:
                 r.fail(f"{src_path}.image.path", "must be an absolute path inside the engine image")
             model_source = ModelSource(image_path=image_path)
     return ModelSpec(source=model_source)
+
+
+def _hub_id(r: _Reader, data: Mapping[str, Any], path: str) -> str | None:
+    hub_id = r.str_(data, "id", path, required=True)
+    if hub_id is not None and not (_HUB_ID.match(hub_id) and len(hub_id) <= MAX_HUB_ID_LENGTH):
+        r.fail(f"{path}.id", f"must be a Hugging Face repository id such as Qwen/Qwen3-8B (not a URL) (got {hub_id!r})")
+        return None
+    return hub_id
 
 
 def _or(value: int | None, default: int) -> int:
@@ -486,7 +526,73 @@ def _engine_env_vars(r: _Reader, data: Mapping[str, Any], p: str) -> tuple[Mappi
             # The API server refuses a Deployment whose env value is a number or boolean: quote it.
             r.fail(f"{p}.env[{index}].value", f"must be a string (quote it: {str(var['value'])!r}) "
                                              f"(got {type(var['value']).__name__})")
+        source = var.get("valueFrom")
+        if source is None:
+            continue
+        at = f"{p}.env[{index}].valueFrom"
+        if var.get("value"):
+            r.fail(at, "must not be set together with a non-empty value")
+        kinds = [k for k in ENV_VALUE_SOURCES if isinstance(source, Mapping) and k in source]
+        if not isinstance(source, Mapping) or len(kinds) != 1 or set(source) - set(ENV_VALUE_SOURCES):
+            r.fail(at, f"must set exactly one of {', '.join(ENV_VALUE_SOURCES)}")
+            continue
+        ref = source[kinds[0]]
+        if not isinstance(ref, Mapping):
+            r.fail(f"{at}.{kinds[0]}", "must be an object")
+        elif kinds[0] in ("configMapKeyRef", "secretKeyRef"):
+            r.name(ref, "name", f"{at}.{kinds[0]}")
+            key = r.str_(ref, "key", f"{at}.{kinds[0]}", required=True)
+            if key is not None and not (_SECRET_KEY.match(key) and len(key) <= 253):
+                r.fail(f"{at}.{kinds[0]}.key", f"must be a key (letters, digits, '-', '_', '.') (got {key!r})")
+        elif kinds[0] == "fieldRef":
+            r.str_(ref, "fieldPath", f"{at}.fieldRef", required=True)
+        else:
+            r.str_(ref, "resource", f"{at}.resourceFieldRef", required=True)
     return tuple(dict(e) for e in env)
+
+
+def _engine_tolerations(r: _Reader, data: Mapping[str, Any], p: str) -> tuple[Mapping[str, Any], ...]:
+    """core/v1 Tolerations as the API server checks them (a bad one would fail only in the derived Deployment)."""
+    tolerations = data.get("tolerations", [])
+    if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
+        r.fail(f"{p}.tolerations", "must be a list of objects")
+        return ()
+    fields = {"key": str, "operator": str, "value": str, "effect": str, "tolerationSeconds": int}
+    for index, t in enumerate(tolerations):
+        at = f"{p}.tolerations[{index}]"
+        wrong = [k for k in t if k not in fields or not isinstance(t[k], fields[k]) or isinstance(t[k], bool)]
+        if wrong:
+            r.fail(at, f"{', '.join(wrong)}: not a core/v1 Toleration field of that type (key, operator, value, "
+                       "effect: strings; tolerationSeconds: an integer)")
+            continue
+        operator, key = t.get("operator", "Equal"), t.get("key", "")
+        if operator not in TOLERATION_OPERATORS:
+            r.fail(f"{at}.operator", f"must be one of {', '.join(TOLERATION_OPERATORS)} (got {operator!r})")
+        elif operator == "Exists" and t.get("value"):
+            r.fail(f"{at}.value", "must be empty when operator is Exists")
+        if not key and operator != "Exists":
+            r.fail(f"{at}.operator", "must be Exists when key is empty (tolerating every taint)")
+        if key and not _LABEL_KEY.match(key):
+            r.fail(f"{at}.key", f"must be a label key (got {key!r})")
+        if t.get("effect", "") not in ("", *TAINT_EFFECTS):
+            r.fail(f"{at}.effect", f"must be one of {', '.join(TAINT_EFFECTS)} (got {t['effect']!r})")
+        if "tolerationSeconds" in t and t.get("effect") != "NoExecute":
+            r.fail(f"{at}.tolerationSeconds", "needs effect NoExecute")
+    return tuple(dict(t) for t in tolerations)
+
+
+AFFINITY_KINDS = ("nodeAffinity", "podAffinity", "podAntiAffinity")
+
+
+def _engine_affinity(r: _Reader, data: Mapping[str, Any], p: str) -> Mapping[str, Any] | None:
+    """core/v1 Affinity: its three kinds, each an object (what lies inside is the API server's to check)."""
+    affinity = r.obj(data, "affinity", p)
+    if affinity is None:
+        return None
+    for kind, value in affinity.items():
+        if kind not in AFFINITY_KINDS or not isinstance(value, Mapping):
+            r.fail(f"{p}.affinity.{kind}", f"must be one of {', '.join(AFFINITY_KINDS)}, each an object")
+    return affinity
 
 
 def _engine(r: _Reader, data: Mapping[str, Any]) -> EngineSpec:
@@ -497,10 +603,11 @@ def _engine(r: _Reader, data: Mapping[str, Any]) -> EngineSpec:
     if not isinstance(node_selector, Mapping) or not all(isinstance(v, str) for v in node_selector.values()):
         r.fail(f"{p}.nodeSelector", "must map label names to strings")
         node_selector = {}
-    tolerations = data.get("tolerations", [])
-    if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
-        r.fail(f"{p}.tolerations", "must be a list of objects")
-        tolerations = []
+    for key, value in node_selector.items():
+        if not (isinstance(key, str) and _LABEL_KEY.match(key) and len(key) <= 317 and _LABEL_VALUE.match(value)):
+            r.fail(f"{p}.nodeSelector", f"{key!r}: {value!r} is not a label key and value (a value has at most 63 "
+                                        "letters, digits, '-', '_' or '.', alphanumeric at both ends)")
+    tolerations = _engine_tolerations(r, data, p)
     drafter_gpus = r.int_(data, "drafterGPUs", p, d.drafter_gpus, 1, 1)
     pdb = data.get("podDisruptionBudget", d.pod_disruption_budget)
     if not isinstance(pdb, bool):
@@ -526,8 +633,8 @@ def _engine(r: _Reader, data: Mapping[str, Any]) -> EngineSpec:
         extra_args=_engine_extra_args(r, data, p),
         env=_engine_env_vars(r, data, p),
         node_selector=dict(node_selector),
-        tolerations=tuple(dict(t) for t in tolerations),
-        affinity=r.obj(data, "affinity", p),
+        tolerations=tolerations,
+        affinity=_engine_affinity(r, data, p),
         priority_class_name=r.name(data, "priorityClassName", p, required=False),
         runtime_class_name=r.name(data, "runtimeClassName", p, required=False),
         model_cache=ModelCacheSpec(
@@ -589,9 +696,21 @@ def _autoscaling(r: _Reader, data: Mapping[str, Any] | None) -> AutoscalingSpec 
         max_scale_up_step=r.int_(data, "maxScaleUpStep", p, d.max_scale_up_step, 1, MAX_REPLICAS)
         or d.max_scale_up_step,
         speculation=SpeculationBounds(tuple(modes), k_min or 1, k_max or 1),
-        prometheus_address=r.str_(prometheus, "address", f"{p}.prometheus"),
+        prometheus_address=_prometheus_address(r, prometheus, f"{p}.prometheus"),
         replica_capacity_tokens_per_second=float(capacity) if capacity is not None else None,
     )
+
+
+PROMETHEUS_ADDRESS_PATTERN = r"^https?://[^\s/]+"
+
+
+def _prometheus_address(r: _Reader, data: Mapping[str, Any], p: str) -> str | None:
+    address = r.str_(data, "address", p)
+    if address is not None and not re.match(PROMETHEUS_ADDRESS_PATTERN, address):
+        r.fail(f"{p}.address", f"must be an http:// or https:// URL such as http://prometheus.monitoring:9090 "
+                               f"(got {address!r})")
+        return None
+    return address
 
 
 def _gateway(r: _Reader, data: Mapping[str, Any]) -> GatewaySpec:
@@ -614,7 +733,7 @@ def _gateway(r: _Reader, data: Mapping[str, Any]) -> GatewaySpec:
         http_port=_or(r.int_(data, "httpPort", p, d.http_port, 0, 65535), d.http_port),
         auth_token=_secret_key_ref(r, r.obj(data, "authTokenSecretRef", p), f"{p}.authTokenSecretRef", "token"),
         tls_secret_name=r.name(tls, "name", f"{p}.tlsSecretRef") if tls is not None else None,
-        max_in_flight=r.int_(data, "maxInFlight", p, d.max_in_flight, 1, 1_000_000) or d.max_in_flight,
+        max_in_flight=r.int_(data, "maxInFlight", p, d.max_in_flight, 1, MAX_GATEWAY_IN_FLIGHT) or d.max_in_flight,
         cpu=r.quantity(data, "cpu", p, d.cpu),
         memory=r.quantity(data, "memory", p, d.memory),
     )
@@ -629,7 +748,7 @@ def _drafter_pool(r: _Reader, data: Mapping[str, Any] | None, mode: str) -> Draf
         r.fail(p, f"mode {mode} does not draft with the minedraft drafter: a drafter pool needs psd, sd or auto")
     token = _secret_key_ref(r, r.obj(data, "tokenSecretRef", p, required=True), f"{p}.tokenSecretRef", "token")
     backend = r.str_(data, "backend", p, default=d.backend, choices=DRAFTER_BACKENDS) or d.backend
-    window = _or(r.int_(data, "window", p, d.window, 0, 1_000_000), d.window)
+    window = _or(r.int_(data, "window", p, d.window, 0, MAX_DRAFTER_WINDOW), d.window)
     if window and backend != "torch":
         r.fail(f"{p}.window", "the drafter window is the torch backend's (vLLM's sliding window keeps no sink tokens "
                               "and is not applied to Qwen3 models): set backend torch or window 0")
@@ -644,6 +763,9 @@ def _drafter_pool(r: _Reader, data: Mapping[str, Any] | None, mode: str) -> Draf
     if isinstance(utilization, bool) or not isinstance(utilization, int | float) or not 0 < utilization <= 1:
         r.fail(f"{p}.targetUtilization", f"must be a number in (0, 1] (got {utilization!r})")
         utilization = d.target_utilization
+    port = r.int_(data, "port", p, d.port, 1, 65535) or d.port
+    if port == DRAFTER_METRICS_PORT:
+        r.fail(f"{p}.port", f"must differ from the drafter's metrics port ({DRAFTER_METRICS_PORT})")
     return DrafterPoolSpec(
         token=token or SecretKeyRef("", ""),
         replicas=_or(r.int_(data, "replicas", p, d.replicas, 0, 64), d.replicas),
@@ -653,7 +775,7 @@ def _drafter_pool(r: _Reader, data: Mapping[str, Any] | None, mode: str) -> Draf
         cpu=r.quantity(data, "cpu", p, d.cpu),
         memory=r.quantity(data, "memory", p, d.memory),
         max_queued_jobs=r.int_(data, "maxQueuedJobs", p, d.max_queued_jobs, 1, 100_000) or d.max_queued_jobs,
-        port=r.int_(data, "port", p, d.port, 1, 65535) or d.port,
+        port=port,
         min_replicas=min_replicas,
         max_replicas=max_replicas,
         target_utilization=float(utilization),
@@ -742,6 +864,9 @@ def _check_combinations(r: _Reader, spec: MineDraftSpec) -> None:
         r.fail("spec.engine.targetGPUs", f"targetGPUs plus the drafter's GPU ({gpus}) must fit on one node of at "
                                          f"most {MAX_GPUS_PER_POD} GPUs (mode {spec.speculation.mode} drafts on a "
                                          "GPU of its own)")
+    if gw.enabled and gw.replicas == 0 and spec.autoscaling is not None and spec.autoscaling.min_replicas == 0:
+        r.fail("spec.autoscaling.minReplicas", "0 (scale to zero) needs gateway.replicas of at least 1: a gateway "
+                                               "pod holds the first request and is what wakes the engines")
     if not gw.enabled:
         if spec.autoscaling is not None and spec.autoscaling.min_replicas == 0:
             r.fail("spec.autoscaling.minReplicas", "0 (scale to zero) needs the gateway: it holds the first request "

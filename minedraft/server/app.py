@@ -4,7 +4,8 @@ Lifecycle: start() binds the port with readiness NOT_SERVING (the engine is stil
 out of its Service, the gateway routes elsewhere); attach(engine) flips it to SERVING; drain() goes NOT_SERVING,
 refuses new streams with UNAVAILABLE, lets open streams finish within the grace period, then cuts the rest with
 UNAVAILABLE and their token count (which aborts them in the engine) and stops. Liveness ("minedraft.liveness") is
-SERVING from the bind to the exit, through loading and draining: it only says the event loop answers.
+SERVING from the bind to the exit, through loading and draining: it says the event loop answers, and turns
+NOT_SERVING only when the engine is gone for good (its process killed or its loop dead), which no wait can mend.
 """
 
 from __future__ import annotations
@@ -127,6 +128,14 @@ class EngineServer:
                 log.error("engine loop is not running: %s", exc)
                 alive = False
             if self.service.state is not ServerState.SERVING:
+                return
+            if engine.dead_error is not None:
+                # Gone for good (the engine process was killed, e.g. by the kernel's OOM killer, which picks the
+                # largest process of the container, or its loop died): this process cannot serve again, and a
+                # kubelet restarts a container only when its main process exits or liveness fails.
+                log.error("engine is gone for good (%s): liveness NOT_SERVING, for a restart", engine.dead_error)
+                await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+                await self.health.set(grpc_policy.LIVENESS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
                 return
             if alive != answering:
                 answering = alive

@@ -4,9 +4,11 @@ pool's Prometheus endpoint (`minedraft_drafter_*`, minedraft/server/drafter_metr
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from minedraft.engine.drafter import wire
+from minedraft.engine.drafter.backends import context_overrides
 from minedraft.engine.drafter.service import ServiceSettings, serve
 
 
@@ -27,6 +29,10 @@ def add_subcommand(sub: Any) -> None:
     parser.add_argument("--window", type=int, default=0,
                         help="torch backend: draft from at most the last W tokens of each context plus a few "
                         "attention-sink tokens (0: the whole context)")
+    parser.add_argument("--hf-overrides", type=_json_object, default=None,
+                        help="JSON: the draft model's context stretch, as the engines' targets get it through vLLM's "
+                        "--hf-overrides (only rope_scaling, rope_parameters, rope_theta and max_position_embeddings "
+                        "are applied)")
     parser.add_argument("--cores", help="comma-separated CPU cores for the drafter")
     parser.add_argument("--max-queued-jobs", type=int, default=ServiceSettings.max_queued_jobs)
     parser.add_argument("--session-timeout-seconds", type=float, default=ServiceSettings.session_timeout_seconds)
@@ -36,17 +42,31 @@ def add_subcommand(sub: Any) -> None:
     parser.set_defaults(func=cmd_drafter)
 
 
+def _json_object(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"--hf-overrides: not JSON ({error})") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("--hf-overrides: expected a JSON object")
+    return parsed
+
+
 def cmd_drafter(args: argparse.Namespace) -> int:
     from minedraft.models.spec import default_pair_dir
 
     token = wire.read_token(args.token_file)
     model = args.model or str(default_pair_dir() / "draft")
+    overrides = context_overrides(args.hf_overrides)
     max_model_len = args.max_model_len
     if not max_model_len and args.backend == "torch":
         # The torch drafter sizes its RoPE table by it (the vLLM backend fits its own).
         from transformers import AutoConfig
 
-        max_model_len = int(AutoConfig.from_pretrained(model).max_position_embeddings)
+        from minedraft.engine.drafter.torch_backend import apply_config_overrides
+
+        config = apply_config_overrides(AutoConfig.from_pretrained(model), overrides)
+        max_model_len = int(config.max_position_embeddings)
     settings: dict[str, Any] = {
         "model": model,
         "backend": args.backend,
@@ -57,6 +77,7 @@ def cmd_drafter(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs,
         "cpu_cores": [int(c) for c in args.cores.split(",")] if args.cores else [],
         "drafter_window": args.window,
+        "hf_overrides": overrides,
         "kv_cache_gib": 1,
     }
     service = ServiceSettings(max_queued_jobs=args.max_queued_jobs,

@@ -68,6 +68,10 @@ class Hardware:
     # Prefill: the curves hold no prefill measurements. 0 leaves it out (prompts are free, TTFT is queueing and
     # the first step); a value charges each new prompt token this much target time in the step that takes it in.
     prefill_ms_per_token: float = 0.0
+    # The drafter's own prefill price per token on its device (a newcomer's prompt it takes in); None: the target's
+    # prefill_ms_per_token scaled by the models' parameter ratio (a target's price at TP > 1 is per TP group, which
+    # understates a drafter on one GPU: give it its own then).
+    drafter_prefill_ms_per_token: float | None = None
     # MineDraft's drafter window: 0 reads the whole context; W > 0 reads at most W + DRAFTER_SINK_TOKENS positions.
     drafter_window_tokens: int = 0
     # vLLM's colocated drafter at TP > 1: True divides its draft loop by TP (plus all-reduces), as for the target;
@@ -93,7 +97,8 @@ class Hardware:
                              f"got {self.drafter_placement!r}")
         if not 0.0 <= self.shared_contention <= 1.0:
             raise ValueError(f"shared_contention: must be within [0, 1], got {self.shared_contention}")
-        for name in ("step_overhead_ms", "drafting_step_overhead_ms", "prefill_ms_per_token"):
+        for name in ("step_overhead_ms", "drafting_step_overhead_ms", "prefill_ms_per_token",
+                     "drafter_prefill_ms_per_token"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name}: must be >= 0, got {value}")
@@ -163,8 +168,13 @@ class StepCosts:
         return context
 
     def drafter_prefill_ms(self, tokens: int) -> float:
-        """Prompt tokens the drafter takes in: the target's per-token prefill cost scaled by parameter count."""
-        if tokens <= 0 or not self.hardware.prefill_ms_per_token:
+        """Prompt tokens the drafter takes in: at its own price when given, else the target's per-token prefill cost
+        scaled by parameter count."""
+        if tokens <= 0:
+            return 0.0
+        if self.hardware.drafter_prefill_ms_per_token is not None:
+            return tokens * self.hardware.drafter_prefill_ms_per_token
+        if not self.hardware.prefill_ms_per_token:
             return 0.0
         if self.target.params and self.drafter.params:
             share = self.drafter.params / self.target.params

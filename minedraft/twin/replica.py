@@ -38,7 +38,7 @@ from minedraft.engine.drafter.link import DrafterLink, JobTimes, add_reply, catc
 from minedraft.engine.psd.inflight import JobInFlight
 from minedraft.engine.psd.planner import Draft, PSDPlanner, RequestState, WaitPolicy
 from minedraft.engine.settings import Mode
-from minedraft.twin.costs import AcceptanceModel, StepCosts
+from minedraft.twin.costs import DRAFTER_SINK_TOKENS, AcceptanceModel, StepCosts
 
 MAX_MODEL_LEN = 1 << 20
 # Plain decoding in vLLM itself (no MineDraft): the target alone, with vLLM's async scheduling.
@@ -60,6 +60,33 @@ class _Job:
     end: float
     reply: protocol.DraftReply
     submitted: float = 0.0
+
+
+def job_catch_up_ms(costs: StepCosts, items: list[protocol.DraftItem], k: int, colocated: bool) -> float:
+    """The drafter's time to take in what a job carries before drafting, besides the draft loop (one definition for
+    a drafter of its own and a shared one).
+
+    Measured price (`catch_up_ms_per_token`, calibrated from the engine's jobs, whose loop is learned net of it):
+    every catch-up token, the accepted tokens since each request's last job and newcomers' prompts alike. Not
+    measured: the tokens beyond the k + 1 the curves' loop takes in on its first pass (a newcomer's prompt) at the
+    drafter's prefill price. MineDraft's window bounds each request's catch-up to the sinks + W positions a later
+    query can see (the windowed drafter takes in no more); vLLM's colocated drafter has no window, and its prefill
+    splits over the target's tensor parallelism as its loop does."""
+    window = costs.hardware.drafter_window_tokens
+    bound = window + DRAFTER_SINK_TOKENS if window and not colocated else None
+
+    def bounded(tokens: int) -> int:
+        return tokens if bound is None else min(tokens, bound)
+
+    price = costs.drafter.catch_up_ms_per_token
+    if price is not None:
+        ms = price * sum(bounded(catch_up_tokens([item])) for item in items)
+    else:
+        ms = costs.drafter_prefill_ms(sum(bounded(max(0, len(item.token_ids) - (k + 1))) for item in items))
+    tp = costs.hardware.tensor_parallel_size
+    if colocated and tp > 1 and costs.hardware.colocated_draft_scales_with_tp:
+        ms /= tp
+    return ms
 
 
 class SimDrafter:
@@ -90,15 +117,7 @@ class SimDrafter:
         batch = len(items)
         k = max(item.num_draft_tokens for item in items)
         context = sum(item.base_num_tokens + len(item.token_ids) for item in items) / batch
-        price = self.costs.drafter.catch_up_ms_per_token
-        if price is not None:
-            # Measured (calibrated from the engine's jobs): every catch-up token the job carries at that price, the
-            # accepted tokens since each request's last job and newcomers' prompts alike, besides the loop.
-            catch_up_ms = price * catch_up_tokens(items)
-        else:
-            # Not measured: tokens beyond the k + 1 the loop's first pass takes in (a new request's prompt), at the
-            # target's prefill cost scaled to the drafter.
-            catch_up_ms = self.costs.drafter_prefill_ms(sum(max(0, len(item.token_ids) - (k + 1)) for item in items))
+        catch_up_ms = job_catch_up_ms(self.costs, items, k, self.colocated)
         seconds = (self.costs.draft_ms(batch, context, k, colocated=self.colocated) + catch_up_ms) / 1000.0
         spread = self.costs.hardware.drafter_time_spread
         if spread:

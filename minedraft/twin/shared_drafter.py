@@ -5,8 +5,10 @@ clock; the replicas run side by side, the one furthest behind in simulated time 
 within a step of each other. Their draft jobs go to one `SharedDrafter`: it drafts in rounds, one batched draft loop
 per round over every job in it (the service batches jobs of different engines queued together), costing the curves'
 draft loop at the round's total batch (nearly flat in batch on a GPU: the point of sharing) and at the round's mean
-context (capped by the drafter window when there is one). A job joins the round that has not started yet when it
-arrives, else waits for the drafter to be free: the queueing when several replicas' jobs overlap.
+context (capped by the drafter window when there is one), plus every job's catch-up at the price a drafter of its own
+pays (`replica.job_catch_up_ms`: newcomers' prompts, bounded by the window when there is one). A job joins the round
+that has not started yet when it arrives, else waits for the drafter to be free: the queueing when several
+replicas' jobs overlap.
 
 Causality: replicas submit slightly out of simulated-time order (each steps a whole step at once). A round whose
 reply a replica has already received is closed: a later-processed job never lengthens it, it queues behind it
@@ -24,7 +26,7 @@ from minedraft.engine.drafter import protocol
 from minedraft.engine.drafter.client import JobTicket
 from minedraft.engine.settings import Mode
 from minedraft.twin.costs import AcceptanceModel, StepCosts
-from minedraft.twin.replica import ReplicaSettings, SimClock, SimDrafter, SimRequest, TwinReplica
+from minedraft.twin.replica import ReplicaSettings, SimClock, SimDrafter, SimRequest, TwinReplica, job_catch_up_ms
 from minedraft.twin.run import RunResult, Workload, mode_label
 
 
@@ -35,8 +37,10 @@ class _Round:
     k: int
     batch: int = 0
     context_tokens: float = 0.0  # summed over the round's requests
+    catch_up_ms: float = 0.0  # summed over the round's jobs: newcomers' prompts (and priced accepted tokens)
     jobs: int = 0
     closed: bool = False  # a replica received a reply of it: it can no longer grow
+    counted: bool = False  # in the measured statistics (not by id(): ids of dropped rounds are reused)
 
 
 @dataclass
@@ -55,22 +59,24 @@ class SharedDrafter:
 
     def _loop_seconds(self, round_: _Round) -> float:
         context = round_.context_tokens / round_.batch
-        return self.costs.draft_ms(round_.batch, context, round_.k) / 1000.0
+        return (self.costs.draft_ms(round_.batch, context, round_.k) + round_.catch_up_ms) / 1000.0
 
-    def join(self, now: float, batch: int, context_tokens: float, k: int) -> _Round:
-        """A job of `batch` requests arriving at `now`: into the round not yet started, else a new one when the
-        drafter is free."""
+    def join(self, now: float, batch: int, context_tokens: float, k: int, catch_up_ms: float = 0.0) -> _Round:
+        """A job of `batch` requests arriving at `now`, carrying `catch_up_ms` of catch-up (tokens to take in before
+        drafting): into the round not yet started, else a new one when the drafter is free. A round pays one batched
+        draft loop and every job's catch-up."""
         last = self.rounds[-1] if self.rounds else None
         if last is not None and not last.closed and last.start >= now and last.k >= k:
             before = last.end - last.start
             last.batch += batch
             last.jobs += 1
             last.context_tokens += context_tokens
+            last.catch_up_ms += catch_up_ms
             last.end = last.start + self._loop_seconds(last)
             self.busy_seconds += (last.end - last.start) - before
             return last
         start = max(now, last.end) if last is not None else now
-        round_ = _Round(start, start, k, batch, context_tokens, jobs=1)
+        round_ = _Round(start, start, k, batch, context_tokens, catch_up_ms=catch_up_ms, jobs=1)
         round_.end = start + self._loop_seconds(round_)
         self.busy_seconds += round_.end - start
         self.rounds.append(round_)
@@ -93,7 +99,8 @@ class SharedDrafterClient(SimDrafter):
         now = self.clock.now
         k = max(item.num_draft_tokens for item in items)
         context_tokens = float(sum(item.base_num_tokens + len(item.token_ids) for item in items))
-        round_ = self.shared.join(now, len(items), context_tokens, k)
+        round_ = self.shared.join(now, len(items), context_tokens, k,
+                                  job_catch_up_ms(self.costs, items, k, colocated=False))
         results = [protocol.DraftResult(item.request_id, item.base_num_tokens + len(item.token_ids),
                                         [0] * item.num_draft_tokens) for item in items]
         reply = protocol.DraftReply(self._next_id, results, draft_seconds=round_.end - round_.start,
@@ -165,7 +172,6 @@ def run_shared(costs: StepCosts, acceptance: AcceptanceModel, k: int, replicas: 
     measure_from = [0.0] * replicas
     busy_from = rounds_from = time_from = 0.0
     batch_total = jobs_total = 0
-    counted_rounds: set[int] = set()
     started_measuring = False
     while min(steps) < warmup_steps + measure_steps or sum(tokens) < min_measure_tokens:
         index = min(range(replicas), key=lambda i: members[i].clock.now)
@@ -184,8 +190,8 @@ def run_shared(costs: StepCosts, acceptance: AcceptanceModel, k: int, replicas: 
             replica.add(new_request(replica.clock.now))
         if started_measuring:
             for round_ in drafter.rounds:
-                if round_.closed and id(round_) not in counted_rounds:
-                    counted_rounds.add(id(round_))
+                if round_.closed and not round_.counted:
+                    round_.counted = True
                     batch_total += round_.batch
                     jobs_total += round_.jobs
                     rounds_from += 1

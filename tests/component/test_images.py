@@ -25,6 +25,7 @@ import yaml
 from minedraft.operator import render
 from minedraft.operator import spec as s
 from minedraft.operator.cli import render_documents
+from minedraft.operator.crd import CRD_NAME
 from minedraft.operator.settings import IMAGE_REGISTRY_PATTERN, IMAGE_TAG_PATTERN, OperatorSettings
 from tests.image_contract import (
     CONSOLE_SCRIPT,
@@ -351,7 +352,10 @@ def test_profile_job_is_valid_and_restricted() -> None:
     for doc in docs:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     pod = job["spec"]["template"]["spec"]
-    assert restricted_violations(pod) == [] and fixed_id_violations(pod) == [] and writable_path_violations(pod) == []
+    assert restricted_violations(pod) == [] and writable_path_violations(pod) == []
+    # No user fixed (any UID); only the fsGroup without which a fresh claim (root-owned) is not writable for it.
+    assert fixed_id_violations(pod) == ["spec.securityContext.fsGroup is fixed"]
+    assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
     (container,) = pod["containers"]
     assert container["image"] == f"{s.DEFAULT_IMAGE_REGISTRY}/engine:{VERSION}"  # the docs' sed replaces the registry
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
@@ -535,3 +539,93 @@ def test_the_quick_start_drives_what_exists(doc: str, heading: str) -> None:
         if command.startswith("minedraft "):
             args = build_parser().parse_args(sh.split(command)[1:])
             assert args.target.endswith(f":{next(p['port'] for p in service['spec']['ports'] if p['name'] == 'grpc')}")
+    # The CRD is a template of the chart: `helm install` returns before the API server serves the kind, and a
+    # MineDraft applied in that window is refused ("no matches for kind MineDraft"). The quick start waits for it.
+    crd_wait = next((i for i, c in enumerate(commands) if c.startswith("kubectl wait crd/")), None)
+    assert crd_wait is not None, "no `kubectl wait crd/... --for=condition=Established` before the first MineDraft"
+    assert sh.split(commands[crd_wait])[2:4] == [f"crd/{CRD_NAME}", "--for=condition=Established"]
+    assert order[1] < crd_wait < order[2]
+    check_helm_install(commands)
+    check_python_snippets(ROOT / doc, heading, commands, md)
+    # The example's engine pod must fit common GPU nodes' local disk (GKE's default boot disk is 100 GB, eksctl's
+    # 80 GiB; the kubelet's reserve and eviction threshold take their share): its model cache's request is that disk.
+    (engine,) = [m for m in rendered(md) if m["kind"] == "Deployment" and m["metadata"]["name"] == f"{name}-engine"]
+    requested = engine["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]
+    assert requested.get("ephemeral-storage") in (None, "40Gi"), requested
+
+
+def test_the_charts_notes_drive_what_exists() -> None:
+    """What `helm install` prints next: example files of the clone (nothing is published at a URL), the CRD's name,
+    the operator Deployment the chart renders."""
+    pytest.importorskip("helm_sdkpy", reason="helm-sdkpy is installed by scripts/setup.sh")
+    import shlex as sh
+
+    from tests.component.test_chart_helm import NAMESPACE, helm_render
+
+    out = helm_render({"image": {"registry": REGISTRY}})
+    (deployment,) = [d for d in out["docs"] if d["kind"] == "Deployment"]
+    commands = [sh.split(line.split("#", 1)[0]) for line in out["notes"].splitlines()
+                if line.strip().startswith("kubectl ")]
+    applied = [c[c.index("-f") + 1] for c in commands if c[1] == "apply"]
+    assert applied, out["notes"]
+    for path in applied:
+        assert "://" not in path and (ROOT / path).is_file(), path
+        assert render_documents([yaml.safe_load((ROOT / path).read_text())], OperatorSettings(), False)
+    waits = [c for c in commands if c[1] == "wait"]
+    assert [c[2] for c in waits] == [f"crd/{CRD_NAME}"]
+    for command in commands:
+        if command[1] == "logs":
+            assert command[2] == f"deploy/{deployment['metadata']['name']}"
+            assert command[command.index("-n") + 1] == NAMESPACE
+
+
+def check_helm_install(commands: list[str]) -> None:
+    """`helm install RELEASE CHART -n NS --set k=v...`: every --set names a chart value, and a `rollout status`
+    names the operator Deployment that chart renders in that namespace."""
+    import shlex as sh
+
+    words = sh.split(next(c for c in commands if c.startswith("helm install")))
+    release, chart = words[2], ROOT / words[3]
+    namespace = words[words.index("-n" if "-n" in words else "--namespace") + 1]
+    values_file = yaml.safe_load((chart / "values.yaml").read_text())
+    values: dict[str, Any] = {}
+    for index, word in enumerate(words):
+        if word == "--set":
+            key, _, value = words[index + 1].partition("=")
+            node, target = values_file, values
+            for part in key.split(".")[:-1]:
+                node, target = node[part], target.setdefault(part, {})
+            assert key.split(".")[-1] in node, f"--set {key}: no such chart value"
+            target[key.split(".")[-1]] = REGISTRY if value == "$REGISTRY" else value
+    rollouts = [sh.split(c) for c in commands if " rollout status " in c]
+    if not rollouts:
+        return
+    pytest.importorskip("helm_sdkpy", reason="helm-sdkpy is installed by scripts/setup.sh")
+    from tests.component.test_chart_helm import NAMESPACE, helm_render
+
+    assert (release, namespace) == ("minedraft", NAMESPACE)  # what helm_render installs
+    (deployment,) = [d for d in helm_render(values)["docs"] if d["kind"] == "Deployment"]
+    for rollout in rollouts:
+        assert rollout[rollout.index("-n") + 1] == namespace
+        assert rollout[-1] == f"deploy/{deployment['metadata']['name']}", rollout
+
+
+def check_python_snippets(doc: Path, heading: str, commands: list[str], md: dict[str, Any]) -> None:
+    """A Python heredoc of the quick start imports only what the project installs or the block pip-installs, and
+    names the model the MineDraft serves."""
+    import shlex as sh
+    import sys
+
+    block = doc.read_text().split(heading, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    installed = {"minedraft"} | {re.split(r"[<>=\[; ]", d, maxsplit=1)[0].replace("-", "_").lower()
+                                 for d in PYPROJECT["project"]["dependencies"]}
+    for command in commands:
+        if command.startswith("pip install"):
+            installed |= {w.replace("-", "_").lower() for w in sh.split(command)[2:] if not w.startswith("-")}
+    served = (md["spec"].get("servedModelNames") or [md["spec"]["target"]["source"]["huggingFace"]["id"]])[0]
+    for snippet in re.findall(r"<<'PY'\n(.*?)\nPY\n", block, re.S):
+        for module in re.findall(r"^\s*(?:from|import)\s+([A-Za-z_][\w]*)", snippet, re.M):
+            assert module in sys.stdlib_module_names or module.lower() in installed, (
+                f"the quick start's Python imports {module}, which nothing before it installs")
+        for model in re.findall(r"model=\"([^\"]+)\"", snippet):
+            assert model == served, (model, served)

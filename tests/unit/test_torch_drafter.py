@@ -80,3 +80,50 @@ def test_an_architecture_it_does_not_implement_is_refused_by_name(tmp_path):
                   num_key_value_heads=1).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="'mistral'"):
         TorchLlamaDrafter(str(tmp_path), max_slots=1, max_model_len=32)
+
+
+STRETCHED = {
+    "linear": {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "max_position_embeddings": 8192},
+    "yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048},
+             "max_position_embeddings": 8192},
+}
+
+
+@pytest.mark.parametrize("scaling", sorted(STRETCHED))
+def test_a_stretched_context_drafts_what_transformers_decodes_with_the_same_overrides(pair_dir, scaling):
+    """The hf_overrides a user gives vLLM to stretch a model's context (RoPE scaling) reach the torch drafter's
+    rotary tables as transformers applies them, windowed drafter included (a window wider than the context)."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from minedraft.engine.drafter.torch_backend import TorchLlamaDrafter, apply_config_overrides
+    from minedraft.engine.drafter.torch_window import WindowedTorchDrafter
+
+    path = str(pair_dir / "draft")
+    overrides = STRETCHED[scaling]
+    config = apply_config_overrides(AutoConfig.from_pretrained(path), overrides)
+    reference = LlamaForCausalLM.from_pretrained(path, config=config).eval()
+    plain = TorchLlamaDrafter(path, max_slots=4, max_model_len=512)
+    drafters = [TorchLlamaDrafter(path, max_slots=4, max_model_len=512, config_overrides=overrides),
+                WindowedTorchDrafter(path, max_slots=4, max_model_len=512, window=480, config_overrides=overrides)]
+    rng = random.Random(5)
+    contexts = {f"s{i}": [rng.randrange(2048) for _ in range(rng.randrange(100, 300))] for i in range(3)}
+    items = [(rid, ctx, 4) for rid, ctx in contexts.items()]
+    expected = [greedy(reference, ctx, n) for _, ctx, n in items]
+    with torch.no_grad():  # the reference's log-probability of its next token after each context
+        expected_logprobs = [float(torch.log_softmax(reference(input_ids=torch.tensor([ctx])).logits[0, -1], -1).max())
+                             for _, ctx, _ in items]
+    for drafter in drafters:
+        drafts = drafter.draft(items, want_logprobs=True)
+        assert [tokens for tokens, _ in drafts] == expected
+        assert [lps[0] for _, lps in drafts] == pytest.approx(expected_logprobs, abs=1e-4)
+    # (The scaling matters: the drafter at the pair's own RoPE gives other log-probabilities.)
+    unscaled = [lps[0] for _, lps in plain.draft(items, want_logprobs=True)]
+    assert unscaled != pytest.approx(expected_logprobs, abs=1e-3)
+
+
+def test_a_rope_scaling_that_changes_with_the_context_is_refused_by_name(pair_dir):
+    from minedraft.engine.drafter.torch_backend import TorchLlamaDrafter
+
+    with pytest.raises(ValueError, match=r"rope_type.*'dynamic'"):
+        TorchLlamaDrafter(str(pair_dir / "draft"), max_slots=1, max_model_len=32,
+                          config_overrides={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})

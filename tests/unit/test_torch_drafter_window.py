@@ -76,3 +76,26 @@ def test_the_cache_is_bounded_by_the_window_not_the_context_length(pair_dir):
     dense = TorchLlamaDrafter(path, max_slots=4, max_model_len=2048)
     dense_bytes = sum(c.numel() * c.element_size() for c in (*dense.k_cache, *dense.v_cache))
     assert short.cache_bytes == long.cache_bytes < dense_bytes / 10
+
+
+def test_a_long_prompt_costs_the_drafter_at_most_the_sinks_and_the_window(pair_dir):
+    """A newcomer's prompt is taken in trimmed to what a later query sees (the sinks and the last W positions): the
+    catch-up is bounded by the window whatever the prompt's length, and drafts what taking in every token drafts
+    (exact for this one-layer draft model)."""
+    path = str(pair_dir / "draft")
+    window, sinks = 32, 4
+    rng = random.Random(9)
+    prompts = {f"p{i}": [rng.randrange(2048) for _ in range(400 + 50 * i)] for i in range(2)}
+    trimmed = WindowedTorchDrafter(path, max_slots=2, max_model_len=512, window=window, num_sink_tokens=sinks)
+    drafts = trimmed.draft([(rid, ctx, 3) for rid, ctx in prompts.items()], want_logprobs=True)
+    assert trimmed.catch_up_tokens_taken <= 2 * (sinks + window)
+    # The same prompts fed 16 tokens at a time (each catch-up within the window) take every token in, and draft the
+    # same.
+    stepwise = WindowedTorchDrafter(path, max_slots=2, max_model_len=512, window=window, num_sink_tokens=sinks)
+    for n in range(16, 400, 16):
+        stepwise.draft([(rid, ctx[:n], 1) for rid, ctx in prompts.items()], want_logprobs=False)
+    assert stepwise.catch_up_tokens_taken > 2 * 300
+    expected = stepwise.draft([(rid, ctx, 3) for rid, ctx in prompts.items()], want_logprobs=True)
+    assert [t for t, _ in drafts] == [t for t, _ in expected]
+    for (_, a), (_, b) in zip(drafts, expected, strict=True):
+        assert a == pytest.approx(b, abs=1e-4)

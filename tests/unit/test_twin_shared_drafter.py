@@ -97,3 +97,40 @@ def test_a_shared_drafter_refuses_modes_without_a_drafter() -> None:
     costs = costs_of(curves(verify_ms=20.0, draft_ms=6.0, draft_ms_per_request=0.0))
     with pytest.raises(ValueError, match="mode"):
         run_shared(costs, ACCEPTANCE, 3, 2, 4, LONG, mode="ar")
+
+
+CHURN = Workload(prompt_tokens=2000, output_tokens=40, output_spread=0.2)
+
+
+def test_shared_rounds_pay_their_jobs_catch_up_as_a_drafter_of_its_own_does() -> None:
+    """Newcomers' prompts cost a shared drafter what they cost a drafter of its own: one replica on the shared
+    drafter runs as the replica alone, with prompts priced (short outputs: a newcomer every few steps)."""
+    data = curves(verify_ms=20.0, draft_ms=6.0, draft_ms_per_request=0.05)
+    data["models"]["d"]["catch_up_ms_per_token"] = 0.01  # a 2000-token prompt: 20 ms, three draft loops
+    priced = costs_of(data)
+    own = run_concurrency(priced, ACCEPTANCE, "psd", 3, 16, CHURN)
+    shared = run_shared(priced, ACCEPTANCE, 3, 1, 16, CHURN)
+    assert shared.result.tokens_per_s == pytest.approx(own.tokens_per_s, rel=0.03)
+    # (The price matters here: free prompts would make both faster.)
+    free = run_concurrency(costs_of(curves(verify_ms=20.0, draft_ms=6.0, draft_ms_per_request=0.05)), ACCEPTANCE,
+                           "psd", 3, 16, CHURN)
+    assert free.tokens_per_s > 1.1 * own.tokens_per_s
+
+
+def test_a_round_pays_each_jobs_catch_up_bounded_by_the_window() -> None:
+    from minedraft.engine.drafter import protocol
+    from minedraft.twin.replica import SimClock
+    from minedraft.twin.shared_drafter import SharedDrafterClient
+
+    data = curves(verify_ms=20.0, draft_ms=6.0, draft_ms_per_request=0.0)
+    data["models"]["d"]["catch_up_ms_per_token"] = 0.01
+    newcomer = protocol.DraftItem("new", list(range(3001)), 3)  # a whole prompt: 3000 tokens to take in
+    running = protocol.DraftItem("old", [1, 2, 3], 3, base_num_tokens=500)  # two accepted tokens since its last job
+    for window, taken in ((0, 3000 + 2), (256, 256 + DRAFTER_SINK_TOKENS + 2)):
+        costs = costs_of(data, drafter_window_tokens=window)
+        drafter = SharedDrafter(costs)
+        client = SharedDrafterClient(SimClock(), costs, drafter)
+        client.submit([newcomer, running], want_logprobs=False)
+        round_ = drafter.rounds[-1]
+        context = (3001 + 503) / 2
+        assert round_.end - round_.start == pytest.approx((costs.draft_ms(2, context, 3) + 0.01 * taken) / 1000)

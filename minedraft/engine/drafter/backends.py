@@ -24,6 +24,19 @@ def no_op() -> None:
     pass
 
 
+# The keys of a target's `hf_overrides` (vLLM's --hf-overrides) that stretch its context: the drafter of the pair
+# must read positions the same way (RoPE scaling) and as far. Anything else in them is the target's own business.
+CONTEXT_OVERRIDE_KEYS = ("rope_scaling", "rope_parameters", "rope_theta", "max_position_embeddings")
+
+
+def context_overrides(hf_overrides: Any) -> dict[str, Any] | None:
+    """The context-stretching part of a target's hf_overrides, for its drafter (None: nothing to apply)."""
+    if not isinstance(hf_overrides, dict):
+        return None
+    picked = {key: hf_overrides[key] for key in CONTEXT_OVERRIDE_KEYS if key in hf_overrides}
+    return picked or None
+
+
 class TorchDrafter:
     """The same job interface over the plain-torch drafter (KV cache kept per request between jobs)."""
 
@@ -81,6 +94,7 @@ def make_torch_drafter(settings: dict[str, Any]) -> TorchLlamaDrafter:
         max_slots=2 * int(settings["max_num_seqs"]) + 8,
         max_model_len=int(settings["max_model_len"]),
         dtype=concrete_dtype(settings),
+        config_overrides=settings.get("hf_overrides"),
     )
 
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -48,7 +49,41 @@ class JobTicket:
     sent_at: float
 
 
-class DrafterClient:
+class JobMessages:
+    """The job side of a drafter client, over its `_send`: one definition for the local drafter process and the
+    shared service's session (remote.py). Messages go out only while the drafter is up and connected."""
+
+    state: DrafterState
+    _socket: zmq.Socket | None
+    _next_job_id: int
+
+    def _send(self, message: Any) -> bool:
+        raise NotImplementedError
+
+    def _can_send(self) -> bool:
+        return self.state is DrafterState.UP and self._socket is not None
+
+    def submit(self, items: list[protocol.DraftItem], want_logprobs: bool) -> JobTicket | None:
+        if not self._can_send() or not items:
+            return None
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        if not self._send(protocol.DraftJob(job_id, items, want_logprobs)):
+            return None
+        return JobTicket(job_id, frozenset(i.request_id for i in items), time.monotonic())
+
+    def cancel(self, request_ids: list[str]) -> None:
+        """These requests are gone: the drafter drops their work and forgets their tokens and KV."""
+        if self._can_send() and request_ids:
+            self._send(protocol.CancelRequests(request_ids))
+
+    def cancel_jobs(self, job_ids: list[int]) -> None:
+        """Drafts of these jobs are no longer wanted; the drafter keeps their requests' tokens and KV."""
+        if self._can_send() and job_ids:
+            self._send(protocol.CancelJobs(job_ids))
+
+
+class DrafterClient(JobMessages):
     """Owns one drafter process and a ZMQ PAIR socket to it; single-threaded (the scheduler's thread)."""
 
     def __init__(self, process_settings: dict[str, object], restart: bool = True,
@@ -180,25 +215,6 @@ class DrafterClient:
         self.check_alive()
 
     # -- messages ----------------------------------------------------------------------------------------------
-
-    def submit(self, items: list[protocol.DraftItem], want_logprobs: bool) -> JobTicket | None:
-        if self.state is not DrafterState.UP or self._socket is None or not items:
-            return None
-        job_id = self._next_job_id
-        self._next_job_id += 1
-        if not self._send(protocol.DraftJob(job_id, items, want_logprobs)):
-            return None
-        return JobTicket(job_id, frozenset(i.request_id for i in items), time.monotonic())
-
-    def cancel(self, request_ids: list[str]) -> None:
-        """These requests are gone: the drafter drops their work and forgets their tokens and KV."""
-        if self.state is DrafterState.UP and self._socket is not None and request_ids:
-            self._send(protocol.CancelRequests(request_ids))
-
-    def cancel_jobs(self, job_ids: list[int]) -> None:
-        """Drafts of these jobs are no longer wanted; the drafter keeps their requests' tokens and KV."""
-        if self.state is DrafterState.UP and self._socket is not None and job_ids:
-            self._send(protocol.CancelJobs(job_ids))
 
     def _send(self, message: protocol.ToDrafter) -> bool:
         """Never block the engine on the drafter: a peer that cannot take a message is treated as down."""

@@ -22,13 +22,13 @@ from collections.abc import Callable
 import zmq
 
 from minedraft.engine.drafter import protocol, wire
-from minedraft.engine.drafter.client import DrafterState, JobTicket
+from minedraft.engine.drafter.client import DrafterState, JobMessages
 from minedraft.engine.settings import parse_address
 
 log = logging.getLogger(__name__)
 
 
-class RemoteDrafterClient:
+class RemoteDrafterClient(JobMessages):
     """A session with a drafter service over a ZMQ DEALER socket; single-threaded (the scheduler's thread)."""
 
     def __init__(self, address: str, token: bytes, engine_name: str | None = None, deadline_seconds: float = 5.0,
@@ -180,22 +180,7 @@ class RemoteDrafterClient:
 
     # -- messages ----------------------------------------------------------------------------------------------
 
-    def submit(self, items: list[protocol.DraftItem], want_logprobs: bool) -> JobTicket | None:
-        if self.state is not DrafterState.UP or self._socket is None or not items:
-            return None
-        job_id = self._next_job_id
-        self._next_job_id += 1
-        if not self._send(protocol.DraftJob(job_id, items, want_logprobs)):
-            return None
-        return JobTicket(job_id, frozenset(i.request_id for i in items), time.monotonic())
-
-    def cancel(self, request_ids: list[str]) -> None:
-        if self.state is DrafterState.UP and request_ids:
-            self._send(protocol.CancelRequests(request_ids))
-
-    def cancel_jobs(self, job_ids: list[int]) -> None:
-        if self.state is DrafterState.UP and job_ids:
-            self._send(protocol.CancelJobs(job_ids))
+    # (submit, cancel and cancel_jobs: JobMessages, as the local client's.)
 
     def request_status(self) -> None:
         """Ask the service for its status (answered as last_status)."""

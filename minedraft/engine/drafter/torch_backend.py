@@ -75,15 +75,58 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 # Architectures implemented here (model_type in the Hugging Face config).
 ARCHITECTURES = ("llama", "qwen3")
+# RoPE variants whose frequencies do not depend on the sequence length (computed once, as transformers computes them;
+# "dynamic" and "longrope" change with the context and are left to the vLLM backend).
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
+
+def apply_config_overrides(config: Any, overrides: dict[str, Any] | None) -> Any:
+    """A model config with vLLM-style `hf_overrides` applied (the same dict a user passes to vLLM's `--hf-overrides`
+    to stretch a model's context): keys set on the config; `rope_scaling` (the older name) is read as
+    `rope_parameters`, keeping the model's own `rope_theta` unless the override names one."""
+    for key, value in (overrides or {}).items():
+        if key in ("rope_scaling", "rope_parameters") and isinstance(value, dict):
+            base = dict(getattr(config, "rope_parameters", None) or {})
+            config.rope_parameters = {"rope_theta": base.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
+                                      **value}
+        else:
+            setattr(config, key, value)
+    if hasattr(config, "standardize_rope_params"):
+        config.standardize_rope_params()
+    return config
+
+
+def rope_tables(config: Any, head_dim: int, max_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin per position [max_len, head_dim], scaled as transformers' own rotary embedding scales them (the
+    inverse frequencies and the attention factor YaRN applies to both), so a drafter given a stretched context
+    reads positions exactly as its reference model does."""
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_parameters.rope_type: the torch drafter implements {', '.join(ROPE_TYPES)}, not "
+                         f"{rope_type!r}; use the vllm drafter backend")
+    attention_factor = 1.0
+    if rope_type == "default":
+        theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        inv_freq = inv_freq.float()
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return (angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)
 
 
 class TorchLlamaDrafter:
     """Llama, and Qwen3 (Llama plus a per-head RMSNorm on queries and keys)."""
 
-    def __init__(self, model_dir: str, max_slots: int, max_model_len: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, model_dir: str, max_slots: int, max_model_len: int, dtype: torch.dtype = torch.float32,
+                 config_overrides: dict[str, Any] | None = None):
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = AutoConfig.from_pretrained(model_dir)
+        config = apply_config_overrides(AutoConfig.from_pretrained(model_dir), config_overrides)
         model_type = getattr(config, "model_type", "")
         if model_type not in ARCHITECTURES:
             raise ValueError(f"the torch drafter implements {', '.join(ARCHITECTURES)}, not {model_type!r}; use the "
@@ -91,9 +134,6 @@ class TorchLlamaDrafter:
         if getattr(config, "attention_bias", False) or getattr(config, "use_sliding_window", False):
             raise ValueError("the torch drafter implements attention without biases or sliding windows; use the vllm "
                              "drafter backend")
-        rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError("the torch drafter supports plain RoPE only; use the vllm drafter backend")
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -119,11 +159,7 @@ class TorchLlamaDrafter:
                 )
                 for layer in model.model.layers
             ]
-        theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-        inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
-        freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), inv_freq)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        self.cos, self.sin = rope_tables(config, self.head_dim, max_model_len, dtype)
         self._allocate_cache(max_slots, max_model_len, dtype)
         self.slots: dict[str, _Slot] = {}
         self.free = list(range(max_slots))

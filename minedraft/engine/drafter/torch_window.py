@@ -14,8 +14,14 @@ be rejected; the next job rewrites from the first rejected position, and without
 would have overwritten positions the next query's window still needs. Keys keep their absolute RoPE positions
 (relative distances inside the window are exact).
 
-Long catch-ups (a new prompt) run in chunks, each attending to the ring and to itself, so no forward is wider than a
-chunk. `device` puts weights, ring and computation on a GPU ("cuda", "cuda:N"); the dense drafter stays CPU-only.
+A catch-up (a new prompt, the tokens accepted since the last job) takes in only what a later query can see: the
+sinks and the last `window` positions; the positions between never enter the ring, so a newcomer's prompt costs the
+drafter at most sinks + window tokens of prefill, whatever its length. For a one-layer drafter that is exact; in a
+deeper one the first positions of the window are computed without the context before them (their lower layers'
+own windows reach back further), one more approximation a proposal may make. What is taken in runs in chunks, each
+attending to the ring and to itself, so no forward is wider than a chunk.
+
+`device` puts weights, ring and computation on a GPU ("cuda", "cuda:N"); the dense drafter stays CPU-only.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from minedraft.engine.drafter.torch_backend import DTYPES, TorchLlamaDrafter, _rms_norm, _rotate_half
+from minedraft.engine.drafter.torch_backend import DTYPES, TorchLlamaDrafter, _rms_norm, _rotate_half, _Slot
 
 DEFAULT_NUM_SINK_TOKENS = 4
 # Positions a job may roll back (rejected drafts rewritten): at least the longest draft (MAX_NUM_SPECULATIVE_TOKENS).
@@ -35,7 +41,8 @@ MIN_CHUNK_TOKENS = 64
 
 class WindowedTorchDrafter(TorchLlamaDrafter):
     def __init__(self, model_dir: str, max_slots: int, max_model_len: int, dtype: torch.dtype = torch.float32,
-                 window: int = 0, num_sink_tokens: int = DEFAULT_NUM_SINK_TOKENS, device: str = "cpu") -> None:
+                 window: int = 0, num_sink_tokens: int = DEFAULT_NUM_SINK_TOKENS, device: str = "cpu",
+                 config_overrides: dict[str, Any] | None = None) -> None:
         if window < 0 or num_sink_tokens < 0:
             raise ValueError(f"window and num_sink_tokens must be non-negative, got {window}, {num_sink_tokens}")
         # 0: the whole context (the ring then holds every position: this class only for its device).
@@ -44,7 +51,9 @@ class WindowedTorchDrafter(TorchLlamaDrafter):
         self.ring = self.window + ROLLBACK_MARGIN
         self.capacity = self.num_sink_tokens + self.ring
         self.device = torch.device(device)
-        super().__init__(model_dir, max_slots, max_model_len, dtype)
+        # Catch-up tokens run through the model so far (what trimming to the window saves shows here).
+        self.catch_up_tokens_taken = 0
+        super().__init__(model_dir, max_slots, max_model_len, dtype, config_overrides)
         self._to_device()
 
     def _to_device(self) -> None:
@@ -73,6 +82,33 @@ class WindowedTorchDrafter(TorchLlamaDrafter):
     def _ring_index(self, positions: torch.Tensor) -> torch.Tensor:
         sinks = self.num_sink_tokens
         return torch.where(positions < sinks, positions, sinks + (positions - sinks) % self.ring)
+
+    def _catch_up(self, group: list[tuple[_Slot, list[int], int]]) -> torch.Tensor:
+        """Each request's new committed tokens, trimmed to what a later query can see (the sinks, the last `window`
+        positions); returns the last position's hidden state per request."""
+        sinks, window = self.num_sink_tokens, self.window
+        kept: list[list[tuple[int, int]]] = []
+        for slot, new, start in group:
+            end = start + len(new)
+            # Ring entries from `start` on hold a previous context's tokens or rolled-back drafts; the trimmed
+            # positions would not overwrite them, so they are emptied here.
+            ring = self.cache_positions[slot.index]
+            ring.masked_fill_(ring >= start, -1)
+            kept.append([(start + i, token) for i, token in enumerate(new)
+                         if start + i < sinks or start + i >= end - window])
+        batch, num = len(group), max(len(row) for row in kept)
+        tokens = torch.zeros(batch, num, dtype=torch.long)
+        positions = torch.zeros(batch, num, dtype=torch.long)
+        valid = torch.zeros(batch, num, dtype=torch.bool)
+        for i, row in enumerate(kept):
+            tokens[i, : len(row)] = torch.tensor([token for _, token in row])
+            positions[i, : len(row)] = torch.tensor([position for position, _ in row])
+            positions[i, len(row):] = row[-1][0]
+            valid[i, : len(row)] = True
+        self.catch_up_tokens_taken += int(valid.sum())
+        slot_ids = torch.tensor([slot.index for slot, _, _ in group])
+        hidden = self._forward(tokens, positions, slot_ids, valid)
+        return hidden[torch.arange(batch), torch.tensor([len(row) - 1 for row in kept])]
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                  valid: torch.Tensor) -> torch.Tensor:
@@ -152,4 +188,5 @@ def make_windowed_drafter(settings: dict[str, Any]) -> WindowedTorchDrafter:
         window=int(settings.get("drafter_window") or 0),
         num_sink_tokens=int(settings.get("drafter_sink_tokens", DEFAULT_NUM_SINK_TOKENS)),
         device=str(settings.get("device", "cpu")),
+        config_overrides=settings.get("hf_overrides"),
     )

@@ -30,6 +30,9 @@ class VllmDrafter:
         extra: dict[str, Any] = {}
         if settings.get("gpu_memory_utilization") is not None:
             extra["gpu_memory_utilization"] = settings["gpu_memory_utilization"]
+        if settings.get("hf_overrides"):
+            # The target's context stretch (RoPE scaling), so the drafter reads positions as the target does.
+            extra["hf_overrides"] = settings["hf_overrides"]
         args = EngineArgs(
             model=settings["model"],
             # Concrete: the engine resolved "auto" (placement.resolve_dtype), so the draft loads as the target does.

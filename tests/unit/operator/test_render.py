@@ -390,7 +390,8 @@ def test_optional_pod_fields_appear_only_when_set() -> None:
     assert c["resources"]["requests"]["ephemeral-storage"] == c["resources"]["limits"]["ephemeral-storage"] == "50Gi"
     # Without ephemeralStorage only the emptyDir model cache's size is requested (issue 30), nothing is capped.
     bare_resources = engine_bare["containers"][0]["resources"]
-    assert bare_resources["requests"]["ephemeral-storage"] == s.ModelCacheSpec().size_limit
+    example_cache = load("minimal")["spec"]["engine"]["modelCache"]
+    assert bare_resources["requests"]["ephemeral-storage"] == example_cache["sizeLimit"]
     assert "ephemeral-storage" not in bare_resources["limits"]
     assert c["env"][-1] == {"name": "NCCL_DEBUG", "value": "WARN"}
     assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
