@@ -212,7 +212,8 @@ def vllm_sampling_params(sampling: SamplingSettings, max_tokens: int, detokenize
         # vLLM's own checks at request creation: a value they refuse is the request's fault (INVALID_ARGUMENT naming
         # the field), never an unhandled error (a 500 the SDKs retry). The server's checks refuse such values first;
         # this keeps a check vLLM adds later from becoming a 500.
-        field_name = getattr(exc, "parameter", None) or "sampling"
+        parameter = getattr(exc, "parameter", None)
+        field_name = f"sampling_params.{parameter}" if parameter else "sampling_params"
         raise RequestError(field_name, str(exc.args[0]) if exc.args else repr(exc)) from exc
 
 

@@ -335,6 +335,11 @@ def validate_vllm_args(args: dict[str, Any]) -> None:
             raise SettingsError(f"vllm_args.{name}", f"{value!r} is not supported: it makes vLLM schedule several "
                                 "batches before the first one's update (a batch queue), which the speculative "
                                 f"scheduler's per-step state cannot follow; only {allowed!r}")
+        if name == "logprobs_mode" and value not in (None, "raw_logprobs"):
+            # The APIs send these as the target's log-probabilities, and reproducible seeds rewrite the processed
+            # logits of seeded requests (engine/vllm_adapter/keyed_sampling.py).
+            raise SettingsError(f"vllm_args.{name}", f"{value!r} is not supported: the engine returns the target's raw "
+                                "log-probabilities ('raw_logprobs')")
 
 
 def parse_vllm_args(argv: list[str]) -> dict[str, Any]:

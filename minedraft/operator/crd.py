@@ -413,6 +413,10 @@ def _drafter_pool() -> Schema:
                        maximum=s.MAX_DRAFTER_WINDOW),
         "cpu": _quantity("CPU request per drafter pod.", pool.cpu),
         "memory": _quantity("Memory request and limit per drafter pod.", pool.memory),
+        "modelCacheSizeLimit": _quantity("Size of each drafter pod's model cache (the draft's weights) when the "
+                                         "engines' cache is an emptyDir; requested as ephemeral storage. With a "
+                                         "model-cache claim the pool shares the claim.",
+                                         pool.model_cache_size_limit),
         "maxQueuedJobs": _int("Draft jobs queued (all engines) before the pool answers busy and engines decode "
                               "without drafts.", default=pool.max_queued_jobs, minimum=1, maximum=100000),
         "port": _int(f"Port of the drafter pool's Service (not {s.DRAFTER_METRICS_PORT}, its metrics port).",

@@ -237,6 +237,9 @@ def _engine_volumes(spec: s.MineDraftSpec, drafter: bool = False) -> tuple[list[
     """The engine pod's volumes and mounts; `drafter`: the drafter pool's (the draft's weights only, and no gateway
     token: it never reads one)."""
     eng = spec.engine
+    # The pool caches only the draft's weights: its own size when the cache is an emptyDir.
+    cache_size = spec.drafter_pool.model_cache_size_limit if drafter and spec.drafter_pool else \
+        eng.model_cache.size_limit
     volumes: list[dict[str, Any]] = [
         {"name": "tmp", "emptyDir": {}},
         # torch.compile, Triton and vLLM write compile caches under $HOME/.cache by default.
@@ -244,8 +247,7 @@ def _engine_volumes(spec: s.MineDraftSpec, drafter: bool = False) -> tuple[list[
         # NCCL and vLLM's worker processes share tensors through /dev/shm; the container default (64 MiB) is too small.
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": eng.shm_size}},
         {"name": "model-cache", **({"persistentVolumeClaim": {"claimName": eng.model_cache.claim_name}}
-                                   if eng.model_cache.claim_name else {"emptyDir": {"sizeLimit":
-                                                                                    eng.model_cache.size_limit}})},
+                                   if eng.model_cache.claim_name else {"emptyDir": {"sizeLimit": cache_size}})},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "tmp", "mountPath": TMP_DIR},
@@ -416,6 +418,12 @@ def _gpu_placement(eng: s.EngineSpec) -> dict[str, Any]:
     if eng.runtime_class_name:
         out["runtimeClassName"] = eng.runtime_class_name
     return out
+
+
+def _node_choice(eng: s.EngineSpec) -> dict[str, Any]:
+    """The engine's node selector and tolerations alone (pods that use no GPU but must run on the same kind of node)."""
+    placement = _gpu_placement(eng)
+    return {key: placement[key] for key in ("nodeSelector", "tolerations") if key in placement}
 
 
 def engine_strategy(eng: s.EngineSpec) -> dict[str, Any]:
@@ -740,7 +748,21 @@ def drafter_command(spec: s.MineDraftSpec) -> list[str]:
         cmd += ["--dtype", spec.engine.dtype]
     if spec.engine.max_model_len is not None:
         cmd += ["--max-model-len", str(spec.engine.max_model_len)]
+    overrides = _target_hf_overrides(spec.engine)
+    if overrides is not None:
+        # A target stretched by RoPE scaling needs a drafter that reads positions the same way and as far; the
+        # drafter keeps only the context-stretching keys of the target's overrides.
+        cmd += ["--hf-overrides", overrides]
     return cmd
+
+
+def _target_hf_overrides(eng: s.EngineSpec) -> str | None:
+    """The value of `--hf-overrides` in the engine's extraArgs (None without one)."""
+    for word in s.split_extra_args(eng.extra_args):
+        flag, _, value = word.partition("=")
+        if flag.replace("_", "-") == "--hf-overrides" and value:
+            return value
+    return None
 
 
 def drafter_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | None = None) -> Manifest:
@@ -754,7 +776,9 @@ def drafter_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Rende
     limits: dict[str, Any] = {"memory": pool.memory}
     if pool.gpus:
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(pool.gpus)
-    _request_local_disk(spec.engine, requests, limits)
+    if not spec.engine.model_cache.claim_name:
+        # Its emptyDir cache on the node's disk, sized for the draft (the engines' own request is for the target).
+        requests["ephemeral-storage"] = pool.model_cache_size_limit
     # The service binds its port once the draft model is loaded: an open port is readiness.
     tcp = {"tcpSocket": {"port": pool.port}}
     container = {
@@ -779,8 +803,9 @@ def drafter_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Rende
         # The model cache may be a claim it writes: the engine pods' fsGroup.
         "containers": [container], "volumes": volumes, "securityContext": _pod_security(options.pod_fs_group),
         "automountServiceAccountToken": False, "enableServiceLinks": False,
-        # On GPUs, where the engines run (a CPU pool goes anywhere, as before: no GPU node's taints to tolerate).
-        **(_gpu_placement(spec.engine) if pool.gpus else {}),
+        # A GPU pool goes where the engines go (their GPU nodes' taints, runtime class, affinity and priority); a CPU
+        # pool keeps to the nodes the engines' selector and tolerations name (architecture, zone), nothing more.
+        **(_gpu_placement(spec.engine) if pool.gpus else _node_choice(spec.engine)),
     }
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]

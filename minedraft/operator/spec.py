@@ -259,6 +259,9 @@ class DrafterPoolSpec:
     window: int = 0
     cpu: str = "4"
     memory: str = "32Gi"
+    # The pool's model cache when the engines' is an emptyDir (the draft's weights only: far less than the target's);
+    # requested as ephemeral storage.
+    model_cache_size_limit: str = "20Gi"
     max_queued_jobs: int = 64
     port: int = 50061
     # Autoscaling the pool on its own utilisation (both bounds set), apart from the engines; None: fixed `replicas`.
@@ -774,6 +777,7 @@ def _drafter_pool(r: _Reader, data: Mapping[str, Any] | None, mode: str) -> Draf
         window=window,
         cpu=r.quantity(data, "cpu", p, d.cpu),
         memory=r.quantity(data, "memory", p, d.memory),
+        model_cache_size_limit=r.quantity(data, "modelCacheSizeLimit", p, d.model_cache_size_limit),
         max_queued_jobs=r.int_(data, "maxQueuedJobs", p, d.max_queued_jobs, 1, 100_000) or d.max_queued_jobs,
         port=port,
         min_replicas=min_replicas,

@@ -36,7 +36,10 @@ class EngineBackend:
         return error
 
     def live(self) -> bool:
-        return True
+        # As gRPC liveness: false once the engine is gone for good (its process killed, its loop dead), so a kubelet
+        # probing over HTTP restarts the container too.
+        engine = self.service.engine
+        return engine is None or engine.dead_error is None
 
     def refused(self, error: ApiError) -> None:
         pass  # the engine's request metrics count admitted requests only (as on its gRPC side)

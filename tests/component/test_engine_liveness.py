@@ -18,6 +18,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import yaml
 from grpc_health.v1 import health_pb2
 
@@ -75,10 +76,13 @@ async def test_liveness_fails_once_the_engine_process_is_gone() -> None:
     server = EngineServer("replica-oom", engine_check_interval_seconds=0.05, engine_check_timeout_seconds=1)
     try:
         await server.start()
+        http_port = await server.start_http("127.0.0.1", 0)
         await server.attach(engine)  # type: ignore[arg-type]
         target = f"127.0.0.1:{server.port}"
         await wait_for_health(target, SERVING)
         assert await health_status(target, grpc_policy.LIVENESS_SERVICE) == SERVING
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}") as http:
+            assert (await http.get("/health")).status_code == 200
         engine.dead_error = EngineDeadError("engine process exited (exit code -9)")  # SIGKILL, as the OOM killer
         await wait_for_health(target, NOT_SERVING)
         # Liveness, which the kubelet acts on: NOT_SERVING for good, so the container is restarted once the rendered
@@ -87,5 +91,8 @@ async def test_liveness_fails_once_the_engine_process_is_gone() -> None:
         while await health_status(target, grpc_policy.LIVENESS_SERVICE) != NOT_SERVING:
             assert time.monotonic() < deadline, "liveness still SERVING with the engine gone"
             await asyncio.sleep(0.05)
+        # The HTTP port's liveness says the same (a probe over HTTP must restart the container too).
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}") as http:
+            assert (await http.get("/health")).status_code == 503
     finally:
         await server.stop()

@@ -292,7 +292,7 @@ def test_seeds_are_promised_as_reproducible_within_one_deployment():
     proto = (root / "proto" / "minedraft" / "v1" / "generation.proto").read_text()
     assert "**reproducible under speculation**" in docs
     assert "The guarantee holds for one\ndeployment" in docs
-    assert "identical seeded requests give identical outputs in every mode" in proto
+    assert "identical seeded requests give identical outputs in psd, sd, auto and ar" in proto
     assert "not reproducible" not in docs + proto
 
 

@@ -115,7 +115,7 @@ def test_a_value_vllm_refuses_at_request_creation_is_a_request_error_naming_it()
 
     with pytest.raises(RequestError) as info:
         vllm_sampling_params(SamplingSettings(max_tokens=1, temperature=3.0), 1)  # not validated: straight to vLLM
-    assert info.value.field_name == "temperature" and "temperature" in str(info.value)
+    assert info.value.field_name == "sampling_params.temperature" and "temperature" in str(info.value)
 
 
 def test_max_tokens_fitting_exactly_is_accepted():

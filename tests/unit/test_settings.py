@@ -113,6 +113,9 @@ def test_engine_flag_defaults_leave_the_choices_to_the_machine_and_the_model():
         (["--tensor-parallel-size=2"], "vllm_args.tensor_parallel_size"),
         (["--dtype=half"], "vllm_args.dtype"),
         (["--speculative-config", '{"method": "ngram"}'], "vllm_args.speculative_config"),
+        # The APIs send log-probabilities, and reproducible seeds rewrite processed logits.
+        (["--logprobs-mode=processed_logprobs"], "vllm_args.logprobs_mode"),
+        (["--logprobs-mode=raw_logits"], "vllm_args.logprobs_mode"),
     ],
 )
 def test_vllm_pass_through_is_checked_by_vllms_parser_and_our_rules(vllm_args, field):

@@ -178,9 +178,7 @@ class RemoteDrafterClient(JobMessages):
         self._down(f"drafter service hung ({reason})")
         self.check_alive()
 
-    # -- messages ----------------------------------------------------------------------------------------------
-
-    # (submit, cancel and cancel_jobs: JobMessages, as the local client's.)
+    # -- messages (submit, cancel and cancel_jobs come from JobMessages) ----------------------------------------
 
     def request_status(self) -> None:
         """Ask the service for its status (answered as last_status)."""

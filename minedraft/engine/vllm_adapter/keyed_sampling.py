@@ -265,9 +265,10 @@ def keyed_rejection_sample(original: Any, fused: Any | None = None) -> Any:
 
 def install(runner: Any, enabled: bool = True) -> bool:
     """Key seeded sampling in this runner (installed once; `enabled` switches it at run time); returns `enabled`."""
-    if enabled and runner.sampler.logprobs_mode not in ("raw_logprobs", "raw_logits"):
+    if enabled and runner.sampler.logprobs_mode != "raw_logprobs":
         # Processed log-probabilities would be read from the rows this module rewrites.
-        raise ValueError(f"reproducible_seeds: needs vLLM's raw logprobs mode, not {runner.sampler.logprobs_mode!r}")
+        raise ValueError("reproducible_seeds: needs vLLM's logprobs_mode 'raw_logprobs' (settings refuse others), "
+                         f"not {runner.sampler.logprobs_mode!r}")
     runner.minedraft_reproducible_seeds = enabled
     if getattr(runner._sample, "minedraft_keyed", False):
         return enabled

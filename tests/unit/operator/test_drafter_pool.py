@@ -134,6 +134,27 @@ def test_a_windowed_torch_pool_on_a_gpu_is_admitted_and_drafts_on_it():
     assert flag(command, "--window") == "512" and flag(command, "--device") == "cuda"
 
 
+def test_a_cpu_pool_keeps_to_the_engines_nodes_and_asks_for_the_drafts_disk_only():
+    doc = with_spec("pool", drafterPool__gpus=0, engine__nodeSelector={"kubernetes.io/arch": "amd64"},
+                    engine__tolerations=[{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+                    engine__runtimeClassName="nvidia")
+    assert admit(doc) == []
+    pod = by_kind(render.render_resource(doc))["Deployment/qwen3-8b-drafter"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"kubernetes.io/arch": "amd64"}
+    assert pod["tolerations"] == [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]
+    assert "runtimeClassName" not in pod, "a CPU pool needs no GPU runtime class"
+    # The pool caches the draft only: its own size, not the engines' (100Gi by default, sized for the target).
+    (container,) = pod["containers"]
+    assert container["resources"]["requests"]["ephemeral-storage"] == "20Gi"
+    assert "ephemeral-storage" not in container["resources"]["limits"]
+    (cache,) = [v for v in pod["volumes"] if v["name"] == "model-cache"]
+    assert cache["emptyDir"]["sizeLimit"] == "20Gi"
+    sized = with_spec("pool", drafterPool__modelCacheSizeLimit="8Gi", engine__ephemeralStorage="200Gi")
+    (container,) = by_kind(render.render_resource(sized))["Deployment/qwen3-8b-drafter"]["spec"]["template"]["spec"][
+        "containers"]
+    assert container["resources"]["requests"]["ephemeral-storage"] == "8Gi"
+
+
 def test_the_rendered_commands_parse_with_the_real_cli():
     from minedraft.cli import build_parser
 
@@ -145,6 +166,22 @@ def test_the_rendered_commands_parse_with_the_real_cli():
     assert pool.metrics_port == render.DRAFTER_METRICS_PORT
     engine = parser.parse_args(engine_container(rendered())["command"][1:])
     assert engine.drafter_address == "qwen3-8b-drafter:50061" and engine.drafter_gpu is None
+
+
+def test_a_target_stretched_by_hf_overrides_gets_a_pool_that_reads_positions_the_same_way():
+    from minedraft.cli import build_parser
+
+    stretch = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "max_position_embeddings": 8192}'
+    for extra in (["--hf-overrides", stretch], [f"--hf-overrides {stretch}"], [f"--hf_overrides={stretch}"]):
+        doc = with_spec("pool", drafterPool__backend="torch", engine__extraArgs=extra)
+        assert admit(doc) == []
+        command = by_kind(render.render_resource(doc))["Deployment/qwen3-8b-drafter"]["spec"]["template"]["spec"][
+            "containers"][0]["command"]
+        pool = build_parser().parse_args(command[1:])
+        assert pool.hf_overrides == {"rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+                                     "max_position_embeddings": 8192}, extra
+    plain = by_kind(rendered())["Deployment/qwen3-8b-drafter"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--hf-overrides" not in plain["command"]
 
 
 def test_with_monitoring_the_pool_gets_a_pod_monitor_of_its_own():

@@ -288,16 +288,21 @@ def rendered_problems(doc: dict[str, Any], options: render.RenderOptions) -> lis
 
 def placement_problems(pod: dict[str, Any], doc: dict[str, Any], options: render.RenderOptions) -> list[str]:
     """A pod that asks for GPUs goes where the engine's own pods go (GPU nodes often need the nvidia runtime class,
-    a node selector and a taint toleration); one that writes a claim gets the fsGroup that makes it writable."""
+    a node selector and a taint toleration); an engine-image pod without GPUs still keeps to the nodes the engine's
+    selector and tolerations name (architecture, zone); one that writes a claim gets the fsGroup that makes it
+    writable."""
     out: list[str] = []
     engine = defaulted(doc)["spec"]["engine"]
     (container,) = pod["containers"]
-    if "nvidia.com/gpu" in container["resources"].get("limits", {}):
-        for field, key in (("runtimeClassName", "runtimeClassName"), ("nodeSelector", "nodeSelector"),
-                           ("tolerations", "tolerations"), ("affinity", "affinity"),
-                           ("priorityClassName", "priorityClassName")):
-            if engine.get(key) and pod.get(field) != engine[key]:
-                out.append(f"asks for GPUs without the engine's {field} {engine[key]!r}")
+    on_gpus = "nvidia.com/gpu" in container["resources"].get("limits", {})
+    engine_image = container["name"] in ("engine", "drafter")
+    kept = (("runtimeClassName", "runtimeClassName"), ("nodeSelector", "nodeSelector"), ("tolerations", "tolerations"),
+            ("affinity", "affinity"), ("priorityClassName", "priorityClassName")) if on_gpus else \
+        (("nodeSelector", "nodeSelector"), ("tolerations", "tolerations")) if engine_image else ()
+    for field, key in kept:
+        if engine.get(key) and pod.get(field) != engine[key]:
+            out.append(f"{'asks for GPUs' if on_gpus else 'runs the engine image'} without the engine's {field} "
+                       f"{engine[key]!r}")
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
     writes_claim = any("persistentVolumeClaim" in volumes[m["name"]] and not m.get("readOnly")
                        for m in container.get("volumeMounts", []))
