@@ -5,9 +5,11 @@ and a client that goes away aborting the request in the engine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import threading
+from collections.abc import AsyncIterator
 
 import grpc
 import httpx
@@ -45,6 +47,20 @@ async def http_served(psd, engine_calls):  # noqa: F811
 def client(base_url: str, **kwargs) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=kwargs.pop("api_key", "unused"), max_retries=0,
                               **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def gateway_in_front(grpc_target: str) -> AsyncIterator[tuple[Gateway, str]]:
+    """A gateway on loopback in front of the engine server, its one engine healthy: (gateway, its HTTP base URL)."""
+    gateway = Gateway(GatewayConfig(health_retry_seconds=0.05))
+    await gateway.start()
+    port = await gateway.start_http("127.0.0.1", 0)
+    try:
+        gateway.set_engines([grpc_target])
+        await wait_for(lambda: any(e.healthy for e in gateway.endpoints), what="engine healthy at the gateway")
+        yield gateway, f"http://127.0.0.1:{port}"
+    finally:
+        await gateway.stop()
 
 
 async def grpc_generate(target: str, request: pb.GenerateRequest) -> tuple[list[int], str]:
@@ -99,13 +115,8 @@ async def test_models_completion_and_chat_match_the_grpc_api(http_served):
 async def test_through_the_gateway_greedy_output_matches_the_grpc_api(http_served):
     """openai client -> gateway (HTTP) -> engine server (gRPC) -> PSD engine: the gRPC API's greedy output."""
     grpc_target, _, engine, _ = http_served
-    gateway = Gateway(GatewayConfig(health_retry_seconds=0.05))
-    await gateway.start()
-    port = await gateway.start_http("127.0.0.1", 0)
-    try:
-        gateway.set_engines([grpc_target])
-        await wait_for(lambda: any(e.healthy for e in gateway.endpoints), what="engine healthy at the gateway")
-        api = client(f"http://127.0.0.1:{port}")
+    async with gateway_in_front(grpc_target) as (_gateway, gateway_url):
+        api = client(gateway_url)
         tokens, text = await grpc_generate(grpc_target, pb.GenerateRequest(
             prompt=PROMPT, sampling_params=pb.SamplingParams(max_tokens=MAX_TOKENS)))
         stream = await api.completions.create(model=engine.settings.model, prompt=PROMPT, max_tokens=MAX_TOKENS,
@@ -119,8 +130,6 @@ async def test_through_the_gateway_greedy_output_matches_the_grpc_api(http_serve
         chat = await api.chat.completions.create(model=engine.settings.model, max_tokens=4,
                                                  messages=[{"role": "user", "content": "import sys"}])
         assert chat.usage.completion_tokens == 4 and chat.choices[0].message.content
-    finally:
-        await gateway.stop()
 
 
 async def test_seeded_requests_are_reproducible_through_both_apis_streamed_and_not(http_served):
@@ -402,13 +411,8 @@ async def test_n_batch_and_echo_match_the_grpc_api_directly_and_through_the_gate
     assert [(c.index, c.text) for c in full.choices] == [(i, prompts[i // 2] + expected[i // 2]) for i in range(4)]
     assert full.usage.completion_tokens == 4 * MAX_TOKENS
 
-    gateway = Gateway(GatewayConfig(health_retry_seconds=0.05))
-    await gateway.start()
-    port = await gateway.start_http("127.0.0.1", 0)
-    try:
-        gateway.set_engines([grpc_target])
-        await wait_for(lambda: any(e.healthy for e in gateway.endpoints), what="engine healthy at the gateway")
-        stream = await client(f"http://127.0.0.1:{port}").completions.create(
+    async with gateway_in_front(grpc_target) as (gateway, gateway_url):
+        stream = await client(gateway_url).completions.create(
             model=model, prompt=prompts, n=2, max_tokens=MAX_TOKENS, temperature=0, stream=True,
             stream_options={"include_usage": True})
         texts: dict[int, str] = {}
@@ -418,8 +422,6 @@ async def test_n_batch_and_echo_match_the_grpc_api_directly_and_through_the_gate
         assert texts == {i: expected[i // 2] for i in range(4)}
         assert chunk.usage.completion_tokens == 4 * MAX_TOKENS
         assert gateway.admission.in_flight == 0
-    finally:
-        await gateway.stop()
     await no_unfinished(engine)
 
 
@@ -484,13 +486,8 @@ async def test_logprobs_and_penalties_with_the_official_client_directly_and_thro
         model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, presence_penalty=1.5, frequency_penalty=1.0)
     assert penalised_completion.choices[0].text == penalised_text
 
-    gateway = Gateway(GatewayConfig(health_retry_seconds=0.05))
-    await gateway.start()
-    port = await gateway.start_http("127.0.0.1", 0)
-    try:
-        gateway.set_engines([grpc_target])
-        await wait_for(lambda: any(e.healthy for e in gateway.endpoints), what="engine healthy at the gateway")
-        stream = await client(f"http://127.0.0.1:{port}").chat.completions.create(
+    async with gateway_in_front(grpc_target) as (_gateway, gateway_url):
+        stream = await client(gateway_url).chat.completions.create(
             model=model, messages=[{"role": "user", "content": "import sys"}], max_tokens=MAX_TOKENS, stream=True,
             logprobs=True, top_logprobs=2, presence_penalty=0.5, extra_body={"ignore_eos": True})
         content = [entry async for chunk in stream for choice in chunk.choices
@@ -498,5 +495,3 @@ async def test_logprobs_and_penalties_with_the_official_client_directly_and_thro
         assert len(content) == MAX_TOKENS
         assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in content)
         assert all(e.logprob <= 0 for e in content)
-    finally:
-        await gateway.stop()

@@ -96,17 +96,20 @@ def test_defaults_match_the_dataclasses() -> None:
     assert spec_doc["gateway"]["replicas"] == s.GatewaySpec().replicas
 
 
+def set_path(node: dict[str, Any], keys: list[str], value: Any) -> None:
+    """node[k0][k1]...[kn] = value, making the mappings on the way; None removes the last key."""
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    if value is None:
+        node.pop(keys[-1], None)
+    else:
+        node[keys[-1]] = value
+
+
 def with_spec(name: str, **changes: Any) -> dict[str, Any]:
     doc = example(name)
     for dotted, value in changes.items():
-        node = doc["spec"]
-        keys = dotted.split("__")
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        if value is None:
-            node.pop(keys[-1], None)
-        else:
-            node[keys[-1]] = value
+        set_path(doc["spec"], dotted.split("__"), value)
     return doc
 
 

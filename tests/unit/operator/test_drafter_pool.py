@@ -11,7 +11,7 @@ import pytest
 from minedraft.operator import render
 from minedraft.operator import spec as s
 
-from .test_crd import admit
+from .test_crd import admit, set_path
 from .test_crd import with_spec as _with_spec
 from .test_render import K8S_VERSION, UID, by_kind, engine_container, flag, load
 
@@ -23,14 +23,7 @@ def with_spec(_name: str = "pool", **changes: Any) -> dict[str, Any]:
     doc = _with_spec("minimal", replicas=4, drafterPool=dict(POOL))
     doc["spec"]["drafterPool"] = {**POOL, "tokenSecretRef": dict(POOL["tokenSecretRef"])}
     for dotted, value in changes.items():
-        node = doc["spec"]
-        keys = dotted.split("__")
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        if value is None:
-            node.pop(keys[-1], None)
-        else:
-            node[keys[-1]] = value
+        set_path(doc["spec"], dotted.split("__"), value)
     doc["metadata"].update(namespace="serving", uid=UID)
     return doc
 

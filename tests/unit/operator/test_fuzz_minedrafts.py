@@ -40,6 +40,7 @@ from tests.image_contract import Image, read_image
 from tests.image_contract import pod_problems as image_problems
 from tests.kube_object_rules import object_problems
 from tests.pod_security import fixed_id_violations, restricted_violations
+from tests.unit.operator.test_crd import set_path
 
 ROOT = Path(__file__).resolve().parents[3]
 K8S_VERSION = "1.34"
@@ -519,14 +520,7 @@ INVALID: list[tuple[Any, ...]] = [
 
 def mutate(doc: dict[str, Any], where: str, value: Any) -> dict[str, Any]:
     doc = copy.deepcopy(doc)
-    node = doc
-    keys = where.split(".")
-    for key in keys[:-1]:
-        node = node.setdefault(key, {})
-    if value is None:
-        node.pop(keys[-1], None)
-    else:
-        node[keys[-1]] = value
+    set_path(doc, where.split("."), value)
     if where.startswith("spec.drafterPool"):
         doc["spec"].setdefault("speculation", {})["mode"] = "psd"
         doc["spec"]["speculation"].pop("numExtraDraftTokens", None)
