@@ -191,3 +191,63 @@ def test_mode_max_concurrency_by_family_reserves_draft_slots() -> None:
 
     assert held("ar") == held("vllm-ar") == held("psd") > held("psd", k=64)
     assert held("psd", placement="shared") == held("vllm-sd") < held("psd")
+
+
+def test_the_engine_batch_limit_uses_the_memory_an_off_gpu_drafter_frees() -> None:
+    from minedraft.engine.batch_limit import sized_max_num_seqs
+
+    curves = load_curves(H200)
+    target = footprint(curves.models["qwen3-32b"], "bfloat16")
+    drafter = footprint(curves.models["qwen3-1.7b"], "bfloat16")
+    h200 = 143771 * MIB
+    colocated = sized_max_num_seqs(h200, target, drafter, colocated=True, request_tokens=1280, lookahead_tokens=3)
+    off_gpu = sized_max_num_seqs(h200, target, drafter, colocated=False, request_tokens=1280, lookahead_tokens=3)
+    assert colocated == 130 and off_gpu == 200  # the colocated drafter's weights and KV are requests here
+    assert sized_max_num_seqs(h200, target, drafter, colocated=False, request_tokens=64) == 1024  # the ceiling
+    assert sized_max_num_seqs(60 * GIB, target, drafter, colocated=True, request_tokens=1280) == 1  # the floor
+
+
+def test_footprint_from_a_hugging_face_config_matches_the_curve_files() -> None:
+    from types import SimpleNamespace
+
+    from minedraft.engine.batch_limit import footprint_from_config
+
+    config = SimpleNamespace(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
+                             head_dim=128, intermediate_size=25600, vocab_size=151936, tie_word_embeddings=False)
+    found = footprint_from_config("qwen3-32b", config, "bfloat16")
+    expected = footprint(load_curves(H200).models["qwen3-32b"], "bfloat16")
+    assert found.kv_bytes_per_token == expected.kv_bytes_per_token
+    assert found.weight_bytes == pytest.approx(expected.weight_bytes, rel=1e-5)
+
+
+def test_resize_keeps_the_fixed_limit_where_there_is_no_gpu_and_sizes_it_where_there_is(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from minedraft.engine import batch_limit
+
+    @dataclasses.dataclass(frozen=True)
+    class Settings:  # the fields of EngineSettings that resize reads
+        model: str
+        drafter: Any
+        mode: str = "psd"
+        max_num_seqs: int = 64
+        dtype: str = "float32"
+        target_gpus: tuple[int, ...] = ()
+        gpu_memory_utilization: float | None = None
+        tensor_parallel_size: int = 1
+        max_num_speculative_tokens: int = 3
+
+        def with_changes(self, **changes: Any) -> Settings:
+            return dataclasses.replace(self, **changes)
+
+    pair = Path(__file__).resolve().parents[2] / "minedraft" / "models" / "data" / "pair-v1"
+    settings = Settings(str(pair / "target"), SimpleNamespace(model=str(pair / "draft")))
+    lines: list[str] = []
+    monkeypatch.setattr(batch_limit, "gpu_memory_bytes", lambda index=0: None)
+    assert batch_limit.resize(settings, 2048, lines.append) is settings and "keeping" in lines[-1]
+    # An 8 GiB GPU for the local pair (a few MB of weights): off the GPU, more requests than with it colocated.
+    monkeypatch.setattr(batch_limit, "gpu_memory_bytes", lambda index=0: 8 * GIB)
+    off_gpu = batch_limit.resize(settings, 100_000, lines.append).max_num_seqs
+    colocated = batch_limit.resize(settings.with_changes(mode="vllm-sd"), 100_000, lines.append).max_num_seqs
+    assert off_gpu > colocated >= 1 and "off the target GPU" in lines[-2]
