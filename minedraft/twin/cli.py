@@ -172,6 +172,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     deploy.add_argument("--drafter-device", help=f"the drafter's own device (placement own): one of "
                         f"{', '.join(DEVICES)} (default: the curve file's device); another device's costs are a "
                         "labelled roofline estimate from the measured ones")
+    deploy.add_argument("--drafter-curves", help="the drafter measured alone on its own device (`minedraft profile "
+                        "--drafter-only`): the engine's drafter costs and device from it, instead of a roofline")
     deploy.add_argument("--prices", help="price table, minedraft-prices/v1 JSON (default: example prices, "
                         "labelled as such)")
     parser.add_argument("--max-tpot-ms", type=float, help="rate planning: only loads whose p50 time per output "
@@ -207,7 +209,8 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
             output_tokens=args.output_tokens, prefill_ms_per_token=args.prefill_ms_per_token,
             gpu_memory_utilization=args.gpu_memory_utilization, device_memory_gib=args.device_memory_gib,
             runtime_reserve_bytes=int(args.runtime_reserve_gib * GIB), kv_limited=not args.no_kv_limit,
-            target_device=args.target_device, drafter_device=args.drafter_device, prices=prices)
+            target_device=args.target_device, drafter_device=args.drafter_device, prices=prices,
+            drafter_curves=load_curves(args.drafter_curves, drafters_only=True) if args.drafter_curves else None)
     except ValueError as exc:
         if isinstance(exc, CurveError):
             raise

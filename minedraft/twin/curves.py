@@ -162,7 +162,12 @@ class PrefillGrid:
         values: list[tuple[float, float]] = []
         beyond = False
         for level in pair:
-            ms, out = interpolate(self.cells[level], tokens, proportional_floor=True)
+            points = self.cells[level]
+            if len(points) == 1:  # one measured prompt length: proportional in tokens (prefill is compute-bound)
+                (x, y), = points
+                ms, out = y * tokens / x, tokens != x
+            else:
+                ms, out = interpolate(points, tokens, proportional_floor=True)
             values.append((float(level), ms))
             beyond |= out
         ms, out = interpolate(values, context)
@@ -265,7 +270,7 @@ class CostCurves:
         return [n for n, m in self.models.items() if m.role == role]
 
 
-def load_curves(path: str | Path) -> CostCurves:
+def load_curves(path: str | Path, drafters_only: bool = False) -> CostCurves:
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -273,7 +278,7 @@ def load_curves(path: str | Path) -> CostCurves:
         raise CurveError("curves", f"cannot read {path}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
         raise CurveError("curves", f"{path} is not JSON: {exc}") from None
-    return parse_curves(data, str(path))
+    return parse_curves(data, str(path), drafters_only)
 
 
 def _require(obj: Mapping[str, Any], key: str, where: str, kind: type | tuple[type, ...]) -> Any:
@@ -315,7 +320,12 @@ def _grid(rows: Any, where: str, third: str) -> _Grid:
     return _Grid(third, cells)
 
 
-def parse_curves(data: Any, source: str = "<curves>") -> CostCurves:
+def parse_curves(data: Any, source: str = "<curves>", drafters_only: bool = False) -> CostCurves:
+    """`drafters_only`: a file of drafters measured alone on their own device (`minedraft profile --drafter-only`):
+    its target entries, which hold no times, are left out."""
+    if drafters_only and isinstance(data, dict) and isinstance(data.get("models"), dict):
+        data = {**data, "models": {n: m for n, m in data["models"].items()
+                                   if not (isinstance(m, dict) and m.get("role") == "target")}}
     if not isinstance(data, dict):
         raise CurveError("curves", f"expected a JSON object, got {type(data).__name__}")
     fmt = data.get("format")
@@ -362,7 +372,7 @@ def parse_curves(data: Any, source: str = "<curves>") -> CostCurves:
         prefill = _prefill_grid(model["prefill_ms"], f"{where}.prefill_ms") if model.get("prefill_ms") else None
         models[name] = ModelCurves(name, role, params, dict(config), kv, forward, loop,
                                    None if catch_up is None else float(catch_up), prefill)
-    if not any(m.role == "target" for m in models.values()):
+    if not drafters_only and not any(m.role == "target" for m in models.values()):
         raise CurveError("models", "no model with role 'target'")
     memory = data.get("device_memory_bytes")
     if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0):

@@ -201,9 +201,12 @@ def deployment_model(curves: CostCurves, target: str, drafter: str, hardware: Ha
                      device_memory_gib: float | None = None,
                      runtime_reserve_bytes: int = DEFAULT_RUNTIME_RESERVE_BYTES, kv_limited: bool = True,
                      target_device: str | None = None, drafter_device: str | None = None,
-                     prices: PriceTable = EXAMPLE_PRICES) -> DeploymentModel:
+                     prices: PriceTable = EXAMPLE_PRICES, drafter_curves: CostCurves | None = None
+                     ) -> DeploymentModel:
     """`target_device` / `drafter_device`: devices other than the curve file's, their costs carried there by the
-    roofline (devices.move_model); vLLM's colocated drafter runs on the target's device."""
+    roofline (devices.move_model); vLLM's colocated drafter runs on the target's device. `drafter_curves`: the
+    drafter measured on its own device (`minedraft profile --drafter-only`): the engine's drafter costs and device
+    are that file's, measured, not estimated."""
     try:
         reference: DeviceSpec | None = curves_device(curves)
     except CurveError:
@@ -229,6 +232,17 @@ def deployment_model(curves: CostCurves, target: str, drafter: str, hardware: Ha
     drafter_model = curves.model(drafter, "drafter")
     colocated_drafter = on(drafter_model, target_spec)
     engine_drafter = on(drafter_model, drafter_spec) if own else colocated_drafter
+    if drafter_curves is not None:
+        if not own:
+            raise CurveError("drafter_curves", "a drafter measured on its own device needs --drafter-placement own")
+        if drafter_device is not None:
+            raise CurveError("drafter_curves", "give the drafter's device by --drafter-device or by its measured "
+                                               "curves, not both")
+        engine_drafter = drafter_curves.model(drafter, "drafter")
+        try:
+            drafter_spec = curves_device(drafter_curves)
+        except CurveError:  # a device the table does not know: its name as the file gives it (priced if listed)
+            drafter_spec = DeviceSpec(drafter_curves.device, drafter_curves.device_memory_bytes or 0, 0.0, 0.0)
     memory = (int(device_memory_gib * GIB) if device_memory_gib is not None else
               curves.device_memory_bytes if curves.device_memory_bytes is not None and target_spec == reference else
               target_spec.memory_bytes if target_spec is not None and target_spec.name != "CPU" else None)
@@ -250,13 +264,19 @@ def deployment_model(curves: CostCurves, target: str, drafter: str, hardware: Ha
     engine_costs = costs
     if engine_drafter is not colocated_drafter:
         drafter_hw = hardware
-        if prefill is not None and drafter_spec is not None:  # its prompts, on its own device
-            drafter_prefill = prefill_ms(engine_drafter, prompt_tokens, peak_flops=drafter_spec.peak_flops,
-                                         efficiency=FLOPS_EFFICIENCY)
-            drafter_hw = dataclasses.replace(hardware, drafter_prefill_ms_per_token=drafter_prefill.ms / prompt_tokens)
+        if prefill is not None:  # its prompts, on its own device: measured there, or a roofline at its peak
+            try:
+                drafter_prefill = prefill_ms(engine_drafter, prompt_tokens,
+                                             peak_flops=drafter_spec.peak_flops if drafter_spec else None,
+                                             efficiency=FLOPS_EFFICIENCY)
+                drafter_hw = dataclasses.replace(hardware,
+                                                 drafter_prefill_ms_per_token=drafter_prefill.ms / prompt_tokens)
+            except CurveError:  # not estimable: the target's price scaled by size (StepCosts' default)
+                pass
         engine_costs = StepCosts(target_model, engine_drafter, drafter_hw)
     estimated = {name for name, model in (("target", target_model), ("drafter", engine_drafter))
-                 if model is not curves.models[target if name == "target" else drafter]}
+                 if model is not curves.models[target if name == "target" else drafter]
+                 and (drafter_curves is None or name == "target")}
     request = RequestShape(prompt_tokens, output_tokens)
     return DeploymentModel(costs, engine_costs, target_spec, drafter_spec if own else None,
                            tuple(sorted(estimated)), reference.name if reference else curves.device, request,
