@@ -19,7 +19,7 @@ from minedraft.twin.costs import (
     Hardware,
 )
 from minedraft.twin.curves import CostCurves, CurveError, load_curves
-from minedraft.twin.deploy import deployment_model
+from minedraft.twin.deploy import DEFAULT_RPC_ROUND_TRIP_MS, TP_ROUND_TRIPS_PER_STEP, deployment_model
 from minedraft.twin.devices import DEVICES
 from minedraft.twin.pricing import EXAMPLE_PRICES, load_prices
 
@@ -174,6 +174,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "labelled roofline estimate from the measured ones")
     deploy.add_argument("--drafter-curves", help="the drafter measured alone on its own device (`minedraft profile "
                         "--drafter-only`): the engine's drafter costs and device from it, instead of a roofline")
+    deploy.add_argument("--rpc-round-trip-ms", type=float, default=DEFAULT_RPC_ROUND_TRIP_MS,
+                        help="TP > 1: one round trip to the tensor-parallel workers; each step makes "
+                        f"{TP_ROUND_TRIPS_PER_STEP} (execute, sample, a discarded draft-token fetch), added to its "
+                        "host work (an estimate, default %(default)s)")
     deploy.add_argument("--prices", help="price table, minedraft-prices/v1 JSON (default: example prices, "
                         "labelled as such)")
     parser.add_argument("--max-tpot-ms", type=float, help="rate planning: only loads whose p50 time per output "
@@ -210,7 +214,8 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
             gpu_memory_utilization=args.gpu_memory_utilization, device_memory_gib=args.device_memory_gib,
             runtime_reserve_bytes=int(args.runtime_reserve_gib * GIB), kv_limited=not args.no_kv_limit,
             target_device=args.target_device, drafter_device=args.drafter_device, prices=prices,
-            drafter_curves=load_curves(args.drafter_curves, drafters_only=True) if args.drafter_curves else None)
+            drafter_curves=load_curves(args.drafter_curves, drafters_only=True) if args.drafter_curves else None,
+            rpc_round_trip_ms=args.rpc_round_trip_ms)
     except ValueError as exc:
         if isinstance(exc, CurveError):
             raise
@@ -252,6 +257,9 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     # Additions to the first interface (tools reading `loads` are unaffected): what the figures assume.
     result["host_work"] = {"step_overhead_ms": costs.hardware.step_overhead_ms,
                            "vllm_async_scheduling": costs.hardware.vllm_async_scheduling, "note": HOST_WORK_NOTE}
+    if costs.hardware.tensor_parallel_size > 1:  # what TP > 1 adds, from the code path (see twin.deploy)
+        result["host_work"].update(tp_round_trips_per_step=TP_ROUND_TRIPS_PER_STEP,
+                                   rpc_round_trip_ms=args.rpc_round_trip_ms)
     if bands:
         result["bands"] = [{**plan_band(loads, band, args.output_tokens, args.max_tpot_ms),
                             **model.price_band(loads, band, args.output_tokens, args.max_tpot_ms)} for band in bands]

@@ -38,6 +38,14 @@ if TYPE_CHECKING:
 
 Sweep = Callable[..., list["LoadResult"]]
 
+# Host work a step adds at TP > 1, from the engine's code path: vLLM's synchronous EngineCore.step makes three
+# round trips to the tensor-parallel workers through the multiprocess executor's message queue - execute_model,
+# sample_tokens, and post_step's take_draft_token_ids, whose reply (the in-worker NullProposer's empty drafts) the
+# PSD scheduler discards, since MineDraft attaches the drafter's tokens itself. At TP = 1 all three are calls in the
+# engine's own process. The price of one round trip is an estimate (not measured on a GPU): `rpc_round_trip_ms`.
+TP_ROUND_TRIPS_PER_STEP = 3
+DEFAULT_RPC_ROUND_TRIP_MS = 0.2
+
 
 def family_of(label: str) -> str:
     """sd-k3 -> sd, vllm-sd-k3 -> vllm-sd, psd-async-k5 -> psd-async, ar -> ar (as the sweep's labels)."""
@@ -201,8 +209,8 @@ def deployment_model(curves: CostCurves, target: str, drafter: str, hardware: Ha
                      device_memory_gib: float | None = None,
                      runtime_reserve_bytes: int = DEFAULT_RUNTIME_RESERVE_BYTES, kv_limited: bool = True,
                      target_device: str | None = None, drafter_device: str | None = None,
-                     prices: PriceTable = EXAMPLE_PRICES, drafter_curves: CostCurves | None = None
-                     ) -> DeploymentModel:
+                     prices: PriceTable = EXAMPLE_PRICES, drafter_curves: CostCurves | None = None,
+                     rpc_round_trip_ms: float = DEFAULT_RPC_ROUND_TRIP_MS) -> DeploymentModel:
     """`target_device` / `drafter_device`: devices other than the curve file's, their costs carried there by the
     roofline (devices.move_model); vLLM's colocated drafter runs on the target's device. `drafter_curves`: the
     drafter measured on its own device (`minedraft profile --drafter-only`): the engine's drafter costs and device
@@ -228,6 +236,9 @@ def deployment_model(curves: CostCurves, target: str, drafter: str, hardware: Ha
                              "cannot be carried to another device")
         return move_model(model, dtype_bytes(curves.dtype), reference, device)
 
+    if rpc_round_trip_ms < 0:
+        raise CurveError("rpc_round_trip_ms", f"must be >= 0, got {rpc_round_trip_ms}")
+    hardware = with_tp_host_work(hardware, rpc_round_trip_ms)
     target_model = on(curves.model(target, "target"), target_spec)
     drafter_model = curves.model(drafter, "drafter")
     colocated_drafter = on(drafter_model, target_spec)
@@ -282,3 +293,21 @@ def deployment_model(curves: CostCurves, target: str, drafter: str, hardware: Ha
                            tuple(sorted(estimated)), reference.name if reference else curves.device, request,
                            gpu_memory_utilization, runtime_reserve_bytes, memory, kv_limited, prices, prefill,
                            target, drafter, curves)
+
+
+def with_tp_host_work(hardware: Hardware, rpc_round_trip_ms: float = DEFAULT_RPC_ROUND_TRIP_MS) -> Hardware:
+    """`hardware` with each step's host work at TP > 1 raised by the round trips its code path makes to the
+    tensor-parallel workers (TP_ROUND_TRIPS_PER_STEP, one of them discarded); unchanged at TP = 1."""
+    if hardware.tensor_parallel_size == 1 or rpc_round_trip_ms == 0:
+        return hardware
+    extra = TP_ROUND_TRIPS_PER_STEP * rpc_round_trip_ms
+
+    def raised(table: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+        return tuple((requests, ms + extra) for requests, ms in table)
+
+    return dataclasses.replace(
+        hardware, step_overhead_ms=hardware.step_overhead_ms + extra,
+        drafting_step_overhead_ms=(None if hardware.drafting_step_overhead_ms is None
+                                   else hardware.drafting_step_overhead_ms + extra),
+        step_overhead_ms_by_batch=raised(hardware.step_overhead_ms_by_batch),
+        drafting_step_overhead_ms_by_batch=raised(hardware.drafting_step_overhead_ms_by_batch))

@@ -135,3 +135,17 @@ def test_prices_parse_with_errors_naming_the_field_and_price_whole_devices() -> 
     dearer = price_deployment("vllm-sd-k3", "colocated", Layout("H200", 1), 5, 130, 64.0, 4000.0, 25.0, table)
     assert cheapest([dearer, deployment]) is deployment
     assert isinstance(EXAMPLE_PRICES, PriceTable) and "example" in EXAMPLE_PRICES.source
+
+
+def test_tp_host_work_adds_the_code_paths_worker_round_trips(capsys: pytest.CaptureFixture[str]) -> None:
+    from minedraft.twin.deploy import TP_ROUND_TRIPS_PER_STEP, with_tp_host_work
+
+    assert with_tp_host_work(Hardware(step_overhead_ms=2.5), 0.2) == Hardware(step_overhead_ms=2.5)
+    tp4 = with_tp_host_work(Hardware(tensor_parallel_size=4, step_overhead_ms=2.5,
+                                     step_overhead_ms_by_batch=((1, 0.4), (16, 2.0))), 0.2)
+    assert TP_ROUND_TRIPS_PER_STEP == 3  # execute_model, sample_tokens, the discarded take_draft_token_ids
+    assert tp4.step_overhead_ms == pytest.approx(3.1)
+    assert [ms for _, ms in tp4.step_overhead_ms_by_batch] == pytest.approx([1.0, 2.6])
+    out = _plan(capsys, "--concurrency", "4", "--modes", "vllm-ar", "-tp", "2", "--rpc-round-trip-ms", "0.5")
+    assert out["host_work"]["step_overhead_ms"] == pytest.approx(4.0)
+    assert out["host_work"]["tp_round_trips_per_step"] == 3
