@@ -192,7 +192,25 @@ def _spread(samples: list[float]) -> float:
     return (max(samples) - min(samples)) / median if median > 0 else 0.0
 
 
-def verdict(runs: list[dict[str, Any]], margin: float = 0.02) -> dict[str, Any]:
+def contention(runs: list[dict[str, Any]], cores: int, own_processes: int = 2) -> str | None:
+    """Why the runs cannot rank the modes on a CPU, or None. Pure.
+
+    When more runnable processes compete for the cores than the engine's own (its target and drafter processes on
+    `cores` cores), the kernel shares the cores by process: a mode that keeps more processes busy (psd: target and
+    drafter at once) gets a larger share than one that keeps fewer (ar, sd), whatever each would do alone. That bias
+    is the same in every round, so no spread reveals it; the 1-minute load average taken after each run does."""
+    loads = [value for r in runs for value in r.get("load_average", [])]
+    if not loads:
+        return None
+    limit = cores + own_processes
+    peak = max(loads)
+    if peak <= limit:
+        return None
+    return (f"the machine was busy (load average up to {peak:.1f} on {cores} cores, more than the engine's own "
+            f"{limit}): modes with more busy processes get more of the CPU there")
+
+
+def verdict(runs: list[dict[str, Any]], margin: float = 0.02, contended: str | None = None) -> dict[str, Any]:
     """Per load: the best psd (over k, by median) against the best of sd and ar. Pure.
 
     Runs measured in rounds (`samples`: one tokens/s per round, every mode once per round, interleaved) are compared
@@ -233,6 +251,12 @@ def verdict(runs: list[dict[str, Any]], margin: float = 0.02) -> dict[str, Any]:
         elif psd is None or rival is None:
             entry["decision"] = winner["mode"]
         per_load.append(entry)
+    if contended is not None:  # a systematic bias no spread shows: nothing is decided
+        for entry in per_load:
+            entry.update(psd_pays=False, decision="undecided", measured_decision=entry["decision"])
+        return {"psd_pays": False, "decision": "undecided", "contention": contended, "per_load": per_load,
+                "summary": f"undecided: {contended}; rerun on a quiet machine (measured: best " + ", ".join(
+                    f"{p['best']} at {p['concurrency']}" for p in per_load) + ")"}
     paying = [p for p in per_load if p["psd_pays"]]
     undecided = [p for p in per_load if p["decision"] == "undecided"]
     parts: list[str] = []
@@ -275,6 +299,14 @@ def cpu_features() -> list[str]:
     return []
 
 
+def load_average() -> float:
+    """The 1-minute load average (0 where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
 def measure_interleaved(measure_one: Any, loads: list[int], settings: list[tuple[Any, int]],
                         repeats: int) -> list[dict[str, Any]]:
     """Every (mode, k) at every load, `repeats` rounds; each round runs every setting once, in an order that
@@ -288,8 +320,9 @@ def measure_interleaved(measure_one: Any, loads: list[int], settings: list[tuple
             for mode, k in settings[shift:] + settings[:shift]:
                 run = measure_one(mode, k, concurrency)
                 key = (concurrency, run["mode"], run["k"])
-                kept = collected.setdefault(key, {**run, "samples": []})
+                kept = collected.setdefault(key, {**run, "samples": [], "load_average": []})
                 kept["samples"].append(run["tokens_per_second"])
+                kept["load_average"].append(round(load_average(), 2))
     out = []
     for run in collected.values():
         run["tokens_per_second"] = round(_median(run["samples"]), 2)
@@ -331,7 +364,9 @@ def run_doctor(settings: Any, loads: list[int], ks: list[int], seconds: float, m
         settings_list = [(Mode.AR, 0)] + [(mode, k) for k in ks for mode in (Mode.SD, Mode.PSD)]
         runs = measure_interleaved(measure_one, loads, settings_list, repeats)
         report["runs"] = runs
-        report["verdict"] = verdict(runs)
+        on_cpu = not report["checks"]["devices"]["visible_gpus"]
+        cores = len(report["checks"]["devices"]["cpu_cores"])
+        report["verdict"] = verdict(runs, contended=contention(runs, cores) if on_cpu else None)
         report["verdict"]["decided_by"] = {
             "dtype": report["checks"]["dtype"]["dtype"], "dtype_note": report["checks"]["dtype"]["note"],
             "device": "gpu" if report["checks"]["devices"]["visible_gpus"] else "cpu",

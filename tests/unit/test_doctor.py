@@ -148,3 +148,23 @@ def test_measurement_interleaves_modes_round_by_round():
                      ("psd", 3, 4), ("ar", 0, 4), ("sd", 3, 4)]
     by_mode = {r["mode"]: r for r in runs}
     assert by_mode["ar"]["samples"] == [101.0, 106.0, 108.0] and by_mode["ar"]["tokens_per_second"] == 106.0
+
+
+def test_a_busy_cpu_is_undecided_even_when_every_round_agrees():
+    """The issue's busy run: every round favoured psd (two busy processes get more of a contended CPU than one),
+    so no spread showed it; the load average taken after each run does."""
+    from minedraft.doctor import contention, verdict
+
+    runs = [rounds("ar", 0, 16, (29.0, 30.0, 28.0)), rounds("psd", 3, 16, (70.0, 75.0, 72.0))]
+    for run in runs:
+        run["load_average"] = [54.4, 40.1, 38.0]
+    reason = contention(runs, cores=2)
+    assert reason is not None and "load average up to 54.4 on 2 cores" in reason
+    busy = verdict(runs, contended=reason)
+    assert busy["decision"] == "undecided" and not busy["psd_pays"]
+    assert busy["per_load"][0]["measured_decision"] == "psd" and busy["summary"].startswith("undecided: the machine")
+    for run in runs:
+        run["load_average"] = [2.1, 3.0, 2.8]  # the engine's own two processes on two cores: quiet
+    assert contention(runs, cores=2) is None
+    assert verdict(runs)["decision"] == "psd"
+    assert contention([rounds("ar", 0, 4, (1.0,))], cores=2) is None  # no load recorded: nothing to say
