@@ -290,6 +290,10 @@ def describe(label: str) -> str:
     return "plain vLLM (vllm-ar)" if label == "vllm-ar" else label
 
 
+def _kinds(devices: dict[str, float]) -> str:
+    return " + ".join(f"{count:g} {kind}" for kind, count in devices.items())
+
+
 def render(result: dict[str, Any]) -> str:
     host = result.get("host_work")
     lines = [f"Host work per step: {host['step_overhead_ms']:g} ms; {host['note']}.", ""] if host else []
@@ -319,4 +323,13 @@ def render(result: dict[str, Any]) -> str:
             if choice is not None:
                 lines.append(f"    {family:8s} best {choice['mode']}: {choice['replicas']} replica(s), "
                              f"{choice['gpus']} GPUs, {choice['tokens_per_s_per_gpu']:.0f} tok/s per GPU")
+        cheapest = band.get("recommended")
+        if cheapest:
+            lines.append(f"  cheapest: {describe(cheapest['mode'])} ({cheapest['placement']}), "
+                         f"${cheapest['usd_per_million_tokens']:.3f} per million tokens, {cheapest['replicas']} "
+                         f"replica(s) on {_kinds(cheapest['gpus_by_kind'])}, p50 TPOT {cheapest['tpot_ms_p50']} ms")
+            for family, d in band.get("deployments", {}).items():
+                lines.append(f"    {family:9s} {d['mode']}: ${d['usd_per_million_tokens']:.3f}/M tokens, holds "
+                             f"{d['max_concurrency']} requests per replica, {_kinds(d['gpus_by_kind'])}, "
+                             f"{d['tokens_per_s_per_target_gpu']:.0f} tok/s per target GPU")
     return "\n".join(lines)
