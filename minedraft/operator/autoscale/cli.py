@@ -15,6 +15,12 @@ DEFAULT_TRACES = ROOT / "benchmarks" / "autoscale" / "traces"
 CAPACITY_PRIOR_ACCEPTANCES = (0.8, 0.6, 0.4)
 
 
+def _load_model(args: argparse.Namespace) -> Any:
+    from minedraft.operator.autoscale.replica_model import ReplicaModel
+
+    return ReplicaModel.load(Path(args.replica_model))
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from minedraft.operator.autoscale.replica_model import ReplicaModel
     from minedraft.operator.autoscale.simulate import SimConfig, load_trace, plot, simulate
@@ -65,6 +71,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from minedraft.operator.autoscale.check import load_traces, markdown, run, verdict
+
+    model = _load_model(args)
+    try:
+        startups = [float(s) for s in args.startup_seconds.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"--startup-seconds: expected comma-separated numbers, got {args.startup_seconds!r}") from None
+    names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
+    rows = run(load_traces(Path(args.traces), names), model, startups, hpa_target=args.hpa_target, seed=args.seed,
+               workers=args.workers)
+    command = "minedraft autoscale check " + " ".join(sys.argv[3:])
+    text = markdown(rows, command)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+    return 1 if any(v["failures"] for v in verdict(rows).values()) else 0
+
+
 def cmd_history(args: argparse.Namespace) -> int:
     import asyncio
     import time
@@ -97,7 +122,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from minedraft.operator.autoscale.replica_model import calibrate, describe
 
     model = calibrate([Path(p) for p in args.bench], args.startup_seconds, speedup=args.speedup,
-                      max_batch=args.max_batch)
+                      max_batch=args.max_batch, kv_capacity_tokens=args.kv_capacity_tokens,
+                      prefill_seconds_per_token=args.prefill_ms_per_token / 1000.0,
+                      assumptions=tuple(args.assumption or ()))
     Path(args.out).write_text(json.dumps(model.to_json(), indent=2) + "\n")
     print(json.dumps(model.to_json()))
     for line in describe(model):
@@ -147,6 +174,17 @@ def add_subcommands(sub: Any) -> None:
     bench.add_argument("--workers", type=int, help="simulations in parallel (default: one per CPU)")
     bench.add_argument("--no-plots", action="store_true")
     bench.set_defaults(func=cmd_bench)
+    chk = commands.add_parser("check", help="both policies on every trace at several start-ups against the churn, "
+                                             "SLO and replica-seconds bar (a table; exit 1 if any fails)")
+    chk.add_argument("--traces", default=str(DEFAULT_TRACES))
+    chk.add_argument("--only", help="comma-separated trace names (default: every trace in --traces)")
+    chk.add_argument("--replica-model", default=str(DEFAULT_MODEL))
+    chk.add_argument("--startup-seconds", default="40,180", help="comma-separated start-up delays (default 40,180)")
+    chk.add_argument("--hpa-target", type=float, default=12.0)
+    chk.add_argument("--seed", type=int, default=0)
+    chk.add_argument("--workers", type=int, help="simulations in parallel (default: one per CPU)")
+    chk.add_argument("--out", help="also write the table here")
+    chk.set_defaults(func=cmd_check)
     hist = commands.add_parser("history", help="measured runs for calibrate from a deployment's Prometheus history")
     hist.add_argument("--prometheus", required=True, help="Prometheus HTTP API address")
     hist.add_argument("--namespace", required=True)
@@ -169,5 +207,12 @@ def add_subcommands(sub: Any) -> None:
     cal.add_argument("--speedup", type=float, default=1.0,
                      help="divide every step's seconds by this: the benchmark's shape on a faster device")
     cal.add_argument("--max-batch", type=int, help="requests per replica (default: the largest concurrency measured)")
+    cal.add_argument("--kv-capacity-tokens", type=float,
+                     help="tokens of KV cache per replica (vLLM's log: 'GPU KV cache size: N tokens'; default: "
+                     "unbounded, the batch is limited by --max-batch alone)")
+    cal.add_argument("--prefill-ms-per-token", type=float, default=0.0,
+                     help="a replica's milliseconds per prompt token prefilled (default 0: prefill not modelled)")
+    cal.add_argument("--assumption", action="append",
+                     help="where a figure the benchmarks do not measure came from (kept in the model; repeatable)")
     cal.add_argument("--out", default=str(DEFAULT_MODEL))
     cal.set_defaults(func=cmd_calibrate)

@@ -28,6 +28,12 @@ its load and acceptance: that is what the engines' predicted-goodput gauge repor
 `speedup` divides every step's seconds: the benchmark's shape (how ar, sd and psd compare across batch sizes and
 k) on a device that many times faster, for when the benchmark ran on CPUs much slower than the replicas the
 traces are sized for.
+
+Prompts cost too. Prefill: `prefill_seconds_per_token` of a replica's time per prompt token (compute-bound, so a
+replica prefilling is not decoding). KV cache: `kv_capacity_tokens` tokens per replica; a request holds its prompt
+and output in it, so a replica decodes at most min(max_batch, kv_capacity_tokens / (prompt + output)) requests
+(`slots`): with long prompts the KV cache, not --max-num-seqs, is what limits the batch. Neither is in the engine
+benchmark the curves come from: `assumptions` says where the figures came from.
 """
 
 from __future__ import annotations
@@ -93,6 +99,19 @@ class ReplicaModel:
     max_speculative_tokens: int = 5
     speedup: float = 1.0
     calibrated_from: tuple[str, ...] = ()
+    # Tokens of KV cache one replica holds (None: unbounded, the batch is limited by max_batch alone).
+    kv_capacity_tokens: float | None = None
+    # Seconds of a replica's time per prompt token prefilled (0: prefill not modelled).
+    prefill_seconds_per_token: float = 0.0
+    # Where the figures not measured by the engine benchmark came from (KV capacity, prefill, start-up), in words.
+    assumptions: tuple[str, ...] = ()
+
+    def slots(self, prompt_tokens: float, output_tokens: float) -> float:
+        """Requests one replica can decode at once at these lengths: its batch limit, or what its KV cache holds."""
+        if self.kv_capacity_tokens is None:
+            return float(self.max_batch)
+        return max(1.0, min(float(self.max_batch), math.floor(self.kv_capacity_tokens
+                                                               / max(prompt_tokens + output_tokens, 1.0))))
 
     def _draft(self, requests: float, k: int) -> float:
         return k * evaluate(self.draft_forward, requests)
@@ -135,13 +154,15 @@ class ReplicaModel:
         data = asdict(self)
         for name in CURVES:
             data[name] = [list(point) for point in data[name]]
-        return {**data, "modes": list(self.modes), "calibrated_from": list(self.calibrated_from)}
+        return {**data, "modes": list(self.modes), "calibrated_from": list(self.calibrated_from),
+                "assumptions": list(self.assumptions)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ReplicaModel:
         curves = {name: tuple((float(x), float(y)) for x, y in data.get(name, ())) for name in CURVES}
         return cls(**{**data, **curves, "modes": tuple(data.get("modes", MODES)),
-                      "calibrated_from": tuple(data.get("calibrated_from", ()))})
+                      "calibrated_from": tuple(data.get("calibrated_from", ())),
+                      "assumptions": tuple(data.get("assumptions", ()))})
 
     @classmethod
     def load(cls, path: Path) -> ReplicaModel:
@@ -209,7 +230,8 @@ def _cycle(concurrency: int, figures: dict[str, Any]) -> float:
 
 
 def calibrate(bench_files: list[Path], startup_seconds: float, speedup: float = 1.0,
-              max_batch: int | None = None) -> ReplicaModel:
+              max_batch: int | None = None, kv_capacity_tokens: float | None = None,
+              prefill_seconds_per_token: float = 0.0, assumptions: tuple[str, ...] = ()) -> ReplicaModel:
     """Fit the model's curves to every (concurrency, mode) point of the benchmark files.
 
     Each point's cycle is its measured seconds per verification of every request (requests x mean accepted length /
@@ -269,7 +291,8 @@ def calibrate(bench_files: list[Path], startup_seconds: float, speedup: float = 
     return ReplicaModel(ar_step=ar_curve, draft_forward=draft_curve, sd_extra_per_draft=extra, psd_ratio=ratio,
                         max_batch=max_batch or max(batches), startup_seconds=startup_seconds, modes=tuple(modes),
                         min_speculative_tokens=1, max_speculative_tokens=max(5, *ks), speedup=speedup,
-                        calibrated_from=tuple(p.name for p in bench_files))
+                        calibrated_from=tuple(p.name for p in bench_files), kv_capacity_tokens=kv_capacity_tokens,
+                        prefill_seconds_per_token=prefill_seconds_per_token, assumptions=assumptions)
 
 
 def describe(model: ReplicaModel, acceptances: tuple[float, ...] = (0.9, 0.6, 0.1),
