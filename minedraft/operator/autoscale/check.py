@@ -104,9 +104,9 @@ def markdown(rows: Sequence[Row], command: str) -> str:
         total_b = sum(r.replica_seconds for r in hpa.values())
         lines.append(f"| {startup:g} s | **all** | {total_a:.0f} / {total_b:.0f} (**{total_a / total_b:.2f}**) | "
                      "| | | |")
-    for startup, v in verdict(rows).items():
+    for label, v in verdict(rows).items():
         lines.append("")
-        lines.append(f"startup {startup} s: replica-seconds {v['replica_seconds_ratio']:.2f}x the HPA's; "
+        lines.append(f"startup {label} s: replica-seconds {v['replica_seconds_ratio']:.2f}x the HPA's; "
                      + ("every bar met" if not v["failures"] else "fails: " + "; ".join(v["failures"])))
     return "\n".join(lines) + "\n"
 

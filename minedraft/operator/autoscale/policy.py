@@ -717,9 +717,9 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
         at_once = max(steady if demand_basis != "in system" else current, _clamp(math.ceil(surge - 1e-9), config))
         desired = min(recommended, max(current + step, at_once))
         step_note = "" if desired == recommended else f" (step limited to +{step})"
-        remembered = state.scale_ups if config.scale_up_hold_seconds is None else (
+        scale_ups = state.scale_ups if config.scale_up_hold_seconds is None else (
             *state.scale_ups, (now_seconds, desired, None))
-        state = replace(state, pending_scale_up=(now_seconds, desired), scale_ups=remembered)
+        state = replace(state, pending_scale_up=(now_seconds, desired), scale_ups=scale_ups)
         return Decision(current, desired, f"scale up: {figures} needs {recommended}{step_note}", True, inputs), state
     if recommended < current:
         # The highest recommendation over the window: scale down only as far as the whole window allows.
