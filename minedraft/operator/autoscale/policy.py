@@ -200,6 +200,8 @@ class Inputs:
     slots_per_replica: float = 0.0
     kv_cache_usage: float | None = None
     prefill_share: float | None = None  # of a replica's time, per replica
+    kv_replicas: float = 0.0  # replicas the KV cache needs (0: not known)
+    prefill_replicas: float = 0.0  # replicas' time prefill needs at the target utilisation
 
 
 @dataclass(frozen=True)
@@ -657,6 +659,9 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
             signal = "prefill"
         if kv_replicas > raw:
             raw, signal = kv_replicas, "kv"
+        elif signal == "tokens" and slots < config.requests_per_replica:
+            # Capacity is judged at the batch the KV cache holds: it is the KV cache that limits the replicas.
+            signal = "kv"
         surge = surge_replicas(sized, state, obs, current, shape)
         if surge > raw:
             raw, surge_note, signal = surge, f", {in_system:.0f} requests in the system and rising (surge)", "surge"
@@ -684,7 +689,8 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
                     recommended=recommended, signal=signal, slots_per_replica=slots,
                     kv_cache_usage=obs.kv_cache_usage,
                     prefill_share=round(prefill / obs.reporting_replicas, 4) if obs.prefill_seconds_per_second
-                    is not None else None)
+                    is not None else None, kv_replicas=round(kv_replicas, 3),
+                    prefill_replicas=round(prefill_replicas, 3))
     window = config.scale_down_stabilization_seconds
     history = (*((t, r) for t, r in state.recommendations if t > now_seconds - window), (now_seconds, steady))
     first = state.first_observed_seconds if state.first_observed_seconds is not None else now_seconds

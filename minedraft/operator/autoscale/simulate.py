@@ -338,7 +338,10 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
             step_seconds = (1.0 / speed) if speed > 0 else 0.0
             for cohort in admitted:
                 prefill_backlog += cohort.count * cohort.prompt_tokens * prefill_per_token
-                ttft = t + elapsed - cohort.arrived + prefill_backlog / ready + step_seconds
+                # Its first token: once the prefill queued before it and its own are done (the fleet's replicas share
+                # the queue, but one prompt is prefilled on one replica).
+                own = cohort.prompt_tokens * prefill_per_token
+                ttft = t + elapsed - cohort.arrived + max(prefill_backlog / ready, own) + step_seconds
                 worst_ttft = max(worst_ttft, ttft)
                 total += cohort.count
                 ttft_sum += ttft * cohort.count
