@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minedraft.operator.autoscale.replica_model import ReplicaModel
+from minedraft.operator.autoscale.replica_model import AnyReplicaModel, load_replica_model
 from minedraft.operator.autoscale.simulate import SimConfig, Trace, load_trace, simulate
 
 SLO_SLACK = 0.005  # SLO misses may exceed the HPA pattern's by at most this (0.5 points)
@@ -121,5 +121,5 @@ def load_traces(directory: Path, names: Sequence[str] | None = None) -> list[Tra
     return traces
 
 
-def load_model(path: Path) -> ReplicaModel:
-    return ReplicaModel.load(path)
+def load_model(path: Path) -> AnyReplicaModel:
+    return load_replica_model(path)

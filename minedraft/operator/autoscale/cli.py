@@ -4,6 +4,7 @@ calibrate the replica model from the engine benchmark's JSON."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -16,28 +17,91 @@ CAPACITY_PRIOR_ACCEPTANCES = (0.8, 0.6, 0.4)
 
 
 def _load_model(args: argparse.Namespace) -> Any:
-    from minedraft.operator.autoscale.replica_model import ReplicaModel
+    from minedraft.operator.autoscale.replica_model import load_replica_model
 
-    return ReplicaModel.load(Path(args.replica_model))
+    return load_replica_model(Path(args.replica_model))
+
+
+def _floats(flag: str, text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise SystemExit(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+
+
+def twin_model(args: argparse.Namespace, prompt_tokens: int, output_tokens: int) -> Any:
+    """The replica model from a cost-curve file through the twin (`minedraft plan`'s figures)."""
+    # The twin runs the engine's planner (zmq and the engine's modules): loaded here, when this command runs, never by
+    # the operator (its image has neither), as `minedraft plan` is by the top-level CLI.
+    twin = importlib.import_module("minedraft.twin.autoscale_model")
+    try:
+        settings = twin.TwinModelSettings(
+            curves=args.curves, target=args.target, drafter=args.drafter,
+            loads=tuple(int(v) for v in _floats("--twin-loads", args.twin_loads)),
+            acceptances=_floats("--twin-acceptances", args.twin_acceptances),
+            prompt_tokens=args.prompt_tokens or prompt_tokens, output_tokens=args.output_tokens or output_tokens,
+            max_batch=args.max_batch, fixed_startup_seconds=args.fixed_startup_seconds,
+            disk_gb_per_second=args.disk_gb_per_second, plan_flags=tuple(args.plan_flag or ()))
+    except ValueError as exc:
+        raise SystemExit(f"autoscale simulate: {exc}") from None
+    return twin.replica_model_from_curves(settings)
+
+
+def capacity_table(model: Any, prompt_tokens: int, output_tokens: int, acceptance: float) -> list[dict[str, Any]]:
+    """Per-replica capacity at each of a twin model's loads: decoding alone, and with each request's prefill."""
+    rows = []
+    for load in model.loads:
+        tps, mode, k = model.best(load, acceptance)
+        rows.append({"load": load, "acceptance": acceptance, "tokens_per_s": round(tps, 1), "mode": mode, "k": k,
+                     "tokens_per_s_with_prefill": round(model.capacity_with_prefill(load, acceptance, prompt_tokens,
+                                                                                    output_tokens), 1)})
+    return rows
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from minedraft.operator.autoscale.replica_model import ReplicaModel
-    from minedraft.operator.autoscale.simulate import SimConfig, load_trace, plot, simulate
+    from minedraft.operator.autoscale.replica_model import TableReplicaModel, load_replica_model
+    from minedraft.operator.autoscale.simulate import SimConfig, load_trace, plot, plot_policies, simulate
 
     trace = load_trace(Path(args.trace))
-    model = ReplicaModel.load(Path(args.replica_model))
-    result = simulate(trace, model, SimConfig(policy=args.policy, hpa_target_per_pod=args.hpa_target,
-                                              target_utilization=args.target_utilization, seed=args.seed))
+    first = trace.rows[0]
+    if args.curves:
+        model = twin_model(args, first.prompt_tokens, first.output_tokens)
+        if args.save_model:
+            Path(args.save_model).write_text(json.dumps(model.to_json(), indent=1) + "\n")
+    else:
+        model = load_replica_model(Path(args.replica_model))
+    policies = ("minedraft", "hpa-queue") if args.policy == "both" else (args.policy,)
+    results = [simulate(trace, model, SimConfig(policy=policy, hpa_target_per_pod=args.hpa_target,
+                                                target_utilization=args.target_utilization, seed=args.seed,
+                                                startup_seconds=args.startup_seconds)) for policy in policies]
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    data = result.to_json()
-    if not args.timeline:
-        data.pop("timeline")
-    out.write_text(json.dumps(data, indent=1) + "\n")
+    runs = []
+    for result in results:
+        data = result.to_json()
+        if not args.timeline:
+            data.pop("timeline")
+        runs.append(data)
+    described: dict[str, Any] = {k: v for k, v in model.to_json().items()
+                                 if k not in ("ar_step", "draft_forward", "sd_extra_per_draft", "psd_ratio",
+                                              "tokens_per_second", "choices")}
+    if isinstance(model, TableReplicaModel):
+        described["capacity"] = capacity_table(model, model.prompt_tokens, model.output_tokens,
+                                               args.capacity_acceptance)
+    body: dict[str, Any] = runs[0] if len(runs) == 1 else {"runs": runs}
+    out.write_text(json.dumps({**body, "replica_model": described}, indent=1) + "\n")
     if args.plot:
-        plot(result, Path(args.plot), trace.slo_ttft_seconds)
-    print(json.dumps(result.summary()))
+        if len(results) == 1:
+            plot(results[0], Path(args.plot), trace.slo_ttft_seconds)
+        else:
+            plot_policies(results, Path(args.plot), trace.slo_ttft_seconds)
+    for result in results:
+        print(json.dumps(result.summary()))
+    if isinstance(model, TableReplicaModel):
+        for row in described["capacity"]:
+            print(f"replica capacity at {row['load']:g} requests, acceptance {row['acceptance']:g}: "
+                  f"{row['tokens_per_s']:.0f} tok/s decoding ({row['mode']} k={row['k']}), "
+                  f"{row['tokens_per_s_with_prefill']:.0f} with prefill")
     return 0
 
 
@@ -143,8 +207,32 @@ def add_subcommands(sub: Any) -> None:
     commands = parser.add_subparsers(dest="autoscale_command", required=True)
     sim = commands.add_parser("simulate", help="replay a trace against the replica model under one policy")
     sim.add_argument("--trace", required=True, help="JSON-lines trace")
-    sim.add_argument("--policy", choices=("minedraft", "hpa-queue"), default="minedraft")
-    sim.add_argument("--replica-model", default=str(DEFAULT_MODEL), help="replica model JSON (default: committed)")
+    sim.add_argument("--policy", choices=("minedraft", "hpa-queue", "both"), default="minedraft",
+                     help="both: the two side by side (one JSON with both runs, one plot)")
+    sim.add_argument("--replica-model", default=str(DEFAULT_MODEL),
+                     help="replica model JSON (default: committed, the CPU calibration); ignored with --curves")
+    sim.add_argument("--startup-seconds", type=float,
+                     help="scale-up to serving (default: the replica model's)")
+    twin = sim.add_argument_group("a replica model from GPU cost curves, through the twin (minedraft plan)")
+    twin.add_argument("--curves", help="a cost-curve file (minedraft-cost-curves/v1): build the replica model from it")
+    twin.add_argument("--target", help="target model in the file (default: its only one)")
+    twin.add_argument("--drafter", help="drafter model in the file (default: its only one)")
+    twin.add_argument("--twin-loads", default="1,2,4,8,16,32,64,128,256", help="requests per replica the twin runs")
+    twin.add_argument("--twin-acceptances", default="0.2,0.4,0.6,0.8,0.9",
+                      help="per-position acceptances the twin runs (the simulator interpolates between them)")
+    twin.add_argument("--prompt-tokens", type=int, help="request shape for the twin (default: the trace's first row)")
+    twin.add_argument("--output-tokens", type=int)
+    twin.add_argument("--max-batch", type=int, default=256, help="the engine's --max-num-seqs (default 256)")
+    twin.add_argument("--disk-gb-per-second", type=float, default=1.0,
+                      help="start-up estimate: the weights' read bandwidth (default 1 GB/s, an estimate)")
+    twin.add_argument("--fixed-startup-seconds", type=float, default=60.0,
+                      help="start-up estimate: scheduling, image, CUDA graphs before the weights (default 60 s)")
+    twin.add_argument("--plan-flag", action="append",
+                      help="a further `minedraft plan` flag as deployed, e.g. --plan-flag=-tp --plan-flag=2")
+    twin.add_argument("--capacity-acceptance", type=float, default=0.8,
+                      help="acceptance of the per-replica capacity table printed (default 0.8)")
+    twin.add_argument("--save-model", help="write the replica model built from the curves here (for "
+                      "--replica-model, check and compare)")
     sim.add_argument("--json", required=True, help="write the result here")
     sim.add_argument("--plot", help="write a PNG of load, replicas and latency here")
     sim.add_argument("--hpa-target", type=float, default=12.0,

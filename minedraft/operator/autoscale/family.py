@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from minedraft.operator.autoscale.replica_model import ReplicaModel
+from minedraft.operator.autoscale.replica_model import AnyReplicaModel
 from minedraft.operator.autoscale.simulate import DEFAULT_SLO_TTFT_SECONDS, SimResult, Trace, TraceRow
 
 SHAPES = ("steady", "step", "ramp", "burst", "diurnal", "quiet", "mixed")
@@ -101,7 +101,7 @@ def _acceptance(rng: random.Random, duration: float) -> list[tuple[float, float]
     return points
 
 
-def make_member(index: int, seed: int, model: ReplicaModel) -> Trace:
+def make_member(index: int, seed: int, model: AnyReplicaModel) -> Trace:
     rng = random.Random(f"{seed}:{index}")
     shape = SHAPES[index % len(SHAPES)]
     duration = float(rng.choice((900, 1200, 1800, 2400)))
@@ -129,7 +129,7 @@ def make_member(index: int, seed: int, model: ReplicaModel) -> Trace:
                                                                          else ""))
 
 
-def make_family(model: ReplicaModel, size: int = FAMILY_SIZE, seed: int = 0,
+def make_family(model: AnyReplicaModel, size: int = FAMILY_SIZE, seed: int = 0,
                 indices: Sequence[int] | None = None) -> list[Trace]:
     return [make_member(i, seed, model) for i in (indices if indices is not None else range(size))]
 
@@ -149,7 +149,7 @@ def subsample(size: int, per_shape: int, seed: int = 0) -> list[int]:
 
 
 @lru_cache(maxsize=4096)
-def full_capacity(model: ReplicaModel, acceptance: float, prompt_tokens: float = 0.0,
+def full_capacity(model: AnyReplicaModel, acceptance: float, prompt_tokens: float = 0.0,
                   output_tokens: float = 0.0) -> float:
     """The most output tokens/s one replica gives at this acceptance (best batch, mode and k), at batches its KV
     cache holds at these lengths."""
@@ -157,7 +157,7 @@ def full_capacity(model: ReplicaModel, acceptance: float, prompt_tokens: float =
     return max(model.best(c, acceptance)[0] for c in range(1, slots + 1))
 
 
-def replicas_busy(model: ReplicaModel, arrival_rps: float, prompt_tokens: float, output_tokens: float,
+def replicas_busy(model: AnyReplicaModel, arrival_rps: float, prompt_tokens: float, output_tokens: float,
                   acceptance: float) -> float:
     """Replicas' worth of time the load takes: decoding its output at full capacity, plus prefilling its prompts."""
     tokens = arrival_rps * output_tokens
@@ -165,7 +165,7 @@ def replicas_busy(model: ReplicaModel, arrival_rps: float, prompt_tokens: float,
     return decode + arrival_rps * prompt_tokens * model.prefill_seconds_per_token
 
 
-def requirement(trace: Trace, model: ReplicaModel) -> list[int]:
+def requirement(trace: Trace, model: AnyReplicaModel) -> list[int]:
     """Per second: the fewest replicas whose full-batch throughput (at the batch their KV cache holds) covers the
     expected output token rate with the time prefill takes."""
     need: list[int] = []
@@ -242,7 +242,7 @@ class PropertyReport:
                 "up_with_spare": self.up_with_spare[:5], "down_while_queue_grows": self.down_while_queue_grows[:5]}
 
 
-def check_properties(result: SimResult, trace: Trace, model: ReplicaModel, need: Sequence[int], *,
+def check_properties(result: SimResult, trace: Trace, model: AnyReplicaModel, need: Sequence[int], *,
                      target_utilization: float, step: int, interval_seconds: float,
                      stabilization_seconds: float, step_percent: float = 0.0) -> PropertyReport:
     """The policy's run against the properties of issue 19, with these definitions:

@@ -41,7 +41,7 @@ from minedraft.operator.autoscale.policy import (
     evaluate_early,
     wake_from_zero,
 )
-from minedraft.operator.autoscale.replica_model import ReplicaModel, acceptance_rate_metric, accepted_length
+from minedraft.operator.autoscale.replica_model import AnyReplicaModel, acceptance_rate_metric, accepted_length
 from minedraft.operator.settings import OperatorSettings
 
 POLICIES = ("minedraft", "hpa-queue", "oracle")
@@ -217,7 +217,7 @@ class SimConfig:
     prompt_signals: bool = True
 
 
-def initial_replicas(trace: Trace, model: ReplicaModel, target_utilization: float) -> int:
+def initial_replicas(trace: Trace, model: AnyReplicaModel, target_utilization: float) -> int:
     row = trace.rows[0]
     capacity = model.best(model.slots(row.prompt_tokens, row.output_tokens), row.acceptance_rate)[0]
     prefill = row.arrival_rps * row.prompt_tokens * model.prefill_seconds_per_token
@@ -225,7 +225,7 @@ def initial_replicas(trace: Trace, model: ReplicaModel, target_utilization: floa
     return max(trace.min_replicas, min(trace.max_replicas, need))
 
 
-def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
+def simulate(trace: Trace, model: AnyReplicaModel, config: SimConfig) -> SimResult:
     if config.policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)} (got {config.policy!r})")
     if config.policy == "oracle" and not config.schedule:
@@ -517,6 +517,63 @@ def plot(result: SimResult, path: Path, slo_ttft_seconds: float) -> None:
     axes[2].legend(loc="upper left")
     fig.suptitle(f"{result.trace}: {result.policy} — {result.replica_seconds:.0f} replica-s, "
                  f"{100 * result.slo_violation_fraction:.2f}% SLO violations")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def _rolling(values: list[float], width: int, how: Any = None) -> list[float]:
+    """Trailing mean (or `how`, e.g. max) over `width` seconds: per-second series are too noisy to read."""
+    out = []
+    for i in range(len(values)):
+        window = values[max(0, i - width + 1): i + 1]
+        out.append(how(window) if how is not None else sum(window) / len(window))
+    return out
+
+
+def plot_policies(results: list[SimResult], path: Path, slo_ttft_seconds: float) -> None:
+    """Several policies on one trace, one figure: the load (arrivals, prompt length), each policy's replicas, KV
+    cache in use and prefill share, and worst time to first token."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = results[0].timeline
+    minutes = [t / 60 for t in first["t"]]
+    fig, axes = plt.subplots(4, 1, figsize=(10, 9), sharex=True)
+    axes[0].plot(minutes, first["arrival_rps"], label="arrivals (req/s)")
+    axes[0].set_ylabel("req/s")
+    axes[0].legend(loc="upper left")
+    prompts = axes[0].twinx()
+    prompts.plot(minutes, first["prompt_tokens"], color="tab:purple", alpha=0.6, label="prompt tokens")
+    prompts.set_ylabel("prompt tokens")
+    prompts.legend(loc="upper right")
+    colors = ("tab:blue", "tab:orange", "tab:green")
+    for result, color in zip(results, colors, strict=False):
+        tl = [t / 60 for t in result.timeline["t"]]
+        label = (f"{result.policy}: {result.replica_seconds:.0f} replica-s, "
+                 f"{100 * result.slo_violation_fraction:.2f}% over SLO")
+        axes[1].step(tl, result.timeline["replicas"], where="post", color=color, label=label)
+        axes[1].step(tl, result.timeline["ready"], where="post", color=color, alpha=0.35, linestyle="--")
+        axes[2].plot(tl, _rolling(result.timeline["kv_usage"], 60), color=color,
+                     label=f"{result.policy} KV cache in use")
+        axes[2].plot(tl, _rolling(result.timeline["prefill_share"], 60), color=color, alpha=0.6, linestyle=":",
+                     label=f"{result.policy} prefill share")
+        axes[3].plot(tl, _rolling(result.timeline["ttft_p_max"], 30, max), color=color, alpha=0.8,
+                     label=result.policy)
+    axes[1].set_ylabel("replicas (dashed: ready)")
+    axes[1].legend(loc="upper left", fontsize=8)
+    axes[2].set_ylabel("share (1-min mean)")
+    axes[2].set_ylim(0, 1.05)
+    axes[2].legend(loc="upper left", fontsize=7, ncol=2)
+    axes[3].axhline(slo_ttft_seconds, color="red", linestyle="--", label="SLO")
+    axes[3].set_yscale("symlog", linthresh=1.0)
+    axes[3].set_ylim(bottom=0)
+    axes[3].set_ylabel("worst TTFT, 30 s (s)")
+    axes[3].set_xlabel("minutes")
+    axes[3].legend(loc="upper left", fontsize=8)
+    fig.suptitle(f"{results[0].trace}, start-up {results[0].startup_seconds:.0f} s")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
