@@ -1,11 +1,16 @@
 """The autoscaling simulator's replica model from a cost-curve file, through the twin (`minedraft autoscale simulate
 --curves FILE`): one model of a replica for `minedraft plan` and the autoscaler's simulator.
 
-Every figure comes from the twin's public functions: the decode capacity per load and acceptance is what
-`minedraft plan` reports for the engine's auto mode (the same parser and defaults, prefill left out: the simulator
-prices prefill itself, per prompt token); the KV cache's tokens are plan's (`capacity.by_family.auto`); the prefill
-time per prompt token is `twin.capacity.prefill_ms` at the workload's prompt length; the start-up is an estimate
-from the weights' bytes (`twin.capacity.footprint`) and a disk bandwidth, labelled as such.
+Every figure comes from the twin's public functions: the capacity per load and acceptance is what `minedraft plan`
+reports for the engine's auto mode (the same parser and defaults, prefill priced at the workload's prompt length);
+the KV cache's tokens are plan's (`capacity.by_family.auto`); the prefill time per prompt token is
+`twin.capacity.prefill_ms` at that prompt length; the start-up is an estimate from the weights' bytes
+(`twin.capacity.footprint`) and a disk bandwidth, labelled as such.
+
+The simulator prices prefill apart (a replica prefilling is not decoding: decoding at D tok/s while each request's
+O output tokens bring P prompt tokens at p s each gives T = D / (1 + D P p / O)), so the table holds the decode rate
+D that gives plan's T back at the workload's lengths, D = T / (1 - T P p / O): at those lengths the simulator and
+plan agree by construction, and at other prompt lengths (a growing-prompt trace) the time share moves with P.
 """
 
 from __future__ import annotations
@@ -82,13 +87,17 @@ def replica_model_from_curves(settings: TwinModelSettings, progress: bool = True
     rows: list[tuple[float, ...]] = []
     choices: list[tuple[tuple[str, int], ...]] = []
     capacity: dict[str, object] = {}
+    plan_prefill_ms_per_token: float | None = None
     for acceptance in sorted(settings.acceptances):
         if progress:
             print(f"autoscale: the twin at acceptance {acceptance:g}, loads {', '.join(map(str, loads))}",
                   file=sys.stderr, flush=True)
-        result = run_plan(plan_arguments(settings, loads, acceptance))
+        result = run_plan(plan_arguments(settings, loads, acceptance, prefill=True))
         points = auto_tokens_per_second(result)
-        rows.append(tuple(tps for _, tps, _, _ in points))
+        plan_prefill = result.get("prefill") or {}
+        plan_prefill_ms_per_token = float(plan_prefill.get("ms_per_token", 0.0))  # type: ignore[attr-defined]
+        prefill_share = plan_prefill_ms_per_token / 1000.0 * settings.prompt_tokens / max(settings.output_tokens, 1)
+        rows.append(tuple(tps / max(1.0 - tps * prefill_share, 1e-6) for _, tps, _, _ in points))
         choices.append(tuple((mode, k) for _, _, mode, k in points))
         capacity = dict(result.get("capacity") or {})  # type: ignore[call-overload]
     curves = load_curves(settings.curves)
@@ -104,7 +113,8 @@ def replica_model_from_curves(settings: TwinModelSettings, progress: bool = True
     startup = settings.fixed_startup_seconds + load_seconds
     assumptions = (
         f"decode capacity: minedraft plan (the twin) on {settings.curves}, the auto entry at each load and acceptance, "
-        f"{settings.prompt_tokens} + {settings.output_tokens}-token requests, prefill left out (priced apart)",
+        f"{settings.prompt_tokens} + {settings.output_tokens}-token requests, with the prefill's time share taken "
+        "out (the simulator prices prefill apart and gives plan's figure back at these lengths)",
         f"kv_capacity_tokens {kv_tokens:.0f}: minedraft plan's KV pool for auto" if kv_tokens is not None
         else "kv_capacity_tokens: none (plan ran without a KV limit)",
         f"prefill_seconds_per_token {prefill.ms / max(settings.prompt_tokens, 1):.4f} ms: "
@@ -117,6 +127,8 @@ def replica_model_from_curves(settings: TwinModelSettings, progress: bool = True
         loads=tuple(float(c) for c in loads), acceptances=tuple(sorted(settings.acceptances)),
         tokens_per_second=tuple(rows), choices=tuple(choices), max_batch=settings.max_batch,
         startup_seconds=round(startup, 1), kv_capacity_tokens=kv_tokens,
-        prefill_seconds_per_token=prefill.ms / 1000.0 / max(settings.prompt_tokens, 1), assumptions=assumptions,
+        # plan's own figure (the one its tokens/s paid), which is the twin's prefill_ms at this prompt length.
+        prefill_seconds_per_token=(plan_prefill_ms_per_token if plan_prefill_ms_per_token is not None
+                                   else prefill.ms / max(settings.prompt_tokens, 1)) / 1000.0, assumptions=assumptions,
         source=f"{curves.device}: {target} + {drafter}", prompt_tokens=settings.prompt_tokens,
         output_tokens=settings.output_tokens)

@@ -144,7 +144,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     except ValueError:
         raise SystemExit(f"--startup-seconds: expected comma-separated numbers, got {args.startup_seconds!r}") from None
     names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
-    rows = run(load_traces(Path(args.traces), names), model, startups, hpa_target=args.hpa_target, seed=args.seed,
+    try:
+        seeds = [int(v) for v in args.seeds.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
+    rows = run(load_traces(Path(args.traces), names), model, startups, hpa_target=args.hpa_target, seeds=seeds,
                workers=args.workers)
     command = "minedraft autoscale check " + " ".join(sys.argv[3:])
     text = markdown(rows, command)
@@ -269,7 +273,8 @@ def add_subcommands(sub: Any) -> None:
     chk.add_argument("--replica-model", default=str(DEFAULT_MODEL))
     chk.add_argument("--startup-seconds", default="40,180", help="comma-separated start-up delays (default 40,180)")
     chk.add_argument("--hpa-target", type=float, default=12.0)
-    chk.add_argument("--seed", type=int, default=0)
+    chk.add_argument("--seeds", default="0,1,2",
+                     help="seeds of the Poisson arrivals, comma-separated; figures are pooled over them")
     chk.add_argument("--workers", type=int, help="simulations in parallel (default: one per CPU)")
     chk.add_argument("--out", help="also write the table here")
     chk.set_defaults(func=cmd_check)

@@ -376,10 +376,18 @@ class TableReplicaModel:
         a0, a1, wa = _bracket(self.acceptances, acceptance)
         l0, l1, wl = _bracket(self.loads, c, log=True)
 
-        def at(row: tuple[float, ...]) -> float:
-            return row[l0] * (1 - wl) + row[l1] * wl
+        def at(i: int) -> float:
+            """Row i's tokens/s at this load, carried to this acceptance along its mode's accepted length: tokens
+            per verification grow as L(a, k) = 1 + a + ... + a^k, convex in a, which a straight line between two
+            acceptances would overstate (outside the grid the edge holds)."""
+            row = self.tokens_per_second[i]
+            tps = row[l0] * (1 - wl) + row[l1] * wl
+            mode, k = self.choices[i][l1 if wl >= 0.5 else l0]
+            if a0 == a1 or mode == "ar" or k <= 0:
+                return tps
+            return tps * accepted_length(acceptance, k) / accepted_length(self.acceptances[i], k)
 
-        tps = at(self.tokens_per_second[a0]) * (1 - wa) + at(self.tokens_per_second[a1]) * wa
+        tps = at(a0) * (1 - wa) + at(a1) * wa
         if c < self.loads[0]:
             tps *= c / self.loads[0]  # fewer requests than the first load: as many shares of its per-request speed
         mode, k = self.choices[a1 if wa >= 0.5 else a0][l1 if wl >= 0.5 else l0]
