@@ -40,6 +40,17 @@ the requests in the system visibly rise (the rates lag a rise). Replicas still
 starting count as capacity (current = spec.replicas, not ready replicas), so a slow model load does not trigger a
 cascade of scale-ups. Missing or stale metrics: no decision, ``metrics_available``
 False with why.
+
+No churn: every scale-up (a surge's included) is remembered with its count, and the scale-down does not go below it
+until all its replicas report, no request waits, and ``scale_up_hold_seconds`` has passed since (`settle_scale_ups`):
+a replica asked for is not removed before it has served.
+
+Prompts are load too. The KV cache: the share of one replica's cache a running request holds (the engines' KV usage
+x replicas / running, a minute's mean) gives the requests a replica holds (`kv_slots`), fewer than --max-num-seqs
+where prompts are long; capacity, the planned batch and the surge rule are judged at that batch, and the caches in
+use are sized for the target utilisation (grown along a rising share per request, as prompts grow, to when new
+replicas serve). Prefill: the replicas' seconds per second spent prefilling are time they do not decode, added to
+decoding's replicas. Which signal set the recommendation (SIGNALS) is recorded with the decision.
 """
 
 from __future__ import annotations
@@ -68,6 +79,8 @@ PRIOR_STARTUP_SECONDS = 60.0
 SIGNALS = ("tokens", "prefill", "kv", "surge", "queue")
 # A surge is a rise of the requests in the system by more than this many standard deviations of a Poisson count.
 SURGE_NOISE = 2.0
+# The scale-down window is at least this many measured start-ups (stabilization_seconds).
+STARTUP_WINDOWS = 3.0
 # The KV share per request is the mean of this long's samples.
 KV_SHARE_SECONDS = 60.0
 # Below this KV usage the per-request share is too noisy to size from (a few short requests on an idle replica).
@@ -530,6 +543,18 @@ def kv_slots(config: PolicyConfig, share: float | None) -> float:
     return max(1.0, min(float(config.requests_per_replica), math.floor(1.0 / share)))
 
 
+def stabilization_seconds(config: PolicyConfig, state: PolicyState) -> float:
+    """The scale-down window: the configured one, or STARTUP_WINDOWS measured start-ups if longer.
+
+    A replica removed and needed again costs a start-up during which the load waits for it: where start-ups are long
+    (a GPU pod loading tens of GB), a dip must last longer before a scale-down pays. The HPA's 300 s is five start-ups
+    of a minute; at 180 s it is fewer than two."""
+    window = config.scale_down_stabilization_seconds
+    if state.startup_seconds is not None:
+        window = max(window, STARTUP_WINDOWS * state.startup_seconds)
+    return window
+
+
 def settle_scale_ups(config: PolicyConfig, scale_ups: tuple[tuple[float, int, float | None], ...], current: int,
                      obs: Observations, now_seconds: float) -> tuple[tuple[float, int, float | None], ...]:
     """Mark the scale-ups whose replicas all serve with no request waiting, and forget those held long enough."""
@@ -691,7 +716,7 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
                     prefill_share=round(prefill / obs.reporting_replicas, 4) if obs.prefill_seconds_per_second
                     is not None else None, kv_replicas=round(kv_replicas, 3),
                     prefill_replicas=round(prefill_replicas, 3))
-    window = config.scale_down_stabilization_seconds
+    window = stabilization_seconds(config, state)
     history = (*((t, r) for t, r in state.recommendations if t > now_seconds - window), (now_seconds, steady))
     first = state.first_observed_seconds if state.first_observed_seconds is not None else now_seconds
     previous_in_system = state.last_in_system[1] if state.last_in_system is not None else None

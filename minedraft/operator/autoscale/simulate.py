@@ -279,7 +279,7 @@ def simulate(trace: Trace, model: AnyReplicaModel, config: SimConfig) -> SimResu
     decisions: list[dict[str, Any]] = []
     timeline: dict[str, list[float]] = {k: [] for k in ("t", "arrival_rps", "acceptance", "replicas", "ready",
                                                         "queue", "in_system", "ttft_p_max", "prompt_tokens",
-                                                        "kv_usage", "prefill_share")}
+                                                        "kv_usage", "prefill_share", "kv_full")}
     last_direction = 0
     direction_changes = 0
     # Reaction to the trace's event: the first decision after it that asks for more replicas than ran at it.
@@ -475,6 +475,7 @@ def simulate(trace: Trace, model: AnyReplicaModel, config: SimConfig) -> SimResu
         timeline["prompt_tokens"].append(float(row.prompt_tokens))
         timeline["kv_usage"].append(kv_usage if kv_usage is not None else 0.0)
         timeline["prefill_share"].append(prefilled / ready if ready else 0.0)
+        timeline["kv_full"].append(1.0 if kv_full else 0.0)
     # Requests never admitted by the end of the trace: counted as violations if they already waited too long.
     end = float(duration)
     for cohort in queue:

@@ -217,3 +217,19 @@ def test_check_names_every_failure_of_the_bar() -> None:
     assert good["40"]["failures"] == [] and good["40"]["replica_seconds_ratio"] == 0.7
     bad = verdict([row("minedraft", 90, 0.02, soon=1, removed=2, changes=3), row("hpa-queue", 100, 0.01)])
     assert len(bad["40"]["failures"]) == 5, bad
+
+
+def test_the_scale_down_window_is_at_least_three_start_ups() -> None:
+    """With start-ups measured at 180 s a need of 6 replicas 400 s ago still holds them (540 s window); with the
+    prior's (unmeasured) start-up the configured 300 s applies and they go."""
+    from minedraft.operator.autoscale.policy import stabilization_seconds
+
+    config = replace(CONFIG, scale_down_stabilization_seconds=300.0)
+    assert stabilization_seconds(config, PolicyState()) == 300.0
+    assert stabilization_seconds(config, PolicyState(startup_seconds=40.0)) == 300.0
+    assert stabilization_seconds(config, PolicyState(startup_seconds=180.0)) == 540.0
+    idle = obs(2, replicas=6)
+    for startup, expected in ((180.0, 6), (None, 1)):
+        state = PolicyState(first_observed_seconds=-2000.0, recommendations=((0.0, 6),), startup_seconds=startup)
+        decision, _ = decide(config, state, 6, idle, 400.0)
+        assert decision.desired == expected, decision.reason
