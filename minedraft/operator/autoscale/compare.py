@@ -219,9 +219,11 @@ def sweep_plot(sweep: list[dict[str, Any]], minedraft: dict[str, Any], path: Pat
 
 def markdown(summary: dict[str, Any], command: str) -> str:
     seeds = summary["seeds"]
+    model = summary["replica_model"]
+    sources = model.get("calibrated_from") or [model.get("source", "?")]  # a twin-built model names its source
     lines = ["# Autoscaling: minedraft vs hpa-queue in the simulator", "",
              f"- command: `{command}`",
-             f"- replica model: calibrated from {', '.join(summary['replica_model']['calibrated_from'])} "
+             f"- replica model: calibrated from {', '.join(sources)} "
              f"(startup {summary['replica_model']['startup_seconds']:.0f} s, batch "
              f"{summary['replica_model']['max_batch']}, speedup {summary['replica_model'].get('speedup', 1):g}, "
              f"modes {', '.join(summary['replica_model'].get('modes', ()))})",
