@@ -21,8 +21,7 @@ from typing import Any
 import aiohttp.web
 import attrs
 import jsonpatch
-from kmock import KubernetesEmulator, KubernetesError, KubernetesObjectNotFoundError, action, resource
-from kmock._internal import dicts, rendering
+from kmock import KubernetesEmulator, KubernetesError, KubernetesObjectNotFoundError, Payload, Request, action, resource
 
 APPLY_PATCH = "application/apply-patch+yaml"
 
@@ -33,6 +32,20 @@ def _now() -> str:
 
 def _without(obj: dict[str, Any], *keys: str) -> dict[str, Any]:
     return {k: v for k, v in obj.items() if k not in keys}
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch (what `kubectl patch --type=merge` sends; also the default of kopf's patches): a
+    null removes the key, objects merge recursively, anything else replaces."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
 
 
 @attrs.define(kw_only=True)
@@ -74,13 +87,13 @@ class KubeEmulator(KubernetesEmulator):
             meta["generation"] = int(old_meta.get("generation", 1)) + (1 if changed else 0)
         return new
 
-    def _current(self, request: rendering.Request) -> dict[str, Any] | None:
+    def _current(self, request: Request) -> dict[str, Any] | None:
         key = (request.resource, request.namespace, request.name)
         if key not in self.objects or self.objects[key].deleted:
             return None
         return copy.deepcopy(self.objects[key].raw)
 
-    async def _store(self, request: rendering.Request, new: dict[str, Any], event: str) -> dict[str, Any]:
+    async def _store(self, request: Request, new: dict[str, Any], event: str) -> dict[str, Any]:
         assert request.resource is not None
         key = (request.resource, request.namespace, new["metadata"]["name"])
         if key in self.objects:
@@ -96,7 +109,7 @@ class KubeEmulator(KubernetesEmulator):
 
     # -- verbs ---------------------------------------------------------------------------------------------------
 
-    async def _create(self, request: rendering.Request, body: dict[str, Any]) -> aiohttp.web.StreamResponse:
+    async def _create(self, request: Request, body: dict[str, Any]) -> aiohttp.web.StreamResponse:
         body = copy.deepcopy(body)
         meta = body.setdefault("metadata", {})
         if not meta.get("name") and meta.get("generateName"):
@@ -113,7 +126,7 @@ class KubeEmulator(KubernetesEmulator):
             raise KubernetesError(status=409, reason="AlreadyExists", message=f"{meta['name']} already exists")
         return self._json(await self._store(request_for_name, self._stamp(body, None), "ADDED"), 201)
 
-    async def _update(self, request: rendering.Request, old: dict[str, Any], new: dict[str, Any],
+    async def _update(self, request: Request, old: dict[str, Any], new: dict[str, Any],
                       status_only: bool) -> aiohttp.web.StreamResponse:
         assert request.resource is not None
         if status_only:
@@ -133,7 +146,7 @@ class KubeEmulator(KubernetesEmulator):
             await self._finish_delete(request)
         return self._json(stored)
 
-    async def _finish_delete(self, request: rendering.Request) -> dict[str, Any]:
+    async def _finish_delete(self, request: Request) -> dict[str, Any]:
         assert request.resource is not None
         key = (request.resource, request.namespace, request.name)
         last = copy.deepcopy(self.objects[key].raw)
@@ -141,7 +154,7 @@ class KubeEmulator(KubernetesEmulator):
         await self._buses[request.resource].put({"type": "DELETED", "object": last})
         return last
 
-    async def _patch(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _patch(self, request: Request) -> aiohttp.web.StreamResponse:
         content_type = (request.headers.get("Content-Type") or "").split(";")[0].strip()
         old = self._current(request)
         status_only = request.subresource == "status"
@@ -157,20 +170,20 @@ class KubeEmulator(KubernetesEmulator):
             return await self._update(request, old, new, status_only)
         try:
             if isinstance(request.data, list):
-                new = dict(dicts.json_patch_dict(old, request.data))
+                new = jsonpatch.apply_patch(old, request.data, in_place=False)
             else:
-                new = dict(dicts.patch_dict(copy.deepcopy(old), request.data or {}))
+                new = merge_patch(old, request.data or {})
         except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict) as exc:
             raise KubernetesError(status=422, reason="Invalid", message=str(exc)) from exc
         return await self._update(request, old, new, status_only)
 
-    async def _put(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _put(self, request: Request) -> aiohttp.web.StreamResponse:
         old = self._current(request)
         if old is None:
             raise KubernetesObjectNotFoundError()
         return await self._update(request, old, copy.deepcopy(request.data), request.subresource == "status")
 
-    async def _delete(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _delete(self, request: Request) -> aiohttp.web.StreamResponse:
         old = self._current(request)
         if old is None:
             raise KubernetesObjectNotFoundError()
@@ -182,7 +195,7 @@ class KubeEmulator(KubernetesEmulator):
             return self._json(old)
         return self._json(await self._finish_delete(request))
 
-    async def _scale(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _scale(self, request: Request) -> aiohttp.web.StreamResponse:
         """The /scale subresource: an autoscaling/v1 Scale view of spec.replicas (as the CRD's paths declare)."""
         old = self._current(request)
         if old is None:
@@ -216,14 +229,14 @@ class KubeEmulator(KubernetesEmulator):
             await bus.put({"type": "BOOKMARK", "object": {"metadata": {"namespace": namespace, "name": "",
                                                                        "resourceVersion": "0"}}})
 
-    async def _serve_watch(self, request: rendering.Request) -> Any:
+    async def _serve_watch(self, request: Request) -> Any:
         epoch = self._watch_epoch
         async for item in super()._serve_watch(request):
             if self._watch_epoch != epoch:
                 return
             yield item
 
-    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _handle(self, request: Request) -> aiohttp.web.StreamResponse:
         if self.accepted_tokens is not None:
             auth = request.headers.get("Authorization") or ""
             if auth.removeprefix("Bearer ").strip() not in self.accepted_tokens:
@@ -245,11 +258,11 @@ class KubeEmulator(KubernetesEmulator):
 
     # -- reads: fix what Go clients and kopf need ---------------------------------------------------------------
 
-    async def _serve_server_version(self, request: rendering.Request) -> rendering.Payload:
+    async def _serve_server_version(self, request: Request) -> Payload:
         return {"major": "1", "minor": str(self.server_minor), "gitVersion": f"v1.{self.server_minor}.0",
                 "platform": "linux/amd64"}
 
-    async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
+    async def _serve_list(self, request: Request) -> Payload:
         result = await super()._serve_list(request)
         assert isinstance(result, dict) and request.resource is not None
         group, version = request.resource.group, request.resource.version
@@ -257,7 +270,7 @@ class KubeEmulator(KubernetesEmulator):
                 "kind": f"{self._kind(request.resource)}List",
                 **result, "metadata": {"resourceVersion": str(next(self._versions))}}
 
-    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
+    async def _serve_version(self, request: Request) -> Payload:
         result = await super()._serve_version(request)
         assert isinstance(result, dict) and request.resource is not None
         if request.resource.group == "":
