@@ -164,10 +164,10 @@ echo "--- the gateway image's own environment:"
 'matplotlib', 'scipy')})"
 
 # -- the operator image ------------------------------------------------------------------------------------------------------
-echo "--- the operator image: minedraft operator render examples/minimal.yaml (as any UID, read-only):"
+echo "--- the operator image: minedraft operator render -f examples/minimal.yaml (as any UID, read-only):"
 "${CTR[@]}" run --rm --network=none --read-only --tmpfs /tmp --user 123456 -v "$PWD/examples:/examples:ro" \
-  "localhost/minedraft/operator:$TAG" operator render /examples/minimal.yaml | grep -E '^(kind|  name):' | paste - - \
-  | head -20
+  "localhost/minedraft/operator:$TAG" operator render -f /examples/minimal.yaml | "$VENV/bin/python" -c \
+  "import sys, yaml; [print(d['kind'], d['metadata']['name']) for d in yaml.safe_load_all(sys.stdin) if d]"
 
 # -- the engine image, as far as this machine allows ------------------------------------------------------------------------
 echo "--- the engine image (not built here: vLLM's CUDA build and its torch are several GB and need a GPU to run):"
