@@ -221,6 +221,19 @@ def test_make_push_builds_and_pushes_each_image() -> None:
     assert len(lines) == 6
 
 
+def test_images_smoke_is_opt_in_and_builds_on_the_dockerfiles_base_argument() -> None:
+    """`make images-smoke` runs scripts/images_smoke.sh, which `make test` does not; the script builds with the
+    Dockerfiles' BASE_IMAGE build argument, whose default is the published base."""
+    smoke = make("images-smoke")
+    assert smoke.returncode == 0 and "bash scripts/images_smoke.sh" in smoke.stdout, smoke
+    assert "images_smoke" not in make("test").stdout
+    script = (ROOT / "scripts" / "images_smoke.sh").read_text()
+    assert '--build-arg "BASE_IMAGE=$BASE"' in script
+    for name, image in images().items():
+        assert image.base == "python:3.11-slim-bookworm", name  # the ARG's default: what `make images` builds on
+        assert "ARG BASE_IMAGE=python:3.11-slim-bookworm\nFROM ${BASE_IMAGE}\n" in image.path.read_text(), name
+
+
 def test_make_images_needs_a_registry() -> None:
     for goal in ("images", "push", "image-engine"):
         result = make(goal)
