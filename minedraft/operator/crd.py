@@ -96,9 +96,10 @@ def _env_var_source() -> Schema:
 def _toleration() -> Schema:
     """core/v1 Toleration with the API server's own checks (a bad one would fail only in the derived Deployment)."""
     return _obj("A core/v1 Toleration.", {
-        "key": _str("Taint key (empty with operator Exists: every taint).", pattern=f"{s.LABEL_KEY_PATTERN}|^$"),
+        "key": _str("Taint key (empty with operator Exists: every taint).", pattern=f"{s.LABEL_KEY_PATTERN}|^$",
+                    maxLength=317),
         "operator": _str("Exists or Equal (the default).", enum=list(s.TOLERATION_OPERATORS)),
-        "value": _str("Taint value (operator Equal)."),
+        "value": _str("Taint value (operator Equal).", maxLength=63),
         "effect": _str("Taint effect (empty: all).", enum=["", *s.TAINT_EFFECTS]),
         "tolerationSeconds": {"type": "integer", "format": "int64",
                               "description": "With effect NoExecute: seconds the pod stays after the taint."},
@@ -209,7 +210,8 @@ def spec_schema() -> Schema:
                                                     "(core/v1 EnvVar: name with value or valueFrom).",
                     "items": _obj("A core/v1 EnvVar.", {
                         "name": _str("Variable name.", minLength=1, pattern=s.ENV_NAME_PATTERN),
-                        "value": _str("The value (a string: quote numbers and booleans)."),
+                        "value": _str("The value (a string: quote numbers and booleans).",
+                                      maxLength=s.MAX_ENV_VALUE_LENGTH),
                         "valueFrom": _env_var_source()}, required=["name"], **{"x-kubernetes-validations": [_rule(
                             "!has(self.valueFrom) || !has(self.value) || self.value == ''",
                             "valueFrom must not be set together with a non-empty value", ".valueFrom")]}),
@@ -305,6 +307,9 @@ def spec_schema() -> Schema:
             "speculation": _obj("What each engine may choose between when it adapts its speculation.", {
                 "allowedModes": {"type": "array", "description": "Modes auto mode switches between (psd, sd, ar).",
                                  "items": _str("A mode.", enum=list(s.AUTO_MODES)), "minItems": 1,
+                                 # Bounded: a rule iterates it, and the API server prices an unbounded string list
+                                 # at a million items (over its per-rule cost limit: the CRD would be refused).
+                                 "maxItems": len(s.AUTO_MODES),
                                  "default": list(bounds.allowed_modes), "x-kubernetes-list-type": "set"},
                 "minSpeculativeTokens": _int("Shortest draft length.", default=bounds.min_speculative_tokens,
                                              **k_range),

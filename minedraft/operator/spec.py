@@ -113,6 +113,8 @@ MAX_DRAFTER_WINDOW = 1_000_000
 SERVED_NAME_PATTERN = r"^[!-,.-~][!-~]{0,255}$"
 _SERVED_NAME = re.compile(SERVED_NAME_PATTERN)
 MAX_SERVED_MODEL_NAMES = 16
+# An engine environment variable's value (bounded so the CEL rules that read it have a price the API server accepts).
+MAX_ENV_VALUE_LENGTH = 1 << 20
 # Service names are DNS-1035 labels: a letter first (a Service named "7b-engine" is refused).
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _ENV_NAME = re.compile(ENV_NAME_PATTERN)
