@@ -260,6 +260,9 @@ def spec_schema() -> Schema:
                              "gateway's auth on, the engines require its bearer token on this port and on gRPC.",
                              minimum=0, maximum=65535),
         }, default={}, **{"x-kubernetes-validations": [
+            _rule(f"self.targetGPUs in {list(s.TARGET_TP_SIZES)}",
+                  "targetGPUs must be 1, 2, 4 or 8: the target's tensor-parallel size must divide its KV heads (3, 5, "
+                  "6 and 7 divide none of an 8-KV-head model's)", ".targetGPUs", reason="FieldValueNotSupported"),
             _rule("self.drafterBackend != 'torch'", "torch is the CPU drafter; engine pods run on GPUs: use vllm",
                   ".drafterBackend", reason="FieldValueNotSupported"),
             # Written --flag, --flag=value or "--flag value", with '-' or '_' inside the name (vLLM takes both).
@@ -394,6 +397,10 @@ def spec_schema() -> Schema:
         _rule("self.gateway.enabled || !has(self.gateway.tlsSecretRef)",
               "tlsSecretRef needs gateway.enabled: without the gateway nothing serves TLS", ".gateway.tlsSecretRef",
               reason="FieldValueForbidden"),
+        _rule("!has(self.drafterPool) || !has(self.engine.maxModelLen) || "
+              "self.drafterPool.window < self.engine.maxModelLen",
+              "drafterPool.window must be shorter than engine.maxModelLen: a window at or beyond the engines' context "
+              "bounds nothing", ".drafterPool.window"),
         _rule("!has(self.drafterPool) || self.speculation.mode in ['psd', 'sd', 'auto']",
               "drafterPool needs speculation.mode psd, sd or auto (the modes that draft with the minedraft drafter)",
               ".drafterPool"),
@@ -410,7 +417,9 @@ def _drafter_pool() -> Schema:
         "replicas": _int("Drafter pool replicas. With minReplicas/maxReplicas the operator writes it (the pool's "
                          "autoscaling) and runs it clamped into those bounds.", default=pool.replicas, minimum=0,
                          maximum=64),
-        "gpus": _int("GPUs per drafter pod (0: the drafter runs on CPUs).", default=pool.gpus, minimum=0, maximum=8),
+        "gpus": _int("GPUs per drafter pod: 1, or 0 (the drafter runs on CPUs, backend torch). The drafter has no "
+                     "tensor parallelism: more drafting needs more replicas, not more GPUs per pod.",
+                     default=pool.gpus, minimum=0, maximum=1),
         "backend": _str("Drafter backend: vllm (any architecture) or torch (Llama/Qwen3, with window support).",
                         enum=list(s.DRAFTER_BACKENDS), default=pool.backend),
         "window": _int("torch backend: each draft step reads at most the last window tokens of a context plus 4 "
@@ -430,10 +439,21 @@ def _drafter_pool() -> Schema:
                             "engines), never below this.", minimum=1, maximum=64),
         "maxReplicas": _int("With minReplicas: the most pool replicas the operator scales to.", minimum=1,
                             maximum=64),
+        "maxNumSeqs": _int("Requests one pool pod holds at once (all the engines it serves; the torch backend "
+                           "preallocates KV for 2 x maxNumSeqs + 8 of them). Unset: engine.maxNumSeqs times "
+                           "autoscaling.maxReplicas, or times "
+                           f"{s.DEFAULT_POOL_ENGINES_PER_POD} with fixed replicas. Never the live replica count: "
+                           "the pool's pods do not restart when the engines scale.", minimum=1,
+                           maximum=s.MAX_POOL_NUM_SEQS),
+        "gpuMemory": _quantity("Memory of each pool GPU: the torch backend's preallocated KV must fit in 90% of it "
+                               "(checked by the operator for the drafts it knows).", pool.gpu_memory),
         "targetUtilization": _num("Autoscaled pool: the share of time each pool replica spends drafting to plan for, "
                                   "in (0, 1].", default=pool.target_utilization, minimum=0, exclusiveMinimum=True,
                                   maximum=1),
     }, required=["tokenSecretRef"], **{"x-kubernetes-validations": [
+        _rule("self.gpus > 0 || self.backend == 'torch'",
+              "a CPU pool (drafterPool.gpus 0) needs backend torch: the vLLM drafter needs a GPU", ".backend",
+              reason="FieldValueNotSupported"),
         _rule("self.window == 0 || self.backend == 'torch'",
               "drafterPool.window needs backend torch (vLLM's sliding window keeps no sink tokens)", ".window"),
         _rule(f"self.port != {s.DRAFTER_METRICS_PORT}",

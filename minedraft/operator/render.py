@@ -451,13 +451,13 @@ def engine_service(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
     }
 
 
-def engine_pdb(meta: s.ObjectMeta) -> Manifest:
+def engine_pdb(meta: s.ObjectMeta, component: str = "engine") -> Manifest:
     # maxUnavailable rather than minAvailable: a one-replica MineDraft can still be drained.
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(meta, names(meta)["engine"], "engine"),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(meta, "engine")}},
+        "metadata": _metadata(meta, names(meta)[component], component),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(meta, component)}},
     }
 
 
@@ -738,14 +738,15 @@ def drafter_command(spec: s.MineDraftSpec) -> list[str]:
            "--model", _model_location("draft", spec.draft), "--token-file", f"{DRAFTER_TOKEN_DIR}/token",
            "--backend", pool.backend, "--max-queued-jobs", str(pool.max_queued_jobs),
            "--metrics-port", str(DRAFTER_METRICS_PORT),
-           # Every engine's sub-batches together: the pool holds the requests of all replicas.
-           "--max-num-seqs", str(spec.engine.max_num_seqs * max(1, spec.desired_replicas))]
+           # From bounds (maxNumSeqs, autoscaling.maxReplicas), never the live replica count: the pod template stays
+           # the same when the engines scale, so the pool does not roll (and break its sessions) on every decision.
+           "--max-num-seqs", str(s.pool_max_num_seqs(spec)),
+           # Always passed: `auto` resolves in the drafter as the engines resolve it (a 16-bit dtype on a GPU).
+           "--dtype", spec.engine.dtype]
     if pool.backend == "torch" and pool.gpus:
         cmd += ["--device", "cuda"]
     if pool.window:
         cmd += ["--window", str(pool.window)]
-    if spec.engine.dtype != s.EngineSpec().dtype:
-        cmd += ["--dtype", spec.engine.dtype]
     if spec.engine.max_model_len is not None:
         cmd += ["--max-model-len", str(spec.engine.max_model_len)]
     overrides = _target_hf_overrides(spec.engine)
@@ -816,7 +817,10 @@ def drafter_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Rende
         "spec": {
             "replicas": pool.desired_replicas,
             "selector": {"matchLabels": selector_labels(meta, "drafter")},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            # A GPU pool rolls as the engines do (Replace where no spare GPU is free for a surge pod); a CPU pool
+            # surges.
+            "strategy": engine_strategy(spec.engine) if pool.gpus else engine_strategy(
+                replace(spec.engine, rollout_strategy="Surge")),
             "template": {"metadata": {"labels": _labels(meta, "drafter")}, "spec": pod_spec},
         },
     }
@@ -888,6 +892,9 @@ def render(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | N
             manifests.append(gateway_network_policy(spec, meta, options))
     if spec.drafter_pool is not None:
         manifests += [drafter_service(spec, meta), drafter_deployment(spec, meta, options)]
+        if spec.engine.pod_disruption_budget:
+            # A node drain takes one pool pod at a time (engines decode without drafts meanwhile, never all at once).
+            manifests.append(engine_pdb(meta, "drafter"))
         if options.network_policy:
             manifests.append(drafter_network_policy(spec, meta, options))
         if options.monitoring:
@@ -906,7 +913,7 @@ def all_kinds_and_names(meta: s.ObjectMeta) -> list[tuple[str, str]]:
             ("Service", n["gateway"]), ("Deployment", n["gateway"]), ("NetworkPolicy", n["engine"]),
             ("NetworkPolicy", n["gateway"]), ("PodMonitor", n["monitor"]),
             ("Service", n["drafter"]), ("Deployment", n["drafter"]), ("NetworkPolicy", n["drafter"]),
-            ("PodMonitor", n["drafter"])]
+            ("PodMonitor", n["drafter"]), ("PodDisruptionBudget", n["drafter"])]
 
 
 def render_resource(resource: Mapping[str, Any], options: RenderOptions | None = None) -> list[Manifest]:

@@ -296,8 +296,13 @@ def compute_status(observed: Observed, now: str) -> dict[str, Any]:
     pool_conditions = []
     if spec.drafter_pool is not None:
         # Informational, not part of Ready: engines whose pool is down keep serving, decoding without drafts.
-        pool_conditions.append(cond("DrafterPoolReady", *_deployment_condition(
-            observed.drafter, spec.drafter_pool.desired_replicas, "drafter pool")))
+        pool_status, pool_reason, pool_message = _deployment_condition(
+            observed.drafter, spec.drafter_pool.desired_replicas, "drafter pool")
+        if pool_status == "True":
+            # What the pool runs with: its dtype (never float32 on a GPU by default) and the requests each pod holds.
+            pool_message += (f"; dtype {s.pool_dtype_summary(spec)}, {s.pool_max_num_seqs(spec)} requests held per "
+                             "pod")
+        pool_conditions.append(cond("DrafterPoolReady", pool_status, pool_reason, pool_message))
     status.update({
         "phase": phase,
         "conditions": [ready, engine, gateway, progressing, scaling, metrics, *pool_conditions],

@@ -154,5 +154,7 @@ def test_a_drafter_pool_gets_a_readiness_condition_of_its_own_apart_from_ready()
         "ReplicasNotReady", "1/2 drafter pool replicas ready")
     c = conditions(st.compute_status(st.Observed(3, POOL_SPEC, META, drafter=deployment(2, 2), **serving), T0))
     assert c["DrafterPoolReady"]["status"] == "True"
+    assert c["DrafterPoolReady"]["message"] == ("2/2 drafter pool replicas ready; dtype auto: the draft's 16-bit dtype "
+                                                "on its GPU, 1024 requests held per pod")
     # Without a pool there is no such condition.
     assert "DrafterPoolReady" not in conditions(st.compute_status(st.Observed(3, SPEC, META, **serving), T0))
