@@ -481,7 +481,8 @@ def status_schema() -> Schema:
         "lastTransitionTime": _str("When status last changed.", format="date-time"),
     }, required=["type", "status"])
     return _obj("Observed state, written by the operator.", {
-        "phase": _str("Pending, Progressing, Ready or Failed.", enum=["Pending", "Progressing", "Ready", "Failed"]),
+        "phase": _str("Pending, Progressing, Ready, Idle (scaled to zero while idle: the gateway wakes an engine on "
+                      "the next request) or Failed.", enum=["Pending", "Progressing", "Ready", "Idle", "Failed"]),
         "observedGeneration": {"type": "integer", "format": "int64",
                                "description": "metadata.generation last reconciled."},
         "conditions": {"type": "array", "description": "Conditions keyed by type.", "items": condition,

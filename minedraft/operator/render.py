@@ -766,6 +766,15 @@ def _target_hf_overrides(eng: s.EngineSpec) -> str | None:
     return None
 
 
+def drafter_replicas(spec: s.MineDraftSpec) -> int:
+    """Pool pods to run: none while the engines are scaled to zero (their GPUs are freed too; the pool starts again
+    with the first engine, which decodes without drafts until it is up), else the pool's own count."""
+    assert spec.drafter_pool is not None
+    if spec.desired_replicas == 0 and may_scale_to_zero(spec):
+        return 0
+    return spec.drafter_pool.desired_replicas
+
+
 def drafter_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | None = None) -> Manifest:
     """The drafter pool: `minedraft drafter` on its own GPUs, shared by every engine replica."""
     pool = spec.drafter_pool
@@ -815,7 +824,7 @@ def drafter_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Rende
         "kind": "Deployment",
         "metadata": _metadata(meta, names(meta)["drafter"], "drafter"),
         "spec": {
-            "replicas": pool.desired_replicas,
+            "replicas": drafter_replicas(spec),
             "selector": {"matchLabels": selector_labels(meta, "drafter")},
             # A GPU pool rolls as the engines do (Replace where no spare GPU is free for a surge pod); a CPU pool
             # surges.

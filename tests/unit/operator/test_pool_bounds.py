@@ -85,6 +85,16 @@ def test_a_gpu_pool_rolls_as_the_engines_do_and_has_a_disruption_budget() -> Non
     assert "PodDisruptionBudget/chat-drafter" not in without
 
 
+def test_a_minedraft_scaled_to_zero_frees_the_pools_gpus_too() -> None:
+    doc = minedraft(autoscaling={"minReplicas": 0, "maxReplicas": 4})
+    doc["spec"]["replicas"] = 0
+    idle = pool_deployment(doc)
+    assert idle["spec"]["replicas"] == 0
+    doc["spec"]["replicas"] = 1
+    awake = pool_deployment(doc)
+    assert awake["spec"]["replicas"] == 1 and awake["spec"]["template"] == idle["spec"]["template"]
+
+
 def test_the_torch_pools_kv_is_computed_and_refused_when_it_cannot_fit() -> None:
     spec = s.parse_spec(defaulted(minedraft(drafterPool__backend="torch", drafterPool__window=512,
                                             drafterPool__maxNumSeqs=128))["spec"])
