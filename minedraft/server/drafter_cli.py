@@ -75,7 +75,7 @@ def cmd_drafter(args: argparse.Namespace) -> int:
     from minedraft.engine.placement import detect_device, model_config_dtype
     from minedraft.models.spec import default_pair_dir
 
-    token = wire.read_token(args.token_file)
+    token = wire.LiveTokens(args.token_file)  # re-read at every handshake: rotation needs no restart
     model = args.model or str(default_pair_dir() / "draft")
     overrides = context_overrides(args.hf_overrides)
     max_model_len = args.max_model_len
