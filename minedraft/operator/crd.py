@@ -491,6 +491,10 @@ def status_schema() -> Schema:
         "readyReplicas": _int("Engine replicas ready."),
         "ready": _str("readyReplicas/replicas, for printing."),
         "selector": _str("Label selector of the engine pods (the /scale selector)."),
+        "engineImage": _str("The engine image this MineDraft's pods run (its own, or the operator's)."),
+        "pendingEngineImage": _str("The operator's newer engine image this MineDraft waits to roll to (the "
+                                   "operator's engineImageRollout: another MineDraft is rolling, or OnRequest and no "
+                                   "minedraft.io/upgrade-engine-image annotation); absent once it runs it."),
         "endpoint": _str("host:port of the gateway Service inside the cluster."),
         "speculation": _obj("Live speculation figures, when the metrics are known.", {
             "acceptanceRate": _num("Accepted draft tokens per drafted token."),
