@@ -256,8 +256,9 @@ def spec_schema() -> Schema:
             "httpPort": _int(f"Container and Service port of each engine's OpenAI-compatible HTTP API; 0: not "
                              f"served. Unset: {s.DEFAULT_ENGINE_HTTP_PORT} with the gateway disabled (clients call "
                              "engines directly), closed behind the gateway (it reaches engines over gRPC). The "
-                             "operator's NetworkPolicy admits it from everywhere only without the gateway; with the "
-                             "gateway's auth on, the engines require its bearer token on this port and on gRPC.",
+                             "operator's NetworkPolicy admits it from everywhere only without the gateway; behind the "
+                             "gateway the engines require the MineDraft's internal credential (Secret "
+                             "<name>-internal) on this port and on gRPC.",
                              minimum=0, maximum=65535),
         }, default={}, **{"x-kubernetes-validations": [
             _rule(f"self.targetGPUs in {list(s.TARGET_TP_SIZES)}",
@@ -349,7 +350,9 @@ def spec_schema() -> Schema:
                              "/v1/chat/completions, /v1/models); 0: not served.", default=gw.http_port, minimum=0,
                              maximum=65535),
             "authTokenSecretRef": _secret_key_ref("Secret with the bearer token clients must send; no auth when "
-                                                  "unset."),
+                                                  "unset. For clients only: the gateway authenticates to the engines "
+                                                  "with the MineDraft's internal credential (the operator-generated "
+                                                  "Secret <name>-internal)."),
             "tlsSecretRef": _obj("A kubernetes.io/tls Secret (tls.crt, tls.key) to serve TLS; plaintext when unset.",
                                  {"name": _name("Name of the Secret.")}, required=["name"]),
             "maxInFlight": _int("Admission bound: streams in flight per gateway replica before RESOURCE_EXHAUSTED.",
@@ -411,9 +414,11 @@ def _drafter_pool() -> Schema:
     pool = s.DrafterPoolSpec(s.SecretKeyRef("", ""))
     return _obj("A drafter service shared by every engine replica (minedraft drafter): engine pods then request only "
                 "the target's GPUs and draft through it; only this MineDraft's engine pods may reach it.", {
-        "tokenSecretRef": _secret_key_ref("Secret with the token engines and drafter pool authenticate each other "
-                                          "with (at least 16 bytes); mounted as a file, never an environment "
-                                          "variable."),
+        "tokenSecretRef": _secret_key_ref("Secret with the tokens engines and drafter pool authenticate each other "
+                                          "with (one per line, each at least 16 bytes: the pool accepts any, engines "
+                                          "present the first; re-read when it changes); mounted as a file, never an "
+                                          "environment variable. Unset: the MineDraft's internal credential (the "
+                                          "operator-generated Secret <name>-internal)."),
         "replicas": _int("Drafter pool replicas. With minReplicas/maxReplicas the operator writes it (the pool's "
                          "autoscaling) and runs it clamped into those bounds.", default=pool.replicas, minimum=0,
                          maximum=64),
@@ -450,7 +455,7 @@ def _drafter_pool() -> Schema:
         "targetUtilization": _num("Autoscaled pool: the share of time each pool replica spends drafting to plan for, "
                                   "in (0, 1].", default=pool.target_utilization, minimum=0, exclusiveMinimum=True,
                                   maximum=1),
-    }, required=["tokenSecretRef"], **{"x-kubernetes-validations": [
+    }, **{"x-kubernetes-validations": [
         _rule("self.gpus > 0 || self.backend == 'torch'",
               "a CPU pool (drafterPool.gpus 0) needs backend torch: the vLLM drafter needs a GPU", ".backend",
               reason="FieldValueNotSupported"),
@@ -492,6 +497,8 @@ def status_schema() -> Schema:
         "ready": _str("readyReplicas/replicas, for printing."),
         "selector": _str("Label selector of the engine pods (the /scale selector)."),
         "engineImage": _str("The engine image this MineDraft's pods run (its own, or the operator's)."),
+        "internalCredential": _str("The Secret holding the internal credential between gateway, engines and drafter "
+                                   "pool, once the operator has created it (<name>-internal)."),
         "pendingEngineImage": _str("The operator's newer engine image this MineDraft waits to roll to (the "
                                    "operator's engineImageRollout: another MineDraft is rolling, or OnRequest and no "
                                    "minedraft.io/upgrade-engine-image annotation); absent once it runs it."),

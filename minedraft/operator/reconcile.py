@@ -17,7 +17,7 @@ from typing import Any
 
 from minedraft.operator import render, status
 from minedraft.operator import spec as s
-from minedraft.operator.kube import EVENTS, PODS, RESOURCES, KubeClient, KubeError
+from minedraft.operator.kube import EVENTS, PODS, RESOURCES, SECRETS, KubeClient, KubeError
 from minedraft.operator.metrics import OperatorMetrics
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
@@ -152,6 +152,23 @@ class Reconciler:
         # MineDrafts (namespace, name) whose engines are rolling to the operator's default image now; one event loop,
         # so the check and the claim below never interleave.
         self.rolling_image: set[tuple[str, str]] = set()
+        # MineDrafts (by uid) whose internal credential exists: created at most once per MineDraft and operator run.
+        self.internal_secret_done: set[str] = set()
+
+    async def ensure_internal_secret(self, spec: s.MineDraftSpec, meta: s.ObjectMeta, recorded: bool,
+                                     missing: bool = False) -> list[str]:
+        """Create the internal credential's Secret with a random token when the pods use it and it is missing; an
+        existing one (rotated by its owner) is left as it is. `recorded`: the MineDraft's status already names it
+        (an operator restart then sends nothing); `missing`: a pod reported it not found (deleted: make a new one)."""
+        if not render.needs_internal_secret(spec):
+            return []
+        if not missing and (recorded or meta.uid in self.internal_secret_done):
+            return []
+        import secrets
+
+        created = await self.client.create_if_absent(SECRETS, render.internal_secret(meta, secrets.token_hex(32)))
+        self.internal_secret_done.add(meta.uid)
+        return [f"Secret/{render.names(meta)['internal']} created"] if created else []
 
     async def _engine_image(self, spec: s.MineDraftSpec, meta: s.ObjectMeta, annotations: Mapping[str, Any]
                             ) -> tuple[s.MineDraftSpec, str | None]:
@@ -250,7 +267,9 @@ class Reconciler:
             try:
                 spec, held_from = await self._engine_image(spec, meta, metadata.get("annotations") or {})
                 manifests = render.render(spec, meta, self.options)
-                applied = await self.apply_all(manifests)
+                recorded = old_status.get("internalCredential") == render.names(meta)["internal"]
+                applied = await self.ensure_internal_secret(spec, meta, recorded)  # before the pods that mount it
+                applied += await self.apply_all(manifests)
                 applied += await self.prune(meta, manifests)
             except KubeError as exc:
                 self.metrics.errors.labels(reason="ApplyFailed").inc()
@@ -270,11 +289,16 @@ class Reconciler:
                 drafter=status.DeploymentState.from_object(drafter),
                 previous_conditions=previous, scaling=old_status.get("scaling"),
                 pod_issues=await self._pod_issues(meta))
+            internal = render.names(meta)["internal"]
+            if not problems and any(f'secret "{internal}" not found' in issue.message for issue in observed.pod_issues):
+                applied += await self.ensure_internal_secret(spec, meta, True, missing=True)
         new_status = status.compute_status(observed, _now())
         if spec is not None and meta is not None and not problems:
             self._image_rolled_out(meta, observed.engine)
             new_status["engineImage"] = spec.engine.image or self.options.image("engine")
             new_status["pendingEngineImage"] = held_from  # None removes it (a merge patch) once it runs the new one
+            new_status["internalCredential"] = (render.names(meta)["internal"] if render.needs_internal_secret(spec)
+                                                else None)
         events = [Event("Normal", "Applied", change) for change in applied]
         for cond in status.condition_changes(previous, new_status["conditions"]):
             if cond["type"] != "Ready":

@@ -261,7 +261,9 @@ class DrafterPoolSpec:
     """A drafter service shared by all engine replicas (`minedraft drafter`): engines then request only the target's
     GPUs and draft through it over authenticated sessions (a shared token from a Secret)."""
 
-    token: SecretKeyRef
+    # The Secret engines and pool authenticate each other with; None: the MineDraft's operator-generated internal
+    # credential (Secret <name>-internal, key token).
+    token: SecretKeyRef | None
     replicas: int = 1
     gpus: int = 1
     backend: str = "vllm"
@@ -360,7 +362,7 @@ class MineDraftSpec:
             refs.append(("spec.gateway.authTokenSecretRef", self.gateway.auth_token))
         if self.gateway.tls_secret_name is not None:
             refs.append(("spec.gateway.tlsSecretRef", self.gateway.tls_secret_name))
-        if self.drafter_pool is not None:
+        if self.drafter_pool is not None and self.drafter_pool.token is not None:
             refs.append(("spec.drafterPool.tokenSecretRef", self.drafter_pool.token))
         return refs
 
@@ -764,7 +766,8 @@ def _drafter_pool(r: _Reader, data: Mapping[str, Any] | None, mode: str) -> Draf
     d = DrafterPoolSpec(SecretKeyRef("", ""))
     if mode not in (*DRAFTER_GPU_MODES, "auto"):
         r.fail(p, f"mode {mode} does not draft with the minedraft drafter: a drafter pool needs psd, sd or auto")
-    token = _secret_key_ref(r, r.obj(data, "tokenSecretRef", p, required=True), f"{p}.tokenSecretRef", "token")
+    token_data = r.obj(data, "tokenSecretRef", p)
+    token = _secret_key_ref(r, token_data, f"{p}.tokenSecretRef", "token") if token_data is not None else None
     backend = r.str_(data, "backend", p, default=d.backend, choices=DRAFTER_BACKENDS) or d.backend
     window = _or(r.int_(data, "window", p, d.window, 0, MAX_DRAFTER_WINDOW), d.window)
     if window and backend != "torch":
@@ -791,7 +794,7 @@ def _drafter_pool(r: _Reader, data: Mapping[str, Any] | None, mode: str) -> Draf
     if port == DRAFTER_METRICS_PORT:
         r.fail(f"{p}.port", f"must differ from the drafter's metrics port ({DRAFTER_METRICS_PORT})")
     return DrafterPoolSpec(
-        token=token or SecretKeyRef("", ""),
+        token=token,
         replicas=_or(r.int_(data, "replicas", p, d.replicas, 0, 64), d.replicas),
         gpus=gpus,
         backend=backend,

@@ -96,7 +96,7 @@ def test_a_minedraft_without_a_pool_renders_as_before():
 
 
 @pytest.mark.parametrize(("changes", "error"), [
-    ({"drafterPool__tokenSecretRef": None}, "spec.drafterPool.tokenSecretRef: required"),
+    ({"drafterPool__tokenSecretRef": {"key": "token"}}, "spec.drafterPool.tokenSecretRef.name: required"),
     ({"drafterPool__window": 512}, "spec.drafterPool.window: the drafter window is the torch backend's"),
     ({"speculation__mode": "ar"}, "spec.drafterPool: mode ar does not draft with the minedraft drafter"),
     ({"drafterPool__gpus": 9}, "spec.drafterPool.gpus: must be between 0 and 8"),

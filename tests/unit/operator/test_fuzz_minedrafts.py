@@ -519,7 +519,7 @@ INVALID: list[tuple[Any, ...]] = [
     ("spec.servedModelNames", ["a", "a"], "spec.servedModelNames"),
     ("spec.servedModelNames", [f"n{i}" for i in range(17)], "spec.servedModelNames"),
     ("spec.servedModelNames", [""], "spec.servedModelNames"),
-    ("spec.drafterPool", {}, "spec.drafterPool.tokenSecretRef"),
+    ("spec.drafterPool", {"tokenSecretRef": {}}, "spec.drafterPool.tokenSecretRef"),
     ("spec.drafterPool", {"tokenSecretRef": {"name": "d"}, "replicas": 65}, "spec.drafterPool.replicas"),
     ("spec.drafterPool", {"tokenSecretRef": {"name": "d"}, "gpus": 9}, "spec.drafterPool.gpus"),
     ("spec.drafterPool", {"tokenSecretRef": {"name": "d"}, "gpus": 2}, "spec.drafterPool.gpus"),

@@ -53,6 +53,13 @@ class FakeCluster:
         self.objects[key] = obj
         return obj
 
+    async def create_if_absent(self, resource: Any, manifest: dict[str, Any]) -> bool:
+        key = (manifest["kind"], manifest["metadata"]["namespace"], manifest["metadata"]["name"])
+        if key in self.objects:
+            return False
+        self.objects[key] = copy.deepcopy(manifest)
+        return True
+
     async def delete(self, resource: Any, namespace: str, name: str, orphan: bool = False) -> None:
         self.objects.pop((resource.kind, namespace, name), None)
 
