@@ -55,6 +55,12 @@ ENV HOME=/tmp \
     PYTHONDONTWRITEBYTECODE=1 \
     VLLM_LOGGING_STREAM=ext://sys.stderr \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
+# Where the driver is. The NVIDIA container toolkit (most clusters, EKS) injects libcuda and nvidia-smi into the
+# system paths, but GKE's device plugin mounts the node's driver at /usr/local/nvidia instead: without these the
+# engine finds no libcuda.so there and starts on no GPU. Directories that do not exist cost nothing elsewhere. PATH is
+# the base image's (python:3.11-slim) with the driver's tools (nvidia-smi) first.
+ENV LD_LIBRARY_PATH=/usr/local/nvidia/lib64:/usr/local/nvidia/lib \
+    PATH=/usr/local/nvidia/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 USER 65532
 # gRPC, the OpenAI HTTP API and metrics, as the operator renders them by default.
 EXPOSE 50051 8000 9400

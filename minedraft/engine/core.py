@@ -304,9 +304,9 @@ class Engine:
     def _start_drafter(self, settings: EngineSettings) -> Any:
         if settings.drafter.address is not None:
             from minedraft.engine.drafter.remote import RemoteDrafterClient
-            from minedraft.engine.drafter.wire import read_token
+            from minedraft.engine.drafter.wire import LiveTokens
 
-            remote = RemoteDrafterClient(settings.drafter.address, read_token(str(settings.drafter.token_file)),
+            remote = RemoteDrafterClient(settings.drafter.address, LiveTokens(str(settings.drafter.token_file)),
                                          deadline_seconds=settings.drafter.deadline_seconds)
             remote.start()
             return remote

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from minedraft.operator.settings import (
+    ENGINE_IMAGE_ROLLOUTS,
     ENV_PREFIX,
     IMAGE_REGISTRY_PATTERN,
     IMAGE_TAG_PATTERN,
@@ -53,6 +54,7 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         pod_fs_group=int(args.pod_fs_group) if args.pod_fs_group else None,
         image_registry=args.image_registry,
         image_tag=args.image_tag,
+        engine_image_rollout=args.engine_image_rollout,
     )
 
 
@@ -96,6 +98,11 @@ def _add_operator_options(parser: argparse.ArgumentParser) -> None:
                         type=_matching(IMAGE_REGISTRY_PATTERN, "a registry host[:port][/path] without scheme or tag"),
                         help="where `make push REGISTRY=...` put the images: MineDrafts that name no image run "
                         "REGISTRY/engine:TAG and REGISTRY/gateway:TAG [env MINEDRAFT_OPERATOR_IMAGE_REGISTRY]")
+    parser.add_argument("--engine-image-rollout", choices=ENGINE_IMAGE_ROLLOUTS,
+                        default=_env("ENGINE_IMAGE_ROLLOUT", d.engine_image_rollout),
+                        help="how MineDrafts that name no engine image move to a new --image-tag: OneAtATime (one "
+                        "MineDraft's engines roll at a time), OnRequest (only those annotated "
+                        "minedraft.io/upgrade-engine-image), All [env MINEDRAFT_OPERATOR_ENGINE_IMAGE_ROLLOUT]")
     parser.add_argument("--image-tag", default=_env("IMAGE_TAG", d.image_tag),
                         type=_matching(IMAGE_TAG_PATTERN, "an image tag"),
                         help="tag of those images (default: this package's version, make's default TAG) "

@@ -96,9 +96,10 @@ def _env_var_source() -> Schema:
 def _toleration() -> Schema:
     """core/v1 Toleration with the API server's own checks (a bad one would fail only in the derived Deployment)."""
     return _obj("A core/v1 Toleration.", {
-        "key": _str("Taint key (empty with operator Exists: every taint).", pattern=f"{s.LABEL_KEY_PATTERN}|^$"),
+        "key": _str("Taint key (empty with operator Exists: every taint).", pattern=f"{s.LABEL_KEY_PATTERN}|^$",
+                    maxLength=317),
         "operator": _str("Exists or Equal (the default).", enum=list(s.TOLERATION_OPERATORS)),
-        "value": _str("Taint value (operator Equal)."),
+        "value": _str("Taint value (operator Equal).", maxLength=63),
         "effect": _str("Taint effect (empty: all).", enum=["", *s.TAINT_EFFECTS]),
         "tolerationSeconds": {"type": "integer", "format": "int64",
                               "description": "With effect NoExecute: seconds the pod stays after the taint."},
@@ -209,7 +210,8 @@ def spec_schema() -> Schema:
                                                     "(core/v1 EnvVar: name with value or valueFrom).",
                     "items": _obj("A core/v1 EnvVar.", {
                         "name": _str("Variable name.", minLength=1, pattern=s.ENV_NAME_PATTERN),
-                        "value": _str("The value (a string: quote numbers and booleans)."),
+                        "value": _str("The value (a string: quote numbers and booleans).",
+                                      maxLength=s.MAX_ENV_VALUE_LENGTH),
                         "valueFrom": _env_var_source()}, required=["name"], **{"x-kubernetes-validations": [_rule(
                             "!has(self.valueFrom) || !has(self.value) || self.value == ''",
                             "valueFrom must not be set together with a non-empty value", ".valueFrom")]}),
@@ -254,10 +256,14 @@ def spec_schema() -> Schema:
             "httpPort": _int(f"Container and Service port of each engine's OpenAI-compatible HTTP API; 0: not "
                              f"served. Unset: {s.DEFAULT_ENGINE_HTTP_PORT} with the gateway disabled (clients call "
                              "engines directly), closed behind the gateway (it reaches engines over gRPC). The "
-                             "operator's NetworkPolicy admits it from everywhere only without the gateway; with the "
-                             "gateway's auth on, the engines require its bearer token on this port and on gRPC.",
+                             "operator's NetworkPolicy admits it from everywhere only without the gateway; behind the "
+                             "gateway the engines require the MineDraft's internal credential (Secret "
+                             "<name>-internal) on this port and on gRPC.",
                              minimum=0, maximum=65535),
         }, default={}, **{"x-kubernetes-validations": [
+            _rule(f"self.targetGPUs in {list(s.TARGET_TP_SIZES)}",
+                  "targetGPUs must be 1, 2, 4 or 8: the target's tensor-parallel size must divide its KV heads (3, 5, "
+                  "6 and 7 divide none of an 8-KV-head model's)", ".targetGPUs", reason="FieldValueNotSupported"),
             _rule("self.drafterBackend != 'torch'", "torch is the CPU drafter; engine pods run on GPUs: use vllm",
                   ".drafterBackend", reason="FieldValueNotSupported"),
             # Written --flag, --flag=value or "--flag value", with '-' or '_' inside the name (vLLM takes both).
@@ -305,6 +311,9 @@ def spec_schema() -> Schema:
             "speculation": _obj("What each engine may choose between when it adapts its speculation.", {
                 "allowedModes": {"type": "array", "description": "Modes auto mode switches between (psd, sd, ar).",
                                  "items": _str("A mode.", enum=list(s.AUTO_MODES)), "minItems": 1,
+                                 # Bounded: a rule iterates it, and the API server prices an unbounded string list
+                                 # at a million items (over its per-rule cost limit: the CRD would be refused).
+                                 "maxItems": len(s.AUTO_MODES),
                                  "default": list(bounds.allowed_modes), "x-kubernetes-list-type": "set"},
                 "minSpeculativeTokens": _int("Shortest draft length.", default=bounds.min_speculative_tokens,
                                              **k_range),
@@ -341,7 +350,9 @@ def spec_schema() -> Schema:
                              "/v1/chat/completions, /v1/models); 0: not served.", default=gw.http_port, minimum=0,
                              maximum=65535),
             "authTokenSecretRef": _secret_key_ref("Secret with the bearer token clients must send; no auth when "
-                                                  "unset."),
+                                                  "unset. For clients only: the gateway authenticates to the engines "
+                                                  "with the MineDraft's internal credential (the operator-generated "
+                                                  "Secret <name>-internal)."),
             "tlsSecretRef": _obj("A kubernetes.io/tls Secret (tls.crt, tls.key) to serve TLS; plaintext when unset.",
                                  {"name": _name("Name of the Secret.")}, required=["name"]),
             "maxInFlight": _int("Admission bound: streams in flight per gateway replica before RESOURCE_EXHAUSTED.",
@@ -389,6 +400,10 @@ def spec_schema() -> Schema:
         _rule("self.gateway.enabled || !has(self.gateway.tlsSecretRef)",
               "tlsSecretRef needs gateway.enabled: without the gateway nothing serves TLS", ".gateway.tlsSecretRef",
               reason="FieldValueForbidden"),
+        _rule("!has(self.drafterPool) || !has(self.engine.maxModelLen) || "
+              "self.drafterPool.window < self.engine.maxModelLen",
+              "drafterPool.window must be shorter than engine.maxModelLen: a window at or beyond the engines' context "
+              "bounds nothing", ".drafterPool.window"),
         _rule("!has(self.drafterPool) || self.speculation.mode in ['psd', 'sd', 'auto']",
               "drafterPool needs speculation.mode psd, sd or auto (the modes that draft with the minedraft drafter)",
               ".drafterPool"),
@@ -399,13 +414,17 @@ def _drafter_pool() -> Schema:
     pool = s.DrafterPoolSpec(s.SecretKeyRef("", ""))
     return _obj("A drafter service shared by every engine replica (minedraft drafter): engine pods then request only "
                 "the target's GPUs and draft through it; only this MineDraft's engine pods may reach it.", {
-        "tokenSecretRef": _secret_key_ref("Secret with the token engines and drafter pool authenticate each other "
-                                          "with (at least 16 bytes); mounted as a file, never an environment "
-                                          "variable."),
+        "tokenSecretRef": _secret_key_ref("Secret with the tokens engines and drafter pool authenticate each other "
+                                          "with (one per line, each at least 16 bytes: the pool accepts any, engines "
+                                          "present the first; re-read when it changes); mounted as a file, never an "
+                                          "environment variable. Unset: the MineDraft's internal credential (the "
+                                          "operator-generated Secret <name>-internal)."),
         "replicas": _int("Drafter pool replicas. With minReplicas/maxReplicas the operator writes it (the pool's "
                          "autoscaling) and runs it clamped into those bounds.", default=pool.replicas, minimum=0,
                          maximum=64),
-        "gpus": _int("GPUs per drafter pod (0: the drafter runs on CPUs).", default=pool.gpus, minimum=0, maximum=8),
+        "gpus": _int("GPUs per drafter pod: 1, or 0 (the drafter runs on CPUs, backend torch). The drafter has no "
+                     "tensor parallelism: more drafting needs more replicas, not more GPUs per pod.",
+                     default=pool.gpus, minimum=0, maximum=1),
         "backend": _str("Drafter backend: vllm (any architecture) or torch (Llama/Qwen3, with window support).",
                         enum=list(s.DRAFTER_BACKENDS), default=pool.backend),
         "window": _int("torch backend: each draft step reads at most the last window tokens of a context plus 4 "
@@ -425,10 +444,21 @@ def _drafter_pool() -> Schema:
                             "engines), never below this.", minimum=1, maximum=64),
         "maxReplicas": _int("With minReplicas: the most pool replicas the operator scales to.", minimum=1,
                             maximum=64),
+        "maxNumSeqs": _int("Requests one pool pod holds at once (all the engines it serves; the torch backend "
+                           "preallocates KV for 2 x maxNumSeqs + 8 of them). Unset: engine.maxNumSeqs times "
+                           "autoscaling.maxReplicas, or times "
+                           f"{s.DEFAULT_POOL_ENGINES_PER_POD} with fixed replicas. Never the live replica count: "
+                           "the pool's pods do not restart when the engines scale.", minimum=1,
+                           maximum=s.MAX_POOL_NUM_SEQS),
+        "gpuMemory": _quantity("Memory of each pool GPU: the torch backend's preallocated KV must fit in 90% of it "
+                               "(checked by the operator for the drafts it knows).", pool.gpu_memory),
         "targetUtilization": _num("Autoscaled pool: the share of time each pool replica spends drafting to plan for, "
                                   "in (0, 1].", default=pool.target_utilization, minimum=0, exclusiveMinimum=True,
                                   maximum=1),
-    }, required=["tokenSecretRef"], **{"x-kubernetes-validations": [
+    }, **{"x-kubernetes-validations": [
+        _rule("self.gpus > 0 || self.backend == 'torch'",
+              "a CPU pool (drafterPool.gpus 0) needs backend torch: the vLLM drafter needs a GPU", ".backend",
+              reason="FieldValueNotSupported"),
         _rule("self.window == 0 || self.backend == 'torch'",
               "drafterPool.window needs backend torch (vLLM's sliding window keeps no sink tokens)", ".window"),
         _rule(f"self.port != {s.DRAFTER_METRICS_PORT}",
@@ -456,7 +486,8 @@ def status_schema() -> Schema:
         "lastTransitionTime": _str("When status last changed.", format="date-time"),
     }, required=["type", "status"])
     return _obj("Observed state, written by the operator.", {
-        "phase": _str("Pending, Progressing, Ready or Failed.", enum=["Pending", "Progressing", "Ready", "Failed"]),
+        "phase": _str("Pending, Progressing, Ready, Idle (scaled to zero while idle: the gateway wakes an engine on "
+                      "the next request) or Failed.", enum=["Pending", "Progressing", "Ready", "Idle", "Failed"]),
         "observedGeneration": {"type": "integer", "format": "int64",
                                "description": "metadata.generation last reconciled."},
         "conditions": {"type": "array", "description": "Conditions keyed by type.", "items": condition,
@@ -465,6 +496,12 @@ def status_schema() -> Schema:
         "readyReplicas": _int("Engine replicas ready."),
         "ready": _str("readyReplicas/replicas, for printing."),
         "selector": _str("Label selector of the engine pods (the /scale selector)."),
+        "engineImage": _str("The engine image this MineDraft's pods run (its own, or the operator's)."),
+        "internalCredential": _str("The Secret holding the internal credential between gateway, engines and drafter "
+                                   "pool, once the operator has created it (<name>-internal)."),
+        "pendingEngineImage": _str("The operator's newer engine image this MineDraft waits to roll to (the "
+                                   "operator's engineImageRollout: another MineDraft is rolling, or OnRequest and no "
+                                   "minedraft.io/upgrade-engine-image annotation); absent once it runs it."),
         "endpoint": _str("host:port of the gateway Service inside the cluster."),
         "speculation": _obj("Live speculation figures, when the metrics are known.", {
             "acceptanceRate": _num("Accepted draft tokens per drafted token."),

@@ -250,6 +250,7 @@ def build_registry(settings: OperatorSettings, connection: kopf.ConnectionInfo |
             memo.bodies.pop(key, None)
             memo.metrics.forget(*key)
             memo.autoscaler.forget(*key)
+            memo.reconciler.rolling_image.discard(key)  # a MineDraft deleted mid-rollout holds no other back
             logger.info("deleted; its objects go with it through their owner references")
         else:
             memo.bodies[key] = dict(body)
@@ -311,7 +312,8 @@ async def run_operator(settings: OperatorSettings, client: KubeClient | None = N
         from prometheus_client import start_http_server
 
         start_http_server(settings.metrics_port, registry=metrics.registry)
-    reconciler = Reconciler(client, settings.render_options(False), metrics)
+    reconciler = Reconciler(client, settings.render_options(False), metrics,
+                            engine_image_rollout=settings.engine_image_rollout)
     await refresh_monitoring(settings, reconciler)
     memo = Memo(reconciler=reconciler, metrics=metrics, autoscaler=build_autoscaler(settings, client))
     try:

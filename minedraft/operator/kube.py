@@ -53,6 +53,8 @@ RESOURCES = MappingProxyType({r.kind: r for r in (
     Resource("monitoring.coreos.com", "v1", "podmonitors", "PodMonitor"),
 )})
 PODS = Resource("", "v1", "pods", "Pod")
+# Only created (the internal credential, once per MineDraft), never read, listed or updated by the operator.
+SECRETS = Resource("", "v1", "secrets", "Secret")
 MINEDRAFTS = Resource(s.API_GROUP, s.API_VERSION, s.PLURAL, s.KIND)
 EVENTS = Resource("", "v1", "events", "Event")
 
@@ -60,8 +62,8 @@ EVENTS = Resource("", "v1", "events", "Event")
 # exist yet; "delete" removes objects no longer rendered and replaces a Deployment whose (immutable) selector changed.
 # The gateway's Role grants endpointslices get/list/watch, and Kubernetes only lets the operator create a Role
 # granting what the operator itself holds (no "escalate"/"bind" verbs here), hence that entry; the autoscaler also
-# lists them to find engine pods to scrape when no Prometheus is configured. No Secrets: pods reference them by name
-# and the kubelet reads them.
+# lists them to find engine pods to scrape when no Prometheus is configured. Secrets are never read: pods reference
+# them by name and the kubelet reads them; the operator only creates the internal credential's (see below).
 PERMISSIONS: Mapping[tuple[str, str], frozenset[str]] = MappingProxyType({
     **{(r.group, r.plural): frozenset({"get", "create", "patch", "delete"}) for r in RESOURCES.values()},
     ("discovery.k8s.io", "endpointslices"): frozenset({"get", "list", "watch"}),
@@ -79,6 +81,9 @@ PERMISSIONS: Mapping[tuple[str, str], frozenset[str]] = MappingProxyType({
     # mis-keyed Secret volume, FailedAttachVolume of a ReadWriteOnce volume attached elsewhere), which only Events
     # say. Listed on each reconcile pass, in the MineDraft's namespace: no watch needed.
     ("", "events"): frozenset({"create", "list"}),
+    # The internal credential between gateway, engines and drafter pool (<name>-internal): created once with a
+    # random token if absent (a 409 means it exists); the operator never reads a Secret.
+    ("", "secrets"): frozenset({"create"}),
 })
 
 
@@ -173,6 +178,17 @@ class KubeClient:
         if status == 404:
             raise KubeError(404, "PATCH", resource.path(meta["namespace"], meta["name"]), "not found")
         return dict(obj or {})
+
+    async def create_if_absent(self, resource: Resource, manifest: Mapping[str, Any]) -> bool:
+        """Create an object unless one of that name exists (then nothing is read or changed): True if created."""
+        try:
+            await asyncio.to_thread(self._call, "POST", resource.path(manifest["metadata"]["namespace"]),
+                                    dict(manifest))
+        except KubeError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
 
     async def delete(self, resource: Resource, namespace: str, name: str, orphan: bool = False) -> None:
         """Delete an object (a 404 counts as done); orphan=True leaves its dependents (a Deployment's ReplicaSets)."""

@@ -11,13 +11,13 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from minedraft.operator import render, status
 from minedraft.operator import spec as s
-from minedraft.operator.kube import EVENTS, PODS, RESOURCES, KubeClient, KubeError
+from minedraft.operator.kube import EVENTS, PODS, RESOURCES, SECRETS, KubeClient, KubeError
 from minedraft.operator.metrics import OperatorMetrics
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
@@ -108,15 +108,88 @@ class Outcome:
     applied: list[str] = field(default_factory=list)  # "Kind/name created|updated"
 
 
+UPGRADE_ANNOTATION = "minedraft.io/upgrade-engine-image"
+
+
+def running_engine_image(deployment: Mapping[str, Any] | None) -> str | None:
+    """The image the engine Deployment's pods are asked to run (its template), None without one."""
+    containers = ((((deployment or {}).get("spec") or {}).get("template") or {}).get("spec") or {}).get("containers")
+    if not containers:
+        return None
+    image = containers[0].get("image")
+    return str(image) if image else None
+
+
+def choose_engine_image(pinned: str | None, running: str | None, default: str, policy: str, requested: bool,
+                        another_rolling: bool) -> str:
+    """The engine image to render for a MineDraft. Pure.
+
+    A MineDraft that names its image (spec.engine.image) gets it: its own spec change, its own rollout. Otherwise a
+    new operator default (a chart upgrade changed image.tag) is taken at once only under policy All; OnRequest waits
+    for the MineDraft's upgrade annotation; OneAtATime (the default) takes it when no other MineDraft is rolling to
+    it, so a chart upgrade never restarts every engine of the cluster at once. Until then the running image stays.
+    """
+    if pinned is not None:
+        return pinned
+    if running is None or running == default or policy == "All" or requested:
+        return default
+    if policy == "OneAtATime" and not another_rolling:
+        return default
+    return running
+
+
 def _now() -> str:
     return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class Reconciler:
-    def __init__(self, client: KubeClient, options: render.RenderOptions, metrics: OperatorMetrics) -> None:
+    def __init__(self, client: KubeClient, options: render.RenderOptions, metrics: OperatorMetrics,
+                 engine_image_rollout: str = "OneAtATime") -> None:
         self.client = client
         self.options = options
         self.metrics = metrics
+        self.engine_image_rollout = engine_image_rollout
+        # MineDrafts (namespace, name) whose engines are rolling to the operator's default image now; one event loop,
+        # so the check and the claim below never interleave.
+        self.rolling_image: set[tuple[str, str]] = set()
+        # MineDrafts (by uid) whose internal credential exists: created at most once per MineDraft and operator run.
+        self.internal_secret_done: set[str] = set()
+
+    async def ensure_internal_secret(self, spec: s.MineDraftSpec, meta: s.ObjectMeta, recorded: bool,
+                                     missing: bool = False) -> list[str]:
+        """Create the internal credential's Secret with a random token when the pods use it and it is missing; an
+        existing one (rotated by its owner) is left as it is. `recorded`: the MineDraft's status already names it
+        (an operator restart then sends nothing); `missing`: a pod reported it not found (deleted: make a new one)."""
+        if not render.needs_internal_secret(spec):
+            return []
+        if not missing and (recorded or meta.uid in self.internal_secret_done):
+            return []
+        import secrets
+
+        created = await self.client.create_if_absent(SECRETS, render.internal_secret(meta, secrets.token_hex(32)))
+        self.internal_secret_done.add(meta.uid)
+        return [f"Secret/{render.names(meta)['internal']} created"] if created else []
+
+    async def _engine_image(self, spec: s.MineDraftSpec, meta: s.ObjectMeta, annotations: Mapping[str, Any]
+                            ) -> tuple[s.MineDraftSpec, str | None]:
+        """The spec to render with its engine image decided (choose_engine_image), and the default image it is held
+        back from (None when it runs the default or its own)."""
+        default = self.options.image("engine")
+        live = await self.client.get(RESOURCES["Deployment"], meta.namespace, render.names(meta)["engine"])
+        running = running_engine_image(live)
+        key = (meta.namespace, meta.name)
+        others = bool(self.rolling_image - {key})
+        requested = str(annotations.get(UPGRADE_ANNOTATION, "")).lower() == "true"
+        image = choose_engine_image(spec.engine.image, running, default, self.engine_image_rollout, requested, others)
+        if spec.engine.image is None and running is not None and running != default and image == default:
+            self.rolling_image.add(key)  # its engines now roll to the new default: the others wait for it
+        if image == default or spec.engine.image is not None:
+            return spec, None
+        return replace(spec, engine=replace(spec.engine, image=image)), default
+
+    def _image_rolled_out(self, meta: s.ObjectMeta, engine: status.DeploymentState | None) -> None:
+        if engine is not None and engine.rolled_out:
+            self.rolling_image.discard((meta.namespace, meta.name))
 
     async def apply_all(self, manifests: Sequence[render.Manifest]) -> list[str]:
         """Apply every manifest that changed since it was last applied or drifted; return what changed.
@@ -189,10 +262,14 @@ class Reconciler:
             problems = [status.Problem("InvalidSpec", e) for e in exc.errors]
         # Referenced Secrets are not read: pods name them (secretKeyRef, secret volumes) and the kubelet reports a
         # missing one, which shows in the Progressing condition (CreateContainerConfigError, FailedMount).
+        held_from: str | None = None
         if spec is not None and meta is not None and not problems:
             try:
+                spec, held_from = await self._engine_image(spec, meta, metadata.get("annotations") or {})
                 manifests = render.render(spec, meta, self.options)
-                applied = await self.apply_all(manifests)
+                recorded = old_status.get("internalCredential") == render.names(meta)["internal"]
+                applied = await self.ensure_internal_secret(spec, meta, recorded)  # before the pods that mount it
+                applied += await self.apply_all(manifests)
                 applied += await self.prune(meta, manifests)
             except KubeError as exc:
                 self.metrics.errors.labels(reason="ApplyFailed").inc()
@@ -212,7 +289,16 @@ class Reconciler:
                 drafter=status.DeploymentState.from_object(drafter),
                 previous_conditions=previous, scaling=old_status.get("scaling"),
                 pod_issues=await self._pod_issues(meta))
+            internal = render.names(meta)["internal"]
+            if not problems and any(f'secret "{internal}" not found' in issue.message for issue in observed.pod_issues):
+                applied += await self.ensure_internal_secret(spec, meta, True, missing=True)
         new_status = status.compute_status(observed, _now())
+        if spec is not None and meta is not None and not problems:
+            self._image_rolled_out(meta, observed.engine)
+            new_status["engineImage"] = spec.engine.image or self.options.image("engine")
+            new_status["pendingEngineImage"] = held_from  # None removes it (a merge patch) once it runs the new one
+            new_status["internalCredential"] = (render.names(meta)["internal"] if render.needs_internal_secret(spec)
+                                                else None)
         events = [Event("Normal", "Applied", change) for change in applied]
         for cond in status.condition_changes(previous, new_status["conditions"]):
             if cond["type"] != "Ready":

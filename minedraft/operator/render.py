@@ -40,6 +40,11 @@ CACHE_DIR = "/var/cache/minedraft"
 MODEL_CACHE_DIR = "/var/lib/minedraft/models"
 MODEL_PVC_ROOT = "/mnt/models"
 AUTH_DIR = "/etc/minedraft/auth"
+# The MineDraft's internal credential (an operator-generated Secret, <name>-internal, key token): what the gateway
+# presents to engines and what engines and the drafter pool accept, never a client's API token.
+INTERNAL_DIR = "/etc/minedraft/internal"
+INTERNAL_TOKEN_PATH = f"{INTERNAL_DIR}/token"
+INTERNAL_TOKEN_KEY = "token"
 TLS_DIR = "/etc/minedraft/tls"
 
 
@@ -85,7 +90,33 @@ def with_images(spec: s.MineDraftSpec, options: RenderOptions) -> s.MineDraftSpe
 
 def names(meta: s.ObjectMeta) -> dict[str, str]:
     return {"engine": f"{meta.name}-engine", "gateway": f"{meta.name}-gateway", "monitor": meta.name,
-            "drafter": f"{meta.name}-drafter"}
+            "drafter": f"{meta.name}-drafter", "internal": f"{meta.name}-internal"}
+
+
+def needs_internal_secret(spec: s.MineDraftSpec) -> bool:
+    """Whether the pods use the operator-generated internal credential: between gateway and engines whenever the
+    gateway runs, and between engines and a drafter pool that names no Secret of its own."""
+    return spec.gateway.enabled or (spec.drafter_pool is not None and spec.drafter_pool.token is None)
+
+
+def internal_secret(meta: s.ObjectMeta, token: str) -> Manifest:
+    """The internal credential's Secret, created once by the operator (never updated by it: a rotation is an edit of
+    this Secret, see docs/kubernetes.md), owned by the MineDraft so it goes with it."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _metadata(meta, names(meta)["internal"], "internal"),
+            "stringData": {INTERNAL_TOKEN_KEY: token + "\n"}}
+
+
+def _internal_volume(meta: s.ObjectMeta) -> tuple[dict[str, Any], dict[str, Any]]:
+    return ({"name": "internal", "secret": {"secretName": names(meta)["internal"], "defaultMode": 0o440,
+                                            "items": [{"key": INTERNAL_TOKEN_KEY, "path": "token"}]}},
+            {"name": "internal", "mountPath": INTERNAL_DIR, "readOnly": True})
+
+
+def pool_token(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> s.SecretKeyRef:
+    """The Secret engines and the drafter pool authenticate each other with: the pool's own, else the internal one."""
+    assert spec.drafter_pool is not None
+    return spec.drafter_pool.token or s.SecretKeyRef(names(meta)["internal"], INTERNAL_TOKEN_KEY)
 
 
 def selector_labels(meta: s.ObjectMeta, component: str) -> dict[str, str]:
@@ -202,8 +233,9 @@ def engine_command(spec: s.MineDraftSpec, meta: s.ObjectMeta | None = None) -> l
     if spec.served_model_names:
         cmd += ["--served-model-name", *spec.served_model_names]
     if engines_need_token(spec):
-        # The gateway's auth cannot be walked around by calling an engine: its gRPC and HTTP ports want the token.
-        cmd += ["--token-file", auth_token_path(spec)]
+        # Behind the gateway the engines accept only the internal credential (one token per line, re-read when the
+        # Secret changes): neither a client's API token nor an unauthenticated pod gets past the gateway this way.
+        cmd += ["--token-file", INTERNAL_TOKEN_PATH]
     # Everything else goes to vLLM's own engine arguments, one `--flag=value` word each (vLLM's parser checks them
     # at start-up; a typo shows in the MineDraft's Progressing condition through the container's termination message).
     for word in s.split_extra_args(eng.extra_args):
@@ -213,9 +245,9 @@ def engine_command(spec: s.MineDraftSpec, meta: s.ObjectMeta | None = None) -> l
 
 
 def engines_need_token(spec: s.MineDraftSpec) -> bool:
-    """With the gateway's auth on, engines authenticate their callers with the same Secret's token, which the gateway
+    """Behind the gateway, engines authenticate their callers with the internal credential, which the gateway
     presents (many clusters do not enforce the NetworkPolicy that would otherwise be all that keeps pods off them)."""
-    return spec.gateway.enabled and spec.gateway.auth_token is not None
+    return spec.gateway.enabled
 
 
 def auth_token_path(spec: s.MineDraftSpec) -> str:
@@ -261,10 +293,6 @@ def _engine_volumes(spec: s.MineDraftSpec, drafter: bool = False) -> tuple[list[
         volumes.append({"name": f"models-{index}",
                         "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": f"models-{index}", "mountPath": f"{MODEL_PVC_ROOT}/{claim}", "readOnly": True})
-    if engines_need_token(spec) and not drafter:
-        volume, mount = _auth_volume(spec)
-        volumes.append(volume)
-        mounts.append(mount)
     return volumes, mounts
 
 
@@ -339,7 +367,10 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Render
     options = options or RenderOptions()
     gpus = str(engine_gpus(spec))
     volumes, mounts = _engine_volumes(spec)
-    volumes, mounts = volumes + _drafter_token_volumes(spec), mounts + _drafter_token_mounts(spec)
+    volumes, mounts = volumes + _drafter_token_volumes(spec, meta), mounts + _drafter_token_mounts(spec)
+    if engines_need_token(spec):
+        volume, mount = _internal_volume(meta)
+        volumes, mounts = [*volumes, volume], [*mounts, mount]
     requests = {"cpu": eng.cpu, "memory": eng.memory, "nvidia.com/gpu": gpus}
     limits = {"memory": eng.memory, "nvidia.com/gpu": gpus}
     _request_local_disk(eng, requests, limits)
@@ -451,13 +482,13 @@ def engine_service(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
     }
 
 
-def engine_pdb(meta: s.ObjectMeta) -> Manifest:
+def engine_pdb(meta: s.ObjectMeta, component: str = "engine") -> Manifest:
     # maxUnavailable rather than minAvailable: a one-replica MineDraft can still be drained.
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(meta, names(meta)["engine"], "engine"),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(meta, "engine")}},
+        "metadata": _metadata(meta, names(meta)[component], component),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(meta, component)}},
     }
 
 
@@ -555,8 +586,9 @@ def gateway_command(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> list[str]:
     if spec.served_model_names:
         cmd += ["--served-model-name", *spec.served_model_names]
     if gw.auth_token is not None:
-        # Clients' token, and the credential the gateway presents to engines (the same Secret, mounted into both).
-        cmd += ["--token-file", auth_token_path(spec), "--engine-token-file", auth_token_path(spec)]
+        cmd += ["--token-file", auth_token_path(spec)]  # the clients' tokens, for clients only
+    # What the gateway presents to engines: the internal credential's first token (re-read when it changes).
+    cmd += ["--engine-token-file", INTERNAL_TOKEN_PATH]
     if gw.tls_secret_name is not None:
         cmd += ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key"]
     return cmd
@@ -626,6 +658,9 @@ def gateway_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> Manifest:
         volume, mount = _auth_volume(spec)
         volumes.append(volume)
         mounts.append(mount)
+    volume, mount = _internal_volume(meta)
+    volumes.append(volume)
+    mounts.append(mount)
     if gw.tls_secret_name is not None:
         volumes.append({"name": "tls", "secret": {"secretName": gw.tls_secret_name, "defaultMode": 0o440}})
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
@@ -716,13 +751,13 @@ DRAFTER_TOKEN_DIR = "/etc/minedraft/drafter-token"
 DRAFTER_METRICS_PORT = s.DRAFTER_METRICS_PORT
 
 
-def _drafter_token_volumes(spec: s.MineDraftSpec) -> list[dict[str, Any]]:
-    pool = spec.drafter_pool
-    if pool is None:
+def _drafter_token_volumes(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> list[dict[str, Any]]:
+    if spec.drafter_pool is None:
         return []
+    token = pool_token(spec, meta)
     # Mounted, never in an environment variable or the command line: the token stays out of `kubectl describe`.
-    return [{"name": "drafter-token", "secret": {"secretName": pool.token.name, "defaultMode": 0o440,
-                                                 "items": [{"key": pool.token.key, "path": "token"}]}}]
+    return [{"name": "drafter-token", "secret": {"secretName": token.name, "defaultMode": 0o440,
+                                                 "items": [{"key": token.key, "path": "token"}]}}]
 
 
 def _drafter_token_mounts(spec: s.MineDraftSpec) -> list[dict[str, Any]]:
@@ -738,14 +773,15 @@ def drafter_command(spec: s.MineDraftSpec) -> list[str]:
            "--model", _model_location("draft", spec.draft), "--token-file", f"{DRAFTER_TOKEN_DIR}/token",
            "--backend", pool.backend, "--max-queued-jobs", str(pool.max_queued_jobs),
            "--metrics-port", str(DRAFTER_METRICS_PORT),
-           # Every engine's sub-batches together: the pool holds the requests of all replicas.
-           "--max-num-seqs", str(spec.engine.max_num_seqs * max(1, spec.desired_replicas))]
+           # From bounds (maxNumSeqs, autoscaling.maxReplicas), never the live replica count: the pod template stays
+           # the same when the engines scale, so the pool does not roll (and break its sessions) on every decision.
+           "--max-num-seqs", str(s.pool_max_num_seqs(spec)),
+           # Always passed: `auto` resolves in the drafter as the engines resolve it (a 16-bit dtype on a GPU).
+           "--dtype", spec.engine.dtype]
     if pool.backend == "torch" and pool.gpus:
         cmd += ["--device", "cuda"]
     if pool.window:
         cmd += ["--window", str(pool.window)]
-    if spec.engine.dtype != s.EngineSpec().dtype:
-        cmd += ["--dtype", spec.engine.dtype]
     if spec.engine.max_model_len is not None:
         cmd += ["--max-model-len", str(spec.engine.max_model_len)]
     overrides = _target_hf_overrides(spec.engine)
@@ -765,13 +801,22 @@ def _target_hf_overrides(eng: s.EngineSpec) -> str | None:
     return None
 
 
+def drafter_replicas(spec: s.MineDraftSpec) -> int:
+    """Pool pods to run: none while the engines are scaled to zero (their GPUs are freed too; the pool starts again
+    with the first engine, which decodes without drafts until it is up), else the pool's own count."""
+    assert spec.drafter_pool is not None
+    if spec.desired_replicas == 0 and may_scale_to_zero(spec):
+        return 0
+    return spec.drafter_pool.desired_replicas
+
+
 def drafter_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | None = None) -> Manifest:
     """The drafter pool: `minedraft drafter` on its own GPUs, shared by every engine replica."""
     pool = spec.drafter_pool
     assert pool is not None
     options = options or RenderOptions()
     volumes, mounts = _engine_volumes(spec, drafter=True)
-    volumes, mounts = volumes + _drafter_token_volumes(spec), mounts + _drafter_token_mounts(spec)
+    volumes, mounts = volumes + _drafter_token_volumes(spec, meta), mounts + _drafter_token_mounts(spec)
     requests: dict[str, Any] = {"cpu": pool.cpu, "memory": pool.memory}
     limits: dict[str, Any] = {"memory": pool.memory}
     if pool.gpus:
@@ -814,9 +859,12 @@ def drafter_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Rende
         "kind": "Deployment",
         "metadata": _metadata(meta, names(meta)["drafter"], "drafter"),
         "spec": {
-            "replicas": pool.desired_replicas,
+            "replicas": drafter_replicas(spec),
             "selector": {"matchLabels": selector_labels(meta, "drafter")},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            # A GPU pool rolls as the engines do (Replace where no spare GPU is free for a surge pod); a CPU pool
+            # surges.
+            "strategy": engine_strategy(spec.engine) if pool.gpus else engine_strategy(
+                replace(spec.engine, rollout_strategy="Surge")),
             "template": {"metadata": {"labels": _labels(meta, "drafter")}, "spec": pod_spec},
         },
     }
@@ -888,6 +936,9 @@ def render(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: RenderOptions | N
             manifests.append(gateway_network_policy(spec, meta, options))
     if spec.drafter_pool is not None:
         manifests += [drafter_service(spec, meta), drafter_deployment(spec, meta, options)]
+        if spec.engine.pod_disruption_budget:
+            # A node drain takes one pool pod at a time (engines decode without drafts meanwhile, never all at once).
+            manifests.append(engine_pdb(meta, "drafter"))
         if options.network_policy:
             manifests.append(drafter_network_policy(spec, meta, options))
         if options.monitoring:
@@ -906,7 +957,7 @@ def all_kinds_and_names(meta: s.ObjectMeta) -> list[tuple[str, str]]:
             ("Service", n["gateway"]), ("Deployment", n["gateway"]), ("NetworkPolicy", n["engine"]),
             ("NetworkPolicy", n["gateway"]), ("PodMonitor", n["monitor"]),
             ("Service", n["drafter"]), ("Deployment", n["drafter"]), ("NetworkPolicy", n["drafter"]),
-            ("PodMonitor", n["drafter"])]
+            ("PodMonitor", n["drafter"]), ("PodDisruptionBudget", n["drafter"])]
 
 
 def render_resource(resource: Mapping[str, Any], options: RenderOptions | None = None) -> list[Manifest]:

@@ -11,6 +11,7 @@ from minedraft.operator import spec as s
 from minedraft.operator.render import RenderOptions
 
 ENV_PREFIX = "MINEDRAFT_OPERATOR_"
+ENGINE_IMAGE_ROLLOUTS = ("OneAtATime", "OnRequest", "All")
 MONITORING_CHOICES = ("auto", "on", "off")
 # A registry host (with an optional port) and optional path, as `docker push` accepts them: no scheme, no tag.
 IMAGE_REGISTRY_PATTERN = re.compile(
@@ -48,6 +49,10 @@ class OperatorSettings:
     # that name no image of their own.
     image_registry: str = s.DEFAULT_IMAGE_REGISTRY
     image_tag: str = s.IMAGE_TAG
+    # How MineDrafts that name no engine image move to a new one (a chart upgrade changes image.tag): OneAtATime
+    # (one MineDraft's engines roll at a time, the next once it has rolled out), OnRequest (only a MineDraft
+    # annotated minedraft.io/upgrade-engine-image), All (every one at once).
+    engine_image_rollout: str = "OneAtATime"
 
     def __post_init__(self) -> None:
         if not IMAGE_REGISTRY_PATTERN.match(self.image_registry):
@@ -57,6 +62,9 @@ class OperatorSettings:
             raise ValueError(f"image_tag must be an image tag (letters, digits, '_', '.', '-'; got {self.image_tag!r})")
         if self.monitoring not in MONITORING_CHOICES:
             raise ValueError(f"monitoring must be one of {', '.join(MONITORING_CHOICES)} (got {self.monitoring!r})")
+        if self.engine_image_rollout not in ENGINE_IMAGE_ROLLOUTS:
+            raise ValueError(f"engine_image_rollout must be one of {', '.join(ENGINE_IMAGE_ROLLOUTS)} "
+                             f"(got {self.engine_image_rollout!r})")
         if self.drift_interval_seconds <= 0:
             raise ValueError("drift_interval_seconds must be positive")
         if self.autoscale_tick_seconds <= 0:

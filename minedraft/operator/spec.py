@@ -113,6 +113,16 @@ MAX_DRAFTER_WINDOW = 1_000_000
 SERVED_NAME_PATTERN = r"^[!-,.-~][!-~]{0,255}$"
 _SERVED_NAME = re.compile(SERVED_NAME_PATTERN)
 MAX_SERVED_MODEL_NAMES = 16
+# An engine environment variable's value (bounded so the CEL rules that read it have a price the API server accepts).
+MAX_ENV_VALUE_LENGTH = 1 << 20
+# Tensor-parallel sizes that divide the KV heads of every 8-KV-head model (most served models have 8): 3, 5, 6 and 7
+# divide none, and vLLM refuses them only after the GPUs are allocated.
+TARGET_TP_SIZES = (1, 2, 4, 8)
+# The pool's requests per pod with fixed engine replicas and no drafterPool.maxNumSeqs: four engines' batches.
+DEFAULT_POOL_ENGINES_PER_POD = 4
+MAX_POOL_NUM_SEQS = 1 << 16
+# What the windowed torch drafter keeps besides the window (torch_window's attention sinks).
+DRAFTER_SINK_TOKENS = 4
 # Service names are DNS-1035 labels: a letter first (a Service named "7b-engine" is refused).
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _ENV_NAME = re.compile(ENV_NAME_PATTERN)
@@ -251,7 +261,9 @@ class DrafterPoolSpec:
     """A drafter service shared by all engine replicas (`minedraft drafter`): engines then request only the target's
     GPUs and draft through it over authenticated sessions (a shared token from a Secret)."""
 
-    token: SecretKeyRef
+    # The Secret engines and pool authenticate each other with; None: the MineDraft's operator-generated internal
+    # credential (Secret <name>-internal, key token).
+    token: SecretKeyRef | None
     replicas: int = 1
     gpus: int = 1
     backend: str = "vllm"
@@ -269,6 +281,11 @@ class DrafterPoolSpec:
     max_replicas: int | None = None
     # The busy share of each pool replica to plan for.
     target_utilization: float = 0.7
+    # Requests one pool pod holds at once (all the engines it serves); None: pool_max_num_seqs's bound. Never the
+    # live engine count: the pod template must not change when the engines scale.
+    max_num_seqs: int | None = None
+    # Memory of each pool GPU: what the torch backend's preallocated KV must fit in (checked at admission).
+    gpu_memory: str = "80Gi"
 
     @property
     def autoscaled(self) -> bool:
@@ -345,7 +362,7 @@ class MineDraftSpec:
             refs.append(("spec.gateway.authTokenSecretRef", self.gateway.auth_token))
         if self.gateway.tls_secret_name is not None:
             refs.append(("spec.gateway.tlsSecretRef", self.gateway.tls_secret_name))
-        if self.drafter_pool is not None:
+        if self.drafter_pool is not None and self.drafter_pool.token is not None:
             refs.append(("spec.drafterPool.tokenSecretRef", self.drafter_pool.token))
         return refs
 
@@ -749,7 +766,8 @@ def _drafter_pool(r: _Reader, data: Mapping[str, Any] | None, mode: str) -> Draf
     d = DrafterPoolSpec(SecretKeyRef("", ""))
     if mode not in (*DRAFTER_GPU_MODES, "auto"):
         r.fail(p, f"mode {mode} does not draft with the minedraft drafter: a drafter pool needs psd, sd or auto")
-    token = _secret_key_ref(r, r.obj(data, "tokenSecretRef", p, required=True), f"{p}.tokenSecretRef", "token")
+    token_data = r.obj(data, "tokenSecretRef", p)
+    token = _secret_key_ref(r, token_data, f"{p}.tokenSecretRef", "token") if token_data is not None else None
     backend = r.str_(data, "backend", p, default=d.backend, choices=DRAFTER_BACKENDS) or d.backend
     window = _or(r.int_(data, "window", p, d.window, 0, MAX_DRAFTER_WINDOW), d.window)
     if window and backend != "torch":
@@ -766,13 +784,19 @@ def _drafter_pool(r: _Reader, data: Mapping[str, Any] | None, mode: str) -> Draf
     if isinstance(utilization, bool) or not isinstance(utilization, int | float) or not 0 < utilization <= 1:
         r.fail(f"{p}.targetUtilization", f"must be a number in (0, 1] (got {utilization!r})")
         utilization = d.target_utilization
+    gpus = _or(r.int_(data, "gpus", p, d.gpus, 0, 8), d.gpus)
+    if gpus > 1:
+        r.fail(f"{p}.gpus", f"the drafter has no tensor parallelism: a pool pod drafts on one GPU (got {gpus}; "
+                            "scale drafterPool.replicas instead)")
+    if gpus == 0 and backend != "torch":
+        r.fail(f"{p}.backend", "a CPU pool (gpus 0) needs backend torch: the vLLM drafter needs a GPU")
     port = r.int_(data, "port", p, d.port, 1, 65535) or d.port
     if port == DRAFTER_METRICS_PORT:
         r.fail(f"{p}.port", f"must differ from the drafter's metrics port ({DRAFTER_METRICS_PORT})")
     return DrafterPoolSpec(
-        token=token or SecretKeyRef("", ""),
+        token=token,
         replicas=_or(r.int_(data, "replicas", p, d.replicas, 0, 64), d.replicas),
-        gpus=_or(r.int_(data, "gpus", p, d.gpus, 0, 8), d.gpus),
+        gpus=gpus,
         backend=backend,
         window=window,
         cpu=r.quantity(data, "cpu", p, d.cpu),
@@ -783,6 +807,8 @@ def _drafter_pool(r: _Reader, data: Mapping[str, Any] | None, mode: str) -> Draf
         min_replicas=min_replicas,
         max_replicas=max_replicas,
         target_utilization=float(utilization),
+        max_num_seqs=r.int_(data, "maxNumSeqs", p, None, 1, MAX_POOL_NUM_SEQS),
+        gpu_memory=r.quantity(data, "gpuMemory", p, d.gpu_memory),
     )
 
 
@@ -868,6 +894,10 @@ def _check_combinations(r: _Reader, spec: MineDraftSpec) -> None:
         r.fail("spec.engine.targetGPUs", f"targetGPUs plus the drafter's GPU ({gpus}) must fit on one node of at "
                                          f"most {MAX_GPUS_PER_POD} GPUs (mode {spec.speculation.mode} drafts on a "
                                          "GPU of its own)")
+    if eng.target_gpus not in TARGET_TP_SIZES:
+        r.fail("spec.engine.targetGPUs", f"must be 1, 2, 4 or 8: the target's tensor-parallel size must divide its "
+                                         f"KV heads, and {eng.target_gpus} divides none of an 8-KV-head model's")
+    _check_pool(r, spec)
     if gw.enabled and gw.replicas == 0 and spec.autoscaling is not None and spec.autoscaling.min_replicas == 0:
         r.fail("spec.autoscaling.minReplicas", "0 (scale to zero) needs gateway.replicas of at least 1: a gateway "
                                                "pod holds the first request and is what wakes the engines")
@@ -880,6 +910,111 @@ def _check_combinations(r: _Reader, spec: MineDraftSpec) -> None:
                                                       "the token")
         if gw.tls_secret_name is not None:
             r.fail("spec.gateway.tlsSecretRef", "needs gateway.enabled: without the gateway nothing serves TLS")
+
+
+_QUANTITY_FACTORS = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+                     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def quantity_bytes(quantity: str) -> int:
+    """A Kubernetes quantity (already checked against _QUANTITY) in bytes. Pure."""
+    match = re.match(r"^([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)$", quantity)
+    assert match is not None, quantity
+    return int(float(match.group(1)) * _QUANTITY_FACTORS[match.group(2)])
+
+
+# Published configurations the operator can judge a pool by without reading the model (Hugging Face id, lower
+# case -> architecture preset, and the model's own context length, config.json's max_position_embeddings).
+KNOWN_MODELS: dict[str, tuple[str | None, int]] = {
+    "qwen/qwen3-0.6b": ("qwen3-0.6b", 40960), "qwen/qwen3-1.7b": ("qwen3-1.7b", 40960),
+    "qwen/qwen3-8b": (None, 40960), "qwen/qwen3-32b": ("qwen3-32b", 40960)}
+
+
+def _known(model: ModelSpec) -> tuple[str | None, int] | None:
+    hub_id = model.source.hugging_face_id
+    return KNOWN_MODELS.get(hub_id.lower()) if hub_id else None
+
+
+def engine_context_tokens(spec: MineDraftSpec) -> int | None:
+    """The engines' longest context: maxModelLen, else the target's own when the operator knows it (None: not
+    known before the engines load)."""
+    if spec.engine.max_model_len is not None:
+        return spec.engine.max_model_len
+    known = _known(spec.target)
+    return known[1] if known else None
+
+
+def pool_max_num_seqs(spec: MineDraftSpec) -> int:
+    """Requests one pool pod holds at once, from bounds only (never the live engine replica count, so the pool's pod
+    template does not change when the engines scale): drafterPool.maxNumSeqs, else every engine's batch at the
+    autoscaler's maxReplicas, else (fixed replicas) DEFAULT_POOL_ENGINES_PER_POD engines' batches. Pure."""
+    pool = spec.drafter_pool
+    assert pool is not None
+    if pool.max_num_seqs is not None:
+        return pool.max_num_seqs
+    engines = spec.autoscaling.max_replicas if spec.autoscaling is not None else DEFAULT_POOL_ENGINES_PER_POD
+    return min(MAX_POOL_NUM_SEQS, spec.engine.max_num_seqs * engines)
+
+
+def pool_dtype_bytes(spec: MineDraftSpec) -> int:
+    """Bytes per KV element of the pool's drafter: engine.dtype, or what `--dtype auto` resolves to (a 16-bit dtype
+    on a GPU, float32 on CPUs), as the engines resolve it. Pure."""
+    pool = spec.drafter_pool
+    assert pool is not None
+    dtype = spec.engine.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if pool.gpus else "float32"
+    return 4 if dtype == "float32" else 2
+
+
+def pool_dtype_summary(spec: MineDraftSpec) -> str:
+    """The pool's dtype as the operator can tell it (the drafter resolves `auto` as the engines do; its exact choice
+    is the minedraft_drafter_info metric's dtype label). Pure."""
+    pool = spec.drafter_pool
+    assert pool is not None
+    if spec.engine.dtype != "auto":
+        return spec.engine.dtype
+    return "auto: the draft's 16-bit dtype on its GPU" if pool.gpus else "auto: float32 on CPUs"
+
+
+def torch_pool_kv_bytes(spec: MineDraftSpec) -> int | None:
+    """The KV the torch pool preallocates per pod (2 * maxNumSeqs + 8 slots, each the window plus its sink tokens or
+    the whole context), when the operator knows the draft's shape; None otherwise (the drafter checks at start-up).
+    Pure."""
+    from minedraft.profile.architecture import PRESETS
+
+    pool = spec.drafter_pool
+    if pool is None or pool.backend != "torch":
+        return None
+    known = _known(spec.draft)
+    if known is None:
+        return None
+    preset, own_context = known
+    if preset is None:
+        return None
+    context = pool.window + DRAFTER_SINK_TOKENS if pool.window else (spec.engine.max_model_len or own_context)
+    arch = PRESETS[preset]
+    per_token = 2 * arch.layers * arch.kv_heads * arch.head_dim * pool_dtype_bytes(spec)
+    return (2 * pool_max_num_seqs(spec) + 8) * context * per_token
+
+
+def _check_pool(r: _Reader, spec: MineDraftSpec) -> None:
+    pool = spec.drafter_pool
+    if pool is None:
+        return
+    p = "spec.drafterPool"
+    context = engine_context_tokens(spec)
+    if pool.window and context is not None and pool.window >= context:
+        r.fail(f"{p}.window", f"must be shorter than the engines' context ({context} tokens): a window at or beyond it "
+                              "bounds nothing and only costs the window's bookkeeping")
+    kv = torch_pool_kv_bytes(spec)
+    if kv is not None:
+        room = quantity_bytes(pool.gpu_memory if pool.gpus else pool.memory)
+        if kv > 0.9 * room:
+            where = f"gpuMemory {pool.gpu_memory}" if pool.gpus else f"memory {pool.memory}"
+            r.fail(f"{p}.maxNumSeqs", f"the torch pool preallocates {kv / 2**30:.1f} GiB of KV per pod "
+                                      f"({2 * pool_max_num_seqs(spec) + 8} slots), more than 90% of its {where}: "
+                                      "lower drafterPool.maxNumSeqs, set a window, or raise the memory")
 
 
 @dataclass(frozen=True)

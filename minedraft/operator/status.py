@@ -256,6 +256,11 @@ def compute_status(observed: Observed, now: str) -> dict[str, Any]:
 
     desired = spec.desired_replicas
     engine = cond("EngineReady", *_deployment_condition(observed.engine, desired, "engine"))
+    idle = desired == 0 and render.may_scale_to_zero(spec) and observed.engine is not None
+    if idle:
+        # Scaled to zero by the autoscaler: idle, not failed. The gateway holds the first request and wakes an engine.
+        engine = cond("EngineReady", "True", "ScaledToZero", "idle: scaled to zero (autoscaling.minReplicas 0); the "
+                                                             "gateway wakes an engine on the next request")
     if spec.gateway.enabled:
         gateway = cond("GatewayReady", *_deployment_condition(observed.gateway, spec.gateway.replicas, "gateway"))
     else:
@@ -284,10 +289,15 @@ def compute_status(observed: Observed, now: str) -> dict[str, Any]:
             # Why it is not ready, when something is stuck: e.g. "0/1 engine replicas ready; Unschedulable: ..."
             message = _short(f"{message}; {progressing['reason']}: {progressing['message']}")
         ready = cond("Ready", "False", first["reason"], message)
+    elif idle:
+        ready = cond("Ready", "True", "Idle", "scaled to zero while idle: the gateway is ready and wakes an engine on "
+                                              "the next request")
     else:
         ready = cond("Ready", "True", "Serving", "engines and gateway are ready")
     engine_ready = observed.engine.ready_replicas if observed.engine else 0
-    if ready["status"] == "True":
+    if idle and ready["status"] == "True":
+        phase = "Idle"
+    elif ready["status"] == "True":
         phase = "Ready"
     elif observed.engine is None and observed.gateway is None:
         phase = "Pending"
@@ -296,8 +306,13 @@ def compute_status(observed: Observed, now: str) -> dict[str, Any]:
     pool_conditions = []
     if spec.drafter_pool is not None:
         # Informational, not part of Ready: engines whose pool is down keep serving, decoding without drafts.
-        pool_conditions.append(cond("DrafterPoolReady", *_deployment_condition(
-            observed.drafter, spec.drafter_pool.desired_replicas, "drafter pool")))
+        pool_status, pool_reason, pool_message = _deployment_condition(
+            observed.drafter, render.drafter_replicas(spec), "drafter pool")
+        if pool_status == "True":
+            # What the pool runs with: its dtype (never float32 on a GPU by default) and the requests each pod holds.
+            pool_message += (f"; dtype {s.pool_dtype_summary(spec)}, {s.pool_max_num_seqs(spec)} requests held per "
+                             "pod")
+        pool_conditions.append(cond("DrafterPoolReady", pool_status, pool_reason, pool_message))
     status.update({
         "phase": phase,
         "conditions": [ready, engine, gateway, progressing, scaling, metrics, *pool_conditions],

@@ -8,7 +8,24 @@ import json
 from typing import Any
 
 # The drafter's modules (msgspec, zmq) are imported when the command runs, not when `minedraft` builds its parser:
-# the gateway and operator images install neither (pyproject.toml's extras).
+# the gateway and operator images install neither (pyproject.toml's extras). placement is plain Python.
+from minedraft.engine.placement import DeviceInfo, resolve_dtype
+
+DRAFTER_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def drafts_on_gpu(backend: str, device: str, detected: DeviceInfo) -> bool:
+    """Whether the pool drafts on a GPU: the torch backend where --device names one, the vLLM backend where the
+    process sees one. Pure."""
+    if backend == "torch":
+        return device.startswith("cuda")
+    return detected.has_gpu
+
+
+def pool_dtype(requested: str, on_gpu: bool, draft_dtype: str | None) -> str:
+    """The drafter's concrete dtype: the engine's own resolution (placement.resolve_dtype), with the draft's config
+    dtype standing in for the target's (the pool has no target). Pure."""
+    return resolve_dtype(requested, DeviceInfo(visible_gpus=("0",) if on_gpu else ()), draft_dtype)
 
 
 def add_subcommand(sub: Any) -> None:
@@ -21,7 +38,9 @@ def add_subcommand(sub: Any) -> None:
     parser.add_argument("--token-file", required=True, help="file holding the token engines must present")
     parser.add_argument("--backend", default="torch", choices=["torch", "vllm"])
     parser.add_argument("--device", default="cpu", help="torch backend: cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DRAFTER_DTYPES],
+                        help="auto (the default): resolved as the engine resolves it, a 16-bit dtype on a GPU (the "
+                        "draft's own bfloat16 or float16; bfloat16 for a float32 draft), float32 on CPUs")
     parser.add_argument("--max-model-len", type=int, default=0,
                         help="longest context in tokens (0: the draft model's own max_position_embeddings)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="requests the drafter holds (all engines)")
@@ -57,9 +76,10 @@ def cmd_drafter(args: argparse.Namespace) -> int:
     from minedraft.engine.drafter import wire
     from minedraft.engine.drafter.backends import context_overrides
     from minedraft.engine.drafter.service import ServiceSettings, serve
+    from minedraft.engine.placement import detect_device, model_config_dtype
     from minedraft.models.spec import default_pair_dir
 
-    token = wire.read_token(args.token_file)
+    token = wire.LiveTokens(args.token_file)  # re-read at every handshake: rotation needs no restart
     model = args.model or str(default_pair_dir() / "draft")
     overrides = context_overrides(args.hf_overrides)
     max_model_len = args.max_model_len
@@ -71,11 +91,14 @@ def cmd_drafter(args: argparse.Namespace) -> int:
 
         config = apply_config_overrides(AutoConfig.from_pretrained(model), overrides)
         max_model_len = int(config.max_position_embeddings)
+    on_gpu = drafts_on_gpu(args.backend, args.device, detect_device())
+    draft_dtype = model_config_dtype(model) if args.dtype == "auto" and on_gpu else None
+    dtype = pool_dtype(args.dtype, on_gpu, draft_dtype)
     settings: dict[str, Any] = {
         "model": model,
         "backend": args.backend,
         "device": args.device,
-        "dtype": args.dtype,
+        "dtype": dtype,
         "max_model_len": max_model_len,
         # The torch backend keeps 2 * max_num_seqs + 8 slots.
         "max_num_seqs": args.max_num_seqs,
@@ -94,6 +117,7 @@ def cmd_drafter(args: argparse.Namespace) -> int:
 
         registry = CollectorRegistry()
         collector = DrafterServiceCollector()
+        collector.info = {"dtype": dtype, "backend": args.backend, "max_num_seqs": str(args.max_num_seqs)}
         registry.register(collector)
         start_http_server(args.metrics_port, addr=args.host, registry=registry)
         on_core = collector.attach

@@ -19,11 +19,18 @@ PREFIX = "minedraft_drafter"
 class DrafterServiceCollector(Collector):
     def __init__(self) -> None:
         self._core: Any = None
+        # The pool's settings as it resolved them (dtype after `auto`, backend, requests held): an info metric.
+        self.info: dict[str, str] = {}
 
     def attach(self, core: Any) -> None:
         self._core = core
 
     def collect(self) -> Iterator[Metric]:
+        if self.info:
+            info = GaugeMetricFamily(f"{PREFIX}_info", "The drafter's resolved settings (value 1): dtype (after auto), "
+                                     "backend, max_num_seqs.", labels=sorted(self.info))
+            info.add_metric([self.info[k] for k in sorted(self.info)], 1)
+            yield info
         core = self._core
         if core is None:
             return

@@ -472,7 +472,10 @@ async def test_missing_secret_shows_in_progressing_without_reading_secrets(clust
     assert "llama-secure-gateway-5d9f-abcde" in conditions["Progressing"]["message"]
     assert 'secret "minedraft-token" not found' in conditions["Ready"]["message"]
     operator_requests = [r for r in cluster.requests() if not r.headers.get("X-Test") and r.resource is not None]
-    assert not [r for r in operator_requests if r.resource.plural == "secrets"]
+    # Never a read of a Secret: only the create of the MineDraft's own internal credential (<name>-internal).
+    secret_requests = [r for r in operator_requests if r.resource.plural == "secrets"]
+    assert len(secret_requests) == 1 and secret_requests[0].method.upper() == "POST", secret_requests
+    assert cluster.obj("Secret", "llama-secure-internal")
     assert [r for r in operator_requests if r.resource.plural == "events" and r.method.upper() == "GET"]
     # Not a crash loop: the operator stays healthy; the pod recovers and the condition clears.
     await cluster.call("DELETE", f"/api/v1/namespaces/{NS}/pods/llama-secure-gateway-5d9f-abcde")

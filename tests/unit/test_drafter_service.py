@@ -447,3 +447,62 @@ def test_a_session_the_service_dropped_is_reopened_at_once_and_drafting_goes_on(
     finally:
         client.shutdown()
         service.close()
+
+
+def test_a_rotated_token_file_is_read_again_and_both_tokens_work_between_the_two_steps(tmp_path):
+    """Two-step rotation with no restart: (1) the new token is added as a second line: the pool accepts both, engines
+    still present the old (first) one; (2) the old line is removed: engines present the new one from their next
+    session, and the old one is refused."""
+    import os
+
+    old, new = b"old-token-of-enough-bytes", b"new-token-of-enough-bytes"
+    path = tmp_path / "token"
+    path.write_bytes(old + b"\n")
+    tokens = wire.LiveTokens(str(path))
+    h = Harness()
+    h.core._token = tokens  # the pool's live file
+    nonce = wire.new_nonce()
+
+    def connect(peer: bytes, token: bytes) -> Any:
+        h.core.on_message(peer, wire.Hello(wire.WIRE_VERSION, peer.decode(), nonce, 5.0))
+        (challenge,) = h.take(peer)
+        h.core.on_message(peer, wire.Auth(wire.client_mac(token, nonce, challenge.server_nonce)))
+        (answer,) = h.take(peer)
+        if isinstance(answer, wire.Welcome):  # the pool proves the token the engine used
+            assert wire.verify(wire.server_proof(token, nonce, challenge.server_nonce), answer.proof)
+        return answer
+
+    assert isinstance(connect(b"a", old), wire.Welcome)
+    assert isinstance(connect(b"b", new), wire.Rejected)
+    path.write_bytes(old + b"\n" + new + b"\n")
+    os.utime(path, ns=(1, 1))  # a new stamp even within the file system's time resolution
+    assert tokens.presented() == old
+    assert isinstance(connect(b"c", old), wire.Welcome) and isinstance(connect(b"d", new), wire.Welcome)
+    path.write_bytes(new + b"\n")
+    os.utime(path, ns=(2, 2))
+    assert tokens.presented() == new
+    assert isinstance(connect(b"e", old), wire.Rejected) and isinstance(connect(b"f", new), wire.Welcome)
+    # A file broken mid-rotation keeps the last good tokens; errors never show a token.
+    path.write_bytes(b"short\n")
+    os.utime(path, ns=(3, 3))
+    assert tokens.accepted() == (new,)
+    with pytest.raises(SettingsError) as exc:
+        wire.read_tokens(str(path))
+    assert "short" not in str(exc.value).replace(str(tmp_path), "")
+
+
+def test_the_engine_presents_the_files_first_token_at_each_new_session(tmp_path):
+    import os
+
+    from minedraft.engine.drafter.remote import RemoteDrafterClient
+
+    path = tmp_path / "token"
+    path.write_bytes(b"old-token-of-enough-bytes\n")
+    client = RemoteDrafterClient("127.0.0.1:1", wire.LiveTokens(str(path)))
+    client.start()
+    assert client._token == b"old-token-of-enough-bytes"
+    path.write_bytes(b"new-token-of-enough-bytes\n")
+    os.utime(path, ns=(5, 5))
+    client.start()
+    assert client._token == b"new-token-of-enough-bytes"
+    client._close_socket()

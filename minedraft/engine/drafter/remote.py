@@ -31,14 +31,17 @@ log = logging.getLogger(__name__)
 class RemoteDrafterClient(JobMessages):
     """A session with a drafter service over a ZMQ DEALER socket; single-threaded (the scheduler's thread)."""
 
-    def __init__(self, address: str, token: bytes, engine_name: str | None = None, deadline_seconds: float = 5.0,
+    def __init__(self, address: str, token: bytes | wire.LiveTokens, engine_name: str | None = None,
+                 deadline_seconds: float = 5.0,
                  heartbeat_seconds: float = 1.0, service_timeout_seconds: float = 5.0,
                  connect_timeout_seconds: float = 5.0, max_backoff_seconds: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         host, port = parse_address(address)
         self.address = address
         self._endpoint = f"tcp://{host}:{port}"
-        self._token = token
+        self._tokens = token
+        # The token of this session: the file's first, read again at every new session (after a rotation).
+        self._token = wire.presented_token(token)
         self.engine_name = engine_name or f"{std_socket.gethostname()}:{os.getpid()}"
         self._deadline_seconds = deadline_seconds
         self._heartbeat_seconds = heartbeat_seconds
@@ -85,6 +88,7 @@ class RemoteDrafterClient(JobMessages):
         socket.connect(self._endpoint)
         self._socket = socket
         self._client_nonce = wire.new_nonce()
+        self._token = wire.presented_token(self._tokens)
         self.num_starts += 1
         self._connect_started_at = self._clock()
         self.state = DrafterState.STARTING

@@ -114,7 +114,7 @@ class ServiceCounters:
 class ServiceCore:
     """Sessions, fair batching, backpressure and liveness over one DrafterServer; single-threaded, no I/O."""
 
-    def __init__(self, server: DrafterServer, token: bytes, model: str, send: Send,
+    def __init__(self, server: DrafterServer, token: bytes | wire.LiveTokens, model: str, send: Send,
                  settings: ServiceSettings | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.server = server
         self._token = token
@@ -195,7 +195,11 @@ class ServiceCore:
             self._send(peer, wire.Rejected("authentication without a hello"))
             return
         hello = handshake.hello
-        if not wire.verify(wire.client_mac(self._token, hello.client_nonce, handshake.server_nonce), auth.mac):
+        # Any token of the (re-read) file: a rotation adds the new one before it removes the old.
+        token = next((candidate for candidate in wire.accepted_tokens(self._token)
+                      if wire.verify(wire.client_mac(candidate, hello.client_nonce, handshake.server_nonce),
+                                     auth.mac)), None)
+        if token is None:
             log.warning("engine %r failed authentication; refused", hello.engine_name[:64])
             self._send(peer, wire.Rejected("authentication failed: the engine's drafter token does not match"))
             return
@@ -204,7 +208,7 @@ class ServiceCore:
                                              max(0.01, float(hello.deadline_seconds)), now)
         self._by_peer[peer] = session_id
         self._order.append(session_id)
-        proof = wire.server_proof(self._token, hello.client_nonce, handshake.server_nonce)
+        proof = wire.server_proof(token, hello.client_nonce, handshake.server_nonce)
         self._send(peer, wire.Welcome(session_id, proof, self.model, int(self.server.vocab_size),
                                       int(getattr(self.server.drafter, "max_context_tokens", 0) or 0)))
         log.info("session %s opened for engine %r (%d sessions)", session_id, hello.engine_name[:64],
@@ -356,7 +360,7 @@ class ServiceCore:
 # -- the process ---------------------------------------------------------------------------------------------------
 
 
-def serve(settings: dict[str, Any], host: str, port: int, token: bytes, service: ServiceSettings,
+def serve(settings: dict[str, Any], host: str, port: int, token: bytes | wire.LiveTokens, service: ServiceSettings,
           ready: Callable[[int], None] | None = None, on_core: Callable[[ServiceCore], None] | None = None) -> int:
     """The service's loop (never returns while it runs). `on_core` receives the ServiceCore once it exists (the
     metrics exporter reads its counters)."""

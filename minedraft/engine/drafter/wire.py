@@ -136,6 +136,62 @@ def read_token(path: str) -> bytes:
     return token
 
 
+def read_tokens(path: str) -> tuple[bytes, ...]:
+    """Every token of a token file, one per line (blank lines ignored), each at least 16 bytes: the service accepts
+    any of them and engines present the first, so a rotation adds the new token before it removes the old one."""
+    try:
+        lines = Path(path).read_bytes().splitlines()
+    except OSError as exc:
+        raise TokenError(f"{path}: {exc.strerror or exc}") from None
+    tokens = tuple(line.strip() for line in lines if line.strip())
+    if not tokens:
+        raise TokenError(f"{path}: holds no token")
+    if any(len(token) < 16 for token in tokens):
+        raise TokenError(f"{path}: every token must be at least 16 bytes")
+    return tokens
+
+
+class LiveTokens:
+    """A token file read again whenever it changes (a mounted Secret is replaced in place by the kubelet at
+    rotation): checked on every handshake, so neither the pool nor the engines restart to take a new token. A file
+    that turns unreadable or invalid keeps the last good tokens (logged; errors name the file, never a token)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._stamp = self._stat()
+        self._tokens = read_tokens(path)  # fails fast at start-up on a bad file
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def accepted(self) -> tuple[bytes, ...]:
+        stamp = self._stat()
+        if stamp is not None and stamp != self._stamp:
+            try:
+                self._tokens = read_tokens(self.path)
+                self._stamp = stamp
+            except TokenError as exc:
+                import logging
+
+                logging.getLogger(__name__).warning("keeping the previous drafter tokens: %s", exc)
+        return self._tokens
+
+    def presented(self) -> bytes:
+        return self.accepted()[0]
+
+
+def accepted_tokens(token: bytes | LiveTokens) -> tuple[bytes, ...]:
+    return token.accepted() if isinstance(token, LiveTokens) else (token,)
+
+
+def presented_token(token: bytes | LiveTokens) -> bytes:
+    return token.presented() if isinstance(token, LiveTokens) else token
+
+
 def new_nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 

@@ -94,10 +94,11 @@ def test_the_parser_refuses_naming_the_field(case: str) -> None:
 
 
 def test_what_is_right_is_still_admitted() -> None:
-    """The limits are tight, not shifted: 7 target GPUs plus the drafter, 8 target GPUs for modes without a drafter
+    """The limits are tight, not shifted: 4 target GPUs plus the drafter (7, which would fit the node, divides no
+    8-KV-head model), 8 target GPUs for modes without a drafter
     GPU or with a drafter pool, a scale-to-zero MineDraft with its gateway, an engine HTTP port of 8000, quoted env
     values."""
-    for doc in (changed("minimal", engine__targetGPUs=7), changed("minimal", engine__targetGPUs=8,
+    for doc in (changed("minimal", engine__targetGPUs=4), changed("minimal", engine__targetGPUs=8,
                                                                   speculation={"mode": "vllm-sd"}),
                 changed("autoscaled", engine__targetGPUs=8, autoscaling__speculation={"allowedModes": ["ar"]},
                         speculation={"mode": "auto", "numSpeculativeTokens": 3}),

@@ -96,11 +96,21 @@ def test_a_minedraft_without_a_pool_renders_as_before():
 
 
 @pytest.mark.parametrize(("changes", "error"), [
-    ({"drafterPool__tokenSecretRef": None}, "spec.drafterPool.tokenSecretRef: required"),
+    ({"drafterPool__tokenSecretRef": {"key": "token"}}, "spec.drafterPool.tokenSecretRef.name: required"),
     ({"drafterPool__window": 512}, "spec.drafterPool.window: the drafter window is the torch backend's"),
     ({"speculation__mode": "ar"}, "spec.drafterPool: mode ar does not draft with the minedraft drafter"),
     ({"drafterPool__gpus": 9}, "spec.drafterPool.gpus: must be between 0 and 8"),
-], ids=["no-token", "window-vllm", "mode-ar", "gpus"])
+    ({"drafterPool__gpus": 2}, "spec.drafterPool.gpus: the drafter has no tensor parallelism"),
+    ({"drafterPool__gpus": 0}, "spec.drafterPool.backend: a CPU pool (gpus 0) needs backend torch"),
+    ({"drafterPool__backend": "torch", "drafterPool__window": 4096, "engine__maxModelLen": 4096},
+     "spec.drafterPool.window: must be shorter than the engines' context (4096 tokens)"),
+    ({"drafterPool__backend": "torch", "drafterPool__window": 40960},
+     "spec.drafterPool.window: must be shorter than the engines' context (40960 tokens)"),
+    ({"engine__targetGPUs": 6}, "spec.engine.targetGPUs: must be 1, 2, 4 or 8"),
+    ({"drafterPool__backend": "torch", "drafterPool__window": 512},
+     "spec.drafterPool.maxNumSeqs: the torch pool preallocates 113.3 GiB of KV per pod (2056 slots)"),
+], ids=["no-token", "window-vllm", "mode-ar", "gpus", "gpus-2", "cpu-vllm", "window-at-context",
+        "window-at-models-context", "tp-6", "torch-kv"])
 def test_bad_pools_are_refused_naming_the_field(changes: dict[str, Any], error: str):
     doc = with_spec("pool", **changes)
     with pytest.raises(s.SpecError) as exc:
@@ -113,14 +123,19 @@ def test_bad_pools_are_refused_naming_the_field(changes: dict[str, Any], error: 
      "spec.drafterPool.window: drafterPool.window needs backend torch"),
     ({"speculation__mode": "vllm-sd"},
      "spec.drafterPool: drafterPool needs speculation.mode psd, sd or auto"),
-], ids=["window-vllm", "mode-vllm-sd"])
+    ({"drafterPool__gpus": 2}, "spec.drafterPool.gpus: 2 is greater than the maximum of 1"),
+    ({"drafterPool__gpus": 0}, "spec.drafterPool.backend: a CPU pool (drafterPool.gpus 0) needs backend torch"),
+    ({"drafterPool__backend": "torch", "drafterPool__window": 4096, "engine__maxModelLen": 4096},
+     "spec.drafterPool.window: drafterPool.window must be shorter than engine.maxModelLen"),
+    *[({"engine__targetGPUs": tp}, "spec.engine.targetGPUs: targetGPUs must be 1, 2, 4 or 8") for tp in (3, 5, 6, 7)],
+], ids=["window-vllm", "mode-vllm-sd", "gpus-2", "cpu-vllm", "window-at-context", "tp-3", "tp-5", "tp-6", "tp-7"])
 def test_the_crd_refuses_bad_pools_at_admission_naming_the_field(changes: dict[str, Any], message: str):
     found = admit(with_spec("pool", **changes))
     assert any(f.startswith(message) for f in found), found
 
 
 def test_a_windowed_torch_pool_on_a_gpu_is_admitted_and_drafts_on_it():
-    doc = with_spec("pool", drafterPool__backend="torch", drafterPool__window=512)
+    doc = with_spec("pool", drafterPool__backend="torch", drafterPool__window=512, drafterPool__maxNumSeqs=256)
     assert admit(doc) == []
     pool = by_kind(render.render_resource(doc))["Deployment/qwen3-8b-drafter"]
     command = pool["spec"]["template"]["spec"]["containers"][0]["command"]
@@ -128,7 +143,8 @@ def test_a_windowed_torch_pool_on_a_gpu_is_admitted_and_drafts_on_it():
 
 
 def test_a_cpu_pool_keeps_to_the_engines_nodes_and_asks_for_the_drafts_disk_only():
-    doc = with_spec("pool", drafterPool__gpus=0, engine__nodeSelector={"kubernetes.io/arch": "amd64"},
+    doc = with_spec("pool", drafterPool__gpus=0, drafterPool__backend="torch", drafterPool__window=512,
+                    drafterPool__maxNumSeqs=16, engine__nodeSelector={"kubernetes.io/arch": "amd64"},
                     engine__tolerations=[{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
                     engine__runtimeClassName="nvidia")
     assert admit(doc) == []
@@ -142,7 +158,8 @@ def test_a_cpu_pool_keeps_to_the_engines_nodes_and_asks_for_the_drafts_disk_only
     assert "ephemeral-storage" not in container["resources"]["limits"]
     (cache,) = [v for v in pod["volumes"] if v["name"] == "model-cache"]
     assert cache["emptyDir"]["sizeLimit"] == "20Gi"
-    sized = with_spec("pool", drafterPool__modelCacheSizeLimit="8Gi", engine__ephemeralStorage="200Gi")
+    sized = with_spec("pool", drafterPool__modelCacheSizeLimit="8Gi", engine__ephemeralStorage="200Gi",
+                      drafterPool__backend="torch", drafterPool__window=512, drafterPool__maxNumSeqs=16)
     (container,) = by_kind(render.render_resource(sized))["Deployment/qwen3-8b-drafter"]["spec"]["template"]["spec"][
         "containers"]
     assert container["resources"]["requests"]["ephemeral-storage"] == "8Gi"
@@ -166,7 +183,8 @@ def test_a_target_stretched_by_hf_overrides_gets_a_pool_that_reads_positions_the
 
     stretch = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "max_position_embeddings": 8192}'
     for extra in (["--hf-overrides", stretch], [f"--hf-overrides {stretch}"], [f"--hf_overrides={stretch}"]):
-        doc = with_spec("pool", drafterPool__backend="torch", engine__extraArgs=extra)
+        doc = with_spec("pool", drafterPool__backend="torch", drafterPool__window=512, drafterPool__maxNumSeqs=256,
+                        engine__extraArgs=extra)
         assert admit(doc) == []
         command = by_kind(render.render_resource(doc))["Deployment/qwen3-8b-drafter"]["spec"]["template"]["spec"][
             "containers"][0]["command"]

@@ -73,7 +73,7 @@ def source(rng: random.Random, token: dict[str, str] | None) -> dict[str, Any]:
     kind = rng.choice(["huggingFace", "persistentVolumeClaim", "image"])
     if kind == "huggingFace":
         hf: dict[str, Any] = {"id": rng.choice(["Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B-Instruct", "x",
-                                                "google/gemma_2.b-it", "gpt2"])}
+                                                "google/gemma_2.b-it", "gpt2", "Qwen/Qwen3-0.6B"])}
         if token is not None:
             hf["tokenSecretRef"] = token
         return {"huggingFace": hf}
@@ -97,7 +97,7 @@ def engine(rng: random.Random, drafter_gpu: bool) -> dict[str, Any]:
     options: dict[str, Any] = {
         "image": lambda: rng.choice(["registry.example.com/custom/engine:1", "engine"]),
         "imagePullPolicy": lambda: rng.choice(s.PULL_POLICIES),
-        "targetGPUs": lambda: rng.choice([1, 2, s.MAX_GPUS_PER_POD - 1] + ([] if drafter_gpu else [8])),
+        "targetGPUs": lambda: rng.choice([1, 2, 4] + ([] if drafter_gpu else [8])),
         "dtype": lambda: rng.choice(s.DTYPES),
         "drafterBackend": lambda: "vllm",
         "drafterGPUs": lambda: 1,
@@ -204,17 +204,22 @@ def valid_minedraft(rng: random.Random) -> dict[str, Any]:
     if pool:
         backend = rng.choice(s.DRAFTER_BACKENDS)
         drafter: dict[str, Any] = {"tokenSecretRef": secret_ref(rng), **({"backend": backend} if maybe(rng) else {})}
-        for key, value in (("replicas", rng.choice([0, 1, 64])), ("gpus", rng.choice([0, 1, 8])),
+        for key, value in (("replicas", rng.choice([0, 1, 64])), ("gpus", rng.choice([0, 1])),
                            ("backend", backend), ("window", rng.choice([0, 1, 4096]) if backend == "torch" else 0),
                            ("cpu", "4"), ("memory", "32Gi"), ("maxQueuedJobs", rng.choice([1, 100000])),
-                           ("port", rng.choice([1, 50061, 65535])), ("targetUtilization", rng.choice([0.01, 1]))):
+                           ("port", rng.choice([1, 50061, 65535])), ("targetUtilization", rng.choice([0.01, 1])),
+                           ("maxNumSeqs", rng.choice([1, 64, 4096])), ("gpuMemory", rng.choice(["24Gi", "141Gi"]))):
             if maybe(rng, 0.4):
                 drafter[key] = value
-        if drafter.get("window"):
-            drafter["backend"] = "torch"
+        if drafter.get("window") or drafter.get("gpus") == 0:
+            drafter["backend"] = "torch"  # a window is the torch drafter's; so is a CPU pool
+        context = spec.get("engine", {}).get("maxModelLen")
+        if drafter.get("window") and context is not None and drafter["window"] >= context:
+            drafter["window"] = context - 1  # shorter than the engines' context
         if maybe(rng, 0.3):
             drafter.update(minReplicas=1, maxReplicas=rng.choice([1, 64]))
         spec["drafterPool"] = drafter
+        _fit_torch_pool(spec)
     if maybe(rng, 0.3):
         spec["imagePullSecrets"] = [{"name": n} for n in rng.sample(["regcred", "ghcr.io-pull", "a"], 2)]
     if maybe(rng, 0.3):
@@ -222,6 +227,21 @@ def valid_minedraft(rng: random.Random) -> dict[str, Any]:
     return {"apiVersion": f"{s.API_GROUP}/{s.API_VERSION}", "kind": s.KIND,
             "metadata": {"name": rng.choice(NAMES), "namespace": "serving", "uid": "0f0f0f0f-0000-4000-8000-0000000f"},
             "spec": spec}
+
+
+def _fit_torch_pool(spec: dict[str, Any]) -> None:
+    """A torch pool whose preallocated KV fits its memory (the operator refuses one that does not): fewer requests
+    per pod, then a window, as a user would."""
+    drafter = spec["drafterPool"]
+    for change in ({}, {"maxNumSeqs": 64}, {"maxNumSeqs": 1}, {"window": 8}):
+        drafter.update(change)
+        try:
+            parsed = s.parse_spec(defaulted({"spec": spec})["spec"])
+        except s.SpecError:
+            continue
+        if parsed.drafter_pool is not None:
+            return
+    raise AssertionError(f"no torch pool fits: {drafter}")
 
 
 # -- checks ----------------------------------------------------------------------------------------------------------
@@ -405,6 +425,7 @@ INVALID: list[tuple[Any, ...]] = [
     ("spec.engine.imagePullPolicy", "Sometimes", "spec.engine.imagePullPolicy"),
     ("spec.engine.targetGPUs", 0, "spec.engine.targetGPUs"),
     ("spec.engine.targetGPUs", 9, "spec.engine.targetGPUs"),
+    *[("spec.engine.targetGPUs", tp, "spec.engine.targetGPUs") for tp in (3, 5, 6, 7)],
     ("spec.engine.dtype", "int8", "spec.engine.dtype"),
     ("spec.engine.drafterBackend", "torch", "spec.engine.drafterBackend"),
     ("spec.engine.drafterGPUs", 2, "spec.engine.drafterGPUs"),
@@ -498,9 +519,13 @@ INVALID: list[tuple[Any, ...]] = [
     ("spec.servedModelNames", ["a", "a"], "spec.servedModelNames"),
     ("spec.servedModelNames", [f"n{i}" for i in range(17)], "spec.servedModelNames"),
     ("spec.servedModelNames", [""], "spec.servedModelNames"),
-    ("spec.drafterPool", {}, "spec.drafterPool.tokenSecretRef"),
+    ("spec.drafterPool", {"tokenSecretRef": {}}, "spec.drafterPool.tokenSecretRef"),
     ("spec.drafterPool", {"tokenSecretRef": {"name": "d"}, "replicas": 65}, "spec.drafterPool.replicas"),
     ("spec.drafterPool", {"tokenSecretRef": {"name": "d"}, "gpus": 9}, "spec.drafterPool.gpus"),
+    ("spec.drafterPool", {"tokenSecretRef": {"name": "d"}, "gpus": 2}, "spec.drafterPool.gpus"),
+    ("spec.drafterPool", {"tokenSecretRef": {"name": "d"}, "gpus": 0}, "spec.drafterPool.backend"),
+    ("spec.drafterPool", {"tokenSecretRef": {"name": "d"}, "gpus": 0, "backend": "vllm"}, "spec.drafterPool.backend"),
+    ("spec.drafterPool", {"tokenSecretRef": {"name": "d"}, "maxNumSeqs": 0}, "spec.drafterPool.maxNumSeqs"),
     ("spec.drafterPool", {"tokenSecretRef": {"name": "d"}, "backend": "jax"}, "spec.drafterPool.backend"),
     ("spec.drafterPool", {"tokenSecretRef": {"name": "d"}, "window": 8}, "spec.drafterPool.window"),
     ("spec.drafterPool", {"tokenSecretRef": {"name": "d"}, "backend": "torch", "window": 2_000_000},

@@ -154,5 +154,28 @@ def test_a_drafter_pool_gets_a_readiness_condition_of_its_own_apart_from_ready()
         "ReplicasNotReady", "1/2 drafter pool replicas ready")
     c = conditions(st.compute_status(st.Observed(3, POOL_SPEC, META, drafter=deployment(2, 2), **serving), T0))
     assert c["DrafterPoolReady"]["status"] == "True"
+    assert c["DrafterPoolReady"]["message"] == ("2/2 drafter pool replicas ready; dtype auto: the draft's 16-bit dtype "
+                                                "on its GPU, 1024 requests held per pod")
     # Without a pool there is no such condition.
     assert "DrafterPoolReady" not in conditions(st.compute_status(st.Observed(3, SPEC, META, **serving), T0))
+
+
+def test_an_idle_minedraft_scaled_to_zero_is_idle_not_failed() -> None:
+    """The autoscaler scaled it to zero (minReplicas 0): Ready stays True (reason Idle, phase Idle) while the gateway
+    is ready to wake an engine; the same zero without scale to zero (fixed replicas 0) is not ready."""
+    models = {"target": {"source": {"image": {"path": "/t"}}}, "draft": {"source": {"image": {"path": "/d"}}}}
+    spec = s.parse_spec({**models, "replicas": 0, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}})
+    assert spec.desired_replicas == 0
+    status = st.compute_status(st.Observed(3, spec, META, engine=deployment(0, 0), gateway=deployment(2, 2)), T0)
+    c = conditions(status)
+    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("True", "Idle")
+    assert (c["EngineReady"]["status"], c["EngineReady"]["reason"]) == ("True", "ScaledToZero")
+    assert status["phase"] == "Idle" and status["ready"] == "0/0"
+    # A gateway that is down is still an outage.
+    down = conditions(st.compute_status(st.Observed(3, spec, META, engine=deployment(0, 0),
+                                                    gateway=deployment(2, 0)), T0))
+    assert down["Ready"]["status"] == "False"
+    fixed = s.parse_spec({**models, "replicas": 0})
+    c = conditions(st.compute_status(st.Observed(3, fixed, META, engine=deployment(0, 0), gateway=deployment(2, 2)),
+                                     T0))
+    assert c["Ready"]["status"] == "False"
