@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -116,12 +117,30 @@ def fused_cpu_race() -> Any | None:
     return getattr(torch.ops._C, "fused_gumbel_argmax", None)
 
 
+# Set to 0 to draw CUDA rows by `race_scores` instead of the one-pass kernel (same winners; a fallback should the
+# kernel fail to build on some GPU).
+KERNEL_ENV = "MINEDRAFT_KEYED_RACE_KERNEL"
+
+
+def cuda_kernel_enabled() -> bool:
+    """Whether CUDA rows are drawn by the one-pass Triton kernel (keyed_race.py): Triton importable and not turned
+    off by MINEDRAFT_KEYED_RACE_KERNEL=0."""
+    from minedraft.engine.vllm_adapter import keyed_race
+
+    return os.environ.get(KERNEL_ENV, "1") != "0" and keyed_race.triton_available()
+
+
 def keyed_winners(logits: torch.Tensor, keys: torch.Tensor, fused: Any | None = None) -> torch.Tensor:
     """The keyed race's winner of each row of processed logits [n, vocab] -> [n] int64: on CPUs vLLM's fused kernel
-    keyed by `keys` (one pass, no noise tensor), elsewhere `race_scores` (`fused` None). One deployment always takes
-    the same path, so a position's winner does not depend on which sampler stage draws it."""
+    keyed by `keys` (one pass, no noise tensor; `fused`), on CUDA the one-pass Triton kernel of keyed_race.py (the
+    same winners as `race_scores`, without its [n, vocab] temporaries), elsewhere `race_scores`. One deployment always
+    takes the same path, so a position's winner does not depend on which sampler stage draws it."""
     if fused is not None and logits.device.type == "cpu":
         return fused(logits.to(torch.float32).contiguous(), keys).to(torch.int64)
+    if logits.device.type == "cuda" and cuda_kernel_enabled():
+        from minedraft.engine.vllm_adapter import keyed_race
+
+        return keyed_race.triton_winners(logits, keys)
     return race_scores(logits, keys).argmax(dim=-1)
 
 
