@@ -105,6 +105,8 @@ class DrafterSettings:
     deadline_seconds: float = 5.0
     # Draft jobs failing in a row (the drafter naming no request to blame) before the drafter is restarted.
     max_missed_deadlines: int = 3
+    # A drafter start-up that reaches no new stage (imported, downloading, weights, compiled) for this long is
+    # restarted: judged by progress, not by the time since the spawn.
     startup_timeout_seconds: float = 300.0
     restart: bool = True
     # "vllm": the draft model in vLLM (any architecture; GPUs). "torch": a plain-torch Llama/Qwen3 drafter that

@@ -26,7 +26,7 @@ def test_the_dry_run_runs_every_stage_torch_only(tmp_path):
     env = dict(blocked_env(site), PYTHON=sys.executable)
     env.pop("OUT", None)
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_session.sh"), "--dry-run", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=170, cwd=ROOT, check=False)
+                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     stages = summary["stages"]
