@@ -47,6 +47,17 @@ from minedraft.engine.vllm_adapter.overlap import OverlappedSteps
 log = logging.getLogger(__name__)
 
 
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+
+def deterministic_environment(settings: EngineSettings, plan: DevicePlan) -> dict[str, str]:
+    """vLLM's switch for --deterministic: its batch-invariant mode on GPUs (read by every GPU worker at its start,
+    which inherits this process's environment); "0" otherwise, so an inherited 1 cannot turn it on unasked. CPUs need
+    none: float32 there is batch-invariant (resolve_for_device refuses --deterministic with another dtype). Pure."""
+    on_gpu = plan.target_visible_devices is not None
+    return {BATCH_INVARIANT_ENV: "1" if settings.deterministic and on_gpu else "0"}
+
+
 def _configure_process(settings: EngineSettings, plan: DevicePlan) -> None:
     # The engine core must live in this process (statistics, invariants); vLLM reads these lazily.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -62,6 +73,7 @@ def _configure_process(settings: EngineSettings, plan: DevicePlan) -> None:
         narrow_visible_devices(os.environ, plan.target_visible_devices)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(settings.kv_cache_gib)))
+    os.environ.update(deterministic_environment(settings, plan))
     if settings.tensor_parallel_size > 1 and plan.target_visible_devices is None:
         # CPU tensor parallelism: one worker process per rank, each bound to its own cores ("0|1").
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(

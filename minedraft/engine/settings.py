@@ -187,6 +187,11 @@ class EngineSettings:
     # output does not depend on how many drafts were verified when (reproducible in every mode, identical across
     # modes); False leaves them to vLLM's per-request generator (minedraft/engine/vllm_adapter/keyed_sampling.py).
     reproducible_seeds: bool = True
+    # Batch-invariant numerics: a request's logits do not depend on what else is in its batch, so greedy output (and
+    # seeded output) is token-identical across modes and loads. GPUs: vLLM's batch-invariant mode
+    # (VLLM_BATCH_INVARIANT=1: its own matmul, reduction and attention kernels; slower). CPUs: float32 already is
+    # (resolve_for_device refuses it with a 16-bit dtype there, whose kernels are not).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         validate(self)
