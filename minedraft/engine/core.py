@@ -41,6 +41,7 @@ from minedraft.engine.vllm_adapter.engine_core import (
     in_process_scheduler,
     keep_distributed_state,
     model_thread_init,
+    skip_draft_token_round_trip,
 )
 from minedraft.engine.vllm_adapter.overlap import OverlappedSteps
 
@@ -294,6 +295,8 @@ class Engine:
             scheduler = self.psd_scheduler
             assert scheduler is not None
             scheduler.attach_drafter(drafter)
+        # One worker round trip less per step (a collective RPC at TP > 1) whose answer is always discarded.
+        skip_draft_token_round_trip(in_process_core(self._llm))
         self.overlap: OverlappedSteps | None = None
         if overlap_possible(settings):
             # Installed on every engine that could use it, so async steps can be switched on and off at run time

@@ -193,12 +193,20 @@ def stage_curves(out: Path, dry_run: bool) -> None:
         argv = [sys.executable, "-m", "minedraft.profile", *args, "--output", str(path)]
         seconds = min(seconds, max(5, int(limit - stage.elapsed_s() - 5)))
         started = time.monotonic()
+        child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=seconds, check=False)
-            code: int | str = done.returncode
-            tail = done.stderr[-2000:]
-        except subprocess.TimeoutExpired as exc:  # the profiler ends its worker on SIGKILL's way only from outside
-            code, tail = "timeout", str(exc.stderr or "")[-2000:]
+            _, stderr = child.communicate(timeout=seconds)
+            code: int | str = child.returncode
+        except subprocess.TimeoutExpired:
+            # SIGTERM first: the profiler then kills its measuring worker (a session of its own, holding the GPU).
+            child.terminate()
+            try:
+                _, stderr = child.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                _, stderr = child.communicate()
+            code = "timeout"
+        tail = (stderr or "")[-2000:]
         result: dict[str, Any] = {"run": name, "exit": code, "seconds": round(time.monotonic() - started, 1),
                                   "file": path.name, "command": " ".join(argv[1:])}
         if path.exists():
