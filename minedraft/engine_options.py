@@ -91,6 +91,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
                         help="psd (and auto while it runs psd): schedule each step while the target computes the "
                         "previous one (the two verify disjoint sub-batches: nothing speculative, no rollback); sd, "
                         "ar and TP>1 run synchronous steps")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="batch-invariant numerics: greedy and seeded output token-identical whatever the load "
+                        "and mode (GPUs: vLLM's batch-invariant mode, slower; CPUs: float32 only)")
     parser.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds are separate)")
     parser.add_argument("--max-num-speculative-tokens", type=int,
                         help="the longest draft the engine can switch to at run time (auto mode's k range)")
@@ -183,6 +186,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         gpu_memory_utilization=args.gpu_memory_utilization,
         extra_vllm_args=parse_vllm_args(_split_vllm_args(args.vllm_arg)),
         async_psd_steps=bool(getattr(args, "async_psd_steps", False)),
+        deterministic=bool(getattr(args, "deterministic", False)),
     )
     tokens = getattr(args, "max_num_seqs_from_kv", None)
     if tokens is not None:

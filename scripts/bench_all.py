@@ -132,6 +132,12 @@ STEPS: tuple[Step, ...] = (
          ("benchmarks/results/gpu-twin/shared-drafter.json",),
          # About 2 minutes on the 2-core machine shared with other helpers' runs; pure Python, no engine.
          5 * 60),
+    Step("gpu-twin-drafting-band", "the twin's GPU conclusions (best engine mode, psd/sd, against plain vLLM) with "
+         "drafting priced at 0.5, 1 and 2 times the curves' bare draft loop, TP=1 and TP=4",
+         ("python", "benchmarks/twin_drafting_band.py", "--factors", "0.5,1,2"),
+         ("benchmarks/results/gpu-twin/drafting-band.json",),
+         # About 3 minutes on the 2-core machine shared with other helpers' runs (load average ~50); pure Python.
+         5 * 60),
     Step("gpu-twin-pricing", "USD per million output tokens by deployment family (H200/H100 targets, drafters on "
          "their own or cheaper devices, shared or not) with prefill and KV capacity priced, through the twin",
          ("python", "benchmarks/twin_pricing.py"),

@@ -41,10 +41,22 @@ from minedraft.engine.vllm_adapter.engine_core import (
     in_process_scheduler,
     keep_distributed_state,
     model_thread_init,
+    skip_draft_token_round_trip,
 )
 from minedraft.engine.vllm_adapter.overlap import OverlappedSteps
 
 log = logging.getLogger(__name__)
+
+
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+
+def deterministic_environment(settings: EngineSettings, plan: DevicePlan) -> dict[str, str]:
+    """vLLM's switch for --deterministic: its batch-invariant mode on GPUs (read by every GPU worker at its start,
+    which inherits this process's environment); "0" otherwise, so an inherited 1 cannot turn it on unasked. CPUs need
+    none: float32 there is batch-invariant (resolve_for_device refuses --deterministic with another dtype). Pure."""
+    on_gpu = plan.target_visible_devices is not None
+    return {BATCH_INVARIANT_ENV: "1" if settings.deterministic and on_gpu else "0"}
 
 
 def _configure_process(settings: EngineSettings, plan: DevicePlan) -> None:
@@ -62,6 +74,7 @@ def _configure_process(settings: EngineSettings, plan: DevicePlan) -> None:
         narrow_visible_devices(os.environ, plan.target_visible_devices)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(settings.kv_cache_gib)))
+    os.environ.update(deterministic_environment(settings, plan))
     if settings.tensor_parallel_size > 1 and plan.target_visible_devices is None:
         # CPU tensor parallelism: one worker process per rank, each bound to its own cores ("0|1").
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(
@@ -282,6 +295,8 @@ class Engine:
             scheduler = self.psd_scheduler
             assert scheduler is not None
             scheduler.attach_drafter(drafter)
+        # One worker round trip less per step (a collective RPC at TP > 1) whose answer is always discarded.
+        skip_draft_token_round_trip(in_process_core(self._llm))
         self.overlap: OverlappedSteps | None = None
         if overlap_possible(settings):
             # Installed on every engine that could use it, so async steps can be switched on and off at run time

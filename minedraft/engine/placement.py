@@ -255,6 +255,10 @@ def resolve_for_device(settings: EngineSettings, device: DeviceInfo, model_dtype
     if backend == "auto":
         backend = "vllm" if device.has_gpu else "torch"
     dtype = resolve_dtype(settings.dtype, device, model_dtype)
+    if settings.deterministic and not device.has_gpu and dtype != "float32":
+        raise SettingsError("deterministic", f"on a CPU only float32 is batch-invariant (vLLM's batch-invariant "
+                            f"kernels are GPU-only); --dtype {dtype} makes a request's logits depend on its batch: use "
+                            f"--dtype float32 (or auto) with --deterministic")
     return settings.with_changes(dtype=dtype, drafter=replace(settings.drafter, backend=backend))
 
 

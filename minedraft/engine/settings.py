@@ -105,6 +105,8 @@ class DrafterSettings:
     deadline_seconds: float = 5.0
     # Draft jobs failing in a row (the drafter naming no request to blame) before the drafter is restarted.
     max_missed_deadlines: int = 3
+    # A drafter start-up that reaches no new stage (imported, downloading, weights, compiled) for this long is
+    # restarted: judged by progress, not by the time since the spawn.
     startup_timeout_seconds: float = 300.0
     restart: bool = True
     # "vllm": the draft model in vLLM (any architecture; GPUs). "torch": a plain-torch Llama/Qwen3 drafter that
@@ -185,6 +187,11 @@ class EngineSettings:
     # output does not depend on how many drafts were verified when (reproducible in every mode, identical across
     # modes); False leaves them to vLLM's per-request generator (minedraft/engine/vllm_adapter/keyed_sampling.py).
     reproducible_seeds: bool = True
+    # Batch-invariant numerics: a request's logits do not depend on what else is in its batch, so greedy output (and
+    # seeded output) is token-identical across modes and loads. GPUs: vLLM's batch-invariant mode
+    # (VLLM_BATCH_INVARIANT=1: its own matmul, reduction and attention kernels; slower). CPUs: float32 already is
+    # (resolve_for_device refuses it with a 16-bit dtype there, whose kernels are not).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         validate(self)

@@ -57,6 +57,20 @@ def test_every_worker_runs_the_corrected_cpu_kernel(tp_engine):
     assert installed == [True, True], f"CPU kernel correction per worker: {installed}"
 
 
+def test_no_step_asks_the_workers_for_in_worker_drafts(tp_engine, tp_prompts, monkeypatch):
+    """vLLM's post_step asked every worker for the in-worker proposer's drafts after each step (a collective RPC at
+    TP > 1) and MineDraft discarded the answer: that round trip is gone."""
+    from minedraft.engine.vllm_adapter.engine_core import in_process_core
+
+    executor = in_process_core(tp_engine._llm).model_executor
+    calls = []
+    original = executor.take_draft_token_ids
+    monkeypatch.setattr(executor, "take_draft_token_ids", lambda: calls.append(1) or original())
+    outputs = run_mode(tp_engine, Mode.PSD, tp_prompts[:2], SamplingSettings(max_tokens=8), "no-take")
+    assert all(len(tokens) == 8 for tokens in outputs)
+    assert calls == []
+
+
 @pytest.mark.parametrize("mode", [Mode.PSD, Mode.SD])
 def test_greedy_output_equals_ar_at_tp2(tp_engine, tp_prompts, tp_references, mode):
     before = tp_engine.totals()

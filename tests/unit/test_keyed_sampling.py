@@ -10,6 +10,7 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency, chisquare
 
+from minedraft.engine.vllm_adapter import keyed_race as kr
 from minedraft.engine.vllm_adapter import keyed_sampling as ks
 
 
@@ -37,8 +38,13 @@ def test_positions_must_match_seeds():
         ks.position_keys([1, 2], [0])
 
 
-@pytest.fixture(params=["torch", "fused-cpu"])
+@pytest.fixture(params=["torch", "fused-cpu", "single-pass"])
 def race(request):
+    """Each way the engine draws a race: torch's elementwise passes, vLLM's CPU kernel, and the one-pass algorithm
+    the CUDA kernel runs (keyed_race.single_pass_winners, in torch, with small blocks so rows span several
+    segments)."""
+    if request.param == "single-pass":
+        return lambda logits, keys: kr.single_pass_winners(logits, keys, block=32)
     fused = ks.fused_cpu_race()
     if request.param == "fused-cpu" and fused is None:
         pytest.skip("vLLM's CPU kernel is not built here")

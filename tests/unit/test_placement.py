@@ -224,3 +224,36 @@ def test_the_target_widens_only_onto_cores_where_nothing_drafts_or_loads() -> No
     # A replacement drafter loading its model on the lent cores: plain decoding stays narrow until it is up.
     assert not should_widen(plain_decoding=True, drafts_outstanding=False, drafter_loading=True)
     assert not should_widen(plain_decoding=True, drafts_outstanding=True, drafter_loading=True)
+
+
+def test_deterministic_turns_on_vllms_batch_invariant_mode_on_gpus_only() -> None:
+    from minedraft.engine.core import BATCH_INVARIANT_ENV, deterministic_environment
+    from minedraft.engine.placement import DevicePlan
+
+    on = EngineSettings(model="t", drafter=DrafterSettings(model="d"), deterministic=True)
+    gpu = DevicePlan(target_visible_devices="0,1", drafter_visible_devices="2")
+    assert deterministic_environment(on, gpu) == {BATCH_INVARIANT_ENV: "1"}
+    # Off (the default), or on a CPU (float32 is batch-invariant already): "0", never an inherited "1".
+    assert deterministic_environment(on.with_changes(deterministic=False), gpu) == {BATCH_INVARIANT_ENV: "0"}
+    assert deterministic_environment(on, DevicePlan()) == {BATCH_INVARIANT_ENV: "0"}
+
+
+def test_deterministic_on_a_cpu_needs_float32() -> None:
+    on = EngineSettings(model="t", drafter=DrafterSettings(model="d"), deterministic=True)
+    assert resolve_for_device(on, DeviceInfo()).dtype == "float32"  # auto
+    with pytest.raises(SettingsError) as info:
+        resolve_for_device(on.with_changes(dtype="bfloat16"), DeviceInfo())
+    assert info.value.field_name == "deterministic" and "float32" in str(info.value)
+    assert resolve_for_device(on.with_changes(dtype="bfloat16"), FIVE).dtype == "bfloat16"  # GPUs: vLLM's mode
+
+
+def test_the_deterministic_flag_reaches_the_settings() -> None:
+    import argparse
+
+    from minedraft.engine_options import add_engine_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    for argv, expected in (([], False), (["--deterministic"], True)):
+        args = parser.parse_args(["--model", "t", "--draft", "d", *argv])
+        assert settings_from_args(args).deterministic is expected

@@ -97,6 +97,10 @@ class DrafterClient(JobMessages):
         self._tmpdir = _socket_dir()
         self._next_job_id = 1
         self._started_at = 0.0
+        # A start-up is judged by its progress: the time since its last stage (protocol.StartupStage) or the spawn,
+        # not since the spawn (a drafter downloading 3.4 GB or capturing CUDA graphs is slow, not hung).
+        self._startup_progress_at = 0.0
+        self.startup_stage = ""
         self.state = DrafterState.DOWN
         self.num_restarts = 0
         self.num_starts = 0
@@ -131,6 +135,8 @@ class DrafterClient(JobMessages):
         )
         self.num_starts += 1
         self._started_at = time.monotonic()
+        self._startup_progress_at = self._started_at
+        self.startup_stage = "spawned"
         self.state = DrafterState.STARTING
         log.info("drafter process %d starting", self._process.pid)
 
@@ -188,12 +194,14 @@ class DrafterClient(JobMessages):
         dead = self._process.poll() is not None
         slow_start = (
             self.state is DrafterState.STARTING
-            and time.monotonic() - self._started_at > self._startup_timeout_seconds
+            and time.monotonic() - self._startup_progress_at > self._startup_timeout_seconds
         )
         if dead or slow_start:
             if self.state is not DrafterState.DOWN or slow_start:
                 code = None if self._process is None else self._process.poll()
-                self.last_error = f"drafter process exited with code {code}" if dead else "drafter start timed out"
+                self.last_error = (f"drafter process exited with code {code}" if dead else
+                                   f"drafter start-up stalled: no progress for {self._startup_timeout_seconds:.0f}s "
+                                   f"after stage {self.startup_stage!r}")
                 log.error("%s; serving without drafts", self.last_error)
                 self.state = DrafterState.DOWN
             if self._restart:
@@ -243,6 +251,12 @@ class DrafterClient(JobMessages):
                 self.startup_seconds = message.startup_seconds
                 self.max_context_tokens = message.max_context_tokens
                 log.info("drafter %d up after %.1fs", message.pid, message.startup_seconds)
+                continue
+            if isinstance(message, protocol.StartupStage):
+                self._startup_progress_at = time.monotonic()
+                self.startup_stage = message.stage
+                log.info("drafter %d start-up: %s after %.1fs %s", message.pid, message.stage, message.seconds,
+                         message.detail)
                 continue
             if isinstance(message, protocol.DraftReply):
                 self._consecutive_failures = 0

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -215,6 +216,88 @@ class DrafterServer:
         self.drafter.context_changed(request_id, 0)
 
 
+# vLLM 0.32's log lines that mark its start-up stages (in this process: the drafter's engine runs in-process).
+VLLM_STAGE_MESSAGES = (("Loading weights took", "weights"), ("Model loading took", "weights"),
+                       ("Graph capturing finished", "compiled"), ("init engine (profile", "compiled"))
+# How often the download watch looks at the Hugging Face cache's size.
+DOWNLOAD_POLL_SECONDS = 5.0
+
+
+def huggingface_cache_dir() -> str:
+    """Where huggingface_hub downloads to (HF_HUB_CACHE, HF_HOME/hub, or ~/.cache/huggingface/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(home, "hub")
+
+
+def directory_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+class StartupReporter(logging.Handler):
+    """Sends the verifier a StartupStage at each start-up stage: those the process marks itself (`stage`), those
+    vLLM's own log lines mark (a handler on the "vllm" logger), and "downloading" whenever the Hugging Face cache
+    grew since the last look (a watch thread, for models not on local disk). All sends go through one lock: the
+    watch thread and vLLM's logging threads share the socket with the main thread only while starting, and the
+    watch is stopped before Ready."""
+
+    def __init__(self, send: Callable[[Any], None], started: float, watch_downloads: bool) -> None:
+        super().__init__(level=logging.INFO)
+        self._send = send
+        self._started = started
+        self._lock = threading.Lock()
+        self._done: set[str] = set()
+        self._stop = threading.Event()
+        self._watch = threading.Thread(target=self._watch_downloads, name="download-watch", daemon=True) \
+            if watch_downloads else None
+
+    def __enter__(self) -> StartupReporter:
+        logging.getLogger("vllm").addHandler(self)
+        if self._watch is not None:
+            self._watch.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("vllm").removeHandler(self)
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.join(timeout=DOWNLOAD_POLL_SECONDS + 5)
+
+    def stage(self, name: str, detail: str = "", repeat: bool = False) -> None:
+        from minedraft.engine.drafter import protocol
+
+        with self._lock:
+            if name in self._done and not repeat:
+                return
+            self._done.add(name)
+            seconds = time.perf_counter() - self._started
+            log.info("start-up stage %s after %.1fs %s", name, seconds, detail)
+            # A verifier not reading yet only misses a report; the next stage or Ready still comes.
+            with contextlib.suppress(Exception):
+                self._send(protocol.StartupStage(os.getpid(), name, seconds, detail))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        for marker, stage in VLLM_STAGE_MESSAGES:
+            if message.startswith(marker):
+                self.stage(stage)
+
+    def _watch_downloads(self) -> None:
+        path = huggingface_cache_dir()
+        seen = directory_bytes(path)
+        while not self._stop.wait(DOWNLOAD_POLL_SECONDS):
+            now = directory_bytes(path)
+            if now > seen:
+                self.stage("downloading", f"{now - seen} bytes in {DOWNLOAD_POLL_SECONDS:.0f}s", repeat=True)
+            seen = now
+
+
 def main(argv: list[str]) -> int:
     address, settings_json = argv[1], argv[2]
     settings = json.loads(settings_json)
@@ -230,7 +313,13 @@ def main(argv: list[str]) -> int:
     context = zmq.Context()
     socket = context.socket(zmq.PAIR)
     socket.connect(address)
-    drafter = make_drafter(settings)
+    with StartupReporter(lambda message: socket.send(protocol.encode(message), zmq.NOBLOCK), started,
+                         watch_downloads=not os.path.isdir(str(settings["model"]))) as startup:
+        if settings.get("backend", "vllm") != "torch":
+            import vllm  # noqa: F401  (the slowest import: reported as its own stage)
+        startup.stage("imported")
+        drafter = make_drafter(settings)
+        startup.stage("weights" if settings.get("backend", "vllm") == "torch" else "compiled")
 
     def send_progress(message: Any) -> None:
         # Never block a job on a verifier that is not reading: a dropped report only delays the next one.

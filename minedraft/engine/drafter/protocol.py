@@ -74,6 +74,21 @@ class Ready(msgspec.Struct, frozen=True, array_like=True, tag="ready"):
     max_context_tokens: int = 0
 
 
+class StartupStage(msgspec.Struct, frozen=True, array_like=True, tag="startup"):
+    """The drafter's start-up reached a stage (before Ready): "imported" (its backend's modules: vLLM's import alone
+    takes tens of seconds), "downloading" (the weights' download grew; repeated while it does), "weights" (loaded),
+    "compiled" (vLLM's CUDA graphs captured or its engine initialised). The verifier judges a start-up by the time
+    since its last stage, not since the spawn: a drafter still downloading or compiling is not a hung one."""
+
+    pid: int
+    stage: str
+    seconds: float  # since the process started
+    detail: str = ""
+
+
+STARTUP_STAGES = ("imported", "downloading", "weights", "compiled")
+
+
 class DrafterError(msgspec.Struct, frozen=True, array_like=True, tag="error"):
     job_id: int
     message: str
@@ -108,7 +123,7 @@ class DrafterBusy(msgspec.Struct, frozen=True, array_like=True, tag="busy"):
 PROGRESS_INTERVAL_SECONDS = 0.25
 
 ToDrafter = DraftJob | CancelRequests | CancelJobs | Shutdown
-FromDrafter = DraftReply | Ready | DrafterError | Progress | DrafterBusy
+FromDrafter = DraftReply | Ready | DrafterError | Progress | DrafterBusy | StartupStage
 
 _encoder = msgspec.msgpack.Encoder()
 _to_drafter = msgspec.msgpack.Decoder(ToDrafter)  # type: ignore[var-annotated]

@@ -20,6 +20,13 @@ def _no_op() -> None:
     pass
 
 
+def steps_behind(engine: Any) -> int:
+    """How many step() calls an engine's outputs lag its forwards: 1 under vLLM's async scheduling (a call
+    launches forward n and returns forward n - 1's outputs), else 0."""
+    config = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
+    return 1 if getattr(config, "async_scheduling", False) else 0
+
+
 class VllmDrafter:
     """The job interface (DrafterServer's `drafter`) over the draft model in an in-process vLLM engine."""
 
@@ -46,6 +53,9 @@ class VllmDrafter:
             **extra,
         )
         self.engine = LLMEngine.from_engine_args(args)
+        # Under vLLM's async scheduling a step() launches a forward and returns the previous one's outputs: the
+        # first call returns before the first forward has run, and its tokens reach the host one call later.
+        self.steps_behind = steps_behind(self.engine)
         self.max_model_len = int(self.engine.model_config.max_model_len)
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self.cancelled: set[str] = set()
@@ -59,8 +69,9 @@ class VllmDrafter:
 
     def draft(self, job: Any, poll_messages: Any, on_step: Callable[[], None] = _no_op
               ) -> tuple[list[Any], float, float]:
-        """Returns the drafts, the job's seconds and the seconds to its first drafted token (vLLM's first step:
-        the prefill of what is not in the prefix cache, and position 1)."""
+        """Returns the drafts, the job's seconds and the seconds until its first drafted tokens were on the host
+        (admission, the prefill of what is not in the prefix cache, position 1's forward and its sampling: under
+        async scheduling one step() call later than the call that launched it)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -94,9 +105,12 @@ class VllmDrafter:
             live[key] = (item, len(item.token_ids), prefill_only)
         results: list[DraftResult] = []
         first_token_seconds = 0.0
+        calls = 0
         while self.engine.has_unfinished_requests():
             outputs = self.engine.step()
-            if not first_token_seconds:
+            calls += 1
+            if not first_token_seconds and calls > self.steps_behind:
+                # The first forward's tokens are on the host: admission, catch-up, first forward and sampling.
                 first_token_seconds = time.perf_counter() - started
             on_step()
             for output in outputs:

@@ -8,6 +8,7 @@ were written against. They live here (see docs/vllm-upgrade.md for what each one
   proposer.py          NullProposer, the `custom_class` proposer that turns on verification (target workers)
   resident_batches.py  the worker extension and the two resident persistent batches (target workers)
   keyed_sampling.py    seeded sampling keyed by (seed, output position), reproducible under speculation (workers)
+  keyed_race.py        the keyed race in one pass over the logits (Triton on CUDA; its algorithm in torch)
   cpu_fixes.py         corrections to vLLM's CPU kernels for lossless speculative sampling (target workers)
   block_hashes.py      the drafter's caching front for vLLM's block hasher (drafter process)
   engine_core.py       the in-process engine core: its scheduler, its environment cache, its shutdown

@@ -40,6 +40,21 @@ def keep_distributed_state() -> Iterator[None]:
         vllm_core.cleanup_dist_env_and_memory = cleanup
 
 
+def skip_draft_token_round_trip(core: Any) -> bool:
+    """Stop vLLM's engine core asking the workers for in-worker drafts after every step (`post_step` calls
+    `take_draft_token_ids`, a collective RPC to every worker at TP > 1, while the GPUs idle), where the answer is
+    always discarded: MineDraft's in-worker proposer (NullProposer) proposes nothing and PSDScheduler's
+    `update_draft_token_ids` ignores what comes back; the drafts come from the drafter process. Only for engines
+    with MineDraft's scheduler (vLLM's own speculative decoding, vllm-sd, needs the round trip). Returns whether
+    it was skipped."""
+    from minedraft.engine.vllm_adapter.scheduler import PSDScheduler
+
+    if not isinstance(core.scheduler, PSDScheduler) or not getattr(core, "check_for_draft_tokens", False):
+        return False
+    core.check_for_draft_tokens = False
+    return True
+
+
 def in_process_model_runner(llm_engine: Any) -> Any:
     """The model runner of a TP=1 in-process engine (its only worker runs in this process): for benchmarks that time
     the runner's own methods."""

@@ -34,76 +34,21 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+# The race itself (hash, noise, scores) lives in keyed_race.py, free of vLLM; re-exported here.
+from minedraft.engine.vllm_adapter.keyed_race import keyed_gumbel as keyed_gumbel
+from minedraft.engine.vllm_adapter.keyed_race import position_keys, race_scores
+
 log = logging.getLogger(__name__)
 
-_MASK32 = 0xFFFFFFFF
-# Weyl-sequence step (2^32 / golden ratio): consecutive vocabulary ids land far apart before mixing.
-_GOLDEN32 = 0x9E3779B9
 # vLLM's own threshold between greedy and random sampling (vllm.v1.sample.sampler._SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
-
-
-def _mul32(x: torch.Tensor, multiplier: int) -> torch.Tensor:
-    """(x * multiplier) mod 2^32 for x in [0, 2^32), without int64 overflow (16-bit halves of the multiplier)."""
-    low, high = multiplier & 0xFFFF, multiplier >> 16
-    return (x * low + (((x * high) & 0xFFFF) << 16)) & _MASK32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective 32-bit integer hash with good avalanche (the "lowbias32" constants), on int64 tensors holding
-    32-bit values; the same on every device."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def position_keys(seeds: Sequence[int], positions: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """One 32-bit key per (seed, position) pair: [n] int64. Seeds may use all 64 bits (vLLM's accept int64)."""
-    if len(seeds) != len(positions):
-        raise ValueError(f"positions: expected {len(seeds)} (one per seed), got {len(positions)}")
-    seed_words = [(seed & _MASK32, (seed >> 32) & _MASK32) for seed in seeds]
-    low = torch.tensor([w[0] for w in seed_words], dtype=torch.int64, device=device)
-    high = torch.tensor([w[1] for w in seed_words], dtype=torch.int64, device=device)
-    where = torch.tensor([p & _MASK32 for p in positions], dtype=torch.int64, device=device)
-    key = _mix32(low ^ 0x5BD1E995)
-    key = _mix32(key ^ high)
-    # Two rounds after the position: neighbouring positions of one seed (keys differing in one low bit before mixing)
-    # must give unrelated keys, and vLLM's CPU kernel derives its per-token noise from the key by simple arithmetic.
-    return _mix32(_mix32(key ^ where) ^ _GOLDEN32)
-
-
-# Rows of noise made at once: bounds the int64 temporaries to ~128 MiB each whatever the batch and vocabulary.
-_NOISE_ELEMENTS_PER_CHUNK = 1 << 24
-
-
-def keyed_gumbel(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise [n, vocab_size] (float32), a pure function of each row's key and the vocabulary id."""
-    ids = torch.arange(vocab_size, dtype=torch.int64, device=keys.device) * _GOLDEN32
-    noise = torch.empty((keys.shape[0], vocab_size), dtype=torch.float32, device=keys.device)
-    rows_per_chunk = max(1, _NOISE_ELEMENTS_PER_CHUNK // max(1, vocab_size))
-    for start in range(0, keys.shape[0], rows_per_chunk):
-        chunk = keys[start:start + rows_per_chunk]
-        bits = _mix32((chunk.unsqueeze(-1) + ids) & _MASK32)
-        # A uniform in (0, 1), never 0 or 1 (32 bits: the largest Gumbel value it can give, ~22.9, is far above the
-        # maximum of a vocabulary's worth of draws, ~12 for 150k tokens); float64 keeps -log(-log(u)) accurate.
-        uniform = bits.to(torch.float64).add_(0.5).mul_(2.0 ** -32)
-        noise[start:start + rows_per_chunk] = uniform.log_().neg_().log_().neg_()
-    return noise
-
-
-def race_scores(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """logits + keyed Gumbel noise per row: its argmax is an exact sample from softmax(logits), keyed by `keys` (the
-    softmax's normaliser is one constant per row, so it cannot move the argmax). Masked entries (-inf, from top-k or
-    top-p) stay -inf."""
-    return logits.to(torch.float32) + keyed_gumbel(keys, logits.shape[-1])
 
 
 def fused_cpu_race() -> Any | None:
@@ -116,12 +61,30 @@ def fused_cpu_race() -> Any | None:
     return getattr(torch.ops._C, "fused_gumbel_argmax", None)
 
 
+# Set to 0 to draw CUDA rows by `race_scores` instead of the one-pass kernel (same winners; a fallback should the
+# kernel fail to build on some GPU).
+KERNEL_ENV = "MINEDRAFT_KEYED_RACE_KERNEL"
+
+
+def cuda_kernel_enabled() -> bool:
+    """Whether CUDA rows are drawn by the one-pass Triton kernel (keyed_race.py): Triton importable and not turned
+    off by MINEDRAFT_KEYED_RACE_KERNEL=0."""
+    from minedraft.engine.vllm_adapter import keyed_race
+
+    return os.environ.get(KERNEL_ENV, "1") != "0" and keyed_race.triton_available()
+
+
 def keyed_winners(logits: torch.Tensor, keys: torch.Tensor, fused: Any | None = None) -> torch.Tensor:
     """The keyed race's winner of each row of processed logits [n, vocab] -> [n] int64: on CPUs vLLM's fused kernel
-    keyed by `keys` (one pass, no noise tensor), elsewhere `race_scores` (`fused` None). One deployment always takes
-    the same path, so a position's winner does not depend on which sampler stage draws it."""
+    keyed by `keys` (one pass, no noise tensor; `fused`), on CUDA the one-pass Triton kernel of keyed_race.py (the
+    same winners as `race_scores`, without its [n, vocab] temporaries), elsewhere `race_scores`. One deployment always
+    takes the same path, so a position's winner does not depend on which sampler stage draws it."""
     if fused is not None and logits.device.type == "cpu":
         return fused(logits.to(torch.float32).contiguous(), keys).to(torch.int64)
+    if logits.device.type == "cuda" and cuda_kernel_enabled():
+        from minedraft.engine.vllm_adapter import keyed_race
+
+        return keyed_race.triton_winners(logits, keys)
     return race_scores(logits, keys).argmax(dim=-1)
 
 
