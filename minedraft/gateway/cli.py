@@ -34,8 +34,8 @@ def add_subcommands(sub: Any) -> None:
     gateway.add_argument("--idle-timeout-s", type=float, default=30.0,
                          help="the same between two responses of a stream (0: off)")
     gateway.add_argument("--client-stall-timeout-s", type=float, default=60.0,
-                         help="an HTTP stream whose client accepts nothing for this long is cut and its engine "
-                              "request aborted (0: off)")
+                         help="an HTTP or gRPC stream whose client accepts nothing for this long is cut "
+                              "(UNAVAILABLE, or the connection closed) and its engine request aborted (0: off)")
     gateway.add_argument("--cors-origins", default="",
                          help="comma-separated origins allowed to call the HTTP API from a browser (default: CORS off)")
     gateway.add_argument("--engine-wait-timeout-s", type=float, default=300.0,

@@ -21,7 +21,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
@@ -513,7 +513,12 @@ class OpenAiApp:
         self._authorize(request, stream=True)
         try:
             _check_content_type(request)
-            raw = await self._read_body(request)
+            try:
+                raw = await self._read_body(request)
+            except ClientDisconnect:
+                # Gone before its body was in (or cut by the server's body timeout, which answered 408 itself).
+                log.debug("%s: the client went away before its body was read", request.url.path)
+                return Response(status_code=408)
             if len(raw) > OFF_LOOP_BODY_BYTES:
                 # Decoding and checking a large body (millions of token ids, thousands of messages) takes a
                 # Python-level pass over every item: in a thread, so other streams and the probes keep being served.
