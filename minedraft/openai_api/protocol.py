@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import msgspec
+import numpy as np
 
 from minedraft.api import pb
 
@@ -41,6 +42,8 @@ MAX_PROMPTS = 64  # a completions batch: a list of prompts
 MAX_GENERATIONS = 64  # n times the number of prompts
 # The most top tokens per position a request may ask log-probabilities of (vLLM's default `max_logprobs`).
 MAX_TOP_LOGPROBS = 20
+# Arrays and objects nested deeper than this in a body are a 400 (OpenAI's bodies nest a handful of levels).
+MAX_JSON_DEPTH = 64
 # -inf is not JSON: OpenAI's servers (and vLLM's) send this floor instead.
 MIN_LOGPROB = -9999.0
 
@@ -153,13 +156,33 @@ _ALLOWED = {
 }
 
 
+def json_depth(raw: bytes) -> int:
+    """How deeply the arrays and objects of a JSON text nest (0: a scalar), counted in C-speed passes, never by
+    recursion (whose bound is process-global state: sys.getrecursionlimit(), which torch's compiler raises).
+
+    Escaped backslashes, then escaped quotes, are blanked (bytes.replace, left to right: what is left of each
+    backslash pair cannot start another escape), so every quote left opens or closes a string; a bracket counts only
+    outside strings (an even number of quotes before it). Invalid JSON gets some number; the decoder refuses it."""
+    brackets = raw.count(b"[") + raw.count(b"{")
+    if brackets <= MAX_JSON_DEPTH:
+        return brackets  # an upper bound, and within the limit: no need to measure
+    text = np.frombuffer(raw.replace(b"\\\\", b"__").replace(b'\\"', b"__"), dtype=np.uint8)
+    outside = np.bitwise_xor.accumulate((text == ord('"')).view(np.uint8)) == 0
+    steps = ((text == ord("[")) | (text == ord("{"))).astype(np.int32)
+    steps -= (text == ord("]")) | (text == ord("}"))
+    steps *= outside
+    return int(np.cumsum(steps).max(initial=0))
+
+
 def decode_body(raw: bytes) -> dict[str, Any]:
+    # The depth first, explicitly: the decoder's own bound is the interpreter's recursion limit, process-global state.
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise invalid(None, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels of arrays and "
+                            "objects)")
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise invalid(None, f"the request body is not valid JSON: {exc}") from exc
-    except RecursionError:
-        raise invalid(None, "the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
     return body
