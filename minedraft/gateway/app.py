@@ -176,7 +176,7 @@ class Gateway:
                 and self.config.engine_wait_timeout_seconds > 0):
             return True
         # Health, not the short failure cool-down: a cool-down ends without any event to publish it.
-        return any(endpoint.healthy and not endpoint.unresponsive for endpoint in self.endpoints)
+        return any(endpoint.routable for endpoint in self.endpoints)
 
     async def _publish_health(self) -> None:
         if self.router.draining:

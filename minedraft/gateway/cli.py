@@ -78,13 +78,20 @@ def load_tokens(token_file: str | None, token_env: str | None) -> Sequence[bytes
 
     fixed: tuple[bytes, ...] = ()
     if token_env and os.environ.get(token_env):
-        fixed = parse_tokens(os.environ[token_env].replace(",", "\n"))
+        try:
+            fixed = parse_tokens(os.environ[token_env], comma_separated=True)
+        except ValueError as exc:
+            raise ValueError(f"token-env: ${token_env}: {exc}") from None
     if token_file:
         try:
             text = Path(token_file).read_text()
         except OSError as exc:
             raise ValueError(f"token-file: cannot read {token_file}: {exc.strerror or exc}") from None
-        if not parse_tokens(text):
+        try:
+            found = parse_tokens(text)
+        except ValueError as exc:
+            raise ValueError(f"token-file: {token_file}: {exc}") from None
+        if not found:
             raise ValueError(f"token-file: {token_file} holds no tokens")
         return LiveTokens(TokenFile(token_file).tokens, fixed)
     return fixed

@@ -63,6 +63,10 @@ class GatewayMetrics:
         self.rejected = Counter(f"{PREFIX}_admission_rejected", "Streams refused with RESOURCE_EXHAUSTED because the "
                                                                 "gateway was at its in-flight limit.",
                                 registry=registry)
+        self.credential_refusals = Counter(f"{PREFIX}_engine_credential_refused",
+                                           "Calls an engine refused as UNAUTHENTICATED: the gateway's own credential "
+                                           "(--engine-token-file) is not one it accepts; the engine is out of rotation "
+                                           "until it does.", ["engine"], registry=registry)
         self.route_seconds = Histogram(f"{PREFIX}_route_seconds",
                                        "Latency the gateway adds before an engine is called: from a stream's arrival "
                                        "(auth, admission, picking) to the call of the engine, per attempt.",
@@ -79,6 +83,9 @@ class GatewayMetrics:
             self.duration_seconds.labels(protocol)
             for code in INITIAL_CODES:
                 self.finished.labels(protocol, code)
+
+    def credential_refused(self, engine: str) -> None:
+        self.credential_refusals.labels(engine).inc()
 
     def admission_rejected(self) -> None:
         self.rejected.inc()

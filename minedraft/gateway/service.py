@@ -46,7 +46,7 @@ class GatewayServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
         watch = StallWatch(self.client_stall_timeout_s)
         tokens_sent = 0
         try:
-            async with contextlib.aclosing(
+            async with contextlib.aclosing(  # type: ignore[type-var]
                     self.router.generate(request, metadata, context.time_remaining())) as stream:
                 async for response in stream:
                     if not await watch.write(context, response):
