@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 INVALID_FIELD_KEY = "minedraft-invalid-field"
 # The forwarded headers' budget: gRPC's default metadata limit (8 KiB) less room for the call's own headers.
 MAX_FORWARDED_HEADER_BYTES = 4096
+# What gRPC accepts as a metadata key (HTTP allows more in a header name, e.g. '!' or '~'; uvicorn lowercases).
+_METADATA_KEY = re.compile(r"[0-9a-z_.\-]+")
 # The served model ids are refreshed from an engine this often at most (a rollout may change the model).
 MODEL_IDS_TTL_SECONDS = 30.0
 
@@ -116,6 +119,9 @@ def check_forwarded_headers(forwarded: Sequence[tuple[str, str]]) -> None:
     would refuse is the caller's error (400, 431), never an engine failure."""
     size_bytes = 0
     for key, value in forwarded:
+        if not _METADATA_KEY.fullmatch(key):
+            raise ApiError(400, f"{key}: a forwarded header's name must be lowercase letters, digits, '-', '_' or "
+                                "'.' (gRPC metadata keys)", key)
         if key.endswith("-bin"):
             raise ApiError(400, f"{key}: binary (-bin) headers are not accepted over HTTP", key)
         if not all(" " <= c <= "~" for c in value):

@@ -111,7 +111,7 @@ class GatewayMetrics:
 class StreamObservation:
     """One stream's count, status code, time to first response and duration (see GatewayMetrics.stream)."""
 
-    __slots__ = ("_arrived", "_deadline", "_metrics", "_protocol", "_waiting_first")
+    __slots__ = ("_arrived", "_deadline", "_delivered", "_metrics", "_protocol", "_waiting_first")
 
     def __init__(self, metrics: GatewayMetrics, deadline: float | None, protocol: str = "grpc") -> None:
         self._metrics = metrics
@@ -119,6 +119,9 @@ class StreamObservation:
         self._protocol = protocol
         self._arrived = 0.0
         self._waiting_first = True
+        # The final response (with its finish reason) was handed to the caller: the stream is complete, whatever
+        # ends it now (a caller that closes as soon as it has read [DONE] is not a cancel).
+        self._delivered = False
 
     def __enter__(self) -> StreamObservation:
         self._arrived = time.perf_counter()
@@ -130,8 +133,14 @@ class StreamObservation:
             self._metrics.first_response_seconds.labels(self._protocol).observe(time.perf_counter() - self._arrived)
             self._waiting_first = False
 
+    def delivered(self) -> None:
+        """The stream's final response is out."""
+        self._delivered = True
+
     def __exit__(self, exc_type: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
         deadline_passed = self._deadline is not None and asyncio.get_running_loop().time() >= self._deadline
+        if self._delivered and isinstance(error, asyncio.CancelledError | GeneratorExit):
+            error = None  # complete: the caller went away after the end of its answer
         self._metrics.finished.labels(self._protocol, outcome_code(error, None, deadline_passed)).inc()
         self._metrics.duration_seconds.labels(self._protocol).observe(time.perf_counter() - self._arrived)
 

@@ -322,6 +322,8 @@ class Router:
                                 watch.got_response = True
                                 observed.responded()
                             tokens_sent += len(response.token_ids)
+                            if response.finish_reason:
+                                observed.delivered()
                             yield response
                     except grpc.aio.AioRpcError as exc:
                         action = classify_failure(exc.code(), int(responded))

@@ -47,6 +47,7 @@ from minedraft.openai_api.protocol import (
     stream_events,
     usage_event,
 )
+from minedraft.openai_api.server import ABORT_EXTENSION
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,12 @@ class _GenerationResponse:
                 with contextlib.suppress(asyncio.CancelledError, OSError):
                     await task
         if self._watch is not None and self._watch.expired:
-            # The response is left incomplete: the server closes the connection (uvicorn logs that too).
+            # The response is left incomplete. The connection is closed at once, unsent data dropped: a graceful close
+            # would wait for the client to read what its full buffers hold, keeping the socket (and megabytes of
+            # kernel buffer) for as long as it stays connected.
+            abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
+            if abort is not None:
+                abort["abort"]()
             log.warning("request %s: stream cut, the client accepted nothing for %g s", self._state.id, limit_s)
         elif gone:
             log.debug("request %s: the client went away; request cancelled", self._state.id)

@@ -136,8 +136,15 @@ _VLLM_NEUTRAL: dict[str, Any] = {
     "prompt_logprobs": None, "logprob_token_ids": None, "bad_words": None, "prompt_embeds": None,
     "structured_outputs": None, "return_tokens_as_token_ids": False, "return_token_offsets": False,
     "vllm_xargs": None, "repetition_detection": None, "thinking_token_budget": None,
+    # vLLM's legacy structured-output fields (before `structured_outputs`), still read by clients written for it.
+    "guided_json": None, "guided_choice": None, "guided_regex": None, "guided_grammar": None,
+    "guided_decoding_backend": None, "guided_whitespace_pattern": None,
+    # Whether the tokenizer adds its special tokens (BOS) to the prompt: vLLM's completions add them, its chat does
+    # not (the template places them), and so does the engine here.
+    "add_special_tokens": True,
 }
 _VLLM_CHAT_NEUTRAL: dict[str, Any] = {
+    "add_special_tokens": False,
     "add_generation_prompt": True, "continue_final_message": False, "documents": None, "chat_template": None,
     "chat_template_kwargs": None, "return_prompt_text": False,
 }

@@ -138,6 +138,12 @@ def test_chat_messages_and_max_completion_tokens():
     (Kind.CHAT, {"add_generation_prompt": False}, "add_generation_prompt"),
     (Kind.CHAT, {"continue_final_message": True}, "continue_final_message"),
     (Kind.CHAT, {"chat_template": "{{ messages }}"}, "chat_template"),
+    # vLLM's legacy structured output and its special-token switch: refused unless they ask for nothing.
+    (Kind.COMPLETION, {"guided_json": {"type": "object"}}, "guided_json"),
+    (Kind.CHAT, {"guided_choice": ["a", "b"]}, "guided_choice"),
+    (Kind.COMPLETION, {"guided_regex": "[a-z]+"}, "guided_regex"),
+    (Kind.COMPLETION, {"add_special_tokens": False}, "add_special_tokens"),
+    (Kind.CHAT, {"add_special_tokens": True}, "add_special_tokens"),
     (Kind.CHAT, {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
     (Kind.COMPLETION, {"model": ""}, "model"),
@@ -157,7 +163,8 @@ def test_neutral_values_of_unsupported_fields_are_accepted():
     parse(min_tokens=0, repetition_penalty=1, min_p=0, skip_special_tokens=True, bad_words=[], use_beam_search=False,
           include_stop_str_in_output=False, length_penalty=1.0, prompt_logprobs=None)
     parse(Kind.CHAT, add_generation_prompt=True, continue_final_message=False, chat_template_kwargs={},
-          chat_template=None)
+          chat_template=None, add_special_tokens=False, guided_json=None)
+    parse(add_special_tokens=True, guided_choice=None, guided_regex=None)
     # vLLM's fields that change neither the output nor its shape stay unknown (ignored, logged); so do vLLM's chat-only
     # fields on completions (vLLM does not know them there either).
     assert parse(priority=1, cache_salt="s", add_generation_prompt=False).ignored_fields == (
