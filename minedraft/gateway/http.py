@@ -44,6 +44,8 @@ class GatewayBackend:
         self.served_model_names = tuple(served_model_names)
         self.tokens = tokens  # not copied: a LiveTokens follows its file's rotations
         self._model_ids: list[str] | None = None
+        # The names requests may use: the engines' model and its aliases (their --served-model-name).
+        self._accepted_ids: list[str] | None = None
         self._model_ids_at = 0.0
         self._refresh: asyncio.Task[None] | None = None
 
@@ -81,18 +83,20 @@ class GatewayBackend:
         info = await self.router.unary(lambda stub, timeout: stub.GetModelInfo(pb.GetModelInfoRequest(),
                                                                                 timeout=timeout), admitted=admitted)
         self._model_ids = [info.model]
+        self._accepted_ids = [info.model, *(name for name in info.served_model_names if name != info.model)]
         self._model_ids_at = time.monotonic()
         return self._model_ids
 
     def known_model_ids(self) -> list[str] | None:
+        """The names requests may use: this gateway's --served-model-name, else the engines' (their model and its
+        aliases), cached and refreshed in the background when old, never waited for on a request's path (before the
+        first answer from any engine, requests' model names go unchecked)."""
         if self.served_model_names:
             return list(self.served_model_names)
-        """The cached ids; refreshed in the background when old, never waited for on a request's path (before the
-        first answer from any engine, requests' model names go unchecked)."""
         stale = time.monotonic() - self._model_ids_at > MODEL_IDS_TTL_SECONDS
         if (self._model_ids is None or stale) and (self._refresh is None or self._refresh.done()) and self.ready():
             self._refresh = asyncio.get_running_loop().create_task(self._refresh_model_ids())
-        return self._model_ids
+        return self._accepted_ids
 
     async def _refresh_model_ids(self) -> None:
         try:

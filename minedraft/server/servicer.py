@@ -230,6 +230,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
         info = model_info(engine.settings, limits.vocab_size)
         if self._service.served_model_names:
             info.model = self._service.served_model_names[0]
+            info.served_model_names.extend(self._service.served_model_names)  # a gateway accepts the aliases too
         return info
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest,
