@@ -1,7 +1,7 @@
 """A gRPC caller that stops reading (a real grpc client on loopback, its flow-control window left full) is cut after
 the stall timeout, as an HTTP one is: at the gateway (its admission slot comes back, the engine call is cancelled)
 and at the engine server (its engine request aborted). Reading again, the caller gets what was buffered and then
-UNAVAILABLE saying why, never a call left open without a status."""
+UNAVAILABLE saying why, never a call left open without a status. And both HTTP ports run the bounded protocol."""
 
 from __future__ import annotations
 
@@ -111,5 +111,31 @@ async def test_the_engine_server_cuts_a_grpc_caller_that_stops_reading():
         assert code is grpc.StatusCode.UNAVAILABLE, (code, message)
         assert "accepted nothing for 0.5 s" in message
         assert count < 4000
+    finally:
+        await server.stop()
+
+
+async def oversized_head_status(port: int) -> int:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"x" * (1 << 20) + b"\r\n\r\n")
+        await writer.drain()
+    except ConnectionError:
+        pass  # the server stops reading once it has answered
+    line = await asyncio.wait_for(reader.readline(), 30)
+    writer.close()
+    return int(line.split()[1])
+
+
+async def test_both_http_ports_refuse_an_oversized_head(fake_stacks):
+    """The gateway's and the engine server's HTTP ports both run the bounded protocol (the bounds themselves are
+    tested in tests/unit/test_http_limits.py)."""
+    stack = await fake_stacks.make([FakeBehaviour()], fast_config(), http=True)
+    assert stack.http_url is not None
+    assert await oversized_head_status(int(stack.http_url.rsplit(":", 1)[1])) == 431
+    server = EngineServer()
+    await server.start()
+    try:
+        assert await oversized_head_status(await server.start_http("127.0.0.1", 0)) == 431
     finally:
         await server.stop()
