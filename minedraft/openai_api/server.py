@@ -165,6 +165,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             return False
         return not self._refused
 
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._timer is None:  # a pipelined request, begun in the same data as the end of the one before
+            self._arm_head_timer()
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
         if self._header_count > self.limits.max_header_count:

@@ -157,6 +157,19 @@ async def test_well_behaved_requests_keep_alive_and_long_streams_are_untouched(s
     assert all(callable(ext["abort"]) for ext in app.extensions)  # type: ignore[index]
 
 
+async def test_a_pipelined_half_sent_head_after_a_complete_request_is_timed_too(server):
+    app, port = server
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    await send_ignoring_reset(writer, b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi"
+                                      b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nX-Slow: ")
+    raw = await read_until_closed(reader, timeout_s=LIMITS.head_timeout_s + 3)
+    writer.close()
+    first, _, rest = raw.partition(b"\r\n\r\n2")
+    assert b" 200 " in first.split(b"\r\n", 1)[0]
+    assert status_and_body(rest)[0] == 408
+    assert app.calls == ["/v1/completions"]
+
+
 def test_limits_are_checked():
     with pytest.raises(ValueError, match="max_head_bytes"):
         HttpLimits(max_head_bytes=0)
