@@ -28,6 +28,9 @@ MIN_PING_INTERVAL_MS = KEEPALIVE_TIME_MS // 2
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # How long a ping may go unanswered: gRPC core times keepalive pings by this too (default 60 s), so without it a
+    # frozen peer (a stopped process: its kernel still keeps the TCP connection) was noticed only after 20 + 60 s.
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 200),
