@@ -56,6 +56,10 @@ STEPS: tuple[Step, ...] = (
     Step("gateway", "the gateway's added latency and concurrent streams, gRPC and OpenAI HTTP (SSE) side by side",
          ("minedraft", "bench-gateway", "--json", "benchmarks/results/gateway.json"),
          ("benchmarks/results/gateway.json",), 4 * 60),
+    Step("http-limits", "hostile HTTP heads (1 MiB headers, 16 at once, a half-sent head) against the gateway's and "
+         "the engine server's HTTP ports, bounded and unbounded side by side",
+         ("python", "benchmarks/http_limits.py", "--json", "benchmarks/results/gateway/http-limits.json"),
+         ("benchmarks/results/gateway/http-limits.json",), 2 * 60),
     Step("tensor-parallel", "the local pair at tensor-parallel sizes 1 and 2 (ar, sd, psd)",
          ("python", "benchmarks/tensor_parallel.py"),
          # Not timed when the committed set was made: a guess (four short bench runs of three modes).

@@ -39,8 +39,12 @@ trap 'exit 130' INT TERM
 
 # Metrics ports off unless asked for (MINEDRAFT_ENGINE_METRICS_PORT, MINEDRAFT_GATEWAY_METRICS_PORT): a busy port
 # must not stop the quick start.
+# The local pair is served under a short name (clients name the model by it; its path is this machine's business),
+# unless another model is asked for.
+NAME_ARGS=(--served-model-name minedraft-pair)
+case " $* " in *" --model"*) NAME_ARGS=() ;; esac
 "$BIN/minedraft" --log-level WARNING serve --grpc-port "$ENGINE_PORT" --http-port "$ENGINE_HTTP_PORT" \
-  --metrics-port "${MINEDRAFT_ENGINE_METRICS_PORT:-0}" --grace-seconds 5 "$@" >>"$LOG" 2>&1 &
+  --metrics-port "${MINEDRAFT_ENGINE_METRICS_PORT:-0}" --grace-seconds 5 "${NAME_ARGS[@]}" "$@" >>"$LOG" 2>&1 &
 pids+=($!)
 "$BIN/minedraft" --log-level WARNING gateway --port "$GATEWAY_PORT" --http-port "$GATEWAY_HTTP_PORT" \
   --engines "127.0.0.1:$ENGINE_PORT" --metrics-port "${MINEDRAFT_GATEWAY_METRICS_PORT:-0}" --grace-seconds 5 \

@@ -23,3 +23,11 @@ def pair_dir() -> Path:
     from minedraft.models.spec import default_pair_dir
 
     return ensure_pair(default_pair_dir())
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    # The order's seed at the end too (pytest-randomly prints it in the header, which -q leaves out): a failure that
+    # depends on the order is repeated with the same seed.
+    seed = getattr(config.option, "randomly_seed", None)
+    if config.pluginmanager.has_plugin("randomly") and isinstance(seed, int):
+        terminalreporter.write_line(f"tests ran in random order: repeat it with -p randomly --randomly-seed={seed}")

@@ -48,13 +48,24 @@ def token_accepted(presented: str | None, accepted: Sequence[bytes]) -> bool:
     return matched
 
 
-def parse_tokens(text: str) -> tuple[bytes, ...]:
-    """One token per line (or comma-separated); blank lines and # comments ignored."""
-    tokens: list[str] = []
-    for line in text.splitlines():
-        line = line.split("#", 1)[0]
-        tokens.extend(part.strip() for part in line.split(",") if part.strip())
-    return tuple(t.encode() for t in tokens)
+def parse_tokens(text: str, comma_separated: bool = False) -> tuple[bytes, ...]:
+    """The tokens of a file (one per line; blank lines and lines starting with # skipped) or of an environment
+    variable (`comma_separated`). A token is kept whole: a `#` or `,` inside a file's token is part of it. A token
+    with whitespace or a control character in it could never be presented (`Authorization: Bearer <token>`) and is
+    refused (ValueError naming the entry), never shortened or split."""
+    if comma_separated:
+        entries = [(f"entry {i + 1}", part.strip()) for i, part in enumerate(text.split(","))]
+    else:
+        entries = [(f"line {i + 1}", line.strip()) for i, line in enumerate(text.splitlines())
+                   if not line.lstrip().startswith("#")]
+    tokens = []
+    for where, token in entries:
+        if not token:
+            continue
+        if not all("!" <= c <= "~" for c in token):
+            raise ValueError(f"{where}: a token must be printable ASCII without spaces")
+        tokens.append(token.encode())
+    return tuple(tokens)
 
 
 def files_signature(*paths: str | Path) -> tuple[tuple[int, int, int], ...] | None:
@@ -107,7 +118,7 @@ class TokenFile:
             if signature == self._signature:
                 return True
             tokens = parse_tokens(self.path.read_text())
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             log.warning("%s: cannot read %s: %s (keeping the previous tokens)", self.flag, self.path, exc)
             return bool(self._tokens)
         if not tokens:

@@ -28,6 +28,9 @@ MIN_PING_INTERVAL_MS = KEEPALIVE_TIME_MS // 2
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # How long a ping may go unanswered: gRPC core times keepalive pings by this too (default 60 s), so without it a
+    # frozen peer (a stopped process: its kernel still keeps the TCP connection) was noticed only after 20 + 60 s.
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 200),
@@ -107,6 +110,7 @@ def enable_reflection(server: grpc.aio.Server, service_names: Sequence[str]) -> 
     from grpc_reflection.v1alpha import reflection, reflection_pb2
     from grpc_reflection.v1alpha._async import ReflectionServicer
 
+    _register_reflection_v1(reflection_pb2.DESCRIPTOR)
     names = (*service_names, reflection.SERVICE_NAME, REFLECTION_V1_SERVICE)
     servicer = ReflectionServicer(names)
     for service in (reflection.SERVICE_NAME, REFLECTION_V1_SERVICE):
@@ -116,3 +120,36 @@ def enable_reflection(server: grpc.aio.Server, service_names: Sequence[str]) -> 
             response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(service, {"ServerReflectionInfo": handler}),))
+
+
+def _register_reflection_v1(v1alpha: Any) -> None:
+    """grpc.reflection.v1's descriptors in the default pool, so that reflection can describe the v1 service it lists
+    (`grpcurl describe grpc.reflection.v1.ServerReflection`): grpcio-reflection ships only v1alpha's, and v1's file
+    is v1alpha's with the package renamed (same messages, field for field)."""
+    from google.protobuf import descriptor_pb2, descriptor_pool
+
+    pool = descriptor_pool.Default()
+    name = "grpc/reflection/v1/reflection.proto"
+    try:
+        pool.FindFileByName(name)
+        return
+    except KeyError:
+        pass
+    proto = descriptor_pb2.FileDescriptorProto()
+    v1alpha.CopyToProto(proto)
+    old_package, new_package = proto.package, REFLECTION_V1_SERVICE.rsplit(".", 1)[0]
+    proto.name, proto.package = name, new_package
+    proto.ClearField("options")
+
+    def rename(type_name: str) -> str:
+        prefix = f".{old_package}."
+        return f".{new_package}.{type_name[len(prefix):]}" if type_name.startswith(prefix) else type_name
+
+    for message in proto.message_type:
+        for field in message.field:
+            if field.type_name:
+                field.type_name = rename(field.type_name)
+    for service in proto.service:
+        for method in service.method:
+            method.input_type, method.output_type = rename(method.input_type), rename(method.output_type)
+    pool.Add(proto)

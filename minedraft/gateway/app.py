@@ -110,7 +110,7 @@ class GatewayConfig:
     engine_token: Callable[[], str] | None = None
     # The names clients address the model by (HTTP /v1/models and request matching); empty: the engines' answer.
     served_model_names: tuple[str, ...] = ()
-    # An HTTP stream whose client accepts nothing for this long is cut (None: never).
+    # An HTTP or gRPC stream whose client accepts nothing for this long is cut (None: never).
     client_stall_timeout_seconds: float | None = 60.0
     # Origins allowed to call the HTTP API from a browser (CORS); empty: CORS off.
     cors_origins: tuple[str, ...] = ()
@@ -136,7 +136,7 @@ class Gateway:
                              self.metrics)
         if registry is not None:
             registry.register(GatewayStateCollector(self.endpoints, self.admission, lambda: self.router.num_waiting))
-        self.servicer = GatewayServicer(self.router, config.tokens)
+        self.servicer = GatewayServicer(self.router, config.tokens, config.client_stall_timeout_seconds)
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=SERVER_OPTIONS + pending_request_options(config.max_in_flight))
         add_generation_servicer(self.servicer, self.server)
@@ -176,7 +176,7 @@ class Gateway:
                 and self.config.engine_wait_timeout_seconds > 0):
             return True
         # Health, not the short failure cool-down: a cool-down ends without any event to publish it.
-        return any(endpoint.healthy and not endpoint.unresponsive for endpoint in self.endpoints)
+        return any(endpoint.routable for endpoint in self.endpoints)
 
     async def _publish_health(self) -> None:
         if self.router.draining:

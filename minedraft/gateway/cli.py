@@ -34,8 +34,8 @@ def add_subcommands(sub: Any) -> None:
     gateway.add_argument("--idle-timeout-s", type=float, default=30.0,
                          help="the same between two responses of a stream (0: off)")
     gateway.add_argument("--client-stall-timeout-s", type=float, default=60.0,
-                         help="an HTTP stream whose client accepts nothing for this long is cut and its engine "
-                              "request aborted (0: off)")
+                         help="an HTTP or gRPC stream whose client accepts nothing for this long is cut "
+                              "(UNAVAILABLE, or the connection closed) and its engine request aborted (0: off)")
     gateway.add_argument("--cors-origins", default="",
                          help="comma-separated origins allowed to call the HTTP API from a browser (default: CORS off)")
     gateway.add_argument("--engine-wait-timeout-s", type=float, default=300.0,
@@ -78,13 +78,20 @@ def load_tokens(token_file: str | None, token_env: str | None) -> Sequence[bytes
 
     fixed: tuple[bytes, ...] = ()
     if token_env and os.environ.get(token_env):
-        fixed = parse_tokens(os.environ[token_env].replace(",", "\n"))
+        try:
+            fixed = parse_tokens(os.environ[token_env], comma_separated=True)
+        except ValueError as exc:
+            raise ValueError(f"token-env: ${token_env}: {exc}") from None
     if token_file:
         try:
             text = Path(token_file).read_text()
         except OSError as exc:
             raise ValueError(f"token-file: cannot read {token_file}: {exc.strerror or exc}") from None
-        if not parse_tokens(text):
+        try:
+            found = parse_tokens(text)
+        except ValueError as exc:
+            raise ValueError(f"token-file: {token_file}: {exc}") from None
+        if not found:
             raise ValueError(f"token-file: {token_file} holds no tokens")
         return LiveTokens(TokenFile(token_file).tokens, fixed)
     return fixed

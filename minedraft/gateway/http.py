@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 
 # The forwarded headers' budget: gRPC's default metadata limit (8 KiB) less room for the call's own headers.
 MAX_FORWARDED_HEADER_BYTES = 4096
+# What gRPC accepts as a metadata key (HTTP allows more in a header name, e.g. '!' or '~'; uvicorn lowercases).
+_METADATA_KEY = re.compile(r"[0-9a-z_.\-]+")
 # The served model ids are refreshed from an engine this often at most (a rollout may change the model).
 MODEL_IDS_TTL_SECONDS = 30.0
 
@@ -40,6 +43,8 @@ class GatewayBackend:
         self.served_model_names = tuple(served_model_names)
         self.tokens = tokens  # not copied: a LiveTokens follows its file's rotations
         self._model_ids: list[str] | None = None
+        # The names requests may use: the engines' model and its aliases (their --served-model-name).
+        self._accepted_ids: list[str] | None = None
         self._model_ids_at = 0.0
         self._refresh: asyncio.Task[None] | None = None
 
@@ -77,18 +82,20 @@ class GatewayBackend:
         info = await self.router.unary(lambda stub, timeout: stub.GetModelInfo(pb.GetModelInfoRequest(),
                                                                                 timeout=timeout), admitted=admitted)
         self._model_ids = [info.model]
+        self._accepted_ids = [info.model, *(name for name in info.served_model_names if name != info.model)]
         self._model_ids_at = time.monotonic()
         return self._model_ids
 
     def known_model_ids(self) -> list[str] | None:
+        """The names requests may use: this gateway's --served-model-name, else the engines' (their model and its
+        aliases), cached and refreshed in the background when old, never waited for on a request's path (before the
+        first answer from any engine, requests' model names go unchecked)."""
         if self.served_model_names:
             return list(self.served_model_names)
-        """The cached ids; refreshed in the background when old, never waited for on a request's path (before the
-        first answer from any engine, requests' model names go unchecked)."""
         stale = time.monotonic() - self._model_ids_at > MODEL_IDS_TTL_SECONDS
         if (self._model_ids is None or stale) and (self._refresh is None or self._refresh.done()) and self.ready():
             self._refresh = asyncio.get_running_loop().create_task(self._refresh_model_ids())
-        return self._model_ids
+        return self._accepted_ids
 
     async def _refresh_model_ids(self) -> None:
         try:
@@ -115,6 +122,9 @@ def check_forwarded_headers(forwarded: Sequence[tuple[str, str]]) -> None:
     would refuse is the caller's error (400, 431), never an engine failure."""
     size_bytes = 0
     for key, value in forwarded:
+        if not _METADATA_KEY.fullmatch(key):
+            raise ApiError(400, f"{key}: a forwarded header's name must be lowercase letters, digits, '-', '_' or "
+                                "'.' (gRPC metadata keys)", key)
         if key.endswith("-bin"):
             raise ApiError(400, f"{key}: binary (-bin) headers are not accepted over HTTP", key)
         if not all(" " <= c <= "~" for c in value):

@@ -63,6 +63,10 @@ class GatewayMetrics:
         self.rejected = Counter(f"{PREFIX}_admission_rejected", "Streams refused with RESOURCE_EXHAUSTED because the "
                                                                 "gateway was at its in-flight limit.",
                                 registry=registry)
+        self.credential_refusals = Counter(f"{PREFIX}_engine_credential_refused",
+                                           "Calls an engine refused as UNAUTHENTICATED: the gateway's own credential "
+                                           "(--engine-token-file) is not one it accepts; the engine is out of rotation "
+                                           "until it does.", ["engine"], registry=registry)
         self.route_seconds = Histogram(f"{PREFIX}_route_seconds",
                                        "Latency the gateway adds before an engine is called: from a stream's arrival "
                                        "(auth, admission, picking) to the call of the engine, per attempt.",
@@ -79,6 +83,9 @@ class GatewayMetrics:
             self.duration_seconds.labels(protocol)
             for code in INITIAL_CODES:
                 self.finished.labels(protocol, code)
+
+    def credential_refused(self, engine: str) -> None:
+        self.credential_refusals.labels(engine).inc()
 
     def admission_rejected(self) -> None:
         self.rejected.inc()
@@ -104,7 +111,7 @@ class GatewayMetrics:
 class StreamObservation:
     """One stream's count, status code, time to first response and duration (see GatewayMetrics.stream)."""
 
-    __slots__ = ("_arrived", "_deadline", "_metrics", "_protocol", "_waiting_first")
+    __slots__ = ("_arrived", "_deadline", "_delivered", "_metrics", "_protocol", "_waiting_first")
 
     def __init__(self, metrics: GatewayMetrics, deadline: float | None, protocol: str = "grpc") -> None:
         self._metrics = metrics
@@ -112,6 +119,9 @@ class StreamObservation:
         self._protocol = protocol
         self._arrived = 0.0
         self._waiting_first = True
+        # The final response (with its finish reason) was handed to the caller: the stream is complete, whatever
+        # ends it now (a caller that closes as soon as it has read [DONE] is not a cancel).
+        self._delivered = False
 
     def __enter__(self) -> StreamObservation:
         self._arrived = time.perf_counter()
@@ -123,8 +133,14 @@ class StreamObservation:
             self._metrics.first_response_seconds.labels(self._protocol).observe(time.perf_counter() - self._arrived)
             self._waiting_first = False
 
+    def delivered(self) -> None:
+        """The stream's final response is out."""
+        self._delivered = True
+
     def __exit__(self, exc_type: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
         deadline_passed = self._deadline is not None and asyncio.get_running_loop().time() >= self._deadline
+        if self._delivered and isinstance(error, asyncio.CancelledError | GeneratorExit):
+            error = None  # complete: the caller went away after the end of its answer
         self._metrics.finished.labels(self._protocol, outcome_code(error, None, deadline_passed)).inc()
         self._metrics.duration_seconds.labels(self._protocol).observe(time.perf_counter() - self._arrived)
 

@@ -24,9 +24,18 @@ class EndpointState:
     # A call to it stalled (a frozen process keeps its connections open and its health watch silent): out of
     # routing until a health check answers again.
     unresponsive: bool = False
+    # It refused the gateway's own credential (UNAUTHENTICATED: a token rotated on one side only, a mismatch): out of
+    # routing until an authenticated call succeeds again (its health, which needs no credential, cannot tell).
+    credential_refused: bool = False
 
     def ready(self, now_seconds: float) -> bool:
-        return self.healthy and not self.unresponsive and now_seconds >= self.cooldown_until_seconds
+        return (self.healthy and not self.unresponsive and not self.credential_refused
+                and now_seconds >= self.cooldown_until_seconds)
+
+    @property
+    def routable(self) -> bool:
+        """Ready but for a failure cool-down (which ends without an event)."""
+        return self.healthy and not self.unresponsive and not self.credential_refused
 
 
 class EndpointSet:
@@ -89,6 +98,11 @@ class EndpointSet:
         if endpoint is not None:
             endpoint.unresponsive = unresponsive
 
+    def set_credential_refused(self, address: str, refused: bool) -> None:
+        endpoint = self._endpoints.get(address)
+        if endpoint is not None:
+            endpoint.credential_refused = refused
+
     def cool_down(self, address: str, until_seconds: float) -> None:
         endpoint = self._endpoints.get(address)
         if endpoint is not None:
@@ -137,6 +151,8 @@ class FailureAction(Enum):
     PASS_THROUGH = "pass-through"  # the answer is about the request (bad request, deadline, cancel, an error the
     # request caused): it is the request's outcome, not retried, and the engine stays in rotation
     UNAVAILABLE_AFTER_TOKENS = "unavailable-after-tokens"  # tokens already out: end with UNAVAILABLE, say how many
+    CREDENTIAL_REFUSED = "credential-refused"  # the engine refused the gateway's own credential: the engine out of
+    # rotation, the stream tried elsewhere (the caller's credential is never forwarded, so this is never the caller's)
 
 
 # Only these say the engine (not the request) failed: the channel's own UNAVAILABLE (connection refused or reset,
@@ -146,6 +162,8 @@ ENGINE_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
 
 
 def classify_failure(code: grpc.StatusCode, responses_sent: int) -> FailureAction:
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return FailureAction.CREDENTIAL_REFUSED
     if code not in ENGINE_DOWN_CODES:
         return FailureAction.PASS_THROUGH
     return FailureAction.RETRY if responses_sent == 0 else FailureAction.UNAVAILABLE_AFTER_TOKENS

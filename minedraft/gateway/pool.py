@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from minedraft.api import SERVICE_NAME, pb_grpc
+from minedraft.api import SERVICE_NAME, pb, pb_grpc
 from minedraft.api.auth import client_interceptors
 from minedraft.api.grpc_policy import CHANNEL_OPTIONS
 from minedraft.gateway.policy import EndpointSet
@@ -46,9 +46,10 @@ class _Engine:
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health_task: asyncio.Task[None] | None = None
         self.probe_task: asyncio.Task[None] | None = None
+        self.credential_task: asyncio.Task[None] | None = None
 
     def cancel_tasks(self) -> None:
-        for task in (self.health_task, self.probe_task):
+        for task in (self.health_task, self.probe_task, self.credential_task):
             if task is not None:
                 task.cancel()
 
@@ -103,6 +104,37 @@ class EnginePool:
         if engine.probe_task is None or engine.probe_task.done():
             engine.probe_task = asyncio.create_task(self._probe_until_answered(engine), name=f"probe {address}")
 
+    def report_credential_refused(self, address: str) -> None:
+        """A call to this engine was refused as UNAUTHENTICATED: the gateway's own credential (--engine-token-file)
+        is not one the engine accepts. Out of routing until an authenticated call succeeds (checked every
+        health_retry_seconds: a rotated token file on either side brings it back)."""
+        engine = self._engines.get(address)
+        endpoint = self.endpoints.get(address)
+        if engine is None or endpoint is None:
+            return
+        if not endpoint.credential_refused:
+            log.error("engine %s refused the gateway's credential (UNAUTHENTICATED): out of rotation until it accepts "
+                      "it; check --engine-token-file against the engine's --token-file", address)
+        self.endpoints.set_credential_refused(address, True)
+        self._on_health_change()
+        if engine.credential_task is None or engine.credential_task.done():
+            engine.credential_task = asyncio.create_task(self._probe_credential(engine), name=f"credential {address}")
+
+    async def _probe_credential(self, engine: _Engine) -> None:
+        while True:
+            await asyncio.sleep(self.health_retry_seconds)
+            try:
+                # The cheapest call that needs the credential (health does not).
+                await engine.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=UNRESPONSIVE_PROBE_TIMEOUT_SECONDS)
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is not grpc.StatusCode.UNAUTHENTICATED and exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                    break  # the credential passed (the call failed for another reason)
+                log.debug("credential probe of %s: %s", engine.address, exc.code())
+        self.endpoints.set_credential_refused(engine.address, False)
+        log.warning("engine %s accepts the gateway's credential again: back in rotation", engine.address)
+        self._on_health_change()
+
     async def _probe_until_answered(self, engine: _Engine) -> None:
         stub = health_pb2_grpc.HealthStub(engine.channel)
         while True:
@@ -146,7 +178,7 @@ class EnginePool:
         self._engines.clear()
         for engine in engines:
             engine.cancel_tasks()
-            for task in (engine.health_task, engine.probe_task):
+            for task in (engine.health_task, engine.probe_task, engine.credential_task):
                 if task is not None:
                     with contextlib.suppress(asyncio.CancelledError):
                         await task

@@ -46,6 +46,9 @@ CALLER_FACING_CODES = frozenset({
 })
 # Ends the caller brought about (its deadline, its cancel): not worth a warning.
 _CALLER_CAUSED = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+# What a caller is told when the engines refused the gateway's own credential (a 503, not a 401: the caller's
+# credential was fine).
+CREDENTIAL_REFUSED = "the engine refused the gateway's credential"
 # How often a stream waiting for an engine re-checks without an event (a failure cool-down ends silently).
 _WAIT_RECHECK_SECONDS = 0.5
 
@@ -235,8 +238,10 @@ class Router:
                 if deadline is not None and now >= deadline:
                     raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded waiting for an engine")
                 if now >= give_up:
+                    refusing = sum(e.credential_refused for e in self.pool.endpoints)
                     raise RouteError(grpc.StatusCode.UNAVAILABLE,
-                                     f"no engine replica became ready within {config.engine_wait_timeout_seconds:g} s")
+                                     f"no engine replica became ready within {config.engine_wait_timeout_seconds:g} s"
+                                     + (f" ({refusing} refused the gateway's credential)" if refusing else ""))
                 until = min(give_up, deadline) if deadline is not None else give_up
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._engines_changed.wait(), min(_WAIT_RECHECK_SECONDS, until - now))
@@ -249,6 +254,10 @@ class Router:
             engine = await self._wait_for_engine(deadline)
             tried.add(engine[0])
         return engine
+
+    def _credential_refused(self, address: str) -> None:
+        self.pool.report_credential_refused(address)
+        self.metrics.credential_refused(address)
 
     def _admit(self) -> None:
         if self.draining:
@@ -325,22 +334,31 @@ class Router:
                                 watch.got_response = True
                                 observed.responded()
                             tokens_sent += len(response.token_ids)
+                            if response.finish_reason:
+                                observed.delivered()
                             yield response
                     except grpc.aio.AioRpcError as exc:
                         action = classify_failure(exc.code(), int(responded))
-                        if action is FailureAction.PASS_THROUGH:
+                        if action is FailureAction.CREDENTIAL_REFUSED:
+                            self._credential_refused(address)
+                            last_failure = CREDENTIAL_REFUSED
+                            if responded:
+                                raise RouteError(grpc.StatusCode.UNAVAILABLE, f"the engine failed after {tokens_sent} "
+                                                 "tokens delivered: it refused the gateway's credential") from None
+                        elif action is FailureAction.PASS_THROUGH:
                             if exc.code() not in CALLER_FACING_CODES and exc.code() not in _CALLER_CAUSED:
                                 log.warning("engine %s: %s: %s", address, exc.code().name, exc.details())
                             raise engine_answer(exc) from None
-                        self.pool.report_failure(address)
-                        log.info("engine %s failed (%s: %s) after %d tokens", address, exc.code().name,
-                                 exc.details(), tokens_sent)
-                        if action is FailureAction.UNAVAILABLE_AFTER_TOKENS:
-                            # Never a silent truncation: the caller learns the stream broke and how far it got.
-                            raise RouteError(grpc.StatusCode.UNAVAILABLE,
-                                             f"the engine failed after {tokens_sent} tokens delivered; not retried "
-                                             "because tokens were already streamed") from None
-                        last_failure = exc.code().name
+                        else:
+                            self.pool.report_failure(address)
+                            log.info("engine %s failed (%s: %s) after %d tokens", address, exc.code().name,
+                                     exc.details(), tokens_sent)
+                            if action is FailureAction.UNAVAILABLE_AFTER_TOKENS:
+                                # Never a silent truncation: the caller learns the stream broke and how far it got.
+                                raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                                                 f"the engine failed after {tokens_sent} tokens delivered; not "
+                                                 "retried because tokens were already streamed") from None
+                            last_failure = exc.code().name
                     finally:
                         watch.close()
                         self._open_calls.discard(watch)
@@ -378,14 +396,18 @@ class Router:
                 except grpc.aio.AioRpcError as exc:
                     stalled = exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and (
                         deadline is None or loop.time() < deadline)
+                    action = classify_failure(exc.code(), 0)
                     if stalled:
                         self.pool.report_unresponsive(address)
-                    elif classify_failure(exc.code(), 0) is not FailureAction.RETRY:
+                    elif action is FailureAction.CREDENTIAL_REFUSED:
+                        self._credential_refused(address)
+                    elif action is not FailureAction.RETRY:
                         raise engine_answer(exc) from None
                     else:
                         self.pool.report_failure(address)
                     log.info("engine %s failed a unary call (%s: %s)", address, exc.code().name, exc.details())
-                    last_failure = "engine stalled" if stalled else exc.code().name
+                    last_failure = ("engine stalled" if stalled else CREDENTIAL_REFUSED
+                                    if action is FailureAction.CREDENTIAL_REFUSED else exc.code().name)
                 engine = self._next_engine(tried) if len(tried) < self.config.max_attempts else None
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
                              f"no ready engine after {len(tried)} attempt(s); last: {last_failure or 'none'}")

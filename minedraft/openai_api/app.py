@@ -21,7 +21,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
@@ -47,6 +47,7 @@ from minedraft.openai_api.protocol import (
     stream_events,
     usage_event,
 )
+from minedraft.openai_api.server import ABORT_EXTENSION
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,12 @@ class _GenerationResponse:
                 with contextlib.suppress(asyncio.CancelledError, OSError):
                     await task
         if self._watch is not None and self._watch.expired:
-            # The response is left incomplete: the server closes the connection (uvicorn logs that too).
+            # The response is left incomplete. The connection is closed at once, unsent data dropped: a graceful close
+            # would wait for the client to read what its full buffers hold, keeping the socket (and megabytes of
+            # kernel buffer) for as long as it stays connected.
+            abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
+            if abort is not None:
+                abort["abort"]()
             log.warning("request %s: stream cut, the client accepted nothing for %g s", self._state.id, limit_s)
         elif gone:
             log.debug("request %s: the client went away; request cancelled", self._state.id)
@@ -513,7 +519,12 @@ class OpenAiApp:
         self._authorize(request, stream=True)
         try:
             _check_content_type(request)
-            raw = await self._read_body(request)
+            try:
+                raw = await self._read_body(request)
+            except ClientDisconnect:
+                # Gone before its body was in (or cut by the server's body timeout, which answered 408 itself).
+                log.debug("%s: the client went away before its body was read", request.url.path)
+                return Response(status_code=408)
             if len(raw) > OFF_LOOP_BODY_BYTES:
                 # Decoding and checking a large body (millions of token ids, thousands of messages) takes a
                 # Python-level pass over every item: in a thread, so other streams and the probes keep being served.

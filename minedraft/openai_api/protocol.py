@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import msgspec
+import numpy as np
 
 from minedraft.api import pb
 
@@ -41,6 +42,8 @@ MAX_PROMPTS = 64  # a completions batch: a list of prompts
 MAX_GENERATIONS = 64  # n times the number of prompts
 # The most top tokens per position a request may ask log-probabilities of (vLLM's default `max_logprobs`).
 MAX_TOP_LOGPROBS = 20
+# Arrays and objects nested deeper than this in a body are a 400 (OpenAI's bodies nest a handful of levels).
+MAX_JSON_DEPTH = 64
 # -inf is not JSON: OpenAI's servers (and vLLM's) send this floor instead.
 MIN_LOGPROB = -9999.0
 
@@ -133,8 +136,15 @@ _VLLM_NEUTRAL: dict[str, Any] = {
     "prompt_logprobs": None, "logprob_token_ids": None, "bad_words": None, "prompt_embeds": None,
     "structured_outputs": None, "return_tokens_as_token_ids": False, "return_token_offsets": False,
     "vllm_xargs": None, "repetition_detection": None, "thinking_token_budget": None,
+    # vLLM's legacy structured-output fields (before `structured_outputs`), still read by clients written for it.
+    "guided_json": None, "guided_choice": None, "guided_regex": None, "guided_grammar": None,
+    "guided_decoding_backend": None, "guided_whitespace_pattern": None,
+    # Whether the tokenizer adds its special tokens (BOS) to the prompt: vLLM's completions add them, its chat does
+    # not (the template places them), and so does the engine here.
+    "add_special_tokens": True,
 }
 _VLLM_CHAT_NEUTRAL: dict[str, Any] = {
+    "add_special_tokens": False,
     "add_generation_prompt": True, "continue_final_message": False, "documents": None, "chat_template": None,
     "chat_template_kwargs": None, "return_prompt_text": False,
 }
@@ -153,13 +163,33 @@ _ALLOWED = {
 }
 
 
+def json_depth(raw: bytes) -> int:
+    """How deeply the arrays and objects of a JSON text nest (0: a scalar), counted in C-speed passes, never by
+    recursion (whose bound is process-global state: sys.getrecursionlimit(), which torch's compiler raises).
+
+    Escaped backslashes, then escaped quotes, are blanked (bytes.replace, left to right: what is left of each
+    backslash pair cannot start another escape), so every quote left opens or closes a string; a bracket counts only
+    outside strings (an even number of quotes before it). Invalid JSON gets some number; the decoder refuses it."""
+    brackets = raw.count(b"[") + raw.count(b"{")
+    if brackets <= MAX_JSON_DEPTH:
+        return brackets  # an upper bound, and within the limit: no need to measure
+    text = np.frombuffer(raw.replace(b"\\\\", b"__").replace(b'\\"', b"__"), dtype=np.uint8)
+    outside = np.bitwise_xor.accumulate((text == ord('"')).view(np.uint8)) == 0
+    steps = ((text == ord("[")) | (text == ord("{"))).astype(np.int32)
+    steps -= (text == ord("]")) | (text == ord("}"))
+    steps *= outside
+    return int(np.cumsum(steps).max(initial=0))
+
+
 def decode_body(raw: bytes) -> dict[str, Any]:
+    # The depth first, explicitly: the decoder's own bound is the interpreter's recursion limit, process-global state.
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise invalid(None, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels of arrays and "
+                            "objects)")
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise invalid(None, f"the request body is not valid JSON: {exc}") from exc
-    except RecursionError:
-        raise invalid(None, "the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
     return body

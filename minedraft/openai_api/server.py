@@ -1,4 +1,12 @@
-"""uvicorn inside the process's own asyncio loop, beside the gRPC server: bind (port 0 allowed), start, stop."""
+"""uvicorn inside the process's own asyncio loop, beside the gRPC server: bind (port 0 allowed), start, stop.
+
+The HTTP/1.1 protocol is uvicorn's httptools one with bounds of its own (`HttpLimits`): a request head (request
+line and headers) over `max_head_bytes` or with more than `max_header_count` fields is answered 431, a head not
+complete within `head_timeout_s` or a body not complete within `body_timeout_s` is answered 408, each before the
+application (and so auth, parsing or routing) runs or goes on, and the connection is closed. uvicorn itself bounds
+none of these with httptools (its h11 protocol bounds the head's size only, answering 400), and httptools buffers
+a header of any size, at a cost that grows faster than its size.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +16,215 @@ import logging
 import socket
 import ssl
 from collections.abc import Generator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httptools
 import uvicorn
 from starlette.types import ASGIApp
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger(__name__)
 
 # Thousands of SSE streams stay open at once; the kernel's default accept backlog would drop a burst of them.
 BACKLOG = 4096
+
+
+# The scope extension through which the application closes its connection at once (`transport.abort`), unsent data
+# and all: a response cut because its client stopped reading would otherwise keep the socket (and its kernel buffer)
+# until the client reads, since a graceful close waits for the buffer to drain.
+ABORT_EXTENSION = "minedraft.abort_connection"
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """Bounds on what a client may send before the application sees a request (one object for both HTTP ports)."""
+
+    # Request line plus header fields, in bytes (Node's default is 16 KiB, nginx's up to 32 KiB).
+    max_head_bytes: int = 32 * 1024
+    max_header_count: int = 100
+    # From the connection (or a keep-alive request's first byte) to the end of the head.
+    head_timeout_s: float = 10.0
+    # From the end of the head to the end of the body (at most 8 MiB is read).
+    body_timeout_s: float = 60.0
+    # After a refusal, what the client still sends is read and dropped this long at most, so that it reads the
+    # answer (closing with unread data makes the kernel reset the connection, and the client may lose the answer).
+    linger_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_head_bytes", "max_header_count", "head_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.linger_s < 0:
+            raise ValueError(f"linger_s: must be >= 0, got {self.linger_s}")
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_CODES = {400: "invalid_request", 408: "request_timeout", 431: "request_header_fields_too_large"}
+
+
+def refusal_bytes(status: int, message: str) -> bytes:
+    """A complete HTTP/1.1 answer with an OpenAI error body, closing the connection."""
+    from minedraft.openai_api.protocol import ApiError, encode
+
+    body = encode(ApiError(status, message, code=_CODES[status]).body())
+    return b"".join([b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]), b"content-type: application/json\r\n",
+                     b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n", body])
+
+
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with `HttpLimits` (a subclass per server binds them: `bounded_protocol`).
+
+    The head is fed to the parser at most `max_head_bytes` at a time, so an oversized head costs its first bytes,
+    never a buffered megabyte; one timer per connection runs while a head or a body is being received."""
+
+    limits = HttpLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True
+        self._head_bytes = 0
+        self._header_count = 0
+        self._refused = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- timers ---------------------------------------------------------------------------------------------------
+
+    def _arm(self, seconds: float, status: int, message: str) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(seconds, self._refuse, status, message)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        self._arm(self.limits.head_timeout_s, 408,
+                  f"the request head was not received within {self.limits.head_timeout_s:g} s")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def eof_received(self) -> bool | None:  # type: ignore[override]
+        if self._refused:
+            self.transport.close()  # the client is done sending: the answer is out, close now
+        return None
+
+    # -- parsing --------------------------------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # lingering after a refusal: dropped
+        self._unset_keepalive_if_required()
+        view = memoryview(data)
+        while view:
+            if not self._in_head:
+                self._feed(view)
+                return
+            if self._timer is None:  # a keep-alive connection's next request begins
+                self._arm_head_timer()
+            room = self.limits.max_head_bytes - self._head_bytes
+            if room <= 0:
+                self._refuse(431, f"the request head is over {self.limits.max_head_bytes} bytes")
+                return
+            part, view = view[:room], view[room:]
+            self._head_bytes += len(part)
+            if not self._feed(part):
+                return
+
+    def _feed(self, data: memoryview) -> bool:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            refusal = exc.__context__
+            if isinstance(refusal, _Refused):
+                self._refuse(refusal.status, refusal.message)
+            else:
+                self.logger.warning("Invalid HTTP request received.")
+                self._refuse(400, "invalid HTTP request")
+            return False
+        except httptools.HttpParserError:
+            self._refuse(400, "invalid HTTP request")
+            return False
+        except httptools.HttpParserUpgrade:
+            self._unsupported_upgrade_warning()  # no protocol upgrades are served (ws="none")
+            return False
+        return not self._refused
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._timer is None:  # a pipelined request, begun in the same data as the end of the one before
+            self._arm_head_timer()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self.limits.max_header_count:
+            raise _Refused(431, f"the request has over {self.limits.max_header_count} header fields")
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._arm(self.limits.body_timeout_s, 408,
+                  f"the request body was not received within {self.limits.body_timeout_s:g} s")
+        super().on_headers_complete()
+        # The application can close this connection at once (ABORT_EXTENSION).
+        self.scope.setdefault("extensions", {})[ABORT_EXTENSION] = {"abort": self.transport.abort}  # type: ignore[index]
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        self._in_head = True
+        self._head_bytes = 0
+        self._header_count = 0
+        super().on_message_complete()
+
+    # -- refusals -------------------------------------------------------------------------------------------------
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer `status` (unless a response is under way: then just close) and close the connection."""
+        self._disarm()
+        if self._refused or self.transport.is_closing():
+            return
+        self._refused = True
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # The application is waiting for this body: it reads a disconnect, and its answer goes nowhere.
+            cycle.disconnected = True
+            cycle.message_event.set()
+            if cycle.response_started:
+                self.transport.abort()
+                return
+        elif not self._in_head:
+            # The request was answered before its body arrived (a 401, a 413): nothing more to say.
+            self.transport.close()
+            return
+        log.info("HTTP request from %s refused (%d): %s", self.client, status, message)
+        self.transport.write(refusal_bytes(status, message))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()  # the answer is complete: the client reads it and then the end
+        self.flow.resume_reading()
+        if self.limits.linger_s > 0:
+            self.loop.call_later(self.limits.linger_s, self.transport.close)
+        else:
+            self.transport.close()
+
+
+def bounded_protocol(limits: HttpLimits) -> type[BoundedHttpToolsProtocol]:
+    """The protocol class uvicorn builds per connection, bound to `limits`."""
+    return type("BoundedHttpToolsProtocol", (BoundedHttpToolsProtocol,), {"limits": limits})
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -31,8 +238,10 @@ class _EmbeddedServer(uvicorn.Server):
 class HttpServer:
     """One uvicorn server for `app` in the running loop."""
 
-    def __init__(self, app: ASGIApp, cert_file: Path | None = None, key_file: Path | None = None) -> None:
+    def __init__(self, app: ASGIApp, cert_file: Path | None = None, key_file: Path | None = None,
+                 limits: HttpLimits | None = None) -> None:
         self.app = app
+        self.limits = limits or HttpLimits()
         self.cert_file = cert_file
         self.key_file = key_file
         self.port: int | None = None
@@ -49,7 +258,7 @@ class HttpServer:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app, lifespan="off", log_level="warning", access_log=False, backlog=BACKLOG,
-            http="httptools", ws="none", loop="none", timeout_graceful_shutdown=1,
+            http=bounded_protocol(self.limits), ws="none", loop="none", timeout_graceful_shutdown=1,
             ssl_certfile=str(self.cert_file) if self.cert_file else None,
             ssl_keyfile=str(self.key_file) if self.key_file else None,
             # Streams are idle between tokens for as long as the engine takes: keep-alive applies between requests.

@@ -25,6 +25,7 @@ from minedraft.api import SERVICE_NAME, grpc_policy
 from minedraft.api.auth import TokenAuthInterceptor
 from minedraft.engine import calls
 from minedraft.engine.serving import ServingEngine
+from minedraft.openai_api.app import CLIENT_STALL_TIMEOUT_S
 from minedraft.openai_api.server import HttpServer
 from minedraft.server.metrics import EngineExporter
 from minedraft.server.servicer import EngineService, GenerationServicer, ServerState
@@ -46,8 +47,9 @@ class EngineServer:
                  metrics_interval_seconds: float = 1.0, engine_check_interval_seconds: float = 5.0,
                  engine_check_timeout_seconds: float = 30.0,
                  tokens: Callable[[], Sequence[bytes]] | None = None,
-                 served_model_names: tuple[str, ...] = ()) -> None:
-        self.service = EngineService(replica_id, served_model_names)
+                 served_model_names: tuple[str, ...] = (),
+                 client_stall_timeout_s: float | None = CLIENT_STALL_TIMEOUT_S) -> None:
+        self.service = EngineService(replica_id, served_model_names, client_stall_timeout_s)
         # Accepted bearer tokens (read per call: a rotated Secret takes effect without a restart); None: no auth.
         self.tokens = tokens
         # Readiness includes "the engine loop answers": a no-op run on the engine thread between steps, this often,
@@ -193,9 +195,11 @@ async def serve(
     http_address: tuple[str, int] | None = None,
     tokens: Callable[[], Sequence[bytes]] | None = None,
     served_model_names: tuple[str, ...] = (),
+    client_stall_timeout_s: float | None = CLIENT_STALL_TIMEOUT_S,
 ) -> int:
     """Run a replica until SIGTERM/SIGINT (or stop_event): bind, load the engine, serve, drain, shut the engine down."""
-    server = EngineServer(replica_id, registry, tokens=tokens, served_model_names=served_model_names)
+    server = EngineServer(replica_id, registry, tokens=tokens, served_model_names=served_model_names,
+                          client_stall_timeout_s=client_stall_timeout_s)
     port = await server.start(grpc_address)
     if http_address is not None:
         await server.start_http(*http_address)

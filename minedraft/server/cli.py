@@ -31,6 +31,9 @@ def add_subcommands(sub: Any) -> None:
     serve.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
                        help="the names clients address the model by: GetModelInfo's model and /v1/models answer the "
                        "first, requests may name any (aliases); default: the model's path or hub id")
+    serve.add_argument("--client-stall-timeout-s", type=float, default=60.0,
+                       help="a gRPC or HTTP stream whose client accepts nothing for this long is cut and its request "
+                       "aborted (0: off); behind a gateway, keep it at or above the gateway's")
     serve.add_argument("--engine-in-process", action="store_true",
                        help="run the engine's step loop on a thread of the serving process instead of in an engine "
                        "process of its own (the servers then share its GIL; for comparisons and debugging)")
@@ -70,6 +73,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"minedraft serve: error: {exc}", file=sys.stderr)
             return 2
+    if not args.client_stall_timeout_s >= 0:
+        print(f"minedraft serve: error: client-stall-timeout-s: must be >= 0, got {args.client_stall_timeout_s}",
+              file=sys.stderr)
+        return 2
     settings = settings_from_args(args)
     registry = start_metrics(args.host, args.metrics_port) if args.metrics_port else None
     # The dtype the engine will compute in ("auto" resolved as the engine resolves it), said before the long load.
@@ -88,4 +95,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve(start_engine, f"{args.host}:{args.grpc_port}",
                              args.grace_seconds, args.replica_id, on_started=on_started, registry=registry,
                              http_address=(args.host, args.http_port) if args.http_port else None, tokens=tokens,
-                             served_model_names=tuple(args.served_model_name)))
+                             served_model_names=tuple(args.served_model_name),
+                             client_stall_timeout_s=args.client_stall_timeout_s or None))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from minedraft.api import pb
@@ -238,11 +239,20 @@ def response_from_delta(delta: OutputDelta, token_text: Callable[[int], str] = _
     return response
 
 
+def public_model_name(model: str) -> str:
+    """A model as callers may see it: a hub id as it is, a local directory by its last two path components (its
+    place on the machine is the operator's business, not the callers')."""
+    path = Path(model)
+    if path.is_absolute() or model.startswith((".", "~")) or path.exists():
+        return "/".join(path.parts[-2:])
+    return model
+
+
 def model_info(settings: EngineSettings, vocab_size: int) -> pb.GetModelInfoResponse:
     uses_draft = settings.mode is not Mode.AR
     return pb.GetModelInfoResponse(
         model=settings.model,
-        draft_model=settings.drafter.model if uses_draft else "",
+        draft_model=public_model_name(settings.drafter.model) if uses_draft else "",
         max_model_len=settings.max_model_len,
         vocab_size=vocab_size,
         mode=settings.mode.value,

@@ -129,4 +129,4 @@ class EngineBackend:
 
 def engine_http_app(service: EngineService, serving: Callable[[], bool],
                     tokens: Callable[[], Sequence[bytes]] | None = None) -> OpenAiApp:
-    return OpenAiApp(EngineBackend(service, serving, tokens))
+    return OpenAiApp(EngineBackend(service, serving, tokens), service.client_stall_timeout_s)

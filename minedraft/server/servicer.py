@@ -9,7 +9,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Any, NoReturn
 
@@ -19,9 +19,11 @@ from minedraft import __version__
 from minedraft.api import pb, pb_grpc
 from minedraft.api.errors import LEGACY_INVALID_FIELD_KEY, abort_field_error
 from minedraft.api.grpc_policy import reject_undecodable
+from minedraft.api.stall import StallWatch, end_stalled_call
 from minedraft.engine import calls
 from minedraft.engine.requests import EngineDeadError, RequestError
 from minedraft.engine.serving import ServingEngine
+from minedraft.openai_api.app import CLIENT_STALL_TIMEOUT_S
 from minedraft.server.convert import (
     ModelLimits,
     PreparedRequest,
@@ -77,8 +79,11 @@ class OpenStream:
 class EngineService:
     """What the servicer and the server's lifecycle share: the engine (once loaded), state and open streams."""
 
-    def __init__(self, replica_id: str | None = None, served_model_names: tuple[str, ...] = ()) -> None:
+    def __init__(self, replica_id: str | None = None, served_model_names: tuple[str, ...] = (),
+                 client_stall_timeout_s: float | None = CLIENT_STALL_TIMEOUT_S) -> None:
         self.replica_id = replica_id or socket.gethostname()
+        # A stream (gRPC or HTTP) whose caller accepts nothing for this long is cut (None: never).
+        self.client_stall_timeout_s = client_stall_timeout_s
         # The names clients address the model by (the first is its name; the others aliases); empty: the model's
         # path or hub id.
         self.served_model_names = served_model_names
@@ -152,8 +157,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
         assert service.engine is not None and service.limits is not None
         return service.engine, service.limits
 
-    async def Generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         await reject_undecodable(request, context, "minedraft.v1.GenerateRequest")
         engine, limits = await self._serving_engine(context)
         tokenizer = engine.tokenizer
@@ -183,6 +187,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
         open_stream = OpenStream(engine_request_id)
         service.open_streams.add(open_stream)
         cut_off = False
+        # Written through the stall watch (not yielded): a caller that stops reading is cut and its request aborted.
+        watch = StallWatch(service.client_stall_timeout_s)
         try:
             stream = engine.generate(prepared.prompt_token_ids, prepared.sampling, engine_request_id)
             if service.request_metrics is not None:
@@ -196,16 +202,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
                         break  # cut by the drain: the caller hears why below, not a plain "abort"
                     response = response_from_delta(delta, service.token_text)
                     response.request_id = response_id
+                    if not await watch.write(context, response):
+                        break  # closing the stream aborts the request in the engine
                     open_stream.tokens_sent += len(delta.token_ids)
-                    yield response
             if cut_off:
                 await abort_cut(context, service, open_stream)
+            if watch.expired:
+                assert watch.limit_s is not None
+                log.warning("request %s: gRPC stream cut, the client accepted nothing for %g s", response_id,
+                            watch.limit_s)
+                await end_stalled_call(context, watch.limit_s, open_stream.tokens_sent)
         except RequestError as exc:
             await abort_invalid(context, exc)
         except EngineDeadError as exc:
             log.error("engine dead: %s", exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica {service.replica_id}: the engine is not running")
         finally:
+            watch.close()
             service.open_streams.discard(open_stream)
             service.stream_closed()
 
@@ -216,6 +229,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
         info = model_info(engine.settings, limits.vocab_size)
         if self._service.served_model_names:
             info.model = self._service.served_model_names[0]
+            info.served_model_names.extend(self._service.served_model_names)  # a gateway accepts the aliases too
         return info
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest,

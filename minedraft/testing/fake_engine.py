@@ -58,6 +58,9 @@ class FakeBehaviour:
     hang_after_tokens: int | None = None
     # Bytes of padding added to each response's text (fills flow-control windows fast: backpressure tests).
     response_padding_bytes: int = 0
+    # Seconds between the final response and the call's end (its OK status): a caller that closes right after the
+    # final response then goes before the engine call has ended.
+    linger_after_final_seconds: float = 0.0
 
 
 @dataclass
@@ -142,6 +145,8 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
                     finished = True
                 yield response
                 self.record.num_responses_sent += 1
+                if last and behaviour.linger_after_final_seconds:
+                    await asyncio.sleep(behaviour.linger_after_final_seconds)
             self.record.completed.append(request_id)
         finally:
             self.num_active_streams -= 1

@@ -198,6 +198,24 @@ async def test_reflection_v1_and_v1alpha(stack):
                 await call.done_writing()
             names = {s.name for s in response.list_services_response.service}
             assert "minedraft.v1.Generation" in names and "grpc.reflection.v1.ServerReflection" in names, package
+    # Every listed service can be described (`grpcurl describe`): v1's descriptors too, though the library ships
+    # only v1alpha's (was NOT_FOUND).
+    from google.protobuf import descriptor_pb2
+
+    for server in (target, fake.address):
+        async with grpc.aio.insecure_channel(server) as channel:
+            call = channel.stream_stream(
+                "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)(timeout=10)
+            for symbol in ("grpc.reflection.v1.ServerReflection", "minedraft.v1.Generation"):
+                await call.write(reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol))
+                response = await call.read()
+                assert response.WhichOneof("message_response") == "file_descriptor_response", (symbol, response)
+                files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+                         for raw in response.file_descriptor_response.file_descriptor_proto]
+                assert any(symbol.rsplit(".", 1)[1] in {s.name for s in f.service} for f in files), symbol
+            await call.done_writing()
 
 
 async def test_drain_grace_cut_says_why_and_how_far(stack):

@@ -95,7 +95,27 @@ async def test_a_client_that_stops_reading_is_cut_and_others_stream_on(http_stac
     # (flow-control windows and the sockets'), not the stream.
     sent_bytes = (fake.record.num_responses_sent - 50) * padding
     assert sent_bytes < total_tokens * padding / 2, sent_bytes
+    # The cut closed the stalled client's connection at once, unsent data dropped (a graceful close waited for the
+    # client to read its full buffers: the socket, and megabytes of kernel buffer, stayed as long as it was connected).
+    await api.close()
+    assert gateway.http is not None and gateway.http._server is not None
+    connections = gateway.http._server.server_state.connections
+    await wait_for(lambda: not connections, what="the stalled client's connection closed")
     writer.close()
+
+
+async def test_a_stream_read_to_its_done_is_complete_when_the_client_closes_at_once(http_stack):
+    # The engine's status comes a moment after its final response: a client that closes as soon as it has read
+    # [DONE] (as the official SDKs do) goes before the engine call ended. Counted as CANCELLED before the fix.
+    gateway, _, base_url = await http_stack([FakeBehaviour(linger_after_final_seconds=1.0)])
+    for _ in range(3):
+        reader, writer = await raw_request(base_url, {"model": "fake", "prompt": "x", "max_tokens": 3, "stream": True})
+        await asyncio.wait_for(reader.readuntil(b"data: [DONE]"), 30)
+        writer.close()
+    await wait_for(lambda: gateway.admission.in_flight == 0, what="the streams ended")
+    finished = gateway.metrics.finished
+    assert finished.labels("http", "OK")._value.get() == 3
+    assert finished.labels("http", "CANCELLED")._value.get() == 0
 
 
 async def test_a_stream_frozen_after_its_first_token_is_cut_at_the_idle_timeout(http_stack):
@@ -125,6 +145,8 @@ async def test_request_specific_failures_are_4xx_with_an_openai_body(http_stack)
             (await http.post("/v1/completions", json=body, headers={"minedraft-trace-bin": "AAEC"}),
              400, "minedraft-trace-bin"),
             (await http.post("/v1/completions", json=body, headers={"traceparent": "t" * 8000}), 431, None),
+            # A header name HTTP allows and gRPC metadata does not (was a 500).
+            (await http.post("/v1/completions", json=body, headers={"minedraft-a!b": "v"}), 400, "minedraft-a!b"),
             (await http.post("/v1/completions", content=nested, headers={"content-type": "application/json"}),
              400, None),
             (await http.post("/v1/completions", content=json.dumps(body), headers={"content-type": "text/plain"}),

@@ -80,7 +80,9 @@ async def test_engine_answers_to_its_served_names() -> None:
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             info = await pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest())
-        assert info.model == "qwen3-8b" and info.draft_model == "/models/Qwen3-0.6B"
+        # The draft by its last path components (where it lies on the machine is not the callers' business).
+        assert info.model == "qwen3-8b" and info.draft_model == "models/Qwen3-0.6B"
+        assert tuple(info.served_model_names) == NAMES
         async with aiohttp.ClientSession() as session:
             async with session.get(f"http://127.0.0.1:{http_port}/v1/models") as response:
                 assert [m["id"] for m in (await response.json())["data"]] == list(NAMES)
@@ -113,3 +115,39 @@ async def test_gateway_lists_and_matches_the_served_names() -> None:
     finally:
         await gateway.stop()
         await engine.stop(0)
+
+
+async def test_gateway_without_names_accepts_the_engines_aliases() -> None:
+    """A gateway started without --served-model-name learns the names from the engines (GetModelInfo): requests may
+    use the aliases too, and /v1/models lists the first (404 for an alias before the engines told it)."""
+    server = EngineServer("engine-0", served_model_names=NAMES)
+    port = await server.start("127.0.0.1:0")
+    settings = EngineSettings(model="/models/Qwen3-8B", drafter=DrafterSettings(model="/models/Qwen3-0.6B"))
+    server.service.engine = SimpleNamespace(settings=settings)  # type: ignore[assignment]
+    server.service.limits = ModelLimits(vocab_size=151936, max_model_len=4096)
+    server.service.state = ServerState.SERVING
+    await server._set_health(1)  # SERVING: routable
+    gateway = Gateway(GatewayConfig())
+    await gateway.start("127.0.0.1:0")
+    http_port = await gateway.start_http("127.0.0.1", 0)
+    gateway.set_engines([f"127.0.0.1:{port}"])
+    try:
+        async with aiohttp.ClientSession() as session:
+            base = f"http://127.0.0.1:{http_port}"
+            for _ in range(200):  # the engine's health is watched: the first request may find none ready yet
+                async with session.get(f"{base}/v1/models") as response:
+                    if response.status == 200:
+                        assert [m["id"] for m in (await response.json())["data"]] == ["qwen3-8b"]
+                        break
+            else:
+                raise AssertionError("the gateway never listed the engine's model")
+            for name, accepted in (("qwen", True), ("qwen3-8b", True), ("Qwen/Qwen3-8B", False)):
+                body = {"model": name, "prompt": [1, 2], "max_tokens": 1}
+                async with session.post(f"{base}/v1/completions", json=body) as response:
+                    error = (await response.json()).get("error") or {}
+                    # Past the model check the stand-in engine cannot generate; only the name decides the 404.
+                    assert (error.get("param") != "model") is accepted, (name, response.status, error)
+    finally:
+        server.service.engine = None
+        await gateway.stop()
+        await server.stop()

@@ -98,14 +98,23 @@ def test_admission_is_bounded_and_never_negative():
     (grpc.StatusCode.CANCELLED, 3, FailureAction.PASS_THROUGH),
     (grpc.StatusCode.UNAVAILABLE, 1, FailureAction.UNAVAILABLE_AFTER_TOKENS),
     (grpc.StatusCode.INTERNAL, 7, FailureAction.PASS_THROUGH),
+    # An engine refusing the gateway's own credential (the caller's is never forwarded): that engine's failure.
+    (grpc.StatusCode.UNAUTHENTICATED, 0, FailureAction.CREDENTIAL_REFUSED),
 ])
 def test_retry_only_before_the_first_response(code, sent, action):
     assert classify_failure(code, sent) is action
 
 
 def test_bearer_tokens():
-    tokens = parse_tokens("# comment\nsecret-one\n\n second ,third\n")
-    assert tokens == (b"secret-one", b"second", b"third")
+    tokens = parse_tokens("# comment\nsecret-one\n\n second,third \n")
+    assert tokens == (b"secret-one", b"second,third")
+    # A token is kept whole: a # or , inside it is part of it (it was cut at the #, split at the comma).
+    assert parse_tokens("abc#def\n  # a comment\nx,y\n") == (b"abc#def", b"x,y")
+    assert parse_tokens(" a#1 , b ,,", comma_separated=True) == (b"a#1", b"b")
+    for bad in ("two words\n", "tab\there\n"):
+        with pytest.raises(ValueError, match="line 1"):
+            parse_tokens(bad)
+    tokens = parse_tokens("secret-one\nsecond\nthird\n")
     assert token_accepted(bearer_token([("authorization", "Bearer third")]), tokens)
     assert token_accepted(bearer_token([("Authorization", b"bearer secret-one")]), tokens)
     assert not token_accepted(bearer_token([("authorization", "Bearer secret")]), tokens)

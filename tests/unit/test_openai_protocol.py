@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import grpc
 import pytest
@@ -11,6 +12,7 @@ from minedraft.api import pb
 from minedraft.openai_api.protocol import (
     MAX_CHOICES,
     MAX_GENERATIONS,
+    MAX_JSON_DEPTH,
     MAX_MESSAGES,
     MAX_PROMPT_TOKEN_IDS,
     MAX_PROMPTS,
@@ -24,6 +26,7 @@ from minedraft.openai_api.protocol import (
     decode_body,
     error_from_status,
     full_response,
+    json_depth,
     merged_full_response,
     merged_usage,
     parse_request,
@@ -135,6 +138,12 @@ def test_chat_messages_and_max_completion_tokens():
     (Kind.CHAT, {"add_generation_prompt": False}, "add_generation_prompt"),
     (Kind.CHAT, {"continue_final_message": True}, "continue_final_message"),
     (Kind.CHAT, {"chat_template": "{{ messages }}"}, "chat_template"),
+    # vLLM's legacy structured output and its special-token switch: refused unless they ask for nothing.
+    (Kind.COMPLETION, {"guided_json": {"type": "object"}}, "guided_json"),
+    (Kind.CHAT, {"guided_choice": ["a", "b"]}, "guided_choice"),
+    (Kind.COMPLETION, {"guided_regex": "[a-z]+"}, "guided_regex"),
+    (Kind.COMPLETION, {"add_special_tokens": False}, "add_special_tokens"),
+    (Kind.CHAT, {"add_special_tokens": True}, "add_special_tokens"),
     (Kind.CHAT, {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
     (Kind.COMPLETION, {"model": ""}, "model"),
@@ -154,7 +163,8 @@ def test_neutral_values_of_unsupported_fields_are_accepted():
     parse(min_tokens=0, repetition_penalty=1, min_p=0, skip_special_tokens=True, bad_words=[], use_beam_search=False,
           include_stop_str_in_output=False, length_penalty=1.0, prompt_logprobs=None)
     parse(Kind.CHAT, add_generation_prompt=True, continue_final_message=False, chat_template_kwargs={},
-          chat_template=None)
+          chat_template=None, add_special_tokens=False, guided_json=None)
+    parse(add_special_tokens=True, guided_choice=None, guided_regex=None)
     # vLLM's fields that change neither the output nor its shape stay unknown (ignored, logged); so do vLLM's chat-only
     # fields on completions (vLLM does not know them there either).
     assert parse(priority=1, cache_salt="s", add_generation_prompt=False).ignored_fields == (
@@ -177,10 +187,32 @@ def test_unknown_fields_are_ignored_and_reported():
     assert parsed.request.prompt == "hi"
 
 
-def test_deeply_nested_json_is_a_400():
-    with pytest.raises(ApiError) as info:
-        decode_body(b'{"a": ' + b"[" * 1000 + b"]" * 1000 + b"}")
-    assert info.value.status == 400 and "nested" in info.value.message
+def test_deeply_nested_json_is_a_400_whatever_the_recursion_limit():
+    # The bound is the decoder's own, not the interpreter's recursion limit (process-global state that torch's
+    # compiler raises to 2,000 in the same process): with the limit far above any depth, the body is still refused.
+    previous = sys.getrecursionlimit()
+    sys.setrecursionlimit(100000)
+    try:
+        for depth in (MAX_JSON_DEPTH + 1, 1000):
+            with pytest.raises(ApiError) as info:
+                decode_body(b'{"a": ' + b"[" * depth + b"]" * depth + b"}")
+            assert info.value.status == 400 and "nested" in info.value.message
+    finally:
+        sys.setrecursionlimit(previous)
+    # At the limit it decodes; brackets inside strings (escaped quotes and backslashes too) are text, not nesting.
+    nested = b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1)
+    assert decode_body(b'{"a": ' + nested + b"}")["a"]
+    text = '[{' * 100 + '\\" \\\\'
+    assert decode_body(json.dumps({"s": text, "t": [[1]]}).encode())["s"] == text
+
+
+def test_json_depth_counts_nesting_outside_strings():
+    assert json_depth(b'{"a": [1, {"b": [2]}]}') == 4
+    # A string ending in an escaped backslash: its closing quote closes it, and the nesting after it counts.
+    deep = b'{"s": "' + b"[" * 200 + b'\\\\", "t": ' + b"[" * 70 + b"]" * 70 + b"}"
+    assert json_depth(deep) == 71
+    # An escaped quote does not close the string: the brackets after it are still text.
+    assert json_depth(b'"' + b"[" * 200 + b'\\"' + b"[" * 70 + b'"') == 0
 
 
 def test_body_must_be_a_json_object():

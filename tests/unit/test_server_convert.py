@@ -151,6 +151,14 @@ def test_model_info_reports_speculation_only_when_drafting():
     assert (ar.draft_model, ar.num_speculative_tokens, ar.mode) == ("", 0, "ar")
 
 
+def test_model_info_does_not_show_where_the_draft_lies_on_the_machine(tmp_path):
+    draft = tmp_path / "models" / "pair-v1" / "draft"
+    draft.mkdir(parents=True)
+    for path, shown in ((str(draft), "pair-v1/draft"), ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B")):
+        settings = EngineSettings(model="t", drafter=DrafterSettings(model=path), mode=Mode.PSD)
+        assert model_info(settings, 2048).draft_model == shown
+
+
 # -- bounds on per-request work (checked before tokenizing or touching the engine) ---------------------------------
 
 

@@ -113,7 +113,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "draft_model", "max_model_len", "vocab_size", "mode", "num_speculative_tokens", "num_extra_draft_tokens", "max_num_seqs")
+    __slots__ = ("model", "draft_model", "max_model_len", "vocab_size", "mode", "num_speculative_tokens", "num_extra_draft_tokens", "max_num_seqs", "served_model_names")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class GetModelInfoResponse(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXTRA_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     model: str
     draft_model: str
     max_model_len: int
@@ -130,7 +131,8 @@ class GetModelInfoResponse(_message.Message):
     num_speculative_tokens: int
     num_extra_draft_tokens: int
     max_num_seqs: int
-    def __init__(self, model: _Optional[str] = ..., draft_model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., mode: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., num_extra_draft_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+    served_model_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., draft_model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., mode: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., num_extra_draft_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., served_model_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
