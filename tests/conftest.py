@@ -31,3 +31,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     seed = getattr(config.option, "randomly_seed", None)
     if config.pluginmanager.has_plugin("randomly") and isinstance(seed, int):
         terminalreporter.write_line(f"tests ran in random order: repeat it with -p randomly --randomly-seed={seed}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Runs after pytest-randomly's shuffle (its hook wraps this one). A test marked last_in_module checks what the
+    # rest of its module did (test_operator_kmock's audit of the RBAC the operator used), so whatever order was
+    # drawn it moves behind the last test of its own module.
+    for item in [i for i in items if i.get_closest_marker("last_in_module")]:
+        items.remove(item)
+        same = [n for n, other in enumerate(items) if getattr(other, "module", None) is getattr(item, "module", None)]
+        items.insert(same[-1] + 1 if same else len(items), item)

@@ -923,6 +923,7 @@ async def test_objects_no_longer_wanted_are_deleted(cluster: Cluster) -> None:
         await second.stop()
 
 
+@pytest.mark.last_in_module
 def test_every_granted_permission_was_exercised(seen_permissions: set[tuple[str, str, str]]) -> None:
     """Runs last in this module: the chart grants exactly what the operator was seen to use (and no more)."""
     if not seen_permissions:
