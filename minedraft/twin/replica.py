@@ -176,6 +176,7 @@ class SimDrafter:
             return
         for job in dropped:
             self.jobs.remove(job)
+            self.abandoned.discard(job.job_id)
             self.busy_seconds -= job.end - job.start
         free = max([now] + [job.end for job in self.jobs if job.start <= now])
         for job in sorted((job for job in self.jobs if job.start > now), key=lambda job: job.job_id):

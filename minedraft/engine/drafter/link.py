@@ -47,6 +47,12 @@ def catch_up_tokens(items: list[protocol.DraftItem]) -> int:
     return sum(max(0, len(item.token_ids) - 1) if item.num_draft_tokens else len(item.token_ids) for item in items)
 
 
+def _as_list(token_ids: Sequence[int]) -> list[int]:
+    """A reader's tokens as the message's list, copied only if they are not one already (a slice of vLLM's token list
+    is)."""
+    return token_ids if isinstance(token_ids, list) else list(token_ids)
+
+
 def to_event(job: JobInFlight | None, message: protocol.FromDrafter) -> DrafterEvent | None:
     """The core's event for a drafter's answer to a job (`job`: the job it answers, already out of flight; None for
     one abandoned or sent to a replaced process). None: nothing the core acts on."""
@@ -182,9 +188,9 @@ class DrafterLink:
     def submit(self, group: int, items: Sequence[JobItemPlan], tokens: TokenReader, want_logprobs: bool) -> bool:
         """The core's job for `group`: per request only the tokens the drafter does not hold yet (O(new tokens), not
         O(context), per request per step)."""
-        return self.send(group, [
-            protocol.DraftItem(item.request_id, list(tokens(item.request_id, item.base_num_tokens, item.num_tokens)),
-                               item.num_draft_tokens, item.base_num_tokens) for item in items], want_logprobs)
+        return self.send(group, [protocol.DraftItem(
+            item.request_id, _as_list(tokens(item.request_id, item.base_num_tokens, item.num_tokens)),
+            item.num_draft_tokens, item.base_num_tokens) for item in items], want_logprobs)
 
     def send(self, group: int, items: list[protocol.DraftItem], want_logprobs: bool) -> bool:
         if self.client is None or group in self.jobs:
