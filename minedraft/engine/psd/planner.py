@@ -56,7 +56,7 @@ def should_widen(plain_decoding: bool, drafts_outstanding: bool, drafter_loading
     return (plain_decoding or not drafts_outstanding) and not drafter_loading
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RequestState:
     """What the planner needs of one running request."""
 
@@ -74,7 +74,7 @@ class RequestState:
     last_token_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Draft:
     context_num_tokens: int
     token_ids: list[int]
@@ -119,7 +119,7 @@ class PlannedStep:
         return sum(self.drafted_lengths.values())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class JobItemPlan:
     request_id: str
     # Committed tokens the drafter already holds of this request: the job sends only tokens[base:num_tokens].
