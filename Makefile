@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test test-other-cpu lint bench bench-all images push
+.PHONY: setup run test test-other-cpu lint bench bench-all images push images-smoke
 setup:
 	@bash scripts/setup.sh
 
@@ -56,3 +56,9 @@ image-%:
 
 push-%: image-%
 	$(DOCKER) push $(IMAGE_PREFIX)/$*:$(TAG)
+
+# Opt-in, not part of `make test`: builds the operator and gateway images here on a locally made Debian 12 base (no
+# registry), streams a completion through the gateway image and reports the images' sizes (docs/kubernetes.md).
+# DOCKER=docker to use a Docker daemon instead of podman; BASELINE_REF=<commit> to compare sizes with that commit's.
+images-smoke: setup
+	@VENV=$(VENV) bash scripts/images_smoke.sh

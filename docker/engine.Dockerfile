@@ -5,7 +5,10 @@
 #
 # Engine pods run `minedraft serve ...` (the operator renders the command); Jobs run `minedraft profile ...` or
 # `minedraft drafter ...` with the same image: the entrypoint is the `minedraft` command, so any subcommand runs.
-FROM python:3.11-slim-bookworm
+# BASE_IMAGE: the published images build on Docker Hub's python:3.11-slim-bookworm; `make images-smoke` builds them
+# on a local Debian 12 base with the same Python (scripts/images_smoke.sh), where no registry is reached.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
 
 ARG VERSION=0.1.0
 LABEL org.opencontainers.image.title="minedraft-engine" \
@@ -22,10 +25,11 @@ RUN apt-get update \
 WORKDIR /opt/minedraft
 COPY pyproject.toml README.md ./
 COPY minedraft ./minedraft
-# The package with its `gpu` extra: the versions are pyproject.toml's. The check fails the build unless the vLLM
-# installed is exactly the one that extra pins (read back from the installed package's own metadata).
+# The package with its `engine` extra (vLLM's CUDA build, and torch through it), nothing of the gateway, operator or
+# benchmarks: the versions are pyproject.toml's. The check fails the build unless the vLLM installed is exactly the
+# one that extra pins (read back from the installed package's own metadata).
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[gpu]" \
+RUN pip install --no-cache-dir ".[engine]" \
  && python -c "from importlib.metadata import requires, version; \
 pin = [r.split(';')[0].split('==')[1] for r in requires('minedraft') if r.startswith('vllm==')]; \
 assert pin == [version('vllm')], (pin, version('vllm'))"

@@ -1,7 +1,10 @@
 # The MineDraft gateway image: slim Python, no vLLM or torch (it talks to engines through the generated gRPC stubs
 # only). Built by `make images REGISTRY=...` (all three images) as REGISTRY/gateway:TAG; gateway pods run
 # `minedraft gateway ...` (the operator renders the command).
-FROM python:3.11-slim-bookworm
+# BASE_IMAGE: the published images build on Docker Hub's python:3.11-slim-bookworm; `make images-smoke` builds them
+# on a local Debian 12 base with the same Python (scripts/images_smoke.sh), where no registry is reached.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
 
 ARG VERSION=0.1.0
 LABEL org.opencontainers.image.title="minedraft-gateway" \
@@ -11,9 +14,13 @@ LABEL org.opencontainers.image.title="minedraft-gateway" \
 WORKDIR /opt/minedraft
 COPY pyproject.toml README.md ./
 COPY minedraft ./minedraft
-# The base install: no `cpu`/`gpu` extra, so no vLLM and no torch (the check fails the build if either came in).
-RUN pip install --no-cache-dir . \
- && python -c "import importlib.util as u; assert not u.find_spec('vllm') and not u.find_spec('torch')"
+# Only the gateway's extra (pyproject.toml): no vLLM, torch, matplotlib or scipy, and nothing of the other components
+# (the check fails the build if any came in).
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir ".[gateway]" \
+ && python -c "import importlib.util as u; \
+extra = [m for m in ('vllm', 'torch', 'matplotlib', 'scipy', 'kopf', 'grpc_tools') if u.find_spec(m)]; \
+assert not extra, extra"
 
 # Any UID on a read-only root filesystem: no user is created and nothing is owned by one; HOME and TMPDIR are /tmp,
 # which the pods mount as a volume. USER is numeric so the kubelet can check runAsNonRoot.

@@ -175,38 +175,164 @@ def measure(engine: Any, mode: Any, k: int, concurrency: int, seconds: float, pr
             "overlap_fraction": round(totals.overlap_fraction, 4)}
 
 
-def verdict(runs: list[dict[str, Any]], margin: float = 0.02) -> dict[str, Any]:
-    """Per load: the best psd (over k) against the best sd and ar. PSD pays where it beats both by `margin`. Pure."""
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _samples(run: dict[str, Any]) -> list[float]:
+    """A run's repeated measurements (tokens/s), in round order; one when it was measured once."""
+    return [float(v) for v in run.get("samples") or [run["tokens_per_second"]]]
+
+
+def _spread(samples: list[float]) -> float:
+    """(max - min) / median: how far apart one mode's repeats landed."""
+    median = _median(samples)
+    return (max(samples) - min(samples)) / median if median > 0 else 0.0
+
+
+def contention(runs: list[dict[str, Any]], cores: int, own_processes: int = 2) -> str | None:
+    """Why the runs cannot rank the modes on a CPU, or None. Pure.
+
+    When more runnable processes compete for the cores than the engine's own (its target and drafter processes on
+    `cores` cores), the kernel shares the cores by process: a mode that keeps more processes busy (psd: target and
+    drafter at once) gets a larger share than one that keeps fewer (ar, sd), whatever each would do alone. That bias
+    is the same in every round, so no spread reveals it; the 1-minute load average taken after each run does."""
+    loads = [value for r in runs for value in r.get("load_average", [])]
+    if not loads:
+        return None
+    limit = cores + own_processes
+    peak = max(loads)
+    if peak <= limit:
+        return None
+    return (f"the machine was busy (load average up to {peak:.1f} on {cores} cores, more than the engine's own "
+            f"{limit}): modes with more busy processes get more of the CPU there")
+
+
+def verdict(runs: list[dict[str, Any]], margin: float = 0.02, contended: str | None = None) -> dict[str, Any]:
+    """Per load: the best psd (over k, by median) against the best of sd and ar. Pure.
+
+    Runs measured in rounds (`samples`: one tokens/s per round, every mode once per round, interleaved) are compared
+    round by round: psd's ratio to the rival in each round (both measured minutes apart at most, under the same
+    background load). PSD pays at a load when every round's ratio exceeds 1 + `margin` and the spread - the larger
+    of the ratios' range (max - min) and each of the two modes' own range across its repeats, relative to its
+    median - is smaller than the median ratio's distance from 1; the rival wins when every ratio is below
+    1 - margin under the same spread condition; otherwise the load is undecided: the repeats disagree by more than
+    the difference they would decide on. A verdict taken on a busy machine can thus be weaker than an idle one, never
+    the opposite one unless every round of it points the other way by more than its own spread."""
     per_load: list[dict[str, Any]] = []
     for concurrency in sorted({r["concurrency"] for r in runs}):
         at = [r for r in runs if r["concurrency"] == concurrency]
-        best = {m: max((r for r in at if r["mode"] == m), key=lambda r: r["tokens_per_second"], default=None)
+        best = {m: max((r for r in at if r["mode"] == m), key=lambda r: _median(_samples(r)), default=None)
                 for m in ("ar", "sd", "psd")}
         psd = best["psd"]
         rivals = [r for m, r in best.items() if m != "psd" and r is not None]
-        pays = psd is not None and all(psd["tokens_per_second"] > r["tokens_per_second"] * (1 + margin)
-                                       for r in rivals)
-        winner = max((r for r in best.values() if r is not None), key=lambda r: r["tokens_per_second"])
-        per_load.append({
-            "concurrency": concurrency, "psd_pays": pays, "best": f"{winner['mode']} k={winner['k']}",
-            "psd_k": psd["k"] if psd else None,
-            "psd_vs_sd": round(psd["tokens_per_second"] / best["sd"]["tokens_per_second"], 3)
-            if psd and best["sd"] and best["sd"]["tokens_per_second"] else None,
-            "psd_vs_ar": round(psd["tokens_per_second"] / best["ar"]["tokens_per_second"], 3)
-            if psd and best["ar"] and best["ar"]["tokens_per_second"] else None,
-        })
+        rival = max(rivals, key=lambda r: _median(_samples(r)), default=None)
+        winner = max((r for r in best.values() if r is not None), key=lambda r: _median(_samples(r)))
+        entry: dict[str, Any] = {"concurrency": concurrency, "psd_pays": False, "decision": "undecided",
+                                 "best": f"{winner['mode']} k={winner['k']}", "psd_k": psd["k"] if psd else None,
+                                 "psd_vs_sd": _ratio(psd, best["sd"]), "psd_vs_ar": _ratio(psd, best["ar"]),
+                                 "spread": {f"{r['mode']} k={r['k']}": round(_spread(_samples(r)), 3) for r in at}}
+        if psd is not None and rival is not None:
+            ours, theirs = _samples(psd), _samples(rival)
+            rounds = min(len(ours), len(theirs))
+            ratios = [a / b for a, b in zip(ours[:rounds], theirs[:rounds], strict=True) if b > 0] or [0.0]
+            difference = _median(ratios) - 1.0
+            # The spread a decision must beat: the paired ratios' own, and each mode's across its repeats.
+            spread = max(max(ratios) - min(ratios), _spread(ours), _spread(theirs))
+            entry.update(rival=f"{rival['mode']} k={rival['k']}", rounds=rounds,
+                         ratio_median=round(_median(ratios), 3), ratio_spread=round(spread, 3))
+            if spread < abs(difference):
+                if min(ratios) > 1.0 + margin:
+                    entry.update(psd_pays=True, decision="psd")
+                elif max(ratios) < 1.0 - margin:
+                    entry.update(decision=rival["mode"])
+        elif psd is None or rival is None:
+            entry["decision"] = winner["mode"]
+        per_load.append(entry)
+    if contended is not None:  # a systematic bias no spread shows: nothing is decided
+        for entry in per_load:
+            entry.update(psd_pays=False, decision="undecided", measured_decision=entry["decision"])
+        return {"psd_pays": False, "decision": "undecided", "contention": contended, "per_load": per_load,
+                "summary": f"undecided: {contended}; rerun on a quiet machine (measured: best " + ", ".join(
+                    f"{p['best']} at {p['concurrency']}" for p in per_load) + ")"}
     paying = [p for p in per_load if p["psd_pays"]]
+    undecided = [p for p in per_load if p["decision"] == "undecided"]
+    parts: list[str] = []
     if paying:
-        summary = "PSD pays here at " + ", ".join(f"{p['concurrency']} requests (k={p['psd_k']}, "
-                                                  f"{p['psd_vs_sd']}x sd, {p['psd_vs_ar']}x ar)" for p in paying)
-    else:
-        summary = "PSD does not pay here at the measured loads; best: " + ", ".join(
-            f"{p['best']} at {p['concurrency']}" for p in per_load)
-    return {"psd_pays": bool(paying), "summary": summary, "per_load": per_load}
+        parts.append("PSD pays here at " + ", ".join(f"{p['concurrency']} requests (k={p['psd_k']}, "
+                                                     f"{p['psd_vs_sd']}x sd, {p['psd_vs_ar']}x ar)" for p in paying))
+    if undecided:
+        parts.append("undecided at " + ", ".join(
+            f"{p['concurrency']} requests (psd/{p.get('rival', '?')} {p.get('ratio_median')}, rounds spread "
+            f"{p.get('ratio_spread')})" for p in undecided) + ": the repeats differ by more than the modes do")
+    if not paying and not undecided:
+        parts.append("PSD does not pay here at the measured loads; best: " + ", ".join(
+            f"{p['best']} at {p['concurrency']}" for p in per_load))
+    elif not paying:
+        decided = [p for p in per_load if p["decision"] != "undecided"]
+        if decided:
+            parts.append("PSD does not pay at " + ", ".join(f"{p['concurrency']} (best {p['best']})" for p in decided))
+    overall = "psd" if paying else ("undecided" if undecided else "no")
+    return {"psd_pays": bool(paying), "decision": overall, "summary": "; ".join(parts), "per_load": per_load}
+
+
+def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
+    if a is None or b is None:
+        return None
+    theirs = _median(_samples(b))
+    return round(_median(_samples(a)) / theirs, 3) if theirs else None
+
+
+def cpu_features() -> list[str]:
+    """The CPU's matrix and vector features that decide a CPU's speed in bf16 and float32 (from /proc/cpuinfo)."""
+    wanted = ("amx_bf16", "amx_tile", "amx_int8", "avx512_bf16", "avx512f", "avx2", "fma")
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return [f for f in wanted if f in flags]
+    except OSError:
+        pass
+    return []
+
+
+def load_average() -> float:
+    """The 1-minute load average (0 where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def measure_interleaved(measure_one: Any, loads: list[int], settings: list[tuple[Any, int]],
+                        repeats: int) -> list[dict[str, Any]]:
+    """Every (mode, k) at every load, `repeats` rounds; each round runs every setting once, in an order that
+    rotates by round (no setting always first after a load change), so a background load that comes and goes
+    touches every mode alike. `measure_one(mode, k, load)` returns one run's report; the result holds one report
+    per (mode, k, load) with `samples` (tokens/s by round) and `tokens_per_second` (their median)."""
+    collected: dict[tuple[int, str, int], dict[str, Any]] = {}
+    for round_index in range(repeats):
+        for concurrency in loads:
+            shift = round_index % len(settings)
+            for mode, k in settings[shift:] + settings[:shift]:
+                run = measure_one(mode, k, concurrency)
+                key = (concurrency, run["mode"], run["k"])
+                kept = collected.setdefault(key, {**run, "samples": [], "load_average": []})
+                kept["samples"].append(run["tokens_per_second"])
+                kept["load_average"].append(round(load_average(), 2))
+    out = []
+    for run in collected.values():
+        run["tokens_per_second"] = round(_median(run["samples"]), 2)
+        run["spread"] = round(_spread(run["samples"]), 3)
+        out.append(run)
+    return out
 
 
 def run_doctor(settings: Any, loads: list[int], ks: list[int], seconds: float, max_tokens: int,
-               prompts_text: list[str]) -> dict[str, Any]:
+               prompts_text: list[str], repeats: int = 3) -> dict[str, Any]:
     from minedraft.engine.core import Engine
     from minedraft.engine.settings import Mode
 
@@ -228,16 +354,25 @@ def run_doctor(settings: Any, loads: list[int], ks: list[int], seconds: float, m
             report.update(ok=False, verdict={"psd_pays": False, "summary": "the drafter did not start"})
             return report
         prompts = [engine.encode_prompt(t) for t in prompts_text]
-        runs: list[dict[str, Any]] = []
-        for concurrency in loads:
-            runs.append(measure(engine, Mode.AR, 0, concurrency, seconds, prompts, max_tokens))
-            for k in ks:
-                for mode in (Mode.SD, Mode.PSD):
-                    runs.append(measure(engine, mode, k, concurrency, seconds, prompts, max_tokens))
-                    print(f"doctor: {runs[-1]['mode']} k={k} at {concurrency}: "
-                          f"{runs[-1]['tokens_per_second']} tokens/s", file=sys.stderr, flush=True)
+
+        def measure_one(mode: Mode, k: int, concurrency: int) -> dict[str, Any]:
+            run = measure(engine, mode, k, concurrency, seconds, prompts, max_tokens)
+            print(f"doctor: {run['mode']} k={run['k']} at {concurrency}: {run['tokens_per_second']} tokens/s",
+                  file=sys.stderr, flush=True)
+            return run
+
+        settings_list = [(Mode.AR, 0)] + [(mode, k) for k in ks for mode in (Mode.SD, Mode.PSD)]
+        runs = measure_interleaved(measure_one, loads, settings_list, repeats)
         report["runs"] = runs
-        report["verdict"] = verdict(runs)
+        on_cpu = not report["checks"]["devices"]["visible_gpus"]
+        cores = len(report["checks"]["devices"]["cpu_cores"])
+        report["verdict"] = verdict(runs, contended=contention(runs, cores) if on_cpu else None)
+        report["verdict"]["decided_by"] = {
+            "dtype": report["checks"]["dtype"]["dtype"], "dtype_note": report["checks"]["dtype"]["note"],
+            "device": "gpu" if report["checks"]["devices"]["visible_gpus"] else "cpu",
+            "cpu_features": cpu_features(), "cpu_fast_bf16": report["checks"]["devices"]["cpu_fast_bf16"],
+            "cpu_cores": report["checks"]["devices"]["cpu_cores"], "repeats": repeats,
+            "load_average": [round(v, 2) for v in os.getloadavg()]}
         report["ok"] = True
     finally:
         engine.shutdown()
@@ -250,11 +385,16 @@ def print_report(report: dict[str, Any]) -> None:
         detail = {k: v for k, v in check.items() if k != "ok"}
         print(f"{name:<11} {status:<7} {json.dumps(detail)}")
     if report.get("runs"):
-        print(f"\n{'load':>5} {'mode':<5} {'k':>2} {'tokens/s':>10} {'accept':>7} {'overlap':>8}")
-        for r in report["runs"]:
+        print(f"\n{'load':>5} {'mode':<5} {'k':>2} {'tokens/s':>10} {'spread':>7} {'accept':>7} {'overlap':>8}")
+        for r in sorted(report["runs"], key=lambda r: (r["concurrency"], r["mode"], r["k"])):
             print(f"{r['concurrency']:>5} {r['mode']:<5} {r['k']:>2} {r['tokens_per_second']:>10.1f} "
-                  f"{r['acceptance_rate']:>7.3f} {r['overlap_fraction']:>8.3f}")
+                  f"{r.get('spread', 0.0):>7.3f} {r['acceptance_rate']:>7.3f} {r['overlap_fraction']:>8.3f}")
     print(f"\nverdict: {report['verdict']['summary']}")
+    decided = report["verdict"].get("decided_by")
+    if decided:
+        print(f"decided by: {decided['device']}, dtype {decided['dtype']} ({decided['dtype_note']}); CPU features "
+              f"{', '.join(decided['cpu_features']) or 'none of note'}; {decided['repeats']} interleaved rounds; "
+              f"load average {decided['load_average']}")
 
 
 def add_subcommands(sub: Any) -> None:
@@ -265,8 +405,11 @@ def add_subcommands(sub: Any) -> None:
     add_engine_arguments(doctor)
     doctor.add_argument("--loads", default="4,16,64", help="concurrencies to measure (comma-separated)")
     doctor.add_argument("--ks", default="2,3,5", help="draft lengths to try for sd and psd (comma-separated)")
-    doctor.add_argument("--seconds", type=float, default=20.0,
-                        help="seconds per mode, k and load (the default totals ~a minute per mode)")
+    doctor.add_argument("--seconds", type=float, default=7.0,
+                        help="seconds per mode, k, load and round (the default totals ~20 s per mode and load)")
+    doctor.add_argument("--repeats", type=int, default=3,
+                        help="interleaved rounds: every mode once per round; the verdict compares them round by "
+                        "round and says 'undecided' when the rounds spread more than the modes differ")
     doctor.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     doctor.add_argument("--json", action="store_true", help="the report as JSON on stdout")
     doctor.set_defaults(func=cmd_doctor)
@@ -285,8 +428,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         raise SettingsError("loads", f"expected comma-separated integers, got {args.loads!r} / {args.ks!r}") from None
     if not loads or min(loads) < 1 or not ks or min(ks) < 1:
         raise SettingsError("loads", "at least one positive load and one positive k are needed")
+    if args.repeats < 1:
+        raise SettingsError("repeats", f"must be >= 1, got {args.repeats}")
     prompts = bench_prompts(ensure_pair(_pair_dir(args.pair)), 64)
-    report = run_doctor(settings, loads, ks, args.seconds, args.max_tokens, prompts)
+    report = run_doctor(settings, loads, ks, args.seconds, args.max_tokens, prompts, args.repeats)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

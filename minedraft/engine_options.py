@@ -40,6 +40,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
     parser.add_argument("--num-extra-draft-tokens", type=int, default=0,
                         help="extra drafts e (top-C selection by cumulative draft log-probability)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-seqs-from-kv", type=int, default=None, metavar="TOKENS",
+                        help="size --max-num-seqs from the target GPU's KV pool at TOKENS per request (prompt + "
+                        "output): with the drafter off the target's GPU the memory it would take is KV too (GPUs "
+                        "with NVML; elsewhere --max-num-seqs stays)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest context in tokens (default: the model's own, capped by what the KV cache holds)")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache size on CPUs (GiB)")
@@ -148,7 +152,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     max_k = args.max_num_speculative_tokens
     if auto.get("k_candidates") and not max_k:
         max_k = max(max(auto["k_candidates"]), args.num_speculative_tokens + args.num_extra_draft_tokens)
-    return EngineSettings(
+    settings = EngineSettings(
         model=args.model or str(pair / "target"),  # type: ignore[operator]
         drafter=DrafterSettings(
             model=args.draft or str(pair / "draft"),  # type: ignore[operator]
@@ -180,6 +184,14 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         extra_vllm_args=parse_vllm_args(_split_vllm_args(args.vllm_arg)),
         async_psd_steps=bool(getattr(args, "async_psd_steps", False)),
     )
+    tokens = getattr(args, "max_num_seqs_from_kv", None)
+    if tokens is not None:
+        if tokens < 1:
+            raise SettingsError("max_num_seqs_from_kv", f"must be a positive number of tokens, got {tokens}")
+        from minedraft.engine.batch_limit import resize
+
+        settings = resize(settings, tokens, log=lambda line: print(line, file=sys.stderr, flush=True))
+    return settings
 
 
 def _indices(field_name: str, value: str | None) -> tuple[int, ...]:

@@ -132,6 +132,12 @@ STEPS: tuple[Step, ...] = (
          ("benchmarks/results/gpu-twin/shared-drafter.json",),
          # About 2 minutes on the 2-core machine shared with other helpers' runs; pure Python, no engine.
          5 * 60),
+    Step("gpu-twin-pricing", "USD per million output tokens by deployment family (H200/H100 targets, drafters on "
+         "their own or cheaper devices, shared or not) with prefill and KV capacity priced, through the twin",
+         ("python", "benchmarks/twin_pricing.py"),
+         ("benchmarks/results/gpu-twin/pricing.json",),
+         # About 5 minutes on the 2-core machine shared with other helpers' runs; pure Python, no engine.
+         6 * 60),
     Step("autoscaling", "speculation-aware autoscaler against the HPA algorithm and an oracle, simulated",
          ("minedraft", "autoscale", "bench", "--out", "benchmarks/results/autoscale"),
          # Not timed when the committed set was made: a guess from the simulator's speed on 2 cores.

@@ -28,6 +28,8 @@ ENGINE = 'namespace=~"$namespace", instance=~"$instance"'
 GATEWAY = 'namespace=~"$namespace"'
 # The shared drafter pool's pods (minedraft drafter; their own PodMonitor): no engine instance to select.
 DRAFTER = 'namespace=~"$namespace"'
+# The operator's series carry the MineDraft's namespace and name (no engine instance).
+OPERATOR = 'namespace=~"$namespace"'
 RI = "$__rate_interval"
 
 
@@ -103,6 +105,25 @@ OVERVIEW: list[Panel] = [
     Panel("KV-cache usage", "percentunit",
           [(f'max by (instance) (minedraft_engine_kv_cache_usage_ratio{{{ENGINE}}})', "{{instance}}")],
           "Share of the target's KV cache in use.", min=0, max=1),
+    Panel("Autoscaler: replicas and what decided", "short",
+          [(f'max by (name) (minedraft_operator_autoscaler_desired_replicas{{{OPERATOR}}})', "{{name}} desired"),
+           (f'max by (name) (minedraft_operator_autoscaler_current_replicas{{{OPERATOR}}})', "{{name}} current"),
+           (f'max by (name) (minedraft_operator_autoscaler_slots_per_replica{{{OPERATOR}}})',
+            "{{name}} requests a replica holds"),
+           (f'max by (name, signal) (minedraft_operator_autoscaler_signal{{{OPERATOR}}}) == 1',
+            "{{name}} decided by {{signal}}")],
+          "Engine replicas the autoscaler asks for and has, the requests one replica holds as it sizes them "
+          "(--max-num-seqs, or fewer where the KV cache holds fewer at today's lengths), and the signal that set its "
+          "last recommendation: tokens (output tokens/s), prefill (prefill time), kv (KV cache), surge (requests in "
+          "the system) or queue (a queue's drain). The reason of each change is in status.scaling and the "
+          "MineDraft's events."),
+    Panel("Autoscaler: prompts as load", "percentunit",
+          [(f'avg(avg_over_time(minedraft_engine_kv_cache_usage_ratio{{{ENGINE}}}[1m]))', "KV cache in use (1m mean)"),
+           (f'sum(rate(minedraft_engine_prefill_seconds_total{{{ENGINE}}}[{RI}])) / '
+            f'count(minedraft_engine_running_requests{{{ENGINE}}})', "prefill share of a replica's time")],
+          "What the autoscaler reads besides output tokens/s: the replicas' KV cache in use (it sizes for the target "
+          "utilisation of it, and for the share a request will hold when new replicas serve while prompts grow) "
+          "and the share of their time spent prefilling prompts (time they do not decode).", min=0, max=1),
     Panel("Requests finished by reason", "reqps",
           [(f'sum by (finish_reason) (rate(minedraft_engine_requests_finished_total{{{ENGINE}}}[{RI}]))',
             "{{finish_reason}}")],

@@ -104,6 +104,22 @@ def full_registry() -> CollectorRegistry:
     return registry
 
 
+def operator_registry() -> CollectorRegistry:
+    """The operator's metrics, each with a sample (one MineDraft's autoscaler evaluated once)."""
+    from minedraft.operator.autoscale.policy import SIGNALS
+    from minedraft.operator.metrics import OperatorMetrics
+
+    metrics = OperatorMetrics()
+    labels = ("ns", "md")
+    for gauge in (metrics.ready, metrics.desired_replicas, metrics.ready_replicas, metrics.autoscaler_desired_replicas,
+                  metrics.autoscaler_current_replicas, metrics.autoscaler_capacity, metrics.autoscaler_demand,
+                  metrics.autoscaler_metrics_available, metrics.autoscaler_slots):
+        gauge.labels(*labels).set(1)
+    for signal in SIGNALS:
+        metrics.autoscaler_signal.labels(*labels, signal).set(1 if signal == "kv" else 0)
+    return metrics.registry
+
+
 def drafter_registry() -> CollectorRegistry:
     """A registry holding every metric a shared drafter service (`minedraft drafter`) exports, each with a sample:
     the service's own collector over its counters (one engine's job answered)."""

@@ -17,14 +17,13 @@ import grpc
 
 from minedraft.api import pb
 from minedraft.api.auth import bearer_token, token_accepted
+from minedraft.api.errors import invalid_field
 from minedraft.gateway.router import RouteError, Router, forwarded_metadata
 from minedraft.openai_api.app import CLIENT_STALL_TIMEOUT_S, PROTOCOL, BackendError, OpenAiApp
 from minedraft.openai_api.protocol import ApiError
 
 log = logging.getLogger(__name__)
 
-# Trailing metadata naming the invalid field of an engine's INVALID_ARGUMENT (set by the engine server).
-INVALID_FIELD_KEY = "minedraft-invalid-field"
 # The forwarded headers' budget: gRPC's default metadata limit (8 KiB) less room for the call's own headers.
 MAX_FORWARDED_HEADER_BYTES = 4096
 # The served model ids are refreshed from an engine this often at most (a rollout may change the model).
@@ -48,7 +47,7 @@ class GatewayBackend:
         if isinstance(error, BackendError):
             return error
         assert isinstance(error, RouteError)
-        field = dict(error.trailing_metadata).get(INVALID_FIELD_KEY)
+        field = invalid_field(error.trailing_metadata)
         return BackendError(error.code, error.message, field)
 
     def live(self) -> bool:

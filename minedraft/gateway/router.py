@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import grpc
 
 from minedraft.api import pb, pb_grpc
+from minedraft.api.errors import STATUS_DETAILS_KEY, Trailers, rich_status, status_matches
 from minedraft.gateway.metrics import GatewayMetrics
 from minedraft.gateway.policy import Admission, FailureAction, classify_failure, pick
 from minedraft.gateway.pool import EnginePool
@@ -33,7 +34,8 @@ T = TypeVar("T")
 # Everything else (API keys, cookies, auth of this hop) stays at the gateway.
 FORWARDED_METADATA_KEYS = frozenset({"traceparent", "tracestate", "baggage", "grpc-trace-bin", "x-request-id"})
 FORWARDED_METADATA_PREFIX = "minedraft-"
-# Trailing metadata of an engine's answer passed on to the caller (e.g. the invalid field's name).
+# Trailing metadata of an engine's answer passed on to the caller (e.g. the legacy invalid-field trailer); gRPC's
+# rich status goes too (caller_trailers).
 FORWARDED_TRAILER_PREFIX = "minedraft-"
 # Engine answers whose message is written for the caller (about the request); other codes' messages may carry
 # exception text and stay in the logs.
@@ -52,7 +54,7 @@ class RouteError(Exception):
     """How a routed call ended when not with success: a gRPC status code and a message fit for the caller."""
 
     def __init__(self, code: grpc.StatusCode, message: str,
-                 trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
+                 trailing_metadata: Trailers = ()) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
@@ -91,9 +93,17 @@ def forwarded_metadata(metadata: Sequence[tuple[str, Any]] | None) -> tuple[tupl
                  if k.lower() in FORWARDED_METADATA_KEYS or k.lower().startswith(FORWARDED_METADATA_PREFIX))
 
 
-def caller_trailers(error: grpc.aio.AioRpcError) -> tuple[tuple[str, str], ...]:
-    return tuple((k, v) for k, v in (error.trailing_metadata() or ())
-                 if isinstance(v, str) and k.startswith(FORWARDED_TRAILER_PREFIX))
+def caller_trailers(error: grpc.aio.AioRpcError, message: str) -> Trailers:
+    """The engine's trailers the caller gets: the project's own `minedraft-*` ones, and gRPC's rich status (the
+    google.rpc.BadRequest of a field error) when the caller's message is the engine's, as a rich status must agree
+    with the call's code and message (clients refuse one that does not)."""
+    trailers = error.trailing_metadata() or ()
+    kept: list[tuple[str, str | bytes]] = [(k, v) for k, v in trailers
+                                           if isinstance(v, str) and k.startswith(FORWARDED_TRAILER_PREFIX)]
+    status = rich_status(trailers)
+    if status is not None and status_matches(status, error.code(), message):
+        kept.append((STATUS_DETAILS_KEY, status.SerializeToString()))
+    return tuple(kept)
 
 
 def engine_answer(error: grpc.aio.AioRpcError) -> RouteError:
@@ -105,8 +115,10 @@ def engine_answer(error: grpc.aio.AioRpcError) -> RouteError:
     if code is grpc.StatusCode.CANCELLED:
         return RouteError(code, "cancelled")
     if code in CALLER_FACING_CODES:
-        return RouteError(code, error.details() or code.name.lower(), caller_trailers(error))
-    return RouteError(code, f"the engine could not process this request ({code.name})", caller_trailers(error))
+        message = error.details() or code.name.lower()
+        return RouteError(code, message, caller_trailers(error, message))
+    message = f"the engine could not process this request ({code.name})"
+    return RouteError(code, message, caller_trailers(error, message))
 
 
 class _StallWatch:

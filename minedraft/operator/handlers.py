@@ -19,6 +19,7 @@ import kopf
 
 from minedraft.operator import spec as s
 from minedraft.operator.autoscale.loop import Autoscaler, pool_status
+from minedraft.operator.autoscale.policy import SIGNALS
 from minedraft.operator.kube import KubeClient, KubeError
 from minedraft.operator.metrics import OperatorMetrics
 from minedraft.operator.reconcile import Reconciler
@@ -86,6 +87,9 @@ async def _autoscale(body: kopf.Body, patch: kopf.Patch, memo: Memo, logger: Log
     if decision.inputs is not None:
         metrics.autoscaler_capacity.labels(*labels).set(decision.inputs.capacity_tokens_per_second_per_replica)
         metrics.autoscaler_demand.labels(*labels).set(decision.inputs.demand_tokens_per_second)
+        metrics.autoscaler_slots.labels(*labels).set(decision.inputs.slots_per_replica)
+        for signal in SIGNALS:
+            metrics.autoscaler_signal.labels(*labels, signal).set(1 if signal == decision.inputs.signal else 0)
     previous = list(old_status.get("conditions") or [])
     scaling_ready, metrics_available = autoscaling_conditions(
         evaluation.scaling, int(body.metadata.get("generation") or 1), _rfc3339(now), previous)

@@ -6,6 +6,8 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from minedraft.operator.autoscale.policy import SIGNALS
+
 
 class OperatorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -45,6 +47,14 @@ class OperatorMetrics:
         self.autoscaler_demand = Gauge(
             "minedraft_operator_autoscaler_demand_tokens_per_second", "Output tokens/s the requests in the system "
             "need, as the autoscaler estimates it.", ["namespace", "name"], registry=self.registry)
+        self.autoscaler_signal = Gauge(
+            "minedraft_operator_autoscaler_signal", "1 for the signal that set the autoscaler's last recommendation "
+            "(tokens: output tokens/s, prefill: prefill time, kv: KV cache, surge: requests in the system, queue: a "
+            "queue's drain), 0 for the others.", ["namespace", "name", "signal"], registry=self.registry)
+        self.autoscaler_slots = Gauge(
+            "minedraft_operator_autoscaler_slots_per_replica", "Requests one replica can hold as the autoscaler "
+            "sizes it: --max-num-seqs, or fewer where the KV cache holds fewer at today's prompt and output "
+            "lengths.", ["namespace", "name"], registry=self.registry)
         self.autoscaler_metrics_available = Gauge(
             "minedraft_operator_autoscaler_metrics_available", "1 when the last evaluation had usable engine "
             "metrics.", ["namespace", "name"], registry=self.registry)
@@ -56,6 +66,9 @@ class OperatorMetrics:
         """Drop a deleted MineDraft's series so dashboards do not show it forever."""
         for gauge in (self.ready, self.desired_replicas, self.ready_replicas, self.autoscaler_desired_replicas,
                       self.autoscaler_current_replicas, self.autoscaler_capacity, self.autoscaler_demand,
-                      self.autoscaler_metrics_available):
+                      self.autoscaler_metrics_available, self.autoscaler_slots):
             with contextlib.suppress(KeyError):  # never reported: nothing to drop
                 gauge.remove(namespace, name)
+        for signal in SIGNALS:
+            with contextlib.suppress(KeyError):
+                self.autoscaler_signal.remove(namespace, name, signal)

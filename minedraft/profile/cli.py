@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="weights and KV cache; auto = bfloat16 on CUDA, float32 on a CPU")
     parser.add_argument("--eager", action="store_true", help="on CUDA: no CUDA graphs")
+    parser.add_argument("--drafter-only", action="store_true",
+                        help="measure the drafters alone (on a device of their own; the target runs elsewhere): "
+                        "the file keeps the target's shape without times, for `minedraft plan --drafter-curves`")
     parser.add_argument("--no-concurrent", action="store_true",
                         help="on CUDA: skip target + drafter on two streams")
     parser.add_argument("--repeats", type=int, default=3, help="timed blocks per measurement (median)")
@@ -89,7 +92,7 @@ def settings_from_args(args: argparse.Namespace, command: str) -> ProfileSetting
         timing=TimingSettings(repeats=args.repeats, replays=replays, warmup=args.warmup,
                               min_block_ms=args.min_block_ms if not graphs else 0.0),
         setup_timeout_s=args.setup_timeout_s, measurement_timeout_s=args.timeout_s, budget_s=args.budget_s,
-        threads=args.threads, command=command)
+        threads=args.threads, command=command, drafter_only=args.drafter_only)
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:

@@ -61,6 +61,9 @@ def add_result(doc: dict[str, Any], m: Measurement, result: dict[str, float]) ->
     if m.kind == "forward":
         doc["models"][m.model]["forward_ms"].append(
             {"batch": m.batch, "context": m.context, "new_tokens": m.tokens, "ms": ms})
+    elif m.kind == "prefill":
+        doc["models"][m.model].setdefault("prefill_ms", []).append(
+            {"tokens": m.tokens, "context": m.context, "ms": ms})
     elif m.kind == "draft_loop":
         doc["models"][m.model]["draft_loop_ms"].append({"batch": m.batch, "context": m.context, "k": m.tokens,
                                                         "ms": ms})
@@ -111,6 +114,25 @@ def _points(entries: Any, field: str, tokens_key: str) -> None:
         seen.add(key)  # type: ignore[arg-type]
 
 
+def _prefill_points(entries: Any, field: str) -> None:
+    """Optional `prefill_ms`: one request's prompt chunk of `tokens` tokens after `context` cached ones."""
+    if not isinstance(entries, list):
+        raise CurveFormatError(field, "must be a list")
+    seen: set[tuple[int, int]] = set()
+    for i, entry in enumerate(entries):
+        where = f"{field}[{i}]"
+        if not isinstance(entry, dict):
+            raise CurveFormatError(where, "must be an object")
+        tokens = _positive_int(entry.get("tokens"), f"{where}.tokens")
+        context = entry.get("context")
+        if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+            raise CurveFormatError(f"{where}.context", f"must be an integer >= 0, got {context!r}")
+        _positive_ms(entry.get("ms"), f"{where}.ms")
+        if (tokens, context) in seen:
+            raise CurveFormatError(where, f"a second entry for {tokens} tokens at context {context}")
+        seen.add((tokens, context))
+
+
 def validate(doc: Any) -> None:
     """Raise CurveFormatError naming the first field that breaks `minedraft-cost-curves/v1`."""
     if not isinstance(doc, dict):
@@ -137,6 +159,7 @@ def validate(doc: Any) -> None:
             _positive_int(config.get(key), f"{where}.config.{key}")
         _positive_int(entry.get("kv_bytes_per_token"), f"{where}.kv_bytes_per_token")
         _points(entry.get("forward_ms", []), f"{where}.forward_ms", "new_tokens")
+        _prefill_points(entry.get("prefill_ms", []), f"{where}.prefill_ms")
         if entry["role"] == "drafter":
             _points(entry.get("draft_loop_ms", []), f"{where}.draft_loop_ms", "k")
         elif "draft_loop_ms" in entry:

@@ -145,6 +145,11 @@ class RandomDecoder:
         """A decode step (one token) or a verification (k + 1 tokens): logits for every new position, argmax."""
         return F.linear(self.hidden_states(tokens, cache, start, mask), self.lm_head).argmax(dim=-1)
 
+    def prefill(self, tokens: torch.Tensor, cache: KVCache, start: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """A prompt chunk [B, P] after `start` cached tokens: every position's keys and values into the cache, the
+        next token from the last position only (a serving engine computes no other logits in a prefill)."""
+        return F.linear(self.hidden_states(tokens, cache, start, mask)[:, -1], self.lm_head).argmax(dim=-1)
+
     def draft_loop(self, tokens: torch.Tensor, cache: KVCache, start: int, k: int,
                    mask: torch.Tensor | None) -> torch.Tensor:
         """A k-token draft: one pass over the k + 1 accepted/bonus tokens [B, k + 1] at start, then k - 1 one-token

@@ -36,6 +36,9 @@ class ProfileSettings:
     threads: int | None = None
     worker_argv: tuple[str, ...] = WORKER_ARGV
     command: str = ""
+    # Measure the drafters only (a drafter device of its own: the target runs elsewhere); the target's entry keeps
+    # its shape and no times. `minedraft plan --drafter-curves FILE` reads such a file beside the target's.
+    drafter_only: bool = False
 
     @property
     def graphs(self) -> bool:
@@ -75,9 +78,11 @@ def _notes(settings: ProfileSettings) -> list[str]:
         "tokens (verify at draft length k is new_tokens = k + 1); logits for every new position, argmax",
         "draft_loop_ms: a drafter's whole k-token draft for `batch` requests: one pass over k+1 accepted/bonus "
         "tokens, then k-1 one-token passes, each fed the previous argmax (no host sync)",
+        "prefill_ms: one request's prompt chunk of `tokens` tokens after `context` cached tokens (batch 1): every "
+        "position's keys and values into the cache, logits of the last position only",
         f"timing: {how}; every measurement under its own timeout in a separate process "
         f"({settings.measurement_timeout_s:g} s; setup {settings.setup_timeout_s:g} s)",
-        "not modelled: RoPE, sampling and rejection, prefill, scheduling; kernels unfused",
+        "not modelled: RoPE, sampling and rejection, chunked-prefill scheduling; kernels unfused",
     ]
     if settings.graphs and settings.concurrent:
         notes.append("concurrent_ms: the target's verification (k+1 tokens) and the drafter's k-token draft loop, "
@@ -95,7 +100,10 @@ def run_profile(settings: ProfileSettings, log: Callable[[str], None] = lambda l
     models = resolve_models(settings)
     archs = {name: arch for name, _, arch in models}
     drafters = [name for name, role, _ in models if role == "drafter"]
-    measurements = plan(settings.grid, models[0][0], drafters, concurrent=settings.graphs and settings.concurrent)
+    measurements = plan(settings.grid, models[0][0], drafters,
+                        concurrent=settings.graphs and settings.concurrent and not settings.drafter_only)
+    if settings.drafter_only:
+        measurements = [m for m in measurements if m.model in drafters]
     doc = curves.new_document("(not measured)", settings.dtype, settings.execution, "", _notes(settings), models)
     done = 0
     device_description: str | None = None

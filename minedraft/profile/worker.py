@@ -65,12 +65,15 @@ class Worker:
             return self._concurrent(m)
         model = self.models[m.model]
         cache = model.new_cache(m.batch, cache_tokens(m.context, m.tokens, m.kind))
-        num = m.tokens if m.kind == "forward" else m.tokens + 1
+        num = m.tokens if m.kind in ("forward", "prefill") else m.tokens + 1
         tokens = model.new_tokens(m.batch, num)
         mask = model.mask(num, m.context)
         if m.kind == "forward":
             def fn() -> torch.Tensor:
                 return model.forward(tokens, cache, m.context, mask)
+        elif m.kind == "prefill":
+            def fn() -> torch.Tensor:
+                return model.prefill(tokens, cache, m.context, mask)
         else:
             def fn() -> torch.Tensor:
                 return model.draft_loop(tokens, cache, m.context, m.tokens, mask)

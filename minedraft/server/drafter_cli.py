@@ -7,9 +7,8 @@ import argparse
 import json
 from typing import Any
 
-from minedraft.engine.drafter import wire
-from minedraft.engine.drafter.backends import context_overrides
-from minedraft.engine.drafter.service import ServiceSettings, serve
+# The drafter's modules (msgspec, zmq) are imported when the command runs, not when `minedraft` builds its parser:
+# the gateway and operator images install neither (pyproject.toml's extras).
 
 
 def add_subcommand(sub: Any) -> None:
@@ -34,8 +33,10 @@ def add_subcommand(sub: Any) -> None:
                         "--hf-overrides (only rope_scaling, rope_parameters, rope_theta and max_position_embeddings "
                         "are applied)")
     parser.add_argument("--cores", help="comma-separated CPU cores for the drafter")
-    parser.add_argument("--max-queued-jobs", type=int, default=ServiceSettings.max_queued_jobs)
-    parser.add_argument("--session-timeout-seconds", type=float, default=ServiceSettings.session_timeout_seconds)
+    parser.add_argument("--max-queued-jobs", type=int, default=None,
+                        help="jobs queued across engines (default: the service's own, ServiceSettings)")
+    parser.add_argument("--session-timeout-seconds", type=float, default=None,
+                        help="an engine silent this long is dropped (default: the service's own, ServiceSettings)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="Prometheus /metrics of the pool (jobs, batch sizes, queue, utilisation, per-engine job "
                         "latency) on this port (0: not served)")
@@ -53,6 +54,9 @@ def _json_object(value: str) -> dict[str, Any]:
 
 
 def cmd_drafter(args: argparse.Namespace) -> int:
+    from minedraft.engine.drafter import wire
+    from minedraft.engine.drafter.backends import context_overrides
+    from minedraft.engine.drafter.service import ServiceSettings, serve
     from minedraft.models.spec import default_pair_dir
 
     token = wire.read_token(args.token_file)
@@ -80,8 +84,8 @@ def cmd_drafter(args: argparse.Namespace) -> int:
         "hf_overrides": overrides,
         "kv_cache_gib": 1,
     }
-    service = ServiceSettings(max_queued_jobs=args.max_queued_jobs,
-                              session_timeout_seconds=args.session_timeout_seconds)
+    given = {"max_queued_jobs": args.max_queued_jobs, "session_timeout_seconds": args.session_timeout_seconds}
+    service = ServiceSettings(**{k: v for k, v in given.items() if v is not None})
     on_core = None
     if args.metrics_port:
         from prometheus_client import CollectorRegistry, start_http_server

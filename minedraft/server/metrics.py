@@ -171,6 +171,14 @@ class SnapshotCollector(Collector):
         return []
 
 
+def prefill_tokens(record: StepRecord) -> int:
+    """Prompt tokens a step computed: its scheduled tokens less one per decoding request and the k draft positions
+    of each request that carried drafts (drafts are padded to k). A prompt's chunk on a request already admitted
+    counts here too (vLLM schedules a long prompt in chunks over several steps)."""
+    decode = record.num_decode_requests + record.num_requests_with_drafts * record.k
+    return max(0, record.num_scheduled_tokens - decode)
+
+
 class StepMetrics:
     """Counters and histograms fed from step records: no I/O, so tests feed it records directly."""
 
@@ -197,6 +205,12 @@ class StepMetrics:
                                              ("position",))
         self.output_tokens = counter("output_tokens", "Tokens the target committed (accepted drafts plus one "
                                                       "sampled token per verified request).")
+        self.prefill_tokens = counter("prefill_tokens", "Prompt tokens the target computed in steps (prefill "
+                                                        "chunks; prefix-cache hits excluded).")
+        self.prefill_seconds = counter("prefill_seconds", "Step seconds spent on prefill: each step's seconds times "
+                                                          "its share of tokens that were prompt tokens. Its rate is "
+                                                          "the share of the replica's time prefill takes (the "
+                                                          "autoscaler's prefill signal).")
         self.step_seconds = histogram("step_seconds", "Wall time of one engine step.", STEP_SECONDS_BUCKETS)
         self.verify_seconds = histogram("verify_seconds", "Target forward (verification) time per step.",
                                         STEP_SECONDS_BUCKETS)
@@ -224,7 +238,8 @@ class StepMetrics:
         for group in ("0", "1"):
             self.subbatch_requests.labels(model, group).set(0)
         for mode in RECORDED_MODES:
-            for metric in (self.steps, self.output_tokens, self.step_seconds, self.verify_seconds):
+            for metric in (self.steps, self.output_tokens, self.step_seconds, self.verify_seconds, self.prefill_tokens,
+                           self.prefill_seconds):
                 metric.labels(model, mode)
         for mode in DRAFTING_MODES:
             for metric in (self.draft_steps, self.drafts, self.draft_tokens, self.accepted_tokens, self.draft_seconds,
@@ -256,6 +271,11 @@ class StepMetrics:
             self.output_tokens.labels(model, mode).inc(record.num_output_tokens)
             self.step_seconds.labels(model, mode).observe(record.step_seconds)
             self.verify_seconds.labels(model, mode).observe(record.verify_seconds)
+            prefill = prefill_tokens(record)
+            if prefill and record.num_scheduled_tokens > 0:
+                self.prefill_tokens.labels(model, mode).inc(prefill)
+                self.prefill_seconds.labels(model, mode).inc(
+                    record.step_seconds * prefill / record.num_scheduled_tokens)
             # drafted_per_position[0] counts the requests that carried at least one draft token: the engine's own
             # denominator of mean accepted length (EngineTotals.mean_accepted_length).
             drafts = record.drafted_per_position[0] if record.drafted_per_position else 0

@@ -17,6 +17,7 @@ import grpc
 
 from minedraft import __version__
 from minedraft.api import pb, pb_grpc
+from minedraft.api.errors import LEGACY_INVALID_FIELD_KEY, abort_field_error
 from minedraft.api.grpc_policy import reject_undecodable
 from minedraft.engine import calls
 from minedraft.engine.requests import EngineDeadError, RequestError
@@ -36,8 +37,8 @@ from minedraft.server.metrics import RequestMetrics
 
 log = logging.getLogger(__name__)
 
-# Trailing metadata key naming the invalid field of an INVALID_ARGUMENT answer (the details string names it too).
-INVALID_FIELD_KEY = "minedraft-invalid-field"
+# Deprecated trailer naming the invalid field (kept for 0.1.x beside the google.rpc.BadRequest: minedraft.api.errors).
+INVALID_FIELD_KEY = LEGACY_INVALID_FIELD_KEY
 
 
 class ServerState(StrEnum):
@@ -47,9 +48,7 @@ class ServerState(StrEnum):
 
 
 async def abort_invalid(context: grpc.aio.ServicerContext, error: RequestError) -> NoReturn:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error),
-                        trailing_metadata=((INVALID_FIELD_KEY, error.field_name),))
-    raise AssertionError("unreachable: context.abort raises")
+    await abort_field_error(context, error.field_name, str(error))
 
 
 def engine_limits(engine: ServingEngine) -> ModelLimits:

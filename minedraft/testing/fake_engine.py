@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from minedraft import __version__
 from minedraft.api import SERVICE_NAME, pb, pb_grpc
 from minedraft.api.auth import TokenAuthInterceptor
+from minedraft.api.errors import abort_field_error
 from minedraft.api.grpc_policy import (
     LIVENESS_SERVICE,
     SERVER_OPTIONS,
@@ -94,9 +95,8 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):  # type: ignore[misc]
         await reject_undecodable(request, context, "minedraft.v1.GenerateRequest")
         params = request.sampling_params
         if params.HasField("max_tokens") and params.max_tokens <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"sampling_params.max_tokens: must be positive, got {params.max_tokens}",
-                                trailing_metadata=(("minedraft-invalid-field", "sampling_params.max_tokens"),))
+            await abort_field_error(context, "sampling_params.max_tokens",
+                                    f"sampling_params.max_tokens: must be positive, got {params.max_tokens}")
         request_id = request.request_id or f"fake-{self.replica_id}-{next(self._ids)}"
         self.record.requests.append(request)
         self.record.deadlines_seconds.append(context.time_remaining())

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from minedraft.twin.capacity import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_RUNTIME_RESERVE_BYTES, GIB
 from minedraft.twin.costs import (
     DEFAULT_FAMILIES,
     DEFAULT_GPU_HOST_MS_PER_STEP,
@@ -16,9 +17,11 @@ from minedraft.twin.costs import (
     FIXED_FAMILIES,
     AcceptanceModel,
     Hardware,
-    StepCosts,
 )
 from minedraft.twin.curves import CostCurves, CurveError, load_curves
+from minedraft.twin.deploy import DEFAULT_RPC_ROUND_TRIP_MS, TP_ROUND_TRIPS_PER_STEP, deployment_model
+from minedraft.twin.devices import DEVICES
+from minedraft.twin.pricing import EXAMPLE_PRICES, load_prices
 
 if TYPE_CHECKING:
     from minedraft.twin.plan import Band
@@ -113,7 +116,7 @@ def _hardware(args: argparse.Namespace, on_cpu: bool = False) -> Hardware:
         return Hardware(tensor_parallel_size=args.tensor_parallel_size,
                         all_reduce_us_per_layer=args.all_reduce_us_per_layer,
                         drafter_placement=args.drafter_placement, shared_contention=args.shared_contention,
-                        step_overhead_ms=args.step_overhead_ms, prefill_ms_per_token=args.prefill_ms_per_token,
+                        step_overhead_ms=args.step_overhead_ms, prefill_ms_per_token=args.prefill_ms_per_token or 0.0,
                         vllm_async_scheduling=not on_cpu)
     except ValueError as exc:
         raise CurveError(str(exc).split(":", 1)[0], str(exc).split(":", 1)[-1].strip()) from None
@@ -152,8 +155,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "forward by the engine's own steps, overlapped with it by plain vLLM, vLLM's colocated SD "
                         "and psd-async on a GPU (default %(default)s: an estimate of 1.7-3.3 ms at TP = 1 from the "
                         "engine's code, not measured; more at TP > 1)")
-    parser.add_argument("--prefill-ms-per-token", type=float, default=0.0,
-                        help="target time per prompt token (the curves hold no prefill; 0 leaves it out)")
+    parser.add_argument("--prefill-ms-per-token", type=float, default=None,
+                        help="target time per prompt token (default: from the curves' prefill_ms shape, or a "
+                        "labelled roofline estimate where the file has none; 0 leaves prefill out)")
+    deploy = parser.add_argument_group("what a deployment holds and pays")
+    deploy.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
+                        help="share of each target GPU vLLM may take (KV capacity; default %(default)s)")
+    deploy.add_argument("--device-memory-gib", type=float, help="one target GPU's memory (default: the curve "
+                        "file's device_memory_bytes, or its device's data-sheet figure)")
+    deploy.add_argument("--runtime-reserve-gib", type=float, default=DEFAULT_RUNTIME_RESERVE_BYTES / GIB,
+                        help="per GPU, outside weights and KV: activations, CUDA graphs (an estimate; default "
+                        "%(default)s)")
+    deploy.add_argument("--no-kv-limit", action="store_true", help="leave KV capacity out (every load runs)")
+    deploy.add_argument("--target-device", help=f"the target's GPU kind: one of {', '.join(DEVICES)} (default: the "
+                        "curve file's device); another device's costs are a labelled roofline estimate")
+    deploy.add_argument("--drafter-device", help=f"the drafter's own device (placement own): one of "
+                        f"{', '.join(DEVICES)} (default: the curve file's device); another device's costs are a "
+                        "labelled roofline estimate from the measured ones")
+    deploy.add_argument("--drafter-curves", help="the drafter measured alone on its own device (`minedraft profile "
+                        "--drafter-only`): the engine's drafter costs and device from it, instead of a roofline")
+    deploy.add_argument("--rpc-round-trip-ms", type=float, default=DEFAULT_RPC_ROUND_TRIP_MS,
+                        help="TP > 1: one round trip to the tensor-parallel workers; each step makes "
+                        f"{TP_ROUND_TRIPS_PER_STEP} (execute, sample, a discarded draft-token fetch), added to its "
+                        "host work (an estimate, default %(default)s)")
+    deploy.add_argument("--prices", help="price table, minedraft-prices/v1 JSON (default: example prices, "
+                        "labelled as such)")
     parser.add_argument("--max-tpot-ms", type=float, help="rate planning: only loads whose p50 time per output "
                         "token stays within this")
     parser.add_argument("--max-concurrency", type=int, default=256,
@@ -180,7 +206,21 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise CurveError("load", "give exactly one of --concurrency, --rate or --trace")
     curves = load_curves(args.curves)
     target, drafter = _pick(curves, "target", args.target), _pick(curves, "drafter", args.drafter)
-    costs = StepCosts.from_curves(curves, target, drafter, _hardware(args, curves_on_cpu(curves)))
+    prices = load_prices(args.prices) if args.prices else EXAMPLE_PRICES
+    try:
+        model = deployment_model(
+            curves, target, drafter, _hardware(args, curves_on_cpu(curves)), prompt_tokens=args.prompt_tokens,
+            output_tokens=args.output_tokens, prefill_ms_per_token=args.prefill_ms_per_token,
+            gpu_memory_utilization=args.gpu_memory_utilization, device_memory_gib=args.device_memory_gib,
+            runtime_reserve_bytes=int(args.runtime_reserve_gib * GIB), kv_limited=not args.no_kv_limit,
+            target_device=args.target_device, drafter_device=args.drafter_device, prices=prices,
+            drafter_curves=load_curves(args.drafter_curves, drafters_only=True) if args.drafter_curves else None,
+            rpc_round_trip_ms=args.rpc_round_trip_ms)
+    except ValueError as exc:
+        if isinstance(exc, CurveError):
+            raise
+        raise CurveError(str(exc).split(":", 1)[0], str(exc).split(":", 1)[-1].strip()) from None
+    costs = model.costs
     if args.acceptance_from:
         acceptance = acceptance_from_bench(Path(args.acceptance_from))
     else:
@@ -211,13 +251,18 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
                                  workload=workload, seed=args.seed)
     except ValueError as exc:
         raise CurveError(str(exc).split(":", 1)[0], str(exc).split(":", 1)[-1].strip()) from None
-    loads = sweep(costs, acceptance, settings)
+    loads = model.sweep(acceptance, settings, sweep)
     result: dict[str, Any] = {"loads": [load.to_json() for load in loads]}
+    model.annotate(result)
     # Additions to the first interface (tools reading `loads` are unaffected): what the figures assume.
     result["host_work"] = {"step_overhead_ms": costs.hardware.step_overhead_ms,
                            "vllm_async_scheduling": costs.hardware.vllm_async_scheduling, "note": HOST_WORK_NOTE}
+    if costs.hardware.tensor_parallel_size > 1:  # what TP > 1 adds, from the code path (see twin.deploy)
+        result["host_work"].update(tp_round_trips_per_step=TP_ROUND_TRIPS_PER_STEP,
+                                   rpc_round_trip_ms=args.rpc_round_trip_ms)
     if bands:
-        result["bands"] = [plan_band(loads, band, args.output_tokens, args.max_tpot_ms) for band in bands]
+        result["bands"] = [{**plan_band(loads, band, args.output_tokens, args.max_tpot_ms),
+                            **model.price_band(loads, band, args.output_tokens, args.max_tpot_ms)} for band in bands]
     if args.plot:
         from minedraft.twin.plot import regime_map
 
@@ -243,6 +288,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def describe(label: str) -> str:
     """A mode label for people: plain vLLM is not the engine at all."""
     return "plain vLLM (vllm-ar)" if label == "vllm-ar" else label
+
+
+def _kinds(devices: dict[str, float]) -> str:
+    return " + ".join(f"{count:g} {kind}" for kind, count in devices.items())
 
 
 def render(result: dict[str, Any]) -> str:
@@ -274,4 +323,13 @@ def render(result: dict[str, Any]) -> str:
             if choice is not None:
                 lines.append(f"    {family:8s} best {choice['mode']}: {choice['replicas']} replica(s), "
                              f"{choice['gpus']} GPUs, {choice['tokens_per_s_per_gpu']:.0f} tok/s per GPU")
+        cheapest = band.get("recommended")
+        if cheapest:
+            lines.append(f"  cheapest: {describe(cheapest['mode'])} ({cheapest['placement']}), "
+                         f"${cheapest['usd_per_million_tokens']:.3f} per million tokens, {cheapest['replicas']} "
+                         f"replica(s) on {_kinds(cheapest['gpus_by_kind'])}, p50 TPOT {cheapest['tpot_ms_p50']} ms")
+            for family, d in band.get("deployments", {}).items():
+                lines.append(f"    {family:9s} {d['mode']}: ${d['usd_per_million_tokens']:.3f}/M tokens, holds "
+                             f"{d['max_concurrency']} requests per replica, {_kinds(d['gpus_by_kind'])}, "
+                             f"{d['tokens_per_s_per_target_gpu']:.0f} tok/s per target GPU")
     return "\n".join(lines)

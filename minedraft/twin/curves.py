@@ -148,6 +148,56 @@ def _nearest_two(levels: Sequence[int], value: float) -> list[int]:
     return list(levels[:2]) if not below else list(levels[-2:])
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillGrid:
+    """Measured prefill times: ms by context level -> sorted (tokens, ms); linear in tokens, then in context."""
+
+    cells: Mapping[int, tuple[tuple[float, float], ...]]
+
+    def lookup(self, tokens: float, context: float) -> tuple[float, bool]:
+        levels = sorted(self.cells)
+        below = [c for c in levels if c <= context]
+        above = [c for c in levels if c >= context]
+        pair = sorted({below[-1], above[0]}) if below and above else (levels[:2] if not below else levels[-2:])
+        values: list[tuple[float, float]] = []
+        beyond = False
+        for level in pair:
+            points = self.cells[level]
+            if len(points) == 1:  # one measured prompt length: proportional in tokens (prefill is compute-bound)
+                (x, y), = points
+                ms, out = y * tokens / x, tokens != x
+            else:
+                ms, out = interpolate(points, tokens, proportional_floor=True)
+            values.append((float(level), ms))
+            beyond |= out
+        ms, out = interpolate(values, context)
+        return ms, beyond or out
+
+
+def _prefill_grid(rows: Any, where: str) -> PrefillGrid:
+    if not isinstance(rows, list) or not rows:
+        raise CurveError(where, "expected a non-empty list of measurements")
+    cells: dict[int, dict[int, float]] = {}
+    for i, row in enumerate(rows):
+        at = f"{where}[{i}]"
+        if not isinstance(row, dict):
+            raise CurveError(at, f"expected an object, got {type(row).__name__}")
+        tokens = _require(row, "tokens", at, int)
+        context = _require(row, "context", at, int)
+        ms = _require(row, "ms", at, (int, float))
+        if tokens < 1:
+            raise CurveError(f"{at}.tokens", f"must be >= 1, got {tokens}")
+        if context < 0:
+            raise CurveError(f"{at}.context", f"must be >= 0, got {context}")
+        if not ms > 0 or ms != ms or ms == float("inf"):
+            raise CurveError(f"{at}.ms", f"must be a positive finite time, got {ms}")
+        level = cells.setdefault(context, {})
+        if tokens in level:
+            raise CurveError(at, f"duplicate measurement for {tokens} tokens at context {context}")
+        level[tokens] = float(ms)
+    return PrefillGrid({context: tuple(_sorted_points(level)) for context, level in cells.items()})
+
+
 @dataclass(frozen=True)
 class ModelCurves:
     name: str
@@ -161,6 +211,9 @@ class ModelCurves:
     # in before drafting, beyond each request's last (accepted tokens since its last job, a newcomer's prompt).
     # None: not measured; the twin then estimates newcomers' prompts from the target's prefill cost.
     catch_up_ms_per_token: float | None = None
+    # Optional `prefill_ms`: one request's prompt chunk of `tokens` tokens after `context` cached ones (batch 1).
+    # None in older files: minedraft.twin.capacity.prefill_ms then gives a labelled roofline estimate.
+    prefill: PrefillGrid | None = None
 
     @property
     def layers(self) -> int:
@@ -195,6 +248,8 @@ class CostCurves:
     execution: str
     measured: str
     models: dict[str, ModelCurves] = field(default_factory=dict)
+    # Optional: one device's memory in bytes as CUDA reports it (KV capacity); None: looked up by `device`.
+    device_memory_bytes: int | None = None
 
     def model(self, name: str, role: str) -> ModelCurves:
         found = self.models.get(name)
@@ -215,7 +270,7 @@ class CostCurves:
         return [n for n, m in self.models.items() if m.role == role]
 
 
-def load_curves(path: str | Path) -> CostCurves:
+def load_curves(path: str | Path, drafters_only: bool = False) -> CostCurves:
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -223,7 +278,7 @@ def load_curves(path: str | Path) -> CostCurves:
         raise CurveError("curves", f"cannot read {path}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
         raise CurveError("curves", f"{path} is not JSON: {exc}") from None
-    return parse_curves(data, str(path))
+    return parse_curves(data, str(path), drafters_only)
 
 
 def _require(obj: Mapping[str, Any], key: str, where: str, kind: type | tuple[type, ...]) -> Any:
@@ -265,7 +320,12 @@ def _grid(rows: Any, where: str, third: str) -> _Grid:
     return _Grid(third, cells)
 
 
-def parse_curves(data: Any, source: str = "<curves>") -> CostCurves:
+def parse_curves(data: Any, source: str = "<curves>", drafters_only: bool = False) -> CostCurves:
+    """`drafters_only`: a file of drafters measured alone on their own device (`minedraft profile --drafter-only`):
+    its target entries, which hold no times, are left out."""
+    if drafters_only and isinstance(data, dict) and isinstance(data.get("models"), dict):
+        data = {**data, "models": {n: m for n, m in data["models"].items()
+                                   if not (isinstance(m, dict) and m.get("role") == "target")}}
     if not isinstance(data, dict):
         raise CurveError("curves", f"expected a JSON object, got {type(data).__name__}")
     fmt = data.get("format")
@@ -309,10 +369,14 @@ def parse_curves(data: Any, source: str = "<curves>") -> CostCurves:
             raise CurveError(f"{where}.catch_up_ms_per_token", f"expected a finite number >= 0, got {catch_up!r}")
         if catch_up is not None and role != "drafter":
             raise CurveError(f"{where}.catch_up_ms_per_token", "only drafters take in catch-up tokens")
+        prefill = _prefill_grid(model["prefill_ms"], f"{where}.prefill_ms") if model.get("prefill_ms") else None
         models[name] = ModelCurves(name, role, params, dict(config), kv, forward, loop,
-                                   None if catch_up is None else float(catch_up))
-    if not any(m.role == "target" for m in models.values()):
+                                   None if catch_up is None else float(catch_up), prefill)
+    if not drafters_only and not any(m.role == "target" for m in models.values()):
         raise CurveError("models", "no model with role 'target'")
+    memory = data.get("device_memory_bytes")
+    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0):
+        raise CurveError("device_memory_bytes", f"expected a positive integer, got {memory!r}")
     return CostCurves(
         source=source,
         device=str(data.get("device", "unknown device")),
@@ -320,4 +384,5 @@ def parse_curves(data: Any, source: str = "<curves>") -> CostCurves:
         execution=str(data.get("execution", "unknown")),
         measured=str(data.get("measured", "")),
         models=models,
+        device_memory_bytes=memory,
     )

@@ -4,10 +4,11 @@ replicas, and the tokens per second each GPU then serves. Pure over sweep result
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from minedraft.twin.pricing import Deployment, Layout, PriceTable, cheapest, price_deployment
 from minedraft.twin.run import RunResult
 from minedraft.twin.sweep import LoadResult, _family
 
@@ -120,3 +121,44 @@ def parse_trace(text: str) -> list[Band]:
     if not bands:
         raise ValueError("trace: no bands")
     return bands
+
+
+# --- cost per token ---------------------------------------------------------------------------------------------
+
+
+def tpot_at(loads: Sequence[LoadResult], label: str, concurrency: float) -> float | None:
+    """p50 time per output token of `label` at the first measured load holding at least `concurrency` requests
+    (the next load up: not flattering)."""
+    for load in loads:
+        run = load.auto if label == "auto" else load.runs.get(label)
+        if run is not None and load.concurrency >= concurrency - 1e-9:
+            tpot = run.summary()["tpot_ms_p50"]
+            return tpot if isinstance(tpot, float) else None
+    return None
+
+
+def price_band(loads: Sequence[LoadResult], band: Band, output_tokens: int, max_tpot_ms: float | None,
+               layout: Callable[[str], Layout], placement: Callable[[str], str],
+               max_concurrency: Callable[[str], int], prices: PriceTable) -> dict[str, Any]:
+    """Every mode (its cheapest k) serving the band's demand within the TPOT limit, priced; and the cheapest.
+
+    Modes are whatever the sweep ran (labels family-kK): a family added later is priced without change here."""
+    demand = band.requests_per_s * output_tokens
+    labels = [label for label in loads[0].runs] if loads else []
+    deployments: dict[str, Deployment] = {}
+    for label in labels:
+        choice = choose(loads, label, demand, max_tpot_ms)
+        if choice is None:
+            continue
+        deployment = price_deployment(
+            label, placement(label), layout(label), choice.replicas, max_concurrency(label),
+            choice.concurrency_per_replica, demand, tpot_at(loads, label, choice.concurrency_per_replica), prices)
+        family = _family(label)
+        best = deployments.get(family)
+        if best is None or cheapest([best, deployment]) is deployment:
+            deployments[family] = deployment
+    recommended = cheapest(list(deployments.values()))
+    return {"requests_per_s": band.requests_per_s, "demand_tokens_per_s": round(demand, 1),
+            "max_tpot_ms": max_tpot_ms,
+            "deployments": {family: d.to_json() for family, d in deployments.items()},
+            "recommended": recommended.to_json() if recommended else None}

@@ -162,12 +162,19 @@ class _Run:
 
 def run_concurrency(costs: StepCosts, acceptance: AcceptanceModel, mode: str, k: int, concurrency: int,
                     workload: Workload = Workload(), warmup_steps: int = 40, measure_steps: int = 200,
-                    seed: int = 0, auto: AutoSettings | None = None, min_measure_tokens: int = 8000) -> RunResult:
+                    seed: int = 0, auto: AutoSettings | None = None, min_measure_tokens: int = 8000,
+                    max_num_seqs: int | None = None) -> RunResult:
     """Steady state at a fixed number of requests in the system (a finished request is replaced at once), measured
-    over at least `measure_steps` steps and `min_measure_tokens` output tokens after `warmup_steps`."""
-    run = _Run(costs, acceptance, mode, k, workload, seed, auto, max_num_seqs=max(concurrency, 1))
+    over at least `measure_steps` steps and `min_measure_tokens` output tokens after `warmup_steps`.
+    `max_num_seqs`: the most the replica runs at once (its KV cache's limit); the rest wait, as at a real server,
+    their wait counted in their time to first token."""
+    limit = max(1, concurrency if max_num_seqs is None else min(concurrency, max_num_seqs))
+    run = _Run(costs, acceptance, mode, k, workload, seed, auto, max_num_seqs=limit)
     replica = run.replica
-    for _ in range(concurrency):
+    for index in range(concurrency):
+        if index >= limit:  # beyond the KV cache's limit: queued from the start
+            replica.add(run.new_request(0.0))
+            continue
         # Already under way, each at a random point of its output (as in a steady state), so requests finish and
         # are replaced from the first steps on instead of all together; their latencies are not recorded.
         request = run.new_request(0.0)

@@ -36,6 +36,9 @@ class SweepSettings:
     # Auto also with the engine's async PSD steps on (`auto-async`: psd's steps scheduled ahead once auto runs psd).
     with_auto_async: bool = False
     seed: int = 0
+    # The requests a replica running (family, k) holds at once, its KV cache's limit (minedraft.twin.capacity);
+    # a load beyond it waits in the queue, as it would at a real server. None: no limit.
+    kv_limit: Callable[[str, int], int] | None = None
 
     def __post_init__(self) -> None:
         if not self.concurrencies or min(self.concurrencies) < 1:
@@ -104,18 +107,22 @@ def sweep(costs: StepCosts, acceptance: AcceptanceModel, settings: SweepSettings
     results: list[LoadResult] = []
     for concurrency in settings.concurrencies:
         load = LoadResult(concurrency)
+        def limit(family: str, k: int) -> int | None:
+            return None if settings.kv_limit is None else settings.kv_limit(family, k)
+
         for mode, k in settings.settings():
             load.runs[mode_label(mode, k)] = run_concurrency(
                 costs, acceptance, mode, k, concurrency, settings.workload, settings.warmup_steps,
-                settings.measure_steps, settings.seed)
+                settings.measure_steps, settings.seed, max_num_seqs=limit(mode, k))
         if settings.with_auto:
             load.auto = run_concurrency(costs, acceptance, "auto", 0, concurrency, settings.workload,
                                         settings.auto_warmup_steps, settings.auto_measure_steps, settings.seed,
-                                        auto=settings.auto_settings())
+                                        auto=settings.auto_settings(), max_num_seqs=limit("auto", max(settings.ks)))
         if settings.with_auto_async:
             load.auto_async = run_concurrency(costs, acceptance, "auto-async", 0, concurrency, settings.workload,
                                               settings.auto_warmup_steps, settings.auto_measure_steps, settings.seed,
-                                              auto=settings.auto_settings())
+                                              auto=settings.auto_settings(),
+                                              max_num_seqs=limit("auto-async", max(settings.ks)))
         if progress is not None:
             best = load.best(BASELINE_FAMILIES)
             auto = "".join(f", {name} {run.tokens_per_s:.0f} ({run.tokens_per_s / best.tokens_per_s:.2f}x)"

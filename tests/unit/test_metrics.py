@@ -35,6 +35,7 @@ from tests.metrics_support import (
     exported_sample_names,
     full_registry,
     metric_names,
+    operator_registry,
     recording_rules,
     require_binary,
     sample_record,
@@ -108,6 +109,19 @@ def test_records_are_counted_once_and_gaps_are_reported():
     assert steps.ingest([sample_record(9), sample_record(10)]) == 2
     assert value(registry, "minedraft_engine_step_records_missed_total", model="m") == 2  # 7 and 8 fell out
     assert value(registry, "minedraft_engine_steps_total", model="m", mode="psd") == 4
+
+
+def test_prefill_tokens_and_seconds_of_steps():
+    """A decode-only step adds nothing; a step carrying a 2,048-token chunk beside 3 decoding requests with k=3
+    drafts (3 + 9 tokens) counts 2,048 prompt tokens and 2048/2060 of its 0.5 s."""
+    registry = CollectorRegistry()
+    steps = StepMetrics(registry, "m")
+    steps.ingest([sample_record(1), replace(sample_record(2), num_scheduled_tokens=2060, num_prefill_requests=1,
+                                             step_seconds=0.5)])
+    assert value(registry, "minedraft_engine_prefill_tokens_total", model="m", mode="psd") == 2048
+    assert value(registry, "minedraft_engine_prefill_seconds_total", model="m", mode="psd") == pytest.approx(
+        0.5 * 2048 / 2060)
+    assert value(registry, "minedraft_engine_prefill_seconds_total", model="m", mode="ar") == 0
 
 
 def test_series_exist_at_zero_before_the_first_step():
@@ -281,7 +295,8 @@ def test_gateway_state_gauges():
 
 def test_dashboards_and_rules_reference_only_what_the_code_exports():
     # Engines and gateways, and the shared drafter pool (its own pods and endpoint).
-    exported = exported_sample_names(full_registry()) | exported_sample_names(drafter_registry())
+    exported = (exported_sample_names(full_registry()) | exported_sample_names(drafter_registry())
+                | exported_sample_names(operator_registry()))
     recorded = {rule["record"] for rule in recording_rules()}
     expressions = [(f"{q.dashboard}: {q.panel}", q.expr) for q in dashboard_queries()]
     expressions += [(rule.get("record") or rule["alert"], rule["expr"]) for rule in recording_rules() + alert_rules()]

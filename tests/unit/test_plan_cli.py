@@ -20,8 +20,10 @@ def test_plan_json_interface(capsys: pytest.CaptureFixture[str]) -> None:
                "-k", "3", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    # The first interface's `loads`, and additions only: what the figures assume about host work.
-    assert list(out) == ["loads", "host_work"]
+    # The first interface's `loads`, and additions only: what the figures assume about host work, KV capacity,
+    # prefill, devices and prices.
+    assert next(iter(out)) == "loads"
+    assert set(out) == {"loads", "host_work", "capacity", "prefill", "devices", "prices"}
     assert out["host_work"]["step_overhead_ms"] == 2.5 and out["host_work"]["vllm_async_scheduling"] is True
     assert [load["concurrency"] for load in out["loads"]] == [1, 16]
     for load in out["loads"]:
@@ -29,7 +31,7 @@ def test_plan_json_interface(capsys: pytest.CaptureFixture[str]) -> None:
         # Plain decoding in vLLM itself (vllm-ar) beside the engine's own ar, at every load.
         assert set(load["modes"]) == {"ar", "vllm-ar", "sd-k3", "psd-k3", "vllm-sd-k3", "auto"}
         for label, entry in load["modes"].items():
-            assert entry["tokens_per_s"] > 0
+            assert entry["tokens_per_s"] > 0 and entry["max_concurrency"] > 16
             if label == "auto":
                 assert entry["mode"] in ("ar", "sd", "psd") and isinstance(entry["k"], int)
             else:

@@ -122,7 +122,8 @@ def test_measurement_round_trip_and_label():
     assert Measurement.from_json(json.loads(json.dumps(m.to_json()))) == m
     assert "beside d" in m.label()
     with pytest.raises(ValueError, match="kind"):
-        Measurement("prefill", "t", 1, 1, 1)
+        Measurement("decode", "t", 1, 1, 1)
+    assert Measurement("prefill", "t", 1, 0, 512).label() == "prefill t batch=1 context=0 tokens=512"
 
 
 # -- the format -----------------------------------------------------------------------------------------------------
@@ -141,6 +142,7 @@ def _doc():
     curves.add_result(doc, Measurement("concurrent", "t", 1, 16, 3, drafter="d"),
                       {"ms": 3.0, "target_ms": 2.5, "drafter_ms": 2.0, "target_alone_ms": 2.0,
                        "drafter_alone_ms": 1.5})
+    curves.add_result(doc, Measurement("prefill", "t", 1, 0, 64), {"ms": 4.0})
     curves.add_timeout(doc, Measurement("forward", "t", 2, 16, 1), 60.0, "measurement")
     return doc
 
@@ -169,6 +171,8 @@ def test_written_documents_validate_and_read_back(tmp_path):
     (lambda d: d["models"]["t"].update(role="drafter"), "models"),
     (lambda d: d["concurrent_ms"][0].update(drafter="t"), r"concurrent_ms\[0\].drafter"),
     (lambda d: d["concurrent_ms"][0].pop("target_alone_ms"), r"concurrent_ms\[0\].target_alone_ms"),
+    (lambda d: d["models"]["t"]["prefill_ms"][0].update(tokens=0), r"models.t.prefill_ms\[0\].tokens"),
+    (lambda d: d["models"]["t"]["prefill_ms"][0].update(context=-1), r"models.t.prefill_ms\[0\].context"),
 ])
 def test_broken_documents_name_the_field(break_it, field):
     doc = copy.deepcopy(_doc())
@@ -197,3 +201,21 @@ def test_a_curve_file_plots(tmp_path):
     curves.write(_doc(), path)
     assert main([str(path)]) == 0
     assert (tmp_path / "c.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_profiler_plans_prefill_shapes_and_the_twin_prices_prefill_from_them():
+    from minedraft.twin.capacity import prefill_ms
+    from minedraft.twin.curves import parse_curves
+
+    measured = plan(SHAPE_PRESETS["tiny"], "t", ["d"], concurrent=False)
+    prefills = {(m.model, m.tokens, m.context) for m in measured if m.kind == "prefill"}
+    assert prefills == {("t", 8, 0), ("t", 16, 0), ("d", 8, 0), ("d", 16, 0)}
+    assert cache_tokens(0, 512, "prefill") == 512
+    assert (1024, 4096) in SHAPE_PRESETS["gpu"].prefill_points
+    doc = _doc()
+    assert doc["models"]["t"]["prefill_ms"] == [{"tokens": 64, "context": 0, "ms": 4.0}]
+    curves.validate(doc)
+    price = prefill_ms(parse_curves(doc).models["t"], 32)
+    assert price.source == "measured" and price.ms == pytest.approx(2.0)  # proportional below the measured point
+    with pytest.raises(ValueError, match="prefill"):
+        ShapeGrid(points=((1, 10),), ks=(3,), prefill_points=((0, 0),))

@@ -47,6 +47,19 @@ def test_a_multi_token_pass_equals_one_token_passes(arch):
     torch.testing.assert_close(cache.keys[0], stepwise_cache.keys[0])
 
 
+@pytest.mark.parametrize("arch", [QWEN_LIKE, LLAMA_LIKE])
+def test_a_prefill_fills_the_cache_as_a_forward_does_and_predicts_from_its_last_position(arch):
+    decoder = _decoder(arch)
+    prompt, batch = 6, 2
+    cache = decoder.new_cache(batch, prompt)
+    tokens = decoder.new_tokens(batch, prompt)
+    forward_cache = _clone(cache)
+    nxt = decoder.prefill(tokens, cache, 0, decoder.mask(prompt, 0))
+    every = decoder.forward(tokens, forward_cache, 0, decoder.mask(prompt, 0))
+    torch.testing.assert_close(nxt, every[:, -1])
+    torch.testing.assert_close(cache.keys[-1], forward_cache.keys[-1])
+
+
 def test_folded_grouped_query_attention_is_plain_gqa():
     torch.manual_seed(0)
     batch, kv_heads, group, num, length, dim = 2, 2, 3, 4, 9, 8

@@ -33,7 +33,7 @@ from minedraft.operator.autoscale.family import (
     requirement,
 )
 from minedraft.operator.autoscale.hpa import SCALE_UP_PERCENT
-from minedraft.operator.autoscale.replica_model import ReplicaModel
+from minedraft.operator.autoscale.replica_model import AnyReplicaModel, load_replica_model
 from minedraft.operator.autoscale.simulate import SimConfig, Trace, load_trace, simulate
 
 HPA_TARGETS = (2.0, 4.0, 6.0, 8.0, 12.0, 16.0)
@@ -57,7 +57,7 @@ class Job:
     value: float  # the HPA's target or minedraft's utilisation (0 for the oracle)
 
 
-def _run(job_and_model: tuple[Job, ReplicaModel]) -> dict[str, Any]:
+def _run(job_and_model: tuple[Job, AnyReplicaModel]) -> dict[str, Any]:
     job, model = job_and_model
     need = requirement(job.trace, model)
     out: dict[str, Any] = {"trace": job.trace.name, "group": job.group, "policy": job.policy, "value": job.value}
@@ -85,7 +85,7 @@ def _run(job_and_model: tuple[Job, ReplicaModel]) -> dict[str, Any]:
     return out
 
 
-def _pool(jobs: list[Job], model: ReplicaModel, workers: int) -> list[dict[str, Any]]:
+def _pool(jobs: list[Job], model: AnyReplicaModel, workers: int) -> list[dict[str, Any]]:
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i].trace.duration_seconds)
     results: list[dict[str, Any] | None] = [None] * len(jobs)
     args = [(jobs[i], model) for i in order]
@@ -122,7 +122,7 @@ def bench(model_path: Path, traces_dir: Path, family_size: int = FAMILY_SIZE, se
           utilization: float = DEFAULT_UTILIZATION, hpa_targets: Sequence[float] = HPA_TARGETS,
           workers: int | None = None, indices: Sequence[int] | None = None,
           utilization_sweep: Sequence[float] = UTILIZATION_SWEEP) -> dict[str, Any]:
-    model = ReplicaModel.load(model_path)
+    model = load_replica_model(model_path)
     family = make_family(model, family_size, seed, indices)
     committed = [load_trace(p) for p in sorted(traces_dir.glob("*.jsonl"))]
     jobs: list[Job] = []

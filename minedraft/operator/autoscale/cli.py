@@ -4,6 +4,7 @@ calibrate the replica model from the engine benchmark's JSON."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -15,23 +16,92 @@ DEFAULT_TRACES = ROOT / "benchmarks" / "autoscale" / "traces"
 CAPACITY_PRIOR_ACCEPTANCES = (0.8, 0.6, 0.4)
 
 
+def _load_model(args: argparse.Namespace) -> Any:
+    from minedraft.operator.autoscale.replica_model import load_replica_model
+
+    return load_replica_model(Path(args.replica_model))
+
+
+def _floats(flag: str, text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise SystemExit(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+
+
+def twin_model(args: argparse.Namespace, prompt_tokens: int, output_tokens: int) -> Any:
+    """The replica model from a cost-curve file through the twin (`minedraft plan`'s figures)."""
+    # The twin runs the engine's planner (zmq and the engine's modules): loaded here, when this command runs, never by
+    # the operator (its image has neither), as `minedraft plan` is by the top-level CLI.
+    twin = importlib.import_module("minedraft.twin.autoscale_model")
+    try:
+        settings = twin.TwinModelSettings(
+            curves=args.curves, target=args.target, drafter=args.drafter,
+            loads=tuple(int(v) for v in _floats("--twin-loads", args.twin_loads)),
+            acceptances=_floats("--twin-acceptances", args.twin_acceptances),
+            prompt_tokens=args.prompt_tokens or prompt_tokens, output_tokens=args.output_tokens or output_tokens,
+            max_batch=args.max_batch, fixed_startup_seconds=args.fixed_startup_seconds,
+            disk_gb_per_second=args.disk_gb_per_second, plan_flags=tuple(args.plan_flag or ()))
+    except ValueError as exc:
+        raise SystemExit(f"autoscale simulate: {exc}") from None
+    return twin.replica_model_from_curves(settings)
+
+
+def capacity_table(model: Any, prompt_tokens: int, output_tokens: int, acceptance: float) -> list[dict[str, Any]]:
+    """Per-replica capacity at each of a twin model's loads: decoding alone, and with each request's prefill."""
+    rows = []
+    for load in model.loads:
+        tps, mode, k = model.best(load, acceptance)
+        rows.append({"load": load, "acceptance": acceptance, "tokens_per_s": round(tps, 1), "mode": mode, "k": k,
+                     "tokens_per_s_with_prefill": round(model.capacity_with_prefill(load, acceptance, prompt_tokens,
+                                                                                    output_tokens), 1)})
+    return rows
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from minedraft.operator.autoscale.replica_model import ReplicaModel
-    from minedraft.operator.autoscale.simulate import SimConfig, load_trace, plot, simulate
+    from minedraft.operator.autoscale.replica_model import TableReplicaModel, load_replica_model
+    from minedraft.operator.autoscale.simulate import SimConfig, load_trace, plot, plot_policies, simulate
 
     trace = load_trace(Path(args.trace))
-    model = ReplicaModel.load(Path(args.replica_model))
-    result = simulate(trace, model, SimConfig(policy=args.policy, hpa_target_per_pod=args.hpa_target,
-                                              target_utilization=args.target_utilization, seed=args.seed))
+    first = trace.rows[0]
+    if args.curves:
+        model = twin_model(args, first.prompt_tokens, first.output_tokens)
+        if args.save_model:
+            Path(args.save_model).write_text(json.dumps(model.to_json(), indent=1) + "\n")
+    else:
+        model = load_replica_model(Path(args.replica_model))
+    policies = ("minedraft", "hpa-queue") if args.policy == "both" else (args.policy,)
+    results = [simulate(trace, model, SimConfig(policy=policy, hpa_target_per_pod=args.hpa_target,
+                                                target_utilization=args.target_utilization, seed=args.seed,
+                                                startup_seconds=args.startup_seconds)) for policy in policies]
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    data = result.to_json()
-    if not args.timeline:
-        data.pop("timeline")
-    out.write_text(json.dumps(data, indent=1) + "\n")
+    runs = []
+    for result in results:
+        data = result.to_json()
+        if not args.timeline:
+            data.pop("timeline")
+        runs.append(data)
+    described: dict[str, Any] = {k: v for k, v in model.to_json().items()
+                                 if k not in ("ar_step", "draft_forward", "sd_extra_per_draft", "psd_ratio",
+                                              "tokens_per_second", "choices")}
+    if isinstance(model, TableReplicaModel):
+        described["capacity"] = capacity_table(model, model.prompt_tokens, model.output_tokens,
+                                               args.capacity_acceptance)
+    body: dict[str, Any] = runs[0] if len(runs) == 1 else {"runs": runs}
+    out.write_text(json.dumps({**body, "replica_model": described}, indent=1) + "\n")
     if args.plot:
-        plot(result, Path(args.plot), trace.slo_ttft_seconds)
-    print(json.dumps(result.summary()))
+        if len(results) == 1:
+            plot(results[0], Path(args.plot), trace.slo_ttft_seconds)
+        else:
+            plot_policies(results, Path(args.plot), trace.slo_ttft_seconds)
+    for result in results:
+        print(json.dumps(result.summary()))
+    if isinstance(model, TableReplicaModel):
+        for row in described["capacity"]:
+            print(f"replica capacity at {row['load']:g} requests, acceptance {row['acceptance']:g}: "
+                  f"{row['tokens_per_s']:.0f} tok/s decoding ({row['mode']} k={row['k']}), "
+                  f"{row['tokens_per_s_with_prefill']:.0f} with prefill")
     return 0
 
 
@@ -63,6 +133,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     write(summary, Path(args.out), command, plots=not args.no_plots)
     print(markdown(summary, command))
     return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from minedraft.operator.autoscale.check import load_traces, markdown, run, verdict
+
+    model = _load_model(args)
+    try:
+        startups = [float(s) for s in args.startup_seconds.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"--startup-seconds: expected comma-separated numbers, got {args.startup_seconds!r}") from None
+    names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
+    try:
+        seeds = [int(v) for v in args.seeds.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
+    rows = run(load_traces(Path(args.traces), names), model, startups, hpa_target=args.hpa_target, seeds=seeds,
+               workers=args.workers)
+    command = "minedraft autoscale check " + " ".join(sys.argv[3:])
+    text = markdown(rows, command)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+    return 1 if any(v["failures"] for v in verdict(rows).values()) else 0
 
 
 def cmd_history(args: argparse.Namespace) -> int:
@@ -97,7 +190,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from minedraft.operator.autoscale.replica_model import calibrate, describe
 
     model = calibrate([Path(p) for p in args.bench], args.startup_seconds, speedup=args.speedup,
-                      max_batch=args.max_batch)
+                      max_batch=args.max_batch, kv_capacity_tokens=args.kv_capacity_tokens,
+                      prefill_seconds_per_token=args.prefill_ms_per_token / 1000.0,
+                      assumptions=tuple(args.assumption or ()))
     Path(args.out).write_text(json.dumps(model.to_json(), indent=2) + "\n")
     print(json.dumps(model.to_json()))
     for line in describe(model):
@@ -116,8 +211,32 @@ def add_subcommands(sub: Any) -> None:
     commands = parser.add_subparsers(dest="autoscale_command", required=True)
     sim = commands.add_parser("simulate", help="replay a trace against the replica model under one policy")
     sim.add_argument("--trace", required=True, help="JSON-lines trace")
-    sim.add_argument("--policy", choices=("minedraft", "hpa-queue"), default="minedraft")
-    sim.add_argument("--replica-model", default=str(DEFAULT_MODEL), help="replica model JSON (default: committed)")
+    sim.add_argument("--policy", choices=("minedraft", "hpa-queue", "both"), default="minedraft",
+                     help="both: the two side by side (one JSON with both runs, one plot)")
+    sim.add_argument("--replica-model", default=str(DEFAULT_MODEL),
+                     help="replica model JSON (default: committed, the CPU calibration); ignored with --curves")
+    sim.add_argument("--startup-seconds", type=float,
+                     help="scale-up to serving (default: the replica model's)")
+    twin = sim.add_argument_group("a replica model from GPU cost curves, through the twin (minedraft plan)")
+    twin.add_argument("--curves", help="a cost-curve file (minedraft-cost-curves/v1): build the replica model from it")
+    twin.add_argument("--target", help="target model in the file (default: its only one)")
+    twin.add_argument("--drafter", help="drafter model in the file (default: its only one)")
+    twin.add_argument("--twin-loads", default="1,2,4,8,16,32,64,128,256", help="requests per replica the twin runs")
+    twin.add_argument("--twin-acceptances", default="0.2,0.4,0.6,0.8,0.9",
+                      help="per-position acceptances the twin runs (the simulator interpolates between them)")
+    twin.add_argument("--prompt-tokens", type=int, help="request shape for the twin (default: the trace's first row)")
+    twin.add_argument("--output-tokens", type=int)
+    twin.add_argument("--max-batch", type=int, default=256, help="the engine's --max-num-seqs (default 256)")
+    twin.add_argument("--disk-gb-per-second", type=float, default=1.0,
+                      help="start-up estimate: the weights' read bandwidth (default 1 GB/s, an estimate)")
+    twin.add_argument("--fixed-startup-seconds", type=float, default=60.0,
+                      help="start-up estimate: scheduling, image, CUDA graphs before the weights (default 60 s)")
+    twin.add_argument("--plan-flag", action="append",
+                      help="a further `minedraft plan` flag as deployed, e.g. --plan-flag=-tp --plan-flag=2")
+    twin.add_argument("--capacity-acceptance", type=float, default=0.8,
+                      help="acceptance of the per-replica capacity table printed (default 0.8)")
+    twin.add_argument("--save-model", help="write the replica model built from the curves here (for "
+                      "--replica-model, check and compare)")
     sim.add_argument("--json", required=True, help="write the result here")
     sim.add_argument("--plot", help="write a PNG of load, replicas and latency here")
     sim.add_argument("--hpa-target", type=float, default=12.0,
@@ -147,6 +266,18 @@ def add_subcommands(sub: Any) -> None:
     bench.add_argument("--workers", type=int, help="simulations in parallel (default: one per CPU)")
     bench.add_argument("--no-plots", action="store_true")
     bench.set_defaults(func=cmd_bench)
+    chk = commands.add_parser("check", help="both policies on every trace at several start-ups against the churn, "
+                                             "SLO and replica-seconds bar (a table; exit 1 if any fails)")
+    chk.add_argument("--traces", default=str(DEFAULT_TRACES))
+    chk.add_argument("--only", help="comma-separated trace names (default: every trace in --traces)")
+    chk.add_argument("--replica-model", default=str(DEFAULT_MODEL))
+    chk.add_argument("--startup-seconds", default="40,180", help="comma-separated start-up delays (default 40,180)")
+    chk.add_argument("--hpa-target", type=float, default=12.0)
+    chk.add_argument("--seeds", default="0,1,2",
+                     help="seeds of the Poisson arrivals, comma-separated; figures are pooled over them")
+    chk.add_argument("--workers", type=int, help="simulations in parallel (default: one per CPU)")
+    chk.add_argument("--out", help="also write the table here")
+    chk.set_defaults(func=cmd_check)
     hist = commands.add_parser("history", help="measured runs for calibrate from a deployment's Prometheus history")
     hist.add_argument("--prometheus", required=True, help="Prometheus HTTP API address")
     hist.add_argument("--namespace", required=True)
@@ -169,5 +300,12 @@ def add_subcommands(sub: Any) -> None:
     cal.add_argument("--speedup", type=float, default=1.0,
                      help="divide every step's seconds by this: the benchmark's shape on a faster device")
     cal.add_argument("--max-batch", type=int, help="requests per replica (default: the largest concurrency measured)")
+    cal.add_argument("--kv-capacity-tokens", type=float,
+                     help="tokens of KV cache per replica (vLLM's log: 'GPU KV cache size: N tokens'; default: "
+                     "unbounded, the batch is limited by --max-batch alone)")
+    cal.add_argument("--prefill-ms-per-token", type=float, default=0.0,
+                     help="a replica's milliseconds per prompt token prefilled (default 0: prefill not modelled)")
+    cal.add_argument("--assumption", action="append",
+                     help="where a figure the benchmarks do not measure came from (kept in the model; repeatable)")
     cal.add_argument("--out", default=str(DEFAULT_MODEL))
     cal.set_defaults(func=cmd_calibrate)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minedraft.operator.autoscale.replica_model import ReplicaModel
+from minedraft.operator.autoscale.replica_model import AnyReplicaModel, load_replica_model
 from minedraft.operator.autoscale.simulate import SimConfig, SimResult, Trace, load_trace, plot, simulate
 
 # HPA targets tried (running + waiting requests per pod): 1/16 .. 16/16 of a replica's batch (2, 4, .. 32 at 32).
@@ -60,12 +60,12 @@ def pooled(outcomes: Sequence[Outcome], num_seeds: int) -> dict[str, float]:
             "replica_seconds": round(sum(o.replica_seconds for o in outcomes) / max(num_seeds, 1), 1)}
 
 
-def _outcome(job: tuple[Trace, ReplicaModel, SimConfig]) -> Outcome:
+def _outcome(job: tuple[Trace, AnyReplicaModel, SimConfig]) -> Outcome:
     trace, model, config = job
     return Outcome.of(simulate(trace, model, config), config.seed)
 
 
-def _run_all(jobs: list[tuple[Trace, ReplicaModel, SimConfig]], workers: int) -> list[Outcome]:
+def _run_all(jobs: list[tuple[Trace, AnyReplicaModel, SimConfig]], workers: int) -> list[Outcome]:
     """Every job's outcome, in the jobs' order; in `workers` processes (the longest traces first), with progress."""
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i][0].duration_seconds)
     outcomes: list[Outcome | None] = [None] * len(jobs)
@@ -90,7 +90,7 @@ def _progress(count: int, total: int) -> None:
 
 def compare(traces_dir: Path, model_path: Path, out_dir: Path, seeds: Sequence[int], target_utilization: float,
             plots: bool = True, sweep_utilization: bool = True, workers: int | None = None) -> dict[str, Any]:
-    model = ReplicaModel.load(model_path)
+    model = load_replica_model(model_path)
     traces = [load_trace(p) for p in sorted(traces_dir.glob("*.jsonl"))]
     seeds = tuple(seeds)
     if not seeds:
@@ -219,9 +219,11 @@ def sweep_plot(sweep: list[dict[str, Any]], minedraft: dict[str, Any], path: Pat
 
 def markdown(summary: dict[str, Any], command: str) -> str:
     seeds = summary["seeds"]
+    model = summary["replica_model"]
+    sources = model.get("calibrated_from") or [model.get("source", "?")]  # a twin-built model names its source
     lines = ["# Autoscaling: minedraft vs hpa-queue in the simulator", "",
              f"- command: `{command}`",
-             f"- replica model: calibrated from {', '.join(summary['replica_model']['calibrated_from'])} "
+             f"- replica model: calibrated from {', '.join(sources)} "
              f"(startup {summary['replica_model']['startup_seconds']:.0f} s, batch "
              f"{summary['replica_model']['max_batch']}, speedup {summary['replica_model'].get('speedup', 1):g}, "
              f"modes {', '.join(summary['replica_model'].get('modes', ()))})",

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from minedraft.operator.autoscale.replica_model import ReplicaModel
+from minedraft.operator.autoscale.replica_model import AnyReplicaModel
 from minedraft.operator.autoscale.simulate import DEFAULT_SLO_TTFT_SECONDS, SimResult, Trace, TraceRow
 
 SHAPES = ("steady", "step", "ramp", "burst", "diurnal", "quiet", "mixed")
@@ -101,7 +101,7 @@ def _acceptance(rng: random.Random, duration: float) -> list[tuple[float, float]
     return points
 
 
-def make_member(index: int, seed: int, model: ReplicaModel) -> Trace:
+def make_member(index: int, seed: int, model: AnyReplicaModel) -> Trace:
     rng = random.Random(f"{seed}:{index}")
     shape = SHAPES[index % len(SHAPES)]
     duration = float(rng.choice((900, 1200, 1800, 2400)))
@@ -129,7 +129,7 @@ def make_member(index: int, seed: int, model: ReplicaModel) -> Trace:
                                                                          else ""))
 
 
-def make_family(model: ReplicaModel, size: int = FAMILY_SIZE, seed: int = 0,
+def make_family(model: AnyReplicaModel, size: int = FAMILY_SIZE, seed: int = 0,
                 indices: Sequence[int] | None = None) -> list[Trace]:
     return [make_member(i, seed, model) for i in (indices if indices is not None else range(size))]
 
@@ -149,19 +149,31 @@ def subsample(size: int, per_shape: int, seed: int = 0) -> list[int]:
 
 
 @lru_cache(maxsize=4096)
-def full_capacity(model: ReplicaModel, acceptance: float) -> float:
-    """The most output tokens/s one replica gives at this acceptance (best batch, mode and k)."""
-    return max(model.best(c, acceptance)[0] for c in range(1, model.max_batch + 1))
+def full_capacity(model: AnyReplicaModel, acceptance: float, prompt_tokens: float = 0.0,
+                  output_tokens: float = 0.0) -> float:
+    """The most output tokens/s one replica gives at this acceptance (best batch, mode and k), at batches its KV
+    cache holds at these lengths."""
+    slots = int(model.slots(prompt_tokens, output_tokens))
+    return max(model.best(c, acceptance)[0] for c in range(1, slots + 1))
 
 
-def requirement(trace: Trace, model: ReplicaModel) -> list[int]:
-    """Per second: the fewest replicas whose full-batch throughput covers the expected output token rate."""
+def replicas_busy(model: AnyReplicaModel, arrival_rps: float, prompt_tokens: float, output_tokens: float,
+                  acceptance: float) -> float:
+    """Replicas' worth of time the load takes: decoding its output at full capacity, plus prefilling its prompts."""
+    tokens = arrival_rps * output_tokens
+    decode = tokens / full_capacity(model, acceptance, prompt_tokens, output_tokens) if tokens > 0 else 0.0
+    return decode + arrival_rps * prompt_tokens * model.prefill_seconds_per_token
+
+
+def requirement(trace: Trace, model: AnyReplicaModel) -> list[int]:
+    """Per second: the fewest replicas whose full-batch throughput (at the batch their KV cache holds) covers the
+    expected output token rate with the time prefill takes."""
     need: list[int] = []
     index = 0
     for tick in range(int(trace.duration_seconds)):
         row, index = trace.row_at(float(tick), index)
-        tokens = row.arrival_rps * row.output_tokens
-        n = math.ceil(tokens / full_capacity(model, row.acceptance_rate) - 1e-9) if tokens > 0 else 0
+        busy = replicas_busy(model, row.arrival_rps, row.prompt_tokens, row.output_tokens, row.acceptance_rate)
+        n = math.ceil(busy - 1e-9) if busy > 0 else 0
         need.append(max(trace.min_replicas, min(trace.max_replicas, n)))
     return need
 
@@ -230,7 +242,7 @@ class PropertyReport:
                 "up_with_spare": self.up_with_spare[:5], "down_while_queue_grows": self.down_while_queue_grows[:5]}
 
 
-def check_properties(result: SimResult, trace: Trace, model: ReplicaModel, need: Sequence[int], *,
+def check_properties(result: SimResult, trace: Trace, model: AnyReplicaModel, need: Sequence[int], *,
                      target_utilization: float, step: int, interval_seconds: float,
                      stabilization_seconds: float, step_percent: float = 0.0) -> PropertyReport:
     """The policy's run against the properties of issue 19, with these definitions:
@@ -243,8 +255,9 @@ def check_properties(result: SimResult, trace: Trace, model: ReplicaModel, need:
       decision at t may be answering: from a window plus an interval before t (what a stabilised scale-down still
       remembers) to a startup after t (what a replica asked for now serves);
     - no scale-up with spare capacity and no queue: "spare" is clearly spare, by the truth of the simulator: no
-      request waiting, fewer requests in the system than half the replicas' slots, and the expected token rate over
-      the last interval and the next startup at most half what the replicas give at full batch;
+      request waiting, fewer requests in the system than half the replicas' slots (the batch their KV cache holds at
+      the trace's lengths), and the expected load over the last interval and the next startup (its output at full
+      batch, plus its prompts' prefill) at most half the replicas' time;
     - no scale-down while a queue grows: no scale-down decision when requests wait and more wait than an interval
       before.
     """
@@ -271,12 +284,12 @@ def check_properties(result: SimResult, trace: Trace, model: ReplicaModel, need:
                 over.append((float(run_start), float(i - run_start)))
             run_start = None
     index = 0
-    tokens: list[float] = []
-    capacity: list[float] = []
+    busy: list[float] = []  # replicas' worth of time the expected load takes (decoding and prefill)
+    slots: list[float] = []
     for tick in range(n):
         row, index = trace.row_at(float(tick), index)
-        tokens.append(row.arrival_rps * row.output_tokens)
-        capacity.append(full_capacity(model, row.acceptance_rate))
+        busy.append(replicas_busy(model, row.arrival_rps, row.prompt_tokens, row.output_tokens, row.acceptance_rate))
+        slots.append(model.slots(row.prompt_tokens, row.output_tokens))
     up_with_spare: list[float] = []
     down_while_queue_grows: list[float] = []
     lag = int(interval_seconds)
@@ -285,9 +298,8 @@ def check_properties(result: SimResult, trace: Trace, model: ReplicaModel, need:
         queue, before = tl["queue"][i], tl["queue"][max(0, i - lag)]
         if d["to"] > d["from"]:
             lo, hi = max(0, i - lag), min(n, i + startup + 1)
-            expected = max(tokens[lo:hi])
-            spare = (queue <= 0 and tl["in_system"][i] < 0.5 * d["from"] * model.max_batch
-                     and expected <= 0.5 * d["from"] * min(capacity[lo:hi]))
+            spare = (queue <= 0 and tl["in_system"][i] < 0.5 * d["from"] * min(slots[lo:hi])
+                     and max(busy[lo:hi]) <= 0.5 * d["from"])
             if spare:
                 up_with_spare.append(d["t"])
         elif d["to"] < d["from"] and queue > 0 and queue > before:

@@ -55,6 +55,12 @@ PROMETHEUS_QUERIES: Mapping[str, str] = {
     "verify_seconds": "avg(minedraft:engine_verify_seconds_per_step:rate1m{{{sel}}})",
     "draft_seconds": "avg(minedraft:engine_draft_seconds_per_step:rate1m{{{sel}}})",
     "modes": "minedraft_engine_mode{{{sel}}} == 1",
+    # Prompts as load: the KV cache in use (now, and a minute's mean) and the replicas' time spent prefilling.
+    "kv_usage": "avg(minedraft_engine_kv_cache_usage_ratio{{{sel}}})",
+    "kv_usage_1m": "avg(avg_over_time(minedraft_engine_kv_cache_usage_ratio{{{sel}}}[1m]))",
+    "prefill_seconds": "sum(rate(minedraft_engine_prefill_seconds_total{{{sel}}}[1m]))",
+    "ttft_mean": "sum(rate(minedraft_engine_time_to_first_token_seconds_sum{{{sel}}}[1m])) / "
+                 "sum(rate(minedraft_engine_time_to_first_token_seconds_count{{{sel}}}[1m]))",
 }
 
 
@@ -90,6 +96,10 @@ def observations_from_prometheus(results: Mapping[str, Sequence[Mapping[str, Any
             verify_seconds_per_step=_scalar(results.get("verify_seconds") or []),
             overlap_fraction=_scalar(results.get("overlap") or []),
             modes=tuple(modes)),
+        kv_cache_usage=_scalar(results.get("kv_usage") or []),
+        kv_cache_usage_1m=_scalar(results.get("kv_usage_1m") or []),
+        prefill_seconds_per_second=_scalar(results.get("prefill_seconds") or []),
+        mean_ttft_seconds=_scalar(results.get("ttft_mean") or []),
     )
 
 
@@ -122,7 +132,8 @@ async def query_prometheus(session: aiohttp.ClientSession, address: str, namespa
 # -- direct scraping (no Prometheus) ------------------------------------------------------------------------------
 
 COUNTERS = ("minedraft_engine_streamed_tokens", "minedraft_engine_accepted_tokens", "minedraft_engine_draft_tokens",
-            "minedraft_engine_drafts", "minedraft_engine_requests_finished")
+            "minedraft_engine_drafts", "minedraft_engine_requests_finished", "minedraft_engine_prefill_seconds")
+KV_USAGE_METRIC = "minedraft_engine_kv_cache_usage_ratio"
 
 
 @dataclass(frozen=True)
@@ -157,7 +168,7 @@ def observations_from_scrapes(now: Mapping[str, Scrape], before: Mapping[str, Sc
     """Observations from this scrape of each engine (by address) and the previous one (for rates)."""
     if not now:
         raise MetricsUnavailable("NoEngineMetrics", "no engine pod answered on its metrics port")
-    rate_tokens = rate_finished = accepted = drafted = drafts = 0.0
+    rate_tokens = rate_finished = accepted = drafted = drafts = prefill = 0.0
     rated = False
     for address, scrape in now.items():
         prev = before.get(address)
@@ -174,8 +185,11 @@ def observations_from_scrapes(now: Mapping[str, Scrape], before: Mapping[str, Sc
         accepted += delta("minedraft_engine_accepted_tokens")
         drafted += delta("minedraft_engine_draft_tokens")
         drafts += delta("minedraft_engine_drafts")
+        prefill += delta("minedraft_engine_prefill_seconds") / seconds
     predicted = [s.gauges["minedraft_engine_predicted_best_output_tokens_per_second"] for s in now.values()
                  if "minedraft_engine_predicted_best_output_tokens_per_second" in s.gauges]
+    kv = [s.gauges[KV_USAGE_METRIC] for s in now.values() if KV_USAGE_METRIC in s.gauges]
+    prefilling = any("minedraft_engine_prefill_seconds" in s.counters for s in now.values())
     return Observations(
         age_seconds=0.0, reporting_replicas=len(now),
         running_requests=sum(s.gauges.get("minedraft_engine_running_requests", 0.0) for s in now.values()),
@@ -187,6 +201,9 @@ def observations_from_scrapes(now: Mapping[str, Scrape], before: Mapping[str, Sc
             acceptance_rate=accepted / drafted if drafted else None,
             mean_accepted_length=1.0 + accepted / drafts if drafts else None,
             modes=tuple(sorted({m for s in now.values() for m in s.modes}))),
+        # Without Prometheus there is no minute's history of the gauge: the policy reads the instant's.
+        kv_cache_usage=sum(kv) / len(kv) if kv else None,
+        prefill_seconds_per_second=prefill if rated and prefilling else None,
     )
 
 

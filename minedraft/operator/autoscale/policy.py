@@ -40,6 +40,17 @@ the requests in the system visibly rise (the rates lag a rise). Replicas still
 starting count as capacity (current = spec.replicas, not ready replicas), so a slow model load does not trigger a
 cascade of scale-ups. Missing or stale metrics: no decision, ``metrics_available``
 False with why.
+
+No churn: every scale-up (a surge's included) is remembered with its count, and the scale-down does not go below it
+until all its replicas report, no request waits, and ``scale_up_hold_seconds`` has passed since (`settle_scale_ups`):
+a replica asked for is not removed before it has served.
+
+Prompts are load too. The KV cache: the share of one replica's cache a running request holds (the engines' KV usage
+x replicas / running, a minute's mean) gives the requests a replica holds (`kv_slots`), fewer than --max-num-seqs
+where prompts are long; capacity, the planned batch and the surge rule are judged at that batch, and the caches in
+use are sized for the target utilisation (grown along a rising share per request, as prompts grow, to when new
+replicas serve). Prefill: the replicas' seconds per second spent prefilling are time they do not decode, added to
+decoding's replicas. Which signal set the recommendation (SIGNALS) is recorded with the decision.
 """
 
 from __future__ import annotations
@@ -64,6 +75,16 @@ TREND_T = 3.0
 SPARE_OCCUPANCY = 0.5
 # How long a new replica takes to serve (pod start + model load) until the policy has measured it.
 PRIOR_STARTUP_SECONDS = 60.0
+# The signals a recommendation can come from (the `signal` of Inputs; the operator's signal gauge has one series each).
+SIGNALS = ("tokens", "prefill", "kv", "surge", "queue")
+# A surge is a rise of the requests in the system by more than this many standard deviations of a Poisson count.
+SURGE_NOISE = 2.0
+# The scale-down window is at least this many measured start-ups (stabilization_seconds).
+STARTUP_WINDOWS = 3.0
+# The KV share per request is the mean of this long's samples.
+KV_SHARE_SECONDS = 60.0
+# Below this KV usage the per-request share is too noisy to size from (a few short requests on an idle replica).
+MIN_KV_USAGE = 0.02
 # Tokens per request are also averaged over about this long (output tokens and finished requests, both decayed with
 # this time constant), and the lower of that and the last minute's ratio is used: while load rises, a minute's
 # output tokens include requests still decoding whose completions it has not seen yet, which reads as several times
@@ -99,6 +120,13 @@ class PolicyConfig:
     # while idle, or at zero replicas): the replica model's figure for the deployment. None: unknown until the
     # engines have decoded something.
     prior_capacity_tokens_per_second_per_replica: float | None = None
+    # A scale-up's replicas stay at least this long after they all serve with no request waiting (and at least this
+    # long after the scale-up): removing them sooner is churn (a GPU pod started, loaded 65 GB, and went unused).
+    # None: scale-ups are not remembered (only the window's sustained recommendations are: the policy before).
+    scale_up_hold_seconds: float | None = 120.0
+    # Whether prompts count as load (KV cache usage and prefill time); False: output tokens/s alone, as before
+    # issue 45 (the simulator's comparison of what the prompt signals add).
+    prompt_signals: bool = True
 
 
 @dataclass(frozen=True)
@@ -127,6 +155,15 @@ class Observations:
     # Requests finished per second over the last minute (None: not known; demand then counts the whole queue).
     finished_requests_per_second: float | None = None
     speculation: SpeculationFigures = field(default_factory=SpeculationFigures)
+    # Mean share of the reporting replicas' KV cache in use now, 0-1 (None: not exported); over the running requests
+    # it gives the share one request holds.
+    kv_cache_usage: float | None = None
+    # The same over the last minute (avg_over_time): the KV load, without the noise of one instant.
+    kv_cache_usage_1m: float | None = None
+    # Seconds per second the replicas spent prefilling prompts, summed over them (None: not exported).
+    prefill_seconds_per_second: float | None = None
+    # Mean time to first token over the last minute (None: no first token in it, or not exported).
+    mean_ttft_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +187,12 @@ class PolicyState:
     startup_seconds: float | None = None
     # (output tokens, finished requests, time s): both decayed over TOKENS_PER_REQUEST_SECONDS, as of that time.
     token_sums: tuple[float, float, float] | None = None
+    # (time s, share of one replica's KV cache a running request holds) over TREND_WINDOW_SECONDS: how KV per request
+    # moves (prompts growing), and the last measured when nothing runs.
+    kv_samples: tuple[tuple[float, float], ...] = ()
+    # Scale-ups the scale-down keeps: (time s, replicas asked for, time s from which they all served with no request
+    # waiting, None until then). Each holds its count for scale_up_hold_seconds after that.
+    scale_ups: tuple[tuple[float, int, float | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -163,6 +206,15 @@ class Inputs:
     running_requests: float
     waiting_requests: float
     recommended: int
+    # Which signal set the recommendation (SIGNALS): output tokens/s, prefill time, KV cache, a surge of requests,
+    # or a queue's drain.
+    signal: str = "tokens"
+    # Requests one replica can hold: --max-num-seqs, or fewer where the KV cache holds fewer at today's lengths.
+    slots_per_replica: float = 0.0
+    kv_cache_usage: float | None = None
+    prefill_share: float | None = None  # of a replica's time, per replica
+    kv_replicas: float = 0.0  # replicas the KV cache needs (0: not known)
+    prefill_replicas: float = 0.0  # replicas' time prefill needs at the target utilisation
 
 
 @dataclass(frozen=True)
@@ -409,6 +461,11 @@ def surge_replicas(config: PolicyConfig, state: PolicyState, obs: Observations, 
         return 0.0
     if in_system <= config.target_utilization * config.requests_per_replica * current:
         return 0.0
+    # A rise within the Poisson noise of the count is no surge, nor one the replicas take without a queue: where the
+    # KV cache holds a few long requests per replica, the count crosses the target share of slots by chance at every
+    # other evaluation, and a prefill stall bunches them up for a moment.
+    if in_system <= last[1] + SURGE_NOISE * math.sqrt(max(last[1], 1.0)) or obs.waiting_requests < 1:
+        return 0.0
     return in_system / planned_batch(config, shape)
 
 
@@ -459,6 +516,59 @@ def evaluate_early(config: PolicyConfig, current: int, last_waiting: float | Non
     return waiting_now > last_waiting
 
 
+def kv_share_per_request(obs: Observations) -> float | None:
+    """Share of one replica's KV cache a running request holds now (usage x replicas / running); None if unknown."""
+    usage = obs.kv_cache_usage
+    if usage is None or usage < MIN_KV_USAGE or obs.running_requests < 1 or obs.reporting_replicas < 1:
+        return None
+    return usage * obs.reporting_replicas / obs.running_requests
+
+
+def kv_share_ahead(config: PolicyConfig, state: PolicyState, now_seconds: float) -> float | None:
+    """KV share per request when replicas asked for now serve: the last measured, or along its trend if it rises
+    beyond its noise (prompts growing: the batch the KV cache holds shrinks while the arrivals stay)."""
+    samples = tuple((t, v) for t, v in state.kv_samples if t > now_seconds - TREND_WINDOW_SECONDS)
+    if not state.kv_samples:
+        return None
+    recent = [v for t, v in samples if t > now_seconds - KV_SHARE_SECONDS] or [state.kv_samples[-1][1]]
+    last = sum(recent) / len(recent)
+    forecast = forecast_arrivals(samples, now_seconds, lead_seconds(config, state))
+    return max(last, forecast) if forecast is not None else last
+
+
+def kv_slots(config: PolicyConfig, share: float | None) -> float:
+    """Requests one replica holds: --max-num-seqs, or as many as its KV cache holds at `share` each if fewer."""
+    if share is None or share <= 0:
+        return float(config.requests_per_replica)
+    return max(1.0, min(float(config.requests_per_replica), math.floor(1.0 / share)))
+
+
+def stabilization_seconds(config: PolicyConfig, state: PolicyState) -> float:
+    """The scale-down window: the configured one, or STARTUP_WINDOWS measured start-ups if longer.
+
+    A replica removed and needed again costs a start-up during which the load waits for it: where start-ups are long
+    (a GPU pod loading tens of GB), a dip must last longer before a scale-down pays. The HPA's 300 s is five start-ups
+    of a minute; at 180 s it is fewer than two."""
+    window = config.scale_down_stabilization_seconds
+    if state.startup_seconds is not None:
+        window = max(window, STARTUP_WINDOWS * state.startup_seconds)
+    return window
+
+
+def settle_scale_ups(config: PolicyConfig, scale_ups: tuple[tuple[float, int, float | None], ...], current: int,
+                     obs: Observations, now_seconds: float) -> tuple[tuple[float, int, float | None], ...]:
+    """Mark the scale-ups whose replicas all serve with no request waiting, and forget those held long enough."""
+    kept = []
+    for at, replicas, settled in scale_ups:
+        if settled is None and obs.reporting_replicas >= min(replicas, current) and obs.waiting_requests < 1:
+            settled = now_seconds
+        hold = config.scale_up_hold_seconds or 0.0
+        if settled is not None and now_seconds >= max(settled, at) + hold:
+            continue
+        kept.append((at, replicas, settled))
+    return tuple(kept)
+
+
 def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observations | None,
            now_seconds: float) -> tuple[Decision, PolicyState]:
     """The replica count to run next, why, and the state to pass to the next call.
@@ -498,8 +608,25 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
     startup, pending = state.startup_seconds, state.pending_scale_up
     if pending is not None and obs.reporting_replicas >= pending[1]:
         startup, pending = now_seconds - pending[0], None
+    if not config.prompt_signals:
+        obs = replace(obs, kv_cache_usage=None, kv_cache_usage_1m=None, prefill_seconds_per_second=None)
+    share_now = kv_share_per_request(obs)
+    kv_samples = tuple((t, v) for t, v in state.kv_samples if t > now_seconds - TREND_WINDOW_SECONDS)
+    if share_now is not None:
+        kv_samples = (*kv_samples, (now_seconds, share_now))
+    elif state.kv_samples:
+        kv_samples = kv_samples or state.kv_samples[-1:]  # idle: the last measured share stays (as the speed does)
     state = replace(state, startup_seconds=startup, pending_scale_up=pending,
-                    token_sums=updated_token_sums(state, obs, now_seconds))
+                    token_sums=updated_token_sums(state, obs, now_seconds), kv_samples=kv_samples,
+                    scale_ups=settle_scale_ups(config, state.scale_ups, current, obs, now_seconds))
+    # What a replica holds: --max-num-seqs, or fewer where its KV cache holds fewer at today's lengths; capacity,
+    # the planned batch and a surge are all judged at that batch.
+    # A minute's samples averaged: one instant's ratio of KV in use to requests running is noisy where few run.
+    recent = [v for t, v in kv_samples if t > now_seconds - KV_SHARE_SECONDS] or [v for _, v in kv_samples[-1:]]
+    share = sum(recent) / len(recent) if recent else None
+    share_ahead = kv_share_ahead(config, state, now_seconds)
+    slots = kv_slots(config, share)
+    sized = replace(config, requests_per_replica=max(1, math.floor(slots)))
     sustained, backlog, demand_basis = demand_parts(config, state, obs, per_request, now_seconds)
     demand = sustained + backlog
     batch = obs.running_requests / obs.reporting_replicas
@@ -514,26 +641,55 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
     # Never flatter than the prior: a fit over light batches extrapolated to full ones must not consolidate too far.
     shape = (config.batch_slowdown if config.batch_slowdown is not None
              else max(batch_slowdown(samples), PRIOR_BATCH_SLOWDOWN))
+    slots_used = sized.requests_per_replica
     if measured:
-        capacity = full_batch_capacity(per_request, max(batch, 1.0), shape, config.requests_per_replica)
+        capacity = full_batch_capacity(per_request, max(batch, 1.0), shape, slots_used)
     elif source == "last measured":
         last_batch = samples[-1][0] if samples else 1.0
-        capacity = full_batch_capacity(per_request, max(last_batch, 1.0), shape, config.requests_per_replica)
+        capacity = full_batch_capacity(per_request, max(last_batch, 1.0), shape, slots_used)
     elif source == "prior":
         capacity = config.prior_capacity_tokens_per_second_per_replica or 0.0
+        if slots_used < config.requests_per_replica:
+            # The prior is for a full batch of --max-num-seqs: the KV cache holds fewer.
+            capacity = full_batch_capacity(capacity / config.requests_per_replica, config.requests_per_replica,
+                                           shape, slots_used)
     else:
         capacity = 0.0
+    u = config.target_utilization
+    # Prefill: the replicas' time spent prefilling (measured, a minute's rate) is time they do not decode; at the
+    # target utilisation it needs prefill / u replicas on top of decoding's.
+    prefill = obs.prefill_seconds_per_second if obs.prefill_seconds_per_second is not None else 0.0
+    prefill_replicas = max(prefill, 0.0) / u
+    # KV cache: the caches' use (a minute's mean, replicas' worth), grown by how much more a request will hold when
+    # new replicas serve (prompts growing), plus the waiting requests' share, at the target utilisation of the caches.
+    kv_steady = kv_replicas = 0.0
+    usage = obs.kv_cache_usage_1m if obs.kv_cache_usage_1m is not None else obs.kv_cache_usage
+    if share_ahead is not None and usage is not None:
+        growth = max(share_ahead / share, 1.0) if share else 1.0
+        kv_steady = usage * obs.reporting_replicas * growth / u
+        kv_replicas = kv_steady + obs.waiting_requests * share_ahead / u
     surge_note = ""
+    signal = "tokens"
     steady: int | None = None
     surge = 0.0
     if capacity <= 0:
         # Capacity unknown: no scale-up on it; an idle system (demand 0) may still go to its minimum.
         recommended = current if demand > 0 or in_system > 0 else 0
     else:
-        raw = demand / (config.target_utilization * capacity)
-        surge = surge_replicas(config, state, obs, current, shape)
+        decode_replicas = demand / (u * capacity)
+        raw = decode_replicas + prefill_replicas
+        if backlog > sustained:
+            signal = "queue"
+        elif prefill_replicas > decode_replicas:
+            signal = "prefill"
+        if kv_replicas > raw:
+            raw, signal = kv_replicas, "kv"
+        elif signal == "tokens" and slots < config.requests_per_replica:
+            # Capacity is judged at the batch the KV cache holds: it is the KV cache that limits the replicas.
+            signal = "kv"
+        surge = surge_replicas(sized, state, obs, current, shape)
         if surge > raw:
-            raw, surge_note = surge, f", {in_system:.0f} requests in the system and rising (surge)"
+            raw, surge_note, signal = surge, f", {in_system:.0f} requests in the system and rising (surge)", "surge"
         # Tolerance band as the HPA: the ratio to the current count decides whether to move at all.
         if current > 0 and abs(raw / current - 1.0) <= config.tolerance:
             recommended = current
@@ -543,7 +699,7 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
         # load needs for as long as it lasts. The window remembers it (not a backlog's one-off drain, which held
         # every replica a queue once asked for through the whole window), and a scale-up reaches it at once.
         if demand_basis != "in system":
-            sustained_raw = sustained / (config.target_utilization * capacity)
+            sustained_raw = max(sustained / (u * capacity) + prefill_replicas, kv_steady)
             steady = current if current > 0 and abs(sustained_raw / current - 1.0) <= config.tolerance \
                 else math.ceil(sustained_raw - 1e-9)
             steady = min(steady, recommended)
@@ -555,8 +711,12 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
                     capacity_tokens_per_second_per_replica=round(capacity, 3),
                     per_request_tokens_per_second=round(per_request, 4), capacity_source=source,
                     running_requests=obs.running_requests, waiting_requests=obs.waiting_requests,
-                    recommended=recommended)
-    window = config.scale_down_stabilization_seconds
+                    recommended=recommended, signal=signal, slots_per_replica=slots,
+                    kv_cache_usage=obs.kv_cache_usage,
+                    prefill_share=round(prefill / obs.reporting_replicas, 4) if obs.prefill_seconds_per_second
+                    is not None else None, kv_replicas=round(kv_replicas, 3),
+                    prefill_replicas=round(prefill_replicas, 3))
+    window = stabilization_seconds(config, state)
     history = (*((t, r) for t, r in state.recommendations if t > now_seconds - window), (now_seconds, steady))
     first = state.first_observed_seconds if state.first_observed_seconds is not None else now_seconds
     previous_in_system = state.last_in_system[1] if state.last_in_system is not None else None
@@ -566,9 +726,15 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
         arrival_samples = (*arrival_samples, (now_seconds, arrivals))
     state = replace(state, recommendations=history, first_observed_seconds=first, speed_samples=samples,
                     last_in_system=(now_seconds, in_system), arrival_samples=arrival_samples)
-    figures = (f"demand {demand:.0f} tok/s ({demand_basis}), capacity {capacity:.0f} tok/s per replica ({source})"
-               f"{surge_note}")
-    spare = obs.waiting_requests <= 0 and in_system < SPARE_OCCUPANCY * config.requests_per_replica * current
+    figures = (f"{signal}: demand {demand:.0f} tok/s ({demand_basis}), capacity {capacity:.0f} tok/s per replica "
+               f"({source}){surge_note}")
+    if slots < config.requests_per_replica:
+        figures += f", KV cache holds {slots:.0f} requests per replica"
+    if prefill_replicas > 0:
+        figures += f", prefill {prefill / obs.reporting_replicas:.0%} of a replica's time"
+    if kv_replicas > 0:
+        figures += f", KV needs {kv_replicas:.1f} replicas"
+    spare = obs.waiting_requests <= 0 and in_system < SPARE_OCCUPANCY * slots * current
     if recommended > current and spare:
         return Decision(current, current, f"hold: {figures} needs {recommended}, but no request waits and the "
                                           f"{in_system:.0f} in the system fill less than half the replicas' slots",
@@ -582,7 +748,9 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
         at_once = max(steady if demand_basis != "in system" else current, _clamp(math.ceil(surge - 1e-9), config))
         desired = min(recommended, max(current + step, at_once))
         step_note = "" if desired == recommended else f" (step limited to +{step})"
-        state = replace(state, pending_scale_up=(now_seconds, desired))
+        scale_ups = state.scale_ups if config.scale_up_hold_seconds is None else (
+            *state.scale_ups, (now_seconds, desired, None))
+        state = replace(state, pending_scale_up=(now_seconds, desired), scale_ups=scale_ups)
         return Decision(current, desired, f"scale up: {figures} needs {recommended}{step_note}", True, inputs), state
     if recommended < current:
         # The highest recommendation over the window: scale down only as far as the whole window allows.
@@ -594,6 +762,17 @@ def decide(config: PolicyConfig, state: PolicyState, current: int, obs: Observat
         if floor >= current:
             return Decision(current, current, f"hold: {figures} needs {recommended}, but the last "
                                               f"{window:.0f}s needed up to {floor}", True, inputs), state
+        held = [(at, n, settled) for at, n, settled in state.scale_ups if n > recommended]
+        if held:
+            # A scale-up's replicas stay until they have all served, the queue they were asked for has drained, and
+            # a hold has passed: removing them sooner is churn (they cost their start-up and served nothing).
+            at, n, settled = max(held, key=lambda h: h[1])
+            why = (f"its replicas serve with no request waiting since {settled:.0f}s" if settled is not None
+                   else "its replicas do not all serve yet or requests wait")
+            floor = max(floor, min(n, current))
+            if floor >= current:
+                return Decision(current, current, f"hold: {figures} needs {recommended}, but the scale-up to {n} "
+                                                  f"at {at:.0f}s is kept ({why})", True, inputs), state
         if obs.waiting_requests >= 1:
             # A queue is still being served: the replicas it waits for are not removed (the window remembers the
             # load's sustained need, not the queue's).

@@ -28,6 +28,12 @@ its load and acceptance: that is what the engines' predicted-goodput gauge repor
 `speedup` divides every step's seconds: the benchmark's shape (how ar, sd and psd compare across batch sizes and
 k) on a device that many times faster, for when the benchmark ran on CPUs much slower than the replicas the
 traces are sized for.
+
+Prompts cost too. Prefill: `prefill_seconds_per_token` of a replica's time per prompt token (compute-bound, so a
+replica prefilling is not decoding). KV cache: `kv_capacity_tokens` tokens per replica; a request holds its prompt
+and output in it, so a replica decodes at most min(max_batch, kv_capacity_tokens / (prompt + output)) requests
+(`slots`): with long prompts the KV cache, not --max-num-seqs, is what limits the batch. Neither is in the engine
+benchmark the curves come from: `assumptions` says where the figures came from.
 """
 
 from __future__ import annotations
@@ -93,6 +99,19 @@ class ReplicaModel:
     max_speculative_tokens: int = 5
     speedup: float = 1.0
     calibrated_from: tuple[str, ...] = ()
+    # Tokens of KV cache one replica holds (None: unbounded, the batch is limited by max_batch alone).
+    kv_capacity_tokens: float | None = None
+    # Seconds of a replica's time per prompt token prefilled (0: prefill not modelled).
+    prefill_seconds_per_token: float = 0.0
+    # Where the figures not measured by the engine benchmark came from (KV capacity, prefill, start-up), in words.
+    assumptions: tuple[str, ...] = ()
+
+    def slots(self, prompt_tokens: float, output_tokens: float) -> float:
+        """Requests one replica can decode at once at these lengths: its batch limit, or what its KV cache holds."""
+        if self.kv_capacity_tokens is None:
+            return float(self.max_batch)
+        return max(1.0, min(float(self.max_batch), math.floor(self.kv_capacity_tokens
+                                                               / max(prompt_tokens + output_tokens, 1.0))))
 
     def _draft(self, requests: float, k: int) -> float:
         return k * evaluate(self.draft_forward, requests)
@@ -135,13 +154,15 @@ class ReplicaModel:
         data = asdict(self)
         for name in CURVES:
             data[name] = [list(point) for point in data[name]]
-        return {**data, "modes": list(self.modes), "calibrated_from": list(self.calibrated_from)}
+        return {**data, "modes": list(self.modes), "calibrated_from": list(self.calibrated_from),
+                "assumptions": list(self.assumptions)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ReplicaModel:
         curves = {name: tuple((float(x), float(y)) for x, y in data.get(name, ())) for name in CURVES}
         return cls(**{**data, **curves, "modes": tuple(data.get("modes", MODES)),
-                      "calibrated_from": tuple(data.get("calibrated_from", ()))})
+                      "calibrated_from": tuple(data.get("calibrated_from", ())),
+                      "assumptions": tuple(data.get("assumptions", ()))})
 
     @classmethod
     def load(cls, path: Path) -> ReplicaModel:
@@ -209,7 +230,8 @@ def _cycle(concurrency: int, figures: dict[str, Any]) -> float:
 
 
 def calibrate(bench_files: list[Path], startup_seconds: float, speedup: float = 1.0,
-              max_batch: int | None = None) -> ReplicaModel:
+              max_batch: int | None = None, kv_capacity_tokens: float | None = None,
+              prefill_seconds_per_token: float = 0.0, assumptions: tuple[str, ...] = ()) -> ReplicaModel:
     """Fit the model's curves to every (concurrency, mode) point of the benchmark files.
 
     Each point's cycle is its measured seconds per verification of every request (requests x mean accepted length /
@@ -269,7 +291,8 @@ def calibrate(bench_files: list[Path], startup_seconds: float, speedup: float = 
     return ReplicaModel(ar_step=ar_curve, draft_forward=draft_curve, sd_extra_per_draft=extra, psd_ratio=ratio,
                         max_batch=max_batch or max(batches), startup_seconds=startup_seconds, modes=tuple(modes),
                         min_speculative_tokens=1, max_speculative_tokens=max(5, *ks), speedup=speedup,
-                        calibrated_from=tuple(p.name for p in bench_files))
+                        calibrated_from=tuple(p.name for p in bench_files), kv_capacity_tokens=kv_capacity_tokens,
+                        prefill_seconds_per_token=prefill_seconds_per_token, assumptions=assumptions)
 
 
 def describe(model: ReplicaModel, acceptances: tuple[float, ...] = (0.9, 0.6, 0.1),
@@ -286,3 +309,124 @@ def describe(model: ReplicaModel, acceptances: tuple[float, ...] = (0.9, 0.6, 0.
             lines.append(f"acceptance {a:g}, batch {c}: {label} {tps:.0f} tok/s ({tps / ar:.2f}x ar)"
                          if math.isfinite(tps) else f"acceptance {a:g}, batch {c}: -")
     return lines
+
+
+# -- a replica model from the twin ---------------------------------------------------------------------------------
+
+TABLE_KIND = "twin-table"
+
+
+def _bracket(values: tuple[float, ...], x: float, log: bool = False) -> tuple[int, int, float]:
+    """Indices of the grid values around x and x's weight on the upper one (clamped to the grid's ends)."""
+    if x <= values[0]:
+        return 0, 0, 0.0
+    if x >= values[-1]:
+        last = len(values) - 1
+        return last, last, 0.0
+    for i in range(len(values) - 1):
+        lo, hi = values[i], values[i + 1]
+        if lo <= x <= hi:
+            if log:
+                return i, i + 1, (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))
+            return i, i + 1, (x - lo) / (hi - lo)
+    raise AssertionError("unreachable: x within the grid")
+
+
+@dataclass(frozen=True)
+class TableReplicaModel:
+    """One replica as the twin of the engine gives it (`minedraft plan` on a cost-curve file): output tokens/s of the
+    engine's auto mode at each load (requests decoding) and acceptance, decoding only (prefill is priced apart, per
+    prompt token, as the simulator does), with the mode and k auto ran there; the KV cache's tokens and the prefill
+    time per prompt token from the same file; a start-up estimated from the weights' bytes and a disk bandwidth.
+
+    Between the grid's loads tokens/s is interpolated in log(load) (throughput grows about logarithmically while
+    decoding is weight-bound), between acceptances linearly; outside the grid the nearest edge holds, and below one
+    request a replica gives that share of one request's speed (as ReplicaModel).
+    """
+
+    loads: tuple[float, ...]
+    acceptances: tuple[float, ...]
+    tokens_per_second: tuple[tuple[float, ...], ...]  # [acceptance][load]
+    choices: tuple[tuple[tuple[str, int], ...], ...]  # [acceptance][load]: (mode, k) auto ran
+    max_batch: int
+    startup_seconds: float
+    kv_capacity_tokens: float | None = None
+    prefill_seconds_per_token: float = 0.0
+    assumptions: tuple[str, ...] = ()
+    source: str = ""
+    prompt_tokens: int = 0  # the request shape the twin ran (context for the decode speeds; KV capacity's shape)
+    output_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.tokens_per_second) != len(self.acceptances) or any(
+                len(row) != len(self.loads) for row in self.tokens_per_second):
+            raise ValueError("tokens_per_second: one row per acceptance, one value per load")
+        if list(self.loads) != sorted(self.loads) or list(self.acceptances) != sorted(self.acceptances):
+            raise ValueError("loads and acceptances: increasing")
+
+    def slots(self, prompt_tokens: float, output_tokens: float) -> float:
+        if self.kv_capacity_tokens is None:
+            return float(self.max_batch)
+        return max(1.0, min(float(self.max_batch), math.floor(self.kv_capacity_tokens
+                                                               / max(prompt_tokens + output_tokens, 1.0))))
+
+    def best(self, running: float, acceptance: float) -> tuple[float, str, int]:
+        """(output tokens/s, mode, k) of the replica in auto mode with `running` requests decoding."""
+        c = max(running, 1.0)
+        a0, a1, wa = _bracket(self.acceptances, acceptance)
+        l0, l1, wl = _bracket(self.loads, c, log=True)
+
+        def at(i: int) -> float:
+            """Row i's tokens/s at this load, carried to this acceptance along its mode's accepted length: tokens
+            per verification grow as L(a, k) = 1 + a + ... + a^k, convex in a, which a straight line between two
+            acceptances would overstate (outside the grid the edge holds)."""
+            row = self.tokens_per_second[i]
+            tps = row[l0] * (1 - wl) + row[l1] * wl
+            mode, k = self.choices[i][l1 if wl >= 0.5 else l0]
+            if a0 == a1 or mode == "ar" or k <= 0:
+                return tps
+            return tps * accepted_length(acceptance, k) / accepted_length(self.acceptances[i], k)
+
+        tps = at(a0) * (1 - wa) + at(a1) * wa
+        if c < self.loads[0]:
+            tps *= c / self.loads[0]  # fewer requests than the first load: as many shares of its per-request speed
+        mode, k = self.choices[a1 if wa >= 0.5 else a0][l1 if wl >= 0.5 else l0]
+        if running < 1.0:
+            return tps * running, mode, k
+        return tps, mode, k
+
+    def capacity_with_prefill(self, running: float, acceptance: float, prompt_tokens: float,
+                              output_tokens: float) -> float:
+        """Output tokens/s with `running` requests in flight when each also prefills its prompt on the replica:
+        decoding at D tok/s while O output tokens per request bring P prompt tokens at p s each leaves
+        D / (1 + D P p / O) (the simulator's time-share of prefill and decoding)."""
+        decode = self.best(min(running, self.slots(prompt_tokens, output_tokens)), acceptance)[0]
+        per_request = prompt_tokens * self.prefill_seconds_per_token / max(output_tokens, 1.0)
+        return decode / (1.0 + decode * per_request)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        return {"kind": TABLE_KIND, **data, "loads": list(self.loads), "acceptances": list(self.acceptances),
+                "tokens_per_second": [list(r) for r in self.tokens_per_second],
+                "choices": [[list(c) for c in row] for row in self.choices],
+                "assumptions": list(self.assumptions)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TableReplicaModel:
+        fields = {k: v for k, v in data.items() if k != "kind"}
+        return cls(**{**fields, "loads": tuple(float(x) for x in data["loads"]),
+                      "acceptances": tuple(float(x) for x in data["acceptances"]),
+                      "tokens_per_second": tuple(tuple(float(x) for x in row) for row in data["tokens_per_second"]),
+                      "choices": tuple(tuple((str(m), int(k)) for m, k in row) for row in data["choices"]),
+                      "assumptions": tuple(data.get("assumptions", ()))})
+
+
+AnyReplicaModel = ReplicaModel | TableReplicaModel
+
+
+def load_replica_model(path: Path) -> AnyReplicaModel:
+    """A replica model file: the CPU calibration (`calibrate`) or a table from the twin (`simulate --curves`)."""
+    data = json.loads(path.read_text())
+    if data.get("kind") == TABLE_KIND:
+        return TableReplicaModel.from_json(data)
+    return ReplicaModel.from_json(data)

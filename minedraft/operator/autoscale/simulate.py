@@ -41,7 +41,7 @@ from minedraft.operator.autoscale.policy import (
     evaluate_early,
     wake_from_zero,
 )
-from minedraft.operator.autoscale.replica_model import ReplicaModel, acceptance_rate_metric, accepted_length
+from minedraft.operator.autoscale.replica_model import AnyReplicaModel, acceptance_rate_metric, accepted_length
 from minedraft.operator.settings import OperatorSettings
 
 POLICIES = ("minedraft", "hpa-queue", "oracle")
@@ -122,6 +122,18 @@ class _Cohort:
     count: float
     arrived: float
     remaining_tokens: float
+    prompt_tokens: float = 0.0
+    output_tokens: float = 0.0
+
+    @property
+    def kv_tokens(self) -> float:
+        """KV cache a request holds at most (prompt + output): what admission reserves for it."""
+        return self.prompt_tokens + self.output_tokens
+
+    @property
+    def kv_used_tokens(self) -> float:
+        """KV cache a request holds now (prompt + what it generated so far): what the engines' gauge reports."""
+        return self.prompt_tokens + self.output_tokens - self.remaining_tokens
 
 
 @dataclass
@@ -136,12 +148,22 @@ class SimResult:
     first_reaction_seconds: float | None  # seconds from the trace's event to the first scale-up beyond its count
     decisions: list[dict[str, Any]] = field(default_factory=list)
     timeline: dict[str, list[float]] = field(default_factory=dict)
+    # Churn: replicas removed while still starting (asked for, then removed before they served), and scale-downs
+    # within CHURN_SECONDS of a scale-up.
+    removed_before_ready: int = 0
+    scale_downs_soon_after_scale_up: int = 0
+    # Seconds in which a replica's KV cache was full (a request waited for KV, not for a slot of the batch).
+    kv_full_seconds: float = 0.0
+    startup_seconds: float = 0.0
 
     def summary(self) -> dict[str, Any]:
         return {"policy": self.policy, "trace": self.trace, "replica_seconds": round(self.replica_seconds, 1),
                 "slo_violation_fraction": round(self.slo_violation_fraction, 6),
                 "requests": round(self.requests, 1), "max_queue": round(self.max_queue, 1),
-                "direction_changes": self.direction_changes, "first_reaction_seconds": self.first_reaction_seconds}
+                "direction_changes": self.direction_changes, "first_reaction_seconds": self.first_reaction_seconds,
+                "removed_before_ready": self.removed_before_ready,
+                "scale_downs_soon_after_scale_up": self.scale_downs_soon_after_scale_up,
+                "kv_full_seconds": self.kv_full_seconds, "startup_seconds": self.startup_seconds}
 
     def to_json(self) -> dict[str, Any]:
         return {**self.summary(), "decisions": self.decisions, "timeline": self.timeline}
@@ -166,6 +188,9 @@ MAX_BEST_CACHE = 500_000
 
 # The operator's default tick (its autoscaler's timer).
 OPERATOR_TICK_SECONDS = OperatorSettings.autoscale_tick_seconds
+# A scale-down this soon after a scale-up is churn (the simulator counts it): the replicas just asked for have barely
+# served, if at all.
+CHURN_SECONDS = 120.0
 
 
 @dataclass(frozen=True)
@@ -183,16 +208,24 @@ class SimConfig:
     # Policy minedraft: the operator's tick, at which it reads the engines' waiting requests and evaluates early
     # when they grew since the last evaluation (policy.evaluate_early); None: evaluations on the interval only.
     operator_tick_seconds: float | None = OPERATOR_TICK_SECONDS
+    # From a scale-up to its replicas serving; None: the replica model's startup_seconds.
+    startup_seconds: float | None = None
+    # Policy minedraft: how long a scale-up's replicas are kept once they serve (PolicyConfig.scale_up_hold_seconds;
+    # None: scale-ups are not remembered, the policy before issue 45).
+    scale_up_hold_seconds: float | None = PolicyConfig.scale_up_hold_seconds
+    # Policy minedraft: KV cache and prefill as load (PolicyConfig.prompt_signals); False: output tokens/s alone.
+    prompt_signals: bool = True
 
 
-def initial_replicas(trace: Trace, model: ReplicaModel, target_utilization: float) -> int:
+def initial_replicas(trace: Trace, model: AnyReplicaModel, target_utilization: float) -> int:
     row = trace.rows[0]
-    capacity = model.best(model.max_batch, row.acceptance_rate)[0]
-    need = math.ceil(row.arrival_rps * row.output_tokens / (target_utilization * capacity))
+    capacity = model.best(model.slots(row.prompt_tokens, row.output_tokens), row.acceptance_rate)[0]
+    prefill = row.arrival_rps * row.prompt_tokens * model.prefill_seconds_per_token
+    need = math.ceil((row.arrival_rps * row.output_tokens / capacity + prefill) / target_utilization)
     return max(trace.min_replicas, min(trace.max_replicas, need))
 
 
-def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
+def simulate(trace: Trace, model: AnyReplicaModel, config: SimConfig) -> SimResult:
     if config.policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)} (got {config.policy!r})")
     if config.policy == "oracle" and not config.schedule:
@@ -212,7 +245,17 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
         return found
 
     start = config.initial_replicas or initial_replicas(trace, model, config.target_utilization)
+    startup_seconds = config.startup_seconds if config.startup_seconds is not None else model.startup_seconds
     ready_at: list[float] = [0.0] * start  # per replica: when it serves (0: from the start)
+    kv_capacity = model.kv_capacity_tokens if model.kv_capacity_tokens is not None else math.inf
+    prefill_per_token = model.prefill_seconds_per_token
+    # Prefill not yet done, in replica-seconds (the fleet's: the gateway spreads requests over the replicas).
+    prefill_backlog = 0.0
+    prefill_window: deque[float] = deque(maxlen=RATE_WINDOW_SECONDS)
+    ttft_window: deque[tuple[float, float]] = deque(maxlen=RATE_WINDOW_SECONDS)  # (sum of TTFT, requests) per tick
+    kv_full_seconds = 0.0
+    kv_window: deque[float] = deque(maxlen=RATE_WINDOW_SECONDS)  # the engines' KV usage gauge, per second
+    removed_before_ready = soon_after_up = 0
     queue: deque[_Cohort] = deque()
     running: list[_Cohort] = []
     policy_config = PolicyConfig(min_replicas=trace.min_replicas, max_replicas=trace.max_replicas,
@@ -221,6 +264,8 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
                                  scale_down_stabilization_seconds=config.scale_down_stabilization_seconds,
                                  max_scale_up_step=config.max_scale_up_step, requests_per_replica=model.max_batch,
                                  max_metrics_age_seconds=3 * config.interval_seconds,
+                                 scale_up_hold_seconds=config.scale_up_hold_seconds,
+                                 prompt_signals=config.prompt_signals,
                                  prior_capacity_tokens_per_second_per_replica=model.best(model.max_batch,
                                                                                          PRIOR_ACCEPTANCE)[0])
     hpa_config = HpaConfig(target_per_pod=config.hpa_target_per_pod, min_replicas=trace.min_replicas,
@@ -233,7 +278,8 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
     replica_seconds = violations = total = max_queue = 0.0
     decisions: list[dict[str, Any]] = []
     timeline: dict[str, list[float]] = {k: [] for k in ("t", "arrival_rps", "acceptance", "replicas", "ready",
-                                                        "queue", "in_system", "ttft_p_max")}
+                                                        "queue", "in_system", "ttft_p_max", "prompt_tokens",
+                                                        "kv_usage", "prefill_share", "kv_full")}
     last_direction = 0
     direction_changes = 0
     # Reaction to the trace's event: the first decision after it that asks for more replicas than ran at it.
@@ -243,6 +289,7 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
     # The operator's memory between evaluations: when the last one ran and the queue it saw.
     last_evaluation_seconds, last_waiting = 0.0, 0.0
     last_scale_up_seconds: float | None = None
+    last_up_decision: float | None = None  # the last scale-up of any policy (churn is counted from it)
     fast_tick = int(config.operator_tick_seconds) if config.operator_tick_seconds else 0
     duration = int(trace.duration_seconds)
     for tick in range(duration):
@@ -250,26 +297,39 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
         row, row_index = trace.row_at(t, row_index)
         arrivals = _poisson(rng, row.arrival_rps)
         if arrivals:
-            queue.append(_Cohort(float(arrivals), t, float(row.output_tokens)))
+            queue.append(_Cohort(float(arrivals), t, float(row.output_tokens), float(row.prompt_tokens),
+                                 float(row.output_tokens)))
         ready = sum(1 for r in ready_at if r <= t)
-        worst_ttft = produced = busy = finished = elapsed = 0.0
-        # Within the tick, in continuous time: admit FIFO into free slots, decode at the speed of the resulting
-        # batch until the first cohort finishes (its slots are refilled at once) or the tick ends. Time to first
-        # token = wait + one step at the batch it joins.
+        worst_ttft = produced = busy = finished = elapsed = prefilled = ttft_sum = ttft_count = kv_busy = 0.0
+        kv_full = False
+        # Within the tick, in continuous time: admit FIFO into free slots (a slot of the batch and KV cache for the
+        # request's prompt + output), prefill what was admitted (the fleet's replicas do nothing else meanwhile),
+        # then decode at the speed of the resulting batch until the first cohort finishes (its slots are refilled at
+        # once) or the tick ends. Time to first token = wait + the prefill queued before it and its own + one step
+        # at the batch it joins.
         for _ in range(MAX_EVENTS_PER_TICK):
             in_flight = sum(c.count for c in running)
             slots = ready * model.max_batch - in_flight
+            kv_free = ready * kv_capacity - sum(c.count * min(c.kv_tokens, kv_capacity) for c in running)
             admitted: list[_Cohort] = []
             while queue and slots > 1e-9:
                 head = queue[0]
-                take = min(head.count, slots)
+                # A request longer than a whole KV cache is held to one (else it would wait forever).
+                need = min(head.kv_tokens, kv_capacity)
+                take = min(head.count, slots, kv_free / need if need > 0 else head.count)
+                if take < min(head.count, slots) - 1e-9:
+                    kv_full = True  # the KV cache, not the batch, keeps this cohort (or part of it) waiting
+                if take <= 1e-9:
+                    break
                 if take >= head.count - 1e-9:
                     queue.popleft()
                     admitted.append(head)
                 else:
                     head.count -= take
-                    admitted.append(_Cohort(take, head.arrived, head.remaining_tokens))
+                    admitted.append(_Cohort(take, head.arrived, head.remaining_tokens, head.prompt_tokens,
+                                            head.output_tokens))
                 slots -= take
+                kv_free -= take * need
             running.extend(admitted)
             in_flight = sum(c.count for c in running)
             batch = in_flight / ready if ready else 0.0
@@ -277,11 +337,27 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
             speed = tps / batch if batch > 0 else 0.0
             step_seconds = (1.0 / speed) if speed > 0 else 0.0
             for cohort in admitted:
-                ttft = t + elapsed - cohort.arrived + step_seconds
+                prefill_backlog += cohort.count * cohort.prompt_tokens * prefill_per_token
+                # Its first token: once the prefill queued before it and its own are done (the fleet's replicas share
+                # the queue, but one prompt is prefilled on one replica).
+                own = cohort.prompt_tokens * prefill_per_token
+                ttft = t + elapsed - cohort.arrived + max(prefill_backlog / ready, own) + step_seconds
                 worst_ttft = max(worst_ttft, ttft)
                 total += cohort.count
+                ttft_sum += ttft * cohort.count
+                ttft_count += cohort.count
                 if ttft > trace.slo_ttft_seconds:
                     violations += cohort.count
+            if prefill_backlog > 1e-12 and ready:
+                # Prefill first (vLLM schedules the waiting prompts' chunks into every step): decoding pauses.
+                dt = min(prefill_backlog / ready, 1.0 - elapsed)
+                prefill_backlog = max(0.0, prefill_backlog - dt * ready)
+                prefilled += dt * ready
+                busy += in_flight * dt
+                kv_busy += sum(c.count * c.kv_used_tokens for c in running) * dt
+                elapsed += dt
+                if elapsed >= 1.0 - 1e-9:
+                    break
             if speed <= 0 or not running:
                 break
             dt = min(1.0 - elapsed, min(c.remaining_tokens for c in running) / speed)
@@ -291,6 +367,7 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
                 produced += done * cohort.count
             # Requests decoding, integrated over the tick: what a gauge scraped at a random instant sees on average.
             busy += in_flight * dt
+            kv_busy += sum(c.count * c.kv_used_tokens for c in running) * dt
             elapsed += dt
             # Steps decoded in dt (each yields L tokens per request): the engine's estimate moves toward the
             # acceptance those steps saw. (In ar nothing is drafted; the engine's probes refresh the estimate.)
@@ -304,6 +381,13 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
         batch = busy / ready if ready else 0.0  # requests per ready replica, averaged over the tick
         finished_window.append(finished)
         tokens_window.append(produced)
+        prefill_window.append(prefilled)
+        ttft_window.append((ttft_sum, ttft_count))
+        kv_full_seconds += 1.0 if kv_full else 0.0
+        # KV in use, integrated over the tick as the running requests are (busy): the two gauges at the same instants.
+        kv_usage = kv_busy / (ready * kv_capacity) if ready and math.isfinite(kv_capacity) else None
+        if kv_usage is not None:
+            kv_window.append(kv_usage)
         waiting = sum(c.count for c in queue)
         # Requests still queued at the end, and their age, count too.
         max_queue = max(max_queue, waiting)
@@ -336,6 +420,7 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
                 best_tps, best_mode, best_k = best(batch, recent_acceptance)
                 predicted = best_tps / batch * in_flight if batch > 0 else None
                 length = accepted_length(recent_acceptance, best_k) if best_mode != "ar" else 1.0
+                ttft_requests = sum(n for _, n in ttft_window)
                 obs = Observations(age_seconds=0.0, reporting_replicas=ready, running_requests=in_flight,
                                    waiting_requests=waiting,
                                    output_tokens_per_second=sum(tokens_window) / len(tokens_window),
@@ -344,7 +429,14 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
                                    speculation=SpeculationFigures(acceptance_rate=acceptance_rate_metric(
                                        recent_acceptance, best_k) if best_mode != "ar" else None,
                                                                   mean_accepted_length=length,
-                                                                  modes=(best_mode,)))
+                                                                  modes=(best_mode,)),
+                                   # avg_over_time(...[1m]) of the engines' gauge, as the operator queries it
+                                   kv_cache_usage=kv_usage,
+                                   kv_cache_usage_1m=sum(kv_window) / len(kv_window) if kv_window else None,
+                                   prefill_seconds_per_second=(sum(prefill_window) / len(prefill_window)
+                                                               if prefill_per_token > 0 else None),
+                                   mean_ttft_seconds=(sum(s for s, _ in ttft_window) / ttft_requests
+                                                      if ttft_requests else None))
                 decision, policy_state = decide(policy_config, policy_state, current, obs, t)
                 last_evaluation_seconds, last_waiting = t, waiting
                 if decision.desired > current:
@@ -363,10 +455,15 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
                     and desired > replicas_at_event):
                 first_reaction = t - trace.event_seconds
             if desired > current:
-                ready_at += [t + model.startup_seconds] * (desired - current)
+                ready_at += [t + startup_seconds] * (desired - current)
+                last_up_decision = t
             else:
                 # Starting replicas go first (latest ready time first), then ready ones.
-                ready_at = sorted(ready_at)[: desired]
+                kept = sorted(ready_at)[: desired]
+                removed_before_ready += sum(1 for r in sorted(ready_at)[desired:] if r > t)
+                if last_up_decision is not None and t - last_up_decision < CHURN_SECONDS:
+                    soon_after_up += 1
+                ready_at = kept
         timeline["t"].append(t)
         timeline["arrival_rps"].append(row.arrival_rps)
         timeline["acceptance"].append(row.acceptance_rate)
@@ -375,6 +472,10 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
         timeline["queue"].append(waiting)
         timeline["in_system"].append(waiting + sum(c.count for c in running))
         timeline["ttft_p_max"].append(worst_ttft)
+        timeline["prompt_tokens"].append(float(row.prompt_tokens))
+        timeline["kv_usage"].append(kv_usage if kv_usage is not None else 0.0)
+        timeline["prefill_share"].append(prefilled / ready if ready else 0.0)
+        timeline["kv_full"].append(1.0 if kv_full else 0.0)
     # Requests never admitted by the end of the trace: counted as violations if they already waited too long.
     end = float(duration)
     for cohort in queue:
@@ -384,7 +485,9 @@ def simulate(trace: Trace, model: ReplicaModel, config: SimConfig) -> SimResult:
     return SimResult(policy=config.policy, trace=trace.name, replica_seconds=replica_seconds,
                      slo_violation_fraction=violations / total if total else 0.0, requests=total,
                      max_queue=max_queue, direction_changes=direction_changes,
-                     first_reaction_seconds=first_reaction, decisions=decisions, timeline=timeline)
+                     first_reaction_seconds=first_reaction, decisions=decisions, timeline=timeline,
+                     removed_before_ready=removed_before_ready, scale_downs_soon_after_scale_up=soon_after_up,
+                     kv_full_seconds=kv_full_seconds, startup_seconds=startup_seconds)
 
 
 def plot(result: SimResult, path: Path, slo_ttft_seconds: float) -> None:
@@ -415,6 +518,63 @@ def plot(result: SimResult, path: Path, slo_ttft_seconds: float) -> None:
     axes[2].legend(loc="upper left")
     fig.suptitle(f"{result.trace}: {result.policy} — {result.replica_seconds:.0f} replica-s, "
                  f"{100 * result.slo_violation_fraction:.2f}% SLO violations")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def _rolling(values: list[float], width: int, how: Any = None) -> list[float]:
+    """Trailing mean (or `how`, e.g. max) over `width` seconds: per-second series are too noisy to read."""
+    out = []
+    for i in range(len(values)):
+        window = values[max(0, i - width + 1): i + 1]
+        out.append(how(window) if how is not None else sum(window) / len(window))
+    return out
+
+
+def plot_policies(results: list[SimResult], path: Path, slo_ttft_seconds: float) -> None:
+    """Several policies on one trace, one figure: the load (arrivals, prompt length), each policy's replicas, KV
+    cache in use and prefill share, and worst time to first token."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = results[0].timeline
+    minutes = [t / 60 for t in first["t"]]
+    fig, axes = plt.subplots(4, 1, figsize=(10, 9), sharex=True)
+    axes[0].plot(minutes, first["arrival_rps"], label="arrivals (req/s)")
+    axes[0].set_ylabel("req/s")
+    axes[0].legend(loc="upper left")
+    prompts = axes[0].twinx()
+    prompts.plot(minutes, first["prompt_tokens"], color="tab:purple", alpha=0.6, label="prompt tokens")
+    prompts.set_ylabel("prompt tokens")
+    prompts.legend(loc="upper right")
+    colors = ("tab:blue", "tab:orange", "tab:green")
+    for result, color in zip(results, colors, strict=False):
+        tl = [t / 60 for t in result.timeline["t"]]
+        label = (f"{result.policy}: {result.replica_seconds:.0f} replica-s, "
+                 f"{100 * result.slo_violation_fraction:.2f}% over SLO")
+        axes[1].step(tl, result.timeline["replicas"], where="post", color=color, label=label)
+        axes[1].step(tl, result.timeline["ready"], where="post", color=color, alpha=0.35, linestyle="--")
+        axes[2].plot(tl, _rolling(result.timeline["kv_usage"], 60), color=color,
+                     label=f"{result.policy} KV cache in use")
+        axes[2].plot(tl, _rolling(result.timeline["prefill_share"], 60), color=color, alpha=0.6, linestyle=":",
+                     label=f"{result.policy} prefill share")
+        axes[3].plot(tl, _rolling(result.timeline["ttft_p_max"], 30, max), color=color, alpha=0.8,
+                     label=result.policy)
+    axes[1].set_ylabel("replicas (dashed: ready)")
+    axes[1].legend(loc="upper left", fontsize=8)
+    axes[2].set_ylabel("share (1-min mean)")
+    axes[2].set_ylim(0, 1.05)
+    axes[2].legend(loc="upper left", fontsize=7, ncol=2)
+    axes[3].axhline(slo_ttft_seconds, color="red", linestyle="--", label="SLO")
+    axes[3].set_yscale("symlog", linthresh=1.0)
+    axes[3].set_ylim(bottom=0)
+    axes[3].set_ylabel("worst TTFT, 30 s (s)")
+    axes[3].set_xlabel("minutes")
+    axes[3].legend(loc="upper left", fontsize=8)
+    fig.suptitle(f"{results[0].trace}, start-up {results[0].startup_seconds:.0f} s")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -244,8 +244,14 @@ def test_the_window_remembers_the_loads_need_not_a_drained_queue() -> None:
     waiting = replace(busy, waiting_requests=50.0, running_requests=60.0)
     held, state = decide(config, state, up.desired, waiting, 30.0)
     assert held.desired == up.desired and "wait" in held.reason
-    drained = replace(busy, waiting_requests=0.0, running_requests=20.0)
-    down, _ = decide(config, state, up.desired, drained, 45.0)
+    # Drained, and every replica asked for serves: the scale-up is kept for scale_up_hold_seconds more (removing
+    # replicas that just started is churn), then the floor is what the arrivals need.
+    drained = replace(busy, waiting_requests=0.0, running_requests=20.0, reporting_replicas=up.desired)
+    kept, state = decide(config, state, up.desired, drained, 45.0)
+    assert kept.desired == up.desired and f"the scale-up to {up.desired} at 15s is kept" in kept.reason
+    kept, state = decide(config, state, up.desired, drained, 45.0 + config.scale_up_hold_seconds - 15.0)
+    assert kept.desired == up.desired
+    down, _ = decide(config, state, up.desired, drained, 45.0 + config.scale_up_hold_seconds)
     assert down.desired < up.desired
     assert down.desired <= 4
 
@@ -370,14 +376,21 @@ def test_a_growing_queue_is_sized_for_what_it_will_be_when_new_replicas_serve() 
 
 
 def test_a_surge_of_requests_scales_up_before_the_rates_show_it() -> None:
-    """55 requests in the system, then 60 on 2 replicas of 32 slots, none waiting yet; the minute's rates still say
-    6.4 requests/s of 200 tokens finish: (6.4 + 5 / 15) x 200 = 1347 tok/s, 1.3 replicas -> 2. The requests in the
-    system need 60 slots at 0.8 x 32 per replica: 2.3 -> 3."""
+    """40 requests in the system, then 60 running and 4 waiting on 2 replicas of 32 slots; the minute's rates still
+    say 6.4 requests/s of 200 tokens finish: (6.4 + 24 / 15) x 200 = 1600 tok/s, 1.6 replicas -> 2. The requests in
+    the system need 64 slots at 0.8 x 32 per replica: 2.5 -> 3."""
     config = replace(CONFIG, max_scale_up_step=8)
-    state = PolicyState(last_in_system=(0.0, 55.0))
-    o = replace(obs(60), output_tokens_per_second=1280.0, finished_requests_per_second=6.4)
+    state = PolicyState(last_in_system=(0.0, 40.0))
+    o = replace(obs(60, waiting=4), output_tokens_per_second=1280.0, finished_requests_per_second=6.4)
     decision, _ = decide(config, state, 2, o, 15.0)
     assert decision.desired == 3 and "(arrivals)" in decision.reason and "(surge)" in decision.reason
+    assert decision.inputs is not None and decision.inputs.signal == "surge"
+    # No surge the replicas take without a queue, nor a rise within a Poisson count's noise (55 -> 64 < 55 + 2 x
+    # sqrt(55)): there the rates decide.
+    for quiet in (replace(o, waiting_requests=0.0, running_requests=64.0), o):
+        start = PolicyState(last_in_system=(0.0, 55.0 if quiet is o else 40.0))
+        decision, _ = decide(config, start, 2, quiet, 15.0)
+        assert decision.desired == 2 and "(surge)" not in decision.reason, decision.reason
     o = replace(obs(64, waiting=100), output_tokens_per_second=2560.0, finished_requests_per_second=12.8)
     state = PolicyState(last_in_system=(0.0, 20.0))
     assert surge_replicas(config, state, o, 2) == pytest.approx(164 / 25.6)

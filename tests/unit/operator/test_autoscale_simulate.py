@@ -29,7 +29,12 @@ def test_committed_traces_are_what_the_generator_makes() -> None:
 
 def test_committed_replica_model_is_the_calibration_of_the_committed_benchmarks() -> None:
     bench = [ROOT / "benchmarks" / "results" / name for name in MODEL.calibrated_from]
-    assert calibrate(bench, MODEL.startup_seconds, speedup=MODEL.speedup, max_batch=MODEL.max_batch) == MODEL
+    assert calibrate(bench, MODEL.startup_seconds, speedup=MODEL.speedup, max_batch=MODEL.max_batch,
+                     kv_capacity_tokens=MODEL.kv_capacity_tokens,
+                     prefill_seconds_per_token=MODEL.prefill_seconds_per_token, assumptions=MODEL.assumptions) == MODEL
+    # What the benchmarks do not measure is said to be assumed, with where it came from.
+    assert MODEL.kv_capacity_tokens and MODEL.prefill_seconds_per_token > 0
+    assert [a.split()[0] for a in MODEL.assumptions] == ["kv_capacity_tokens", "prefill_seconds_per_token"]
 
 
 @pytest.mark.parametrize("name", SHORT)
