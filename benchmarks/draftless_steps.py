@@ -72,14 +72,16 @@ class Watch:
 
 
 def instrument(scheduler: Any, watch: Watch) -> None:
-    from minedraft.engine.drafter import protocol
+    """Wrap the drafter link's send, abandon and poll and the core's schedule (instance attributes: `uninstrument`
+    takes them off again)."""
+    from minedraft.engine.psd.events import DraftsArrived
 
-    link = scheduler.link
-    orig_submit, orig_abandon = link.submit, link.abandon
-    orig_schedule, orig_on_message = scheduler.schedule, scheduler._on_message
+    link, core = scheduler.link, scheduler.core
+    orig_send, orig_abandon, orig_poll = link.send, link.abandon, link.poll
+    orig_schedule = scheduler.schedule
 
-    def submit(group: int, items: list[Any], want_logprobs: bool) -> bool:
-        ok = orig_submit(group, items, want_logprobs)
+    def send(group: int, items: list[Any], want_logprobs: bool) -> bool:
+        ok = orig_send(group, items, want_logprobs)
         if ok:
             ticket = link.jobs.get(group)
             assert ticket is not None
@@ -101,35 +103,37 @@ def instrument(scheduler: Any, watch: Watch) -> None:
             watch.abandoned_ids = ticket.carried
             if watch.job_has_newcomer.get(ticket.job_id):
                 watch.newcomer_jobs_abandoned += 1
-            watch.waits_abandoned_ms.append(1000 * scheduler._timing.wait_seconds)
+            watch.waits_abandoned_ms.append(1000 * core.timing.wait_seconds)
             if ticket.job_id in watch.jobs:
                 watch.jobs[ticket.job_id]["abandoned"] = True
-                watch.jobs[ticket.job_id]["budget_s"] = scheduler._timing.wait_budget_seconds
+                watch.jobs[ticket.job_id]["budget_s"] = core.timing.wait_budget_seconds
         orig_abandon(group)
 
-    def on_message(group: int | None, message: Any) -> None:
-        if isinstance(message, protocol.DraftReply):
-            newcomer = watch.job_has_newcomer.get(message.job_id, False)
-            (watch.draft_ms_newcomer if newcomer else watch.draft_ms_steady).append(1000 * message.draft_seconds)
-            job = watch.jobs.get(message.job_id)
-            if job is not None:
-                job.update(draft_s=message.draft_seconds, arrived_at=time.perf_counter(),
-                           idle_s=message.idle_seconds)
-        orig_on_message(group, message)
+    def poll(timeout_seconds: float) -> list[Any]:
+        events = orig_poll(timeout_seconds)
+        for event in events:
+            if isinstance(event, DraftsArrived):
+                newcomer = watch.job_has_newcomer.get(event.job_id, False)
+                (watch.draft_ms_newcomer if newcomer else watch.draft_ms_steady).append(1000 * event.draft_seconds)
+                job = watch.jobs.get(event.job_id)
+                if job is not None:
+                    job.update(draft_s=event.draft_seconds, arrived_at=time.perf_counter(),
+                               idle_s=event.idle_seconds)
+        return list(events)
 
     def schedule(*args: Any, **kwargs: Any) -> Any:
         watch.abandoned_now, watch.abandoned_ids = False, frozenset()
         output = orig_schedule(*args, **kwargs)
-        step = scheduler._scheduled[-1]
-        plan = step.plan
+        timing = core.timing
+        plan = core.launched()[-1].plan
         new_ids = {r.req_id for r in output.scheduled_new_reqs}
         decoding = [rid for rid in output.num_scheduled_tokens if rid not in new_ids]
-        if step.verified_group is None or not decoding:
+        if plan.verified_group is None or not decoding:
             return output
         watch.steps += 1
         watch.steps_abandoned += watch.abandoned_now
-        if step.timing.wait_budget_seconds:
-            watch.budgets_ms.append(1000 * step.timing.wait_budget_seconds)
+        if timing.wait_budget_seconds:
+            watch.budgets_ms.append(1000 * timing.wait_budget_seconds)
         for rid in decoding:
             request = scheduler.requests[rid]
             watch.decode_request_steps += 1
@@ -148,15 +152,22 @@ def instrument(scheduler: Any, watch: Watch) -> None:
                 cause = "not_sent"
             elif item[1] == 0:
                 cause = "chunk"
-            elif rid in scheduler.planner.drafts:
+            elif rid in core.planner.drafts:
                 cause = "stale"
             else:
                 cause = "other"
             watch.causes[cause] += 1
         return output
 
-    link.submit, link.abandon = submit, abandon
-    scheduler.schedule, scheduler._on_message = schedule, on_message
+    link.send, link.abandon, link.poll = send, abandon, poll
+    scheduler.schedule = schedule
+
+
+def uninstrument(scheduler: Any) -> None:
+    """Back to the classes' own methods before the next load wraps them again."""
+    vars(scheduler).pop("schedule", None)
+    for name in ("send", "abandon", "poll"):
+        vars(scheduler.link).pop(name, None)
 
 
 ABANDONED_KINDS = ("load_start", "queued_behind_abandoned", "newcomer_job_slow", "steady_job_slow", "late_start")
@@ -300,11 +311,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             first = records[-1].step if records else 0
             chosen = [prompts[i % len(prompts)] for i in range(args.requests_per_concurrency * concurrency)]
             results, seconds = await run_workload(engine, Workload(chosen, concurrency, args.max_tokens))
-            # (Back to the class's own methods before the next load wraps them again.)
-            for name in ("schedule", "_on_message"):
-                vars(scheduler).pop(name, None)
-            for name in ("submit", "abandon"):
-                vars(scheduler.link).pop(name, None)
+            uninstrument(scheduler)
             after = engine.engine.totals()
             after.deadline_misses -= before.deadline_misses
             after.drafter_restarts -= before.drafter_restarts

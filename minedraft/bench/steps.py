@@ -434,7 +434,7 @@ def _runs(engine: Any, args: argparse.Namespace, command: str, source_pair: Path
                 plan.append(("psd-async", "own-drafter-core", Mode.PSD, True))
         for label, layout, mode, deltas in plan:
             engine.set_mode(mode, args.k, 0)
-            scheduler.planner.send_deltas = deltas
+            scheduler.core.planner.send_deltas = deltas
             engine.set_resident_sub_batches(label != "psd-churn")
             engine.set_async_psd_steps(label == "psd-async")
             placement = narrow_placement if layout == "own-drafter-core" else wide_placement

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from minedraft.engine.core import Engine
+from minedraft.engine.loop import run_steps
 from minedraft.engine.requests import EngineDeadError, OutputDelta, RequestError, SamplingSettings
 from minedraft.engine.settings import EngineSettings
 
@@ -192,30 +193,22 @@ class AsyncEngine:
             except Exception as exc:
                 command.future.set_exception(exc)
 
+    def _handled(self, command: _Add | _Abort | _Call | None) -> bool:
+        if command is not None:  # (None only wakes the loop: shutdown)
+            self._handle(command)
+        return True
+
+    def _publish(self, deltas: list[OutputDelta]) -> None:
+        for delta in deltas:
+            with self._sinks_lock:
+                sink = self._sinks.get(delta.request_id)
+            if sink is not None:
+                sink(delta)
+
     def _run(self) -> None:
         try:
-            while not self._stopping:
-                busy = self.engine.has_unfinished_requests()
-                try:
-                    command = self._commands.get(block=not busy, timeout=None if busy else 0.1)
-                except queue.Empty:
-                    command = None
-                    if not busy:
-                        continue
-                while command is not None:
-                    self._handle(command)
-                    try:
-                        command = self._commands.get_nowait()
-                    except queue.Empty:
-                        command = None
-                if self._stopping:
-                    break
-                if self.engine.has_unfinished_requests():
-                    for delta in self.engine.step():
-                        with self._sinks_lock:
-                            sink = self._sinks.get(delta.request_id)
-                        if sink is not None:
-                            sink(delta)
+            run_steps(self.engine, self._commands, self._handled, self._publish, idle_wait_seconds=0.1,
+                      stopping=lambda: self._stopping)
         except BaseException as exc:
             log.exception("engine loop died")
             self._dead = exc

@@ -27,7 +27,7 @@ from minedraft.engine.placement import (
     resolved_settings,
 )
 from minedraft.engine.requests import OutputDelta, RequestError, SamplingSettings, TokenLogprob, encode_prompt
-from minedraft.engine.settings import EngineSettings, Mode
+from minedraft.engine.settings import EngineSettings, Mode, SchedulerSettings
 from minedraft.engine.vllm_adapter import (
     PROPOSER_CLASS,
     SCHEDULER_CLASS,
@@ -168,33 +168,14 @@ def engine_args(settings: EngineSettings) -> Any:
             "num_speculative_tokens": settings.max_draft_tokens_per_request,
         },
         per_request_spec_decode_metrics="summary",
-        additional_config={
-            "minedraft": {
-                "mode": settings.mode.value,
-                "num_speculative_tokens": settings.num_speculative_tokens,
-                "num_extra_draft_tokens": settings.num_extra_draft_tokens,
-                "draft_token_budget": settings.draft_token_budget,
-                "deadline_seconds": settings.drafter.deadline_seconds,
-                "max_missed_deadlines": settings.drafter.max_missed_deadlines,
-                "hang_seconds": settings.drafter.hang_seconds,
-                "catch_up_tokens_per_job": settings.drafter.catch_up_tokens_per_job,
-                "drafter_restart": settings.drafter.restart,
-                "drafter_startup_timeout_seconds": settings.drafter.startup_timeout_seconds,
-                "check_invariants": settings.check_invariants,
-                "stats_history": settings.stats_history,
-                "auto": dict(settings.auto),
-                "target_cpu_cores": list(settings.target_cpu_cores),
-                # Only a single in-process CPU worker can widen onto the drafter's cores.
-                "lend_cpu_cores": list(settings.drafter.cpu_cores)
-                if settings.lend_drafter_cores and settings.drafter.gpu_index is None
-                and settings.tensor_parallel_size == 1 else [],
-                "drafter": drafter_process_settings(settings),
-                "drafter_prestarted": True,
-                "pad_drafts_to_k": settings.pad_drafts_to_k,
-                "resident_sub_batches": settings.resident_sub_batches,
-                "async_steps": settings.async_psd_steps and overlap_possible(settings),
-            }
-        },
+        additional_config={"minedraft": SchedulerSettings.from_engine(
+            settings,
+            drafter=drafter_process_settings(settings),
+            async_steps=settings.async_psd_steps and overlap_possible(settings),
+            # Only a single in-process CPU worker can widen onto the drafter's cores.
+            lend_cpu_cores=settings.drafter.cpu_cores if settings.lend_drafter_cores
+            and settings.drafter.gpu_index is None and settings.tensor_parallel_size == 1 else (),
+        ).to_config()},
     )
 
 
@@ -429,14 +410,14 @@ class Engine:
         scheduler = self.psd_scheduler
         if scheduler is None:
             return EngineTotals()
-        totals: EngineTotals = scheduler.stats.totals()
+        totals: EngineTotals = scheduler.core.stats.totals()
         if scheduler.drafter is not None:
             totals.drafter_restarts = scheduler.drafter.num_restarts
         return totals
 
     def step_records(self, since_step: int = -1) -> list[StepRecord]:
         scheduler = self.psd_scheduler
-        return scheduler.stats.records(since_step) if scheduler is not None else []
+        return scheduler.core.stats.records(since_step) if scheduler is not None else []
 
     def set_mode(
         self,
@@ -449,20 +430,20 @@ class Engine:
         scheduler = self.psd_scheduler
         if scheduler is None:
             raise ValueError(f"mode: this engine was built for {self.settings.mode.value} and cannot switch")
-        scheduler.set_mode(mode, k, num_extra_draft_tokens, auto_settings)
+        scheduler.core.set_mode(mode, k, num_extra_draft_tokens, auto_settings)
 
     @property
     def async_psd_steps(self) -> bool:
         """Whether psd steps are scheduled while the previous step computes (where they can be: see overlap.py)."""
         scheduler = self.psd_scheduler
-        return self.overlap is not None and scheduler is not None and bool(scheduler.async_steps)
+        return self.overlap is not None and scheduler is not None and bool(scheduler.core.async_steps)
 
     def set_async_psd_steps(self, enabled: bool) -> None:
         """Switch async PSD steps on or off; a step in flight finishes with the next step() either way."""
         scheduler = self.psd_scheduler
         if self.overlap is None or scheduler is None:
             raise ValueError("async_psd_steps: needs a psd, sd or auto engine at tensor_parallel_size 1")
-        scheduler.async_steps = enabled
+        scheduler.core.async_steps = enabled
 
     def set_reproducible_seeds(self, enabled: bool) -> None:
         """Seeded requests at temperature > 0 sample by randomness keyed by (seed, output position) (True), or by
@@ -502,7 +483,7 @@ class Engine:
     def configured_mode(self) -> Mode:
         """The mode asked for (auto included); `current_mode` is what the coming steps run."""
         scheduler = self.psd_scheduler
-        return scheduler.configured_mode if scheduler is not None else self.settings.mode  # type: ignore[no-any-return]
+        return scheduler.core.configured_mode if scheduler is not None else self.settings.mode  # type: ignore[no-any-return]
 
     @property
     def current_mode(self) -> tuple[Mode, int]:
@@ -511,21 +492,21 @@ class Engine:
         scheduler = self.psd_scheduler
         if scheduler is None:
             return self.settings.mode, self.settings.num_speculative_tokens if self.settings.mode is Mode.VLLM_SD else 0
-        mode = scheduler.chosen_mode
-        return mode, 0 if mode is Mode.AR else int(scheduler.k)
+        mode = scheduler.core.chosen_mode
+        return mode, 0 if mode is Mode.AR else int(scheduler.core.k)
 
     def auto_decisions(self) -> list[Decision]:
         """Auto mode's switches, oldest first (the last few hundred)."""
         scheduler = self.psd_scheduler
-        return scheduler.stats.decisions() if scheduler is not None else []
+        return scheduler.core.stats.decisions() if scheduler is not None else []
 
     def predictions(self, num_running: int, ks: tuple[int, ...] | None = None) -> list[Prediction]:
         """The cost model's predicted output tokens per second of ar, sd and psd (each k) at `num_running`."""
         scheduler = self.psd_scheduler
         if scheduler is None:
             return []
-        candidates = ks or scheduler.auto_settings.k_candidates
-        return scheduler.cost_model.predict_all(num_running, ("ar", "sd", "psd"), candidates)  # type: ignore[no-any-return]
+        candidates = ks or scheduler.core.auto_settings.k_candidates
+        return scheduler.core.cost_model.predict_all(num_running, ("ar", "sd", "psd"), candidates)  # type: ignore[no-any-return]
 
     def load(self) -> tuple[int, int]:
         """(running, waiting) requests."""

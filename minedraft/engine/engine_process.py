@@ -48,6 +48,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
 
 from minedraft.engine.detokenize import StreamDetokenizer
+from minedraft.engine.loop import run_steps
 from minedraft.engine.requests import EngineDeadError, OutputDelta, RequestError, SamplingSettings, encode_prompt
 from minedraft.engine.settings import EngineSettings
 
@@ -171,28 +172,25 @@ def _send_quietly(conn: Connection, message: tuple[Any, ...]) -> None:
 
 
 def _serve(engine: Any, conn: Connection, commands: queue.SimpleQueue[tuple[Any, ...]]) -> None:
-    """The step loop (AsyncEngine._run's, over a pipe): every queued command, then one step; one message per turn."""
+    """The step loop (engine/loop.py, as AsyncEngine runs it, over a pipe): every queued command, then one step; one
+    message per turn with the deltas of the step and the commands' own (failed adds, aborts)."""
+    events: list[OutputDelta | _Failed] = []
+
+    def handle(command: tuple[Any, ...]) -> bool:
+        if command[0] == "stop":
+            log.info("engine process stopping: %s", command[1])
+            return False
+        _handle(engine, conn, command, events)
+        return True
+
+    def publish(deltas: list[OutputDelta]) -> None:
+        events.extend(deltas)
+        if events:
+            conn.send(("events", list(events)))
+            events.clear()
+
     try:
-        while True:
-            busy = engine.has_unfinished_requests()
-            try:
-                command: tuple[Any, ...] | None = commands.get(block=not busy)
-            except queue.Empty:
-                command = None
-            events: list[OutputDelta | _Failed] = []
-            while command is not None:
-                if command[0] == "stop":
-                    log.info("engine process stopping: %s", command[1])
-                    return
-                _handle(engine, conn, command, events)
-                try:
-                    command = commands.get_nowait()
-                except queue.Empty:
-                    command = None
-            if engine.has_unfinished_requests():
-                events.extend(engine.step())
-            if events:
-                conn.send(("events", events))
+        run_steps(engine, commands, handle, publish)
     except (EOFError, BrokenPipeError):
         log.warning("engine process: the serving process is gone")
     except BaseException as exc:

@@ -23,20 +23,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from minedraft.engine.psd.planner import should_widen as should_widen  # (the policy is the core's; re-exported)
 from minedraft.engine.settings import EngineSettings, SettingsError
 
 log = logging.getLogger(__name__)
-
-
-def should_widen(plain_decoding: bool, drafts_outstanding: bool, drafter_loading: bool) -> bool:
-    """Whether the target may compute on the drafter's cores this step.
-
-    Only while nothing is drafted there: the step decodes without drafts (ar, or the drafter down) and no draft job is
-    outstanding. Not while a drafter process is loading its model on those cores either (a first start or a
-    replacement after a hang): its load is CPU-bound, and a widened target sharing the core with it was measured
-    several times slower than the same steps kept on the target's own cores (`minedraft bench stall`, scenario
-    hang)."""
-    return (plain_decoding or not drafts_outstanding) and not drafter_loading
 
 
 class ComputePlacement:

@@ -19,7 +19,7 @@ class Mode(StrEnum):
 
     This enum is the configured mode (what was asked for, auto included). The engine's code keeps two other notions
     of mode apart by name: the chosen mode (psd, sd or ar: the fixed mode, or auto's latest `Decision`;
-    `PSDScheduler.chosen_mode`, `Engine.current_mode`) and the step mode (what one step ran in: the chosen mode, or
+    `SpeculationCore.chosen_mode`, `Engine.current_mode`) and the step mode (what one step ran in: the chosen mode, or
     ar while the drafter is down; `PlannedStep.step_mode`, `StepRecord.mode`). Benchmark labels such as "psd-k4" name
     a (mode, k) setting.
     """
@@ -210,6 +210,79 @@ class EngineSettings:
         data = asdict(self)
         data["mode"] = self.mode.value
         return data
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """What the speculation core (psd/core.py) and its vLLM host (vllm_adapter/scheduler.py) need of the engine's
+    settings: one frozen object built once from EngineSettings (`from_engine`) and passed whole. It crosses vLLM's
+    `additional_config` as its `to_config()` dict and is rebuilt whole on the other side (`from_config`)."""
+
+    mode: Mode = Mode.PSD
+    num_speculative_tokens: int = 3
+    # k + e can be switched up to this at run time (vLLM reserves verification slots for it).
+    max_num_speculative_tokens: int = 3
+    num_extra_draft_tokens: int = 0
+    draft_token_budget: int | None = None
+    pad_drafts_to_k: bool = True
+    catch_up_tokens_per_job: int = 2048
+    # The cap on a step's wait for drafts (DrafterSettings.deadline_seconds).
+    deadline_seconds: float = 5.0
+    max_missed_deadlines: int = 3
+    hang_seconds: float = DEFAULT_HANG_SECONDS
+    check_invariants: bool = False
+    stats_history: int = 4096
+    # Overrides of auto's AutoSettings fields.
+    auto: dict[str, Any] = field(default_factory=dict)
+    async_steps: bool = False
+    resident_sub_batches: bool = True
+    target_cpu_cores: tuple[int, ...] = ()
+    # The drafter's cores the target may compute on while nothing is drafted (one in-process CPU worker only).
+    lend_cpu_cores: tuple[int, ...] = ()
+    # The local drafter process's settings (None: no drafter of the scheduler's own); with `drafter_prestarted` the
+    # engine started it during model loading and attaches it.
+    drafter: dict[str, Any] | None = None
+    drafter_prestarted: bool = False
+    drafter_restart: bool = True
+    drafter_startup_timeout_seconds: float = 300.0
+
+    @classmethod
+    def from_engine(cls, settings: EngineSettings, *, drafter: dict[str, Any] | None, async_steps: bool,
+                    lend_cpu_cores: tuple[int, ...], drafter_prestarted: bool = True) -> SchedulerSettings:
+        return cls(
+            mode=settings.mode,
+            num_speculative_tokens=settings.num_speculative_tokens,
+            max_num_speculative_tokens=settings.max_draft_tokens_per_request,
+            num_extra_draft_tokens=settings.num_extra_draft_tokens,
+            draft_token_budget=settings.draft_token_budget,
+            pad_drafts_to_k=settings.pad_drafts_to_k,
+            catch_up_tokens_per_job=settings.drafter.catch_up_tokens_per_job,
+            deadline_seconds=settings.drafter.deadline_seconds,
+            max_missed_deadlines=settings.drafter.max_missed_deadlines,
+            hang_seconds=settings.drafter.hang_seconds,
+            check_invariants=settings.check_invariants,
+            stats_history=settings.stats_history,
+            auto=dict(settings.auto),
+            async_steps=async_steps,
+            resident_sub_batches=settings.resident_sub_batches,
+            target_cpu_cores=settings.target_cpu_cores,
+            lend_cpu_cores=lend_cpu_cores,
+            drafter=drafter,
+            drafter_prestarted=drafter_prestarted,
+            drafter_restart=settings.drafter.restart,
+            drafter_startup_timeout_seconds=settings.drafter.startup_timeout_seconds,
+        )
+
+    def to_config(self) -> dict[str, Any]:
+        """Plain JSON-able data (vLLM hashes its additional_config as JSON)."""
+        data = asdict(self)
+        data["mode"] = self.mode.value
+        return data
+
+    @classmethod
+    def from_config(cls, data: dict[str, Any]) -> SchedulerSettings:
+        return replace(cls(**data), mode=Mode(data["mode"]), target_cpu_cores=tuple(data["target_cpu_cores"]),
+                       lend_cpu_cores=tuple(data["lend_cpu_cores"]))
 
 
 def validate(settings: EngineSettings) -> None:

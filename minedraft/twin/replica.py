@@ -1,19 +1,18 @@
-"""One engine replica on simulated time: the engine's own planner, sub-batches, drafter link, wait policy and auto
-controller, with step and draft times from cost curves.
+"""One engine replica on simulated time: the engine's own speculation core (engine/psd/core.py: planner,
+sub-batches, wait policy, auto controller, statistics) and drafter link, with step and draft times from cost curves.
 
-The loop is the scheduler's (engine/vllm_adapter/scheduler.py: schedule() then update_from_output()), over plain
-requests instead of vLLM's: each step polls the drafter link, lets the planner pick the sub-batch, waits for its
-drafts through `DrafterLink.wait_for` under the `WaitPolicy` budget (abandoning a late job as the engine does), asks
-the planner for the step's proposals, verifies (time from the curves), commits tokens drawn from the acceptance
-model, hands the planner the step's outcome, sends the verified sub-batch's next draft job through the link, builds
-the engine's `StepRecord` and feeds it to the `AutoController` in auto mode (applying its decisions through the
-planner's `switch_mode`, as the scheduler does). The drafter is a simulated `DrafterClient`: a job occupies the
+The twin is one of the core's three hosts (with the vLLM scheduler and the unit tests): each step it turns its plain
+requests into the core's views, calls `SpeculationCore.schedule` (which polls the drafter link, picks the sub-batch,
+waits for its drafts through `DrafterLink.wait_for` under the wait policy's budget on the simulated clock, abandoning
+a late job, and plans the proposals), prices the verification from the curves, commits tokens drawn from the
+acceptance model, and hands the outcome to `SpeculationCore.update` (admission, rebalancing, the next draft job, the
+step record, auto's decisions): there is no copy of the engine's loop here. The drafter is a simulated
+`DrafterClient`: a job occupies the
 drafter device from max(submission, drafter free) for the curves' draft-loop time plus its catch-up tokens at the
 drafter's per-token price (calibrated from the engine's jobs, where the curve file gives one), times a draw from the
 drafter's time spread where one is given (a drafter on shared cores), and its reply arrives then: churn (newcomers'
 prompts) and a slow job make drafts late, an abandoned job still occupies the drafter and delays the next, as in the
-engine. vLLM
-itself (prefill chunking, preemption, the KV cache, CUDA graph choice) is not simulated.
+engine. vLLM itself (prefill chunking, preemption, the KV cache, CUDA graph choice) is not simulated.
 
 Host work per step: the engine's synchronous steps pay it after the forward pass. vLLM's own plain decoding
 (`vllm-ar`) and colocated SD (`vllm-sd`) hide it behind the step's device time (async scheduling), and so does psd
@@ -29,15 +28,13 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from minedraft.engine.control.auto import AutoController, AutoSettings, Decision
-from minedraft.engine.control.cost_model import CostModel
 from minedraft.engine.control.stats import StepRecord
 from minedraft.engine.drafter import protocol
 from minedraft.engine.drafter.client import DrafterState, JobTicket
-from minedraft.engine.drafter.link import DrafterLink, JobTimes, add_reply, catch_up_tokens
-from minedraft.engine.psd.inflight import JobInFlight
-from minedraft.engine.psd.planner import Draft, PSDPlanner, RequestState, WaitPolicy
-from minedraft.engine.settings import Mode
+from minedraft.engine.drafter.link import DrafterLink, catch_up_tokens
+from minedraft.engine.psd.core import AutoSettings, Decision, RequestState, SpeculationCore, StepOutcome
+from minedraft.engine.psd.subbatch import SubBatches
+from minedraft.engine.settings import MAX_NUM_SPECULATIVE_TOKENS, Mode, SchedulerSettings
 from minedraft.twin.costs import DRAFTER_SINK_TOKENS, AcceptanceModel, StepCosts
 
 MAX_MODEL_LEN = 1 << 20
@@ -92,8 +89,13 @@ def job_catch_up_ms(costs: StepCosts, items: list[protocol.DraftItem], k: int, c
 class SimDrafter:
     """A `DrafterClient` on simulated time: what the engine's DrafterLink talks to in the twin."""
 
-    def __init__(self, clock: SimClock, costs: StepCosts, colocated: bool, seed: int = 0) -> None:
+    def __init__(self, clock: SimClock, costs: StepCosts, colocated: bool, seed: int = 0,
+                 hold_jobs_behind_abandoned: bool = False) -> None:
+        """`hold_jobs_behind_abandoned`: refuse a job while only abandoned ones occupy the drafter (ReplicaSettings)."""
         self.clock = clock
+        self.hold_jobs_behind_abandoned = hold_jobs_behind_abandoned
+        # Jobs the engine went ahead without (cancel_jobs) that the drafter still works on.
+        self.abandoned: set[int] = set()
         self.costs = costs
         self.colocated = colocated
         # Draws of the drafter's time spread (Hardware.drafter_time_spread), apart from the acceptance's draws.
@@ -112,8 +114,11 @@ class SimDrafter:
         raise AssertionError(f"twin drafter taken for hung: {reason}")
 
     def submit(self, items: list[protocol.DraftItem], want_logprobs: bool) -> JobTicket | None:
-        self._next_id += 1
         now = self.clock.now
+        if (self.hold_jobs_behind_abandoned and self.free_at > now and self.jobs
+                and all(job.job_id in self.abandoned for job in self.jobs)):
+            return None  # (nothing of the engine's in flight, yet the drafter is busy: an abandoned job)
+        self._next_id += 1
         batch = len(items)
         k = max(item.num_draft_tokens for item in items)
         context = sum(item.base_num_tokens + len(item.token_ids) for item in items) / batch
@@ -153,6 +158,7 @@ class SimDrafter:
             self.clock.now += timeout_seconds
         for job in due:
             self.jobs.remove(job)
+            self.abandoned.discard(job.job_id)
         return [job.reply for job in sorted(due, key=lambda j: j.end)]
 
     def cancel(self, request_ids: list[str]) -> None:
@@ -163,12 +169,14 @@ class SimDrafter:
         behind another is dropped unstarted, as the drafter process drops it (DrafterServer: CancelJobs), and the
         jobs after it move up."""
         doomed = set(job_ids)
+        self.abandoned |= doomed
         now = self.clock.now
         dropped = [job for job in self.jobs if job.job_id in doomed and job.start > now]
         if not dropped:
             return
         for job in dropped:
             self.jobs.remove(job)
+            self.abandoned.discard(job.job_id)
             self.busy_seconds -= job.end - job.start
         free = max([now] + [job.end for job in self.jobs if job.start <= now])
         for job in sorted((job for job in self.jobs if job.start > now), key=lambda job: job.job_id):
@@ -210,7 +218,7 @@ class SimRequest:
 
 
 @dataclass
-class StepOutcome:
+class StepOutcomeSim:
     end_s: float
     output_tokens: int
     finished: list[SimRequest]
@@ -251,39 +259,59 @@ class TwinReplica:
         self.shared_device = colocated or costs.hardware.drafter_placement == "shared"
         self.drafter = (drafter(self.clock) if drafter is not None
                         else SimDrafter(self.clock, costs, colocated, seed=settings.seed + 1))
+        self.drafter.hold_jobs_behind_abandoned = settings.hold_jobs_behind_abandoned
         self.link = DrafterLink(self.drafter, hang_seconds=1e9, max_failed_jobs=3, clock=self.clock)  # type: ignore[arg-type]
+        configured = Mode.AR if settings.mode == VLLM_AR else Mode(settings.mode)
+        # vLLM's colocated SD is sequential SD whose drafter shares the target's GPUs (costs alike, no extra GPU).
+        configured = Mode.SD if configured is Mode.VLLM_SD else configured
         # The engine bounds one draft job's catch-up (newcomers' prompts) because the drafter's prefill takes time. The
         # curves hold no prefill, so unless a prefill or catch-up cost is given the simulated drafter takes prompts for
         # free, and the bound would only hold newcomers' drafts back for nothing it models: it applies when priced.
-        self.planner = PSDPlanner(k=settings.k, in_flight=self.link.jobs)
-        if not costs.hardware.prefill_ms_per_token and costs.drafter.catch_up_ms_per_token is None:
-            self.planner.catch_up_tokens_per_job = 2**62
-        self.wait_policy = WaitPolicy(cap_seconds=settings.deadline_seconds)
-        configured = Mode.AR if settings.mode == VLLM_AR else Mode(settings.mode)
-        self.auto: AutoController | None = None
-        if configured is Mode.AUTO:
-            self.mode = Mode.PSD
-            self.auto = AutoController(settings.auto, Mode.PSD.value, settings.k,
-                                       CostModel(async_psd_steps=settings.async_psd_steps))
-        else:
-            # vLLM's colocated SD is sequential SD whose drafter shares the target's GPUs (costs alike, no extra GPU).
-            self.mode = Mode.SD if configured is Mode.VLLM_SD else configured
+        priced = bool(costs.hardware.prefill_ms_per_token) or costs.drafter.catch_up_ms_per_token is not None
+        core_settings = SchedulerSettings(
+            mode=configured, num_speculative_tokens=settings.k,
+            max_num_speculative_tokens=max(settings.k, MAX_NUM_SPECULATIVE_TOKENS, *settings.auto.k_candidates),
+            catch_up_tokens_per_job=SchedulerSettings.catch_up_tokens_per_job if priced else 2**62,
+            deadline_seconds=settings.deadline_seconds, check_invariants=settings.check_invariants,
+            async_steps=settings.async_psd_steps)
+        # The engine's own core on simulated time: its planner, wait policy, drafter link and auto controller.
+        self.core = SpeculationCore(core_settings, self.link, _no_tokens, clock=self.clock, auto_settings=settings.auto)
         self.requests: dict[str, SimRequest] = {}  # admitted (running), in arrival order
         self.waiting: list[SimRequest] = []
-        self.decisions: list[Decision] = []
         self.step_number = 0
         self.records: list[StepRecord] = []  # kept only with settings.check_invariants (tests)
-        self.deadline_misses = 0
         self.steps_by_mode: dict[str, int] = {}
         # Decode steps run at each setting ("psd-k3", "ar"), for what auto chose.
         self.steps_by_setting: dict[str, int] = {}
-        self._drafts_by_group: dict[int, JobTimes] = {}
-        # Async steps under auto: whether the last step was scheduled ahead (the next one is then already in flight
-        # when a decision comes: the decision waits one step for it, as the scheduler drains its queue), the decision
-        # waiting, and whether the next step follows a drain (scheduled synchronously, nothing in flight).
-        self._last_ahead = False
-        self._pending: Decision | None = None
+        # Async steps under auto: whether the next step follows a drain (an auto decision waited for a step in
+        # flight: the next step is scheduled synchronously, nothing in flight).
         self._drained = False
+
+    @property
+    def mode(self) -> Mode:
+        """The chosen mode (psd, sd or ar)."""
+        return self.core.chosen_mode
+
+    @property
+    def k(self) -> int:
+        return self.core.k
+
+    @property
+    def subbatches(self) -> SubBatches:
+        return self.core.subbatches
+
+    @property
+    def decisions(self) -> list[Decision]:
+        """Auto's latest decisions (its statistics keep the last few hundred; num_decisions counts all)."""
+        return self.core.stats.decisions()
+
+    @property
+    def num_decisions(self) -> int:
+        return self.core.num_decisions
+
+    @property
+    def deadline_misses(self) -> int:
+        return self.core.stats.totals().deadline_misses
 
     # -- arrivals ------------------------------------------------------------------------------------------------
 
@@ -303,37 +331,16 @@ class TwinReplica:
     def idle_until(self, time_s: float) -> None:
         self.clock.now = max(self.clock.now, time_s)
 
-    # -- the step (scheduler.schedule + update_from_output) -------------------------------------------------------
+    # -- the step: the core's schedule, the target on the curves, the core's update ---------------------------------
 
-    def _on_message(self, job: JobInFlight | None, message: protocol.FromDrafter) -> None:
-        if not isinstance(message, protocol.DraftReply):
-            return
-        self.wait_policy.observe_draft(message.draft_seconds)
-        if job is None:
-            return
-        self._drafts_by_group[job.group] = add_reply(self._drafts_by_group.get(job.group), message, job.catch_up_tokens)
-        self.planner.store_drafts(((r.request_id, Draft(r.context_num_tokens, r.token_ids, r.logprobs))
-                                   for r in message.results), lambda rid: rid in self.requests)
-
-    def step(self) -> StepOutcome:
+    def step(self) -> StepOutcomeSim:
         self._admit()
+        core = self.core
         started = self.clock.now
-        self._drafts_by_group = {}
-        states = [r.state() for r in self.requests.values()]
-        mode = self.mode
-        if mode is not Mode.AR:
-            self.link.poll(0.0, self._on_message)
-        group = self.planner.pick_group(states, mode)
-        wait_seconds = wait_budget = 0.0
-        if group is not None and group in self.link.jobs:
-            wait_budget = self.wait_policy.budget_seconds()
-            result = self.link.wait_for(group, wait_budget, self._on_message)
-            wait_seconds = result.waited_seconds
-            if group in self.link.jobs:
-                self.link.abandon(group)
-                self.deadline_misses += 1
-        jobs_in_flight = len(self.link.jobs)
-        plan = self.planner.plan(states, mode, group, pad=self.auto is None)
+        decision = core.schedule([r.state() for r in self.requests.values()], now=started)
+        plan, mode, group = decision.plan, decision.step_mode, decision.verified_group
+        wait_seconds = self.clock.now - started  # (the core's wait for drafts is the only simulated time it takes)
+        core.commit(decision, (), now=self.clock.now)
 
         # Who the target computes: decoders not held out (with their proposals), and prompts taken in this step.
         decoders = [r for r in self.requests.values() if r.prefilled and r.request_id not in plan.held_out]
@@ -354,23 +361,15 @@ class TwinReplica:
         self.clock.now = verify_start + verify_seconds
 
         # Commit: the bonus token plus the accepted drafts (vLLM's rejection sampler), capped at the budget.
-        drafted_pp: list[int] = []
-        accepted_pp: list[int] = []
-        output_tokens = num_with_drafts = num_draft = num_accepted = num_pad = 0
+        num_sampled: dict[str, int] = {}
+        output_tokens = 0
         finished: list[SimRequest] = []
         now = self.clock.now
         for request in decoders:
             rid = request.request_id
-            proposal = plan.proposals.get(rid, ())
-            drafted = min(len(proposal), plan.drafted_lengths.get(rid, 0))
-            num_pad += len(proposal) - drafted
+            drafted = min(len(plan.proposals.get(rid, ())), plan.drafted_lengths.get(rid, 0))
             accepted = self.acceptance.sample(drafted, self.rng) if drafted else 0
-            if drafted:
-                num_with_drafts += 1
-                num_draft += drafted
-                num_accepted += accepted
-                _bump(drafted_pp, drafted)
-                _bump(accepted_pp, accepted)
+            num_sampled[rid] = accepted + 1
             gained = min(accepted + 1, request.max_output_tokens - request.output_tokens)
             request.output_tokens += gained
             output_tokens += gained
@@ -384,67 +383,38 @@ class TwinReplica:
                 request.finished_s = now
                 finished.append(request)
                 del self.requests[request.request_id]
-        if finished:
-            self.link.forget(self.planner.forget([r.request_id for r in finished]))
 
-        after = [r.state() for r in self.requests.values()]
-        chosen = self.mode
-        self.planner.after_step(after, mode, group, chosen)
         overhead_seconds = self.costs.step_overhead_ms(len(decoders) + len(prefills), mode is not Mode.AR) / 1000.0
         # The device's time in this step: the forward, and for vLLM's colocated SD its draft loop on the same GPU.
         device_seconds = verify_seconds + (wait_seconds if self.vllm_own else 0.0)
         hidden = self._hides_host_work(mode, group) and not self._drained
-        self._drained = False
-        if not hidden:
+        if hidden:
+            # Host work overlapping the next forward: the next draft job goes out as the tokens are in.
+            end = self.clock.now + self.costs.step_period_s(device_seconds, overhead_seconds, True) - device_seconds
+        else:
             # A synchronous step: its host work (committing, planning, the next step's scheduling and inputs) runs
             # with both devices idle: the next draft job goes out only once this step's tokens are committed, and
             # the next verification needs those drafts, so none of it overlaps the drafter's work either.
             self.clock.now += overhead_seconds
-        if mode in (Mode.PSD, Mode.SD) and group is not None:
-            self._submit(group, after)
-        if self.settings.check_invariants:
-            self.planner.check_invariants(after, set(self.requests), chosen)
-        if mode is not Mode.AR:
-            self.wait_policy.observe_verify(verify_seconds)
-        # As the scheduler records it: the drafting of the job whose drafts this step verified.
-        job = self._drafts_by_group.get(group, JobTimes()) if group is not None else JobTimes()
-        if hidden:
-            self.clock.now += self.costs.step_period_s(device_seconds, overhead_seconds, True) - device_seconds
+            end = self.clock.now
+        outcome = StepOutcome(
+            views=[r.state() for r in self.requests.values()], verified=plan.proposals, num_sampled=num_sampled,
+            decoded=[r.request_id for r in decoders], num_prefill_requests=len(prefills),
+            num_scheduled_tokens=scheduled_tokens + prompt_tokens, verify_done_at=now, worker_seconds=verify_seconds,
+            gone=[r.request_id for r in finished], alive=set(self.requests) if self.settings.check_invariants else (),
+            num_output_tokens=output_tokens, overlapped=hidden and not self.vllm_own, update_seconds=overhead_seconds)
+        pending = core.pending_decision
+        record = core.update(decision, outcome, now=end)
+        # An auto decision that waited for the step in flight was applied: the next step is scheduled synchronously.
+        self._drained = pending is not None and core.pending_decision is not pending
+        self.clock.now = end
         self.step_number += 1
         self.steps_by_mode[mode.value] = self.steps_by_mode.get(mode.value, 0) + 1
-        setting = mode.value if mode is Mode.AR else f"{mode.value}-k{self.planner.k}"
+        setting = mode.value if mode is Mode.AR else f"{mode.value}-k{record.k}"
         self.steps_by_setting[setting] = self.steps_by_setting.get(setting, 0) + 1
-        record = StepRecord(
-            step=self.step_number, started_at=started, mode=mode.value, verified_group=group,
-            group_sizes=self.planner.subbatches.sizes(), num_decode_requests=len(decoders),
-            num_prefill_requests=len(prefills), num_requests_with_drafts=num_with_drafts,
-            num_draft_tokens=num_draft, num_accepted_tokens=num_accepted,
-            drafted_per_position=tuple(drafted_pp), accepted_per_position=tuple(accepted_pp),
-            num_output_tokens=output_tokens, num_scheduled_tokens=scheduled_tokens + prompt_tokens,
-            verify_seconds=verify_seconds, wait_seconds=wait_seconds, draft_seconds=job.draft_seconds,
-            drafter_idle_seconds=0.0, schedule_seconds=0.0, step_seconds=self.clock.now - started,
-            drafter_up=True, k=self.planner.k, auto=self.auto is not None, widened=False,
-            draft_jobs_in_flight=jobs_in_flight, num_held_out=len(plan.held_out),
-            num_pad_tokens=num_pad, wait_budget_seconds=wait_budget, update_seconds=overhead_seconds,
-            draft_job_requests=job.requests, draft_job_length=job.length,
-            draft_job_catch_up_tokens=job.catch_up_tokens,
-            scheduled_ahead=hidden and not self.vllm_own,
-        )
         if self.settings.check_invariants:
             self.records.append(record)
-        if self.auto is not None:
-            num_running = sum(1 for r in self.requests.values() if r.prefilled)
-            decision = self.auto.on_step(record, num_running)
-            if self._pending is not None:
-                # The step in flight at the decision is done: switch, and schedule the next step synchronously.
-                self._apply(self._pending)
-                self._pending, self._drained = None, True
-            if decision is not None:
-                if record.scheduled_ahead:
-                    self._pending = decision  # (the next step is already scheduled, for the setting it leaves)
-                else:
-                    self._apply(decision)
-        return StepOutcome(self.clock.now, output_tokens, finished)
+        return StepOutcomeSim(self.clock.now, output_tokens, finished)
 
     def _hides_host_work(self, mode: Mode, group: int | None) -> bool:
         """Whether this step's host work overlaps a forward pass (async scheduling) rather than following it."""
@@ -453,31 +423,20 @@ class TwinReplica:
         # The engine schedules psd steps ahead only where they verify disjoint requests: psd (set by the operator or
         # chosen by auto, whose cost model reads such steps apart), one GPU for the target, both sub-batches in use
         # (and not the first step after a switch of auto's: see step()).
+        # (Both sub-batches as the core's update leaves them: in psd every running request is admitted and the two
+        # rebalanced to within one, so both hold members exactly when two requests or more run on.)
         return (self.settings.async_psd_steps and mode is Mode.PSD and group is not None
-                and self.costs.hardware.tensor_parallel_size == 1 and min(self.planner.subbatches.sizes()) > 0)
-
-    def _submit(self, group: int, states: list[RequestState]) -> None:
-        if self.settings.hold_jobs_behind_abandoned and not self.link.jobs and self.drafter.free_at > self.clock.now:
-            return  # (nothing of ours in flight, yet the drafter is busy: an abandoned job)
-        plans = self.planner.draft_job(states, group)
-        if not plans:
-            return
-        items = [protocol.DraftItem(p.request_id, [0] * (p.num_tokens - p.base_num_tokens), p.num_draft_tokens,
-                                    p.base_num_tokens) for p in plans]
-        if self.link.submit(group, items, want_logprobs=False):
-            self.planner.job_sent(plans)
-
-    def _apply(self, decision: Decision) -> None:
-        self.switch(decision.mode, decision.k)
-        self.decisions.append(decision)
+                and self.costs.hardware.tensor_parallel_size == 1 and len(self.requests) >= 2)
 
     def switch(self, mode_name: str, k: int) -> None:
-        """Run `mode_name` at draft length k from the next step, as the scheduler applies a switch (auto's, or the
-        operator's): through the planner's switch_mode, requests in flight carrying on."""
+        """Run `mode_name` at draft length k from the next step, as the engine applies an operator's switch."""
         mode = Mode(mode_name)
-        k = self.planner.k if mode is Mode.AR else k
-        self.planner.switch_mode(self.mode, mode, k, 0)
-        self.mode = mode
+        self.core.set_mode(mode, None if mode is Mode.AR else k)
+
+
+def _no_tokens(request_id: str, start: int, end: int) -> list[int]:
+    """Simulated requests have no token ids: a job carries placeholders of the right count."""
+    return [0] * (end - start)
 
 
 def _bump(counts: list[int], upto: int) -> None:

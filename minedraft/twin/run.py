@@ -155,7 +155,7 @@ class _Run:
         replica = self.replica
         self.result.steps_by_mode = dict(replica.steps_by_mode)
         self.result.steps_by_setting = dict(replica.steps_by_setting)
-        self.result.num_decisions = len(replica.decisions)
+        self.result.num_decisions = replica.num_decisions
         self.result.deadline_misses = replica.deadline_misses
         return self.result
 
@@ -221,7 +221,7 @@ def run_phases(costs: StepCosts, acceptance: AcceptanceModel, mode: str, k: int,
     replica = run.replica
     end = 0.0
     for index, phase in enumerate(phases):
-        if schedule is not None and schedule[index] != (replica.mode.value, replica.planner.k):
+        if schedule is not None and schedule[index] != (replica.mode.value, replica.k):
             replica.switch(*schedule[index])
         end += phase.duration_s
         idle = 0
@@ -230,7 +230,7 @@ def run_phases(costs: StepCosts, acceptance: AcceptanceModel, mode: str, k: int,
                 replica.add(run.new_request(replica.clock.now))
             if follow is not None:
                 wanted = follow(replica.num_in_system)
-                if wanted != (replica.mode.value, 0 if replica.mode.value == "ar" else replica.planner.k):
+                if wanted != (replica.mode.value, 0 if replica.mode.value == "ar" else replica.k):
                     replica.switch(*wanted)
             outcome = replica.step()
             run.result.tokens += outcome.output_tokens

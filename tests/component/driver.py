@@ -72,7 +72,7 @@ def drafter_keeps_up(engine: Engine, timeout_seconds: float = 120.0) -> Callable
     def wait() -> None:
         deadline = time.monotonic() + timeout_seconds
         while scheduler.link.jobs and time.monotonic() < deadline:
-            scheduler.link.poll(0.05, scheduler._on_message)
+            scheduler.core.poll_drafter(0.05)
             scheduler.link.check()
 
     return wait

@@ -28,7 +28,7 @@ HANG_SECONDS = 300.0
 def wait_for_drafts(engine: Any) -> Any:
     """Make a psd engine wait for its drafts (up to the deadline cap) and be slow to call its drafter hung."""
     scheduler = engine.psd_scheduler
-    policy = scheduler.wait_policy
+    policy = scheduler.core.wait_policy
     # budget = min(cap, max(floor, slack * measured)): a floor at the cap makes it the cap whatever was measured.
     policy.floor_seconds = policy.cap_seconds
     scheduler.link.hang_seconds = max(scheduler.link.hang_seconds, HANG_SECONDS)
@@ -40,7 +40,7 @@ def measured_waits(engine: Any) -> Iterator[Any]:
     """The production wait policy and the engine's configured hang threshold, for tests about lateness; restored
     afterwards."""
     scheduler = engine.psd_scheduler
-    policy, link = scheduler.wait_policy, scheduler.link
+    policy, link = scheduler.core.wait_policy, scheduler.link
     saved = (policy.floor_seconds, policy.slack, link.hang_seconds)
     defaults = WaitPolicy(cap_seconds=policy.cap_seconds)
     policy.floor_seconds, policy.slack = defaults.floor_seconds, defaults.slack

@@ -35,7 +35,7 @@ def prompts(pair_dir, ar_engine) -> list[list[int]]:
 def psd(psd):
     """The shared engine, waiting up to 4 measured steps for drafts (the machine is shared and noisy; these tests are
     about which requests get drafts, not lateness)."""
-    policy = psd.psd_scheduler.wait_policy
+    policy = psd.psd_scheduler.core.wait_policy
     saved, policy.slack = policy.slack, 4.0
     yield psd
     policy.slack = saved
@@ -55,7 +55,7 @@ def _spy(monkeypatch, obj, name, calls):
 def test_a_long_catch_up_goes_in_bounded_chunks_and_the_sub_batch_keeps_its_drafts(psd, ar_engine, prompts,
                                                                                   monkeypatch):
     scheduler = psd.psd_scheduler
-    planner = scheduler.planner
+    planner = scheduler.core.planner
     monkeypatch.setattr(planner, "catch_up_tokens_per_job", 16)
     # Two short requests decode with drafts in both sub-batches; long newcomers then join them, one per step, so each
     # newcomer's sub-batch holds a request whose drafts must not wait for the newcomer's prompt.
@@ -95,7 +95,7 @@ def test_a_request_longer_than_the_drafter_holds_decodes_every_step(psd, ar_engi
     # As if the drafter said at start-up it holds fewer tokens than the long prompt.
     monkeypatch.setattr(scheduler.drafter, "max_context_tokens", len(longest))
     plans: list = []
-    _spy(monkeypatch, scheduler.planner, "plan", plans)
+    _spy(monkeypatch, scheduler.core.planner, "plan", plans)
     expected = reference(ar_engine, [longest, *short], SAMPLING)
     run = drive(psd, [Planned("too-long", longest, SAMPLING)]
                 + [Planned(f"fits-{i}", p, SAMPLING) for i, p in enumerate(short)])
@@ -113,7 +113,7 @@ def test_a_broken_drafter_is_restarted_with_back_off_and_quarantines_no_one(psd,
     expected = reference(ar_engine, prompts, SAMPLING)
     monkeypatch.setenv(BROKEN_ENV, "1")
     quarantines: list = []
-    _spy(monkeypatch, scheduler.planner, "job_failed", quarantines)
+    _spy(monkeypatch, scheduler.core.planner, "job_failed", quarantines)
     try:
         drafter.kill()
         assert not drafter.check_alive()
@@ -138,7 +138,7 @@ def test_a_broken_drafter_is_restarted_with_back_off_and_quarantines_no_one(psd,
                               "broken drafter")
     assert failed >= 2, "the broken drafter was not taken for broken"
     assert quarantines == [], f"requests were blamed for a broken drafter: {quarantines}"
-    assert scheduler.planner.quarantined == set()
+    assert scheduler.core.planner.quarantined == set()
     # Restarted, and backing off: not one start per failed job at once.
     assert 1 <= restarts <= failed, (restarts, failed)
     assert restarts * 3 < steps, (restarts, steps)

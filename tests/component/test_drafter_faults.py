@@ -55,7 +55,7 @@ def test_a_poison_request_is_quarantined_and_the_others_keep_their_drafts(psd, a
         # Which requests the drafter's replies brought drafts for (a spy on the real planner: per-request counts of
         # verified tokens include the padding to k, so they cannot tell).
         drafted: dict[str, int] = {}
-        store_drafts = scheduler.planner.store_drafts
+        store_drafts = scheduler.core.planner.store_drafts
 
         def spy(items, is_live):
             items = list(items)
@@ -64,7 +64,7 @@ def test_a_poison_request_is_quarantined_and_the_others_keep_their_drafts(psd, a
                 drafted[name] = drafted.get(name, 0) + len(draft.token_ids)
             return store_drafts(iter(items), is_live)
 
-        monkeypatch.setattr(scheduler.planner, "store_drafts", spy)
+        monkeypatch.setattr(scheduler.core.planner, "store_drafts", spy)
         plan = [Planned(f"ok-{i}", p, SAMPLING) for i, p in enumerate(prompts)]
         plan.insert(3, Planned("poison", poisoned_prompt, SAMPLING))
         run = drive(psd, plan)

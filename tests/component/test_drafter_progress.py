@@ -15,6 +15,7 @@ from minedraft.engine.drafter import protocol
 from minedraft.engine.drafter.client import DrafterClient, DrafterState
 from minedraft.engine.drafter.link import DrafterLink
 from minedraft.engine.drafter.process import STEP_SLEEP_ENV
+from minedraft.engine.psd.events import DrafterRestarted, DraftsArrived
 from minedraft.engine.settings import default_core_split
 
 HANG_SECONDS = 1.5
@@ -37,20 +38,19 @@ def slow_drafter(pair_dir, monkeypatch):
 def test_a_slow_drafter_finishes_its_jobs_unrestarted_and_a_stopped_one_is_restarted(slow_drafter):
     client = slow_drafter
     link = DrafterLink(client, hang_seconds=HANG_SECONDS, max_failed_jobs=3)
-    replies: list[protocol.DraftReply] = []
+    replies: list[DraftsArrived] = []
 
-    def handle(job, message):
-        if isinstance(message, protocol.DraftReply):
-            replies.append(message)
+    def handle(events):
+        replies.extend(event for event in events if isinstance(event, DraftsArrived))
 
     # 12 drafted tokens: a catch-up and 11 decode steps at 0.4 s each, about 5 s, three times the hang threshold.
     context = list(range(10, 60))
-    assert link.submit(0, [protocol.DraftItem("slow", context, 12)], want_logprobs=False)
+    assert link.send(0, [protocol.DraftItem("slow", context, 12)], want_logprobs=False)
     started = time.monotonic()
     while 0 in link.jobs and time.monotonic() - started < 120:
-        link.wait_for(0, 0.5, handle)
-    assert replies and replies[0].results[0].context_num_tokens == len(context)
-    assert len(replies[0].results[0].token_ids) == 12
+        handle(link.wait_for(0, 0.5).events)
+    assert replies and replies[0].drafts[0][1].context_num_tokens == len(context)
+    assert len(replies[0].drafts[0][1].token_ids) == 12
     assert replies[0].draft_seconds > 2 * HANG_SECONDS, "the job was not slower than the hang threshold"
     assert link.num_hangs == 0 and client.num_starts == 1, "a slow but working drafter was restarted"
     assert link.num_progress_reports >= 2
@@ -71,10 +71,10 @@ def test_a_slow_drafter_finishes_its_jobs_unrestarted_and_a_stopped_one_is_resta
 
     stopped.wait = recording_wait
     try:
-        assert link.submit(0, [protocol.DraftItem("slow", [7], 12, len(context))], want_logprobs=False)
+        assert link.send(0, [protocol.DraftItem("slow", [7], 12, len(context))], want_logprobs=False)
         started = time.monotonic()
         while link.num_hangs == 0 and time.monotonic() - started < 60:
-            link.wait_for(0, 0.5, handle)
+            handle(link.wait_for(0, 0.5).events)
     finally:
         with contextlib.suppress(ProcessLookupError):  # (the restart killed it already)
             os.kill(pid, signal.SIGCONT)
@@ -83,4 +83,4 @@ def test_a_slow_drafter_finishes_its_jobs_unrestarted_and_a_stopped_one_is_resta
     assert stopped.poll() is not None or real_wait(30) is not None  # killed all the same, reaped later
     # The replacement starts after the client's restart back-off, in the background; the link notices it once.
     assert client.wait_ready(120) and client.state is DrafterState.UP
-    assert client.num_starts == 2 and link.take_restarted() and not link.take_restarted()
+    assert client.num_starts == 2 and DrafterRestarted() in link.take_events() and link.take_events() == []

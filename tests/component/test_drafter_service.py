@@ -126,21 +126,21 @@ def engines(psd_engine, psd_vllm_drafter_engine, service) -> Iterator[list[Any]]
     for engine in (psd_engine, psd_vllm_drafter_engine):
         scheduler = engine.psd_scheduler
         # Each shared engine goes back to the k it ran at (the vLLM-drafter one runs at the k it was built for).
-        originals.append((scheduler.drafter, scheduler.k, scheduler.wait_policy.slack))
+        originals.append((scheduler.drafter, scheduler.core.k, scheduler.core.wait_policy.slack))
         engine.set_mode(Mode.PSD, 3, 0)
         remote = RemoteDrafterClient(service.address, TOKEN, deadline_seconds=10.0, **CLIENT)
         remote.start()
         scheduler.attach_drafter(remote)
-        scheduler.planner.drafter_restarted()
+        scheduler.core.planner.drafter_restarted()
         # The wait is about which requests get drafts, not lateness (the machine is shared): as test_engine.py.
-        scheduler.wait_policy.slack = 4.0
+        scheduler.core.wait_policy.slack = 4.0
     yield [psd_engine, psd_vllm_drafter_engine]
     for engine, (original, k, slack) in zip((psd_engine, psd_vllm_drafter_engine), originals, strict=True):
         scheduler = engine.psd_scheduler
         scheduler.drafter.shutdown()
         scheduler.attach_drafter(original)
-        scheduler.planner.drafter_restarted()
-        scheduler.wait_policy.slack = slack
+        scheduler.core.planner.drafter_restarted()
+        scheduler.core.wait_policy.slack = slack
         engine.set_mode(Mode.PSD, k, 0)
 
 
@@ -340,7 +340,7 @@ def test_an_engine_that_goes_away_has_its_session_freed_and_the_other_drafts_on(
             # The staying engine is idle meanwhile; its link is looked after as an idle engine's steps would (its
             # heartbeats), so only the engine that went away falls silent.
             for _ in range(5):
-                scheduler.link.poll(0.0, scheduler._on_message)
+                scheduler.core.poll_drafter(0.0)
                 scheduler.link.check()
                 time.sleep(0.1)
         # Left: the staying engine's session and the status client's own.
@@ -348,7 +348,7 @@ def test_an_engine_that_goes_away_has_its_session_freed_and_the_other_drafts_on(
     finally:
         gone_client._closed = False
         gone_client.start()
-        gone.psd_scheduler.planner.drafter_restarted()
+        gone.psd_scheduler.core.planner.drafter_restarted()
 
 
 def test_a_poison_request_from_one_engine_is_quarantined_and_nobody_else_loses_drafts(engines, service, prompts,
@@ -366,7 +366,7 @@ def test_a_poison_request_from_one_engine_is_quarantined_and_nobody_else_loses_d
         _wait_up(engines)
         drafted: list[dict[str, int]] = [{}, {}]
         for engine, seen in zip(engines, drafted, strict=True):
-            planner = engine.psd_scheduler.planner
+            planner = engine.psd_scheduler.core.planner
 
             def spy(items: Any, is_live: Any, store: Any = planner.store_drafts, seen: dict[str, int] = seen) -> Any:
                 items = list(items)

@@ -47,8 +47,8 @@ def last_step(engine) -> int:
 def assert_clean(engine) -> None:
     scheduler = engine.psd_scheduler
     assert not engine.has_unfinished_requests()
-    assert scheduler.subbatches.sizes() == (0, 0)
-    assert scheduler.drafts == {}, "drafts leaked after every request finished"
+    assert scheduler.core.subbatches.sizes() == (0, 0)
+    assert scheduler.core.planner.drafts == {}, "drafts leaked after every request finished"
 
 
 @pytest.mark.parametrize("batch_size", [1, 2, 7, 16])
@@ -406,7 +406,7 @@ def test_an_abort_storm_leaves_nothing_behind(psd, prompts, references):
     while psd.has_unfinished_requests():
         psd.step()
     assert_clean(psd)
-    assert psd.psd_scheduler.planner.drafter_holds == {}, "aborted requests were not forgotten for the drafter"
+    assert psd.psd_scheduler.core.planner.drafter_holds == {}, "aborted requests were not forgotten for the drafter"
     run = drive(psd, [Planned("after-storm", prompts[0], GREEDY)])
     assert run.completions["after-storm"].token_ids == references[0]
 
@@ -494,7 +494,7 @@ def test_hung_drafter_costs_a_fraction_of_a_step_then_is_replaced_in_the_backgro
     # past a step's wait budget is a hang: a few steps first give up waiting (deadline misses), then the restart.
     # (On a contended machine the budget, a multiple of the measured step, can itself exceed a second.)
     with measured_waits(psd):
-        scheduler.link.hang_seconds = max(1.0, 3 * scheduler.wait_policy.budget_seconds())
+        scheduler.link.hang_seconds = max(1.0, 3 * scheduler.core.wait_policy.budget_seconds())
         os.kill(scheduler.drafter.pid(), signal.SIGSTOP)
         # Serve batches until the silence is taken for a hang (about a second of outstanding work).
         for batch in range(10):
@@ -507,7 +507,7 @@ def test_hung_drafter_costs_a_fraction_of_a_step_then_is_replaced_in_the_backgro
     missed = [r for r in psd.step_records(first_step) if r.wait_budget_seconds and not r.num_draft_tokens]
     # A step waits for late drafts at most its budget, which comes from measured step times, not the configured
     # 10 s deadline that used to hold every request of the replica.
-    assert missed and max(r.wait_budget_seconds for r in missed) < 0.5 * scheduler.deadline_seconds
+    assert missed and max(r.wait_budget_seconds for r in missed) < 0.5 * scheduler.core.deadline_seconds
     assert scheduler.link.num_hangs > hangs_before, "silence with work outstanding was taken for a hang"
     assert psd.wait_for_drafter(300)
     assert scheduler.drafter.num_restarts > restarts_before, "the hung drafter was replaced"
@@ -546,23 +546,23 @@ def test_auto_mode_switches_in_every_direction_and_stays_lossless(psd, prompts, 
     assert any(r.auto for r in psd.step_records()), "step records say auto chose the mode"
     assert psd.predictions(8), "the cost model predicts after measuring"
     assert_clean(psd)
-    controller = psd.psd_scheduler.auto
+    controller = psd.psd_scheduler.core.auto
     psd.set_mode(Mode.PSD, 3, 0)
     assert psd.configured_mode is Mode.PSD
     # Turned back on, auto carries on with the controller it had (its choice and all it learned).
     psd.set_mode(Mode.AUTO)
-    assert psd.psd_scheduler.auto is controller
+    assert psd.psd_scheduler.core.auto is controller
     expected_mode = Mode(controller.mode)
     assert psd.current_mode == (expected_mode, 0 if expected_mode is Mode.AR else controller.k)
     # A benchmark's auto learns only from its own steps; the engine's shared cost model still sees every step.
     psd.set_mode(Mode.AUTO, auto_settings=AutoSettings(k_candidates=(1, 2, 3), learn_from_fixed_modes=False))
-    private = psd.psd_scheduler.auto.cost_model
-    assert private is not psd.psd_scheduler.cost_model and private.last_verify_step < 0
-    shared_before = psd.psd_scheduler.cost_model.last_verify_step
+    private = psd.psd_scheduler.core.auto.cost_model
+    assert private is not psd.psd_scheduler.core.cost_model and private.last_verify_step < 0
+    shared_before = psd.psd_scheduler.core.cost_model.last_verify_step
     run = drive(psd, [Planned("auto-private", prompts[0], GREEDY)])
     assert run.completions["auto-private"].token_ids == references[0]
     assert private.last_verify_step > shared_before
-    assert psd.psd_scheduler.cost_model.last_verify_step == private.last_verify_step
+    assert psd.psd_scheduler.core.cost_model.last_verify_step == private.last_verify_step
     psd.set_mode(Mode.PSD, 3, 0)
     assert psd.configured_mode is Mode.PSD
 
@@ -636,7 +636,7 @@ def test_auto_with_async_psd_steps_schedules_ahead_on_psd_drains_before_switchin
         for r in ahead:
             previous = by_step.get(r.step - 1)
             assert r.mode == "psd" and previous is not None and r.verified_group == 1 - previous.verified_group, r
-        assert engine.psd_scheduler.auto.cost_model.overhead_ahead.num_observations > 0
+        assert engine.psd_scheduler.core.auto.cost_model.overhead_ahead.num_observations > 0
         # Records carry each verified job's catch-up as the job carried it: newcomers' prompts (one arrives every
         # step here) ride in jobs beyond anything steady decoding (at most k accepted tokens a request) could carry.
         jobs = [r for r in records if r.draft_job_requests]

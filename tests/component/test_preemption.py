@@ -52,4 +52,4 @@ def test_preempted_requests_rejoin_balanced_and_stay_lossless(cramped_engine, ar
     # Preempted requests left their persistent batch (resident sub-batches are on by default) and rejoined.
     assert len(cramped_engine.resident_batch_sizes()[0]) == 2
     scheduler = cramped_engine.psd_scheduler
-    assert scheduler.subbatches.sizes() == (0, 0) and scheduler.drafts == {}
+    assert scheduler.core.subbatches.sizes() == (0, 0) and scheduler.core.planner.drafts == {}

@@ -20,20 +20,20 @@ def test_psd_with_the_vllm_drafter_matches_target_alone(psd_vllm_drafter_engine,
     sampling = SamplingSettings(max_tokens=32)
     expected = reference(ar_engine, prompts, sampling)
     # At the k the engine was built for: what vLLM scheduled in each step, as the invariant check sees it.
-    assert (scheduler.k, scheduler.num_spec_tokens) == (4, 4)
+    assert (scheduler.core.k, scheduler.num_spec_tokens) == (4, 4)
     scheduled_lengths: list[list[int]] = []
-    check_step = scheduler.planner.check_step
+    check_step = scheduler.core.planner.check_step
 
     def spy(plan, states, scheduled):
         if plan.proposals:
             scheduled_lengths.append([len(tokens) for tokens in scheduled.values()])
         return check_step(plan, states, scheduled)
 
-    scheduler.planner.check_step = spy
+    scheduler.core.planner.check_step = spy
     try:
         run = drive(engine, [Planned(f"vd-{i}", p, sampling) for i, p in enumerate(prompts)])
     finally:
-        del scheduler.planner.check_step
+        del scheduler.core.planner.check_step
     assert_greedy_matches([run.completions[f"vd-{i}"].token_ids for i in range(9)], expected, "vllm drafter")
     totals = engine.totals()
     assert totals.accepted_tokens > 0 and totals.acceptance_rate > 0.3
@@ -58,7 +58,7 @@ def test_the_vllm_drafter_takes_in_catch_up_chunks_without_drafting_them(psd_vll
     from minedraft.bench.workload import bench_prompts
 
     engine = psd_vllm_drafter_engine
-    planner = engine.psd_scheduler.planner
+    planner = engine.psd_scheduler.core.planner
     prompts = [ar_engine.encode_prompt(t) for t in bench_prompts(pair_dir, 4, chars=400)]
     assert min(len(p) for p in prompts) > 32
     sampling = SamplingSettings(max_tokens=24)

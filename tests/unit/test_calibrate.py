@@ -121,7 +121,7 @@ def test_the_drafters_catch_up_price_is_fitted_from_the_jobs_and_the_twin_charge
                           ReplicaSettings(mode="sd", k=3))
     # A newcomer's 121-token prompt (120 catch-up tokens) and a request with 3 accepted tokens (3): 123 tokens.
     items = [protocol.DraftItem("new", [0] * 121, 3, 0), protocol.DraftItem("old", [0] * 4, 3, 200)]
-    assert replica.link.submit(0, items, want_logprobs=False)
+    assert replica.link.send(0, items, want_logprobs=False)
     assert replica.drafter.jobs[-1].reply.draft_seconds == pytest.approx(
         (replica.costs.draft_ms(2, (121 + 204) / 2, 3) + 123 * 0.02) / 1000)
     job = replica.link.jobs.get(0)

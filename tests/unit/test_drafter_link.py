@@ -8,7 +8,7 @@ from minedraft.engine.drafter import protocol
 from minedraft.engine.drafter.client import DrafterState, JobTicket
 from minedraft.engine.drafter.link import DrafterLink
 from minedraft.engine.drafter.process import DrafterServer
-from minedraft.engine.psd.inflight import InFlight, JobInFlight
+from minedraft.engine.psd.events import DrafterRestarted, JobHung
 
 
 class RecordingBackend:
@@ -194,19 +194,19 @@ def test_a_silent_drafter_with_work_outstanding_is_restarted_and_a_slow_but_aliv
     clock = Clock()
     client = FakeClient()
     link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3, clock=clock)  # type: ignore[arg-type]
-    assert link.submit(0, [item("a")], False)
+    assert link.send(0, [item("a")], False)
     for _ in range(10):  # slow but alive: replies keep coming, every 2 s, each job late
         clock.now += 2.0
         client.inbox.append(protocol.DraftReply(client.sent_jobs[-1], [], 2.0, 0.0))
-        link.poll(0.0, lambda job, message: None)
+        link.poll(0.0)
         assert link.check() and client.hung_reasons == []
-        assert link.submit(0, [item("a")], False)
+        assert link.send(0, [item("a")], False)
     clock.now += 4.0
     assert link.check() and client.hung_reasons == []
     clock.now += 1.5  # 5.5 s without a word while a job is outstanding
     link.check()
     assert len(client.hung_reasons) == 1 and not link.jobs
-    assert link.take_restarted() and not link.take_restarted()
+    assert DrafterRestarted() in link.take_events() and link.take_events() == []
 
 
 def test_a_drafter_reporting_progress_is_never_restarted_however_long_its_job_takes():
@@ -215,12 +215,12 @@ def test_a_drafter_reporting_progress_is_never_restarted_however_long_its_job_ta
     clock = Clock()
     client = FakeClient()
     link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3, clock=clock)  # type: ignore[arg-type]
-    assert link.submit(0, [item("a")], False)
+    assert link.send(0, [item("a")], False)
     routed: list[object] = []
     for step in range(1, 1800):
         clock.now += 2.0
         client.inbox.append(protocol.Progress(client.sent_jobs[-1], step))
-        link.poll(0.0, lambda job, message: routed.append(message))
+        routed += link.poll(0.0)
         assert link.check(), f"restarted after {step * 2} s of progress"
     assert client.hung_reasons == [] and 0 in link.jobs and routed == []
     assert link.num_progress_reports == 1799
@@ -237,13 +237,13 @@ def test_a_stopped_drafter_serving_short_bursts_is_still_taken_for_hung():
     client = FakeClient()
     link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3, clock=clock)  # type: ignore[arg-type]
     for _ in range(2):  # 2 s of outstanding work per burst, then idle between bursts
-        assert link.submit(0, [item("a")], False)
+        assert link.send(0, [item("a")], False)
         clock.now += 2.0
         assert link.check() and client.hung_reasons == []
         link.abandon(0)
         clock.now += 30.0  # idle time between bursts is not silence with work outstanding
         assert link.check() and client.hung_reasons == []
-    assert link.submit(0, [item("a")], False)
+    assert link.send(0, [item("a")], False)
     clock.now += 1.5
     link.check()
     assert len(client.hung_reasons) == 1, "5.5 s of outstanding work without a word over three bursts"
@@ -254,10 +254,10 @@ def test_a_drafter_heard_from_between_bursts_starts_its_silence_afresh():
     client = FakeClient()
     link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3, clock=clock)  # type: ignore[arg-type]
     for _ in range(5):
-        assert link.submit(0, [item("a")], False)
+        assert link.send(0, [item("a")], False)
         clock.now += 2.0
         client.inbox.append(protocol.Progress(client.sent_jobs[-1], 1))  # alive: working on it
-        link.poll(0.0, lambda job, message: None)
+        link.poll(0.0)
         clock.now += 2.0
         link.abandon(0)
         clock.now += 30.0
@@ -276,15 +276,14 @@ def test_an_idle_drafter_is_never_taken_for_hung():
 def test_abandoning_a_late_job_cancels_its_work_and_routes_its_late_reply_nowhere():
     client = FakeClient()
     link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3)  # type: ignore[arg-type]
-    link.submit(0, [item("a")], False)
-    link.submit(1, [item("b")], False)
-    result = link.wait_for(0, 0.01, lambda job, message: None)
+    link.send(0, [item("a")], False)
+    link.send(1, [item("b")], False)
+    result = link.wait_for(0, 0.01)
     assert not result.arrived and 0 in link.jobs
     link.abandon(0)
     assert client.cancelled_jobs == [1]
-    routed: list[int | None] = []
     client.inbox = [protocol.DraftReply(1, [], 0.1, 0.0), protocol.DraftReply(2, [], 0.1, 0.0)]
-    link.poll(0.0, lambda job, message: routed.append(job.group if job else None))
+    routed = [event.job.group if event.job else None for event in link.poll(0.0)]  # type: ignore[union-attr]
     assert routed == [None, 1] and not link.jobs
 
 
@@ -341,15 +340,15 @@ def test_jobs_sent_to_a_replaced_drafter_do_not_make_its_successor_look_hung():
     clock = Clock()
     client = FakeClient()
     link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3, clock=clock)  # type: ignore[arg-type]
-    assert link.submit(0, [item("a")], False)
+    assert link.send(0, [item("a")], False)
     clock.now += 300.0
     client.num_starts += 1  # killed and replaced outside the link (a crash, an operator, a test)
     assert link.check()
     assert link.num_hangs == 0 and client.hung_reasons == []
     assert not link.jobs
-    assert link.take_restarted() and not link.take_restarted()
+    assert link.take_events() == [DrafterRestarted()] and link.take_events() == []
     # The new process is judged from its own jobs.
-    assert link.submit(0, [item("a")], False)
+    assert link.send(0, [item("a")], False)
     clock.now += 6.0
     link.check()
     assert link.num_hangs == 1
@@ -376,43 +375,6 @@ def test_a_broken_drafter_says_so_instead_of_naming_every_request_as_poison():
     reply = healthy.run_job(healthy.queued.pop(0), 0.0, lambda: None)
     assert isinstance(reply, protocol.DrafterError) and not reply.drafter_broken and reply.request_ids == ["bad"]
     assert "minedraft-probe:" not in healthy.contexts
-
-
-def test_a_broken_drafter_is_restarted_and_no_request_is_quarantined():
-    """The scheduler's handling of a failed job (PSDScheduler._on_message, without vLLM around it)."""
-    from types import SimpleNamespace
-
-    from minedraft.engine.control.stats import StatsRecorder
-    from minedraft.engine.psd.planner import JobItemPlan, PSDPlanner, WaitPolicy
-    from minedraft.engine.vllm_adapter.scheduler import PSDScheduler
-
-    def scheduler_with_a_job():
-        client = FakeClient()
-        link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3)  # type: ignore[arg-type]
-        planner = PSDPlanner(k=3, in_flight=link.jobs)
-        assert link.submit(0, [item("a"), item("b")], False)
-        planner.job_sent([JobItemPlan("a", 0, 1, 3), JobItemPlan("b", 0, 1, 3)])
-        return SimpleNamespace(planner=planner, link=link, stats=StatsRecorder(16), wait_policy=WaitPolicy(5.0)), client
-
-    for error in (protocol.DrafterError(1, "CUDA error", [], drafter_broken=True),
-                  # A drafter without the probe naming every request of the job alone: the same verdict.
-                  protocol.DrafterError(1, "CUDA error", ["a", "b"])):
-        fake, client = scheduler_with_a_job()
-        PSDScheduler._on_message(fake, fake.link.jobs.complete(1), error)  # type: ignore[arg-type]
-        assert fake.planner.quarantined == set(), error
-        assert len(client.hung_reasons) == 1 and fake.link.num_drafter_failures == 1, error
-    # Both sub-batches' jobs fail on the same broken process: the first restarts it, the second (its ticket gone with
-    # the old process) does not restart the replacement again.
-    fake, client = scheduler_with_a_job()
-    job = fake.link.jobs.complete(1)
-    PSDScheduler._on_message(fake, job, protocol.DrafterError(1, "CUDA error", [], drafter_broken=True))  # type: ignore
-    PSDScheduler._on_message(fake, None, protocol.DrafterError(2, "CUDA error", [], drafter_broken=True))  # type: ignore
-    assert len(client.hung_reasons) == 1 and fake.planner.quarantined == set()
-    # A poison request among healthy ones: quarantined, the drafter left alone.
-    fake, client = scheduler_with_a_job()
-    job = fake.link.jobs.complete(1)
-    PSDScheduler._on_message(fake, job, protocol.DrafterError(1, "bad context", ["b"]))  # type: ignore[arg-type]
-    assert fake.planner.quarantined == {"b"} and client.hung_reasons == []
 
 
 def test_restarts_back_off_until_a_job_succeeds_not_until_the_drafter_is_up(tmp_path):
@@ -444,36 +406,13 @@ def test_after_a_hang_the_job_the_drafter_was_stuck_on_is_named():
     clock = Clock()
     client = FakeClient()
     link = DrafterLink(client, hang_seconds=5.0, max_failed_jobs=3, clock=clock)  # type: ignore[arg-type]
-    assert link.submit(0, [item("a"), item("long")], False)
-    assert link.submit(1, [item("c")], False)
-    assert link.take_hung_job() is None
+    assert link.send(0, [item("a"), item("long")], False)
+    assert link.send(1, [item("c")], False)
+    assert link.take_events() == []
     clock.now += 6.0
     link.check()
-    assert link.take_hung_job() == frozenset({"a", "long"}) and link.take_hung_job() is None
-
-
-def test_a_step_does_not_wait_for_a_job_that_brings_no_drafts():
-    """A job of catch-up chunks only (a newcomer's long prompt alone in its sub-batch) drafts nothing: the sub-batch's
-    step verifies at once instead of waiting up to the budget for it."""
-    from types import SimpleNamespace
-
-    from minedraft.engine.psd.planner import JobItemPlan, PSDPlanner, WaitPolicy
-    from minedraft.engine.vllm_adapter.scheduler import PSDScheduler, _StepTiming
-
-    class NoWaitLink:
-        jobs = InFlight()
-
-        def wait_for(self, group, budget_seconds, handle):
-            raise AssertionError("waited for a job that brings no drafts")
-
-    link = NoWaitLink()
-    planner = PSDPlanner(k=3, in_flight=link.jobs)
-    link.jobs.add(JobInFlight(0, 1, frozenset({"new"}), frozenset(), 0.0))  # what the link records for the job below
-    planner.job_sent([JobItemPlan("new", 0, 512, 0)])
-    fake = SimpleNamespace(planner=planner, link=link, wait_policy=WaitPolicy(5.0))
-    timing = _StepTiming()
-    PSDScheduler._await_drafts(fake, 0, timing)  # type: ignore[arg-type]
-    assert timing.wait_seconds == 0.0 and 0 in planner.in_flight
+    assert link.take_events()[0] == JobHung(frozenset({"a", "long"}))
+    assert not any(isinstance(event, JobHung) for event in link.take_events())
 
 
 def test_each_reply_is_handed_over_with_the_catch_up_tokens_its_job_really_carried():
@@ -485,13 +424,12 @@ def test_each_reply_is_handed_over_with_the_catch_up_tokens_its_job_really_carri
     steady = protocol.DraftItem("a", [5, 6, 7], 3, 40)  # two accepted tokens and the bonus: 2
     newcomer = protocol.DraftItem("b", list(range(120)), 3, 0)  # a whole prompt: 119
     chunk = protocol.DraftItem("c", list(range(64)), 0, 10)  # a catch-up chunk, nothing drafted: 64
-    assert link.submit(0, [steady, newcomer, chunk], False)
-    assert link.submit(1, [protocol.DraftItem("d", [9], 3, 70)], False)
+    assert link.send(0, [steady, newcomer, chunk], False)
+    assert link.send(1, [protocol.DraftItem("d", [9], 3, 70)], False)
     job = link.jobs.get(0)
     assert job is not None and job.catch_up_tokens == 2 + 119 + 64
     link.abandon(1)
-    seen: list[tuple[int | None, int]] = []
     client.inbox += [protocol.DraftReply(client.sent_jobs[1], [], 0.01, 0.0),
                      protocol.DraftReply(client.sent_jobs[0], [], 0.02, 0.0)]
-    link.poll(0.0, lambda job, message: seen.append((None, 0) if job is None else (job.group, job.catch_up_tokens)))
+    seen = [(None, 0) if e.job is None else (e.job.group, e.job.catch_up_tokens) for e in link.poll(0.0)]  # type: ignore[union-attr]
     assert seen == [(None, 0), (0, 185)]

@@ -261,12 +261,13 @@ def test_a_busy_answer_releases_the_sub_batchs_ticket_at_once():
 
     client = FakeClient()
     link = DrafterLink(client, hang_seconds=30.0, max_failed_jobs=3)  # type: ignore[arg-type]
-    assert link.submit(0, [protocol.DraftItem("r", [1, 2], 3)], False)
+    assert link.send(0, [protocol.DraftItem("r", [1, 2], 3)], False)
     client.inbox.append(protocol.DrafterBusy(client.sent_jobs[-1], "queue full"))
-    seen: list[tuple[int | None, Any]] = []
-    link.poll(0.0, lambda job, message: seen.append((job.group if job else None, message)))
+    from minedraft.engine.psd.events import DrafterBusy
+
+    seen = link.poll(0.0)
     assert 0 not in link.jobs
-    assert seen and seen[0][0] == 0 and isinstance(seen[0][1], protocol.DrafterBusy)
+    assert len(seen) == 1 and isinstance(seen[0], DrafterBusy) and seen[0].job is not None and seen[0].job.group == 0
 
 
 def _fake_service(token: bytes, answer_proof: bool = True) -> tuple[Any, int, Any]:

@@ -1,6 +1,6 @@
-"""Who owns what in a PSD engine, driven through random lives: the planner, the drafter link and the scheduler's own
-handlers (PSDScheduler's message, restart, submit and cleanup paths, without vLLM around them) against a simulated
-drafter that answers, fails, refuses, hangs and is replaced at random.
+"""Who owns what in a PSD engine, driven through random lives: the speculation core (psd/core.py: the same object the
+vLLM scheduler and the twin drive) over the real drafter link, against a simulated drafter that answers, fails,
+refuses, hangs and is replaced at random, with hand-made step outcomes.
 
 The bug class: in-flight draft work with two records kept in step by hand (the planner's and the link's), and
 per-request state in side dicts each with its own cleanup. Any path that updates one record and not the other leaves
@@ -21,13 +21,12 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
-from minedraft.engine.control.stats import StatsRecorder
 from minedraft.engine.drafter import protocol
 from minedraft.engine.drafter.client import DrafterState, JobTicket
 from minedraft.engine.drafter.link import DrafterLink
-from minedraft.engine.psd.planner import PSDPlanner, RequestState, WaitPolicy
-from minedraft.engine.settings import Mode
-from minedraft.engine.vllm_adapter.scheduler import PSDScheduler, _StepTiming
+from minedraft.engine.psd.core import SpeculationCore, StepOutcome
+from minedraft.engine.psd.planner import RequestState
+from minedraft.engine.settings import Mode, SchedulerSettings
 
 K = 3
 HANG_SECONDS = 5.0
@@ -47,6 +46,8 @@ class SimDrafter:
     inbox: list[protocol.FromDrafter] = field(default_factory=list)
     next_job: int = 1
     quarantined_when_sent: list[set[str]] = field(default_factory=list)
+    # The engine's clock moves on while it waits for drafts (DrafterLink.wait_for polls with a timeout).
+    advance: Any = None
 
     # -- the DrafterClient surface the link uses --
     def submit(self, items: list[protocol.DraftItem], want_logprobs: bool) -> JobTicket | None:
@@ -64,6 +65,10 @@ class SimDrafter:
         pass
 
     def receive(self, timeout_seconds: float) -> list[protocol.FromDrafter]:
+        if timeout_seconds > 0:
+            self.advance(timeout_seconds)
+            if self.unanswered and self.rng.random() < 0.7:
+                self.answer()  # answered while the step waits (else the step goes ahead without the drafts)
         out, self.inbox = self.inbox, []
         return out
 
@@ -128,40 +133,41 @@ class FakeRequest:
 
 
 class Engine:
-    """The scheduler's sequencing around its real handlers (the parts PSDScheduler's methods read of `self`)."""
+    """A host of the core: fake requests -> views, random verification -> outcomes."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
         self.now = 100.0
         self.client = SimDrafter(random.Random(seed + 1))
+        self.client.advance = self._advance
         self.link = DrafterLink(self.client, hang_seconds=HANG_SECONDS, max_failed_jobs=3,  # type: ignore[arg-type]
                                 clock=lambda: self.now)
-        self.planner = PSDPlanner(k=K, in_flight=self.link.jobs, catch_up_tokens_per_job=24)
+        settings = SchedulerSettings(mode=Mode.PSD, num_speculative_tokens=K, max_num_speculative_tokens=K,
+                                     catch_up_tokens_per_job=24, deadline_seconds=0.05, check_invariants=True)
+        self.core = SpeculationCore(settings, self.link, self._tokens, clock=lambda: self.now)
+        self.planner = self.core.planner
         self.requests: dict[str, FakeRequest] = {}
-        self.stats = StatsRecorder(16)
-        self.wait_policy = WaitPolicy(5.0)
-        self._timing = _StepTiming()
-        self.check_invariants = True
-        self.num_extra_draft_tokens = 0
         self.ever: set[str] = set()
         self.num_held_out = 0
         self._next_request = 0
 
-    # -- what PSDScheduler's methods read --
-    @property
-    def drafter(self) -> SimDrafter:
-        return self.client
+    def _advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def _tokens(self, request_id: str, start: int, end: int) -> list[int]:
+        request = self.requests[request_id]
+        assert end <= len(request.all_token_ids), "a job sends tokens the request does not have"
+        return request.all_token_ids[start:end]
 
     @property
     def running(self) -> list[FakeRequest]:
         return [r for r in self.requests.values() if r.status == RequestStatus.RUNNING]
 
-    def _is_live(self, request_id: str) -> bool:
-        request = self.requests.get(request_id)
-        return request is not None and not request.is_finished()
-
-    def _on_message(self, job: Any, message: protocol.FromDrafter) -> None:
-        PSDScheduler._on_message(self, job, message)  # type: ignore[arg-type]
+    def left(self) -> tuple[list[str], list[str]]:
+        gone = [rid for rid in self.core.known() if rid not in self.requests or self.requests[rid].is_finished()]
+        preempted = [rid for rid in self.core.known()
+                     if rid in self.requests and self.requests[rid].status == RequestStatus.PREEMPTED]
+        return gone, preempted
 
     # -- a life --
     def states(self) -> list[RequestState]:
@@ -191,35 +197,35 @@ class Engine:
                 self.client.die_or_come_back()
 
     def step(self) -> None:
-        # schedule(): hear the drafter, look after it, pick the sub-batch, maybe go ahead without its late drafts.
-        self.link.poll(0.0, self._on_message)
-        alive = self.link.check()
-        PSDScheduler._after_link_check(self)  # type: ignore[arg-type]
-        mode = Mode.PSD if alive else Mode.AR
-        self.check_owner()
+        # schedule: the core hears the drafter, looks after it, picks the sub-batch, waits for its drafts at most its
+        # budget (the simulated drafter answers during the wait or not), and plans the step.
         states = self.states()
-        group = self.planner.pick_group(states, mode)
-        if group is not None and group in self.link.jobs and self.rng.random() < 0.3:
-            self.link.abandon(group)  # its drafts are later than the step may wait
-        plan = self.planner.plan(states, mode, group)
+        decision = self.core.schedule(states)
+        self.check_owner()
+        plan, group = decision.plan, decision.verified_group
         self.check_held_out(plan.held_out, states, group)
         self.num_held_out += len(plan.held_out)
+        ran = [r for r in self.running if r.request_id not in decision.held]
+        self.core.commit(decision, [r.request_id for r in ran], now=self.now)
         # The target verifies: accepted drafts and one more token each; prompts are taken in whole.
-        for request in self.running:
+        num_sampled: dict[str, int] = {}
+        decoded: list[str] = []
+        for request in ran:
             rid = request.request_id
-            if rid in plan.held_out:
-                continue
             if not request.prefilled:
                 request.prefilled = True
                 new = 1
             else:
+                decoded.append(rid)
                 proposal = plan.proposals.get(rid, [])
                 new = 1 + self.rng.randint(0, len(proposal))
+            num_sampled[rid] = new
             new = min(new, request.max_tokens - request.num_output_tokens, MAX_MODEL_LEN - request.num_tokens)
             request.all_token_ids += [self.rng.randrange(50) for _ in range(new)]
             request.num_output_tokens += new
             if request.num_output_tokens >= request.max_tokens or request.num_tokens >= MAX_MODEL_LEN:
                 request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        self.now += 0.01
         for request in list(self.requests.values()):
             roll = self.rng.random()
             if roll < 0.03 and not request.is_finished():
@@ -229,23 +235,25 @@ class Engine:
                 request.prefilled = False  # recomputed on resumption, as vLLM does
             elif roll < 0.2 and request.status == RequestStatus.PREEMPTED:
                 request.status = RequestStatus.RUNNING
-        # update_from_output(): forget who left, admit and rebalance, send the verified sub-batch its next job.
-        PSDScheduler._forget_finished(self)  # type: ignore[arg-type]
+        # update: the core forgets who left, admits and rebalances, sends the verified sub-batch its next job.
+        gone, preempted = self.left()
         self.requests = {rid: r for rid, r in self.requests.items() if not r.is_finished()}
-        states = self.states()
-        self.planner.after_step(states, mode, group, Mode.PSD)
-        if mode is Mode.PSD and group is not None:
-            quarantined = self.planner.quarantined
-            had_job = group in self.link.jobs
-            before = self.link.jobs.get(group)
-            PSDScheduler._submit_drafts(self, group, states)  # type: ignore[arg-type]
+        quarantined = self.planner.quarantined
+        had_job = group is not None and group in self.link.jobs
+        before = self.link.jobs.get(group)
+        outcome = StepOutcome(
+            views=self.states(), verified={rid: plan.proposals[rid] for rid in decoded if rid in plan.proposals},
+            num_sampled=num_sampled, decoded=decoded, num_prefill_requests=len(ran) - len(decoded),
+            num_scheduled_tokens=sum(num_sampled.values()), verify_done_at=self.now, worker_seconds=0.01,
+            gone=gone, preempted=preempted, alive=set(self.requests))
+        record = self.core.update(decision, outcome)
+        assert record.num_decode_requests == len(decoded)
+        if decision.step_mode is Mode.PSD and group is not None:
             job = self.link.jobs.get(group)
             if had_job:
                 assert job is before, "a second job went to a sub-batch with one in flight"
             elif job is not None:
                 assert not job.drafted & quarantined, f"a job drafts quarantined {sorted(job.drafted & quarantined)}"
-        alive_ids = {rid for rid, r in self.requests.items() if not r.is_finished()}
-        self.planner.check_invariants(states, alive_ids, Mode.PSD)
         members = self.planner.subbatches.groups
         assert not set(members[0]) & set(members[1]), "a request in both sub-batches"
 
@@ -268,13 +276,13 @@ class Engine:
     def finish_everything(self) -> None:
         for request in self.requests.values():
             request.status = RequestStatus.FINISHED_STOPPED
-        PSDScheduler._forget_finished(self)  # type: ignore[arg-type]
+        self.core.release(*self.left())
         self.requests.clear()
         while self.client.unanswered or self.client.inbox:
             if self.client.unanswered:
                 self.client.answer()
-            self.link.poll(0.0, self._on_message)
-        PSDScheduler._forget_finished(self)  # type: ignore[arg-type]
+            self.core.poll_drafter()
+        self.core.release(*self.left())
 
 
 def test_random_lives_keep_one_owner_of_in_flight_work_and_leave_no_state_behind() -> None:

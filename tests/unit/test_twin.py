@@ -230,3 +230,39 @@ def test_host_work_per_step_follows_the_requests_in_the_step_when_measured_by_ba
     assert costs.step_overhead_ms(64, drafting=False) == pytest.approx(8.0)  # flat beyond the measured batches
     ar = run_concurrency(costs, AcceptanceModel.constant(0.8), "ar", 0, 4, LONG)
     assert ar.tokens_per_s == pytest.approx(4 / ((costs.verify_ms(4, 1024, 1) + 4.0) / 1000), rel=0.03)
+
+
+def test_the_twin_handles_a_drafters_errors_as_the_engine_does() -> None:
+    """The twin drives the engine's core, so a failed draft job is handled there (it used to be ignored): a request
+    named as the culprit is quarantined and decodes without drafts, the error is counted, the drafter is not
+    restarted, and the rest keep their drafts."""
+    from minedraft.engine.drafter import protocol
+    from minedraft.twin.replica import SimClock, SimDrafter
+
+    class FailingOnce(SimDrafter):
+        def submit(self, items, want_logprobs):  # type: ignore[no-untyped-def]
+            ticket = super().submit(items, want_logprobs)
+            ids = [item.request_id for item in items if item.num_draft_tokens]
+            if ticket is not None and ticket.job_id == 3 and ids:
+                job = self.jobs[-1]
+                job.reply = protocol.DrafterError(job.job_id, "bad context", [ids[0]])  # type: ignore[assignment]
+                self.culprit = ids[0]
+            return ticket
+
+    drafters: list[FailingOnce] = []
+
+    def make(clock: SimClock) -> SimDrafter:
+        drafters.append(FailingOnce(clock, costs_of(flat_curves()), colocated=False))
+        return drafters[0]
+
+    replica = TwinReplica(costs_of(flat_curves()), AcceptanceModel.constant(0.7),
+                          ReplicaSettings(mode="psd", k=3, check_invariants=True), drafter=make)
+    for i in range(4):
+        replica.add(SimRequest(f"r{i}", 100, 200, 0.0))
+    for _ in range(30):
+        replica.step()
+    culprit = drafters[0].culprit
+    assert replica.core.planner.quarantined == {culprit}
+    assert replica.core.stats.totals().drafter_errors == 1
+    later = replica.records[-10:]
+    assert all(r.num_requests_with_drafts > 0 for r in later if r.num_decode_requests > 1), "the others lost drafts"

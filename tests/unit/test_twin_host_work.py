@@ -139,8 +139,8 @@ def test_a_decision_under_async_steps_waits_for_the_step_in_flight() -> None:
                                                             load_shift_factor=None)))
     for i in range(16):
         replica.add(SimRequest(f"r{i}", 1000, 1000, 0.0))
-    assert replica.auto is not None
-    on_step = replica.auto.on_step
+    assert replica.core.auto is not None
+    on_step = replica.core.auto.on_step
     switch_at: list[int] = []
 
     def decide_once(record, num_running):  # type: ignore[no-untyped-def]
@@ -150,7 +150,7 @@ def test_a_decision_under_async_steps_waits_for_the_step_in_flight() -> None:
             return Decision(record.step, "sd", 3, "psd", 3, "test", "switch", num_running, 0.0, 0.0, 0.0)
         return decision
 
-    replica.auto.on_step = decide_once  # type: ignore[method-assign]
+    replica.core.auto.on_step = decide_once  # type: ignore[method-assign]
     for _ in range(40):
         replica.step()
     by_step = {r.step: r for r in replica.records}

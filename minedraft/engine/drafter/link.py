@@ -14,41 +14,31 @@ every request's drafter-side tokens and KV, so it is kept for a drafter that has
 Broken is not poisoned: a drafter that fails every job (a sticky device error) says so (protocol.DrafterError's
 drafter_broken, after a probe job fails too), and is restarted instead of having every request quarantined; the
 client backs its restarts off until a job succeeds again. After a hang the link keeps the stuck job's requests
-(`take_hung_job`), so the planner can find the context that makes the drafter hang rather than resend it forever.
+(a `JobHung` event), so the planner can find the context that makes the drafter hang rather than resend it forever.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 from minedraft.engine.drafter import protocol
 from minedraft.engine.drafter.client import DrafterClient, DrafterState
+from minedraft.engine.psd.events import (
+    DrafterBusy,
+    DrafterEvent,
+    DrafterRestarted,
+    DraftsArrived,
+    JobFailed,
+    JobHung,
+    TokenReader,
+    WaitResult,
+)
 from minedraft.engine.psd.inflight import InFlight, JobInFlight
+from minedraft.engine.psd.planner import Draft, JobItemPlan
 
 log = logging.getLogger(__name__)
-
-# (the job the message answers, no longer in flight, or None for one abandoned or sent to a replaced process; the
-# message)
-MessageHandler = Callable[[JobInFlight | None, protocol.FromDrafter], None]
-
-
-@dataclass(frozen=True)
-class JobTimes:
-    """What the draft jobs of one sub-batch that answered during a step cost, and their size: the step records the
-    verified sub-batch's, and the cost model prices drafting by the job's own requests and length (in a step after
-    a switch the requests verified with drafts are not the job's: psd after sd verifies half the job's requests)."""
-
-    draft_seconds: float = 0.0
-    first_token_seconds: float = 0.0
-    idle_seconds: float = 0.0
-    requests: int = 0
-    length: int = 0
-    # Catch-up tokens the job carried (see catch_up_tokens): what its drafter took in before drafting position 1.
-    catch_up_tokens: int = 0
-
 
 def catch_up_tokens(items: list[protocol.DraftItem]) -> int:
     """The tokens a job makes the drafter take in before it can draft: per request, the committed tokens it carries
@@ -57,19 +47,24 @@ def catch_up_tokens(items: list[protocol.DraftItem]) -> int:
     return sum(max(0, len(item.token_ids) - 1) if item.num_draft_tokens else len(item.token_ids) for item in items)
 
 
-def add_reply(times: JobTimes | None, reply: protocol.DraftReply, catch_up: int = 0) -> JobTimes:
-    """A sub-batch's job times in a step, with one more reply for it (`catch_up`: the tokens its job carried)."""
-    times = times or JobTimes()
-    length = max((len(result.token_ids) for result in reply.results), default=0)
-    return JobTimes(times.draft_seconds + reply.draft_seconds, times.first_token_seconds + reply.first_token_seconds,
-                    times.idle_seconds + reply.idle_seconds, times.requests + len(reply.results),
-                    max(times.length, length), times.catch_up_tokens + catch_up)
+def _as_list(token_ids: Sequence[int]) -> list[int]:
+    """A reader's tokens as the message's list, copied only if they are not one already (a slice of vLLM's token list
+    is)."""
+    return token_ids if isinstance(token_ids, list) else list(token_ids)
 
 
-@dataclass(frozen=True)
-class WaitResult:
-    waited_seconds: float
-    arrived: bool
+def to_event(job: JobInFlight | None, message: protocol.FromDrafter) -> DrafterEvent | None:
+    """The core's event for a drafter's answer to a job (`job`: the job it answers, already out of flight; None for
+    one abandoned or sent to a replaced process). None: nothing the core acts on."""
+    if isinstance(message, protocol.DraftReply):
+        drafts = tuple((r.request_id, Draft(r.context_num_tokens, r.token_ids, r.logprobs)) for r in message.results)
+        return DraftsArrived(job, message.job_id, drafts, message.draft_seconds, message.first_token_seconds,
+                             message.idle_seconds, tuple(message.need_context))
+    if isinstance(message, protocol.DrafterError):
+        return JobFailed(job, message.job_id, message.message, tuple(message.request_ids), message.drafter_broken)
+    if isinstance(message, protocol.DrafterBusy):
+        return DrafterBusy(job, message.job_id, message.reason)
+    return None
 
 
 class DrafterLink:
@@ -95,8 +90,8 @@ class DrafterLink:
         self.num_hangs = 0
         self.num_drafter_failures = 0
         self.num_progress_reports = 0
-        # Requests of the job the drafter was stuck on at its last hang (the oldest outstanding: jobs run in order).
-        self._hung_job: frozenset[str] | None = None
+        # Health events noticed and not yet taken (take_events): a hang, a new process.
+        self._events: list[DrafterEvent] = []
 
     def attach(self, client: DrafterClient) -> None:
         self.client = client
@@ -106,6 +101,14 @@ class DrafterLink:
     @property
     def up(self) -> bool:
         return self.client is not None and self.client.state is DrafterState.UP
+
+    @property
+    def attached(self) -> bool:
+        return self.client is not None
+
+    @property
+    def max_context_tokens(self) -> int:
+        return int(getattr(self.client, "max_context_tokens", 0) or 0)
 
     @property
     def loading(self) -> bool:
@@ -119,15 +122,14 @@ class DrafterLink:
         if self.client is None:
             return False
         now = self._clock()
-        if self.client.num_starts != self._starts_seen:
-            # A new process (killed and replaced since the last look): jobs sent to the old one will never be
-            # answered, and their age says nothing about the new one. take_restarted() still reports the restart.
-            self._clear()
+        # A new process (killed and replaced since the last look): jobs sent to the old one will never be answered,
+        # and their age says nothing about the new one.
+        self._notice_restart()
         silent_busy_seconds = self.silent_busy_seconds(now)
         stuck = self.jobs.oldest()
         if stuck is not None and silent_busy_seconds > self.hang_seconds:
             self.num_hangs += 1
-            self._hung_job = stuck.carried
+            self._events.append(JobHung(stuck.carried))
             self._restart(f"no progress for {silent_busy_seconds:.1f}s with a job outstanding")
         alive = self.client.check_alive()
         if not alive:
@@ -144,18 +146,20 @@ class DrafterLink:
             self._busy_before_seconds += max(0.0, now - max(self._busy_since, self._last_heard_at))
         self._busy_since = None
 
-    def take_restarted(self) -> bool:
-        """True once after each new drafter process started (it holds no request's tokens)."""
+    def _notice_restart(self) -> None:
+        """Once per new drafter process (it holds no request's tokens): drop what was in flight, say so."""
         if self.client is None or self.client.num_starts == self._starts_seen:
-            return False
+            return
         self._starts_seen = self.client.num_starts
         self._clear()
-        return True
+        self._events.append(DrafterRestarted())
 
-    def take_hung_job(self) -> frozenset[str] | None:
-        """Once after a hang: the requests of the job the drafter was stuck on."""
-        hung, self._hung_job = self._hung_job, None
-        return hung
+    def take_events(self) -> list[DrafterEvent]:
+        """Health events since the last call, in order: JobHung (the requests of the job the drafter was stuck on),
+        DrafterRestarted (once after each new process started)."""
+        self._notice_restart()
+        events, self._events = self._events, []
+        return events
 
     def drafter_failed(self, reason: str) -> None:
         """The drafter, not a request, fails jobs: restart it (the client backs off while this repeats)."""
@@ -181,7 +185,14 @@ class DrafterLink:
 
     # -- jobs ------------------------------------------------------------------------------------------------------
 
-    def submit(self, group: int, items: list[protocol.DraftItem], want_logprobs: bool) -> bool:
+    def submit(self, group: int, items: Sequence[JobItemPlan], tokens: TokenReader, want_logprobs: bool) -> bool:
+        """The core's job for `group`: per request only the tokens the drafter does not hold yet (O(new tokens), not
+        O(context), per request per step)."""
+        return self.send(group, [protocol.DraftItem(
+            item.request_id, _as_list(tokens(item.request_id, item.base_num_tokens, item.num_tokens)),
+            item.num_draft_tokens, item.base_num_tokens) for item in items], want_logprobs)
+
+    def send(self, group: int, items: list[protocol.DraftItem], want_logprobs: bool) -> bool:
         if self.client is None or group in self.jobs:
             return False
         ticket = self.client.submit(items, want_logprobs)
@@ -206,9 +217,11 @@ class DrafterLink:
         if self.client is not None and request_ids:
             self.client.cancel(sorted(request_ids))
 
-    def poll(self, timeout_seconds: float, handle: MessageHandler) -> None:
+    def poll(self, timeout_seconds: float) -> list[DrafterEvent]:
+        """The drafter's answers that arrived (waiting at most `timeout_seconds` for a message), as events."""
+        events: list[DrafterEvent] = []
         if self.client is None:
-            return
+            return events
         for message in self.client.receive(timeout_seconds):
             # Any message is progress: a reply, an error, or a report that a step of the current job finished.
             self._last_heard_at = self._clock()
@@ -221,11 +234,15 @@ class DrafterLink:
                 job = self._complete(message.job_id)
                 if isinstance(message, protocol.DraftReply):
                     self.consecutive_failed_jobs = 0
-            handle(job, message)
+            event = to_event(job, message)
+            if event is not None:
+                events.append(event)
+        return events
 
-    def wait_for(self, group: int, budget_seconds: float, handle: MessageHandler) -> WaitResult:
-        """Wait at most `budget_seconds` for the job of `group`, handling every message meanwhile. Timed by the link's
-        clock, so a simulated drafter (minedraft.twin) runs this very loop on simulated time."""
+    def wait_for(self, group: int, budget_seconds: float) -> WaitResult:
+        """Wait at most `budget_seconds` for the job of `group`, collecting every answer meanwhile. Timed by the
+        link's clock, so a simulated drafter (minedraft.twin) runs this very loop on simulated time."""
+        events: list[DrafterEvent] = []
         started = self._clock()
         deadline = started + budget_seconds
         down = False
@@ -233,11 +250,11 @@ class DrafterLink:
             remaining = deadline - self._clock()
             if remaining <= 0:
                 break
-            self.poll(min(remaining, 0.05), handle)
+            events.extend(self.poll(min(remaining, 0.05)))
             if not self.check():
                 down = True
                 break
-        return WaitResult(self._clock() - started, not down and group not in self.jobs)
+        return WaitResult(self._clock() - started, not down and group not in self.jobs, tuple(events))
 
     def _complete(self, job_id: int) -> JobInFlight | None:
         job = self.jobs.complete(job_id)

@@ -26,7 +26,7 @@ written by the drafter link alone and read here by reference.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from minedraft.engine.psd.inflight import InFlight, JobInFlight
@@ -45,7 +45,18 @@ QUARANTINE_AFTER_HANGS = 2
 DEFAULT_CATCH_UP_TOKENS_PER_JOB = 2048
 
 
-@dataclass(frozen=True)
+def should_widen(plain_decoding: bool, drafts_outstanding: bool, drafter_loading: bool) -> bool:
+    """Whether the target may compute on the drafter's cores this step.
+
+    Only while nothing is drafted there: the step decodes without drafts (ar, or the drafter down) and no draft job is
+    outstanding. Not while a drafter process is loading its model on those cores either (a first start or a
+    replacement after a hang): its load is CPU-bound, and a widened target sharing the core with it was measured
+    several times slower than the same steps kept on the target's own cores (`minedraft bench stall`, scenario
+    hang)."""
+    return (plain_decoding or not drafts_outstanding) and not drafter_loading
+
+
+@dataclass(frozen=True, slots=True)
 class RequestState:
     """What the planner needs of one running request."""
 
@@ -63,7 +74,7 @@ class RequestState:
     last_token_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Draft:
     context_num_tokens: int
     token_ids: list[int]
@@ -108,7 +119,7 @@ class PlannedStep:
         return sum(self.drafted_lengths.values())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class JobItemPlan:
     request_id: str
     # Committed tokens the drafter already holds of this request: the job sends only tokens[base:num_tokens].
@@ -466,7 +477,8 @@ class PSDPlanner:
 
     # -- invariants ----------------------------------------------------------------------------------------------
 
-    def check_step(self, plan: PlannedStep, requests: Sequence[RequestState], scheduled: dict[str, list[int]]) -> None:
+    def check_step(self, plan: PlannedStep, requests: Sequence[RequestState],
+                   scheduled: Mapping[str, list[int]]) -> None:
         """What vLLM scheduled matches the plan: drafted positions are exactly the held draft for the request's
         current context, and no held-out request ran."""
         by_id = {r.request_id: r for r in requests}
