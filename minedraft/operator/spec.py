@@ -49,8 +49,9 @@ MAX_MODEL_LEN = 1 << 24
 # sets or refuses (they break its one-schedule-one-update cycle): extraArgs must not carry them.
 RESERVED_ENGINE_FLAGS = ("--host", "--grpc-port", "--metrics-port", "--grace-seconds", "--model", "--draft", "--mode",
                          "--num-speculative-tokens", "--num-extra-draft-tokens", "--drafter-gpu", "--drafter-backend",
-                         "--max-num-seqs", "--max-model-len", "--dtype", "--tensor-parallel-size", "-tp",
-                         "--target-gpus", "--max-num-speculative-tokens", "--auto-modes", "--auto-k",
+                         "--max-num-seqs", "--max-num-seqs-from-kv", "--max-model-len", "--dtype",
+                         "--tensor-parallel-size", "-tp", "--target-gpus", "--max-num-speculative-tokens",
+                         "--auto-modes", "--auto-k",
                          "--speculative-config", "--scheduler-cls", "--pipeline-parallel-size", "-pp",
                          "--data-parallel-size", "-dp", "--async-scheduling", "--served-model-name", "--token-file",
                          "--http-port")

@@ -99,6 +99,9 @@ def test_an_off_gpu_drafter_leaves_the_engine_a_larger_batch_than_vllm_sd_at_the
     ({"maxNumSeqsFromKV": {}}, "spec.engine.maxNumSeqsFromKV.requestTokens"),
     ({"maxNumSeqsFromKV": {"requestTokens": 8192}, "maxModelLen": 4096},
      "spec.engine.maxNumSeqsFromKV.requestTokens"),
+    # Set from the field, never through extraArgs (which would hand it to vLLM's parser, failing at start-up).
+    ({"extraArgs": ["--max-num-seqs-from-kv=4096"]}, "spec.engine.extraArgs"),
+    ({"extraArgs": ["--max_num_seqs_from_kv", "4096"]}, "spec.engine.extraArgs"),
 ])
 def test_invalid_request_lengths_are_refused_at_admission_and_by_the_parser_naming_the_field(
         engine: dict[str, Any], field: str) -> None:
