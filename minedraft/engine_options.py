@@ -12,6 +12,9 @@ from typing import Any
 
 from minedraft.engine.settings import DEFAULT_HANG_SECONDS, DRAFTER_BACKENDS, DTYPES
 
+# Requests batched at once without --max-num-seqs.
+DEFAULT_MAX_NUM_SEQS = 64
+
 
 def _pair_dir(value: str | None) -> Path:
     from minedraft.models.spec import default_pair_dir
@@ -39,7 +42,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
     parser.add_argument("--num-speculative-tokens", "-k", type=int, default=3, help="draft length k")
     parser.add_argument("--num-extra-draft-tokens", type=int, default=0,
                         help="extra drafts e (top-C selection by cumulative draft log-probability)")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help=f"most requests batched at once (default {DEFAULT_MAX_NUM_SEQS}; with "
+                        "--max-num-seqs-from-kv, given: the ceiling of the sized limit)")
     parser.add_argument("--max-num-seqs-from-kv", type=int, default=None, metavar="TOKENS",
                         help="size --max-num-seqs from the target GPU's KV pool at TOKENS per request (prompt + "
                         "output): with the drafter off the target's GPU the memory it would take is KV too (GPUs "
@@ -173,7 +178,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         mode=mode,
         num_speculative_tokens=args.num_speculative_tokens,
         num_extra_draft_tokens=args.num_extra_draft_tokens,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=DEFAULT_MAX_NUM_SEQS if args.max_num_seqs is None else args.max_num_seqs,
         max_model_len=args.max_model_len or 0,
         kv_cache_gib=args.kv_cache_gib,
         target_cpu_cores=_cores(args.target_cores, target_default),
@@ -192,9 +197,12 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     if tokens is not None:
         if tokens < 1:
             raise SettingsError("max_num_seqs_from_kv", f"must be a positive number of tokens, got {tokens}")
-        from minedraft.engine.batch_limit import resize
+        from minedraft.engine.batch_limit import CEILING, resize
 
-        settings = resize(settings, tokens, log=lambda line: print(line, file=sys.stderr, flush=True))
+        # A --max-num-seqs given with it caps the sized limit (the operator's maxNumSeqs: the drafter pool and the
+        # autoscaler are sized from it); without one, only the engine's own ceiling does.
+        settings = resize(settings, tokens, log=lambda line: print(line, file=sys.stderr, flush=True),
+                          ceiling=CEILING if args.max_num_seqs is None else args.max_num_seqs)
     return settings
 
 

@@ -70,9 +70,9 @@ def gpu_memory_bytes(index: int = 0) -> int | None:
         return None
 
 
-def resize(settings: Any, request_tokens: int, log: Any = None) -> Any:
+def resize(settings: Any, request_tokens: int, log: Any = None, ceiling: int = CEILING) -> Any:
     """`settings` (EngineSettings) with max_num_seqs sized from the target GPU's KV pool at `request_tokens` per
-    request; unchanged, and said through `log`, where there is no GPU to size it from."""
+    request, at most `ceiling`; unchanged, and said through `log`, where there is no GPU to size it from."""
     index = settings.target_gpus[0] if settings.target_gpus else 0
     memory = gpu_memory_bytes(index)
     if memory is None:
@@ -88,8 +88,8 @@ def resize(settings: Any, request_tokens: int, log: Any = None) -> Any:
     colocated = getattr(settings.mode, "value", settings.mode) == "vllm-sd"
     limit = sized_max_num_seqs(memory, target, drafter, colocated, request_tokens,
                                settings.gpu_memory_utilization or 0.9, settings.tensor_parallel_size,
-                               lookahead_tokens=settings.max_num_speculative_tokens)
+                               lookahead_tokens=settings.max_num_speculative_tokens, ceiling=ceiling)
     if log is not None:
         log(f"--max-num-seqs-from-kv: {limit} requests of {request_tokens} tokens fit the target's KV pool "
-            f"(drafter {'on the target GPU' if colocated else 'off the target GPU'})")
+            f"(drafter {'on the target GPU' if colocated else 'off the target GPU'}; at most {ceiling})")
     return settings.with_changes(max_num_seqs=limit)

@@ -195,8 +195,17 @@ def spec_schema() -> Schema:
                                  "processes.", eng.shm_size),
             "ephemeralStorage": _quantity("Node-local ephemeral storage requested and limited per engine pod "
                                           "(unset: none requested).", None),
-            "maxNumSeqs": _int("Most requests batched at once per engine (vLLM max_num_seqs).",
+            "maxNumSeqs": _int("Most requests batched at once per engine (vLLM max_num_seqs); with "
+                               "maxNumSeqsFromKV, the ceiling of the sized batch.",
                                default=eng.max_num_seqs, minimum=1, maximum=65536),
+            "maxNumSeqsFromKV": _obj("Size each engine's batch from the KV cache its target GPU holds, instead of "
+                                     "maxNumSeqs alone (minedraft serve --max-num-seqs-from-kv): as many requests "
+                                     "of requestTokens as the target's KV pool holds, at most maxNumSeqs. A drafter "
+                                     "off the target's GPU (psd, sd, auto; drafterPool) leaves its memory to that "
+                                     "pool; vllm-sd's colocated drafter takes its share. Unset: maxNumSeqs.", {
+                "requestTokens": _int("Tokens per request (prompt + output) the batch is sized at; at most "
+                                      "maxModelLen.", minimum=1, maximum=s.MAX_MODEL_LEN),
+            }, required=["requestTokens"]),
             "maxModelLen": _int("Longest context in tokens (vLLM max_model_len); unset: the model's own context "
                                 "length, capped by the KV cache.", minimum=s.MIN_MODEL_LEN,
                                 maximum=s.MAX_MODEL_LEN),
@@ -275,6 +284,10 @@ def spec_schema() -> Schema:
             _rule("!has(self.extraArgs) || self.extraArgs.size() == 0 || self.extraArgs[0].startsWith('--')",
                   "extraArgs must start with a vLLM engine argument (--flag, --flag=value or \"--flag value\"); "
                   "a word without -- is the value of the flag before it", ".extraArgs"),
+            _rule("!has(self.maxNumSeqsFromKV) || !has(self.maxModelLen) || "
+                  "self.maxNumSeqsFromKV.requestTokens <= self.maxModelLen",
+                  "maxNumSeqsFromKV.requestTokens must not exceed maxModelLen: no request is longer than the context",
+                  ".maxNumSeqsFromKV.requestTokens"),
             _rule(f"!has(self.httpPort) || !(self.httpPort in [{s.ENGINE_GRPC_PORT}, {s.ENGINE_METRICS_PORT}])",
                   f"httpPort must differ from the engine's gRPC ({s.ENGINE_GRPC_PORT}) and metrics "
                   f"({s.ENGINE_METRICS_PORT}) ports", ".httpPort"),

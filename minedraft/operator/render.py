@@ -218,6 +218,10 @@ def engine_command(spec: s.MineDraftSpec, meta: s.ObjectMeta | None = None) -> l
         # The device plugin exposes this pod's GPUs as 0..n-1; the target takes the first targetGPUs of them, so
         # the next one is the drafter's alone.
         cmd += ["--drafter-gpu", str(eng.target_gpus)]
+    if eng.max_num_seqs_from_kv_tokens is not None:
+        # The engine sizes its batch from the KV its target GPU holds, --max-num-seqs its ceiling: a drafter off
+        # that GPU leaves it more than vllm-sd's colocated one, which a fixed limit would leave unused.
+        cmd += ["--max-num-seqs-from-kv", str(eng.max_num_seqs_from_kv_tokens)]
     if eng.max_model_len is not None:
         # Unset: the model's own context length (a fixed default would break models with shorter contexts).
         cmd += ["--max-model-len", str(eng.max_model_len)]

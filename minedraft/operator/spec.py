@@ -49,8 +49,9 @@ MAX_MODEL_LEN = 1 << 24
 # sets or refuses (they break its one-schedule-one-update cycle): extraArgs must not carry them.
 RESERVED_ENGINE_FLAGS = ("--host", "--grpc-port", "--metrics-port", "--grace-seconds", "--model", "--draft", "--mode",
                          "--num-speculative-tokens", "--num-extra-draft-tokens", "--drafter-gpu", "--drafter-backend",
-                         "--max-num-seqs", "--max-model-len", "--dtype", "--tensor-parallel-size", "-tp",
-                         "--target-gpus", "--max-num-speculative-tokens", "--auto-modes", "--auto-k",
+                         "--max-num-seqs", "--max-num-seqs-from-kv", "--max-model-len", "--dtype",
+                         "--tensor-parallel-size", "-tp", "--target-gpus", "--max-num-speculative-tokens",
+                         "--auto-modes", "--auto-k",
                          "--speculative-config", "--scheduler-cls", "--pipeline-parallel-size", "-pp",
                          "--data-parallel-size", "-dp", "--async-scheduling", "--served-model-name", "--token-file",
                          "--http-port")
@@ -192,6 +193,9 @@ class EngineSpec:
     dtype: str = "auto"
     drafter_backend: str = "vllm"
     max_num_seqs: int = 256
+    # engine.maxNumSeqsFromKV.requestTokens: the engine sizes its batch from the KV its target GPU holds at this many
+    # tokens per request (--max-num-seqs-from-kv), max_num_seqs its ceiling; None: max_num_seqs as it is.
+    max_num_seqs_from_kv_tokens: int | None = None
     # None: the model's own context length (capped by the KV cache), i.e. no --max-model-len flag.
     max_model_len: int | None = None
     extra_args: tuple[str, ...] = ()
@@ -634,6 +638,7 @@ def _engine(r: _Reader, data: Mapping[str, Any]) -> EngineSpec:
         r.fail(f"{p}.podDisruptionBudget", "must be true or false")
         pdb = d.pod_disruption_budget
     ephemeral = data.get("ephemeralStorage")
+    max_model_len = r.int_(data, "maxModelLen", p, None, MIN_MODEL_LEN, MAX_MODEL_LEN)
     return EngineSpec(
         image=r.str_(data, "image", p, default=d.image) or d.image,
         image_pull_policy=r.str_(data, "imagePullPolicy", p, default=d.image_pull_policy,
@@ -648,7 +653,8 @@ def _engine(r: _Reader, data: Mapping[str, Any]) -> EngineSpec:
         drafter_backend=r.str_(data, "drafterBackend", p, default=d.drafter_backend, choices=DRAFTER_BACKENDS)
         or d.drafter_backend,
         max_num_seqs=_or(r.int_(data, "maxNumSeqs", p, d.max_num_seqs, 1, 65536), d.max_num_seqs),
-        max_model_len=r.int_(data, "maxModelLen", p, None, MIN_MODEL_LEN, MAX_MODEL_LEN),
+        max_num_seqs_from_kv_tokens=_kv_sized_batch(r, data, p, max_model_len),
+        max_model_len=max_model_len,
         http_port=r.int_(data, "httpPort", p, None, 0, 65535),
         extra_args=_engine_extra_args(r, data, p),
         env=_engine_env_vars(r, data, p),
@@ -670,6 +676,22 @@ def _engine(r: _Reader, data: Mapping[str, Any]) -> EngineSpec:
         rollout_strategy=r.str_(data, "rolloutStrategy", p, default=d.rollout_strategy, choices=ROLLOUT_STRATEGIES)
         or d.rollout_strategy,
     )
+
+
+def _kv_sized_batch(r: _Reader, data: Mapping[str, Any], p: str, max_model_len: int | None) -> int | None:
+    """engine.maxNumSeqsFromKV.requestTokens: the request length (prompt + output) the engine sizes its batch at."""
+    sized = r.obj(data, "maxNumSeqsFromKV", p)
+    if sized is None:
+        return None
+    where = f"{p}.maxNumSeqsFromKV"
+    tokens = r.int_(sized, "requestTokens", where, None, 1, MAX_MODEL_LEN)
+    if "requestTokens" not in sized:
+        r.fail(f"{where}.requestTokens", "required")
+    elif tokens is not None and max_model_len is not None and tokens > max_model_len:
+        r.fail(f"{where}.requestTokens", f"must not exceed maxModelLen ({tokens} > {max_model_len}): no request "
+                                         "is longer than the context")
+        tokens = None
+    return tokens
 
 
 def _autoscaling(r: _Reader, data: Mapping[str, Any] | None) -> AutoscalingSpec | None:

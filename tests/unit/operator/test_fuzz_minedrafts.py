@@ -107,6 +107,8 @@ def engine(rng: random.Random, drafter_gpu: bool) -> dict[str, Any]:
         "ephemeralStorage": lambda: rng.choice(["50Gi", "1", 1000]),
         "maxNumSeqs": lambda: rng.choice([1, 256, 65536]),
         "maxModelLen": lambda: rng.choice([s.MIN_MODEL_LEN, 4096, s.MAX_MODEL_LEN]),
+        # At most the shortest maxModelLen drawn (a request is never longer than the context).
+        "maxNumSeqsFromKV": lambda: {"requestTokens": rng.choice([1, s.MIN_MODEL_LEN])},
         "extraArgs": lambda: [w for group in rng.sample(JSON_EXTRA_ARGS, rng.randint(0, 3)) for w in group],
         "env": lambda: rng.sample([
             {"name": "NCCL_DEBUG", "value": "WARN"}, {"name": "EMPTY", "value": ""}, {"name": "UNSET"},
@@ -435,6 +437,8 @@ INVALID: list[tuple[Any, ...]] = [
     ("spec.engine.ephemeralStorage", "lots", "spec.engine.ephemeralStorage"),
     ("spec.engine.maxNumSeqs", 0, "spec.engine.maxNumSeqs"),
     ("spec.engine.maxModelLen", 15, "spec.engine.maxModelLen"),
+    ("spec.engine.maxNumSeqsFromKV", {"requestTokens": 0}, "spec.engine.maxNumSeqsFromKV.requestTokens"),
+    ("spec.engine.maxNumSeqsFromKV", {}, "spec.engine.maxNumSeqsFromKV.requestTokens"),
     ("spec.engine.extraArgs", ["--model=x"], "spec.engine.extraArgs"),
     ("spec.engine.extraArgs", ["--max-model-len 4096"], "spec.engine.extraArgs"),
     ("spec.engine.extraArgs", ["--max_model_len=4096"], "spec.engine.extraArgs"),
