@@ -9,16 +9,17 @@ MineDraft cannot honour is rejected with a 400 naming it; a field the endpoint d
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from itertools import accumulate
 from typing import Any
 
 import grpc
 import msgspec
-import numpy as np
 
 from minedraft.api import pb
 
@@ -44,6 +45,10 @@ MAX_GENERATIONS = 64  # n times the number of prompts
 MAX_TOP_LOGPROBS = 20
 # Arrays and objects nested deeper than this in a body are a 400 (OpenAI's bodies nest a handful of levels).
 MAX_JSON_DEPTH = 64
+# json_depth's tables: strings cut out, every byte but a bracket deleted, then each bracket's step.
+_JSON_STRING = re.compile(rb'"[^"]*"')
+_NOT_A_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKET_STEP = [1 if b in b"[{" else -1 for b in range(256)]
 # -inf is not JSON: OpenAI's servers (and vLLM's) send this floor instead.
 MIN_LOGPROB = -9999.0
 
@@ -164,21 +169,22 @@ _ALLOWED = {
 
 
 def json_depth(raw: bytes) -> int:
-    """How deeply the arrays and objects of a JSON text nest (0: a scalar), counted in C-speed passes, never by
-    recursion (whose bound is process-global state: sys.getrecursionlimit(), which torch's compiler raises).
+    """How deeply the arrays and objects of a JSON text nest (0: a scalar), counted in C-level passes, never by
+    recursion (whose bound is process-global state: sys.getrecursionlimit(), which torch's compiler raises), and
+    without numpy (the gateway's install has none).
 
     Escaped backslashes, then escaped quotes, are blanked (bytes.replace, left to right: what is left of each
-    backslash pair cannot start another escape), so every quote left opens or closes a string; a bracket counts only
-    outside strings (an even number of quotes before it). Invalid JSON gets some number; the decoder refuses it."""
+    backslash pair cannot start another escape), so every quote left opens or closes a string; strings are cut out
+    (an unterminated last one with all after it) and the brackets left are summed as +1/-1. Invalid JSON gets some
+    number; the decoder refuses it."""
     brackets = raw.count(b"[") + raw.count(b"{")
     if brackets <= MAX_JSON_DEPTH:
         return brackets  # an upper bound, and within the limit: no need to measure
-    text = np.frombuffer(raw.replace(b"\\\\", b"__").replace(b'\\"', b"__"), dtype=np.uint8)
-    outside = np.bitwise_xor.accumulate((text == ord('"')).view(np.uint8)) == 0
-    steps = ((text == ord("[")) | (text == ord("{"))).astype(np.int32)
-    steps -= (text == ord("]")) | (text == ord("}"))
-    steps *= outside
-    return int(np.cumsum(steps).max(initial=0))
+    text = raw.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    if text.count(b'"') % 2:
+        text = text[:text.rfind(b'"')]
+    kept = _JSON_STRING.sub(b"", text).translate(None, _NOT_A_BRACKET)
+    return max(0, max(accumulate(map(_BRACKET_STEP.__getitem__, kept)), default=0))
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:

@@ -13,9 +13,9 @@ def test_the_round_trip_is_skipped_for_minedrafts_scheduler_only():
     from minedraft.engine.vllm_adapter.engine_core import skip_draft_token_round_trip
     from minedraft.engine.vllm_adapter.scheduler import PSDScheduler
 
-    ours = SimpleNamespace(scheduler=PSDScheduler.__new__(PSDScheduler), check_for_draft_tokens=True)
+    ours = SimpleNamespace(scheduler=object.__new__(PSDScheduler), check_for_draft_tokens=True)
     assert skip_draft_token_round_trip(ours) and ours.check_for_draft_tokens is False
     vllms = SimpleNamespace(scheduler=object(), check_for_draft_tokens=True)
     assert not skip_draft_token_round_trip(vllms) and vllms.check_for_draft_tokens is True
-    plain = SimpleNamespace(scheduler=PSDScheduler.__new__(PSDScheduler), check_for_draft_tokens=False)
+    plain = SimpleNamespace(scheduler=object.__new__(PSDScheduler), check_for_draft_tokens=False)
     assert not skip_draft_token_round_trip(plain)

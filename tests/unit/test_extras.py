@@ -53,9 +53,8 @@ def closure(extras: set[str]) -> set[str]:
     while todo:
         requirement = todo.pop()
         name = canonicalize_name(requirement.name)
-        if requirement.marker is not None and not any(
-                requirement.marker.evaluate({"extra": e}) for e in (requirement.extras or {""}) | {""}):
-            continue
+        # Markers were evaluated where each requirement was taken (against its parent's extras, as pip does): the
+        # marker of uvicorn[standard]'s "httptools; extra == 'standard'" is false for httptools' own (no) extras.
         key = f"{name}[{','.join(sorted(requirement.extras))}]"
         if key in found:
             continue
