@@ -101,13 +101,23 @@ class Prober:
             await asyncio.sleep(period)
 
 
+# What a Secret-backed volume's files hold here (the kubelet writes the Secret's keys; the operator makes the
+# internal credential's Secret, which a rendered Deployment only names).
+SECRET_FILE_CONTENT = "pod-contract-test-token\n"
+
+
 def local_process(container: dict[str, Any], tmp_path: Path, ports: dict[str, int],
-                  extra: list[str]) -> tuple[list[str], dict[str, str]]:
+                  extra: list[str], volumes: list[dict[str, Any]] | None = None) -> tuple[list[str], dict[str, str]]:
     """The container's command and env for a local process: flags in `ports` get local ports, the host becomes
-    loopback, mount paths become temporary folders."""
+    loopback, mount paths (in arguments and env) become temporary folders, and the pod's Secret volumes (`volumes`)
+    get their files, as the kubelet writes them."""
     mounts = {m["mountPath"]: tmp_path / m["name"] for m in container.get("volumeMounts", [])}
     for folder in mounts.values():
         folder.mkdir(parents=True, exist_ok=True)
+    for volume in volumes or []:
+        if "secret" in volume and (tmp_path / volume["name"]).is_dir():
+            for item in volume["secret"].get("items", []):
+                (tmp_path / volume["name"] / item["path"]).write_text(SECRET_FILE_CONTENT)
 
     def mapped(value: str) -> str:
         for path, folder in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
@@ -127,7 +137,7 @@ def local_process(container: dict[str, Any], tmp_path: Path, ports: dict[str, in
     for var in container.get("env", []):
         if "value" in var:
             env[var["name"]] = mapped(var["value"])
-    return [sys.executable, "-m", "minedraft.cli", *args, *extra], env
+    return [sys.executable, "-m", "minedraft.cli", *(mapped(a) for a in args), *extra], env
 
 
 def endpoint_slice(address: str) -> dict[str, Any]:
@@ -152,7 +162,8 @@ async def test_gateway_pod_probes_mean_what_they_say(tmp_path: Path) -> None:
             kind="EndpointSlice", namespaced=True, verbs=["get", "list", "watch", "create", "delete"])
         command, env = local_process(container, tmp_path, {"--port": grpc_port, "--metrics-port": free_port(),
                                                            "--http-port": free_port()},
-                                     ["--kubernetes-api", str(kmock.url).rstrip("/")])
+                                     ["--kubernetes-api", str(kmock.url).rstrip("/")],
+                                     deployment["spec"]["template"]["spec"].get("volumes", []))
         log = tmp_path / "gateway.log"
         process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
                                    stderr=log.open("w"))
@@ -225,7 +236,7 @@ async def test_engine_pod_is_not_restarted_while_loading_and_drains(tmp_path: Pa
     grpc_port = free_port()
     command, env = local_process(container, tmp_path, {"--grpc-port": grpc_port, "--metrics-port": free_port(),
                                                        "--http-port": free_port()},
-                                 ["--kv-cache-gib", "1"])
+                                 ["--kv-cache-gib", "1"], deployment["spec"]["template"]["spec"].get("volumes", []))
     # The image's model paths, mapped to the local pair; the CPU substitutions above.
     command = [str(pair / "target") if w == "/models/target" else str(pair / "draft") if w == "/models/draft"
                else w for w in command]

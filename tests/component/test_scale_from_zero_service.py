@@ -90,7 +90,8 @@ async def test_first_request_at_zero_engines_reaches_a_gateway_through_its_servi
             kind="EndpointSlice", namespaced=True, verbs=["get", "list", "watch", "create", "delete"])
         argv, env = local_process(container, tmp_path, {"--port": grpc_port, "--metrics-port": metrics_port,
                                                         "--http-port": free_port()},
-                                  ["--kubernetes-api", str(kmock.url).rstrip("/")])
+                                  ["--kubernetes-api", str(kmock.url).rstrip("/")],
+                                  gateway["spec"]["template"]["spec"].get("volumes", []))
         log = tmp_path / "gateway.log"
         process = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=log.open("w"))
         readiness = Prober("readiness", grpc_port, container["readinessProbe"])
