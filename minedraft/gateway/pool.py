@@ -128,8 +128,11 @@ class EnginePool:
                 await engine.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=UNRESPONSIVE_PROBE_TIMEOUT_SECONDS)
                 break
             except grpc.aio.AioRpcError as exc:
-                if exc.code() is not grpc.StatusCode.UNAUTHENTICATED and exc.code() is not grpc.StatusCode.UNAVAILABLE:
-                    break  # the credential passed (the call failed for another reason)
+                # UNAUTHENTICATED: still refused; UNAVAILABLE or DEADLINE_EXCEEDED (a frozen engine): nothing shows
+                # that the credential passes, so it stays out. Any other answer came from past the auth check.
+                if exc.code() not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE,
+                                      grpc.StatusCode.DEADLINE_EXCEEDED):
+                    break
                 log.debug("credential probe of %s: %s", engine.address, exc.code())
         self.endpoints.set_credential_refused(engine.address, False)
         log.warning("engine %s accepts the gateway's credential again: back in rotation", engine.address)

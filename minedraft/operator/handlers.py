@@ -251,6 +251,7 @@ def build_registry(settings: OperatorSettings, connection: kopf.ConnectionInfo |
             memo.metrics.forget(*key)
             memo.autoscaler.forget(*key)
             memo.reconciler.rolling_image.discard(key)  # a MineDraft deleted mid-rollout holds no other back
+            memo.reconciler.internal_secret_done.discard(body.metadata.uid or "")
             logger.info("deleted; its objects go with it through their owner references")
         else:
             memo.bodies[key] = dict(body)

@@ -188,7 +188,9 @@ class Reconciler:
         return replace(spec, engine=replace(spec.engine, image=image)), default
 
     def _image_rolled_out(self, meta: s.ObjectMeta, engine: status.DeploymentState | None) -> None:
-        if engine is not None and engine.rolled_out:
+        # Updated is not enough: with the Replace strategy a replacement counts as updated while it is still Pending
+        # or loading, and a broken image would then reach the next MineDraft. Ready, as `kubectl rollout status`.
+        if engine is not None and engine.rolled_out and engine.ready_replicas >= engine.replicas:
             self.rolling_image.discard((meta.namespace, meta.name))
 
     async def apply_all(self, manifests: Sequence[render.Manifest]) -> list[str]:

@@ -66,10 +66,10 @@ class FakeCluster:
     async def list_objects(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
         return []
 
-    def roll_out(self, namespace: str, name: str) -> None:
+    def roll_out(self, namespace: str, name: str, ready: bool = True) -> None:
         deployment = self.objects[("Deployment", namespace, name)]
         replicas = int(deployment["spec"].get("replicas", 1))
-        deployment["status"].update(updatedReplicas=replicas, readyReplicas=replicas)
+        deployment["status"].update(updatedReplicas=replicas, readyReplicas=replicas if ready else 0)
 
     def engine_image(self, name: str) -> str:
         deployment = self.objects[("Deployment", "ns", f"{name}-engine")]
@@ -144,3 +144,17 @@ def test_a_new_minedraft_and_one_with_its_own_image_are_never_held() -> None:
     own["spec"]["engine"] = {"image": "registry.example.com/custom/engine:9"}
     assert reconcile(upgraded, own)["engineImage"] == "registry.example.com/custom/engine:9"
     assert cluster.engine_image("b") == "registry.example.com/custom/engine:9"
+
+
+def test_the_next_minedraft_waits_until_the_rolled_engines_are_ready() -> None:
+    """Updated but not ready (a replacement still Pending or loading a broken image) holds the others back."""
+    cluster = installed(("a", "b"))
+    upgraded = operator(cluster, "2.0", "OneAtATime")
+    reconcile(upgraded, minedraft("a"))
+    cluster.roll_out("ns", "a-engine", ready=False)
+    reconcile(upgraded, minedraft("a"))
+    assert reconcile(upgraded, minedraft("b"))["pendingEngineImage"] == NEW and cluster.engine_image("b") == OLD
+    cluster.roll_out("ns", "a-engine")
+    reconcile(upgraded, minedraft("a"))
+    reconcile(upgraded, minedraft("b"))
+    assert cluster.engine_image("b") == NEW
