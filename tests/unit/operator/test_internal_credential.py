@@ -1,5 +1,6 @@
 """The internal credential: an operator-generated Secret (<name>-internal) between gateway, engines and drafter pool,
-so a client's API token is never an engine credential and a pod that is not the gateway cannot call an engine."""
+so a pod that is not the gateway cannot call an engine (for this release engines behind an authenticating gateway also
+accept the clients' token, which 0.1.0's gateways present: an upgrade mixes old and new pods)."""
 
 from __future__ import annotations
 
@@ -38,15 +39,21 @@ def test_behind_the_gateway_engines_accept_only_the_internal_credential() -> Non
     assert secret_volumes(gateway)["internal"] == "qwen3-8b-internal"
 
 
-def test_a_clients_token_is_never_an_engine_credential() -> None:
+def test_the_gateway_presents_the_internal_credential_first_and_the_clients_token_only_to_old_engines() -> None:
     manifests = render.render_resource(load("auth-tls"))
     gateway = pod(manifests, "llama-secure-gateway")
     command = gateway["containers"][0]["command"]
     assert flag(command, "--token-file") == f"{render.AUTH_DIR}/token"  # clients
-    assert flag(command, "--engine-token-file") == render.INTERNAL_TOKEN_PATH  # engines
+    assert flag(command, "--engine-token-file") == render.INTERNAL_TOKEN_PATH  # engines: this release's first
+    # For this release only (an upgrade from 0.1.0 mixes old and new pods, tests/component/test_upgrade_credentials):
+    # 0.1.0's engines accept only the clients' token, and 0.1.0's gateways present it to this release's engines.
+    assert [w for i, w in enumerate(command) if command[i - 1] == "--engine-token-file"] == [
+        render.INTERNAL_TOKEN_PATH, f"{render.AUTH_DIR}/token"]
     engine_pod = pod(manifests, "llama-secure-engine")
-    assert "minedraft-token" not in secret_volumes(engine_pod).values()
-    assert flag(engine_container(manifests)["command"], "--token-file") == render.INTERNAL_TOKEN_PATH
+    assert secret_volumes(engine_pod)["auth"] == "minedraft-token"
+    engine = engine_container(manifests)["command"]
+    assert [w for i, w in enumerate(engine) if engine[i - 1] == "--token-file"] == [
+        render.INTERNAL_TOKEN_PATH, f"{render.AUTH_DIR}/token"]
 
 
 def test_without_the_gateway_engines_serve_clients_directly_and_no_credential_is_made() -> None:
