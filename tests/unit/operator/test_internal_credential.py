@@ -132,3 +132,38 @@ def test_a_restarted_operator_sends_nothing_and_a_deleted_secret_is_made_again()
     again._pod_issues = issues  # type: ignore[method-assign]
     outcome = asyncio.run(again.reconcile(doc))
     assert "Secret/chat-internal created" in outcome.applied and ("Secret", "ns", "chat-internal") in cluster.objects
+
+
+def test_an_api_error_recreating_the_deleted_secret_becomes_a_condition_not_an_exception() -> None:
+    from minedraft.operator.kube import KubeError
+    from minedraft.operator.status import PodIssue
+
+    class Refusing(FakeCluster):
+        """Creates the Secret once; the second create (after its deletion) is refused by the API server."""
+
+        creates = 0
+
+        async def create_if_absent(self, resource: Any, manifest: dict[str, Any]) -> bool:
+            if manifest["kind"] == "Secret":
+                self.creates += 1
+                if self.creates > 1:
+                    raise KubeError(403, "POST", "/api/v1/namespaces/ns/secrets", '{"message": "secrets is forbidden"}')
+            return await super().create_if_absent(resource, manifest)
+
+    cluster = Refusing()
+    doc = minedraft("chat")
+    doc["status"] = asyncio.run(operator(cluster, "1.0", "OneAtATime").reconcile(doc)).status
+    del cluster.objects[("Secret", "ns", "chat-internal")]
+
+    async def issues(meta: Any) -> tuple[Any, ...]:
+        return (PodIssue("gateway", "chat-gateway-1", "FailedMount",
+                         'MountVolume.SetUp failed for volume "internal" : secret "chat-internal" not found'),)
+
+    again = operator(cluster, "1.0", "OneAtATime")
+    again._pod_issues = issues  # type: ignore[method-assign]
+    outcome = asyncio.run(again.reconcile(doc))  # raised KubeError before
+    ready = next(c for c in outcome.status["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "ApplyFailed"
+    assert "Secret/chat-internal" in ready["message"] and "forbidden" in ready["message"]
+    assert any(e.type == "Warning" and e.reason == "ApplyFailed" for e in outcome.events)
+    assert outcome.status["internalCredential"] == "chat-internal"
