@@ -207,7 +207,11 @@ class Gateway:
         return self.port
 
     def set_engines(self, addresses: Sequence[str] | set[str]) -> None:
-        self.pool.update(addresses)
+        _, removed = self.pool.update(addresses)
+        for address in removed:
+            # Per-engine series live as long as the engine is in the routing table: engine addresses are pod IPs,
+            # new with every rollout, and a label set kept for each would grow without bound.
+            self.metrics.engine_removed(address)
 
     def watch_kubernetes(self, api: KubernetesApi, namespace: str, service: str, port_name: str | None) -> None:
         watcher = EndpointSliceWatcher(api, namespace, service, port_name, self.set_engines)

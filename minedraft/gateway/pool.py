@@ -79,8 +79,9 @@ class EnginePool:
         self.health_retry_seconds = health_retry_seconds
         self.failure_cooldown_seconds = failure_cooldown_seconds
 
-    def update(self, addresses: Iterable[str]) -> None:
-        """Track exactly these engines: open channels and health watches for new ones, close removed ones."""
+    def update(self, addresses: Iterable[str]) -> tuple[set[str], set[str]]:
+        """Track exactly these engines: open channels and health watches for new ones, close removed ones. Returns
+        the addresses added and removed."""
         added, removed = self.endpoints.replace(addresses)
         for address in removed:
             engine = self._engines.pop(address)
@@ -102,6 +103,7 @@ class EnginePool:
         if added or removed:
             log.info("engines: %s (added %s, removed %s)", self.endpoints.addresses, sorted(added), sorted(removed))
             self._on_health_change()
+        return added, removed
 
     def stub(self, address: str) -> pb_grpc.GenerationStub | None:
         engine = self._engines.get(address)
