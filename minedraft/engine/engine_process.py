@@ -501,6 +501,7 @@ class EngineProcess:
             self._streams.clear()
             calls = list(self._calls.values())
             self._calls.clear()
+            self._outbox.put(None)  # nothing more is sent: the sender thread ends
         for stream in streams:
             with contextlib.suppress(RuntimeError):
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)

@@ -264,4 +264,6 @@ async def test_a_blocked_write_to_the_engine_process_never_blocks_the_event_loop
         for task in tasks:
             with contextlib.suppress(EngineDeadError):
                 await task
+        await asyncio.to_thread(engine._sender.join, 5)
+        assert not engine._sender.is_alive()  # the link ended (EOF): the sender thread went with it
         await engine.shutdown()
