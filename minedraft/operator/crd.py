@@ -267,7 +267,8 @@ def spec_schema() -> Schema:
                              "engines directly), closed behind the gateway (it reaches engines over gRPC). The "
                              "operator's NetworkPolicy admits it from everywhere only without the gateway; behind the "
                              "gateway the engines require the MineDraft's internal credential (Secret "
-                             "<name>-internal) on this port and on gRPC.",
+                             "<name>-internal) on this port and on gRPC (for this release also the clients' token "
+                             "of gateway.authTokenSecretRef).",
                              minimum=0, maximum=65535),
         }, default={}, **{"x-kubernetes-validations": [
             _rule(f"self.targetGPUs in {list(s.TARGET_TP_SIZES)}",
