@@ -19,7 +19,9 @@ in the model runner, where the device's work is issued): "worker_idle" is the ti
 nothing to do (the engine's host work, and any wait for drafts, run there); "worker_idle_share" is that gap over the
 gap plus the next step's worker time. On a GPU every millisecond of it is a millisecond the GPU sits idle. The gap is
 split into "idle: drafts" (the part during which the engine waited for that step's drafts: the drafter being slower
-than the target, not host overhead) and "idle: host" (the rest: the engine's own work); "host share" is the latter
+than the target, not host overhead) and "idle: host" (the rest: the engine's own work, and "host: handoff", the part
+after the step was scheduled: handing it over, at TP > 1 the worker answering the previous step and reading this one
+from the executor's queue, which async steps cannot hide); "host share" is the latter
 over itself plus the step; "drafts on time" takes only the gaps with no wait for drafts in them (after a late job the
 rest of the step's scheduling, which needs the drafts, falls in the gap too). Worker steps are paired with
 step records by order (with async steps the worker runs ahead of the engine's calls). The timeline and the runner's
@@ -141,6 +143,15 @@ def idle_split(gap: tuple[float, float], wait: tuple[float, float]) -> tuple[flo
     return waiting, idle - waiting
 
 
+def handoff_part(gap: tuple[float, float], sent_at: float) -> float:
+    """The part of a worker idle gap after the engine had handed the step over (scheduled it: its scheduler output
+    ready to send): the handoff itself (sending the step and, at TP > 1, the worker answering the previous step and
+    reading this one from the executor's queue), not the engine's host work. With the step sent before the gap began
+    (async steps), the whole gap. Pure."""
+    start, end = gap
+    return max(0.0, end - max(start, sent_at))
+
+
 def idle_gaps(steps: list[tuple[float, float]], previous_end: float | None) -> list[tuple[float, float]]:
     """(idle before the step, the step's worker time) for each step, the idle being the time since the previous
     step's end (the first step of a run, without one, is left out). Pure."""
@@ -232,7 +243,10 @@ def run_context(engine: Any, prompt_ids: list[int], num_requests: int, max_token
         if worker and index > 0:
             gap = (worker[index - 1][1], worker[index][0])
             waiting, host = idle_split(gap, (record.started_at, record.started_at + record.wait_seconds))
+            # Scheduled at: the step's start, its wait for drafts and its scheduling (StepRecord.schedule_seconds).
+            sent_at = record.started_at + record.wait_seconds + record.schedule_seconds
             row.update(worker_idle=waiting + host, worker_idle_drafts=waiting, worker_idle_host=host,
+                       worker_idle_handoff=min(host, handoff_part(gap, sent_at)),
                        worker_busy=worker[index][1] - worker[index][0])
         rows.append(row)
     if not rows:
@@ -250,6 +264,7 @@ def run_context(engine: Any, prompt_ids: list[int], num_requests: int, max_token
         summary["worker_idle"] = statistics.median(r["worker_idle"] for r in idle)
         summary["worker_idle_drafts"] = statistics.median(r["worker_idle_drafts"] for r in idle)
         summary["worker_idle_host"] = statistics.median(r["worker_idle_host"] for r in idle)
+        summary["worker_idle_handoff"] = statistics.median(r["worker_idle_handoff"] for r in idle)
 
         def share(part: str, whole: str) -> float:
             return statistics.median(r[part] / (r[whole] + r["worker_busy"])
@@ -502,8 +517,10 @@ def markdown(results: dict[str, Any]) -> str:
         "| context | mode | layout | steps | step | forward | runner_states | runner_inputs | runner_other | schedule"
         " | update | wait | engine own | own share | verified w/ drafts | draft | draft/verify | overlap | steady"
         " overlap (catch-up steps) | wait explained | worker idle | worker idle share | idle: drafts | idle: host"
-        " | host share | host, drafts on time (steps) | host share, drafts on time | scheduled ahead |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " | host share | host, drafts on time (steps) | host share, drafts on time | scheduled ahead | host: handoff"
+        " | tokens/s | idle share by rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "---|---|---|",
     ]
     for r in results["runs"]:
         if not r.get("steps"):
@@ -522,6 +539,10 @@ def markdown(results: dict[str, Any]) -> str:
             + (f" {r['worker_idle_host_on_time'] * ms:.2f} ({r['steps_drafts_on_time']}) |"
                f" {r['worker_idle_host_share_on_time']:.1%} |" if "worker_idle_host_on_time" in r else " - | - |")
             + f" {r.get('scheduled_ahead_share', 0.0):.0%} |"
+            + (f" {r['worker_idle_handoff'] * ms:.2f} |" if "worker_idle_handoff" in r else " - |")
+            + f" {r['tokens_per_second']:.0f} |"
+            + (" " + ", ".join("-" if x is None else f"{x:.1%}" for x in r["worker_idle_share_by_rank"]) + " |"
+               if r.get("worker_idle_share_by_rank") else " - |")
         )
     ceilings = []
     for context in sorted({r["context"] for r in results["runs"]}):

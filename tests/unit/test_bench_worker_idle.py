@@ -125,3 +125,14 @@ def test_a_ranks_idle_share_is_the_median_gap_over_gap_plus_step_of_its_decode_s
     share = rank_idle_share(steps, records)
     assert share is not None and abs(share - 0.001 / 0.011) < 1e-9
     assert rank_idle_share(steps[:3], records) is None  # unpaired: no figure rather than a wrong one
+
+
+def test_the_handoff_is_the_part_of_a_gap_after_the_step_was_scheduled():
+    from minedraft.bench.steps import handoff_part
+
+    # Synchronous: the engine scheduled 2 ms into a 3 ms gap: 1 ms of handoff, the rest host work.
+    assert round(handoff_part((1.000, 1.003), 1.002), 6) == 0.001
+    # Scheduled ahead, before the gap began: the whole gap is handoff.
+    assert round(handoff_part((1.000, 1.0005), 0.990), 6) == 0.0005
+    # Scheduled after the worker started (cannot happen; clock noise): none.
+    assert handoff_part((1.000, 1.001), 1.002) == 0.0
