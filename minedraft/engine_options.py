@@ -94,8 +94,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
                         "(e.g. --vllm-arg=--enable-prefix-caching --vllm-arg=--max-num-batched-tokens=8192)")
     parser.add_argument("--async-psd-steps", action=argparse.BooleanOptionalAction, default=False,
                         help="psd (and auto while it runs psd): schedule each step while the target computes the "
-                        "previous one (the two verify disjoint sub-batches: nothing speculative, no rollback); sd, "
-                        "ar and TP>1 run synchronous steps")
+                        "previous one (the two verify disjoint sub-batches: nothing speculative, no rollback), at any "
+                        "tensor-parallel size; sd and ar run synchronous steps")
     parser.add_argument("--deterministic", action="store_true",
                         help="batch-invariant numerics: greedy and seeded output token-identical whatever the load "
                         "and mode (GPUs: vLLM's batch-invariant mode, slower; CPUs: float32 only)")

@@ -69,6 +69,17 @@ STEPS: tuple[Step, ...] = (
          ("minedraft", "bench", "steps", "--out", "benchmarks/results/step-breakdown/512", "--contexts", "512"),
          # Took about 4 minutes on the shared machine (load average 7-10 from other jobs), psd-async included.
          ("benchmarks/results/step-breakdown/512.json",), 6 * 60),
+    Step("step-breakdown-tp2", "per-step time at TP = 2 (worker processes), 32 requests: the workers' idle on host "
+         "work with synchronous and async psd steps (512 tokens)",
+         ("minedraft", "bench", "steps", "--out", "benchmarks/results/step-breakdown/tp2-512", "--contexts", "512",
+          "--requests", "32", "--max-tokens", "32", "--modes", "psd,psd-async", "--tensor-parallel-size", "2"),
+         # Took 3 minutes on the shared machine (load average 4-6 from other jobs), 1.5 of them loading.
+         ("benchmarks/results/step-breakdown/tp2-512.json",), 5 * 60),
+    Step("step-breakdown-tp2-r8", "the same at 8 requests x 64 tokens",
+         ("minedraft", "bench", "steps", "--out", "benchmarks/results/step-breakdown/tp2-512-r8", "--contexts", "512",
+          "--requests", "8", "--max-tokens", "64", "--modes", "psd,psd-async", "--tensor-parallel-size", "2"),
+         # Took 3.5 minutes on the shared machine (load average 4-6 from other jobs).
+         ("benchmarks/results/step-breakdown/tp2-512-r8.json",), 5 * 60),
     Step("step-breakdown-long", "per-step time at 32 requests with 2k and 8k-token contexts (psd deltas vs whole "
          "contexts, ar)",
          ("minedraft", "bench", "steps", "--out", "benchmarks/results/step-breakdown/long",

@@ -19,10 +19,18 @@ in the model runner, where the device's work is issued): "worker_idle" is the ti
 nothing to do (the engine's host work, and any wait for drafts, run there); "worker_idle_share" is that gap over the
 gap plus the next step's worker time. On a GPU every millisecond of it is a millisecond the GPU sits idle. The gap is
 split into "idle: drafts" (the part during which the engine waited for that step's drafts: the drafter being slower
-than the target, not host overhead) and "idle: host" (the rest: the engine's own work); "host share" is the latter
+than the target, not host overhead) and "idle: host" (the rest: the engine's own work, and "host: handoff", the part
+after the step was scheduled: handing it over, at TP > 1 the worker answering the previous step and reading this one
+from the executor's queue, which async steps cannot hide); "host share" is the latter
 over itself plus the step; "drafts on time" takes only the gaps with no wait for drafts in them (after a late job the
 rest of the step's scheduling, which needs the drafts, falls in the gap too). Worker steps are paired with
-step records by order (with async steps the worker runs ahead of the engine's calls).
+step records by order (with async steps the worker runs ahead of the engine's calls). The timeline and the runner's
+timers live in the worker itself, installed and read back through vLLM's collective RPC: in-process at TP = 1, in
+each worker process at TP > 1 (`--tensor-parallel-size 2`), where the rank-0 worker (the one whose output the engine
+reads) is paired with the step records and every rank's idle share is reported too (`worker_idle_share_by_rank`).
+The worker's clock is `time.perf_counter` (CLOCK_MONOTONIC: one clock for every process of the machine), so its
+gaps split against the engine's wait for drafts as at TP = 1. At TP > 1 the layouts are not run (the ranks take every
+core; nothing widens).
 Modes run side by side on one engine: psd with delta draft jobs, psd-async (the same with async PSD steps: each step
 scheduled while the previous one computes; "scheduled ahead" is the share of decode steps that were), psd with whole
 contexts (the old protocol),
@@ -49,7 +57,7 @@ from typing import Any
 from minedraft.bench.output import stdout_to_stderr
 
 # The options recorded in a result's config (the CLI's namespace also holds the `minedraft bench` parser's own).
-_OPTION_NAMES = ("contexts", "requests", "max_tokens", "k", "modes")
+_OPTION_NAMES = ("contexts", "requests", "max_tokens", "k", "modes", "tensor_parallel_size")
 # A draft job that spent more than this share of its time before its first drafted token was catching up on context.
 CATCH_UP_SHARE = 0.5
 COLUMNS = ("forward", "runner_states", "runner_inputs", "runner_other", "schedule", "update", "wait")
@@ -135,6 +143,15 @@ def idle_split(gap: tuple[float, float], wait: tuple[float, float]) -> tuple[flo
     return waiting, idle - waiting
 
 
+def handoff_part(gap: tuple[float, float], sent_at: float) -> float:
+    """The part of a worker idle gap after the engine had handed the step over (scheduled it: its scheduler output
+    ready to send): the handoff itself (sending the step and, at TP > 1, the worker answering the previous step and
+    reading this one from the executor's queue), not the engine's host work. With the step sent before the gap began
+    (async steps), the whole gap. Pure."""
+    start, end = gap
+    return max(0.0, end - max(start, sent_at))
+
+
 def idle_gaps(steps: list[tuple[float, float]], previous_end: float | None) -> list[tuple[float, float]]:
     """(idle before the step, the step's worker time) for each step, the idle being the time since the previous
     step's end (the first step of a run, without one, is left out). Pure."""
@@ -146,14 +163,27 @@ def idle_gaps(steps: list[tuple[float, float]], previous_end: float | None) -> l
     return out
 
 
-def _model_runner(engine: Any) -> Any:
-    from minedraft.engine.vllm_adapter.engine_core import in_process_model_runner
-
-    return in_process_model_runner(engine._llm)
+RUNNER_TIMERS = {"forward": "_model_forward", "runner_states": "_update_states", "runner_inputs": "_prepare_inputs"}
 
 
-def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_requests: int, max_tokens: int,
-                tag: str, timeline: WorkerTimeline) -> dict[str, Any]:
+def install_worker_probe(worker: Any) -> bool:
+    """In a worker (through collective_rpc: each TP rank's process, or in-process at TP = 1): the runner's timers and
+    the worker's step timeline, kept on its model runner. Once per runner."""
+    runner = worker.model_runner
+    if getattr(runner, "minedraft_step_probe", None) is None:
+        timers = RunnerTimers(runner, RUNNER_TIMERS)
+        runner.minedraft_step_probe = WorkerTimeline(runner, on_end=timers.take)
+    return True
+
+
+def take_worker_probe(worker: Any) -> tuple[list[tuple[float, float]], list[dict[str, float]]]:
+    """In a worker: its steps since the last take ((start, end) of each) and the runner timers of each."""
+    timeline: WorkerTimeline = worker.model_runner.minedraft_step_probe
+    return timeline.take(), timeline.take_details()
+
+
+def run_context(engine: Any, prompt_ids: list[int], num_requests: int, max_tokens: int,
+                tag: str) -> dict[str, Any]:
     from minedraft.engine.requests import SamplingSettings
 
     sampling = SamplingSettings(max_tokens=max_tokens, ignore_eos=True)
@@ -163,14 +193,13 @@ def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_re
         tail = prompt_ids[16 * (i + 1): 16 * (i + 2)]
         engine.add_request(f"{tag}-{i}", prompt_ids[: len(prompt_ids) - len(tail)] + tail, sampling)
     first = engine.step_records()[-1].step if engine.step_records() else 0
-    timeline.take()
-    timeline.take_details()
-    timers.take()
+    engine._llm.collective_rpc(take_worker_probe)
     while engine.has_unfinished_requests():
         engine.step()
     records = engine.step_records(first)
-    worker = timeline.take()
-    runner_steps = timeline.take_details()
+    # Per rank; rank 0's output is the one the engine reads.
+    ranks = engine._llm.collective_rpc(take_worker_probe)
+    worker, runner_steps = ranks[0]
     # One worker step per scheduled step, in order (with async steps the worker runs ahead of the engine's calls,
     # so they are paired by order, not by call).
     if len(worker) != len(records):
@@ -214,7 +243,10 @@ def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_re
         if worker and index > 0:
             gap = (worker[index - 1][1], worker[index][0])
             waiting, host = idle_split(gap, (record.started_at, record.started_at + record.wait_seconds))
+            # Scheduled at: the step's start, its wait for drafts and its scheduling (StepRecord.schedule_seconds).
+            sent_at = record.started_at + record.wait_seconds + record.schedule_seconds
             row.update(worker_idle=waiting + host, worker_idle_drafts=waiting, worker_idle_host=host,
+                       worker_idle_handoff=min(host, handoff_part(gap, sent_at)),
                        worker_busy=worker[index][1] - worker[index][0])
         rows.append(row)
     if not rows:
@@ -232,6 +264,7 @@ def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_re
         summary["worker_idle"] = statistics.median(r["worker_idle"] for r in idle)
         summary["worker_idle_drafts"] = statistics.median(r["worker_idle_drafts"] for r in idle)
         summary["worker_idle_host"] = statistics.median(r["worker_idle_host"] for r in idle)
+        summary["worker_idle_handoff"] = statistics.median(r["worker_idle_handoff"] for r in idle)
 
         def share(part: str, whole: str) -> float:
             return statistics.median(r[part] / (r[whole] + r["worker_busy"])
@@ -248,10 +281,27 @@ def run_context(engine: Any, timers: RunnerTimers, prompt_ids: list[int], num_re
             summary["worker_idle_host_on_time"] = statistics.median(r["worker_idle_host"] for r in on_time)
             summary["worker_idle_host_share_on_time"] = statistics.median(
                 r["worker_idle_host"] / (r["worker_idle_host"] + r["worker_busy"]) for r in on_time)
+    if len(ranks) > 1 and worker:
+        summary["worker_idle_share_by_rank"] = [rank_idle_share(steps, records) for steps, _ in ranks]
     summary.update(overlap(decode_records))
     first_started = rows[0]["started_at"]
     summary["per_step"] = [{**r, "started_at": round(r["started_at"] - first_started, 5)} for r in rows]
     return summary
+
+
+def rank_idle_share(steps: list[tuple[float, float]], records: list[Any]) -> float | None:
+    """Median over decode steps of one rank's idle gap before the step over the gap plus the step (None: its steps
+    do not pair with the records). Pure."""
+    if len(steps) != len(records):
+        return None
+    shares = []
+    for index, record in enumerate(records):
+        if index == 0 or record.num_prefill_requests or not record.num_decode_requests:
+            continue
+        idle = max(0.0, steps[index][0] - steps[index - 1][1])
+        busy = steps[index][1] - steps[index][0]
+        shares.append(idle / (idle + busy) if idle + busy else 0.0)
+    return statistics.median(shares) if shares else None
 
 
 def overlap(records: list[Any]) -> dict[str, float]:
@@ -334,6 +384,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("-k", "--k", type=int, default=3, dest="k")
     parser.add_argument("--modes", default="psd,psd-async,psd-full,ar,layout")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="target ranks (CPU: one worker process per rank, each bound to its own cores; the "
+                        "layouts are not run at TP > 1)")
     parser.add_argument("--pair-dir", type=Path, default=None)
     parser.add_argument("--json", action="store_true",
                         help="print the results as JSON on stdout (default: the Markdown table); progress on stderr")
@@ -369,6 +422,10 @@ def _measure(args: argparse.Namespace, command: str) -> dict[str, Any] | None:
     source_pair = args.pair_dir or default_pair_dir()
     pair = _pair_for_context(source_pair, max(contexts) + args.max_tokens + 128)
     target_cores, drafter_cores = default_core_split()
+    if args.tensor_parallel_size > 1:
+        # One worker process per rank, each bound to its own core(s) of all this process may use (placement's
+        # cpu_thread_binding); the drafter keeps its half, so it shares a core with a rank on a small machine.
+        target_cores = ()
     settings = EngineSettings(
         model=str(pair / "target"),
         drafter=DrafterSettings(model=str(pair / "draft"), cpu_cores=drafter_cores, kv_cache_gib=1,
@@ -377,6 +434,7 @@ def _measure(args: argparse.Namespace, command: str) -> dict[str, Any] | None:
         max_model_len=max(contexts) + args.max_tokens + 64,
         kv_cache_gib=max(2.0, 8e-6 * args.requests * (max(contexts) + args.max_tokens) + 1),
         target_cpu_cores=target_cores,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     engine = Engine(settings)
     try:
@@ -400,9 +458,8 @@ def _runs(engine: Any, args: argparse.Namespace, command: str, source_pair: Path
     target_cores, drafter_cores = cores
     scheduler = engine.psd_scheduler
     assert scheduler is not None
-    timers = RunnerTimers(_model_runner(engine), {"forward": "_model_forward", "runner_states": "_update_states",
-                                                  "runner_inputs": "_prepare_inputs"})
-    timeline = WorkerTimeline(_model_runner(engine), on_end=timers.take)
+    engine._llm.collective_rpc(install_worker_probe)
+    tensor_parallel = engine.settings.tensor_parallel_size > 1
     # The held-out text lies beside the models, and the long-context copy has only the models.
     text = " ".join(bench_prompts(source_pair, 64, chars=400))
     base_ids = list(engine.tokenizer.encode(text))
@@ -427,7 +484,7 @@ def _runs(engine: Any, args: argparse.Namespace, command: str, source_pair: Path
             plan.append(("psd-churn", "equal-cores", Mode.PSD, True))
         if "ar" in modes:
             plan.append(("ar", "equal-cores", Mode.AR, True))
-        if "layout" in modes:
+        if "layout" in modes and not tensor_parallel:
             plan += [("sd", "equal-cores", Mode.SD, True), ("psd", "own-drafter-core", Mode.PSD, True),
                      ("sd", "own-drafter-core", Mode.SD, True)]
             if "psd-async" in modes:
@@ -442,8 +499,7 @@ def _runs(engine: Any, args: argparse.Namespace, command: str, source_pair: Path
             placement.wide = None
             scheduler.placement = placement
             # Start each run from an empty drafter and cache state of this engine: nothing carried between runs.
-            summary = run_context(engine, timers, prompt, args.requests, args.max_tokens,
-                                  f"{label}-{layout}-{context}", timeline)
+            summary = run_context(engine, prompt, args.requests, args.max_tokens, f"{label}-{layout}-{context}")
             row = {"context": context, "mode": label, "layout": layout, **summary}
             results["runs"].append(row)
             print(json.dumps(row), file=sys.stderr)
@@ -461,8 +517,10 @@ def markdown(results: dict[str, Any]) -> str:
         "| context | mode | layout | steps | step | forward | runner_states | runner_inputs | runner_other | schedule"
         " | update | wait | engine own | own share | verified w/ drafts | draft | draft/verify | overlap | steady"
         " overlap (catch-up steps) | wait explained | worker idle | worker idle share | idle: drafts | idle: host"
-        " | host share | host, drafts on time (steps) | host share, drafts on time | scheduled ahead |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " | host share | host, drafts on time (steps) | host share, drafts on time | scheduled ahead | host: handoff"
+        " | tokens/s | idle share by rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "---|---|---|",
     ]
     for r in results["runs"]:
         if not r.get("steps"):
@@ -481,6 +539,10 @@ def markdown(results: dict[str, Any]) -> str:
             + (f" {r['worker_idle_host_on_time'] * ms:.2f} ({r['steps_drafts_on_time']}) |"
                f" {r['worker_idle_host_share_on_time']:.1%} |" if "worker_idle_host_on_time" in r else " - | - |")
             + f" {r.get('scheduled_ahead_share', 0.0):.0%} |"
+            + (f" {r['worker_idle_handoff'] * ms:.2f} |" if "worker_idle_handoff" in r else " - |")
+            + f" {r['tokens_per_second']:.0f} |"
+            + (" " + ", ".join("-" if x is None else f"{x:.1%}" for x in r["worker_idle_share_by_rank"]) + " |"
+               if r.get("worker_idle_share_by_rank") else " - |")
         )
     ceilings = []
     for context in sorted({r["context"] for r in results["runs"]}):

@@ -42,6 +42,7 @@ from minedraft.engine.vllm_adapter.engine_core import (
     keep_distributed_state,
     model_thread_init,
     skip_draft_token_round_trip,
+    step_launcher,
 )
 from minedraft.engine.vllm_adapter.overlap import OverlappedSteps
 
@@ -120,10 +121,11 @@ def drafter_process_settings(settings: EngineSettings, plan: DevicePlan | None =
 
 
 def overlap_possible(settings: EngineSettings) -> bool:
-    """Whether this engine can run async PSD steps: a mode with sub-batches and the in-process executor (TP=1; the
-    model then runs on a thread of its own, see vllm_adapter/overlap.py). Tensor-parallel engines run synchronous
-    steps: vLLM's multiprocess executor would give real futures, but that path is not built or tested here."""
-    return settings.mode.uses_drafter and settings.tensor_parallel_size == 1
+    """Whether this engine can run async PSD steps: a mode with sub-batches (psd, sd or auto: sd and auto can switch
+    to psd at run time). At TP = 1 the model then runs on a thread of its own, at TP > 1 each step is one non-blocking
+    RPC to the worker processes (vllm_adapter/overlap.py); an executor that offers neither runs synchronous steps
+    (vllm_adapter/engine_core.step_launcher)."""
+    return settings.mode.uses_drafter
 
 
 def engine_args(settings: EngineSettings) -> Any:
@@ -282,11 +284,16 @@ class Engine:
         if overlap_possible(settings):
             # Installed on every engine that could use it, so async steps can be switched on and off at run time
             # (benchmarks compare both in one run); with them off each step is exactly vLLM's EngineCore.step.
-            # The model thread computes on the target's own cores (a new thread starts with the process's affinity
-            # and OpenMP's default thread count, not the engine thread's binding).
+            # At TP = 1 the model thread computes on the target's own cores (a new thread starts with the process's
+            # affinity and OpenMP's default thread count, not the engine thread's binding).
             model_placement = ComputePlacement(settings.target_cpu_cores, ())
-            self.overlap = OverlappedSteps(in_process_core(self._llm), model_thread_init(
-                self._llm, lambda: model_placement.apply(wide=False)))
+            launcher = step_launcher(self._llm, model_thread_init(self._llm, lambda: model_placement.apply(wide=False)))
+            if launcher is not None:
+                self.overlap = OverlappedSteps(in_process_core(self._llm), launcher=launcher)
+        scheduler = self.psd_scheduler
+        if self.overlap is None and scheduler is not None:
+            # No way to overlap on this executor: the core must not price or plan steps scheduled ahead.
+            scheduler.core.async_steps = False
         self.tokenizer = self._llm.get_tokenizer()
         self.startup_seconds = time.perf_counter() - started
         self._prompt_lengths: dict[str, int] = {}
@@ -442,7 +449,8 @@ class Engine:
         """Switch async PSD steps on or off; a step in flight finishes with the next step() either way."""
         scheduler = self.psd_scheduler
         if self.overlap is None or scheduler is None:
-            raise ValueError("async_psd_steps: needs a psd, sd or auto engine at tensor_parallel_size 1")
+            raise ValueError("async_psd_steps: needs a psd, sd or auto engine on vLLM's in-process (TP = 1) or "
+                             "multiprocess (TP > 1) executor")
         scheduler.core.async_steps = enabled
 
     def set_reproducible_seeds(self, enabled: bool) -> None:

@@ -180,7 +180,7 @@ class EngineSettings:
     resident_sub_batches: bool = True
     # psd: schedule each step, and prepare its inputs, while the target still computes the previous one (the two
     # verify disjoint sub-batches, so nothing is speculative about it and nothing is rolled back); auto too while it
-    # runs psd. sd, ar, one-sided psd and tensor parallelism run synchronous steps whatever this says
+    # runs psd; at any tensor-parallel size. sd, ar and one-sided psd run synchronous steps whatever this says
     # (docs/architecture.md).
     async_psd_steps: bool = False
     # Seeded requests at temperature > 0 draw each token from randomness keyed by (seed, output position), so their

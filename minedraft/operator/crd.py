@@ -162,9 +162,17 @@ def spec_schema() -> Schema:
             "numExtraDraftTokens": _int("Extra drafted tokens e kept for top-C selection by cumulative draft "
                                         "log-probability (psd and sd only).", default=0, minimum=0,
                                         maximum=s.MAX_EXTRA_DRAFT_TOKENS),
+            "asyncSteps": {"type": "boolean", "default": s.SpeculationSpec().async_steps,
+                           "description": "psd steps (mode psd, sd or auto, whenever it runs psd) scheduled while "
+                           "the target computes the step before: consecutive psd steps verify disjoint sub-batches, "
+                           "so nothing is speculative and nothing rolls back (minedraft serve --async-psd-steps). "
+                           "Hides the engine's host work per step (scheduling, waiting for drafts, output "
+                           "processing) behind the target's; at any targetGPUs."},
         }, default={}, **{"x-kubernetes-validations": [
             _rule("self.mode in ['psd', 'sd'] || self.numExtraDraftTokens == 0",
                   "numExtraDraftTokens needs mode psd or sd", ".numExtraDraftTokens"),
+            _rule(f"!has(self.asyncSteps) || !self.asyncSteps || self.mode in {list(s.ASYNC_STEP_MODES)}",
+                  "asyncSteps needs mode psd, sd or auto (the modes that run psd steps)", ".asyncSteps"),
             _rule(f"self.numSpeculativeTokens + self.numExtraDraftTokens <= {s.MAX_SPECULATIVE_TOKENS}",
                   f"numSpeculativeTokens + numExtraDraftTokens must be at most {s.MAX_SPECULATIVE_TOKENS}",
                   ".numExtraDraftTokens"),

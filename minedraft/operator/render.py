@@ -222,6 +222,9 @@ def engine_command(spec: s.MineDraftSpec, meta: s.ObjectMeta | None = None) -> l
         # The engine sizes its batch from the KV its target GPU holds, --max-num-seqs its ceiling: a drafter off
         # that GPU leaves it more than vllm-sd's colocated one, which a fixed limit would leave unused.
         cmd += ["--max-num-seqs-from-kv", str(eng.max_num_seqs_from_kv_tokens)]
+    if spec.speculation.async_steps:
+        # Each psd step scheduled while the target computes the one before (engine/vllm_adapter/overlap.py).
+        cmd += ["--async-psd-steps"]
     if eng.max_model_len is not None:
         # Unset: the model's own context length (a fixed default would break models with shorter contexts).
         cmd += ["--max-model-len", str(eng.max_model_len)]

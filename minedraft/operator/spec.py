@@ -22,6 +22,8 @@ MODES = ("psd", "sd", "ar", "vllm-sd", "auto")
 AUTO_MODES = ("psd", "sd", "ar")
 # Modes whose drafter runs in a process of its own and needs a GPU of its own next to the target's.
 DRAFTER_GPU_MODES = ("psd", "sd")
+# Modes whose engines can run psd steps (fixed, switched to, or chosen by auto): where asyncSteps means something.
+ASYNC_STEP_MODES = ("psd", "sd", "auto")
 DRAFTER_BACKENDS = ("vllm", "torch")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
@@ -168,6 +170,9 @@ class SpeculationSpec:
     mode: str = "psd"
     num_speculative_tokens: int = 3
     num_extra_draft_tokens: int = 0
+    # speculation.asyncSteps: psd steps scheduled while the target computes the step before (the engine's
+    # --async-psd-steps), at any targetGPUs.
+    async_steps: bool = False
 
 
 @dataclass(frozen=True)
@@ -853,6 +858,13 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MineDraftSpec:
     if k is not None and extra is not None and k + extra > MAX_SPECULATIVE_TOKENS:
         r.fail("spec.speculation.numExtraDraftTokens", f"numSpeculativeTokens + numExtraDraftTokens must be at most "
                                                        f"{MAX_SPECULATIVE_TOKENS} (got {k} + {extra})")
+    async_steps = speculation_data.get("asyncSteps", d.async_steps)
+    if not isinstance(async_steps, bool):
+        r.fail("spec.speculation.asyncSteps", "must be true or false")
+        async_steps = d.async_steps
+    elif async_steps and mode not in ASYNC_STEP_MODES:
+        r.fail("spec.speculation.asyncSteps", f"async steps need mode psd, sd or auto (mode is {mode}: it never runs "
+                                              "psd steps)")
     replicas = r.int_(spec, "replicas", "spec", None, 0, MAX_REPLICAS)
     # With autoscaling, spec.replicas (written through /scale) is clamped into the bounds (desired_replicas), so
     # narrowing minReplicas/maxReplicas afterwards is admitted and takes effect at once.
@@ -891,7 +903,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MineDraftSpec:
         raise SpecError(r.errors)
     result = MineDraftSpec(
         target=target, draft=draft,
-        speculation=SpeculationSpec(mode, k or d.num_speculative_tokens, extra or 0),
+        speculation=SpeculationSpec(mode, k or d.num_speculative_tokens, extra or 0, bool(async_steps)),
         engine=engine, replicas=replicas, autoscaling=autoscaling, gateway=gateway,
         image_pull_secrets=pull_names, served_model_names=tuple(served), drafter_pool=drafter_pool,
     )

@@ -80,6 +80,49 @@ def test_greedy_output_equals_ar_at_tp2(tp_engine, tp_prompts, tp_references, mo
     assert after.accepted_tokens > before.accepted_tokens, drafts_missing(tp_engine, before, after)
 
 
+def test_async_psd_steps_at_tp2_overlap_through_the_workers_and_match_synchronous_steps(
+        tp_engine, tp_prompts, tp_references):
+    """Async PSD steps at TP = 2: each step scheduled ahead is one non-blocking RPC to the worker processes, sent
+    while they compute the step before (overlap.WorkerProcesses), with arrivals mid-run and an abort while a step is
+    in flight: greedy output token-identical to synchronous steps (ar at TP = 2 on the same workers, which synchronous
+    psd equals: test_greedy_output_equals_ar_at_tp2)."""
+    from minedraft.engine.vllm_adapter.overlap import WorkerProcesses
+
+    engine = tp_engine
+    assert engine.overlap is not None and isinstance(engine.overlap._launcher, WorkerProcesses)
+    engine.set_mode(Mode.PSD, 3, 0)
+    assert engine.wait_for_drafter(300)
+    records_before = engine.step_records()
+    first_step = records_before[-1].step if records_before else 0
+    ahead_before = engine.overlap.counters.ahead
+    before = engine.totals()
+    engine.set_async_psd_steps(True)
+    try:
+        run = drive(engine, [Planned(f"tp-async-{i}", p, GREEDY, arrive_at_step=(i % 4) * 3,
+                                     abort_after_tokens=8 if i == 5 else None) for i, p in enumerate(tp_prompts)])
+    finally:
+        engine.set_async_psd_steps(False)
+    assert run.aborted == {"tp-async-5"}
+    outputs, expected = [], []
+    for i in range(len(tp_prompts)):
+        tokens = run.completions[f"tp-async-{i}"].token_ids
+        outputs.append(tokens)
+        expected.append(tp_references[i][: len(tokens)] if i == 5 else tp_references[i])
+    assert_greedy_matches(outputs, expected, "async psd steps at TP=2")
+    after = engine.totals()
+    assert after.accepted_tokens > before.accepted_tokens, drafts_missing(engine, before, after)
+    records = engine.step_records(first_step)
+    ahead = [r for r in records if r.scheduled_ahead]
+    assert ahead and engine.overlap.counters.ahead > ahead_before, "no step was scheduled ahead at TP=2"
+    by_step = {r.step: r for r in records}
+    for r in ahead:
+        previous = by_step.get(r.step - 1)
+        # A step scheduled ahead verifies the other sub-batch than the step in flight (never the same requests).
+        assert r.mode == "psd" and previous is not None and r.verified_group == 1 - previous.verified_group, r
+    assert not engine.has_unfinished_requests()
+    assert engine.psd_scheduler.core.subbatches.sizes() == (0, 0)
+
+
 def test_drafter_killed_mid_run_at_tp2_loses_nothing(tp_engine, tp_prompts, tp_references):
     tp_engine.set_mode(Mode.PSD, 3, 0)
     assert tp_engine.wait_for_drafter(300)

@@ -61,6 +61,28 @@ def in_process_model_runner(llm_engine: Any) -> Any:
     return in_process_core(llm_engine).model_executor.driver_worker.worker.model_runner
 
 
+def step_launcher(llm_engine: Any, model_thread_init: Any) -> Any | None:
+    """How this engine core's steps can be handed to the target without waiting (async PSD steps, overlap.py): a model
+    thread for the in-process executor (TP = 1), one non-blocking RPC per step for vLLM's multiprocess executor
+    (TP > 1; its futures are real). None for any other executor (Ray's, an external launcher's), and where the
+    executor merges connector outputs (a KV or encoder-cache connector: vLLM's step RPCs pass its aggregator, which
+    would not understand a step's (output, start, end) answer): those run synchronous steps."""
+    import vllm.envs
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    from minedraft.engine.vllm_adapter.overlap import ModelThread, WorkerProcesses
+
+    executor = in_process_core(llm_engine).model_executor
+    if executor.kv_output_aggregator is not None or executor.ec_output_aggregator is not None:
+        return None
+    if isinstance(executor, MultiprocExecutor):
+        return WorkerProcesses(executor, float(vllm.envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS))
+    if type(executor) is UniProcExecutor:
+        return ModelThread(executor, model_thread_init)
+    return None
+
+
 def model_thread_init(llm_engine: Any, bind_cores: Any) -> Any:
     """What a thread that runs the in-process model (async PSD steps) does first: `bind_cores()` (the target's CPU
     cores and thread count), and on a GPU the worker's device, which is per thread in CUDA (a new thread starts on

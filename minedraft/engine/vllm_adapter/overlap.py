@@ -10,36 +10,50 @@ scheduler (PSDScheduler.may_schedule_ahead) says when this holds; every other st
 This replaces the in-process engine core's `step_fn`, as vLLM's own `EngineCore.step_with_batch_queue` would, but
 with the scheduler deciding per step whether a second batch may be queued (vLLM's batch queue always fills itself,
 which with sd/ar would schedule empty batches or, with async scheduling, need placeholders). vLLM's batch queue
-cannot be used as is on this path for two reasons: its size comes from `VllmConfig.max_concurrent_batches`, which is
-1 unless async scheduling (refused with a custom proposer) or pipeline parallelism is on; and the in-process
-executor (vllm/v1/executor/uniproc_executor.py, `UniProcExecutor.collective_rpc`) runs `execute_model` inline even
-with `non_block=True`: its future is already done when returned, the model having run on the calling thread (only
-a GPU's asynchronous output copy makes it overlap there). So the model runs on one thread of its own here, the
-engine's (scheduling, drafter I/O, output processing) meanwhile on the calling thread; torch's kernels release the
-GIL, so the two overlap on a CPU as well. One thread keeps the model runner's calls in order
-(execute n, sample n, execute n+1, ...), as the runner requires.
+cannot be used as is on this path: its size comes from `VllmConfig.max_concurrent_batches`, which is 1 unless async
+scheduling (refused with a custom proposer) or pipeline parallelism is on. How a step is handed to the target while
+the engine thread goes on depends on the executor (the `launcher`):
+
+- TP = 1, `ModelThread`: the in-process executor (vllm/v1/executor/uniproc_executor.py,
+  `UniProcExecutor.collective_rpc`) runs `execute_model` inline even with `non_block=True`: its future is already
+  done when returned, the model having run on the calling thread (only a GPU's asynchronous output copy makes it
+  overlap there). So the model runs on one thread of its own here, the engine's (scheduling, drafter I/O, output
+  processing) meanwhile on the calling thread; torch's kernels release the GIL, so the two overlap on a CPU as well.
+  One thread keeps the model runner's calls in order (execute n, sample n, execute n+1, ...), as the runner requires.
+- TP > 1, `WorkerProcesses`: vLLM's multiprocess executor (`MultiprocExecutor.collective_rpc`, used in-process here
+  too: the engine core runs in this process, its workers in their own) enqueues an RPC on the workers' broadcast
+  queue and, with `non_block=True`, returns a future at once; each worker runs its RPCs one after another in the
+  order sent. A step is one RPC (worker_steps.execute_step: the worker's execute_model and sample_tokens, and its
+  own start and end), so the workers take step n+1 up the moment step n is done, while this thread processes step
+  n's output. No thread of ours: the engine thread only enqueues and later reads the answer. The worker's own input
+  preparation for a step (`_update_states`, `_prepare_inputs`) runs in the worker, inside its step, as at TP = 1.
 
 Invariants: at most one step in flight when the next is scheduled; a request in flight is never scheduled again
 until its step's output has been processed (the scheduler holds it out); a step's output is processed before any
-step that needs its tokens is scheduled (the sub-batch verified at n is next scheduled at n+2, after n's update).
+step that needs its tokens is scheduled (the sub-batch verified at n is next scheduled at n+2, after n's update);
+outputs are processed in the order the steps were scheduled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+# A step's model-runner output, and when the worker started and finished it (time.perf_counter seconds).
+WorkerStep = tuple[Any, float, float]
 
 
 @dataclass
 class _Launched:
     scheduler_output: Any
-    future: Future[tuple[Any, float, float]]
-    # Set by the model thread when it takes the step up.
+    future: Future[WorkerStep]
+    # Set when the target takes the step up (the model thread), or at once (worker processes: their queue is theirs).
     started: threading.Event
 
 
@@ -53,15 +67,80 @@ class OverlapCounters:
     inline: int = 0
 
 
-class OverlappedSteps:
-    """The engine core's step function with async PSD steps (TP=1, in-process executor only)."""
+class StepLauncher(Protocol):
+    """Hands a scheduled step to the target without waiting for it; steps run in the order launched."""
 
-    def __init__(self, core: Any, model_thread_init: Callable[[], None] | None = None) -> None:
+    def launch(self, scheduler_output: Any, grammar_output: Any) -> tuple[Future[WorkerStep], threading.Event]: ...
+
+    def shutdown(self, in_flight: list[Future[WorkerStep]]) -> None:
+        """Let the steps in flight finish (their outputs are dropped: the engine is going away), then stop."""
+
+
+class ModelThread:
+    """TP = 1 (in-process executor): the model runs on one thread of its own."""
+
+    def __init__(self, executor: Any, init: Callable[[], None] | None = None) -> None:
+        self._executor = executor
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minedraft-model", initializer=init)
+
+    def launch(self, scheduler_output: Any, grammar_output: Any) -> tuple[Future[WorkerStep], threading.Event]:
+        started = threading.Event()
+        return self._pool.submit(self._execute, scheduler_output, grammar_output, started), started
+
+    def _execute(self, scheduler_output: Any, grammar_output: Any, started_event: threading.Event) -> WorkerStep:
+        """On the model thread: the runner's execute and sample calls of one step, and when the worker ran it."""
+        started_event.set()
+        started = time.perf_counter()
+        model_output = self._executor.execute_model(scheduler_output)
+        if model_output is None:
+            model_output = self._executor.sample_tokens(grammar_output)
+        return model_output, started, time.perf_counter()
+
+    def shutdown(self, in_flight: list[Future[WorkerStep]]) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class WorkerProcesses:
+    """TP > 1 (vLLM's multiprocess executor): one non-blocking collective RPC per step, answered by the output rank."""
+
+    def __init__(self, executor: Any, timeout_seconds: float | None,
+                 execute_step: Callable[..., WorkerStep] | None = None) -> None:
+        """`timeout_seconds`: the longest a step's answer may take once sent (vLLM's own for its step RPCs is
+        VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS); `execute_step`: what each worker runs (worker_steps.execute_step)."""
+        if execute_step is None:
+            from minedraft.engine.vllm_adapter.worker_steps import execute_step as worker_execute_step
+
+            execute_step = worker_execute_step
+        self._executor = executor
+        self._execute_step = execute_step
+        self._timeout_seconds = timeout_seconds
+        self._taken_up = threading.Event()
+        self._taken_up.set()
+
+    def launch(self, scheduler_output: Any, grammar_output: Any) -> tuple[Future[WorkerStep], threading.Event]:
+        future: Future[WorkerStep] = self._executor.collective_rpc(
+            self._execute_step, args=(scheduler_output, grammar_output), unique_reply_rank=self._executor.output_rank,
+            non_block=True, timeout=self._timeout_seconds)
+        return future, self._taken_up
+
+    def shutdown(self, in_flight: list[Future[WorkerStep]]) -> None:
+        if getattr(self._executor, "is_failed", False):
+            return  # a worker died: nothing will answer (the executor is shutting itself down)
+        for future in in_flight:
+            # Shutting down: a failed step's error was the step's to report.
+            with contextlib.suppress(Exception):
+                future.result()
+
+
+class OverlappedSteps:
+    """The engine core's step function with async PSD steps."""
+
+    def __init__(self, core: Any, model_thread_init: Callable[[], None] | None = None,
+                 launcher: StepLauncher | None = None) -> None:
         self.core = core
         self.counters = OverlapCounters()
         self._in_flight: deque[_Launched] = deque()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minedraft-model",
-                                        initializer=model_thread_init)
+        self._launcher = launcher if launcher is not None else ModelThread(core.model_executor, model_thread_init)
         self._vllm_step = core.step_fn
         core.step_fn = self.step
 
@@ -105,20 +184,9 @@ class OverlappedSteps:
 
     def _launch(self, scheduler_output: Any) -> None:
         grammar_output = self.core.scheduler.get_grammar_bitmask(scheduler_output)
-        started = threading.Event()
-        future = self._pool.submit(self._execute, scheduler_output, grammar_output, started)
+        with self.core.log_error_detail(scheduler_output):
+            future, started = self._launcher.launch(scheduler_output, grammar_output)
         self._in_flight.append(_Launched(scheduler_output, future, started))
-
-    def _execute(self, scheduler_output: Any, grammar_output: Any, started_event: threading.Event
-                 ) -> tuple[Any, float, float]:
-        """On the model thread: the runner's execute and sample calls of one step, and when the worker ran it."""
-        started_event.set()
-        executor = self.core.model_executor
-        started = time.perf_counter()
-        model_output = executor.execute_model(scheduler_output)
-        if model_output is None:
-            model_output = executor.sample_tokens(grammar_output)
-        return model_output, started, time.perf_counter()
 
     def _finish_oldest(self) -> dict[int, Any]:
         core = self.core
@@ -129,7 +197,8 @@ class OverlappedSteps:
             if self._in_flight:
                 # Let the model thread take the next step up before this thread processes the output: otherwise this
                 # thread keeps the GIL through update_from_output while the model thread waits for it (up to
-                # Python's switch interval), and the target idles for the length of the update.
+                # Python's switch interval), and the target idles for the length of the update. (Worker processes
+                # have it queued already.)
                 self._in_flight[0].started.wait()
         core._process_aborts_queue()
         core.scheduler.worker_seconds = finished - started
@@ -139,7 +208,7 @@ class OverlappedSteps:
         return outputs
 
     def shutdown(self) -> None:
-        """Let the step in flight finish (its output is dropped: the engine is going away), then stop the thread."""
-        self._pool.shutdown(wait=True)
+        """Let the steps in flight finish (their outputs are dropped: the engine is going away), then stop."""
+        self._launcher.shutdown([launched.future for launched in self._in_flight])
         self._in_flight.clear()
         self.core.step_fn = self._vllm_step

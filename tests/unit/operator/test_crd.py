@@ -120,6 +120,8 @@ def with_spec(name: str, **changes: Any) -> dict[str, Any]:
      "spec.replicas: set either replicas or autoscaling, not both (the autoscaler owns replicas)"),
     (with_spec("minimal", speculation__mode="ar", speculation__numExtraDraftTokens=2),
      "spec.speculation.numExtraDraftTokens: numExtraDraftTokens needs mode psd or sd"),
+    (with_spec("minimal", speculation__mode="ar", speculation__asyncSteps=True),
+     "spec.speculation.asyncSteps: asyncSteps needs mode psd, sd or auto"),
     (with_spec("minimal", speculation__numSpeculativeTokens=12, speculation__numExtraDraftTokens=5),
      "spec.speculation.numExtraDraftTokens: numSpeculativeTokens + numExtraDraftTokens must be at most 16"),
     (with_spec("minimal", target__source__image={"path": "/m"}),
@@ -141,8 +143,8 @@ def with_spec(name: str, **changes: Any) -> dict[str, Any]:
      "(--model, --dtype, --tensor-parallel-size, --max-model-len, ...): set those fields"),
     (with_spec("minimal", engine__extraArgs=["--max-model-len", "4096"]), "spec.engine.extraArgs: extraArgs must not"),
     (with_spec("minimal", engine__extraArgs=["--max-model-len 4096"]), "spec.engine.extraArgs: extraArgs must not"),
-], ids=["min>max", "replicas+autoscaling", "extra-drafts-ar", "k+e>16", "two-sources", "auto-k-outside",
-        "k-range", "fixed-mode-not-allowed", "torch-drafter", "reserved-flag", "reserved-flag-split",
+], ids=["min>max", "replicas+autoscaling", "extra-drafts-ar", "async-steps-ar", "k+e>16", "two-sources",
+        "auto-k-outside", "k-range", "fixed-mode-not-allowed", "torch-drafter", "reserved-flag", "reserved-flag-split",
         "reserved-flag-one-word"])
 def test_cel_rules_reject_with_their_message(doc: dict[str, Any], message: str) -> None:
     found = admit(doc)

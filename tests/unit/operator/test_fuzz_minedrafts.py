@@ -166,6 +166,8 @@ def valid_minedraft(rng: random.Random) -> dict[str, Any]:
     if mode in ("psd", "sd") and maybe(rng, 0.3):
         speculation["numExtraDraftTokens"] = rng.randint(0, s.MAX_SPECULATIVE_TOKENS - speculation.get(
             "numSpeculativeTokens", s.SpeculationSpec().num_speculative_tokens))
+    if mode in s.ASYNC_STEP_MODES and maybe(rng, 0.3):
+        speculation["asyncSteps"] = maybe(rng, 0.5)
     if maybe(rng, 0.9) or mode != "psd":
         spec["speculation"] = speculation
     drafter_gpu = not pool and (mode in ("psd", "sd") or (mode == "auto" and any(
@@ -421,6 +423,7 @@ INVALID: list[tuple[Any, ...]] = [
     ("spec.speculation.numSpeculativeTokens", 0, "spec.speculation.numSpeculativeTokens"),
     ("spec.speculation.numSpeculativeTokens", 17, "spec.speculation.numSpeculativeTokens"),
     ("spec.speculation", {"mode": "ar", "numExtraDraftTokens": 1}, "spec.speculation.numExtraDraftTokens"),
+    ("spec.speculation", {"mode": "ar", "asyncSteps": True}, "spec.speculation.asyncSteps"),
     ("spec.speculation", {"mode": "psd", "numSpeculativeTokens": 9, "numExtraDraftTokens": 8},
      "spec.speculation.numExtraDraftTokens"),
     ("spec.engine.image", "", "spec.engine.image"),

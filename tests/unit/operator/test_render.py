@@ -239,6 +239,25 @@ def test_rendered_commands_parse_with_the_real_cli(name: str) -> None:
     assert gateway.kubernetes_service == f"serving/{load(name)['metadata']['name']}-engine"
 
 
+@pytest.mark.parametrize(("mode", "target_gpus"), [("psd", 1), ("psd", 2), ("auto", 4), ("sd", 1)])
+def test_async_steps_render_the_engines_flag_and_the_engine_takes_it(mode: str, target_gpus: int) -> None:
+    """speculation.asyncSteps becomes `--async-psd-steps` (at any targetGPUs), which the real CLI turns into the
+    engine's async_psd_steps setting; unset, the flag is absent and the engine runs synchronous steps."""
+    from minedraft.cli import build_parser
+    from minedraft.engine_options import settings_from_args
+
+    parser = build_parser()
+    for async_steps in (True, False, None):
+        doc = load("minimal")
+        doc["spec"]["speculation"] = {"mode": mode, **({} if async_steps is None else {"asyncSteps": async_steps})}
+        doc["spec"]["engine"] = {"targetGPUs": target_gpus}
+        command = engine_container(render.render_resource(doc))["command"]
+        assert ("--async-psd-steps" in command) is bool(async_steps), command
+        settings = settings_from_args(parser.parse_args(command[1:]))
+        assert settings.async_psd_steps is bool(async_steps)
+        assert settings.tensor_parallel_size == target_gpus
+
+
 # -- issue 16: what a real cluster enforces, checked on every rendered pod -------------------------------------------
 
 def variants() -> list[tuple[str, dict[str, Any]]]:
