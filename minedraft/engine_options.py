@@ -196,7 +196,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     tokens = getattr(args, "max_num_seqs_from_kv", None)
     if tokens is not None:
         if tokens < 1:
-            raise SettingsError("max_num_seqs_from_kv", f"must be a positive number of tokens, got {tokens}")
+            raise SettingsError("--max-num-seqs-from-kv", f"must be a positive number of tokens, got {tokens}")
         from minedraft.engine.batch_limit import CEILING, resize
 
         # A --max-num-seqs given with it caps the sized limit (the operator's maxNumSeqs: the drafter pool and the

@@ -220,10 +220,12 @@ def file_args_outside_mounts(parsed: Parsed, container: Mapping[str, Any]) -> li
     if parsed.args is None:
         return []
     mounts = [m["mountPath"].rstrip("/") for m in container.get("volumeMounts") or []]
-    return [f"--{k.replace('_', '-')} {v} is not under any volume the pod mounts"
+    # A repeatable flag (serve's --token-file, the gateway's --engine-token-file) binds a list.
+    return [f"--{k.replace('_', '-')} {path} is not under any volume the pod mounts"
             for k, v in vars(parsed.args).items()
-            if k in ("token_file", "engine_token_file", "tls_cert", "tls_key") and isinstance(v, str)
-            and not _under(v, mounts)]
+            if k in ("token_file", "engine_token_file", "tls_cert", "tls_key")
+            for path in ([v] if isinstance(v, str) else v if isinstance(v, list) else [])
+            if not _under(path, mounts)]
 
 
 def container_problems(container: Mapping[str, Any], pod_spec: Mapping[str, Any], image: Image) -> list[str]:

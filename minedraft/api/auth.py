@@ -138,6 +138,13 @@ class TokenFile:
         return self.tokens()[0].decode()
 
 
+def token_files(paths: Sequence[str | Path], flag: str = "token-file") -> Callable[[], tuple[bytes, ...]]:
+    """Every token of several files (each re-read when it changes): a caller presenting any of them is accepted. An
+    upgrade's mixed fleet needs two: the new credential and the one the previous release's callers present."""
+    files = [TokenFile(path, flag) for path in paths]
+    return lambda: tuple(token for file in files for token in file.tokens())
+
+
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuse every call but health and reflection without an accepted bearer token (UNAUTHENTICATED)."""
 

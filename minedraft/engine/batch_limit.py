@@ -11,8 +11,11 @@ and a runtime reserve). Pure but for `gpu_memory_bytes` and `read_footprint`, wh
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any
 
+from minedraft.engine.settings import SettingsError
 from minedraft.twin.capacity import (
     DEFAULT_RUNTIME_RESERVE_BYTES,
     MemorySettings,
@@ -59,15 +62,58 @@ def footprint_from_config(name: str, config: Any, dtype: str) -> ModelFootprint:
                           weight_source="from its config")
 
 
-def gpu_memory_bytes(index: int = 0) -> int | None:
-    """One GPU's total memory through NVML (CUDA stays uninitialised); None without NVML or a GPU."""
+FLAG = "--max-num-seqs-from-kv"
+
+
+def nvml_device(visible_index: int, env: Mapping[str, str] | None = None) -> int | str:
+    """The NVML identity of visible GPU `visible_index`: NVML ignores CUDA_VISIBLE_DEVICES, so index i of the visible
+    list is its i-th entry (a physical index, or a GPU/MIG UUID or UUID prefix) where it is set, else i itself."""
+    inherited = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    if inherited is None or inherited.strip() == "":  # as placement.detect_device reads it
+        return visible_index
+    entries = [d.strip() for d in inherited.split(",") if d.strip()]
+    if not 0 <= visible_index < len(entries):
+        raise SettingsError(FLAG, f"the target's GPU {visible_index} is not among CUDA_VISIBLE_DEVICES={inherited}")
+    entry = entries[visible_index]
+    return int(entry) if entry.isdigit() else entry
+
+
+def _handle(nvml: Any, device: int | str) -> Any:
+    if isinstance(device, int):
+        return nvml.nvmlDeviceGetHandleByIndex(device)
+    try:
+        return nvml.nvmlDeviceGetHandleByUUID(device)
+    except Exception:  # CUDA also takes a UUID's prefix; NVML only the whole UUID
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = nvml.nvmlDeviceGetUUID(handle)
+            if (uuid.decode() if isinstance(uuid, bytes) else str(uuid)).startswith(device):
+                return handle
+        raise
+
+
+def gpu_memory_bytes(index: int = 0, env: Mapping[str, str] | None = None) -> int | None:
+    """The total memory of visible GPU `index` (mapped through CUDA_VISIBLE_DEVICES) through NVML (CUDA stays
+    uninitialised); None without NVML or that GPU."""
+    device = nvml_device(index, env)
     try:
         import pynvml  # type: ignore[import-not-found]
 
         pynvml.nvmlInit()
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).total)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(_handle(pynvml, device)).total)
     except Exception:  # no NVML, no GPU: the caller keeps its fixed limit
         return None
+
+
+def _footprint(role: str, model: str, dtype: str) -> ModelFootprint:
+    """A model's footprint from its Hugging Face config; a config that cannot be read or sized is refused naming the
+    flag that asked for it."""
+    from transformers import AutoConfig
+
+    try:
+        return footprint_from_config(role, AutoConfig.from_pretrained(model), dtype)
+    except (OSError, ValueError, AttributeError, TypeError, KeyError) as exc:
+        raise SettingsError(FLAG, f"cannot size the batch from the {role}'s config ({model}): {exc}") from None
 
 
 def resize(settings: Any, request_tokens: int, log: Any = None, ceiling: int = CEILING) -> Any:
@@ -77,19 +123,20 @@ def resize(settings: Any, request_tokens: int, log: Any = None, ceiling: int = C
     memory = gpu_memory_bytes(index)
     if memory is None:
         if log is not None:
-            log(f"--max-num-seqs-from-kv: no GPU memory to size from (NVML); keeping --max-num-seqs "
-                f"{settings.max_num_seqs}")
+            log(f"{FLAG}: no GPU memory to size from (NVML); keeping --max-num-seqs {settings.max_num_seqs}")
         return settings
-    from transformers import AutoConfig
-
     dtype = settings.dtype if settings.dtype in BYTES_PER_DTYPE else "bfloat16"
-    target = footprint_from_config("target", AutoConfig.from_pretrained(settings.model), dtype)
-    drafter = footprint_from_config("drafter", AutoConfig.from_pretrained(settings.drafter.model), dtype)
-    colocated = getattr(settings.mode, "value", settings.mode) == "vllm-sd"
+    target = _footprint("target", settings.model, dtype)
+    drafter = _footprint("drafter", settings.drafter.model, dtype) if settings.drafter.model else None  # ar: none
+    mode = getattr(settings.mode, "value", settings.mode)
+    colocated = mode == "vllm-sd"
+    # The KV slots a request holds for its drafts: the longest draft it may get (max_num_speculative_tokens alone is
+    # None unless given, which only auto mode's command does).
+    lookahead = 0 if mode == "ar" else settings.max_draft_tokens_per_request
     limit = sized_max_num_seqs(memory, target, drafter, colocated, request_tokens,
                                settings.gpu_memory_utilization or 0.9, settings.tensor_parallel_size,
-                               lookahead_tokens=settings.max_num_speculative_tokens, ceiling=ceiling)
+                               lookahead_tokens=lookahead, ceiling=ceiling)
     if log is not None:
-        log(f"--max-num-seqs-from-kv: {limit} requests of {request_tokens} tokens fit the target's KV pool "
+        log(f"{FLAG}: {limit} requests of {request_tokens} tokens fit the target's KV pool "
             f"(drafter {'on the target GPU' if colocated else 'off the target GPU'}; at most {ceiling})")
     return settings.with_changes(max_num_seqs=limit)

@@ -45,6 +45,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, TypeVar
 
 from minedraft.engine.detokenize import StreamDetokenizer
@@ -257,7 +258,7 @@ class EngineProcess:
         self.max_model_len = facts.max_model_len
         self.startup_seconds = facts.startup_seconds
         self.tokenizer = tokenizer
-        self._lock = threading.Lock()  # guards _streams, _calls, _closed and sending
+        self._lock = threading.Lock()  # guards _streams, _calls, _closed and the order of commands
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, Future[Any]] = {}
         self._call_ids = itertools.count()
@@ -265,8 +266,15 @@ class EngineProcess:
         self._closed = False
         self._stopping = False
         self._dead: BaseException | None = None
+        self._finished = False
         self._reader = threading.Thread(target=self._read, name="minedraft-engine-reader", daemon=True)
         self._reader.start()
+        # Commands, pickled, in the order they were made; one sender thread writes them to the pipe. A write blocks
+        # while the engine process reads nothing (its reader thread held off the GIL by a step; a prompt of
+        # megabytes fills the socket's buffer): on the event loop it would stall every stream of this process.
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send, name="minedraft-engine-sender", daemon=True)
+        self._sender.start()
 
     @property
     def pid(self) -> int | None:
@@ -405,17 +413,32 @@ class EngineProcess:
             if not self._closed:
                 with contextlib.suppress(EngineDeadError):
                     self._send_locked(("stop", "shutdown"))
+            self._outbox.put(None)  # the sender ends once what is queued is written
         await asyncio.to_thread(_stop_process, self.process, None, SHUTDOWN_TIMEOUT_S)
         await asyncio.to_thread(self._reader.join, 10.0)
+        await asyncio.to_thread(self._sender.join, 10.0)
         self._conn.close()
 
     # -- internals ---------------------------------------------------------------------------------------------
 
     def _send_locked(self, message: tuple[Any, ...]) -> None:
-        try:
-            self._conn.send(message)
-        except OSError as exc:  # the engine process is gone (or the pipe already closed)
-            raise EngineDeadError(f"engine is not running: {self._dead or exc}") from exc
+        """Queue a command for the engine process (under self._lock: commands leave in the order they are made).
+        Pickled here, so a command that cannot cross fails its caller as Connection.send would; written by the
+        sender thread, never on the caller's event loop."""
+        if self._closed:
+            raise EngineDeadError(f"engine is not running: {self._dead or 'shut down'}")
+        self._outbox.put(bytes(ForkingPickler.dumps(message)))
+
+    def _send(self) -> None:
+        """Sender thread: write each queued command (Connection.send's framing: the reader's recv() takes them)."""
+        while (data := self._outbox.get()) is not None:
+            try:
+                self._conn.send_bytes(data)
+            except (OSError, ValueError) as exc:  # the engine process is gone, or the pipe closed
+                if self._dead is None and not self._stopping:
+                    self._dead = EngineDeadError(f"cannot write to the engine process: {exc}")
+                self._finish()  # what waits on a command that never arrives ends now
+                return
 
     def _read(self) -> None:
         """Reader thread: deliver each message's deltas (one wake-up per event loop), resolve calls; at EOF the
@@ -462,6 +485,10 @@ class EngineProcess:
                 loop.call_soon_threadsafe(_put_all, items)
 
     def _finish(self) -> None:
+        with self._lock:  # the reader's EOF, or the sender's failed write: whichever comes first
+            if self._finished:
+                return
+            self._finished = True
         if not self._stopping and self._dead is None:
             self.process.join(5.0)
             self._dead = EngineDeadError(f"engine process exited (exit code {self.process.exitcode})")
@@ -474,6 +501,7 @@ class EngineProcess:
             self._streams.clear()
             calls = list(self._calls.values())
             self._calls.clear()
+            self._outbox.put(None)  # nothing more is sent: the sender thread ends
         for stream in streams:
             with contextlib.suppress(RuntimeError):
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)

@@ -108,6 +108,9 @@ class GatewayConfig:
     ready_without_engines: bool = False
     # The bearer token presented to engines (read per call: a rotated Secret takes effect); None: engines without auth.
     engine_token: Callable[[], str] | None = None
+    # More credentials, offered in order to an engine that refused the one before (engine_token first): during an
+    # upgrade, engines of the previous release accept only the credential it presented.
+    engine_fallback_tokens: tuple[Callable[[], str], ...] = ()
     # The names clients address the model by (HTTP /v1/models and request matching); empty: the engines' answer.
     served_model_names: tuple[str, ...] = ()
     # An HTTP or gRPC stream whose client accepts nothing for this long is cut (None: never).
@@ -127,8 +130,9 @@ class Gateway:
     def __init__(self, config: GatewayConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
         self.endpoints = EndpointSet()
+        credentials = (*((config.engine_token,) if config.engine_token else ()), *config.engine_fallback_tokens)
         self.pool = EnginePool(self.endpoints, self._health_changed, config.health_retry_seconds,
-                               config.failure_cooldown_seconds, config.engine_token)
+                               config.failure_cooldown_seconds, credentials)
         self.admission = Admission(config.max_in_flight)
         # Exported when a registry is given (the metrics endpoint's); counted either way.
         self.metrics = GatewayMetrics(registry)
@@ -203,7 +207,11 @@ class Gateway:
         return self.port
 
     def set_engines(self, addresses: Sequence[str] | set[str]) -> None:
-        self.pool.update(addresses)
+        _, removed = self.pool.update(addresses)
+        for address in removed:
+            # Per-engine series live as long as the engine is in the routing table: engine addresses are pod IPs,
+            # new with every rollout, and a label set kept for each would grow without bound.
+            self.metrics.engine_removed(address)
 
     def watch_kubernetes(self, api: KubernetesApi, namespace: str, service: str, port_name: str | None) -> None:
         watcher = EndpointSliceWatcher(api, namespace, service, port_name, self.set_engines)

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +49,10 @@ def add_subcommands(sub: Any) -> None:
     gateway.add_argument("--token-env", default=TOKEN_ENV_DEFAULT,
                          help="environment variable with accepted bearer tokens, comma-separated "
                               "(enables authentication when set)")
-    gateway.add_argument("--engine-token-file", help="bearer token presented to engines (the first of the file, "
-                              "re-read when it changes), for engines serving with --token-file")
+    gateway.add_argument("--engine-token-file", action="append", default=[],
+                         help="bearer token presented to engines (the first of the file, re-read when it changes), "
+                              "for engines serving with --token-file; repeatable: an engine that refuses one is "
+                              "offered the next (an upgrade's mixed fleet)")
     gateway.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
                          help="the names clients address the model by (as the engines' --served-model-name): "
                               "/v1/models lists them and requests may name any; default: the engines' answer")
@@ -97,13 +99,11 @@ def load_tokens(token_file: str | None, token_env: str | None) -> Sequence[bytes
     return fixed
 
 
-def engine_token(path: str | None) -> Any:
-    """The engine credential as a callable (re-read when the file changes), or None."""
-    if not path:
-        return None
+def engine_tokens(paths: Sequence[str]) -> tuple[Callable[[], str], ...]:
+    """The engine credentials, in the order they are offered, each a callable (re-read when its file changes)."""
     from minedraft.api.auth import TokenFile
 
-    return TokenFile(path, "engine-token-file").first
+    return tuple(TokenFile(path, "engine-token-file").first for path in paths)
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -123,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         raise ValueError(f"max-waiting-streams: must be >= 0, got {args.max_waiting_streams}")
     if tls is not None:
         tls.server_credentials()  # a missing or non-PEM file is named now, not as gRPC's "Failed to bind"
+    credentials = engine_tokens(args.engine_token_file or ())
     return GatewayConfig(max_in_flight=args.max_in_flight, max_attempts=args.max_attempts,
                          tokens=load_tokens(args.token_file, args.token_env), tls=tls,
                          first_response_timeout_seconds=args.first_response_timeout_s or None,
@@ -130,7 +131,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
                          engine_wait_timeout_seconds=args.engine_wait_timeout_s,
                          max_waiting_streams=args.max_waiting_streams,
                          ready_without_engines=args.ready_without_engines,
-                         engine_token=engine_token(args.engine_token_file),
+                         engine_token=next(iter(credentials), None), engine_fallback_tokens=credentials[1:],
                          served_model_names=tuple(args.served_model_name),
                          client_stall_timeout_seconds=args.client_stall_timeout_s or None,
                          cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()))

@@ -9,6 +9,7 @@ cannot drift from what routing sees.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -86,6 +87,12 @@ class GatewayMetrics:
 
     def credential_refused(self, engine: str) -> None:
         self.credential_refusals.labels(engine).inc()
+
+    def engine_removed(self, engine: str) -> None:
+        """The engine left the routing table: its series go (a counter that comes back starts again at 0, which
+        Prometheus' rate() reads as a reset)."""
+        with contextlib.suppress(KeyError):  # never refused: no series
+            self.credential_refusals.remove(engine)
 
     def admission_rejected(self) -> None:
         self.rejected.inc()

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -38,15 +38,28 @@ async def _close_later(channel: grpc.aio.Channel, delay_seconds: float) -> None:
 
 
 class _Engine:
-    def __init__(self, address: str, token: Callable[[], str] | None = None) -> None:
+    def __init__(self, address: str, tokens: Sequence[Callable[[], str]] = ()) -> None:
         self.address = address
+        # The gateway's credentials, in the order they are offered; this engine is presented tokens[credential]
+        # (the first until it refuses one: during an upgrade, an engine of the previous release accepts only the
+        # credential that release's gateway presented).
+        self.tokens = tuple(tokens)
+        self.credential = 0
         # With engines that authenticate callers, every call presents the gateway's credential.
         self.channel = grpc.aio.insecure_channel(address, options=ENGINE_CHANNEL_OPTIONS,
-                                                 interceptors=client_interceptors(token) if token else None)
+                                                 interceptors=client_interceptors(self._token) if tokens else None)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health_task: asyncio.Task[None] | None = None
         self.probe_task: asyncio.Task[None] | None = None
         self.credential_task: asyncio.Task[None] | None = None
+
+    def _token(self) -> str:
+        return self.tokens[self.credential]()
+
+    def offer_next_credential(self) -> None:
+        """The engine refused the credential it was presented: present the next one (round the list: a token
+        rotated on one side only comes back to the first)."""
+        self.credential = (self.credential + 1) % max(1, len(self.tokens))
 
     def cancel_tasks(self) -> None:
         for task in (self.health_task, self.probe_task, self.credential_task):
@@ -57,17 +70,18 @@ class _Engine:
 class EnginePool:
     def __init__(self, endpoints: EndpointSet, on_health_change: Callable[[], None],
                  health_retry_seconds: float = 0.5, failure_cooldown_seconds: float = 1.0,
-                 engine_token: Callable[[], str] | None = None) -> None:
+                 engine_tokens: Sequence[Callable[[], str]] = ()) -> None:
         self.endpoints = endpoints
-        self.engine_token = engine_token
+        self.engine_tokens = tuple(engine_tokens)
         self._engines: dict[str, _Engine] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._on_health_change = on_health_change
         self.health_retry_seconds = health_retry_seconds
         self.failure_cooldown_seconds = failure_cooldown_seconds
 
-    def update(self, addresses: Iterable[str]) -> None:
-        """Track exactly these engines: open channels and health watches for new ones, close removed ones."""
+    def update(self, addresses: Iterable[str]) -> tuple[set[str], set[str]]:
+        """Track exactly these engines: open channels and health watches for new ones, close removed ones. Returns
+        the addresses added and removed."""
         added, removed = self.endpoints.replace(addresses)
         for address in removed:
             engine = self._engines.pop(address)
@@ -77,12 +91,19 @@ class EnginePool:
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
         for address in added:
-            engine = _Engine(address, self.engine_token)
+            engine = _Engine(address, self.engine_tokens)
             engine.health_task = asyncio.create_task(self._watch_health(engine), name=f"health {address}")
             self._engines[address] = engine
+            if len(self.engine_tokens) > 1:
+                # Several credentials (an upgrade: engines of the previous release accept another): which one this
+                # engine takes is found before it is routed to, so no caller's stream meets a refusal for it.
+                self.endpoints.set_credential_refused(address, True)
+                engine.credential_task = asyncio.create_task(self._probe_credential(engine, refused=False),
+                                                             name=f"credential {address}")
         if added or removed:
             log.info("engines: %s (added %s, removed %s)", self.endpoints.addresses, sorted(added), sorted(removed))
             self._on_health_change()
+        return added, removed
 
     def stub(self, address: str) -> pb_grpc.GenerationStub | None:
         engine = self._engines.get(address)
@@ -112,7 +133,10 @@ class EnginePool:
         endpoint = self.endpoints.get(address)
         if engine is None or endpoint is None:
             return
-        if not endpoint.credential_refused:
+        if not endpoint.credential_refused and len(engine.tokens) > 1:
+            log.warning("engine %s refused the gateway's credential %d of %d (UNAUTHENTICATED): out of rotation "
+                        "while the next is offered", address, engine.credential + 1, len(engine.tokens))
+        elif not endpoint.credential_refused:
             log.error("engine %s refused the gateway's credential (UNAUTHENTICATED): out of rotation until it accepts "
                       "it; check --engine-token-file against the engine's --token-file", address)
         self.endpoints.set_credential_refused(address, True)
@@ -120,9 +144,17 @@ class EnginePool:
         if engine.credential_task is None or engine.credential_task.done():
             engine.credential_task = asyncio.create_task(self._probe_credential(engine), name=f"credential {address}")
 
-    async def _probe_credential(self, engine: _Engine) -> None:
+    async def _probe_credential(self, engine: _Engine, refused: bool = True) -> None:
+        """Keep the engine out of rotation until a call with one of the credentials passes its check. `refused`: the
+        call that brought it here was refused the credential it presented (else: a new engine, not yet tried)."""
+        was_refused, wait = refused, refused
         while True:
-            await asyncio.sleep(self.health_retry_seconds)
+            if refused:
+                # With several credentials (--engine-token-file repeated), the next one is tried.
+                engine.offer_next_credential()
+            if wait:
+                await asyncio.sleep(self.health_retry_seconds)
+            wait = True
             try:
                 # The cheapest call that needs the credential (health does not).
                 await engine.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=UNRESPONSIVE_PROBE_TIMEOUT_SECONDS)
@@ -133,9 +165,13 @@ class EnginePool:
                 if exc.code() not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE,
                                       grpc.StatusCode.DEADLINE_EXCEEDED):
                     break
+                refused = exc.code() is grpc.StatusCode.UNAUTHENTICATED
+                was_refused |= refused
                 log.debug("credential probe of %s: %s", engine.address, exc.code())
         self.endpoints.set_credential_refused(engine.address, False)
-        log.warning("engine %s accepts the gateway's credential again: back in rotation", engine.address)
+        if was_refused:
+            log.warning("engine %s accepts the gateway's credential %d of %d (--engine-token-file): in rotation",
+                        engine.address, engine.credential + 1, max(1, len(engine.tokens)))
         self._on_health_change()
 
     async def _probe_until_answered(self, engine: _Engine) -> None:

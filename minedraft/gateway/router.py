@@ -256,6 +256,8 @@ class Router:
         return engine
 
     def _credential_refused(self, address: str) -> None:
+        if self.pool.endpoints.get(address) is None:
+            return  # a call to an engine already out of the routing table: no series comes back for it
         self.pool.report_credential_refused(address)
         self.metrics.credential_refused(address)
 

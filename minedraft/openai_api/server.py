@@ -83,18 +83,30 @@ def refusal_bytes(status: int, message: str) -> bytes:
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with `HttpLimits` (a subclass per server binds them: `bounded_protocol`).
 
-    The head is fed to the parser at most `max_head_bytes` at a time, so an oversized head costs its first bytes,
-    never a buffered megabyte; one timer per connection runs while a head or a body is being received."""
+    A head is held to `max_head_bytes` twice over: what the parser has parsed of it (the URL and each header field,
+    counted in the parser's callbacks, exact wherever the head began: a pipelined head arrives in the same read as the
+    end of the request before it), and the raw bytes fed while a head is being received, at most `max_head_bytes` at
+    a time, so an oversized head costs its first bytes, never a buffered megabyte.
+
+    One timer runs while a head or a body is being received, and it belongs to that request: a request pipelined
+    behind another's response gets its body timer when the server turns to it, and a refusal of a request whose
+    head is still arriving while an earlier response runs waits until that response is complete (the response is
+    another request's: never cut, never interleaved with a refusal)."""
 
     limits = HttpLimits()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._in_head = True
-        self._head_bytes = 0
+        self._head_bytes = 0  # raw bytes fed while receiving this head
+        self._parsed_head_bytes = 0  # this head's URL and header fields, as parsed
         self._header_count = 0
         self._refused = False
         self._timer: asyncio.TimerHandle | None = None
+        # The request whose body is being received, from its head's end to its message's end.
+        self._body_cycle: Any = None
+        # A refusal held back until the response under way (an earlier request's) is complete.
+        self._deferred: tuple[int, str] | None = None
 
     # -- timers ---------------------------------------------------------------------------------------------------
 
@@ -120,7 +132,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def eof_received(self) -> bool | None:  # type: ignore[override]
-        if self._refused:
+        if self._refused and self._deferred is None:
             self.transport.close()  # the client is done sending: the answer is out, close now
         return None
 
@@ -167,29 +179,65 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._in_head = True
+        self._parsed_head_bytes = 0
+        self._header_count = 0
         if self._timer is None:  # a pipelined request, begun in the same data as the end of the one before
             self._arm_head_timer()
+
+    def _count_head(self, size: int) -> None:
+        self._parsed_head_bytes += size
+        if self._parsed_head_bytes > self.limits.max_head_bytes:
+            raise _Refused(431, f"the request head is over {self.limits.max_head_bytes} bytes")
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))  # called once per piece of the URL a read holds
+        super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
         if self._header_count > self.limits.max_header_count:
             raise _Refused(431, f"the request has over {self.limits.max_header_count} header fields")
+        self._count_head(len(name) + len(value) + 4)  # ": " and CRLF
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._arm(self.limits.body_timeout_s, 408,
-                  f"the request body was not received within {self.limits.body_timeout_s:g} s")
+        self._disarm()
         super().on_headers_complete()
+        self._body_cycle = self.cycle
+        if not self._queued(self.cycle):
+            self._arm_body_timer()
+        # else: pipelined behind a response under way; its body timer starts when the server turns to it.
         # The application can close this connection at once (ABORT_EXTENSION).
         self.scope.setdefault("extensions", {})[ABORT_EXTENSION] = {"abort": self.transport.abort}  # type: ignore[index]
 
+    def _queued(self, cycle: Any) -> bool:
+        return any(queued is cycle for queued, _ in self.pipeline)
+
+    def _arm_body_timer(self) -> None:
+        self._arm(self.limits.body_timeout_s, 408,
+                  f"the request body was not received within {self.limits.body_timeout_s:g} s")
+
     def on_message_complete(self) -> None:
         self._disarm()
+        self._body_cycle = None
         self._in_head = True
         self._head_bytes = 0
+        self._parsed_head_bytes = 0
         self._header_count = 0
         super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # starts the next pipelined request, if any
+        if self.transport.is_closing():
+            return
+        if self._deferred is not None:
+            status, message = self._deferred
+            self._deferred, self._refused = None, False
+            self._refuse(status, message)  # held back again if another response is under way now
+        elif self._body_cycle is not None and self._timer is None and not self._queued(self._body_cycle):
+            self._arm_body_timer()  # the server turned to a pipelined request whose body is still to come
 
     # -- refusals -------------------------------------------------------------------------------------------------
 
@@ -200,6 +248,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._refused = True
         cycle = self.cycle
+        if self._in_head and cycle is not None and not cycle.response_complete:
+            # The head of a pipelined request is refused while an earlier request's response is under way: that
+            # response runs to its end; this answer follows it (on_response_complete). Nothing more is read.
+            self._deferred = (status, message)
+            self.flow.pause_reading()
+            return
         if cycle is not None and not cycle.response_complete:
             # The application is waiting for this body: it reads a disconnect, and its answer goes nowhere.
             cycle.disconnected = True

@@ -267,7 +267,8 @@ def spec_schema() -> Schema:
                              "engines directly), closed behind the gateway (it reaches engines over gRPC). The "
                              "operator's NetworkPolicy admits it from everywhere only without the gateway; behind the "
                              "gateway the engines require the MineDraft's internal credential (Secret "
-                             "<name>-internal) on this port and on gRPC.",
+                             "<name>-internal) on this port and on gRPC (for this release also the clients' token "
+                             "of gateway.authTokenSecretRef).",
                              minimum=0, maximum=65535),
         }, default={}, **{"x-kubernetes-validations": [
             _rule(f"self.targetGPUs in {list(s.TARGET_TP_SIZES)}",
@@ -363,9 +364,11 @@ def spec_schema() -> Schema:
                              "/v1/chat/completions, /v1/models); 0: not served.", default=gw.http_port, minimum=0,
                              maximum=65535),
             "authTokenSecretRef": _secret_key_ref("Secret with the bearer token clients must send; no auth when "
-                                                  "unset. For clients only: the gateway authenticates to the engines "
-                                                  "with the MineDraft's internal credential (the operator-generated "
-                                                  "Secret <name>-internal)."),
+                                                  "unset. The gateway authenticates to the engines with the "
+                                                  "MineDraft's internal credential (the operator-generated Secret "
+                                                  "<name>-internal); for this release only, engines also accept this "
+                                                  "token and the gateway offers it to an engine that refuses the "
+                                                  "internal one (0.1.0's pods, during an upgrade)."),
             "tlsSecretRef": _obj("A kubernetes.io/tls Secret (tls.crt, tls.key) to serve TLS; plaintext when unset.",
                                  {"name": _name("Name of the Secret.")}, required=["name"]),
             "maxInFlight": _int("Admission bound: streams in flight per gateway replica before RESOURCE_EXHAUSTED.",

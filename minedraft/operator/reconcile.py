@@ -293,7 +293,14 @@ class Reconciler:
                 pod_issues=await self._pod_issues(meta))
             internal = render.names(meta)["internal"]
             if not problems and any(f'secret "{internal}" not found' in issue.message for issue in observed.pod_issues):
-                applied += await self.ensure_internal_secret(spec, meta, True, missing=True)
+                try:
+                    applied += await self.ensure_internal_secret(spec, meta, True, missing=True)
+                except KubeError as exc:
+                    # As a failed apply: a condition and a Ready event, and this status still written (an exception
+                    # would leave the MineDraft's status as it was and say nothing of why its pods wait).
+                    self.metrics.errors.labels(reason="ApplyFailed").inc()
+                    observed = replace(observed, problems=(status.Problem(
+                        "ApplyFailed", f"cannot create Secret/{internal} again (its pods cannot mount it): {exc}"),))
         new_status = status.compute_status(observed, _now())
         if spec is not None and meta is not None and not problems:
             self._image_rolled_out(meta, observed.engine)

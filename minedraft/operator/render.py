@@ -237,9 +237,11 @@ def engine_command(spec: s.MineDraftSpec, meta: s.ObjectMeta | None = None) -> l
     if spec.served_model_names:
         cmd += ["--served-model-name", *spec.served_model_names]
     if engines_need_token(spec):
-        # Behind the gateway the engines accept only the internal credential (one token per line, re-read when the
-        # Secret changes): neither a client's API token nor an unauthenticated pod gets past the gateway this way.
+        # Behind the gateway the engines accept the internal credential (one token per line, re-read when the
+        # Secret changes): an unauthenticated pod does not get past the gateway this way.
         cmd += ["--token-file", INTERNAL_TOKEN_PATH]
+        if accepts_previous_credential(spec):
+            cmd += ["--token-file", auth_token_path(spec)]
     # Everything else goes to vLLM's own engine arguments, one `--flag=value` word each (vLLM's parser checks them
     # at start-up; a typo shows in the MineDraft's Progressing condition through the container's termination message).
     for word in s.split_extra_args(eng.extra_args):
@@ -252,6 +254,14 @@ def engines_need_token(spec: s.MineDraftSpec) -> bool:
     """Behind the gateway, engines authenticate their callers with the internal credential, which the gateway
     presents (many clusters do not enforce the NetworkPolicy that would otherwise be all that keeps pods off them)."""
     return spec.gateway.enabled
+
+
+def accepts_previous_credential(spec: s.MineDraftSpec) -> bool:
+    """For this release only: engines also accept the clients' token, and the gateway offers it to an engine that
+    refuses the internal credential. 0.1.0's gateways presented the clients' token to engines, which accepted only
+    it; an upgrade rolls gateways and engines apart, so while old and new pods mix each side must take the other's
+    (docs/kubernetes.md, Upgrades). The next release drops it: then only the internal credential passes."""
+    return spec.gateway.enabled and spec.gateway.auth_token is not None
 
 
 def auth_token_path(spec: s.MineDraftSpec) -> str:
@@ -374,6 +384,9 @@ def engine_deployment(spec: s.MineDraftSpec, meta: s.ObjectMeta, options: Render
     volumes, mounts = volumes + _drafter_token_volumes(spec, meta), mounts + _drafter_token_mounts(spec)
     if engines_need_token(spec):
         volume, mount = _internal_volume(meta)
+        volumes, mounts = [*volumes, volume], [*mounts, mount]
+    if accepts_previous_credential(spec):
+        volume, mount = _auth_volume(spec)
         volumes, mounts = [*volumes, volume], [*mounts, mount]
     requests = {"cpu": eng.cpu, "memory": eng.memory, "nvidia.com/gpu": gpus}
     limits = {"memory": eng.memory, "nvidia.com/gpu": gpus}
@@ -591,8 +604,11 @@ def gateway_command(spec: s.MineDraftSpec, meta: s.ObjectMeta) -> list[str]:
         cmd += ["--served-model-name", *spec.served_model_names]
     if gw.auth_token is not None:
         cmd += ["--token-file", auth_token_path(spec)]  # the clients' tokens, for clients only
-    # What the gateway presents to engines: the internal credential's first token (re-read when it changes).
+    # What the gateway presents to engines: the internal credential's first token (re-read when it changes); an
+    # engine of the previous release, which refuses it, is offered the clients' token next (its own credential).
     cmd += ["--engine-token-file", INTERNAL_TOKEN_PATH]
+    if accepts_previous_credential(spec):
+        cmd += ["--engine-token-file", auth_token_path(spec)]
     if gw.tls_secret_name is not None:
         cmd += ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key"]
     return cmd

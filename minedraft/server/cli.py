@@ -25,9 +25,10 @@ def add_subcommands(sub: Any) -> None:
                             "/ready) on this port (0: do not serve)")
     serve.add_argument("--grace-seconds", type=float, default=20.0,
                        help="on SIGTERM, how long open streams may run before they are cancelled")
-    serve.add_argument("--token-file", help="accepted bearer tokens, one per line, re-read when the file changes: the "
-                       "gRPC (but health) and HTTP APIs refuse callers without one (the operator sets it to the "
-                       "gateway's token when the gateway has auth on)")
+    serve.add_argument("--token-file", action="append", default=[],
+                       help="accepted bearer tokens, one per line, re-read when the file changes: the gRPC (but "
+                       "health) and HTTP APIs refuse callers without one; repeatable (a token of any file is "
+                       "accepted). The operator sets it to the MineDraft's internal credential behind the gateway")
     serve.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
                        help="the names clients address the model by: GetModelInfo's model and /v1/models answer the "
                        "first, requests may name any (aliases); default: the model's path or hub id")
@@ -66,10 +67,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     tokens = None
     if args.token_file:
-        from minedraft.api.auth import TokenFile
+        from minedraft.api.auth import token_files
 
         try:
-            tokens = TokenFile(args.token_file).tokens
+            tokens = token_files(args.token_file)
         except ValueError as exc:
             print(f"minedraft serve: error: {exc}", file=sys.stderr)
             return 2

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from minedraft.operator.autoscale.replica_model import TableReplicaModel
 from minedraft.twin.capacity import footprint, prefill_ms
-from minedraft.twin.cli import _pick, add_arguments, run_plan
-from minedraft.twin.curves import load_curves
+from minedraft.twin.cli import add_arguments, run_plan
+from minedraft.twin.curves import load_curves, pick_model
 
 DEFAULT_LOADS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_ACCEPTANCES = (0.2, 0.4, 0.6, 0.8, 0.9)
@@ -101,8 +101,8 @@ def replica_model_from_curves(settings: TwinModelSettings, progress: bool = True
         choices.append(tuple((mode, k) for _, _, mode, k in points))
         capacity = dict(result.get("capacity") or {})  # type: ignore[call-overload]
     curves = load_curves(settings.curves)
-    target = _pick(curves, "target", settings.target)
-    drafter = _pick(curves, "drafter", settings.drafter)
+    target = pick_model(curves, "target", settings.target)
+    drafter = pick_model(curves, "drafter", settings.drafter)
     by_family = capacity.get("by_family") or {}
     auto = by_family.get("auto") if isinstance(by_family, dict) else None
     kv_tokens = float(auto["kv_tokens"]) if isinstance(auto, dict) and auto.get("kv_tokens") else None

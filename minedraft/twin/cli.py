@@ -18,7 +18,7 @@ from minedraft.twin.costs import (
     AcceptanceModel,
     Hardware,
 )
-from minedraft.twin.curves import CostCurves, CurveError, load_curves
+from minedraft.twin.curves import CostCurves, CurveError, load_curves, pick_model
 from minedraft.twin.deploy import DEFAULT_RPC_ROUND_TRIP_MS, TP_ROUND_TRIPS_PER_STEP, deployment_model
 from minedraft.twin.devices import DEVICES
 from minedraft.twin.pricing import EXAMPLE_PRICES, load_prices
@@ -88,15 +88,6 @@ def acceptance_from_bench(path: Path) -> AcceptanceModel:
     if not survival:
         raise CurveError("acceptance_from", f"{path} holds no acceptance_per_position")
     return AcceptanceModel(tuple(survival))
-
-
-def _pick(curves: CostCurves, role: str, name: str | None) -> str:
-    if name:
-        return name
-    names = curves.names(role)
-    if len(names) != 1:
-        raise CurveError(role, f"{curves.source} has {len(names)} {role} models ({', '.join(names)}): name one")
-    return names[0]
 
 
 def curves_on_cpu(curves: CostCurves) -> bool:
@@ -205,7 +196,7 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     if len(given) != 1:
         raise CurveError("load", "give exactly one of --concurrency, --rate or --trace")
     curves = load_curves(args.curves)
-    target, drafter = _pick(curves, "target", args.target), _pick(curves, "drafter", args.drafter)
+    target, drafter = pick_model(curves, "target", args.target), pick_model(curves, "drafter", args.drafter)
     prices = load_prices(args.prices) if args.prices else EXAMPLE_PRICES
     try:
         model = deployment_model(

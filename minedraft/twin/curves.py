@@ -270,6 +270,17 @@ class CostCurves:
         return [n for n, m in self.models.items() if m.role == role]
 
 
+def pick_model(curves: CostCurves, role: str, name: str | None) -> str:
+    """The model of `role` ("target" or "drafter") a command means: `name` when given, else the curves' only one
+    (a file with several must be told which)."""
+    if name:
+        return name
+    names = curves.names(role)
+    if len(names) != 1:
+        raise CurveError(role, f"{curves.source} has {len(names)} {role} models ({', '.join(names)}): name one")
+    return names[0]
+
+
 def load_curves(path: str | Path, drafters_only: bool = False) -> CostCurves:
     path = Path(path)
     try:

@@ -142,7 +142,9 @@ def test_rendered_engines_check_the_gateways_token() -> None:
         assert [i["path"] for i in volume["secret"]["items"]] == [key]
         return volume["secret"]["secretName"], volume["secret"]["items"][0]["key"]
 
-    assert secret_at(engine_pod, engine_args.token_file) == secret_at(gateway_pod, gateway_args.engine_token_file)
+    # The same Secrets, in the same order (the internal credential; for this release, the clients' token too).
+    assert [secret_at(engine_pod, p) for p in engine_args.token_file] == \
+        [secret_at(gateway_pod, p) for p in gateway_args.engine_token_file]
     assert secret_at(gateway_pod, gateway_args.token_file) == (doc["spec"]["gateway"]["authTokenSecretRef"]["name"],
                                                                doc["spec"]["gateway"]["authTokenSecretRef"]
                                                                .get("key", "token"))

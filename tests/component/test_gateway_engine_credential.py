@@ -77,3 +77,34 @@ async def test_an_engine_refusing_the_gateways_credential_leaves_rotation_and_ca
         await gateway.stop()
         await engine_a.stop(0)
         await engine_b.stop(0)
+
+
+async def test_an_engines_refusal_series_goes_when_it_leaves_the_routing_table():
+    """Engine addresses are pod IPs, new at every rollout: a series per address kept forever grows without bound."""
+    engine_a = await FakeEngineServer("a", tokens=lambda: (b"engine-token",)).start()
+    engine_b = await FakeEngineServer("b", tokens=lambda: (b"old-engine-token",)).start()
+    registry = CollectorRegistry()
+    gateway = Gateway(fast_config(tokens=(b"caller-token",), engine_token=lambda: "engine-token",
+                                  engine_wait_timeout_seconds=0.5), registry)
+    target = f"127.0.0.1:{await gateway.start()}"
+
+    def refusals(engine: FakeEngineServer) -> float | None:
+        return registry.get_sample_value("minedraft_gateway_engine_credential_refused_total",
+                                         {"engine": engine.address})
+
+    try:
+        gateway.set_engines([engine_a.address, engine_b.address])
+        await wait_for(lambda: all(e.healthy for e in gateway.endpoints), what="both engines healthy")
+        for _ in range(8):
+            await outcome(target)
+        assert refusals(engine_b) is not None and refusals(engine_b) >= 1
+        gateway.set_engines([engine_a.address])  # engine b's pod went away
+        assert refusals(engine_b) is None
+        # A refusal reported for it afterwards (a call still in flight when it left) brings no series back.
+        gateway.router._credential_refused(engine_b.address)
+        assert refusals(engine_b) is None
+        assert await outcome(target) is grpc.StatusCode.OK
+    finally:
+        await gateway.stop()
+        await engine_a.stop(0)
+        await engine_b.stop(0)

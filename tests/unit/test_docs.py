@@ -186,6 +186,18 @@ def test_readme_stays_short() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 320
 
 
+def test_readme_lines_are_wrapped_at_120_but_table_rows_and_recorded_output() -> None:
+    # A Markdown table row cannot wrap, and a recorded terminal session (```console) is shown as it printed.
+    long, fence = [], None
+    for number, line in enumerate((ROOT / "README.md").read_text().splitlines(), 1):
+        if line.startswith("```"):
+            fence = None if fence is not None else line[3:].strip()
+            continue
+        if len(line) > 120 and fence != "console" and not line.startswith("|"):
+            long.append(f"README.md:{number}: {len(line)} characters")
+    assert long == []
+
+
 def test_bench_all_runs_every_canonical_result_set() -> None:
     bench_all = _script("bench_all")
     outputs = {Path(out) for step in bench_all.STEPS for out in step.outputs}

@@ -198,3 +198,72 @@ async def test_text_and_stop_strings_are_made_in_the_front_end_as_the_engine_mak
         assert await engine.call(fakes.detokenize_flags) == {"whole": False, "cut": False}
     finally:
         await engine.shutdown()
+
+
+class _IdleProcess:
+    """The engine process's handle for a front end whose pipe's far end is the test's."""
+
+    pid = None
+    exitcode = 0
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return False
+
+    def kill(self) -> None:
+        pass
+
+
+async def test_a_blocked_write_to_the_engine_process_never_blocks_the_event_loop_and_commands_keep_their_order():
+    """The engine process reads nothing for a while (its reader held off by a step) and a prompt of megabytes
+    fills the pipe: the write waits off the event loop, which keeps serving; the commands arrive in order."""
+    import multiprocessing
+    import threading
+
+    from minedraft.engine.engine_process import EngineFacts
+
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    facts = EngineFacts(fakes.fake_settings(), vocab_size=100, max_model_len=2_000_000, startup_seconds=0.0)
+    engine = EngineProcess(_IdleProcess(), ours, facts, tokenizer=None)  # type: ignore[arg-type]
+    received: list[tuple] = []
+
+    def engine_process_reads_late() -> None:
+        time.sleep(1.5)
+        for _ in range(3):
+            received.append(theirs.recv())
+
+    reader = threading.Thread(target=engine_process_reads_late, daemon=True)
+    reader.start()
+    loop = asyncio.get_running_loop()
+    gaps: list[float] = []
+
+    async def ticker() -> None:
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.01)
+            gaps.append(loop.time() - last)
+            last = loop.time()
+
+    ticking = asyncio.create_task(ticker())
+    tasks: list[asyncio.Task] = []
+    try:
+        big = engine.generate([1] * 1_000_000, SamplingSettings(max_tokens=1), request_id="big")  # ~2 MB pickled
+        tasks.append(asyncio.create_task(anext(big)))
+        await asyncio.sleep(0.05)
+        await engine.abort("big")
+        tasks.append(asyncio.create_task(engine.call(fakes.pid)))
+        await asyncio.to_thread(reader.join, 10)
+        assert max(gaps) < 0.5, f"the event loop stalled {max(gaps):.2f} s on a write to the engine process"
+        assert [m[0] for m in received] == ["add", "abort", "call"]
+        assert received[0][1] == "big" and len(received[0][2]) == 1_000_000
+    finally:
+        ticking.cancel()
+        theirs.close()  # EOF: the front end ends what waits
+        for task in tasks:
+            with contextlib.suppress(EngineDeadError):
+                await task
+        await asyncio.to_thread(engine._sender.join, 5)
+        assert not engine._sender.is_alive()  # the link ended (EOF): the sender thread went with it
+        await engine.shutdown()

@@ -175,3 +175,74 @@ def test_limits_are_checked():
         HttpLimits(max_head_bytes=0)
     with pytest.raises(ValueError, match="head_timeout_s"):
         HttpLimits(head_timeout_s=0)
+
+
+@pytest.mark.parametrize("where", ["header", "url"])
+async def test_a_pipelined_head_over_the_limit_is_a_431_even_when_it_arrives_with_the_request_before(server, where):
+    """The head budget counts the parsed head itself, not each socket read: a head that begins in the same read as
+    the end of the request before it is held to the same limit (it used to get up to one more read's worth)."""
+    app, port = server
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    fill = b"y" * (LIMITS.max_head_bytes + 2048)  # over the limit, well under one read of 64 KiB
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nX-Fill: " + fill + b"\r\n" if where == "header" else
+            b"POST /v1/completions?q=" + fill + b" HTTP/1.1\r\nHost: a\r\n")
+    await send_ignoring_reset(writer, b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi"
+                                      + head + b"Content-Length: 5\r\n\r\nhello")
+    raw = await read_until_closed(reader)
+    writer.close()
+    first, _, rest = raw.partition(b"\r\n\r\n2")
+    assert b" 200 " in first.split(b"\r\n", 1)[0]
+    assert status_and_body(rest)[0] == 431
+    assert app.calls == ["/v1/completions"]
+
+
+def chunks_of(stream: bytes) -> tuple[bytes, bytes]:
+    """A chunked response body's data and what follows its last chunk."""
+    data = b""
+    while True:
+        size_line, _, stream = stream.partition(b"\r\n")
+        size = int(size_line, 16)
+        data, stream = data + stream[:size], stream[size + 2:]
+        if size == 0:
+            return data, stream
+
+
+async def test_a_pipelined_requests_body_timer_runs_only_once_it_is_read_and_never_cuts_the_stream_before(server):
+    """A request pipelined behind a stream is served once the stream ends: its body timer starts then (when the
+    server turns to it), so it never fires into the stream before it, and its body may come meanwhile."""
+    app, port = server
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /stream HTTP/1.1\r\nHost: a\r\n\r\n"
+                 b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\n")
+    await writer.drain()
+    # The body comes after the body timeout but before the stream (1.2 s) ends: the request waits its turn anyway.
+    await asyncio.sleep(LIMITS.body_timeout_s + 0.2)
+    writer.write(b"hello")
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert b" 200 " in head.split(b"\r\n", 1)[0]
+    rest = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 10)
+    data, _ = chunks_of(rest)
+    assert data == b"tick\n" * 4  # the stream ran to its end, uncut
+    second = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert b" 200 " in second.split(b"\r\n", 1)[0], second
+    assert await asyncio.wait_for(reader.readexactly(1), 5) == b"5"
+    writer.close()
+    assert app.calls == ["/stream", "/v1/completions"]
+
+
+async def test_a_pipelined_half_sent_head_behind_a_stream_is_answered_408_after_the_stream_not_into_it(server):
+    """The head timer of a request pipelined behind a running stream fires while that stream runs: the stream is
+    another request's response and runs to its end; the 408 follows it, then the connection closes."""
+    app, port = server
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    await send_ignoring_reset(writer, b"GET /stream HTTP/1.1\r\nHost: a\r\n\r\n"
+                                      b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nX-Slow: ")
+    raw = await read_until_closed(reader, timeout_s=10)
+    writer.close()
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n", 1)[0]
+    data, after = chunks_of(rest)
+    assert data == b"tick\n" * 4
+    assert status_and_body(after)[0] == 408
+    assert app.calls == ["/stream"]

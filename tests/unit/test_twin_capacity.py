@@ -236,7 +236,7 @@ def test_resize_keeps_the_fixed_limit_where_there_is_no_gpu_and_sizes_it_where_t
         target_gpus: tuple[int, ...] = ()
         gpu_memory_utilization: float | None = None
         tensor_parallel_size: int = 1
-        max_num_speculative_tokens: int = 3
+        max_draft_tokens_per_request: int = 3
 
         def with_changes(self, **changes: Any) -> Settings:
             return dataclasses.replace(self, **changes)

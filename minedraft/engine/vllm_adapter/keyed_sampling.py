@@ -54,8 +54,17 @@ SAMPLING_EPS = 1e-5
 def fused_cpu_race() -> Any | None:
     """vLLM's CPU kernel for a Gumbel-max draw per row with noise keyed by (row seed, token id) (what vLLM's own CPU
     sampler draws with), or None where it is not built (GPU builds)."""
+    op = getattr(torch.ops._C, "fused_gumbel_argmax", None)
+    if op is not None:
+        return op
+    # vLLM's CPU wheel holds three builds of torch.ops._C (_C for AVX512-BF16, _C_AVX512, _C_AVX2) and its platform
+    # loads the one this CPU runs; importing vllm._C by name on an AVX2 machine loads a second library registering
+    # the same namespace, and the process aborts ("Only a single TORCH_LIBRARY can be used to register the namespace
+    # _C"). So the platform's own loader, never a build by name.
     try:
-        import vllm._C  # noqa: F401  (registers torch.ops._C)
+        from vllm.platforms import current_platform
+
+        current_platform.import_kernels()
     except ImportError:
         return None
     return getattr(torch.ops._C, "fused_gumbel_argmax", None)

@@ -1,5 +1,6 @@
 """The internal credential: an operator-generated Secret (<name>-internal) between gateway, engines and drafter pool,
-so a client's API token is never an engine credential and a pod that is not the gateway cannot call an engine."""
+so a pod that is not the gateway cannot call an engine (for this release engines behind an authenticating gateway also
+accept the clients' token, which 0.1.0's gateways present: an upgrade mixes old and new pods)."""
 
 from __future__ import annotations
 
@@ -38,15 +39,21 @@ def test_behind_the_gateway_engines_accept_only_the_internal_credential() -> Non
     assert secret_volumes(gateway)["internal"] == "qwen3-8b-internal"
 
 
-def test_a_clients_token_is_never_an_engine_credential() -> None:
+def test_the_gateway_presents_the_internal_credential_first_and_the_clients_token_only_to_old_engines() -> None:
     manifests = render.render_resource(load("auth-tls"))
     gateway = pod(manifests, "llama-secure-gateway")
     command = gateway["containers"][0]["command"]
     assert flag(command, "--token-file") == f"{render.AUTH_DIR}/token"  # clients
-    assert flag(command, "--engine-token-file") == render.INTERNAL_TOKEN_PATH  # engines
+    assert flag(command, "--engine-token-file") == render.INTERNAL_TOKEN_PATH  # engines: this release's first
+    # For this release only (an upgrade from 0.1.0 mixes old and new pods, tests/component/test_upgrade_credentials):
+    # 0.1.0's engines accept only the clients' token, and 0.1.0's gateways present it to this release's engines.
+    assert [w for i, w in enumerate(command) if command[i - 1] == "--engine-token-file"] == [
+        render.INTERNAL_TOKEN_PATH, f"{render.AUTH_DIR}/token"]
     engine_pod = pod(manifests, "llama-secure-engine")
-    assert "minedraft-token" not in secret_volumes(engine_pod).values()
-    assert flag(engine_container(manifests)["command"], "--token-file") == render.INTERNAL_TOKEN_PATH
+    assert secret_volumes(engine_pod)["auth"] == "minedraft-token"
+    engine = engine_container(manifests)["command"]
+    assert [w for i, w in enumerate(engine) if engine[i - 1] == "--token-file"] == [
+        render.INTERNAL_TOKEN_PATH, f"{render.AUTH_DIR}/token"]
 
 
 def test_without_the_gateway_engines_serve_clients_directly_and_no_credential_is_made() -> None:
@@ -125,3 +132,38 @@ def test_a_restarted_operator_sends_nothing_and_a_deleted_secret_is_made_again()
     again._pod_issues = issues  # type: ignore[method-assign]
     outcome = asyncio.run(again.reconcile(doc))
     assert "Secret/chat-internal created" in outcome.applied and ("Secret", "ns", "chat-internal") in cluster.objects
+
+
+def test_an_api_error_recreating_the_deleted_secret_becomes_a_condition_not_an_exception() -> None:
+    from minedraft.operator.kube import KubeError
+    from minedraft.operator.status import PodIssue
+
+    class Refusing(FakeCluster):
+        """Creates the Secret once; the second create (after its deletion) is refused by the API server."""
+
+        creates = 0
+
+        async def create_if_absent(self, resource: Any, manifest: dict[str, Any]) -> bool:
+            if manifest["kind"] == "Secret":
+                self.creates += 1
+                if self.creates > 1:
+                    raise KubeError(403, "POST", "/api/v1/namespaces/ns/secrets", '{"message": "secrets is forbidden"}')
+            return await super().create_if_absent(resource, manifest)
+
+    cluster = Refusing()
+    doc = minedraft("chat")
+    doc["status"] = asyncio.run(operator(cluster, "1.0", "OneAtATime").reconcile(doc)).status
+    del cluster.objects[("Secret", "ns", "chat-internal")]
+
+    async def issues(meta: Any) -> tuple[Any, ...]:
+        return (PodIssue("gateway", "chat-gateway-1", "FailedMount",
+                         'MountVolume.SetUp failed for volume "internal" : secret "chat-internal" not found'),)
+
+    again = operator(cluster, "1.0", "OneAtATime")
+    again._pod_issues = issues  # type: ignore[method-assign]
+    outcome = asyncio.run(again.reconcile(doc))  # raised KubeError before
+    ready = next(c for c in outcome.status["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "ApplyFailed"
+    assert "Secret/chat-internal" in ready["message"] and "forbidden" in ready["message"]
+    assert any(e.type == "Warning" and e.reason == "ApplyFailed" for e in outcome.events)
+    assert outcome.status["internalCredential"] == "chat-internal"
