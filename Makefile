@@ -14,11 +14,12 @@ test: setup
 	@$(MAKE) --no-print-directory test-other-cpu
 
 # The unit tier again as if on the other kind of x86 CPU (AVX2 only vs AVX-512 BF16/AMX): what the engine decides from
-# the CPU (dtype, doctor's report) must hold on both. MINEDRAFT_CPU_FAST_BF16=0/1 overrides the detection.
+# the CPU (dtype, doctor's report) must hold on both. MINEDRAFT_CPU_FAST_BF16=0/1 overrides the detection. The style
+# gates (ruff, mypy, import-linter over the source) do not depend on the CPU and ran in the suite: not again here.
 test-other-cpu: setup
 	@other=$$($(PY) -c "from minedraft.engine.placement import detect_device; print(int(not detect_device().cpu_fast_bf16))"); \
 	echo "unit tests as if on a CPU with$$([ $$other = 1 ] || echo out) fast bf16 (MINEDRAFT_CPU_FAST_BF16=$$other)"; \
-	MINEDRAFT_CPU_FAST_BF16=$$other $(PY) -m pytest tests/unit -q
+	MINEDRAFT_CPU_FAST_BF16=$$other $(PY) -m pytest tests/unit -q --ignore=tests/unit/test_style_gates.py
 
 lint: setup
 	@$(VENV)/bin/ruff check minedraft tests && $(VENV)/bin/mypy && $(VENV)/bin/lint-imports

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 import attrs
 from kmock import KubernetesError, KubernetesObjectNotFoundError, Payload, Request
 
-from tests.component.kmock_store import KubernetesStore
+from tests.component.kmock_store import KubernetesStore, Verdict
 
 APPLY_PATCH = "application/apply-patch+yaml"
 # Above any reaction a test adds: a request without an accepted token is refused before anything else sees it.
@@ -34,8 +34,8 @@ class KubeEmulator(KubernetesStore):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        (self ** AUTH_PRIORITY)[self.unauthorised] << KubernetesError(status=401, reason="Unauthorized",
-                                                                        message="Unauthorized")
+        (self ** AUTH_PRIORITY)[Verdict(self.unauthorised)] << KubernetesError(status=401, reason="Unauthorized",
+                                                                                 message="Unauthorized")
 
     def unauthorised(self, request: Request) -> bool:
         if self.accepted_tokens is None:

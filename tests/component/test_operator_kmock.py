@@ -38,6 +38,7 @@ MD_PATH = f"/apis/{s.API_GROUP}/{s.API_VERSION}/namespaces/{NS}/{s.PLURAL}"
 DRIFT_SECONDS = 0.5
 AUTOSCALE_TICK_SECONDS = 0.5
 TIMEOUT_SECONDS = 30.0  # generous: CI machines here are shared and busy
+KOPF_HUNG_TASKS_WAIT_SECONDS = 5.0  # kopf's running.run_tasks: `aiotasks.wait(hung_tasks, timeout=5)`
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -182,9 +183,13 @@ class OperatorRun:
 
     async def stop(self) -> None:
         assert self.thread is not None
+        started = time.monotonic()
         self.stop_flag.set()
         await asyncio.to_thread(self.thread.join, TIMEOUT_SECONDS)
         assert not self.thread.is_alive(), "the operator did not stop"
+        # kopf waits this long for tasks its handlers left on its loop before cancelling them: the operator's own
+        # periodic passes end in its cleanup handler, so a stop (a pod's SIGTERM) does not wait that out.
+        assert time.monotonic() - started < KOPF_HUNG_TASKS_WAIT_SECONDS, "a task outlived the operator's stop"
         if self.error is not None and not isinstance(self.error, asyncio.CancelledError):
             raise self.error
 
@@ -752,9 +757,10 @@ async def test_the_drafter_pool_scales_on_its_own_utilisation_apart_from_the_eng
     patch, the pool's Deployment follows, status.drafterPool says why; the engines keep their replicas."""
     from tests.metrics_support import Prometheus
 
-    # Prometheus' rate over [1m] ramps up over the series' first minute: a busy pool reads past 2 replicas' worth
-    # within seconds (not at once), which is past the target of 2 replicas at 0.7 (1.4) whatever the exact figure.
-    pool = FakeDrafterPoolMetrics(busy=8.0)
+    # Prometheus' rate over [1m] ramps up over the series' first minute (about busy x seconds of data / 60): a pool
+    # this busy reads past 2 replicas' worth within seconds (not at once; at 8 it took 20 s), which is past the target
+    # of 2 replicas at 0.7 (1.4) whatever the exact figure.
+    pool = FakeDrafterPoolMetrics(busy=32.0)
     prometheus = Prometheus(tmp_path, {"pool-drafter": f"127.0.0.1:{pool.port}"}, [])
     run: OperatorRun | None = None
     try:

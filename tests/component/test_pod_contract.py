@@ -214,6 +214,17 @@ async def test_gateway_pod_probes_mean_what_they_say(tmp_path: Path) -> None:
 CPU_FLAGS = {"--drafter-gpu": None, "--drafter-backend": "torch"}
 
 
+def shared_compile_caches() -> dict[str, str]:
+    """Environment a CPU run uses instead of the pod's cache volume (said, not hidden): the compile caches this
+    suite's own engines fill, and no AOT compile (its artifacts fail to load on CPUs: tests/conftest.py). The pod's
+    fresh emptyDir made every run compile the model from nothing, 20-50 s of a test about probes during a load."""
+    import vllm.envs
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return {"VLLM_CACHE_ROOT": vllm.envs.VLLM_CACHE_ROOT, "TORCHINDUCTOR_CACHE_DIR": default_cache_dir(),
+            "VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0")}
+
+
 @pytest.mark.engine
 @pytest.mark.timeout(600)
 async def test_engine_pod_is_not_restarted_while_loading_and_drains(tmp_path: Path) -> None:
@@ -245,6 +256,7 @@ async def test_engine_pod_is_not_restarted_while_loading_and_drains(tmp_path: Pa
             i = command.index(name)
             command[i:i + 2] = [] if value is None else [name, value]
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    env.update(shared_compile_caches())
     log = tmp_path / "engine.log"
     process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=log.open("w"))
     startup = Prober("readiness", grpc_port, container["startupProbe"])
