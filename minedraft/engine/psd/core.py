@@ -153,6 +153,8 @@ class SpeculationCore:
         self.clock = clock
         self.max_num_speculative_tokens = settings.max_num_speculative_tokens
         configured = settings.mode
+        if configured is Mode.LOOKAHEAD:
+            raise ValueError("mode: lookahead is not implemented in this build yet")
         # The chosen mode: psd, sd or ar for the coming steps (auto changes it); a step runs in its step mode: this
         # one, or ar while the drafter is down.
         self.chosen_mode: Mode = Mode.PSD if configured is Mode.AUTO else configured

@@ -76,9 +76,15 @@ class RequestState:
 
 @dataclass(frozen=True, slots=True)
 class Draft:
+    # The context the draft follows: committed tokens, plus `tail` for a lookahead branch (which assumed them).
     context_num_tokens: int
     token_ids: list[int]
     logprobs: list[float] | None
+    # Lookahead: the speculative tokens at the end of the context this branch assumed (an outcome of the step in
+    # flight when it was drafted); it is usable only if the request's committed tokens end with exactly these.
+    tail: tuple[int, ...] = ()
+    # Lookahead: the drafter's top-F token ids at positions 1..len(token_ids)+1 (empty: not asked for).
+    candidates: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -96,6 +102,9 @@ class RequestRecord:
     hangs: int = 0
     # Drafted no more (every job that carried it failed, or the drafter kept hanging on it): decodes without drafts.
     quarantined: bool = False
+    # Lookahead: the branch drafts of the latest round (one per outcome pre-drafted); dropped once the request's
+    # context moved past them, replaced by the next round's, and dropped with the record in forget().
+    branches: list[Draft] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,10 @@ class JobItemPlan:
     num_tokens: int
     # 0: take the tokens in, draft nothing (a chunk of a long catch-up).
     num_draft_tokens: int
+    # Lookahead: speculative tokens after the committed ones this branch drafts from (never held by the drafter as
+    # committed), and the branch's number within its request.
+    tail: tuple[int, ...] = ()
+    branch: int = 0
 
 
 @dataclass
