@@ -67,19 +67,53 @@ class TorchDrafter:
             self.model.forget(sorted(self.cancelled))
             self.cancelled.clear()
         # (Token ids were checked against the vocabulary on receipt, in DrafterServer.)
-        items = [(i.request_id, i.token_ids, i.num_draft_tokens) for i in job.items if i.token_ids]
+        items = [i for i in job.items if i.token_ids]
+        top_f = int(getattr(job, "top_f", 0) or 0)
+        branch_keys: list[str] = []
         try:
             # (Messages are taken in only between jobs here: a newer job's tokens would extend these contexts in place.)
-            drafts = self.model.draft(items, job.want_logprobs, on_step) if items else []
+            if any(i.tail for i in items):
+                rows, branch_keys = self._fork_branches(items, on_step)
+            else:
+                rows = [(i.request_id, i.token_ids, i.num_draft_tokens) for i in items]
+            drafts = self.model.draft_with_candidates(rows, job.want_logprobs, on_step, top_f) if rows else []
         except Exception:
-            self.model.forget([rid for rid, _, _ in items])
+            self.model.forget([i.request_id for i in items])
             raise
+        finally:
+            self.model.forget(branch_keys)
         first_token_seconds = self.model.last_first_token_seconds if items else 0.0
         results = [
-            DraftResult(request_id=rid, context_num_tokens=len(context), token_ids=tokens, logprobs=logprobs)
-            for (rid, context, _), (tokens, logprobs) in zip(items, drafts, strict=True)
+            DraftResult(request_id=item.request_id, context_num_tokens=len(item.token_ids) + len(item.tail),
+                        token_ids=tokens, logprobs=logprobs, branch=item.branch, tail=list(item.tail),
+                        candidates=candidates)
+            for item, (tokens, logprobs, candidates) in zip(items, drafts, strict=True)
         ]
         return results, time.perf_counter() - started, first_token_seconds
+
+    def _fork_branches(self, items: list[Any], on_step: Callable[[], None]
+                       ) -> tuple[list[tuple[str, list[int], int]], list[str]]:
+        """Lookahead's branches: each request with a tailed branch is caught up on its committed context in its own
+        slot (one batched forward), which every one of its branches then copies into a scratch slot and drafts from
+        there past its tail: the branches share the committed KV, run as rows of one batch, and the request's slot
+        keeps exactly its committed tokens. Returns the rows to draft (roots on their own slots) and the scratch
+        keys to forget afterwards."""
+        committed: dict[str, list[int]] = {}
+        for item in items:
+            if item.tail:
+                committed.setdefault(item.request_id, item.token_ids)
+        self.model.draft_with_candidates([(rid, context, 0) for rid, context in committed.items()], False, on_step)
+        rows: list[tuple[str, list[int], int]] = []
+        keys: list[str] = []
+        for item in items:
+            if not item.tail:
+                rows.append((item.request_id, item.token_ids, item.num_draft_tokens))
+                continue
+            key = f"{item.request_id}\x00branch{item.branch}"
+            self.model.fork(item.request_id, key, len(item.token_ids))
+            keys.append(key)
+            rows.append((key, [*item.token_ids, *item.tail], item.num_draft_tokens))
+        return rows, keys
 
 
 def make_torch_drafter(settings: dict[str, Any]) -> TorchLlamaDrafter:
