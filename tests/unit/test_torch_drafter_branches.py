@@ -41,7 +41,7 @@ def test_branches_draft_what_their_context_plus_tail_drafts_and_leave_the_commit
     items = []
     for rid, ctx in contexts.items():
         root = next(r for r in root_results if r.request_id == rid)
-        tails = [[root.token_ids[0]], root.token_ids[:2] + [rng.randrange(2048)], [rng.randrange(2048)]]
+        tails = [[root.token_ids[0]], [*root.token_ids[:2], rng.randrange(2048)], [rng.randrange(2048)]]
         for branch, tail in enumerate(tails):
             items.append(protocol.DraftItem(rid, ctx, K, 0, tail, branch))
     cached = {rid: [cache[model.slots[rid].index].clone() for cache in model.k_cache] for rid in contexts}
@@ -69,7 +69,7 @@ def test_branches_draft_what_their_context_plus_tail_drafts_and_leave_the_commit
                 assert torch.equal(now[:, :n], before[:, :n]), "committed KV unchanged"
     assert len(model.slots) == len(contexts), "the branches' scratch slots are freed"
     # The next job continues from the committed context as if no branch had been drafted.
-    nxt = {rid: ctx + [rng.randrange(2048)] for rid, ctx in contexts.items()}
+    nxt = {rid: [*ctx, rng.randrange(2048)] for rid, ctx in contexts.items()}
     got = drafter.draft(protocol.DraftJob(3, [protocol.DraftItem(rid, c, K) for rid, c in nxt.items()]), None)[0]
     for result in got:
         ctx = nxt[result.request_id]
