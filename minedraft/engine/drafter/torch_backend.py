@@ -267,14 +267,34 @@ class TorchLlamaDrafter:
         called after every forward pass (the drafter's progress reports)."""
         return [(tokens, logprobs) for tokens, logprobs, _ in self.draft_with_candidates(items, want_logprobs, on_step)]
 
+    @property
+    def num_free_slots(self) -> int:
+        return len(self.free)
+
+    def cached_prefix(self, request_id: str, context: list[int]) -> int:
+        """How many of `context`'s first tokens the request's slot holds (0: no slot)."""
+        slot = self.slots.get(request_id)
+        return _common_prefix(slot.tokens, context) if slot is not None else 0
+
     def fork(self, request_id: str, branch_key: str, num_tokens: int) -> None:
         """A scratch slot `branch_key` holding the first `num_tokens` cached positions of `request_id`'s slot (its
-        committed context: the request caught up on it first): a lookahead branch drafts there, past the committed
-        tokens, and the request's own slot is never written. Forget the key when the branch is drafted."""
-        source = self.slots[request_id]
+        committed tokens): a lookahead branch drafts there, past them, and the request's own slot is never written.
+        Forget the key when the branch is drafted. (A request without a slot forks an empty one.)"""
         slot = self._slot_for(branch_key)
-        if slot is source:
-            raise ValueError(f"branch slot {branch_key!r} is its request's own")
+        source = self.slots.get(request_id)
+        if source is None or source is slot:
+            slot.tokens = []
+            return
+        num_tokens = min(num_tokens, len(source.tokens))
+        self._copy_slot(source.index, slot.index, num_tokens)
+        slot.tokens = source.tokens[:num_tokens]
+
+    def adopt(self, branch_key: str, request_id: str, num_tokens: int) -> None:
+        """The request's slot takes the first `num_tokens` cached positions of a branch's scratch slot (the committed
+        tokens the branch's row took in: the same for every branch of the request)."""
+        source = self.slots[branch_key]
+        slot = self._slot_for(request_id)
+        num_tokens = min(num_tokens, len(source.tokens))
         self._copy_slot(source.index, slot.index, num_tokens)
         slot.tokens = source.tokens[:num_tokens]
 
