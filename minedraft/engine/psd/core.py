@@ -270,8 +270,8 @@ class SpeculationCore:
         timing.draft_jobs_in_flight = len(self.source.jobs)
         jobs_or_ahead = bool(self.source.jobs) or last is not None
         # (Lookahead drafts the next round during every verification: its job is sent once the step is launched.)
-        widen = should_widen(step_mode is Mode.AR, jobs_or_ahead, self.source.loading) and not (
-            step_mode is Mode.LOOKAHEAD and any(view.decoding for view in views))
+        widen = (should_widen(step_mode is Mode.AR, jobs_or_ahead, self.source.loading)
+                 and step_mode is not Mode.LOOKAHEAD)
         plan = self.planner.plan(views, step_mode, group, pad=self.auto is None, reader=self.tokens)
         held = plan.held_out | busy if busy else plan.held_out
         return StepDecision(plan, held, widen, views)
@@ -288,8 +288,10 @@ class SpeculationCore:
         if self.check_invariants and verified is not None:
             self.planner.check_step(decision.plan, decision.views, verified)
         if decision.step_mode is Mode.LOOKAHEAD:
-            # The drafter drafts the next round while the target verifies this one.
-            self._submit_branches(launched, verified)
+            # The drafter drafts the next round while the target verifies this one. (`request_ids` with each one's
+            # scheduled tokens, as vLLM's host passes them: prompts this step finishes get their roots drafted too.)
+            self._submit_branches(launched, verified,
+                                  request_ids if isinstance(request_ids, Mapping) else None)
 
     def update(self, decision: StepDecision, outcome: StepOutcome, now: float | None = None) -> StepRecord:
         """The step's outcome is in (the host committed its tokens): returns the step's record."""
@@ -578,9 +580,11 @@ class SpeculationCore:
         else:
             self._handle(source.take_events())
 
-    def _submit_branches(self, launched: _Launched, verified: Mapping[str, list[int]] | None) -> None:
+    def _submit_branches(self, launched: _Launched, verified: Mapping[str, list[int]] | None,
+                         scheduled_tokens: Mapping[str, int] | None = None) -> None:
         """The next round's branch job, sent as a lookahead step is launched: each request's likeliest outcomes of
-        this verification (psd/lookahead.py), its root for one verified without drafts."""
+        this verification (psd/lookahead.py), its root for one verified without drafts or whose prompt the step
+        finishes (`scheduled_tokens`: tokens the step computes per request, where the host says)."""
         source = self.source
         if not source.attached or not source.up:
             return
@@ -596,8 +600,14 @@ class SpeculationCore:
         scheduled = ran.__contains__ if ran else (lambda rid: rid not in held)
         ranked: dict[str, list[Outcome]] = {}
         tails: dict[str, list[tuple[int, ...]]] = {}
+        finishing: set[str] = set()
         for view in decision.views:
             rid = view.request_id
+            if not view.decoding and scheduled(rid) and scheduled_tokens is not None and \
+                    0 < view.prompt_left <= scheduled_tokens.get(rid, 0):
+                # Its first token is sampled in this step: the root's first drafted token guesses it.
+                finishing.add(rid)
+                tails[rid] = [()]
             if not view.decoding or not scheduled(rid):
                 continue
             spec = verified.get(rid, []) if verified is not None else plan.proposals.get(rid, [])
@@ -618,7 +628,7 @@ class SpeculationCore:
                             self.wait_policy.verify_seconds)
         for rid, chosen in allot(ranked, fanout * len(ranked)).items():
             tails[rid] = [outcome.tail for outcome in chosen]
-        items = planner.lookahead_job(decision.views, scheduled, tails)
+        items = planner.lookahead_job(decision.views, scheduled, tails, frozenset(finishing))
         if not items:
             return
         if source.submit(0, items, self.tokens, want_logprobs=False, top_f=self.lookahead_fanout):

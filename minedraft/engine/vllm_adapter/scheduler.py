@@ -97,6 +97,7 @@ class PSDScheduler(Scheduler):
                 request.request_id, num_tokens, _is_decoding(request) and request.request_id not in busy,
                 min(request.max_tokens - request.num_output_tokens - 1, pad_room), pad_room,
                 request.all_token_ids[-1] if num_tokens else 0,
+                max(0, request.num_prompt_tokens - request.num_computed_tokens),
             ))
         return views
 
