@@ -277,9 +277,11 @@ class SpeculationCore:
         return StepDecision(plan, held, widen, views)
 
     def commit(self, decision: StepDecision, request_ids: Iterable[str],
-               verified: Mapping[str, list[int]] | None = None, now: float | None = None) -> None:
+               verified: Mapping[str, list[int]] | None = None, now: float | None = None,
+               finishing: Sequence[RequestState] = ()) -> None:
         """The host launched the step: `request_ids` run in it (with `verified`'s proposals: checked against the
-        plan with check_invariants)."""
+        plan with check_invariants); `finishing`: requests whose prompt the step completes (their first token is
+        sampled in it: lookahead drafts their roots beside it, so their first decode step can have a branch)."""
         timing = self.timing
         timing.scheduled_at = self.clock() if now is None else now
         timing.scheduled_ahead = bool(self._launched)
@@ -288,10 +290,8 @@ class SpeculationCore:
         if self.check_invariants and verified is not None:
             self.planner.check_step(decision.plan, decision.views, verified)
         if decision.step_mode is Mode.LOOKAHEAD:
-            # The drafter drafts the next round while the target verifies this one. (`request_ids` with each one's
-            # scheduled tokens, as vLLM's host passes them: prompts this step finishes get their roots drafted too.)
-            self._submit_branches(launched, verified,
-                                  request_ids if isinstance(request_ids, Mapping) else None)
+            # The drafter drafts the next round while the target verifies this one.
+            self._submit_branches(launched, verified, finishing)
 
     def update(self, decision: StepDecision, outcome: StepOutcome, now: float | None = None) -> StepRecord:
         """The step's outcome is in (the host committed its tokens): returns the step's record."""
@@ -581,10 +581,10 @@ class SpeculationCore:
             self._handle(source.take_events())
 
     def _submit_branches(self, launched: _Launched, verified: Mapping[str, list[int]] | None,
-                         scheduled_tokens: Mapping[str, int] | None = None) -> None:
+                         finishing: Sequence[RequestState] = ()) -> None:
         """The next round's branch job, sent as a lookahead step is launched: each request's likeliest outcomes of
         this verification (psd/lookahead.py), its root for one verified without drafts or whose prompt the step
-        finishes (`scheduled_tokens`: tokens the step computes per request, where the host says)."""
+        finishes."""
         source = self.source
         if not source.attached or not source.up:
             return
@@ -600,14 +600,11 @@ class SpeculationCore:
         scheduled = ran.__contains__ if ran else (lambda rid: rid not in held)
         ranked: dict[str, list[Outcome]] = {}
         tails: dict[str, list[tuple[int, ...]]] = {}
-        finishing: set[str] = set()
+        for view in finishing:
+            # Its first token is sampled in this step: the root's first drafted token guesses it.
+            tails[view.request_id] = [()]
         for view in decision.views:
             rid = view.request_id
-            if not view.decoding and scheduled(rid) and scheduled_tokens is not None and \
-                    0 < view.prompt_left <= scheduled_tokens.get(rid, 0):
-                # Its first token is sampled in this step: the root's first drafted token guesses it.
-                finishing.add(rid)
-                tails[rid] = [()]
             if not view.decoding or not scheduled(rid):
                 continue
             spec = verified.get(rid, []) if verified is not None else plan.proposals.get(rid, [])
@@ -628,7 +625,9 @@ class SpeculationCore:
                             self.wait_policy.verify_seconds)
         for rid, chosen in allot(ranked, fanout * len(ranked)).items():
             tails[rid] = [outcome.tail for outcome in chosen]
-        items = planner.lookahead_job(decision.views, scheduled, tails, frozenset(finishing))
+        finishing_ids = frozenset(view.request_id for view in finishing)
+        views = [*(v for v in decision.views if v.request_id not in finishing_ids), *finishing]
+        items = planner.lookahead_job(views, scheduled, tails, finishing_ids)
         if not items:
             return
         if source.submit(0, items, self.tokens, want_logprobs=False, top_f=self.lookahead_fanout):

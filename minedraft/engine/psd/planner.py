@@ -73,9 +73,6 @@ class RequestState:
     # vLLM drops whatever is verified past the output budget.
     pad_room: int
     last_token_id: int
-    # Prompt tokens not computed yet (0 once decoding): a lookahead step that computes the rest of a prompt drafts
-    # the request's root beside it, so its first decode step has a branch.
-    prompt_left: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,8 +389,8 @@ class PSDPlanner:
         catch_up_left = self.catch_up_tokens_per_job
         for request in requests:
             rid = request.request_id
-            if (not (request.decoding or rid in finishing_prompts) or not scheduled(rid) or self._is_quarantined(rid)
-                    or rid not in tails):
+            if (not (request.decoding or rid in finishing_prompts) or not (scheduled(rid) or rid in finishing_prompts)
+                    or self._is_quarantined(rid) or rid not in tails):
                 continue
             base = self._holds(rid) if self.send_deltas else 0
             if base > request.num_tokens:

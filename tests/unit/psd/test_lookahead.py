@@ -274,18 +274,14 @@ def test_branches_the_context_moved_past_are_dropped_and_forget_drops_the_rest()
 
 def test_a_prompt_finished_in_a_step_has_its_root_drafted_beside_it():
     world = World()
-    start(world, "a", "p", "q")
+    start(world, "a", "p")
     core, source = make(world)
     step(core, world, ["a"])
     source.answer_branches(world)
-
-    def prefill(rid: str, left: int) -> RequestState:
-        return RequestState(rid, 10, False, draft_room=100, pad_room=1000, last_token_id=0, prompt_left=left)
-
-    decision = core.schedule([world.view("a"), prefill("p", 4), prefill("q", 8)])
-    # p's prompt ends in this step; q's goes on in a later chunk (nothing is drafted from half a prompt).
-    core.commit(decision, {"a": 1 + len(decision.proposals.get("a", [])), "p": 4, "q": 4},
-                {rid: list(p) for rid, p in decision.proposals.items()})
+    decision = core.schedule([world.view("a")])
+    # p was admitted and prefilled whole by this step (the host says so: it was not among the planned views).
+    finishing = [RequestState("p", 10, False, draft_room=100, pad_room=1000, last_token_id=0)]
+    core.commit(decision, ["a", "p"], {rid: list(p) for rid, p in decision.proposals.items()}, finishing=finishing)
     roots = [(i.request_id, i.base_num_tokens, i.num_tokens, i.tail, i.num_draft_tokens) for i in source.sent[-1][1]
              if i.request_id != "a"]
     assert roots == [("p", 0, 10, (), K + 1)]
