@@ -621,8 +621,7 @@ class SpeculationCore:
                     launched.verified[rid] = Verified(view.num_tokens, drafted, candidates)
             else:
                 tails[rid] = [()]
-        fanout = fanout_for(self.lookahead_fanout, len(ranked) + len(tails), self.lookahead_stats,
-                            self.wait_policy.verify_seconds)
+        fanout = fanout_for(self.lookahead_fanout, self.lookahead_stats)
         for rid, chosen in allot(ranked, fanout * len(ranked)).items():
             tails[rid] = [outcome.tail for outcome in chosen]
         finishing_ids = frozenset(view.request_id for view in finishing)
@@ -654,7 +653,8 @@ class SpeculationCore:
                 # (Drafts of requests forgotten meanwhile are dropped: the planner keeps records of live ones only.)
                 if self.chosen_mode is Mode.LOOKAHEAD or any(d.tail or d.candidates for _, d in event.drafts):
                     planner.store_branches(event.drafts, planner.records.__contains__)
-                    self.lookahead_stats.observe_job(event.draft_seconds, len(event.drafts))
+                    self.lookahead_stats.observe_job(event.draft_seconds, self.wait_policy.verify_seconds,
+                                                     self.lookahead_fanout)
                 else:
                     planner.store_drafts(event.drafts, planner.records.__contains__)
             elif isinstance(event, JobFailed):

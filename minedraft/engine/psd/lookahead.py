@@ -12,14 +12,16 @@ P(a) * q(rank of b): P(a) from the acceptance per position measured here (positi
 smoothed), q from how often the target's token was the drafter's rank-r candidate, measured apart after a full
 acceptance and after a rejection (after a rejection the rejected draft token is excluded: under greedy and keyed
 sampling the target's token then differs from it). The job keeps the likeliest outcomes across the batch within the
-fan-out: each request's top one, then the rest by probability, at most `max_fanout` per request and the measured
-time allows (`fanout_for`), so fan-out goes where acceptance is low (a request whose drafts are usually accepted
-needs one branch; one at a coin toss needs several).
+fan-out: each request's top one, then the rest by probability, at most `max_fanout` per request and as many in all
+as the measured times allow (`LookaheadStats.observe_job`), so fan-out goes where acceptance is low (a request whose
+drafts are usually accepted needs one branch; one at a coin toss needs several).
 
-A request without a branch (a newcomer, a miss, the drafter late or restarted, the job abandoned) decodes without
-drafts in that step while its root item (its real context, no tail) is drafted k + 1 deep. Chosen over waiting for a
-short draft because waiting stalls the whole batch for one request, while a step without drafts costs that request
-only the tokens its drafts would have added; and the root draft becomes a branch for free: its first drafted token is
+A request without a branch (a newcomer, a miss, the drafter late or restarted, the job abandoned) is verified with a
+backup where one exists (planner._plan_lookahead: a branch drafted for its accepted length with another bonus token),
+else without drafts in that step, while its root item (its real context, no tail) is drafted k + 1 deep. Chosen over
+waiting for a short draft because waiting stalls the whole batch for one request, while a step without drafts costs
+that request only the tokens its drafts would have added; and the root draft becomes a branch for free: its first
+drafted token is
 the drafter's guess for the token this step samples, so if the target agrees (`match` reads drafted tokens the
 request has since committed as part of the tail), the remaining k tokens are a draft for the next round.
 """
@@ -38,6 +40,8 @@ Tokens = Callable[[str, int, int], Sequence[int]]
 
 # Outcomes less likely than this are not drafted: a branch costs the drafter a row of every forward.
 MIN_BRANCH_PROBABILITY = 0.02
+# A branch job under this share of a verification's time may draft one more branch per request.
+JOB_SHARE_TO_GROW = 0.7
 # Before anything is measured: the target's token is the drafter's rank-r candidate with these odds.
 RANK_PRIOR = (0.5, 0.2, 0.1, 0.05)
 PRIOR_WEIGHT = 4.0
@@ -109,9 +113,12 @@ class LookaheadStats:
     accepted: list[float] = field(default_factory=list)
     after_full: BonusCounts = field(default_factory=BonusCounts)
     after_reject: BonusCounts = field(default_factory=BonusCounts)
-    # Drafter seconds per branch item (EMA over lookahead jobs): what prices the fan-out against a verification.
-    seconds_per_item: float | None = None
-    alpha: float = 0.2
+    # The fan-out the next job uses (branches per request on average), steered by measured job and verify times
+    # (`observe_job`); None until the first job is measured (then the configured most).
+    fanout: int | None = None
+    # The last job's drafter seconds over the verification it ran beside (EMA).
+    job_over_verify: float | None = None
+    alpha: float = 0.3
 
     def acceptance(self, position: int) -> float:
         """P(position+1 accepted | the first `position` were)."""
@@ -127,12 +134,23 @@ class LookaheadStats:
             self.reached[position] += 1
             self.accepted[position] += position < num_accepted
 
-    def observe_job(self, draft_seconds: float, num_items: int) -> None:
-        if num_items <= 0 or draft_seconds <= 0:
+    def observe_job(self, draft_seconds: float, verify_seconds: float | None, max_fanout: int) -> None:
+        """A branch job's drafter time against the verification it ran beside: one branch fewer per request while
+        jobs outlast verifications, one more while they take under JOB_SHARE_TO_GROW of one. A controller, not a
+        per-branch price: a job's time is mostly a fixed number of batched forwards (its rows cost little each on a
+        GPU, more on a CPU), so the time per branch measured at one fan-out says little about another."""
+        if draft_seconds <= 0 or not verify_seconds or verify_seconds <= 0:
             return
-        sample = draft_seconds / num_items
-        old = self.seconds_per_item
-        self.seconds_per_item = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
+        # (Capped: one job stalled by something else on the machine must not hold the fan-out down for long.)
+        sample = min(2.0, draft_seconds / verify_seconds)
+        old = self.job_over_verify
+        ratio = self.job_over_verify = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
+        fanout = max_fanout if self.fanout is None else self.fanout
+        if ratio > 1.0:
+            fanout -= 1
+        elif ratio < JOB_SHARE_TO_GROW:
+            fanout += 1
+        self.fanout = max(1, min(max_fanout, fanout))
 
 
 def outcomes(request_id: str, drafted: Sequence[int], candidates: Sequence[Sequence[int]], stats: LookaheadStats,
@@ -166,12 +184,9 @@ def allot(ranked: Mapping[str, list[Outcome]], budget: int) -> dict[str, list[Ou
     return chosen
 
 
-def fanout_for(max_fanout: int, num_requests: int, stats: LookaheadStats, verify_seconds: float | None) -> int:
-    """Branches per request on average that the drafter can draft within one verification (measured), 1..max."""
-    per_item = stats.seconds_per_item
-    if per_item is None or verify_seconds is None or num_requests <= 0 or per_item <= 0:
-        return max_fanout
-    return max(1, min(max_fanout, int(verify_seconds / (per_item * num_requests))))
+def fanout_for(max_fanout: int, stats: LookaheadStats) -> int:
+    """Branches per request on average for the next job: the controller's (observe_job), at most the setting."""
+    return max(1, min(max_fanout, stats.fanout if stats.fanout is not None else max_fanout))
 
 
 def bonus_rank(verified: Verified, num_sampled: int, committed: Sequence[int]) -> tuple[bool, int | None] | None:

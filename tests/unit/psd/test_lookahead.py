@@ -238,12 +238,17 @@ def test_fanout_is_bounded_by_the_setting_and_by_measured_drafter_time():
         per_request[item.request_id] = per_request.get(item.request_id, 0) + 1
     assert max(per_request.values()) <= 2 and source.top_fs[-1] == 2
     assert core.stats.records()[-1].lookahead_fanout == 2
-    # Branches measured at 1 s each against 0.05 s verifications: one branch per request.
+    # Jobs measured at 1 s against 0.05 s verifications: one branch per request.
     for _ in range(3):
-        source.answer_branches(world, draft_seconds=1.0 * len(source.sent[-1][1]))
+        source.answer_branches(world, draft_seconds=1.0)
         step(core, world, rids)
     assert core.stats.records()[-1].lookahead_fanout == 1
     assert len(source.sent[-1][1]) == len(rids)
+    # Jobs well inside the verification again: the fan-out grows back to the setting.
+    for _ in range(6):
+        source.answer_branches(world, draft_seconds=0.001)
+        step(core, world, rids)
+    assert core.stats.records()[-1].lookahead_fanout == 2
 
 
 def test_branches_the_context_moved_past_are_dropped_and_forget_drops_the_rest():
