@@ -53,7 +53,7 @@ from minedraft.engine.psd.lookahead import (
     Verified,
     allot,
     bonus_rank,
-    fanout_for,
+    choose_fanout,
     outcomes,
 )
 from minedraft.engine.psd.planner import (
@@ -189,6 +189,8 @@ class SpeculationCore:
         # Lookahead: acceptance per position, bonus-token ranks and the drafter's time per branch, measured here.
         self.lookahead_stats = LookaheadStats()
         self.lookahead_fanout = settings.lookahead_fanout
+        # Branch jobs in flight (or abandoned and still to answer) -> the fan-out they were sent with.
+        self._lookahead_jobs: dict[int, int] = {}
         self.stats = StatsRecorder(settings.stats_history)
         self.check_invariants = settings.check_invariants
         # Steps scheduled and not yet updated, oldest first: one, or two while async PSD steps overlap.
@@ -621,7 +623,8 @@ class SpeculationCore:
                     launched.verified[rid] = Verified(view.num_tokens, drafted, candidates)
             else:
                 tails[rid] = [()]
-        fanout = fanout_for(self.lookahead_fanout, self.lookahead_stats)
+        fanout = choose_fanout(ranked, self.lookahead_stats, self.lookahead_fanout, self.k,
+                               self.wait_policy.verify_seconds)
         for rid, chosen in allot(ranked, fanout * len(ranked)).items():
             tails[rid] = [outcome.tail for outcome in chosen]
         finishing_ids = frozenset(view.request_id for view in finishing)
@@ -633,6 +636,12 @@ class SpeculationCore:
             planner.job_sent(items)
             launched.num_branches = sum(1 for item in items if item.tail)
             launched.fanout = fanout
+            job = source.jobs.get(0)
+            if job is not None and ranked:
+                # (Priced by the fan-out it was sent with once it answers, late or not; roots-only jobs are not.)
+                self._lookahead_jobs[job.job_id] = fanout
+                while len(self._lookahead_jobs) > 64:  # (jobs a replaced drafter never answered)
+                    del self._lookahead_jobs[next(iter(self._lookahead_jobs))]
         else:
             self._handle(source.take_events())
 
@@ -653,8 +662,8 @@ class SpeculationCore:
                 # (Drafts of requests forgotten meanwhile are dropped: the planner keeps records of live ones only.)
                 if self.chosen_mode is Mode.LOOKAHEAD or any(d.tail or d.candidates for _, d in event.drafts):
                     planner.store_branches(event.drafts, planner.records.__contains__)
-                    self.lookahead_stats.observe_job(event.draft_seconds, self.wait_policy.verify_seconds,
-                                                     self.lookahead_fanout)
+                    fanout = self._lookahead_jobs.pop(event.job_id, 0)
+                    self.lookahead_stats.observe_job(event.draft_seconds, fanout)
                 else:
                     planner.store_drafts(event.drafts, planner.records.__contains__)
             elif isinstance(event, JobFailed):

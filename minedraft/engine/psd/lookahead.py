@@ -13,7 +13,7 @@ smoothed), q from how often the target's token was the drafter's rank-r candidat
 acceptance and after a rejection (after a rejection the rejected draft token is excluded: under greedy and keyed
 sampling the target's token then differs from it). The job keeps the likeliest outcomes across the batch within the
 fan-out: each request's top one, then the rest by probability, at most `max_fanout` per request and as many in all
-as the measured times allow (`LookaheadStats.observe_job`), so fan-out goes where acceptance is low (a request whose
+as pays for itself in measured time (`choose_fanout`), so fan-out goes where acceptance is low (a request whose
 drafts are usually accepted needs one branch; one at a coin toss needs several).
 
 A request without a branch (a newcomer, a miss, the drafter late or restarted, the job abandoned) is verified with a
@@ -40,8 +40,6 @@ Tokens = Callable[[str, int, int], Sequence[int]]
 
 # Outcomes less likely than this are not drafted: a branch costs the drafter a row of every forward.
 MIN_BRANCH_PROBABILITY = 0.02
-# A branch job under this share of a verification's time may draft one more branch per request.
-JOB_SHARE_TO_GROW = 0.7
 # Before anything is measured: the target's token is the drafter's rank-r candidate with these odds.
 RANK_PRIOR = (0.5, 0.2, 0.1, 0.05)
 PRIOR_WEIGHT = 4.0
@@ -113,11 +111,8 @@ class LookaheadStats:
     accepted: list[float] = field(default_factory=list)
     after_full: BonusCounts = field(default_factory=BonusCounts)
     after_reject: BonusCounts = field(default_factory=BonusCounts)
-    # The fan-out the next job uses (branches per request on average), steered by measured job and verify times
-    # (`observe_job`); None until the first job is measured (then the configured most).
-    fanout: int | None = None
-    # The last job's drafter seconds over the verification it ran beside (EMA).
-    job_over_verify: float | None = None
+    # Drafter seconds of branch jobs by the fan-out they were sent with (EMA): what prices a fan-out.
+    job_seconds: dict[int, float] = field(default_factory=dict)
     alpha: float = 0.3
 
     def acceptance(self, position: int) -> float:
@@ -134,23 +129,60 @@ class LookaheadStats:
             self.reached[position] += 1
             self.accepted[position] += position < num_accepted
 
-    def observe_job(self, draft_seconds: float, verify_seconds: float | None, max_fanout: int) -> None:
-        """A branch job's drafter time against the verification it ran beside: one branch fewer per request while
-        jobs outlast verifications, one more while they take under JOB_SHARE_TO_GROW of one. A controller, not a
-        per-branch price: a job's time is mostly a fixed number of batched forwards (its rows cost little each on a
-        GPU, more on a CPU), so the time per branch measured at one fan-out says little about another."""
-        if draft_seconds <= 0 or not verify_seconds or verify_seconds <= 0:
+    def observe_job(self, draft_seconds: float, fanout: int) -> None:
+        """A branch job sent with `fanout` took `draft_seconds` in the drafter. The prices of the other fan-outs
+        move too: a smaller one never costs more, and a larger one not tried lately relaxes towards this price (so
+        one priced while the machine was busy is tried again, not avoided for good)."""
+        if draft_seconds <= 0 or fanout <= 0:
             return
-        # (Capped: one job stalled by something else on the machine must not hold the fan-out down for long.)
-        sample = min(2.0, draft_seconds / verify_seconds)
-        old = self.job_over_verify
-        ratio = self.job_over_verify = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
-        fanout = max_fanout if self.fanout is None else self.fanout
-        if ratio > 1.0:
-            fanout -= 1
-        elif ratio < JOB_SHARE_TO_GROW:
-            fanout += 1
-        self.fanout = max(1, min(max_fanout, fanout))
+        alpha = self.alpha
+        old = self.job_seconds.get(fanout)
+        seconds = self.job_seconds[fanout] = draft_seconds if old is None else (1 - alpha) * old + alpha * draft_seconds
+        for other, price in list(self.job_seconds.items()):
+            if other < fanout and price > seconds:
+                self.job_seconds[other] = seconds
+            elif other > fanout and price > seconds:
+                self.job_seconds[other] = price - alpha * (price - seconds)
+
+    def expected_accepted(self, length: int) -> float:
+        """Drafts a verification of `length` drafted tokens is expected to accept (the acceptance measured here)."""
+        total, reach = 0.0, 1.0
+        for position in range(length):
+            reach *= self.acceptance(position)
+            total += reach
+        return total
+
+    def job_seconds_at(self, fanout: int) -> float | None:
+        """A job's measured time at this fan-out. Unmeasured, an optimistic guess from the nearest measured one:
+        no dearer above it, cheaper in proportion below it; so an untried fan-out is tried once it looks worth it,
+        and from then on priced by what it cost."""
+        if fanout in self.job_seconds:
+            return self.job_seconds[fanout]
+        if not self.job_seconds:
+            return None
+        nearest = min(self.job_seconds, key=lambda f: (abs(f - fanout), f))
+        return self.job_seconds[nearest] * min(1.0, fanout / nearest)
+
+
+def choose_fanout(ranked: Mapping[str, list[Outcome]], stats: LookaheadStats, max_fanout: int, k: int,
+                  verify_seconds: float | None) -> int:
+    """The fan-out with the most tokens per second expected: a request hits with the probability its chosen outcomes
+    cover (the likeliest F), a hit adds the drafts its branch is expected to have accepted, and a step lasts as long
+    as the longer of its verification and its branch job (measured per fan-out: a job's time is mostly a fixed number
+    of batched forwards, so its price per branch changes with the fan-out and is not extrapolated)."""
+    if not ranked or verify_seconds is None or not stats.job_seconds:
+        return max_fanout
+    gain = stats.expected_accepted(k)
+    best, best_rate = 1, -1.0
+    for fanout in range(1, max_fanout + 1):
+        job = stats.job_seconds_at(fanout)
+        if job is None:
+            continue
+        covered = sum(sum(o.probability for o in found[:fanout]) for found in ranked.values()) / len(ranked)
+        rate = (1.0 + min(1.0, covered) * gain) / max(verify_seconds, job)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = fanout, rate
+    return best
 
 
 def outcomes(request_id: str, drafted: Sequence[int], candidates: Sequence[Sequence[int]], stats: LookaheadStats,
@@ -182,11 +214,6 @@ def allot(ranked: Mapping[str, list[Outcome]], budget: int) -> dict[str, list[Ou
     for outcome in rest[:max(0, left)]:
         chosen[outcome.request_id].append(outcome)
     return chosen
-
-
-def fanout_for(max_fanout: int, stats: LookaheadStats) -> int:
-    """Branches per request on average for the next job: the controller's (observe_job), at most the setting."""
-    return max(1, min(max_fanout, stats.fanout if stats.fanout is not None else max_fanout))
 
 
 def bonus_rank(verified: Verified, num_sampled: int, committed: Sequence[int]) -> tuple[bool, int | None] | None:
