@@ -377,11 +377,12 @@ class PSDPlanner:
 
     def lookahead_job(self, requests: Sequence[RequestState], scheduled: Callable[[str], bool],
                       tails: Mapping[str, Sequence[tuple[int, ...]]],
-                      finishing_prompts: frozenset[str] = frozenset()) -> list[JobItemPlan]:
+                      finishing_prompts: frozenset[str] = frozenset(), depth: int | None = None) -> list[JobItemPlan]:
         """The branch job sent at a lookahead step's launch: per request that runs in it, its committed delta (as
         draft_job sends it, catch-up bounded the same way) and one item per tail in `tails` (the root, (), for a
-        request verified without drafts). Each item drafts up to k tokens after its tail (a root k + 1: its first
-        drafted token is the guess for the token this step samples), within what the next verification can use."""
+        request verified without drafts). Each item drafts up to `depth` (default k) tokens after its tail (a root one
+        more: its first drafted token is the guess for the token this step samples), within what the next
+        verification can use."""
         if 0 in self.in_flight:
             return []
         items: list[JobItemPlan] = []
@@ -406,7 +407,7 @@ class PSDPlanner:
             first = True
             for branch, tail in enumerate(tails[rid]):
                 # The next verification's room: what is left of the output budget after this step's tokens.
-                room = min(self.k, request.draft_room - max(1, len(tail)))
+                room = min(self.k if depth is None else min(depth, self.k), request.draft_room - max(1, len(tail)))
                 if self.drafter_max_tokens:
                     room = min(room, self.drafter_max_tokens - request.num_tokens - len(tail) - 1)
                 if room <= 0:
