@@ -187,6 +187,21 @@ def _ema(old: float | None, sample: float, alpha: float) -> float:
     return sample if old is None else (1 - alpha) * old + alpha * sample
 
 
+def _backup(held: Sequence[Draft], num_tokens: int) -> tuple[Draft, int] | None:
+    """Lookahead's backup for a request at `num_tokens` committed tokens that no branch matched: the likeliest
+    branch drafted for its accepted length (held in order of likelihood), else the draft whose context ends nearest
+    before it, read from the position it reached (a root whose first drafted token the target did not sample). Its
+    drafts followed a context that differs from the request's in a token or so: often still partly accepted."""
+    same = next((b for b in held if b.context_num_tokens == num_tokens and b.token_ids), None)
+    if same is not None:
+        return same, 0
+    behind = [b for b in held if b.context_num_tokens < num_tokens < b.context_num_tokens + len(b.token_ids)]
+    if not behind:
+        return None
+    nearest = max(behind, key=lambda b: b.context_num_tokens)
+    return nearest, num_tokens - nearest.context_num_tokens
+
+
 @dataclass
 class PSDPlanner:
     k: int
@@ -347,8 +362,7 @@ class PSDPlanner:
                 held = [*record.branches, *([record.draft] if record.draft is not None else [])]
                 found = match(held, request.num_tokens, rid, tokens)
                 if found is None and self.lookahead_backups:
-                    backup = next((b for b in record.branches if b.context_num_tokens == request.num_tokens
-                                   and b.tail and b.token_ids), None)
+                    backup = _backup(held, request.num_tokens)
                 # Branches at or before this context that did not match never will (the committed tokens they
                 # assumed differ, and committed tokens stay); those past it are a later round's.
                 record.branches = [b for b in record.branches if b.context_num_tokens > request.num_tokens]
@@ -358,7 +372,7 @@ class PSDPlanner:
                 if backup is None or not room:
                     continue
                 backups.add(rid)
-                found = (backup, 0)
+                found = backup
             draft, already = found
             proposal = draft.token_ids[already:already + room]
             proposals[rid] = proposal

@@ -369,3 +369,13 @@ def test_match_is_exact_on_the_committed_tokens():
     root = Draft(4, [5, 6, 7], None, ())
     assert match([root], 5, "r", read) == (root, 1), "a root draft whose first token the target sampled too"
     assert match([Draft(4, [9, 6], None, ())], 5, "r", read) is None
+
+
+def test_a_backup_is_a_branch_of_the_same_length_else_the_draft_that_reaches_furthest():
+    from minedraft.engine.psd.planner import _backup
+
+    root = Draft(10, [5, 6, 7, 8], None, ())
+    same = Draft(12, [1, 2, 3], None, (4, 9))
+    assert _backup([root, same], 12) == (same, 0)
+    assert _backup([root], 12) == (root, 2), "read from the position the request reached"
+    assert _backup([root], 14) is None, "nothing drafted past where it is"
