@@ -19,10 +19,11 @@ real drafter link over a simulated drafter), and the unit tests (a fake draft so
 How a mode plugs in. A mode is a policy over the same three calls: what `schedule` verifies and proposes (the
 decision carries per-request proposals, `plan.proposals`, and who is held out), and what `update` submits to the
 draft source afterwards (`_submit`: the draft jobs, each a list of JobItemPlans for one key of InFlight). psd and sd
-are the planner's `pick_group`/`plan`/`draft_job` with the sub-batch as the job key; a lookahead mode (every step
-verifies the whole batch while the drafter pre-drafts the next round for several likely outcomes per request) is a
-planner of its own behind the same calls: its proposals are the drafts made for the outcome that happened, and its
-jobs are keyed by (request, round, branch) instead of sub-batch; events, waits, statistics, auto and the hosts stay.
+are the planner's `pick_group`/`plan`/`draft_job` with the sub-batch as the job key. Lookahead (psd/lookahead.py)
+is the same three calls with the whole batch as sub-batch 0: `schedule` verifies each request with the branch whose
+tail its committed tokens match (planner._plan_lookahead), `commit` sends the next round's branch job at once (the
+likeliest outcomes of the step just launched, `_submit_branches`) and `update` learns acceptance and bonus ranks from
+the outcome; events, waits, statistics, auto and the hosts stay.
 """
 
 from __future__ import annotations
@@ -187,10 +188,10 @@ class SpeculationCore:
         if configured is Mode.AUTO:
             self.auto = self._new_auto_controller()
         self.wait_policy = WaitPolicy(cap_seconds=settings.deadline_seconds)
-        # Lookahead: acceptance per position, bonus-token ranks and the drafter's time per branch, measured here.
+        # Lookahead: acceptance per position, bonus-token ranks and branch-job times per shape, measured here.
         self.lookahead_stats = LookaheadStats()
         self.lookahead_fanout = settings.lookahead_fanout
-        # Branch jobs in flight (or abandoned and still to answer) -> the fan-out they were sent with.
+        # Branch jobs in flight (or abandoned and still to answer) -> the shape (fan-out, depth) they were sent with.
         self._lookahead_jobs: dict[int, tuple[int, int]] = {}
         self.stats = StatsRecorder(settings.stats_history)
         self.check_invariants = settings.check_invariants
@@ -656,6 +657,10 @@ class SpeculationCore:
                 # Late replies count too: a drafter slower than the budget would otherwise never be measured, every
                 # job abandoned, and the budget never grow to fit it.
                 self.wait_policy.observe_draft(event.draft_seconds)
+                shape = self._lookahead_jobs.pop(event.job_id, None)
+                if shape is not None:
+                    # (A lookahead job's price, late or not: the late ones are the dear ones.)
+                    self.lookahead_stats.observe_job(event.draft_seconds, shape)
                 job = event.job
                 if job is None:
                     continue  # a job abandoned after its deadline: its drafts are stale
@@ -664,9 +669,6 @@ class SpeculationCore:
                 # (Drafts of requests forgotten meanwhile are dropped: the planner keeps records of live ones only.)
                 if self.chosen_mode is Mode.LOOKAHEAD or any(d.tail or d.candidates for _, d in event.drafts):
                     planner.store_branches(event.drafts, planner.records.__contains__)
-                    shape = self._lookahead_jobs.pop(event.job_id, None)
-                    if shape is not None:
-                        self.lookahead_stats.observe_job(event.draft_seconds, shape)
                 else:
                     planner.store_drafts(event.drafts, planner.records.__contains__)
             elif isinstance(event, JobFailed):
