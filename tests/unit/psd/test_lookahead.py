@@ -205,8 +205,8 @@ def test_a_miss_is_verified_with_the_likeliest_branch_of_its_accepted_length():
     assert decision.plan.backups == {"a"} and decision.plan.drafted_lengths["a"] == K
     backup, already = decision.plan.branches["a"]
     assert already == 0 and decision.proposals["a"] == backup.token_ids[:K]
-    # Its next round is enumerated from the backup's drafts and candidates: branches, no root.
-    assert all(i.tail for i in source.sent[-1][1] if i.request_id == "a")
+    # Its next round is its root (drafted from its real context), not outcomes ranked by the backup's candidates.
+    assert [i.tail for i in source.sent[-1][1] if i.request_id == "a"] == [()]
 
 
 def test_a_rejection_is_a_hit_when_the_target_token_is_a_candidate():
