@@ -475,7 +475,10 @@ class SpeculationCore:
                     raise ValueError(f"k_candidates: at most {self.max_num_speculative_tokens} "
                                      "(max_num_speculative_tokens)")
                 self.auto_settings = auto_settings
-            self._apply_mode(self.chosen_mode, k, num_extra_draft_tokens)
+            # (Auto chooses among psd, sd and ar: turned on from lookahead it starts from psd, as a configured auto
+            # does.)
+            start = Mode.PSD if self.chosen_mode is Mode.LOOKAHEAD else self.chosen_mode
+            self._apply_mode(start, k, num_extra_draft_tokens)
             self.auto = self._new_auto_controller()
             return
         self._apply_mode(mode, k, num_extra_draft_tokens)

@@ -379,3 +379,14 @@ def test_a_backup_is_a_branch_of_the_same_length_else_the_draft_that_reaches_fur
     assert _backup([root, same], 12) == (same, 0)
     assert _backup([root], 12) == (root, 2), "read from the position the request reached"
     assert _backup([root], 14) is None, "nothing drafted past where it is"
+
+
+def test_auto_turned_on_from_lookahead_starts_from_psd_and_lookahead_can_be_chosen_again():
+    world = World()
+    start(world, "a")
+    core, _ = make(world)
+    step(core, world, ["a"])
+    core.set_mode(Mode.AUTO)
+    assert core.chosen_mode is Mode.PSD and core.auto is not None
+    core.set_mode(Mode.LOOKAHEAD, 3)
+    assert core.chosen_mode is Mode.LOOKAHEAD and core.auto is None and core.subbatches.sizes()[1] == 0
