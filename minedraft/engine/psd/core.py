@@ -19,10 +19,11 @@ real drafter link over a simulated drafter), and the unit tests (a fake draft so
 How a mode plugs in. A mode is a policy over the same three calls: what `schedule` verifies and proposes (the
 decision carries per-request proposals, `plan.proposals`, and who is held out), and what `update` submits to the
 draft source afterwards (`_submit`: the draft jobs, each a list of JobItemPlans for one key of InFlight). psd and sd
-are the planner's `pick_group`/`plan`/`draft_job` with the sub-batch as the job key; a lookahead mode (every step
-verifies the whole batch while the drafter pre-drafts the next round for several likely outcomes per request) is a
-planner of its own behind the same calls: its proposals are the drafts made for the outcome that happened, and its
-jobs are keyed by (request, round, branch) instead of sub-batch; events, waits, statistics, auto and the hosts stay.
+are the planner's `pick_group`/`plan`/`draft_job` with the sub-batch as the job key. Lookahead (psd/lookahead.py)
+is the same three calls with the whole batch as sub-batch 0: `schedule` verifies each request with the branch whose
+tail its committed tokens match (planner._plan_lookahead), `commit` sends the next round's branch job at once (the
+likeliest outcomes of the step just launched, `_submit_branches`) and `update` learns acceptance and bonus ranks from
+the outcome; events, waits, statistics, auto and the hosts stay.
 """
 
 from __future__ import annotations
@@ -46,6 +47,15 @@ from minedraft.engine.psd.events import (
     JobHung,
     JobTimes,
     TokenReader,
+)
+from minedraft.engine.psd.lookahead import (
+    LookaheadStats,
+    Outcome,
+    Verified,
+    allot,
+    bonus_rank,
+    choose_shape,
+    outcomes,
 )
 from minedraft.engine.psd.planner import (
     QUARANTINE_AFTER_HANGS,
@@ -140,6 +150,12 @@ class _Launched:
     timing: StepTiming
     # Requests the step runs: none of them may be scheduled again before its output is processed.
     request_ids: frozenset[str]
+    # Lookahead: what each request's verification carried with candidates (learned from once the outcome is in), and
+    # the branch job sent at launch (its branches beyond the roots, and the fan-out it used).
+    verified: dict[str, Verified] = field(default_factory=dict)
+    num_branches: int = 0
+    fanout: int = 0
+    depth: int = 0
 
 
 class SpeculationCore:
@@ -159,7 +175,8 @@ class SpeculationCore:
         self.planner = PSDPlanner(
             k=settings.num_speculative_tokens, num_extra_draft_tokens=settings.num_extra_draft_tokens,
             draft_token_budget=settings.draft_token_budget, pad_to_k=settings.pad_drafts_to_k,
-            catch_up_tokens_per_job=settings.catch_up_tokens_per_job, in_flight=source.jobs)
+            catch_up_tokens_per_job=settings.catch_up_tokens_per_job, in_flight=source.jobs,
+            lookahead_backups=settings.lookahead_backup_drafts)
         self.auto_settings = auto_settings or AutoSettings(**{
             "k_candidates": tuple(range(1, self.max_num_speculative_tokens + 1)), **settings.auto})
         # Fed every step in every mode, so predictions are available (and exported) before auto mode is on.
@@ -171,6 +188,11 @@ class SpeculationCore:
         if configured is Mode.AUTO:
             self.auto = self._new_auto_controller()
         self.wait_policy = WaitPolicy(cap_seconds=settings.deadline_seconds)
+        # Lookahead: acceptance per position, bonus-token ranks and branch-job times per shape, measured here.
+        self.lookahead_stats = LookaheadStats()
+        self.lookahead_fanout = settings.lookahead_fanout
+        # Branch jobs in flight (or abandoned and still to answer) -> the shape (fan-out, depth) they were sent with.
+        self._lookahead_jobs: dict[int, tuple[int, int]] = {}
         self.stats = StatsRecorder(settings.stats_history)
         self.check_invariants = settings.check_invariants
         # Steps scheduled and not yet updated, oldest first: one, or two while async PSD steps overlap.
@@ -251,21 +273,29 @@ class SpeculationCore:
         # job while this one verifies, so nothing is lent.
         timing.draft_jobs_in_flight = len(self.source.jobs)
         jobs_or_ahead = bool(self.source.jobs) or last is not None
-        widen = should_widen(step_mode is Mode.AR, jobs_or_ahead, self.source.loading)
-        plan = self.planner.plan(views, step_mode, group, pad=self.auto is None)
+        # (Lookahead drafts the next round during every verification: its job is sent once the step is launched.)
+        widen = (should_widen(step_mode is Mode.AR, jobs_or_ahead, self.source.loading)
+                 and step_mode is not Mode.LOOKAHEAD)
+        plan = self.planner.plan(views, step_mode, group, pad=self.auto is None, reader=self.tokens)
         held = plan.held_out | busy if busy else plan.held_out
         return StepDecision(plan, held, widen, views)
 
     def commit(self, decision: StepDecision, request_ids: Iterable[str],
-               verified: Mapping[str, list[int]] | None = None, now: float | None = None) -> None:
+               verified: Mapping[str, list[int]] | None = None, now: float | None = None,
+               finishing: Sequence[RequestState] = ()) -> None:
         """The host launched the step: `request_ids` run in it (with `verified`'s proposals: checked against the
-        plan with check_invariants)."""
+        plan with check_invariants); `finishing`: requests whose prompt the step completes (their first token is
+        sampled in it: lookahead drafts their roots beside it, so their first decode step can have a branch)."""
         timing = self.timing
         timing.scheduled_at = self.clock() if now is None else now
         timing.scheduled_ahead = bool(self._launched)
-        self._launched.append(_Launched(decision, timing, frozenset(request_ids)))
+        launched = _Launched(decision, timing, frozenset(request_ids))
+        self._launched.append(launched)
         if self.check_invariants and verified is not None:
             self.planner.check_step(decision.plan, decision.views, verified)
+        if decision.step_mode is Mode.LOOKAHEAD:
+            # The drafter drafts the next round while the target verifies this one.
+            self._submit_branches(launched, verified, finishing)
 
     def update(self, decision: StepDecision, outcome: StepOutcome, now: float | None = None) -> StepRecord:
         """The step's outcome is in (the host committed its tokens): returns the step's record."""
@@ -294,6 +324,7 @@ class SpeculationCore:
             num_accepted += accepted
             _bump(drafted_per_position, drafted)
             _bump(accepted_per_position, accepted)
+        bonus = self._learn_lookahead(launched, outcome) if launched.verified else (0, 0, 0, 0)
         subbatches = self.planner.subbatches
         num_verified_members = sum(
             1 for rid in outcome.decoded if subbatches.group_of(rid) == group) if group is not None else 0
@@ -356,11 +387,43 @@ class SpeculationCore:
             draft_job_length=job.length,
             draft_job_catch_up_tokens=job.catch_up_tokens,
             scheduled_ahead=timing.scheduled_ahead or outcome.overlapped,
+            num_branches_drafted=launched.num_branches,
+            num_branch_hits=sum(1 for rid in plan.branches if rid in num_sampled and rid not in plan.backups),
+            num_branch_misses=sum(1 for rid in plan.branch_misses if rid in num_sampled),
+            num_bonus_after_full=bonus[0],
+            num_bonus_covered_after_full=bonus[1],
+            num_bonus_after_reject=bonus[2],
+            num_bonus_covered_after_reject=bonus[3],
+            lookahead_fanout=launched.fanout,
+            lookahead_depth=launched.depth,
         )
         self._last_update_finished = finished
         self.stats.record(record)
         self._control(record, views, outcome.overlapped)
         return record
+
+    def _learn_lookahead(self, launched: _Launched, outcome: StepOutcome) -> tuple[int, int, int, int]:
+        """Acceptance per position and the bonus token's rank among the candidates, from a lookahead step's outcome
+        (requests still running: a finished one's tokens are gone). Returns (after a full acceptance: verifications,
+        bonus covered by the top-F; after a rejection: the same)."""
+        stats = self.lookahead_stats
+        running = {view.request_id for view in outcome.views}
+        counts = [0, 0, 0, 0]
+        for request_id, verified in launched.verified.items():
+            sampled = outcome.num_sampled.get(request_id)
+            if sampled is None or request_id not in running:
+                continue
+            stats.observe_acceptance(len(verified.drafted), max(0, sampled - 1))
+            committed = self.tokens(request_id, verified.num_tokens, verified.num_tokens + sampled)
+            found = bonus_rank(verified, sampled, committed)
+            if found is None:
+                continue
+            full, rank = found
+            (stats.after_full if full else stats.after_reject).observe(rank)
+            at = 0 if full else 2
+            counts[at] += 1
+            counts[at + 1] += rank is not None
+        return counts[0], counts[1], counts[2], counts[3]
 
     def may_schedule_ahead(self, is_decoding: Callable[[str], bool]) -> bool:
         """Whether the next step may be scheduled now, before the one step in flight has been updated.
@@ -412,7 +475,10 @@ class SpeculationCore:
                     raise ValueError(f"k_candidates: at most {self.max_num_speculative_tokens} "
                                      "(max_num_speculative_tokens)")
                 self.auto_settings = auto_settings
-            self._apply_mode(self.chosen_mode, k, num_extra_draft_tokens)
+            # (Auto chooses among psd, sd and ar: turned on from lookahead it starts from psd, as a configured auto
+            # does.)
+            start = Mode.PSD if self.chosen_mode is Mode.LOOKAHEAD else self.chosen_mode
+            self._apply_mode(start, k, num_extra_draft_tokens)
             self.auto = self._new_auto_controller()
             return
         self._apply_mode(mode, k, num_extra_draft_tokens)
@@ -522,6 +588,73 @@ class SpeculationCore:
         else:
             self._handle(source.take_events())
 
+    def _submit_branches(self, launched: _Launched, verified: Mapping[str, list[int]] | None,
+                         finishing: Sequence[RequestState] = ()) -> None:
+        """The next round's branch job, sent as a lookahead step is launched: each request's likeliest outcomes of
+        this verification (psd/lookahead.py), its root for one verified without drafts or whose prompt the step
+        finishes."""
+        source = self.source
+        if not source.attached or not source.up:
+            return
+        self._handle(source.take_events())
+        if 0 in source.jobs:
+            # A job nothing waited for (catch-up chunks only): the drafter has taken its tokens in already.
+            source.abandon(0)
+        planner, decision = self.planner, launched.decision
+        planner.drafter_max_tokens = source.max_context_tokens
+        plan, held = decision.plan, decision.held
+        ran = launched.request_ids
+        # (A host that does not name the requests it ran, the twin: every decoding request not held out ran.)
+        scheduled = ran.__contains__ if ran else (lambda rid: rid not in held)
+        ranked: dict[str, list[Outcome]] = {}
+        tails: dict[str, list[tuple[int, ...]]] = {}
+        for view in finishing:
+            # Its first token is sampled in this step: the root's first drafted token guesses it.
+            tails[view.request_id] = [()]
+        for view in decision.views:
+            rid = view.request_id
+            if not view.decoding or not scheduled(rid):
+                continue
+            if rid in plan.backups:
+                # Its root, not outcomes of the backup: the backup's candidates follow a context the request does not
+                # have (ranked from them, the next round missed again, and again: a chain of backups that never
+                # drafted from the real context). A backup is mostly rejected at once, and the root's first drafted
+                # token is the drafter's guess for the target's token then.
+                tails[rid] = [()]
+                continue
+            spec = verified.get(rid, []) if verified is not None else plan.proposals.get(rid, [])
+            drafted = tuple(spec[:plan.drafted_lengths.get(rid, 0)])
+            branch = plan.branches.get(rid)
+            candidates = branch[0].candidates[branch[1]:branch[1] + len(drafted) + 1] if branch else ()
+            found = outcomes(rid, drafted, candidates, self.lookahead_stats, self.lookahead_fanout) \
+                if drafted and candidates else []
+            if found:
+                ranked[rid] = found
+                launched.verified[rid] = Verified(view.num_tokens, drafted, candidates)
+            else:
+                tails[rid] = [()]
+        fanout, depth = choose_shape(ranked, self.lookahead_stats, self.lookahead_fanout, self.k,
+                                     self.wait_policy.verify_seconds)
+        for rid, chosen in allot(ranked, fanout * len(ranked)).items():
+            tails[rid] = [outcome.tail for outcome in chosen]
+        finishing_ids = frozenset(view.request_id for view in finishing)
+        views = [*(v for v in decision.views if v.request_id not in finishing_ids), *finishing]
+        items = planner.lookahead_job(views, scheduled, tails, finishing_ids, depth)
+        if not items:
+            return
+        if source.submit(0, items, self.tokens, want_logprobs=False, top_f=self.lookahead_fanout):
+            planner.job_sent(items)
+            launched.num_branches = sum(1 for item in items if item.tail)
+            launched.fanout, launched.depth = fanout, depth
+            job = source.jobs.get(0)
+            if job is not None and ranked:
+                # (Priced by the shape it was sent with once it answers, late or not; roots-only jobs are not.)
+                self._lookahead_jobs[job.job_id] = (fanout, depth)
+                while len(self._lookahead_jobs) > 64:  # (jobs a replaced drafter never answered)
+                    del self._lookahead_jobs[next(iter(self._lookahead_jobs))]
+        else:
+            self._handle(source.take_events())
+
     def _handle(self, events: Iterable[DrafterEvent]) -> None:
         """Each drafter event, in one place."""
         planner = self.planner
@@ -531,13 +664,20 @@ class SpeculationCore:
                 # Late replies count too: a drafter slower than the budget would otherwise never be measured, every
                 # job abandoned, and the budget never grow to fit it.
                 self.wait_policy.observe_draft(event.draft_seconds)
+                shape = self._lookahead_jobs.pop(event.job_id, None)
+                if shape is not None:
+                    # (A lookahead job's price, late or not: the late ones are the dear ones.)
+                    self.lookahead_stats.observe_job(event.draft_seconds, shape)
                 job = event.job
                 if job is None:
                     continue  # a job abandoned after its deadline: its drafts are stale
                 by_group = self.timing.drafts_by_group
                 by_group[job.group] = by_group.get(job.group, JobTimes()).add(event, job.catch_up_tokens)
                 # (Drafts of requests forgotten meanwhile are dropped: the planner keeps records of live ones only.)
-                planner.store_drafts(event.drafts, planner.records.__contains__)
+                if self.chosen_mode is Mode.LOOKAHEAD or any(d.tail or d.candidates for _, d in event.drafts):
+                    planner.store_branches(event.drafts, planner.records.__contains__)
+                else:
+                    planner.store_drafts(event.drafts, planner.records.__contains__)
             elif isinstance(event, JobFailed):
                 self._job_failed(event)
             elif isinstance(event, DrafterBusy):
