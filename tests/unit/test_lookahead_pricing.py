@@ -3,6 +3,8 @@ step's arithmetic (the whole batch verified beside an R x F branch job) on hand-
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from minedraft.engine.control.auto import AutoController, AutoSettings
@@ -62,11 +64,12 @@ def priced_model(verify_ms: dict[int, float], draft_first_ms: dict[int, float], 
 
 
 # A memory-bound target (GPU-like): verification flat in tokens up to 1024; a cheap drafter, flat in batch.
-GPU = dict(verify_ms={1: 20.0, 1024: 20.5}, draft_first_ms={1: 3.0, 1024: 3.2}, draft_next_ms={1: 3.0, 1024: 3.2})
+GPU: dict[str, Any] = dict(verify_ms={1: 20.0, 1024: 20.5},
+                           draft_first_ms={1: 3.0, 1024: 3.2}, draft_next_ms={1: 3.0, 1024: 3.2})
 # Two CPU cores shared by target and drafter: verification compute-bound and twice as slow beside a draft; a drafter
 # costing a third of the target per token, so branch jobs F times the batch take the cores for long.
-CPU = dict(verify_ms={1: 1.0, 1024: 400.0}, draft_first_ms={1: 0.5, 1024: 130.0}, draft_next_ms={1: 0.5, 1024: 130.0},
-           beside_factor=2.0)
+CPU: dict[str, Any] = dict(verify_ms={1: 1.0, 1024: 400.0}, draft_first_ms={1: 0.5, 1024: 130.0},
+                           draft_next_ms={1: 0.5, 1024: 130.0}, beside_factor=2.0)
 
 
 def test_lookahead_wins_where_drafting_hides_behind_a_flat_verify() -> None:
