@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from minedraft.engine.settings import DEFAULT_HANG_SECONDS, DRAFTER_BACKENDS, DTYPES
+from minedraft.engine.settings import DEFAULT_HANG_SECONDS, DEFAULT_LOOKAHEAD_FANOUT, DRAFTER_BACKENDS, DTYPES
 
 # Requests batched at once without --max-num-seqs.
 DEFAULT_MAX_NUM_SEQS = 64
@@ -38,7 +38,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
     parser.add_argument("--pair", help="local pair directory (default: the committed pair, else the cache)")
     parser.add_argument("--model", help="target model directory or id (default: the local pair's target)")
     parser.add_argument("--draft", help="draft model directory or id (default: the local pair's draft)")
-    parser.add_argument("--mode", default=default_mode, help="psd | sd | ar | vllm-sd")
+    parser.add_argument("--mode", default=default_mode, help="psd | sd | ar | vllm-sd | auto | lookahead")
+    parser.add_argument("--lookahead-fanout", type=int, default=DEFAULT_LOOKAHEAD_FANOUT,
+                        help="lookahead: most branches (accepted length x bonus token) pre-drafted per request per "
+                        "round; fewer when the drafter's measured time says they would outlast the verification")
     parser.add_argument("--num-speculative-tokens", "-k", type=int, default=3, help="draft length k")
     parser.add_argument("--num-extra-draft-tokens", type=int, default=0,
                         help="extra drafts e (top-C selection by cumulative draft log-probability)")
@@ -178,6 +181,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         mode=mode,
         num_speculative_tokens=args.num_speculative_tokens,
         num_extra_draft_tokens=args.num_extra_draft_tokens,
+        lookahead_fanout=getattr(args, "lookahead_fanout", DEFAULT_LOOKAHEAD_FANOUT),
         max_num_seqs=DEFAULT_MAX_NUM_SEQS if args.max_num_seqs is None else args.max_num_seqs,
         max_model_len=args.max_model_len or 0,
         kv_cache_gib=args.kv_cache_gib,

@@ -16,6 +16,9 @@ class Mode(StrEnum):
     AR: the target alone, no drafts.
     VLLM_SD: vLLM's built-in draft-model speculative decoding, the anchor.
     AUTO: psd, sd or ar and the draft length k, chosen as the engine runs from its measured costs (control/auto.py).
+    LOOKAHEAD: every step verifies the whole batch while the drafter pre-drafts the next round for each request's
+    likely outcomes (accepted length x bonus token, up to `lookahead_fanout` branches); the branch matching the real
+    outcome is verified next (psd/lookahead.py).
 
     This enum is the configured mode (what was asked for, auto included). The engine's code keeps two other notions
     of mode apart by name: the chosen mode (psd, sd or ar: the fixed mode, or auto's latest `Decision`;
@@ -29,10 +32,11 @@ class Mode(StrEnum):
     AR = "ar"
     VLLM_SD = "vllm-sd"
     AUTO = "auto"
+    LOOKAHEAD = "lookahead"
 
     @property
     def uses_drafter(self) -> bool:
-        return self in (Mode.PSD, Mode.SD, Mode.AUTO)
+        return self in (Mode.PSD, Mode.SD, Mode.AUTO, Mode.LOOKAHEAD)
 
     @classmethod
     def parse(cls, value: str) -> Mode:
@@ -61,6 +65,11 @@ MAX_NUM_SPECULATIVE_TOKENS = 16
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DRAFTER_BACKENDS = ("auto", "vllm", "torch")
 MAX_TENSOR_PARALLEL_SIZE = 8
+# Lookahead: the most branches (outcomes pre-drafted) per request per round, and the default. 4: the drafter's top-4
+# covers most bonus tokens after a full acceptance on the local pair; more branches cost drafter time the
+# verification may not hide (the core lowers it further from measured branch and verify times).
+DEFAULT_LOOKAHEAD_FANOUT = 4
+MAX_LOOKAHEAD_FANOUT = 16
 
 # vLLM engine arguments that pass-through may not set: the engine sets them itself (a flag of ours exists), or they
 # make vLLM call schedule() more than once per update_from_output() (pipeline parallelism and async scheduling keep a
@@ -145,6 +154,9 @@ class EngineSettings:
     draft_token_budget: int | None = None
     # Upper bound on k + e that can be switched to at run time (vLLM reserves verification slots for it).
     max_num_speculative_tokens: int | None = None
+    # Lookahead: the most branches pre-drafted per request per round (the core may use fewer: see
+    # DEFAULT_LOOKAHEAD_FANOUT).
+    lookahead_fanout: int = DEFAULT_LOOKAHEAD_FANOUT
     max_num_seqs: int = 64
     # 0: the model's own context length, capped by what the KV cache holds (vLLM's auto-fit). A loaded engine's
     # settings carry the length vLLM chose.
@@ -225,6 +237,8 @@ class SchedulerSettings:
     num_extra_draft_tokens: int = 0
     draft_token_budget: int | None = None
     pad_drafts_to_k: bool = True
+    # Lookahead: the most branches pre-drafted per request per round.
+    lookahead_fanout: int = DEFAULT_LOOKAHEAD_FANOUT
     catch_up_tokens_per_job: int = 2048
     # The cap on a step's wait for drafts (DrafterSettings.deadline_seconds).
     deadline_seconds: float = 5.0
@@ -256,6 +270,7 @@ class SchedulerSettings:
             num_extra_draft_tokens=settings.num_extra_draft_tokens,
             draft_token_budget=settings.draft_token_budget,
             pad_drafts_to_k=settings.pad_drafts_to_k,
+            lookahead_fanout=settings.lookahead_fanout,
             catch_up_tokens_per_job=settings.drafter.catch_up_tokens_per_job,
             deadline_seconds=settings.drafter.deadline_seconds,
             max_missed_deadlines=settings.drafter.max_missed_deadlines,
@@ -293,6 +308,11 @@ def validate(settings: EngineSettings) -> None:
             "num_speculative_tokens",
             f"must be between 1 and {MAX_NUM_SPECULATIVE_TOKENS}, got {settings.num_speculative_tokens}",
         )
+    if not 1 <= settings.lookahead_fanout <= MAX_LOOKAHEAD_FANOUT:
+        raise SettingsError("lookahead_fanout",
+                            f"must be between 1 and {MAX_LOOKAHEAD_FANOUT}, got {settings.lookahead_fanout}")
+    if settings.mode is Mode.LOOKAHEAD and settings.num_extra_draft_tokens:
+        raise SettingsError("num_extra_draft_tokens", "lookahead drafts exactly k tokens per branch (no extra drafts)")
     if not 0 <= settings.num_extra_draft_tokens <= MAX_NUM_SPECULATIVE_TOKENS - settings.num_speculative_tokens:
         raise SettingsError(
             "num_extra_draft_tokens",

@@ -1,7 +1,7 @@
 import pytest
 
 from minedraft.engine.requests import RequestError, SamplingSettings
-from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode, SettingsError
+from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode, SchedulerSettings, SettingsError
 
 
 def make(**changes):
@@ -23,6 +23,9 @@ def make(**changes):
         ({"mode": Mode.VLLM_SD, "num_extra_draft_tokens": 2}, "num_extra_draft_tokens"),
         ({"auto": {"allowed_modes": ("vllm-sd",)}}, "auto"),
         ({"auto": {"k_candidates": (1, 4)}}, "auto.k_candidates"),  # the engine drafts at most 3 here
+        ({"lookahead_fanout": 0}, "lookahead_fanout"),
+        ({"lookahead_fanout": 17}, "lookahead_fanout"),
+        ({"mode": Mode.LOOKAHEAD, "num_extra_draft_tokens": 1}, "num_extra_draft_tokens"),
     ],
 )
 def test_invalid_engine_settings_name_the_field(changes, field):
@@ -37,6 +40,13 @@ def test_unknown_mode_names_the_field_and_the_choices():
         Mode.parse("turbo")
     assert info.value.field_name == "mode"
     assert "psd" in str(info.value) and "vllm-sd" in str(info.value)
+
+
+def test_lookahead_is_a_drafting_mode_whose_fanout_reaches_the_scheduler():
+    settings = make(mode=Mode.parse("lookahead"), lookahead_fanout=3)
+    assert settings.mode is Mode.LOOKAHEAD and Mode.LOOKAHEAD.uses_drafter
+    scheduler = SchedulerSettings.from_engine(settings, drafter=None, async_steps=False, lend_cpu_cores=())
+    assert SchedulerSettings.from_config(scheduler.to_config()).lookahead_fanout == 3
 
 
 def test_ar_needs_no_draft_model():

@@ -1,3 +1,6 @@
+from dataclasses import replace
+
+import msgspec
 import pytest
 
 from minedraft.engine.control.stats import EngineTotals, StatsRecorder, StepRecord, summarize
@@ -74,3 +77,34 @@ def test_totals_difference_pools_counts_between_snapshots():
     assert summary["acceptance_rate"] == 6 / 9
     assert summary["overlap_fraction"] == pytest.approx(1 - 0.03 / 0.04)
     assert (before + window).draft_tokens == stats.totals().draft_tokens
+
+
+def test_lookahead_fields_round_trip_and_old_messages_stay_valid():
+    item = protocol.DraftItem("r1", [1, 2], 3, 10, tail=[7, 8], branch=2)
+    job = protocol.DraftJob(9, [item, protocol.DraftItem("r1", [], 3, 12, tail=[9], branch=1)], top_f=4)
+    assert protocol.decode_to_drafter(protocol.encode(job)) == job
+    result = protocol.DraftResult("r1", 14, [4, 5], None, branch=2, tail=[7, 8], candidates=[[4, 6], [5, 1], [3, 2]])
+    reply = protocol.DraftReply(9, [result], 0.01, 0.0)
+    decoded = protocol.decode_from_drafter(protocol.encode(reply))
+    assert isinstance(decoded, protocol.DraftReply) and decoded.results[0] == result
+    # A message from a peer that predates lookahead (no tail, branch, top_f, candidates) decodes with the defaults.
+    old_job = msgspec.msgpack.encode(["job", 3, [["r1", [1, 2], 3, 0]], False])
+    decoded_job = protocol.decode_to_drafter(old_job)
+    assert isinstance(decoded_job, protocol.DraftJob) and decoded_job.top_f == 0
+    assert decoded_job.items[0].tail == [] and decoded_job.items[0].branch == 0
+    old_reply = msgspec.msgpack.encode(["reply", 3, [["r1", 2, [4, 5], None]], 0.01, 0.0])
+    decoded_reply = protocol.decode_from_drafter(old_reply)
+    assert isinstance(decoded_reply, protocol.DraftReply)
+    assert decoded_reply.results[0].candidates == [] and decoded_reply.results[0].tail == []
+
+
+def test_branch_totals_pool_hits_and_misses():
+    stats = StatsRecorder(history=4)
+    base = record(1, 6, 3, 0.0, 0.02, (2, 2, 2), (2, 1))
+    stats.record(replace(base, mode="lookahead", num_branches_drafted=5, num_branch_hits=1, num_branch_misses=1))
+    stats.record(replace(base, step=2, mode="lookahead", num_branch_hits=2, num_bonus_after_full=2,
+                         num_bonus_covered_after_full=1))
+    totals = stats.totals()
+    assert (totals.branch_hits, totals.branch_misses, totals.branches_drafted) == (3, 1, 5)
+    assert totals.summary()["branch_hit_rate"] == 0.75
+    assert (totals.bonus_after_full, totals.bonus_covered_after_full) == (2, 1)

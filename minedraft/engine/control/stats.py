@@ -74,6 +74,21 @@ class StepRecord:
     # Async PSD steps: scheduled while the previous step was still in flight (before its output was processed).
     # Its step_seconds then count from the previous step's end and verify_seconds is the model runner's own time.
     scheduled_ahead: bool = False
+    # Lookahead. Branches (outcomes pre-drafted beyond each request's root) the job sent at this step's launch.
+    num_branches_drafted: int = 0
+    # Decoding requests of this step verified with a branch matching their committed tokens, and those without one
+    # (newcomers, misses, the drafter late or down): hit rate = hits / (hits + misses).
+    num_branch_hits: int = 0
+    num_branch_misses: int = 0
+    # Of this step's verifications with candidates: the bonus token was among the drafter's top-F after a full
+    # acceptance (covered / all), and after a rejection (the rejected draft token excluded): what pricing needs
+    # beside per-position acceptance to derive a hit rate.
+    num_bonus_after_full: int = 0
+    num_bonus_covered_after_full: int = 0
+    num_bonus_after_reject: int = 0
+    num_bonus_covered_after_reject: int = 0
+    # The fan-out the branch job sent at this step's launch used (0: no job).
+    lookahead_fanout: int = 0
 
 
 @dataclass
@@ -100,6 +115,14 @@ class EngineTotals:
     preemptions: int = 0
     # Switches of mode or k made by auto mode.
     mode_switches: int = 0
+    # Lookahead (StepRecord's fields of the same names, summed).
+    branches_drafted: int = 0
+    branch_hits: int = 0
+    branch_misses: int = 0
+    bonus_after_full: int = 0
+    bonus_covered_after_full: int = 0
+    bonus_after_reject: int = 0
+    bonus_covered_after_reject: int = 0
 
     def __add__(self, other: EngineTotals) -> EngineTotals:
         return self._combine(other, 1)
@@ -130,6 +153,7 @@ class EngineTotals:
             "verify_seconds_per_step": self.verify_seconds / steps if steps else 0.0,
             "draft_seconds_per_step": self.draft_seconds / steps if steps else 0.0,
             "wait_seconds_per_step": self.wait_seconds / steps if steps else 0.0,
+            "branch_hit_rate": self.branch_hit_rate,
             "acceptance_per_position": [
                 a / d if d else 0.0
                 for a, d in zip(self.accepted_per_position, self.drafted_per_position, strict=False)
@@ -145,6 +169,12 @@ class EngineTotals:
         """Tokens produced per request per verification that carried drafts (accepted drafts + 1)."""
         requests = self.drafted_per_position[0] if self.drafted_per_position else 0
         return 1.0 + self.accepted_tokens / requests if requests else 1.0
+
+    @property
+    def branch_hit_rate(self) -> float:
+        """Lookahead: decoding requests verified with a branch matching their real outcome, of all verified."""
+        total = self.branch_hits + self.branch_misses
+        return self.branch_hits / total if total else 0.0
 
     @property
     def overlap_fraction(self) -> float:
@@ -173,6 +203,13 @@ def _accumulate(totals: EngineTotals, record: StepRecord) -> None:
     totals.draft_seconds += record.draft_seconds
     totals.drafter_idle_seconds += record.drafter_idle_seconds
     totals.step_seconds += record.step_seconds
+    totals.branches_drafted += record.num_branches_drafted
+    totals.branch_hits += record.num_branch_hits
+    totals.branch_misses += record.num_branch_misses
+    totals.bonus_after_full += record.num_bonus_after_full
+    totals.bonus_covered_after_full += record.num_bonus_covered_after_full
+    totals.bonus_after_reject += record.num_bonus_after_reject
+    totals.bonus_covered_after_reject += record.num_bonus_covered_after_reject
 
 
 class StatsRecorder:

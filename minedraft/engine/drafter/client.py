@@ -63,12 +63,12 @@ class JobMessages:
     def _can_send(self) -> bool:
         return self.state is DrafterState.UP and self._socket is not None
 
-    def submit(self, items: list[protocol.DraftItem], want_logprobs: bool) -> JobTicket | None:
+    def submit(self, items: list[protocol.DraftItem], want_logprobs: bool, top_f: int = 0) -> JobTicket | None:
         if not self._can_send() or not items:
             return None
         job_id = self._next_job_id
         self._next_job_id += 1
-        if not self._send(protocol.DraftJob(job_id, items, want_logprobs)):
+        if not self._send(protocol.DraftJob(job_id, items, want_logprobs, top_f)):
             return None
         return JobTicket(job_id, frozenset(i.request_id for i in items), time.monotonic())
 

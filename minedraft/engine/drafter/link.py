@@ -57,7 +57,8 @@ def to_event(job: JobInFlight | None, message: protocol.FromDrafter) -> DrafterE
     """The core's event for a drafter's answer to a job (`job`: the job it answers, already out of flight; None for
     one abandoned or sent to a replaced process). None: nothing the core acts on."""
     if isinstance(message, protocol.DraftReply):
-        drafts = tuple((r.request_id, Draft(r.context_num_tokens, r.token_ids, r.logprobs)) for r in message.results)
+        drafts = tuple((r.request_id, Draft(r.context_num_tokens, r.token_ids, r.logprobs, tuple(r.tail),
+                                            tuple(tuple(c) for c in r.candidates))) for r in message.results)
         return DraftsArrived(job, message.job_id, drafts, message.draft_seconds, message.first_token_seconds,
                              message.idle_seconds, tuple(message.need_context))
     if isinstance(message, protocol.DrafterError):
@@ -185,17 +186,21 @@ class DrafterLink:
 
     # -- jobs ------------------------------------------------------------------------------------------------------
 
-    def submit(self, group: int, items: Sequence[JobItemPlan], tokens: TokenReader, want_logprobs: bool) -> bool:
+    def submit(self, group: int, items: Sequence[JobItemPlan], tokens: TokenReader, want_logprobs: bool,
+               top_f: int = 0) -> bool:
         """The core's job for `group`: per request only the tokens the drafter does not hold yet (O(new tokens), not
-        O(context), per request per step)."""
+        O(context), per request per step); lookahead's branches carry their speculative tails apart."""
         return self.send(group, [protocol.DraftItem(
             item.request_id, _as_list(tokens(item.request_id, item.base_num_tokens, item.num_tokens)),
-            item.num_draft_tokens, item.base_num_tokens) for item in items], want_logprobs)
+            item.num_draft_tokens, item.base_num_tokens, list(item.tail), item.branch) for item in items],
+            want_logprobs, top_f)
 
-    def send(self, group: int, items: list[protocol.DraftItem], want_logprobs: bool) -> bool:
+    def send(self, group: int, items: list[protocol.DraftItem], want_logprobs: bool, top_f: int = 0) -> bool:
         if self.client is None or group in self.jobs:
             return False
-        ticket = self.client.submit(items, want_logprobs)
+        # (top_f only when asked for: a client that predates lookahead, such as a test's, takes two arguments.)
+        ticket = self.client.submit(items, want_logprobs, top_f=top_f) if top_f else \
+            self.client.submit(items, want_logprobs)
         if ticket is None:
             return False
         if not self.jobs:

@@ -17,12 +17,21 @@ class DraftItem(msgspec.Struct, frozen=True, array_like=True):
     # 0: token_ids is the whole context. Otherwise the drafter must already hold at least this many tokens of the
     # request (it answers `need_context` if it does not: after a restart or an eviction).
     base_num_tokens: int = 0
+    # Lookahead: speculative tokens after the committed context (an outcome the verification may have: accepted
+    # drafts and a bonus token) that this branch drafts from. Never committed: the drafter's holdings of the request
+    # stay the committed tokens, and several branches of one request share them.
+    tail: list[int] = []
+    # Lookahead: which branch of its request this item is (echoed in the result).
+    branch: int = 0
 
 
 class DraftJob(msgspec.Struct, frozen=True, array_like=True, tag="job"):
     job_id: int
     items: list[DraftItem]
     want_logprobs: bool = False
+    # Lookahead: with each draft, the drafter's top-`top_f` token ids at every drafted position and the one after
+    # (0: none).
+    top_f: int = 0
 
 
 class CancelRequests(msgspec.Struct, frozen=True, array_like=True, tag="cancel"):
@@ -48,6 +57,13 @@ class DraftResult(msgspec.Struct, frozen=True, array_like=True):
     context_num_tokens: int
     token_ids: list[int]
     logprobs: list[float] | None = None
+    # Lookahead: the item's branch and tail, echoed; context_num_tokens then counts the tail too (the context the
+    # draft follows).
+    branch: int = 0
+    tail: list[int] = []
+    # Lookahead (DraftJob.top_f > 0): the top-F token ids, best first, at positions 1..len(token_ids)+1 after the
+    # context (the last: candidates for the bonus token after a full acceptance).
+    candidates: list[list[int]] = []
 
 
 class DraftReply(msgspec.Struct, frozen=True, array_like=True, tag="reply"):

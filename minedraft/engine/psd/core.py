@@ -47,6 +47,15 @@ from minedraft.engine.psd.events import (
     JobTimes,
     TokenReader,
 )
+from minedraft.engine.psd.lookahead import (
+    LookaheadStats,
+    Outcome,
+    Verified,
+    allot,
+    bonus_rank,
+    fanout_for,
+    outcomes,
+)
 from minedraft.engine.psd.planner import (
     QUARANTINE_AFTER_HANGS,
     PlannedStep,
@@ -140,6 +149,11 @@ class _Launched:
     timing: StepTiming
     # Requests the step runs: none of them may be scheduled again before its output is processed.
     request_ids: frozenset[str]
+    # Lookahead: what each request's verification carried with candidates (learned from once the outcome is in), and
+    # the branch job sent at launch (its branches beyond the roots, and the fan-out it used).
+    verified: dict[str, Verified] = field(default_factory=dict)
+    num_branches: int = 0
+    fanout: int = 0
 
 
 class SpeculationCore:
@@ -171,6 +185,9 @@ class SpeculationCore:
         if configured is Mode.AUTO:
             self.auto = self._new_auto_controller()
         self.wait_policy = WaitPolicy(cap_seconds=settings.deadline_seconds)
+        # Lookahead: acceptance per position, bonus-token ranks and the drafter's time per branch, measured here.
+        self.lookahead_stats = LookaheadStats()
+        self.lookahead_fanout = settings.lookahead_fanout
         self.stats = StatsRecorder(settings.stats_history)
         self.check_invariants = settings.check_invariants
         # Steps scheduled and not yet updated, oldest first: one, or two while async PSD steps overlap.
@@ -252,7 +269,7 @@ class SpeculationCore:
         timing.draft_jobs_in_flight = len(self.source.jobs)
         jobs_or_ahead = bool(self.source.jobs) or last is not None
         widen = should_widen(step_mode is Mode.AR, jobs_or_ahead, self.source.loading)
-        plan = self.planner.plan(views, step_mode, group, pad=self.auto is None)
+        plan = self.planner.plan(views, step_mode, group, pad=self.auto is None, reader=self.tokens)
         held = plan.held_out | busy if busy else plan.held_out
         return StepDecision(plan, held, widen, views)
 
@@ -263,9 +280,13 @@ class SpeculationCore:
         timing = self.timing
         timing.scheduled_at = self.clock() if now is None else now
         timing.scheduled_ahead = bool(self._launched)
-        self._launched.append(_Launched(decision, timing, frozenset(request_ids)))
+        launched = _Launched(decision, timing, frozenset(request_ids))
+        self._launched.append(launched)
         if self.check_invariants and verified is not None:
             self.planner.check_step(decision.plan, decision.views, verified)
+        if decision.step_mode is Mode.LOOKAHEAD:
+            # The drafter drafts the next round while the target verifies this one.
+            self._submit_branches(launched, verified)
 
     def update(self, decision: StepDecision, outcome: StepOutcome, now: float | None = None) -> StepRecord:
         """The step's outcome is in (the host committed its tokens): returns the step's record."""
@@ -294,6 +315,7 @@ class SpeculationCore:
             num_accepted += accepted
             _bump(drafted_per_position, drafted)
             _bump(accepted_per_position, accepted)
+        bonus = self._learn_lookahead(launched, outcome) if launched.verified else (0, 0, 0, 0)
         subbatches = self.planner.subbatches
         num_verified_members = sum(
             1 for rid in outcome.decoded if subbatches.group_of(rid) == group) if group is not None else 0
@@ -356,11 +378,42 @@ class SpeculationCore:
             draft_job_length=job.length,
             draft_job_catch_up_tokens=job.catch_up_tokens,
             scheduled_ahead=timing.scheduled_ahead or outcome.overlapped,
+            num_branches_drafted=launched.num_branches,
+            num_branch_hits=sum(1 for rid in plan.branches if rid in num_sampled),
+            num_branch_misses=sum(1 for rid in plan.branch_misses if rid in num_sampled),
+            num_bonus_after_full=bonus[0],
+            num_bonus_covered_after_full=bonus[1],
+            num_bonus_after_reject=bonus[2],
+            num_bonus_covered_after_reject=bonus[3],
+            lookahead_fanout=launched.fanout,
         )
         self._last_update_finished = finished
         self.stats.record(record)
         self._control(record, views, outcome.overlapped)
         return record
+
+    def _learn_lookahead(self, launched: _Launched, outcome: StepOutcome) -> tuple[int, int, int, int]:
+        """Acceptance per position and the bonus token's rank among the candidates, from a lookahead step's outcome
+        (requests still running: a finished one's tokens are gone). Returns (after a full acceptance: verifications,
+        bonus covered by the top-F; after a rejection: the same)."""
+        stats = self.lookahead_stats
+        running = {view.request_id for view in outcome.views}
+        counts = [0, 0, 0, 0]
+        for request_id, verified in launched.verified.items():
+            sampled = outcome.num_sampled.get(request_id)
+            if sampled is None or request_id not in running:
+                continue
+            stats.observe_acceptance(len(verified.drafted), max(0, sampled - 1))
+            committed = self.tokens(request_id, verified.num_tokens, verified.num_tokens + sampled)
+            found = bonus_rank(verified, sampled, committed)
+            if found is None:
+                continue
+            full, rank = found
+            (stats.after_full if full else stats.after_reject).observe(rank)
+            at = 0 if full else 2
+            counts[at] += 1
+            counts[at + 1] += rank is not None
+        return counts[0], counts[1], counts[2], counts[3]
 
     def may_schedule_ahead(self, is_decoding: Callable[[str], bool]) -> bool:
         """Whether the next step may be scheduled now, before the one step in flight has been updated.
@@ -522,6 +575,53 @@ class SpeculationCore:
         else:
             self._handle(source.take_events())
 
+    def _submit_branches(self, launched: _Launched, verified: Mapping[str, list[int]] | None) -> None:
+        """The next round's branch job, sent as a lookahead step is launched: each request's likeliest outcomes of
+        this verification (psd/lookahead.py), its root for one verified without drafts."""
+        source = self.source
+        if not source.attached or not source.up:
+            return
+        self._handle(source.take_events())
+        if 0 in source.jobs:
+            # A job nothing waited for (catch-up chunks only): the drafter has taken its tokens in already.
+            source.abandon(0)
+        planner, decision = self.planner, launched.decision
+        planner.drafter_max_tokens = source.max_context_tokens
+        plan, held = decision.plan, decision.held
+        ran = launched.request_ids
+        # (A host that does not name the requests it ran, the twin: every decoding request not held out ran.)
+        scheduled = ran.__contains__ if ran else (lambda rid: rid not in held)
+        ranked: dict[str, list[Outcome]] = {}
+        tails: dict[str, list[tuple[int, ...]]] = {}
+        for view in decision.views:
+            rid = view.request_id
+            if not view.decoding or not scheduled(rid):
+                continue
+            spec = verified.get(rid, []) if verified is not None else plan.proposals.get(rid, [])
+            drafted = tuple(spec[:plan.drafted_lengths.get(rid, 0)])
+            branch = plan.branches.get(rid)
+            candidates = branch[0].candidates[branch[1]:branch[1] + len(drafted) + 1] if branch else ()
+            found = outcomes(rid, drafted, candidates, self.lookahead_stats, self.lookahead_fanout) \
+                if drafted and candidates else []
+            if found:
+                ranked[rid] = found
+                launched.verified[rid] = Verified(view.num_tokens, drafted, candidates)
+            else:
+                tails[rid] = [()]
+        fanout = fanout_for(self.lookahead_fanout, len(ranked) + len(tails), self.lookahead_stats,
+                            self.wait_policy.verify_seconds)
+        for rid, chosen in allot(ranked, fanout * len(ranked)).items():
+            tails[rid] = [outcome.tail for outcome in chosen]
+        items = planner.lookahead_job(decision.views, scheduled, tails)
+        if not items:
+            return
+        if source.submit(0, items, self.tokens, want_logprobs=False, top_f=self.lookahead_fanout):
+            planner.job_sent(items)
+            launched.num_branches = sum(1 for item in items if item.tail)
+            launched.fanout = fanout
+        else:
+            self._handle(source.take_events())
+
     def _handle(self, events: Iterable[DrafterEvent]) -> None:
         """Each drafter event, in one place."""
         planner = self.planner
@@ -537,7 +637,11 @@ class SpeculationCore:
                 by_group = self.timing.drafts_by_group
                 by_group[job.group] = by_group.get(job.group, JobTimes()).add(event, job.catch_up_tokens)
                 # (Drafts of requests forgotten meanwhile are dropped: the planner keeps records of live ones only.)
-                planner.store_drafts(event.drafts, planner.records.__contains__)
+                if self.chosen_mode is Mode.LOOKAHEAD or any(d.tail or d.candidates for _, d in event.drafts):
+                    planner.store_branches(event.drafts, planner.records.__contains__)
+                    self.lookahead_stats.observe_job(event.draft_seconds, len(event.drafts))
+                else:
+                    planner.store_drafts(event.drafts, planner.records.__contains__)
             elif isinstance(event, JobFailed):
                 self._job_failed(event)
             elif isinstance(event, DrafterBusy):

@@ -142,8 +142,10 @@ class DraftSource(Protocol):
     def wait_for(self, group: int, budget_seconds: float) -> WaitResult:
         """Wait at most `budget_seconds` for the job of `group`, collecting every event meanwhile."""
 
-    def submit(self, group: int, items: Sequence[JobItemPlan], tokens: TokenReader, want_logprobs: bool) -> bool:
-        """Send `group` a draft job; False if the drafter did not take it."""
+    def submit(self, group: int, items: Sequence[JobItemPlan], tokens: TokenReader, want_logprobs: bool,
+               top_f: int = 0) -> bool:
+        """Send `group` a draft job; False if the drafter did not take it. `top_f` (lookahead; only passed when
+        above 0): the drafts come with the drafter's top-F candidates per position."""
 
     def abandon(self, group: int) -> None:
         """Go ahead without this job's drafts (the drafter keeps its requests' tokens)."""

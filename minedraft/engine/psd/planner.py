@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from minedraft.engine.psd.inflight import InFlight, JobInFlight
+from minedraft.engine.psd.lookahead import match
 from minedraft.engine.psd.subbatch import SubBatches, select_draft_lengths
 from minedraft.engine.settings import Mode
 
@@ -76,9 +77,15 @@ class RequestState:
 
 @dataclass(frozen=True, slots=True)
 class Draft:
+    # The context the draft follows: committed tokens, plus `tail` for a lookahead branch (which assumed them).
     context_num_tokens: int
     token_ids: list[int]
     logprobs: list[float] | None
+    # Lookahead: the speculative tokens at the end of the context this branch assumed (an outcome of the step in
+    # flight when it was drafted); it is usable only if the request's committed tokens end with exactly these.
+    tail: tuple[int, ...] = ()
+    # Lookahead: the drafter's top-F token ids at positions 1..len(token_ids)+1 (empty: not asked for).
+    candidates: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -96,6 +103,9 @@ class RequestRecord:
     hangs: int = 0
     # Drafted no more (every job that carried it failed, or the drafter kept hanging on it): decodes without drafts.
     quarantined: bool = False
+    # Lookahead: the branch drafts of the latest round (one per outcome pre-drafted); dropped once the request's
+    # context moved past them, replaced by the next round's, and dropped with the record in forget().
+    branches: list[Draft] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,11 @@ class PlannedStep:
     # Decoding requests kept out of this step: their drafts are coming (or waiting) for their own turn.
     held_out: frozenset[str]
     draft_token_budget: int | None = None
+    # Lookahead: the branch each proposal was taken from and how many of its drafted tokens the request had already
+    # committed (1 for a root draft whose first token the target sampled too); and the decoding requests of the step
+    # that had no branch matching their committed tokens (they decode without drafts: misses).
+    branches: dict[str, tuple[Draft, int]] = field(default_factory=dict)
+    branch_misses: frozenset[str] = frozenset()
 
     @property
     def num_drafted_tokens(self) -> int:
@@ -128,6 +143,10 @@ class JobItemPlan:
     num_tokens: int
     # 0: take the tokens in, draft nothing (a chunk of a long catch-up).
     num_draft_tokens: int
+    # Lookahead: speculative tokens after the committed ones this branch drafts from (never held by the drafter as
+    # committed), and the branch's number within its request.
+    tail: tuple[int, ...] = ()
+    branch: int = 0
 
 
 @dataclass
@@ -228,7 +247,7 @@ class PSDPlanner:
     # -- the step ------------------------------------------------------------------------------------------------
 
     def pick_group(self, requests: Sequence[RequestState], step_mode: Mode) -> int | None:
-        if step_mode is Mode.SD:
+        if step_mode in (Mode.SD, Mode.LOOKAHEAD):
             return 0
         if step_mode is not Mode.PSD:
             return None
@@ -251,8 +270,11 @@ class PSDPlanner:
         return draft.token_ids[: max(0, min(request.draft_room, self.k + self.num_extra_draft_tokens))]
 
     def plan(self, requests: Sequence[RequestState], step_mode: Mode, verified_group: int | None,
-             pad: bool = True) -> PlannedStep:
-        """Who runs in this step and with which proposals. `pad`: the mode is fixed (auto varies k anyway)."""
+             pad: bool = True, reader: Callable[[str, int, int], Sequence[int]] | None = None) -> PlannedStep:
+        """Who runs in this step and with which proposals. `pad`: the mode is fixed (auto varies k anyway);
+        `reader`: reads committed tokens (lookahead compares branches' tails with them)."""
+        if step_mode is Mode.LOOKAHEAD and verified_group is not None and reader is not None:
+            return self._plan_lookahead(requests, pad, reader)
         if step_mode not in (Mode.PSD, Mode.SD) or verified_group is None:
             return PlannedStep(step_mode, None, {}, {}, frozenset())
         coming = self.in_flight.coming(1 - verified_group) if step_mode is Mode.PSD else frozenset()
@@ -291,6 +313,98 @@ class PSDPlanner:
                     drafted_lengths.setdefault(request.request_id, 0)
         return PlannedStep(step_mode, verified_group, proposals, drafted_lengths, frozenset(held_out), budget)
 
+    def _plan_lookahead(self, requests: Sequence[RequestState], pad: bool,
+                        tokens: Callable[[str, int, int], Sequence[int]]) -> PlannedStep:
+        """Every decoding request runs: with the branch that matches its committed tokens exactly, or without drafts
+        (a miss: its root item is drafted at this step's launch). Padded to k as sd is, for one decode shape."""
+        proposals: dict[str, list[int]] = {}
+        taken: dict[str, tuple[Draft, int]] = {}
+        misses: set[str] = set()
+        running: list[RequestState] = []
+        for request in requests:
+            if not request.decoding:
+                continue
+            running.append(request)
+            rid = request.request_id
+            record = self.records.get(rid)
+            found = None
+            if record is not None and not record.quarantined:
+                held = [*record.branches, *([record.draft] if record.draft is not None else [])]
+                found = match(held, request.num_tokens, rid, tokens)
+                # Branches at or before this context that did not match never will (the committed tokens they
+                # assumed differ, and committed tokens stay); those past it are a later round's.
+                record.branches = [b for b in record.branches if b.context_num_tokens > request.num_tokens]
+            room = max(0, min(request.draft_room, self.k))
+            if found is None or not room:
+                misses.add(rid)
+                continue
+            draft, already = found
+            proposal = draft.token_ids[already:already + room]
+            proposals[rid] = proposal
+            taken[rid] = found
+        drafted_lengths = {rid: len(p) for rid, p in proposals.items()}
+        if pad and self.pad_to_k and proposals:
+            for request in running:
+                proposal = proposals.get(request.request_id, [])
+                want = min(self.k, request.pad_room)
+                if len(proposal) < want:
+                    filler = proposal[-1] if proposal else request.last_token_id
+                    proposals[request.request_id] = proposal + [filler] * (want - len(proposal))
+                    drafted_lengths.setdefault(request.request_id, 0)
+        return PlannedStep(Mode.LOOKAHEAD, 0, proposals, drafted_lengths, frozenset(), None, taken,
+                           frozenset(misses))
+
+    def lookahead_job(self, requests: Sequence[RequestState], scheduled: Callable[[str], bool],
+                      tails: Mapping[str, Sequence[tuple[int, ...]]]) -> list[JobItemPlan]:
+        """The branch job sent at a lookahead step's launch: per request that runs in it, its committed delta (as
+        draft_job sends it, catch-up bounded the same way) and one item per tail in `tails` (the root, (), for a
+        request verified without drafts). Each item drafts up to k tokens after its tail (a root k + 1: its first
+        drafted token is the guess for the token this step samples), within what the next verification can use."""
+        if 0 in self.in_flight:
+            return []
+        items: list[JobItemPlan] = []
+        usual_delta = self.k + 1
+        catch_up_left = self.catch_up_tokens_per_job
+        for request in requests:
+            rid = request.request_id
+            if not request.decoding or not scheduled(rid) or self._is_quarantined(rid) or rid not in tails:
+                continue
+            base = self._holds(rid) if self.send_deltas else 0
+            if base > request.num_tokens:
+                base = 0
+            new = request.num_tokens - base
+            if new > usual_delta:
+                if new > catch_up_left:
+                    if catch_up_left > 0:
+                        items.append(JobItemPlan(rid, base, base + catch_up_left, 0))
+                    catch_up_left = 0
+                    continue
+                catch_up_left -= new
+            first = True
+            for branch, tail in enumerate(tails[rid]):
+                # The next verification's room: what is left of the output budget after this step's tokens.
+                room = min(self.k, request.draft_room - max(1, len(tail)))
+                if self.drafter_max_tokens:
+                    room = min(room, self.drafter_max_tokens - request.num_tokens - len(tail) - 1)
+                if room <= 0:
+                    continue
+                depth = room + 1 if not tail else room
+                items.append(JobItemPlan(rid, base if first else request.num_tokens, request.num_tokens, depth,
+                                         tuple(tail), branch))
+                first = False
+        return items
+
+    def store_branches(self, drafts: Iterable[tuple[str, Draft]], is_live: Callable[[str], bool]) -> None:
+        """A lookahead job's drafts: each request's replace the branches it held."""
+        by_request: dict[str, list[Draft]] = {}
+        for request_id, draft in drafts:
+            if is_live(request_id):
+                by_request.setdefault(request_id, []).append(draft)
+        for request_id, branches in by_request.items():
+            record = self.record(request_id)
+            record.branches = branches
+            record.failed_jobs = 0
+
     def budget(self, requests: Sequence[RequestState], group: int) -> int | None:
         """Extra drafts: the C positions kept in a sub-batch (k per member unless configured)."""
         if not self.num_extra_draft_tokens:
@@ -312,7 +426,7 @@ class PSDPlanner:
         for request in requests:
             if request.decoding and request.request_id not in self.subbatches:
                 self.record(request.request_id)
-                if chosen_mode is Mode.SD:
+                if chosen_mode in (Mode.SD, Mode.LOOKAHEAD):
                     self.subbatches.admit(request.request_id, 0, balance=False)
                 else:
                     self.subbatches.admit(request.request_id, preferred)
@@ -326,7 +440,7 @@ class PSDPlanner:
         lengths change, never a request's tokens (drafts held for the old setting stay valid: they are keyed by
         context length and trimmed to k + e)."""
         self.k, self.num_extra_draft_tokens = k, num_extra_draft_tokens
-        if mode is Mode.SD:
+        if mode in (Mode.SD, Mode.LOOKAHEAD):
             self.subbatches.merge_into(0)
             self.turn = 0
         elif mode is Mode.PSD and previous is not Mode.PSD:
@@ -432,6 +546,7 @@ class PSDPlanner:
             if record.hangs >= QUARANTINE_AFTER_HANGS and not record.quarantined:
                 record.quarantined = True
                 record.draft = None
+                record.branches = []
                 newly.append(request_id)
         return newly
 
@@ -453,6 +568,7 @@ class PSDPlanner:
                     record.quarantined = True
                     newly.append(request_id)
                 record.draft = None
+                record.branches = []
         # The drafter may have half taken in a failed job's tokens: resend whole contexts next time.
         self.need_full_context(drafted)
         return newly
@@ -491,8 +607,15 @@ class PSDPlanner:
             if proposal is None or tokens != proposal[: len(tokens)]:
                 raise AssertionError(f"{request_id}: verified {tokens}, planned {proposal}")
             drafted = plan.drafted_lengths.get(request_id, 0)
-            draft = self._draft_of(request_id)
             request = by_id.get(request_id)
+            if plan.step_mode is Mode.LOOKAHEAD:
+                branch = plan.branches.get(request_id)
+                if drafted and (branch is None or request is None
+                                or branch[0].context_num_tokens + branch[1] != request.num_tokens
+                                or branch[0].token_ids[branch[1]:branch[1] + drafted] != proposal[:drafted]):
+                    raise AssertionError(f"{request_id}: verified a branch not drafted for its committed context")
+                continue
+            draft = self._draft_of(request_id)
             if drafted and (draft is None or request is None or draft.context_num_tokens != request.num_tokens
                             or draft.token_ids[:drafted] != proposal[:drafted]):
                 raise AssertionError(f"{request_id}: verified a draft not made from its committed context")
@@ -508,8 +631,8 @@ class PSDPlanner:
             raise AssertionError(f"sub-batch members that are not running: {sorted(members - running)}")
         if chosen_mode is Mode.PSD:
             self.subbatches.check_balanced()
-        elif chosen_mode is Mode.SD and self.subbatches.sizes()[1]:
-            raise AssertionError("sd mode keeps every request in sub-batch 0")
+        elif chosen_mode in (Mode.SD, Mode.LOOKAHEAD) and self.subbatches.sizes()[1]:
+            raise AssertionError(f"{chosen_mode.value} mode keeps every request in sub-batch 0")
         leaked = sorted(set(self.records) - alive)
         if leaked:
             raise AssertionError(f"state kept for requests that finished: {leaked}")

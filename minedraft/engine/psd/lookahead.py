@@ -1,0 +1,188 @@
+"""Lookahead's policy: which outcomes of the step in flight are pre-drafted, and which branch a request takes.
+
+Every lookahead step verifies the whole decoding batch. As soon as it is launched (the target has its proposals, the
+forward has not run) the core sends one branch job for the next round: per request, the outcomes the verification is
+likely to have, each as a branch item (its committed context plus a speculative tail: the accepted drafts d[:a] and a
+bonus token b). When the step's outcome is in, each request takes the branch whose context and tail its committed
+tokens match exactly (`match`); drafts are proposals, so a branch is verified by the target like any draft and the
+output stays lossless whatever was pre-drafted.
+
+Ranking. An outcome is (a, b): a accepted drafts, then the target's token b at position a+1. Its probability is
+P(a) * q(rank of b): P(a) from the acceptance per position measured here (position i+1 accepted given i were, Laplace
+smoothed), q from how often the target's token was the drafter's rank-r candidate, measured apart after a full
+acceptance and after a rejection (after a rejection the rejected draft token is excluded: under greedy and keyed
+sampling the target's token then differs from it). The job keeps the likeliest outcomes across the batch within the
+fan-out: each request's top one, then the rest by probability, at most `max_fanout` per request and the measured
+time allows (`fanout_for`), so fan-out goes where acceptance is low (a request whose drafts are usually accepted
+needs one branch; one at a coin toss needs several).
+
+A request without a branch (a newcomer, a miss, the drafter late or restarted, the job abandoned) decodes without
+drafts in that step while its root item (its real context, no tail) is drafted k + 1 deep. Chosen over waiting for a
+short draft because waiting stalls the whole batch for one request, while a step without drafts costs that request
+only the tokens its drafts would have added; and the root draft becomes a branch for free: its first drafted token is
+the drafter's guess for the token this step samples, so if the target agrees (`match` reads drafted tokens the
+request has since committed as part of the tail), the remaining k tokens are a draft for the next round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minedraft.engine.psd.planner import Draft
+
+# (request id, start, end) -> committed token ids (psd/events.TokenReader; here without importing events).
+Tokens = Callable[[str, int, int], Sequence[int]]
+
+# Outcomes less likely than this are not drafted: a branch costs the drafter a row of every forward.
+MIN_BRANCH_PROBABILITY = 0.02
+# Before anything is measured: the target's token is the drafter's rank-r candidate with these odds.
+RANK_PRIOR = (0.5, 0.2, 0.1, 0.05)
+PRIOR_WEIGHT = 4.0
+
+
+def match(branches: Sequence[Draft], num_tokens: int, request_id: str, tokens: Tokens) -> tuple[Draft, int] | None:
+    """The branch a request at `num_tokens` committed tokens takes, and how many of its drafted tokens the request has
+    already committed (0 for an exact branch; 1 for a root draft whose first token the target sampled too); None
+    when none matches exactly. A branch matches if the request's committed tokens end with its tail followed by those
+    drafted tokens, at the branch's context length: the proposal is then the draft made from exactly this context."""
+    for draft in branches:
+        already = num_tokens - draft.context_num_tokens
+        if already < 0 or already >= len(draft.token_ids):
+            continue
+        expected = [*draft.tail, *draft.token_ids[:already]]
+        if not expected:
+            return draft, 0  # a draft for exactly this committed context, nothing assumed
+        if list(tokens(request_id, num_tokens - len(expected), num_tokens)) == expected:
+            return draft, already
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    request_id: str
+    probability: float
+    # The branch's tail: the accepted drafts and the bonus token.
+    tail: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """What a request's step verified with candidates, kept until its outcome is in (to learn acceptance and ranks)."""
+
+    num_tokens: int
+    drafted: tuple[int, ...]
+    candidates: tuple[tuple[int, ...], ...]
+
+
+@dataclass
+class BonusCounts:
+    """How often the target's bonus token was the drafter's rank-r candidate (`covered`: within the top-F)."""
+
+    by_rank: list[float] = field(default_factory=list)
+    total: float = 0.0
+    covered: float = 0.0
+
+    def observe(self, rank: int | None) -> None:
+        self.total += 1
+        if rank is not None:
+            self.covered += 1
+            if len(self.by_rank) <= rank:
+                self.by_rank.extend([0.0] * (rank + 1 - len(self.by_rank)))
+            self.by_rank[rank] += 1
+
+    def probability(self, rank: int) -> float:
+        prior = RANK_PRIOR[rank] if rank < len(RANK_PRIOR) else RANK_PRIOR[-1] / 2 ** (rank - len(RANK_PRIOR) + 1)
+        seen = self.by_rank[rank] if rank < len(self.by_rank) else 0.0
+        return (seen + PRIOR_WEIGHT * prior) / (self.total + PRIOR_WEIGHT)
+
+
+@dataclass
+class LookaheadStats:
+    """Acceptance per position and bonus-token ranks, measured from lookahead's own verifications."""
+
+    # reached[i]: verifications whose drafts got to position i+1 (i accepted, a token drafted there); accepted[i]: of
+    # those, position i+1 accepted too.
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+    after_full: BonusCounts = field(default_factory=BonusCounts)
+    after_reject: BonusCounts = field(default_factory=BonusCounts)
+    # Drafter seconds per branch item (EMA over lookahead jobs): what prices the fan-out against a verification.
+    seconds_per_item: float | None = None
+    alpha: float = 0.2
+
+    def acceptance(self, position: int) -> float:
+        """P(position+1 accepted | the first `position` were)."""
+        reached = self.reached[position] if position < len(self.reached) else 0.0
+        accepted = self.accepted[position] if position < len(self.accepted) else 0.0
+        return (accepted + 1.0) / (reached + 2.0)
+
+    def observe_acceptance(self, num_drafted: int, num_accepted: int) -> None:
+        for position in range(min(num_drafted, num_accepted + 1)):
+            if len(self.reached) <= position:
+                self.reached.append(0.0)
+                self.accepted.append(0.0)
+            self.reached[position] += 1
+            self.accepted[position] += position < num_accepted
+
+    def observe_job(self, draft_seconds: float, num_items: int) -> None:
+        if num_items <= 0 or draft_seconds <= 0:
+            return
+        sample = draft_seconds / num_items
+        old = self.seconds_per_item
+        self.seconds_per_item = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
+
+
+def outcomes(request_id: str, drafted: Sequence[int], candidates: Sequence[Sequence[int]], stats: LookaheadStats,
+             max_fanout: int) -> list[Outcome]:
+    """The request's likeliest outcomes of a verification of `drafted`, best first (at most `max_fanout`)."""
+    found: list[Outcome] = []
+    reach = 1.0  # P(the first a drafts accepted)
+    for a in range(len(drafted) + 1):
+        full = a == len(drafted)
+        p_stop = reach if full else reach * (1.0 - stats.acceptance(a))
+        bonus = stats.after_full if full else stats.after_reject
+        ranked = [c for c in (candidates[a] if a < len(candidates) else ()) if full or c != drafted[a]]
+        for rank, token in enumerate(ranked[:max_fanout]):
+            probability = p_stop * bonus.probability(rank)
+            if probability >= MIN_BRANCH_PROBABILITY:
+                found.append(Outcome(request_id, probability, (*drafted[:a], token)))
+        if not full:
+            reach *= stats.acceptance(a)
+    found.sort(key=lambda outcome: -outcome.probability)
+    return found[:max_fanout]
+
+
+def allot(ranked: Mapping[str, list[Outcome]], budget: int) -> dict[str, list[Outcome]]:
+    """The outcomes drafted within `budget` branches: each request's likeliest first, then the likeliest of the rest
+    across the batch (fan-out goes where the outcome is least certain)."""
+    chosen = {rid: found[:1] for rid, found in ranked.items() if found}
+    left = budget - len(chosen)
+    rest = sorted((o for found in ranked.values() for o in found[1:]), key=lambda outcome: -outcome.probability)
+    for outcome in rest[:max(0, left)]:
+        chosen[outcome.request_id].append(outcome)
+    return chosen
+
+
+def fanout_for(max_fanout: int, num_requests: int, stats: LookaheadStats, verify_seconds: float | None) -> int:
+    """Branches per request on average that the drafter can draft within one verification (measured), 1..max."""
+    per_item = stats.seconds_per_item
+    if per_item is None or verify_seconds is None or num_requests <= 0 or per_item <= 0:
+        return max_fanout
+    return max(1, min(max_fanout, int(verify_seconds / (per_item * num_requests))))
+
+
+def bonus_rank(verified: Verified, num_sampled: int, committed: Sequence[int]) -> tuple[bool, int | None] | None:
+    """After a verification: (was every draft accepted, the bonus token's rank among the candidates or None), from
+    the request's committed tokens from verified.num_tokens on; None when there is nothing to learn (no candidates,
+    or padding accepted past the drafts)."""
+    drafted, candidates = verified.drafted, verified.candidates
+    accepted = num_sampled - 1
+    if accepted > len(drafted) or accepted < 0 or len(committed) <= accepted or len(candidates) <= accepted:
+        return None
+    full = accepted == len(drafted)
+    token = committed[accepted]
+    ranked = [c for c in candidates[accepted] if full or c != drafted[accepted]]
+    return full, ranked.index(token) if token in ranked else None
