@@ -28,13 +28,19 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from minedraft.engine.control.cost_model import LOCAL_PAIR_RANK_GIVEN_REJECTION
 from minedraft.engine.control.stats import StepRecord
 from minedraft.engine.drafter import protocol
 from minedraft.engine.drafter.client import DrafterState, JobTicket
 from minedraft.engine.drafter.link import DrafterLink, catch_up_tokens
 from minedraft.engine.psd.core import AutoSettings, Decision, RequestState, SpeculationCore, StepOutcome
 from minedraft.engine.psd.subbatch import SubBatches
-from minedraft.engine.settings import MAX_NUM_SPECULATIVE_TOKENS, Mode, SchedulerSettings
+from minedraft.engine.settings import (
+    DEFAULT_LOOKAHEAD_FANOUT,
+    MAX_NUM_SPECULATIVE_TOKENS,
+    Mode,
+    SchedulerSettings,
+)
 from minedraft.twin.costs import DRAFTER_SINK_TOKENS, AcceptanceModel, StepCosts
 from minedraft.twin.tokens import TokenModel, stream_of
 
@@ -112,8 +118,10 @@ class SimDrafter:
         # Per request: its committed length and last committed token, as the jobs carried them.
         self._last: dict[str, tuple[int, int]] = {}
 
-    def draft_results(self, items: list[protocol.DraftItem]) -> list[protocol.DraftResult]:
-        """Each item's draft: the drafter's top choices from its context on (token ids the target commits from)."""
+    def draft_results(self, items: list[protocol.DraftItem], top_f: int = 0) -> list[protocol.DraftResult]:
+        """Each item's draft: the drafter's top choices from its context on (token ids the target commits from); a
+        lookahead branch's context is its committed tokens and its tail. `top_f`: with the top-F candidates at each
+        drafted position and the one after (lookahead)."""
         results = []
         for item in items:
             end = item.base_num_tokens + len(item.token_ids)
@@ -123,8 +131,17 @@ class SimDrafter:
             else:
                 known = self._last.get(item.request_id)
                 previous = known[1] if known is not None and known[0] == end else 0
-            drafted = self.tokens.draft(stream_of(item.request_id), end, previous, item.num_draft_tokens)
-            results.append(protocol.DraftResult(item.request_id, end, drafted))
+            if item.tail:
+                previous = item.tail[-1]
+            stream, context = stream_of(item.request_id), end + len(item.tail)
+            if top_f:
+                drafted, ranked = self.tokens.draft_with_candidates(stream, context, previous, item.num_draft_tokens,
+                                                                    top_f)
+                results.append(protocol.DraftResult(item.request_id, context, drafted, branch=item.branch,
+                                                    tail=list(item.tail), candidates=ranked))
+            else:
+                drafted = self.tokens.draft(stream, context, previous, item.num_draft_tokens)
+                results.append(protocol.DraftResult(item.request_id, context, drafted))
         return results
 
     def check_alive(self) -> bool:
@@ -133,7 +150,7 @@ class SimDrafter:
     def mark_hung(self, reason: str) -> None:  # the simulated drafter never hangs
         raise AssertionError(f"twin drafter taken for hung: {reason}")
 
-    def submit(self, items: list[protocol.DraftItem], want_logprobs: bool) -> JobTicket | None:
+    def submit(self, items: list[protocol.DraftItem], want_logprobs: bool, top_f: int = 0) -> JobTicket | None:
         now = self.clock.now
         if (self.hold_jobs_behind_abandoned and self.free_at > now and self.jobs
                 and all(job.job_id in self.abandoned for job in self.jobs)):
@@ -148,7 +165,7 @@ class SimDrafter:
         if spread:
             seconds *= self.rng.choice(spread)
         start = max(now, self.free_at)
-        results = self.draft_results(items)
+        results = self.draft_results(items, top_f)
         reply = protocol.DraftReply(self._next_id, results, draft_seconds=seconds,
                                     idle_seconds=max(0.0, now - self.free_at))
         self.jobs.append(_Job(self._next_id, start, start + seconds, reply, now))
@@ -264,6 +281,12 @@ class ReplicaSettings:
     # meanwhile verify without drafts at once. (The engine's drafter drops an abandoned job it has not started
     # without a word, so its link cannot yet tell when the drafter is free: see docs/gpu.md.)
     hold_jobs_behind_abandoned: bool = False
+    # Lookahead's most branches per request per round (the engine's --lookahead-fanout); the core drafts fewer
+    # where its measured drafter time would not hide behind a verification.
+    lookahead_fanout: int = DEFAULT_LOOKAHEAD_FANOUT
+    # The drafter's rank of the target's token where its top choice was wrong, P(rank = r | rank >= 2) for
+    # r = 2, 3, ... (twin/tokens.py; default: measured on the local pair).
+    rank_given_rejection: tuple[float, ...] = LOCAL_PAIR_RANK_GIVEN_REJECTION
 
 
 class TwinReplica:
@@ -296,13 +319,13 @@ class TwinReplica:
             max_num_speculative_tokens=max(settings.k, MAX_NUM_SPECULATIVE_TOKENS, *settings.auto.k_candidates),
             catch_up_tokens_per_job=SchedulerSettings.catch_up_tokens_per_job if priced else 2**62,
             deadline_seconds=settings.deadline_seconds, check_invariants=settings.check_invariants,
-            async_steps=settings.async_psd_steps)
+            async_steps=settings.async_psd_steps, lookahead_fanout=settings.lookahead_fanout)
         # The engine's own core on simulated time: its planner, wait policy, drafter link and auto controller.
         self.core = SpeculationCore(core_settings, self.link, self._token_ids, clock=self.clock,
                                     auto_settings=settings.auto)
         # Token ids: the simulated drafter drafts from them, the target commits from them (twin/tokens.py), with draws
         # of their own (the acceptance's draws stay those of a run without them).
-        self.token_model = TokenModel(seed=settings.seed + 7)
+        self.token_model = TokenModel(settings.rank_given_rejection, seed=settings.seed + 7)
         self.drafter.tokens = self.token_model
         self.requests: dict[str, SimRequest] = {}  # admitted (running), in arrival order
         self.waiting: list[SimRequest] = []
@@ -311,6 +334,8 @@ class TwinReplica:
         self.steps_by_mode: dict[str, int] = {}
         # Decode steps run at each setting ("psd-k3", "ar"), for what auto chose.
         self.steps_by_setting: dict[str, int] = {}
+        # Lookahead: steps whose branch job used each fan-out (the core's, from measured drafter and verify times).
+        self.lookahead_fanouts: dict[int, int] = {}
         # Async steps under auto: whether the next step follows a drain (an auto decision waited for a step in
         # flight: the next step is scheduled synchronously, nothing in flight).
         self._drained = False
@@ -468,6 +493,8 @@ class TwinReplica:
         self.steps_by_mode[mode.value] = self.steps_by_mode.get(mode.value, 0) + 1
         setting = mode.value if mode is Mode.AR else f"{mode.value}-k{record.k}"
         self.steps_by_setting[setting] = self.steps_by_setting.get(setting, 0) + 1
+        if record.lookahead_fanout:
+            self.lookahead_fanouts[record.lookahead_fanout] = self.lookahead_fanouts.get(record.lookahead_fanout, 0) + 1
         if self.settings.check_invariants:
             self.records.append(record)
         return StepOutcomeSim(self.clock.now, output_tokens, finished)

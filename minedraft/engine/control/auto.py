@@ -49,8 +49,10 @@ def setting_of(prediction: Prediction) -> Setting:
 class AutoSettings:
     allowed_modes: tuple[str, ...] = ("ar", "sd", "psd")
     k_candidates: tuple[int, ...] = (1, 2, 3, 4, 5)
-    # Lookahead's branches per request to choose among (where lookahead is allowed).
-    fanout_candidates: tuple[int, ...] = (1, 2, 3, 4)
+    # Lookahead's branches per request to choose among (where lookahead is allowed). Empty: price lookahead at the
+    # fan-out the engine runs it with (its core sets the fan-out from measured drafter and verify times, up to
+    # --lookahead-fanout; the cost model reads it off lookahead's step records).
+    fanout_candidates: tuple[int, ...] = ()
     # A step is 10-50 ms: decisions every ~0.1-0.4 s, a choice held at least ~0.3-1 s, probes of ~0.1-0.6 s.
     # Switching costs almost nothing (sub-batch membership, draft length), so these follow the load closely;
     # the switch margin and the smoothed cost curves, not long dwells, keep steady load from flapping.
@@ -90,7 +92,7 @@ class AutoSettings:
         if not self.allowed_modes or not set(self.allowed_modes) <= set(AUTO_CHOICES):
             raise ValueError(f"allowed_modes: expected a non-empty subset of {', '.join(AUTO_CHOICES)}, got "
                              f"{self.allowed_modes}")
-        if not self.fanout_candidates or min(self.fanout_candidates) < 1:
+        if self.fanout_candidates and min(self.fanout_candidates) < 1:
             raise ValueError(f"fanout_candidates: expected positive fan-outs, got {self.fanout_candidates}")
         if not self.k_candidates or min(self.k_candidates) < 1:
             raise ValueError(f"k_candidates: expected positive draft lengths, got {self.k_candidates}")
@@ -235,7 +237,9 @@ class AutoController:
         return self.mode, 0 if self.mode == "ar" else self.k, self.fanout if self.mode == LOOKAHEAD else 0
 
     def _fanouts(self) -> tuple[int, ...]:
-        return self.settings.fanout_candidates if LOOKAHEAD in self.settings.allowed_modes else (1,)
+        if LOOKAHEAD not in self.settings.allowed_modes:
+            return (1,)
+        return self.settings.fanout_candidates or (self.cost_model.lookahead_fanout,)
 
     def decide(self, step: int, after_probe: Setting | None = None) -> Decision | None:
         self._steps_since_decision = 0

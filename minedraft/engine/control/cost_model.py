@@ -286,16 +286,18 @@ def outcome_probabilities(conditionals: Sequence[float], k: int,
 
 def branch_hit_rate(conditionals: Sequence[float], k: int, fanout: int,
                     rank_given_rejection: Sequence[float] = LOCAL_PAIR_RANK_GIVEN_REJECTION) -> float:
-    """The share of requests verified with a branch's draft, steady state, when each request's F branches draft
-    its F most likely outcomes (`outcome_probabilities`) and a miss decodes the next step without a draft.
+    """The share of requests verified with a branch's draft, steady state, as the engine's lookahead drafts
+    (psd/lookahead.py): each request verified with a draft gets branches for its F most likely outcomes
+    (`outcome_probabilities`); one verified without (a miss) gets its root drafted one deeper, whose first token is
+    the drafter's guess for the token that step samples.
 
     A request verified with a k-token draft hits with h_k (its F likeliest (a, bonus) outcomes); one verified
-    without hits with h_0 (its bonus token among the drafter's top F). The drafted share p holds still when
+    without hits with h_0 (its token the drafter's top choice). The drafted share p holds still when
     p = p h_k + (1 - p) h_0: p = h_0 / (1 - h_k + h_0)."""
     if fanout <= 0 or k <= 0:
         return 0.0
     drafted = sum(o[0] for o in outcome_probabilities(conditionals, k, rank_given_rejection)[:fanout])
-    plain = sum(o[0] for o in outcome_probabilities(conditionals, 0, rank_given_rejection)[:fanout])
+    plain = sum(o[0] for o in outcome_probabilities(conditionals, 0, rank_given_rejection)[:1])
     denominator = 1.0 - drafted + plain
     return min(1.0, plain / denominator) if denominator > 0 else 1.0
 
@@ -414,8 +416,9 @@ class CostModel:
     last_draft_step: int = -1
     # Whether any step verified on the drafter's cores too (then sd's steps and psd's differ in cost).
     widening_seen: bool = False
-    # The fan-out lookahead runs with, for records that do not say (their branches drafted per request).
-    lookahead_fanout: int = 1
+    # The fan-out lookahead runs with (the latest lookahead step's; before any, the engine's default
+    # --lookahead-fanout): what lookahead is priced at unless other fan-outs are asked for.
+    lookahead_fanout: int = 4
     _previous: StepRecord | None = None
 
     @staticmethod
@@ -477,14 +480,13 @@ class CostModel:
 
     def _observe_branches(self, record: StepRecord) -> None:
         """A lookahead step: of its decoding requests, those that took a branch's draft (hits) and those that did
-        not (misses); the fan-out is the branches drafted per request for it."""
-        hits = getattr(record, "num_branch_hits", 0)
-        misses = getattr(record, "num_branch_misses", 0)
-        branches = getattr(record, "num_branches_drafted", 0)
+        not (misses), at the fan-out its branch job used."""
+        if record.lookahead_fanout > 0:
+            self.lookahead_fanout = record.lookahead_fanout
+        hits, misses = record.num_branch_hits, record.num_branch_misses
         if hits + misses <= 0 or record.k <= 0:
             return
-        fanout = max(1, round(branches / (hits + misses))) if branches else self.lookahead_fanout
-        self.lookahead_hits.observe(record.k, fanout, hits, hits + misses)
+        self.lookahead_hits.observe(record.k, record.lookahead_fanout or self.lookahead_fanout, hits, hits + misses)
 
     def _observe_draft(self, record: StepRecord) -> None:
         # The job's own size where the step reports it (around a switch the requests verified with drafts are not
