@@ -42,6 +42,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
     parser.add_argument("--lookahead-fanout", type=int, default=DEFAULT_LOOKAHEAD_FANOUT,
                         help="lookahead: most branches (accepted length x bonus token) pre-drafted per request per "
                         "round; fewer when the drafter's measured time says they would outlast the verification")
+    parser.add_argument("--no-lookahead-backups", action="store_true",
+                        help="lookahead: a request no branch matched decodes without drafts for a step instead of "
+                        "verifying the likeliest branch drafted for its accepted length")
     parser.add_argument("--num-speculative-tokens", "-k", type=int, default=3, help="draft length k")
     parser.add_argument("--num-extra-draft-tokens", type=int, default=0,
                         help="extra drafts e (top-C selection by cumulative draft log-probability)")
@@ -182,6 +185,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         num_speculative_tokens=args.num_speculative_tokens,
         num_extra_draft_tokens=args.num_extra_draft_tokens,
         lookahead_fanout=getattr(args, "lookahead_fanout", DEFAULT_LOOKAHEAD_FANOUT),
+        lookahead_backup_drafts=not getattr(args, "no_lookahead_backups", False),
         max_num_seqs=DEFAULT_MAX_NUM_SEQS if args.max_num_seqs is None else args.max_num_seqs,
         max_model_len=args.max_model_len or 0,
         kv_cache_gib=args.kv_cache_gib,

@@ -50,9 +50,9 @@ class BenchConfig:
 
 
 def _engine_kind(mode: Mode) -> str:
-    # psd, sd and auto share one engine (one process, one drafter): runs in separate processes with identical
-    # settings differed by up to 7% per level. Auto keeps a cost model of its own, fed only by its own steps.
-    return "minedraft" if mode in (Mode.PSD, Mode.SD, Mode.AUTO) else mode.value
+    # psd, sd, lookahead and auto share one engine (one process, one drafter): runs in separate processes with
+    # identical settings differed by up to 7% per level. Auto keeps a cost model of its own, fed only by its own steps.
+    return "minedraft" if mode in (Mode.PSD, Mode.SD, Mode.AUTO, Mode.LOOKAHEAD) else mode.value
 
 
 def _kind_settings(config: BenchConfig, kind: str) -> EngineSettings:
@@ -91,7 +91,7 @@ def aggregate(mode: Mode, runs: list[Run], config_k: int) -> dict[str, Any]:
     ttft = [r["ttft_seconds"] for r in requests]
     tpot = [r["tpot_seconds"] for r in requests]
     e2e = [r["e2e_seconds"] for r in requests]
-    if mode in (Mode.PSD, Mode.SD, Mode.AUTO):
+    if mode in (Mode.PSD, Mode.SD, Mode.AUTO, Mode.LOOKAHEAD):
         pooled = sum((EngineTotals(**run.totals) for run in runs), EngineTotals())
         summary = pooled.summary()
         acceptance = summary["acceptance_rate"]
@@ -99,6 +99,13 @@ def aggregate(mode: Mode, runs: list[Run], config_k: int) -> dict[str, Any]:
         overlap = summary["overlap_fraction"]
         extra = {key: summary[key] for key in ("verify_seconds_per_step", "draft_seconds_per_step",
                                                "wait_seconds_per_step", "steps", "acceptance_per_position")}
+        if mode is Mode.LOOKAHEAD:
+            extra["branch_hit_rate"] = summary["branch_hit_rate"]
+            extra["branches_per_step"] = pooled.branches_drafted / pooled.steps if pooled.steps else 0.0
+            extra["bonus_top_f_after_full"] = (pooled.bonus_covered_after_full / pooled.bonus_after_full
+                                               if pooled.bonus_after_full else 0.0)
+            extra["bonus_top_f_after_reject"] = (pooled.bonus_covered_after_reject / pooled.bonus_after_reject
+                                                 if pooled.bonus_after_reject else 0.0)
         if mode is Mode.AUTO:
             shares: dict[str, int] = {}
             for run in runs:

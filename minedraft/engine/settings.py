@@ -157,6 +157,9 @@ class EngineSettings:
     # Lookahead: the most branches pre-drafted per request per round (the core may use fewer: see
     # DEFAULT_LOOKAHEAD_FANOUT).
     lookahead_fanout: int = DEFAULT_LOOKAHEAD_FANOUT
+    # Lookahead: a request whose real outcome no branch matched is verified with the likeliest branch drafted for
+    # the same accepted length (lossless like any proposal; free in a step padded to k) instead of without drafts.
+    lookahead_backup_drafts: bool = True
     max_num_seqs: int = 64
     # 0: the model's own context length, capped by what the KV cache holds (vLLM's auto-fit). A loaded engine's
     # settings carry the length vLLM chose.
@@ -237,8 +240,10 @@ class SchedulerSettings:
     num_extra_draft_tokens: int = 0
     draft_token_budget: int | None = None
     pad_drafts_to_k: bool = True
-    # Lookahead: the most branches pre-drafted per request per round.
+    # Lookahead: the most branches pre-drafted per request per round; a miss verified with the likeliest branch of
+    # its accepted length (a backup) rather than without drafts.
     lookahead_fanout: int = DEFAULT_LOOKAHEAD_FANOUT
+    lookahead_backup_drafts: bool = True
     catch_up_tokens_per_job: int = 2048
     # The cap on a step's wait for drafts (DrafterSettings.deadline_seconds).
     deadline_seconds: float = 5.0
@@ -271,6 +276,7 @@ class SchedulerSettings:
             draft_token_budget=settings.draft_token_budget,
             pad_drafts_to_k=settings.pad_drafts_to_k,
             lookahead_fanout=settings.lookahead_fanout,
+            lookahead_backup_drafts=settings.lookahead_backup_drafts,
             catch_up_tokens_per_job=settings.drafter.catch_up_tokens_per_job,
             deadline_seconds=settings.drafter.deadline_seconds,
             max_missed_deadlines=settings.drafter.max_missed_deadlines,

@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 PREFIX = "minedraft_engine"
 
 # Modes whose steps go through our scheduler and so produce step records (vllm-sd and a plain ar engine use vLLM's).
-RECORDED_MODES = ("psd", "sd", "ar")
-DRAFTING_MODES = ("psd", "sd")
+RECORDED_MODES = ("psd", "sd", "ar", "lookahead")
+DRAFTING_MODES = ("psd", "sd", "lookahead")
 # Engine modes reported by the mode gauge (one series per mode, 1 for the one the coming steps run).
 ALL_MODES = ("psd", "sd", "ar", "vllm-sd")
 
@@ -211,6 +211,19 @@ class StepMetrics:
                                                           "its share of tokens that were prompt tokens. Its rate is "
                                                           "the share of the replica's time prefill takes (the "
                                                           "autoscaler's prefill signal).")
+        # Lookahead: hit rate = rate(branch_hits) / (rate(branch_hits) + rate(branch_misses)).
+        self.branch_hits = counter("lookahead_branch_hits", "Decoding requests a lookahead step verified with a "
+                                                            "pre-drafted branch matching their real outcome.")
+        self.branch_misses = counter("lookahead_branch_misses", "Decoding requests a lookahead step verified without "
+                                                                "drafts: no branch matched (newcomers, misses, late "
+                                                                "branch jobs).")
+        self.branches_drafted = counter("lookahead_branches_drafted", "Outcomes pre-drafted beyond each request's "
+                                                                      "root by the branch jobs sent.")
+        self.bonus_outcomes = counter("lookahead_bonus_outcomes", "Verifications with candidates, by what ended "
+                                                                  "them (after=full: every draft accepted; "
+                                                                  "after=reject) and whether the target's token was "
+                                                                  "among the drafter's top-F (covered).",
+                                      ("after", "covered"))
         self.step_seconds = histogram("step_seconds", "Wall time of one engine step.", STEP_SECONDS_BUCKETS)
         self.verify_seconds = histogram("verify_seconds", "Target forward (verification) time per step.",
                                         STEP_SECONDS_BUCKETS)
@@ -245,6 +258,12 @@ class StepMetrics:
             for metric in (self.draft_steps, self.drafts, self.draft_tokens, self.accepted_tokens, self.draft_seconds,
                            self.wait_seconds, self.idle_seconds, self.subbatch_size):
                 metric.labels(model, mode)
+            if mode == "lookahead":
+                for metric in (self.branch_hits, self.branch_misses, self.branches_drafted):
+                    metric.labels(model, mode)
+                for after in ("full", "reject"):
+                    for covered in ("true", "false"):
+                        self.bonus_outcomes.labels(model, mode, after, covered)
             for position in range(max_positions):
                 self.drafted_per_position.labels(model, mode, str(position))
                 self.accepted_per_position.labels(model, mode, str(position))
@@ -288,6 +307,16 @@ class StepMetrics:
                     self.drafted_per_position.labels(model, mode, str(position)).inc(count)
                 for position, count in enumerate(record.accepted_per_position):
                     self.accepted_per_position.labels(model, mode, str(position)).inc(count)
+            if record.num_branch_hits or record.num_branch_misses or record.num_branches_drafted:
+                self.branch_hits.labels(model, mode).inc(record.num_branch_hits)
+                self.branch_misses.labels(model, mode).inc(record.num_branch_misses)
+                self.branches_drafted.labels(model, mode).inc(record.num_branches_drafted)
+            for after, total, covered in (("full", record.num_bonus_after_full, record.num_bonus_covered_after_full),
+                                          ("reject", record.num_bonus_after_reject,
+                                           record.num_bonus_covered_after_reject)):
+                if total:
+                    self.bonus_outcomes.labels(model, mode, after, "true").inc(covered)
+                    self.bonus_outcomes.labels(model, mode, after, "false").inc(total - covered)
             # Draft, wait and idle time are observed on every step that verified a sub-batch (and on any other step
             # that has some), so their histogram sums equal the engine's totals and overlap is exact in PromQL.
             verified = record.verified_group is not None

@@ -141,6 +141,28 @@ def test_sd_mode_matches_and_runs_draft_then_verify(psd, prompts, references):
     assert_clean(psd)
 
 
+@pytest.mark.parametrize("batch_size", [1, 7])
+def test_lookahead_greedy_matches_target_alone_and_verifies_pre_drafted_branches(psd, prompts, references,
+                                                                                  batch_size):
+    psd.set_mode(Mode.LOOKAHEAD, 3, 0)
+    first_step = last_step(psd)
+    before = psd.totals()
+    tag = f"la{batch_size}"
+    run = drive(psd, [Planned(f"{tag}-{i}", prompts[i], GREEDY) for i in range(batch_size)])
+    assert_greedy_matches([run.completions[f"{tag}-{i}"].token_ids for i in range(batch_size)],
+                          references[:batch_size], f"lookahead at batch {batch_size}")
+    after = psd.totals()
+    assert after.accepted_tokens > before.accepted_tokens, drafts_missing(psd, before, after)
+    assert after.branch_hits > before.branch_hits, "no pre-drafted branch matched a real outcome"
+    assert after.branches_drafted > before.branches_drafted
+    records = [r for r in psd.step_records(first_step) if r.num_decode_requests]
+    assert records and all(r.mode == "lookahead" and r.group_sizes[1] == 0 and not r.num_held_out for r in records)
+    # The drafter drafts the next round during every verification: the target never computes on its cores then.
+    assert not any(r.widened for r in records if r.num_branches_drafted)
+    assert_clean(psd)
+    assert not psd.psd_scheduler.core.planner.records, "branches leaked after every request finished"
+
+
 def test_ar_mode_on_the_psd_engine_drafts_nothing(psd, prompts, references):
     psd.set_mode(Mode.AR)
     before = psd.totals()
@@ -242,6 +264,13 @@ def test_seeded_sampling_is_reproducible_in_every_mode_and_equal_to_the_target_a
     mixed = _tokens(drive(psd, crowd + mixed_plan), "mixed")
     psd.set_mode(Mode.SD, 3, 0)
     sequential = _tokens(drive(psd, _seeded_plan("sd", prompts)), "sd")
+    psd.set_mode(Mode.LOOKAHEAD, 3, 0)
+    before = psd.totals()
+    lookahead = _tokens(drive(psd, crowd + [Planned(p.request_id.replace("psd", "la"), p.prompt_token_ids,
+                                                    p.sampling, arrive_at_step=2 * i)
+                                            for i, p in enumerate(_seeded_plan("psd", prompts))]), "la")
+    assert psd.totals().branch_hits > before.branch_hits, drafts_missing(psd, before, psd.totals())
+    assert lookahead == reference, "lookahead: seeded output differs from the target alone's"
     assert together == reference, "psd: seeded output differs from the target alone's"
     assert mixed == reference, "psd among other requests: seeded output differs from the target alone's"
     assert sequential == reference, "sd: seeded output differs from the target alone's"
@@ -274,12 +303,22 @@ def test_temperature_one_matches_the_target_distribution(psd, ar_engine, prompts
         psd_hist = _token_histograms(psd, prompt, n, 2, "t-psd")
         after = psd.totals()
         assert after.accepted_tokens > before.accepted_tokens, drafts_missing(psd, before, after)
+        # Lookahead: the draft verified is the branch pre-drafted for the outcome that happened (a function of the
+        # committed prefix alone), so vLLM's rejection sampler keeps the target's distribution as for any draft.
+        psd.set_mode(Mode.LOOKAHEAD, 3, 0)
+        before = psd.totals()
+        lookahead_hist = _token_histograms(psd, prompt, n, 2, "t-la")
+        after = psd.totals()
+        assert after.branch_hits > before.branch_hits, drafts_missing(psd, before, after)
+        psd.set_mode(Mode.PSD, 3, 0)
         ar_hist = _token_histograms(ar_engine, prompt, n, 2, "t-ar")
     finally:
         psd.set_reproducible_seeds(True)
         ar_engine.set_reproducible_seeds(True)
     for position, p_value in enumerate(_chi_square_p_values(psd_hist, ar_hist, n), start=1):
         assert p_value > 0.001, f"token {position}: PSD and target-alone distributions differ (p={p_value:.2g})"
+    for position, p_value in enumerate(_chi_square_p_values(lookahead_hist, ar_hist, n), start=1):
+        assert p_value > 0.001, f"token {position}: lookahead and target-alone distributions differ (p={p_value:.2g})"
     before = psd.totals()
     keyed_hist = _token_histograms(psd, prompt, n, 2, "t-keyed")
     after = psd.totals()

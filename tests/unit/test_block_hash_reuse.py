@@ -93,3 +93,24 @@ def test_the_drafter_server_reports_every_cut_and_drop_to_the_backend():
     server.handle(protocol.CancelRequests(["b"]))
     server.handle(job(3, ("a", [1], 2)))  # a whole context again
     assert backend.changes == [("a", 0), ("b", 0), ("a", 2), ("b", 0), ("a", 0)]
+
+
+def test_a_branchs_tail_is_hashed_but_never_kept_as_the_requests_context(vllm_hasher):
+    """Lookahead: several branches of one request are admitted with the committed context plus different tails; each
+    gets vLLM's own hashes, and only the committed blocks are kept for the request's next job."""
+    rng = random.Random(1)
+    reuse = BlockHashReuse(vllm_hasher, BLOCK)
+    context = [rng.randrange(1000) for _ in range(BLOCK * 3 + 5)]
+    admit("1:r", context, reuse)
+    for branch in range(3):
+        tail = [rng.randrange(1000) for _ in range(BLOCK)]  # long enough to complete a block past the context
+        reuse.expect(f"2:r:{branch}", "r", len(context))
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        request = Request(f"2:r:{branch}-{branch:08x}", context + tail, SamplingParams(max_tokens=3), None,
+                          block_hasher=reuse)
+        assert request.block_hashes == admit("x:fresh", context + tail, vllm_hasher).block_hashes
+        assert len(reuse.hashes["r"]) == len(context) // BLOCK, "no block of a tail is kept"
+    grown = context + [rng.randrange(1000) for _ in range(BLOCK)]
+    assert admit("3:r", grown, reuse).block_hashes == admit("y:fresh", grown, vllm_hasher).block_hashes

@@ -507,3 +507,44 @@ def test_the_engine_presents_the_files_first_token_at_each_new_session(tmp_path)
     client.start()
     assert client._token == b"new-token-of-enough-bytes"
     client._close_socket()
+
+
+class BranchBackend(RecordingBackend):
+    """Echoes each item's branch and tail; candidates: top_f ids per drafted position and the one after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.jobs: list[Any] = []
+
+    def draft(self, job: Any, poll_messages: Any, on_step: Any = lambda: None) -> Any:
+        self.jobs.append(job)
+        results = [protocol.DraftResult(i.request_id, len(i.token_ids) + len(i.tail), [9] * i.num_draft_tokens, None,
+                                        i.branch, list(i.tail),
+                                        [list(range(job.top_f)) for _ in range(i.num_draft_tokens + 1)]
+                                        if job.top_f else [])
+                   for i in job.items]
+        return results, 0.01, 0.005
+
+
+def test_lookahead_branches_cross_the_service_with_their_tails_and_candidates():
+    h = Harness()
+    h.backend = BranchBackend()
+    h.core.server.drafter = h.backend
+    assert isinstance(h.connect(b"a"), wire.Welcome)
+    assert isinstance(h.connect(b"b"), wire.Welcome)
+    h.core.on_message(b"a", protocol.DraftJob(1, [
+        protocol.DraftItem("r", [1, 2, 3], 2, 0, [4, 5], 0), protocol.DraftItem("r", [], 2, 3, [6], 1)], top_f=3))
+    h.job(b"b", 1, ("r", [7, 8], 2))
+    h.run()
+    (job,) = h.backend.jobs
+    assert job.top_f == 3, "merged: the largest top_f asked for"
+    assert [(i.tail, i.branch, list(i.token_ids)) for i in job.items][:2] == [([4, 5], 0, [1, 2, 3]),
+                                                                               ([6], 1, [1, 2, 3])]
+    (ra,) = [m for m in h.take(b"a") if isinstance(m, protocol.DraftReply)]
+    assert [(r.request_id, r.branch, r.tail, r.context_num_tokens) for r in ra.results] == [("r", 0, [4, 5], 5),
+                                                                                            ("r", 1, [6], 4)]
+    assert all(len(r.candidates) == 3 and all(len(c) == 3 for c in r.candidates) for r in ra.results)
+    (rb,) = [m for m in h.take(b"b") if isinstance(m, protocol.DraftReply)]
+    assert rb.results[0].candidates == [] and rb.results[0].tail == [], "b asked for no candidates"
+    # The service holds committed tokens only: the tails never entered a's stored context.
+    assert sorted(h.core.server.contexts.values()) == [[1, 2, 3], [7, 8]]

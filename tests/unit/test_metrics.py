@@ -135,6 +135,31 @@ def test_series_exist_at_zero_before_the_first_step():
     assert value(registry, "minedraft_engine_steps_total", model="m", mode="ar") == 0
 
 
+def test_lookahead_hit_rate_and_bonus_coverage_are_exported_as_the_engine_counts_them():
+    registry = CollectorRegistry()
+    steps = StepMetrics(registry, "m", max_positions=3)
+    assert value(registry, "minedraft_engine_lookahead_branch_hits_total", model="m", mode="lookahead") == 0
+    records = [replace(sample_record(1), mode="lookahead", num_branches_drafted=6, num_branch_hits=2,
+                       num_branch_misses=1, num_bonus_after_full=2, num_bonus_covered_after_full=2,
+                       num_bonus_after_reject=1, num_bonus_covered_after_reject=0),
+               replace(sample_record(2), mode="lookahead", num_branches_drafted=5, num_branch_hits=3)]
+    steps.ingest(records)
+    totals = EngineTotals()
+    for record in records:
+        totals = totals + EngineTotals(branch_hits=record.num_branch_hits, branch_misses=record.num_branch_misses)
+
+    def count(name: str, **labels: str) -> float:
+        return value(registry, f"minedraft_engine_lookahead_{name}_total", model="m", mode="lookahead", **labels)
+
+    hit_rate = count("branch_hits") / (count("branch_hits") + count("branch_misses"))
+    assert hit_rate == pytest.approx(totals.branch_hit_rate) and hit_rate == 5 / 6
+    assert count("branches_drafted") == 11
+    assert count("bonus_outcomes", after="full", covered="true") == 2
+    assert count("bonus_outcomes", after="reject", covered="false") == 1
+    assert value(registry, "minedraft_engine_accepted_tokens_per_position_total", model="m", mode="lookahead",
+                 position="0") == sum(r.accepted_per_position[0] for r in records)
+
+
 # -- engine: snapshot gauges -----------------------------------------------------------------------------------
 
 

@@ -67,19 +67,80 @@ class TorchDrafter:
             self.model.forget(sorted(self.cancelled))
             self.cancelled.clear()
         # (Token ids were checked against the vocabulary on receipt, in DrafterServer.)
-        items = [(i.request_id, i.token_ids, i.num_draft_tokens) for i in job.items if i.token_ids]
+        items = [i for i in job.items if i.token_ids]
+        top_f = int(getattr(job, "top_f", 0) or 0)
+        branch_keys: list[str] = []
         try:
             # (Messages are taken in only between jobs here: a newer job's tokens would extend these contexts in place.)
-            drafts = self.model.draft(items, job.want_logprobs, on_step) if items else []
+            adopt: list[tuple[str, str, int]] = []
+            if any(i.tail for i in items):
+                items, rows, branch_keys, adopt = self._fork_branches(items, on_step)
+            else:
+                rows = [(i.request_id, i.token_ids, i.num_draft_tokens) for i in items]
+            drafts = self.model.draft_with_candidates(rows, job.want_logprobs, on_step, top_f) if rows else []
+            for key, request_id, num_tokens in adopt:
+                self.model.adopt(key, request_id, num_tokens)
         except Exception:
-            self.model.forget([rid for rid, _, _ in items])
+            self.model.forget([i.request_id for i in items])
             raise
+        finally:
+            self.model.forget(branch_keys)
         first_token_seconds = self.model.last_first_token_seconds if items else 0.0
         results = [
-            DraftResult(request_id=rid, context_num_tokens=len(context), token_ids=tokens, logprobs=logprobs)
-            for (rid, context, _), (tokens, logprobs) in zip(items, drafts, strict=True)
+            DraftResult(request_id=item.request_id, context_num_tokens=len(item.token_ids) + len(item.tail),
+                        token_ids=tokens, logprobs=logprobs, branch=item.branch, tail=list(item.tail),
+                        candidates=candidates)
+            for item, (tokens, logprobs, candidates) in zip(items, drafts, strict=True)
         ]
         return results, time.perf_counter() - started, first_token_seconds
+
+    def _fork_branches(self, items: list[Any], on_step: Callable[[], None]
+                       ) -> tuple[list[Any], list[tuple[str, list[int], int]], list[str], list[tuple[str, str, int]]]:
+        """Lookahead's branches as rows of one batch: each tailed branch drafts in a scratch slot that starts as a
+        copy of its request's cached committed tokens, so the branches share that KV and the request's own slot is
+        never written past its committed tokens. The tokens committed since the last job (usually a few) are fed
+        in each branch's row with its tail, and the first branch's slot then hands them back to the request's slot
+        (`adopt`): one forward for catch-up and tails together. A long catch-up (a restart's whole context) is taken
+        into the request's own slot first instead, so it is not computed once per branch. Branches beyond the free
+        slots are not drafted (the likeliest come first in each request). Returns the items drafted, their rows, the
+        scratch keys to forget and the adoptions to make after drafting."""
+        model = self.model
+        committed: dict[str, list[int]] = {}
+        for item in items:
+            if item.tail:
+                committed.setdefault(item.request_id, item.token_ids)
+        kept: dict[str, int] = {}
+        long: list[tuple[str, list[int], int]] = []
+        for request_id, context in committed.items():
+            keep = min(model.cached_prefix(request_id, context), len(context) - 1)
+            if len(context) - keep > LONG_BRANCH_CATCH_UP:
+                long.append((request_id, context, 0))
+                keep = len(context)
+            kept[request_id] = keep
+        if long:
+            model.draft_with_candidates(long, False, on_step)
+        free = model.num_free_slots
+        order = sorted(range(len(items)), key=lambda i: (items[i].branch, i))
+        chosen = {i for i in order if not items[i].tail} | set([i for i in order if items[i].tail][:free])
+        drafted = [items[i] for i in range(len(items)) if i in chosen]
+        rows: list[tuple[str, list[int], int]] = []
+        keys: list[str] = []
+        adopt: list[tuple[str, str, int]] = []
+        for item in drafted:
+            if not item.tail:
+                rows.append((item.request_id, item.token_ids, item.num_draft_tokens))
+                continue
+            key = f"{item.request_id}\x00branch{item.branch}"
+            model.fork(item.request_id, key, kept[item.request_id])
+            keys.append(key)
+            if kept[item.request_id] < len(item.token_ids) and not any(a[1] == item.request_id for a in adopt):
+                adopt.append((key, item.request_id, len(item.token_ids)))
+            rows.append((key, [*item.token_ids, *item.tail], item.num_draft_tokens))
+        return drafted, rows, keys, adopt
+
+
+# Committed tokens a branch's row takes in beside its tail (else the request's own slot catches up first, once).
+LONG_BRANCH_CATCH_UP = 8
 
 
 def make_torch_drafter(settings: dict[str, Any]) -> TorchLlamaDrafter:

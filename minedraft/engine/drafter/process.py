@@ -130,10 +130,12 @@ class DrafterServer:
                     del held[item.base_num_tokens:]
                 held.extend(new)
             if held:
-                items.append(protocol.DraftItem(item.request_id, held, item.num_draft_tokens))
+                # (A lookahead branch's tail rides along apart: the stored context stays committed tokens only.)
+                items.append(protocol.DraftItem(item.request_id, held, item.num_draft_tokens, 0, item.tail,
+                                                item.branch))
         if missing:
             self._need_context[job.job_id] = missing
-        return protocol.DraftJob(job.job_id, items, job.want_logprobs)
+        return protocol.DraftJob(job.job_id, items, job.want_logprobs, job.top_f)
 
     def run_job(self, job: Any, idle_seconds: float, poll_messages: Any) -> Any:
         from minedraft.engine.drafter import protocol
@@ -201,7 +203,7 @@ class DrafterServer:
         else:
             culprits = []
             for item in job.items:
-                alone = protocol.DraftJob(job.job_id, [item], job.want_logprobs)
+                alone = protocol.DraftJob(job.job_id, [item], job.want_logprobs, job.top_f)
                 try:
                     self._check_poison(alone)
                     self.drafter.draft(alone, no_op, on_step=self.on_step)

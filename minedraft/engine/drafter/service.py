@@ -218,9 +218,10 @@ class ServiceCore:
         prefix = session.prefix
         global_id = next(self._job_ids)
         namespaced = protocol.DraftJob(global_id, [
-            protocol.DraftItem(prefix + i.request_id, i.token_ids, i.num_draft_tokens, i.base_num_tokens)
+            protocol.DraftItem(prefix + i.request_id, i.token_ids, i.num_draft_tokens, i.base_num_tokens, i.tail,
+                               i.branch)
             for i in job.items
-        ], job.want_logprobs)
+        ], job.want_logprobs, job.top_f)
         # Always take in the tokens, even when the job is refused below: the next job then stays a small delta.
         self.server.handle(namespaced)
         taken = self.server.queued.pop()
@@ -296,7 +297,9 @@ class ServiceCore:
         if not parts:
             return None
         items = [item for part in parts for item in part.job.items]
-        merged = protocol.DraftJob(next(self._job_ids), items, any(p.job.want_logprobs for p in parts))
+        # (Candidates for the largest top_f any part asked for; each part gets back as many as it asked for.)
+        merged = protocol.DraftJob(next(self._job_ids), items, any(p.job.want_logprobs for p in parts),
+                                   max(p.job.top_f for p in parts))
         return Batch(parts, merged)
 
     def run_batch(self, batch: Batch, idle_seconds: float, poll_messages: Callable[[], None]) -> None:
@@ -335,8 +338,10 @@ class ServiceCore:
             mine = [rid[len(prefix):] for rid in reply.request_ids if rid.startswith(prefix)]
             self._send(session.peer, protocol.DrafterError(part.job_id, reply.message, mine))
             return
+        top_f = part.job.top_f
         results = [
-            protocol.DraftResult(r.request_id[len(prefix):], r.context_num_tokens, r.token_ids, r.logprobs)
+            protocol.DraftResult(r.request_id[len(prefix):], r.context_num_tokens, r.token_ids, r.logprobs, r.branch,
+                                 r.tail, [c[:top_f] for c in r.candidates] if top_f else [])
             for r in reply.results if r.request_id.startswith(prefix)
         ]
         self._send(session.peer, protocol.DraftReply(part.job_id, results, reply.draft_seconds, reply.idle_seconds,

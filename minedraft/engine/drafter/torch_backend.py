@@ -233,13 +233,16 @@ class TorchLlamaDrafter:
             x = x + (F.silu(gate) * up) @ layer.down.T
         return _rms_norm(x, self.final_norm, self.eps)
 
-    def _next(self, hidden: torch.Tensor, want_logprobs: bool) -> tuple[list[int], list[float] | None]:
+    def _next(self, hidden: torch.Tensor, want_logprobs: bool, top_f: int = 0
+              ) -> tuple[list[int], list[float] | None, list[list[int]] | None]:
+        """Greedy tokens per row, their log-probabilities if wanted, and the top-`top_f` ids (best first) if asked."""
         logits = hidden @ self.lm_head.T
         tokens = logits.argmax(dim=-1)
         logprobs = None
         if want_logprobs:
             logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
-        return tokens.tolist(), logprobs
+        top = logits.topk(min(top_f, logits.shape[-1]), dim=-1).indices.tolist() if top_f else None
+        return tokens.tolist(), logprobs, top
 
     def _catch_up(self, group: list[tuple[_Slot, list[int], int]]) -> torch.Tensor:
         """Feed each request's new committed tokens; returns the last position's hidden state per request."""
@@ -258,11 +261,54 @@ class TorchLlamaDrafter:
         last = torch.tensor([len(new) - 1 for _, new, _ in group])
         return hidden[torch.arange(batch), last]
 
-    @torch.no_grad()
     def draft(self, items: list[tuple[str, list[int], int]], want_logprobs: bool,
               on_step: Callable[[], None] | None = None) -> list[tuple[list[int], list[float] | None]]:
         """items: (request id, committed context, tokens to draft). Returns drafts in the same order. `on_step` is
         called after every forward pass (the drafter's progress reports)."""
+        return [(tokens, logprobs) for tokens, logprobs, _ in self.draft_with_candidates(items, want_logprobs, on_step)]
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self.free)
+
+    def cached_prefix(self, request_id: str, context: list[int]) -> int:
+        """How many of `context`'s first tokens the request's slot holds (0: no slot)."""
+        slot = self.slots.get(request_id)
+        return _common_prefix(slot.tokens, context) if slot is not None else 0
+
+    def fork(self, request_id: str, branch_key: str, num_tokens: int) -> None:
+        """A scratch slot `branch_key` holding the first `num_tokens` cached positions of `request_id`'s slot (its
+        committed tokens): a lookahead branch drafts there, past them, and the request's own slot is never written.
+        Forget the key when the branch is drafted. (A request without a slot forks an empty one.)"""
+        slot = self._slot_for(branch_key)
+        source = self.slots.get(request_id)
+        if source is None or source is slot:
+            slot.tokens = []
+            return
+        num_tokens = min(num_tokens, len(source.tokens))
+        self._copy_slot(source.index, slot.index, num_tokens)
+        slot.tokens = source.tokens[:num_tokens]
+
+    def adopt(self, branch_key: str, request_id: str, num_tokens: int) -> None:
+        """The request's slot takes the first `num_tokens` cached positions of a branch's scratch slot (the committed
+        tokens the branch's row took in: the same for every branch of the request)."""
+        source = self.slots[branch_key]
+        slot = self._slot_for(request_id)
+        num_tokens = min(num_tokens, len(source.tokens))
+        self._copy_slot(source.index, slot.index, num_tokens)
+        slot.tokens = source.tokens[:num_tokens]
+
+    def _copy_slot(self, source: int, target: int, num_tokens: int) -> None:
+        for k_cache, v_cache in zip(self.k_cache, self.v_cache, strict=True):
+            k_cache[target, :, :num_tokens] = k_cache[source, :, :num_tokens]
+            v_cache[target, :, :num_tokens] = v_cache[source, :, :num_tokens]
+
+    @torch.no_grad()
+    def draft_with_candidates(self, items: list[tuple[str, list[int], int]], want_logprobs: bool,
+                              on_step: Callable[[], None] | None = None, top_f: int = 0
+                              ) -> list[tuple[list[int], list[float] | None, list[list[int]]]]:
+        """draft(), and with `top_f` the top-F token ids at each drafted position and the one after (one more
+        forward: the bonus token's candidates after a full acceptance)."""
         step_done = on_step or (lambda: None)
         started = time.perf_counter()
         prepared: list[tuple[_Slot, list[int], int]] = []
@@ -286,27 +332,33 @@ class TorchLlamaDrafter:
         for (slot, _, _), (_, context, _) in zip(prepared, items, strict=True):
             slot.tokens = list(context)
         stacked = torch.stack([h for h in last_hidden if h is not None])
-        tokens, logprobs = self._next(stacked, want_logprobs)
+        tokens, logprobs, top = self._next(stacked, want_logprobs, top_f)
         self.last_first_token_seconds = time.perf_counter() - started
         drafts: list[list[int]] = [[t] for t in tokens]
         draft_logprobs: list[list[float]] = [[lp] for lp in logprobs] if logprobs is not None else []
+        candidates: list[list[list[int]]] = [[row] for row in top] if top is not None else [[] for _ in items]
         wanted = [min(n, self.max_model_len - len(context)) for _, context, n in items]
         slot_ids = torch.tensor([slot.index for slot, _, _ in prepared])
-        for step in range(1, max(wanted, default=0)):
-            active = [i for i, n in enumerate(wanted) if n > step]
+        # With candidates, each row runs one step past its draft: the candidates for the position after it.
+        for step in range(1, max(wanted, default=0) + (1 if top_f else 0)):
+            active = [i for i, n in enumerate(wanted) if n > step or (top_f and n == step)]
             feed = torch.tensor([[drafts[i][-1]] for i in active])
             positions = torch.tensor([[len(items[i][1]) + step - 1] for i in active])
             hidden = self._forward(feed, positions, slot_ids[active], torch.ones(len(active), 1, dtype=torch.bool))
-            tokens, logprobs = self._next(hidden[:, 0], want_logprobs)
+            tokens, logprobs, top = self._next(hidden[:, 0], want_logprobs, top_f)
             step_done()
             for row, i in enumerate(active):
-                drafts[i].append(tokens[row])
-                prepared[i][0].tokens.append(drafts[i][-2])
-                if logprobs is not None:
-                    draft_logprobs[i].append(logprobs[row])
-        out: list[tuple[list[int], list[float] | None]] = []
+                prepared[i][0].tokens.append(drafts[i][-1])
+                if step < wanted[i]:
+                    drafts[i].append(tokens[row])
+                    if logprobs is not None:
+                        draft_logprobs[i].append(logprobs[row])
+                if top is not None:
+                    candidates[i].append(top[row])
+        out: list[tuple[list[int], list[float] | None, list[list[int]]]] = []
         for i, n in enumerate(wanted):
-            out.append((drafts[i][: max(0, n)], draft_logprobs[i][: max(0, n)] if want_logprobs else None))
+            out.append((drafts[i][: max(0, n)], draft_logprobs[i][: max(0, n)] if want_logprobs else None,
+                        candidates[i][: max(0, n) + 1] if top_f and n > 0 else []))
         return out
 
 

@@ -79,6 +79,15 @@ class WindowedTorchDrafter(TorchLlamaDrafter):
     def cache_bytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in (*self.k_cache, *self.v_cache))
 
+    def _copy_slot(self, source: int, target: int, num_tokens: int) -> None:
+        """A lookahead branch's scratch slot: the source's whole ring (bounded by the window), positions from
+        `num_tokens` on marked empty (the branch writes its tail and drafts there)."""
+        for k_cache, v_cache in zip(self.k_cache, self.v_cache, strict=True):
+            k_cache[target] = k_cache[source]
+            v_cache[target] = v_cache[source]
+        positions = self.cache_positions[source]
+        self.cache_positions[target] = torch.where(positions < num_tokens, positions, -1)
+
     def _ring_index(self, positions: torch.Tensor) -> torch.Tensor:
         sinks = self.num_sink_tokens
         return torch.where(positions < sinks, positions, sinks + (positions - sinks) % self.ring)

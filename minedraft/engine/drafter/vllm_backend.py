@@ -81,28 +81,34 @@ class VllmDrafter:
         started = time.perf_counter()
         self.cancelled.clear()
         live: dict[str, Any] = {}
+        top_f = int(getattr(job, "top_f", 0) or 0)
         for item in job.items:
-            room = self.max_model_len - len(item.token_ids)
+            # A lookahead branch drafts past its tail (speculative tokens, never stored as the request's context):
+            # each branch is a vLLM request of its own over the prefix-cached committed context.
+            prompt = [*item.token_ids, *item.tail] if item.tail else item.token_ids
+            room = self.max_model_len - len(prompt)
             # No draft wanted: a chunk of a long catch-up, taken in (prefilled into the prefix cache) only. vLLM
             # samples at least one token; it is dropped.
             prefill_only = item.num_draft_tokens == 0
             num = 1 if prefill_only else min(item.num_draft_tokens, room)
             if num <= 0 or room <= 0 or not item.token_ids:
                 continue  # (token ids were checked against the vocabulary on receipt, in DrafterServer)
+            # With candidates: one token more, for the top-F at the position after the draft (then dropped).
+            extra = 1 if top_f and not prefill_only and num < room else 0
             params = SamplingParams(
-                max_tokens=num,
+                max_tokens=num + extra,
                 temperature=0.0,
                 ignore_eos=True,
-                logprobs=0 if job.want_logprobs else None,
+                logprobs=top_f if top_f and not prefill_only else (0 if job.want_logprobs else None),
                 detokenize=False,
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
-            key = f"{job.job_id}:{item.request_id}"
+            key = f"{job.job_id}:{item.request_id}:{item.branch}" if item.tail else f"{job.job_id}:{item.request_id}"
             if self.block_hashes is not None:
-                self.block_hashes.expect(key, item.request_id)
-            self.engine.add_request(key, TokensPrompt(prompt_token_ids=list(item.token_ids)), params)
+                self.block_hashes.expect(key, item.request_id, len(item.token_ids) if item.tail else None)
+            self.engine.add_request(key, TokensPrompt(prompt_token_ids=list(prompt)), params)
             # The length now: a newer job taken in mid-job (poll_messages) extends the stored context in place.
-            live[key] = (item, len(item.token_ids), prefill_only)
+            live[key] = (item, len(prompt), prefill_only, num)
         results: list[DraftResult] = []
         first_token_seconds = 0.0
         calls = 0
@@ -116,28 +122,38 @@ class VllmDrafter:
             for output in outputs:
                 if not output.finished or output.request_id not in live:
                     continue
-                item, context_num_tokens, prefill_only = live.pop(output.request_id)
+                item, context_num_tokens, prefill_only, num = live.pop(output.request_id)
                 if prefill_only:
                     continue
                 completion = output.outputs[0]  # type: ignore[index]
+                token_ids = list(completion.token_ids)[:num]
                 logprobs = None
                 if job.want_logprobs and completion.logprobs is not None:
                     logprobs = [
                         float(step[token].logprob)
-                        for step, token in zip(completion.logprobs, completion.token_ids, strict=True)
+                        for step, token in zip(completion.logprobs, token_ids, strict=False)
                     ]
+                candidates: list[list[int]] = []
+                if top_f and completion.logprobs is not None:
+                    # Best first by vLLM's rank (1 = the greedy token); the sampled token rides along if outside.
+                    candidates = [[token for token, lp in sorted(step.items(), key=lambda kv: kv[1].rank)
+                                   if lp.rank is not None and lp.rank <= top_f][:top_f]
+                                  for step in completion.logprobs[:num + 1]]
                 results.append(
                     DraftResult(
                         request_id=item.request_id,
                         context_num_tokens=context_num_tokens,
-                        token_ids=list(completion.token_ids),
+                        token_ids=token_ids,
                         logprobs=logprobs,
+                        branch=item.branch,
+                        tail=list(item.tail),
+                        candidates=candidates,
                     )
                 )
             # Cancels that arrive mid-job drop those requests here too, not just on the verifier's side.
             poll_messages()
             if self.cancelled:
-                doomed = [key for key, (item, _, _) in live.items() if item.request_id in self.cancelled]
+                doomed = [key for key, (item, _, _, _) in live.items() if item.request_id in self.cancelled]
                 if doomed:
                     self.engine.abort_request(doomed)
                     for key in doomed:

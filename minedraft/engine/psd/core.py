@@ -173,7 +173,8 @@ class SpeculationCore:
         self.planner = PSDPlanner(
             k=settings.num_speculative_tokens, num_extra_draft_tokens=settings.num_extra_draft_tokens,
             draft_token_budget=settings.draft_token_budget, pad_to_k=settings.pad_drafts_to_k,
-            catch_up_tokens_per_job=settings.catch_up_tokens_per_job, in_flight=source.jobs)
+            catch_up_tokens_per_job=settings.catch_up_tokens_per_job, in_flight=source.jobs,
+            lookahead_backups=settings.lookahead_backup_drafts)
         self.auto_settings = auto_settings or AutoSettings(**{
             "k_candidates": tuple(range(1, self.max_num_speculative_tokens + 1)), **settings.auto})
         # Fed every step in every mode, so predictions are available (and exported) before auto mode is on.
@@ -268,7 +269,9 @@ class SpeculationCore:
         # job while this one verifies, so nothing is lent.
         timing.draft_jobs_in_flight = len(self.source.jobs)
         jobs_or_ahead = bool(self.source.jobs) or last is not None
-        widen = should_widen(step_mode is Mode.AR, jobs_or_ahead, self.source.loading)
+        # (Lookahead drafts the next round during every verification: its job is sent once the step is launched.)
+        widen = should_widen(step_mode is Mode.AR, jobs_or_ahead, self.source.loading) and not (
+            step_mode is Mode.LOOKAHEAD and any(view.decoding for view in views))
         plan = self.planner.plan(views, step_mode, group, pad=self.auto is None, reader=self.tokens)
         held = plan.held_out | busy if busy else plan.held_out
         return StepDecision(plan, held, widen, views)
@@ -379,7 +382,7 @@ class SpeculationCore:
             draft_job_catch_up_tokens=job.catch_up_tokens,
             scheduled_ahead=timing.scheduled_ahead or outcome.overlapped,
             num_branches_drafted=launched.num_branches,
-            num_branch_hits=sum(1 for rid in plan.branches if rid in num_sampled),
+            num_branch_hits=sum(1 for rid in plan.branches if rid in num_sampled and rid not in plan.backups),
             num_branch_misses=sum(1 for rid in plan.branch_misses if rid in num_sampled),
             num_bonus_after_full=bonus[0],
             num_bonus_covered_after_full=bonus[1],
@@ -605,7 +608,10 @@ class SpeculationCore:
                 if drafted and candidates else []
             if found:
                 ranked[rid] = found
-                launched.verified[rid] = Verified(view.num_tokens, drafted, candidates)
+                if rid not in plan.backups:
+                    # (Learned from exact branches only: a backup's acceptance and candidates follow a context the
+                    # request does not have, and would bias the ranking of outcomes of exact ones.)
+                    launched.verified[rid] = Verified(view.num_tokens, drafted, candidates)
             else:
                 tails[rid] = [()]
         fanout = fanout_for(self.lookahead_fanout, len(ranked) + len(tails), self.lookahead_stats,

@@ -128,6 +128,9 @@ class PlannedStep:
     # that had no branch matching their committed tokens (they decode without drafts: misses).
     branches: dict[str, tuple[Draft, int]] = field(default_factory=dict)
     branch_misses: frozenset[str] = frozenset()
+    # Of the misses, those verified with a backup: a branch of the same context length whose tail differs from
+    # their committed tokens (also in `branches`).
+    backups: frozenset[str] = frozenset()
 
     @property
     def num_drafted_tokens(self) -> int:
@@ -205,6 +208,8 @@ class PSDPlanner:
     drafter_max_tokens: int = 0
     # Bound on one job's catch-up (see DEFAULT_CATCH_UP_TOKENS_PER_JOB).
     catch_up_tokens_per_job: int = DEFAULT_CATCH_UP_TOKENS_PER_JOB
+    # Lookahead: a miss is verified with a backup branch where there is one (see _plan_lookahead).
+    lookahead_backups: bool = True
 
     # -- the records ---------------------------------------------------------------------------------------------
 
@@ -315,11 +320,20 @@ class PSDPlanner:
 
     def _plan_lookahead(self, requests: Sequence[RequestState], pad: bool,
                         tokens: Callable[[str, int, int], Sequence[int]]) -> PlannedStep:
-        """Every decoding request runs: with the branch that matches its committed tokens exactly, or without drafts
-        (a miss: its root item is drafted at this step's launch). Padded to k as sd is, for one decode shape."""
+        """Every decoding request runs: with the branch that matches its committed tokens exactly, or, a miss, with
+        a backup (with `lookahead_backups`: the likeliest branch drafted for the same accepted length, whose bonus
+        token was not the target's) or without drafts (its root item is then drafted at this step's launch).
+        Padded to k as sd is, for one decode shape.
+
+        Why a backup rather than waiting for a short draft: waiting stalls the whole batch for one request, while a
+        backup is already drafted and costs nothing in a padded step (its k positions would carry filler tokens).
+        Any proposal is lossless (the target verifies it; it depends on committed tokens only, never on the target's
+        draws at the positions it proposes), and one drafted after a near-miss context is often partly accepted.
+        Without one (no branch of that length) the request decodes without drafts for one step."""
         proposals: dict[str, list[int]] = {}
         taken: dict[str, tuple[Draft, int]] = {}
         misses: set[str] = set()
+        backups: set[str] = set()
         running: list[RequestState] = []
         for request in requests:
             if not request.decoding:
@@ -328,16 +342,23 @@ class PSDPlanner:
             rid = request.request_id
             record = self.records.get(rid)
             found = None
+            backup = None
             if record is not None and not record.quarantined:
                 held = [*record.branches, *([record.draft] if record.draft is not None else [])]
                 found = match(held, request.num_tokens, rid, tokens)
+                if found is None and self.lookahead_backups:
+                    backup = next((b for b in record.branches if b.context_num_tokens == request.num_tokens
+                                   and b.tail and b.token_ids), None)
                 # Branches at or before this context that did not match never will (the committed tokens they
                 # assumed differ, and committed tokens stay); those past it are a later round's.
                 record.branches = [b for b in record.branches if b.context_num_tokens > request.num_tokens]
             room = max(0, min(request.draft_room, self.k))
             if found is None or not room:
                 misses.add(rid)
-                continue
+                if backup is None or not room:
+                    continue
+                backups.add(rid)
+                found = (backup, 0)
             draft, already = found
             proposal = draft.token_ids[already:already + room]
             proposals[rid] = proposal
@@ -352,7 +373,7 @@ class PSDPlanner:
                     proposals[request.request_id] = proposal + [filler] * (want - len(proposal))
                     drafted_lengths.setdefault(request.request_id, 0)
         return PlannedStep(Mode.LOOKAHEAD, 0, proposals, drafted_lengths, frozenset(), None, taken,
-                           frozenset(misses))
+                           frozenset(misses), frozenset(backups))
 
     def lookahead_job(self, requests: Sequence[RequestState], scheduled: Callable[[str], bool],
                       tails: Mapping[str, Sequence[tuple[int, ...]]]) -> list[JobItemPlan]:
@@ -609,6 +630,7 @@ class PSDPlanner:
             drafted = plan.drafted_lengths.get(request_id, 0)
             request = by_id.get(request_id)
             if plan.step_mode is Mode.LOOKAHEAD:
+                # (A backup's tail differs from the committed tokens by design; its context length does not.)
                 branch = plan.branches.get(request_id)
                 if drafted and (branch is None or request is None
                                 or branch[0].context_num_tokens + branch[1] != request.num_tokens

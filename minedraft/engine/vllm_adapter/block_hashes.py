@@ -28,7 +28,8 @@ class BlockHashReuse:
         self.block_size = block_size
         self.hashes: dict[str, list[Any]] = {}
         # vLLM request key -> minedraft request id, for requests about to be admitted (see expect()).
-        self._pending: dict[str, str] = {}
+        # (With the committed length when the prompt runs past it: a lookahead branch's tail is not context.)
+        self._pending: dict[str, tuple[str, int | None]] = {}
         # Off: vLLM's hasher alone (the benchmark's baseline).
         self.enabled = True
         self.num_reused_blocks = 0
@@ -40,21 +41,25 @@ class BlockHashReuse:
             return self.inner(request)
         # vLLM admits a request under the key it was given plus "-<random suffix>" (its internal id).
         key = request.request_id
-        request_id = self._pending.pop(key, None) or self._pending.pop(key.rpartition("-")[0], None)
-        if request_id is None:
+        pending = self._pending.pop(key, None) or self._pending.pop(key.rpartition("-")[0], None)
+        if pending is None:
             return self.inner(request)
+        request_id, num_committed = pending
+        committed = request.num_tokens if num_committed is None else min(num_committed, request.num_tokens)
         held = self.hashes.get(request_id)
         if held:
-            reused = held[: request.num_tokens // self.block_size]
+            reused = held[: committed // self.block_size]
             request.block_hashes.extend(reused)  # vLLM's hasher goes on from len(request.block_hashes)
             self.num_reused_blocks += len(reused)
         new = self.inner(request)
-        self.hashes[request_id] = [*request.block_hashes, *new]
+        # Kept: the blocks of committed tokens only (a branch's blocks past them hold its speculative tail).
+        self.hashes[request_id] = [*request.block_hashes, *new][: committed // self.block_size]
         return new
 
-    def expect(self, key: str, request_id: str) -> None:
-        """The next admission of vLLM request `key` carries the committed context of `request_id`."""
-        self._pending[key] = request_id
+    def expect(self, key: str, request_id: str, num_committed: int | None = None) -> None:
+        """The next admission of vLLM request `key` carries the committed context of `request_id` (its first
+        `num_committed` tokens, when the prompt goes on past them: a lookahead branch's tail)."""
+        self._pending[key] = (request_id, num_committed)
 
     def context_changed(self, request_id: str, num_tokens_kept: int) -> None:
         held = self.hashes.get(request_id)

@@ -54,8 +54,15 @@ SAMPLING_EPS = 1e-5
 def fused_cpu_race() -> Any | None:
     """vLLM's CPU kernel for a Gumbel-max draw per row with noise keyed by (row seed, token id) (what vLLM's own CPU
     sampler draws with), or None where it is not built (GPU builds)."""
+    # Through the platform, which picks the library this CPU runs (vllm._C needs AVX512 with bf16: importing it
+    # on an AVX2-only CPU dies of SIGILL, not ImportError).
     try:
-        import vllm._C  # noqa: F401  (registers torch.ops._C)
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            current_platform.import_kernels()
+        else:
+            import vllm._C  # noqa: F401  (registers torch.ops._C)
     except ImportError:
         return None
     return getattr(torch.ops._C, "fused_gumbel_argmax", None)

@@ -7,7 +7,8 @@ auto mode, statistics) and the drafter plumbing in minedraft/engine/drafter/link
                          then vLLM schedules, and the core is told which requests the step runs.
   (target verifies)      vLLM's rejection sampler, proposals treated as deterministic: lossless.
   update_from_output():  vLLM commits the accepted tokens; the runner's output -> the core's outcome; the core sends
-                         the just-verified sub-batch's newly committed tokens to the drafter.
+                         the just-verified sub-batch's newly committed tokens to the drafter (lookahead: the core
+                         sent its branch job when the step was scheduled, in commit()).
 
 Drafts are keyed by the context length they were made from and used only if the request still has exactly that
 many tokens: nothing is drafted on unverified tokens and nothing needs rolling back.
@@ -100,9 +101,11 @@ class PSDScheduler(Scheduler):
         return views
 
     def _tokens(self, request_id: str, start: int, end: int) -> Sequence[int]:
-        """A draft job's tokens of a request: committed ones only (checked with check_invariants)."""
+        """A draft job's tokens of a request: committed ones only (checked with check_invariants). vLLM keeps a
+        step's proposals apart (spec_token_ids), never in all_token_ids: lookahead reads committed tokens while its
+        step's proposals are out, and sends its speculative tails apart from them."""
         request = self.requests[request_id]
-        if self.core.check_invariants and (request.spec_token_ids or len(request.all_token_ids) < end):
+        if self.core.check_invariants and len(request.all_token_ids) < end:
             raise AssertionError(f"{request_id}: drafting would build on unverified tokens")
         return request.all_token_ids[start:end]
 

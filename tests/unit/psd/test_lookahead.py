@@ -163,10 +163,11 @@ def test_drafter_holds_count_committed_tokens_only():
     assert all(i.base_num_tokens == i.num_tokens == before for i in items[1:]), "later branches resend nothing"
 
 
-def test_a_miss_decodes_without_drafts_and_its_root_is_drafted_without_stalling_the_batch():
+def _miss(backups: bool):
     world = World(covered=False)
     start(world, "a", "b")
-    core, source = make(world)
+    # Unmeasured acceptance and a fan-out of 8: the branches hold both the full acceptance and early rejections.
+    core, source = make(world, measured=False, lookahead_fanout=8, lookahead_backup_drafts=backups)
     step(core, world, ["a", "b"])
     source.answer_branches(world)
     step(core, world, ["a", "b"])  # both hit (root drafts), proposals verified
@@ -175,14 +176,29 @@ def test_a_miss_decodes_without_drafts_and_its_root_is_drafted_without_stalling_
     world.wrong |= {("a", position + i) for i in range(8)}
     source.answer_branches(world)
     missed = step(core, world, ["a", "b"])
+    assert missed.plan.branches, "the step before verified branches"
     source.answer_branches(world)
     decision = step(core, world, ["a", "b"])
     assert "a" in decision.plan.branch_misses and "b" in decision.plan.branches, "b is not held back by a's miss"
-    assert decision.plan.drafted_lengths.get("a", 0) == 0 and len(decision.proposals["a"]) == K, "padded to k"
-    assert any(i.request_id == "a" and i.tail == () for i in source.sent[-1][1]), "a's root is drafted"
-    assert missed.plan.branches, "the step before verified branches"
+    assert len(decision.proposals["a"]) == K, "padded to k"
     record = core.stats.records()[-1]
     assert record.num_branch_misses == 1 and record.num_branch_hits == 1
+    return decision, source
+
+
+def test_a_miss_without_backups_decodes_without_drafts_and_its_root_is_drafted_without_stalling_the_batch():
+    decision, source = _miss(backups=False)
+    assert decision.plan.drafted_lengths.get("a", 0) == 0 and "a" not in decision.plan.branches
+    assert any(i.request_id == "a" and i.tail == () for i in source.sent[-1][1]), "a's root is drafted"
+
+
+def test_a_miss_is_verified_with_the_likeliest_branch_of_its_accepted_length():
+    decision, source = _miss(backups=True)
+    assert decision.plan.backups == {"a"} and decision.plan.drafted_lengths["a"] == K
+    backup, already = decision.plan.branches["a"]
+    assert already == 0 and decision.proposals["a"] == backup.token_ids[:K]
+    # Its next round is enumerated from the backup's drafts and candidates: branches, no root.
+    assert all(i.tail for i in source.sent[-1][1] if i.request_id == "a")
 
 
 def test_a_rejection_is_a_hit_when_the_target_token_is_a_candidate():
