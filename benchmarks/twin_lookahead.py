@@ -25,6 +25,7 @@ in batch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -47,7 +48,9 @@ ACCEPTANCE = 0.8
 KS = (1, 2, 3, 4, 5)
 LOADS = (8, 16, 32, 64)
 AUTO_LOADS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-FANOUTS = (4, 8)  # the engine's default --lookahead-fanout, and twice it
+# Lookahead's variants: the engine's defaults (--lookahead-fanout 4, a miss verified with a backup branch), and
+# --no-lookahead-backups (a miss verified without drafts, its root drafted for the next round).
+VARIANTS = {"default": LookaheadOptions(), "no_backups": LookaheadOptions(backups=False)}
 BAND = (0.0, 0.25, 0.5, 0.75, 1.0)
 COMMAND = "python benchmarks/twin_lookahead.py"
 
@@ -73,7 +76,7 @@ def run_row(run: RunResult) -> dict[str, Any]:
 
 
 def vs_sd(costs: StepCosts, ranks: tuple[float, ...] = LOCAL_PAIR_RANK_GIVEN_REJECTION,
-          fanouts: tuple[int, ...] = FANOUTS, loads: tuple[int, ...] = LOADS,
+          variants: tuple[str, ...] = tuple(VARIANTS), loads: tuple[int, ...] = LOADS,
           sd_cache: dict[int, RunResult] | None = None) -> list[dict[str, Any]]:
     acceptance = AcceptanceModel.constant(ACCEPTANCE)
     rows = []
@@ -84,13 +87,13 @@ def vs_sd(costs: StepCosts, ranks: tuple[float, ...] = LOCAL_PAIR_RANK_GIVEN_REJ
             if sd_cache is not None:
                 sd_cache[c] = sd
         row: dict[str, Any] = {"concurrency": c, "sd": run_row(sd)}
-        for fanout in fanouts:
-            options = LookaheadOptions(fanout=fanout, rank_given_rejection=ranks)
+        for variant in variants:
+            options = dataclasses.replace(VARIANTS[variant], rank_given_rejection=ranks)
             runs = [run_concurrency(costs, acceptance, "lookahead", k, c, lookahead=options) for k in KS]
             top = best(runs)
-            row[f"lookahead_f{fanout}"] = {**run_row(top), "over_sd": round(top.tokens_per_s / sd.tokens_per_s, 3),
+            row[f"lookahead_{variant}"] = {**run_row(top), "over_sd": round(top.tokens_per_s / sd.tokens_per_s, 3),
                                            "by_k": {r.mode: run_row(r) for r in runs}}
-            log(f"c={c} F<={fanout}: {top.mode} {top.tokens_per_s:.0f} tok/s (hits {top.branch_hit_rate:.2f}, "
+            log(f"c={c} {variant}: {top.mode} {top.tokens_per_s:.0f} tok/s (hits {top.branch_hit_rate:.2f}, "
                 f"F {top.mean_fanout:.1f}) vs {sd.mode} {sd.tokens_per_s:.0f}: "
                 f"{top.tokens_per_s / sd.tokens_per_s:.3f}x")
         rows.append(row)
@@ -118,7 +121,7 @@ def section_band() -> dict[str, Any]:
     for c_value in BAND:
         ranks = (c_value,) if c_value else ()
         log(f"band: rank-2 share after a miss {c_value}")
-        points.append({"rank2_after_miss": c_value, "rows": vs_sd(costs, ranks, fanouts=(4,), sd_cache=cache)})
+        points.append({"rank2_after_miss": c_value, "rows": vs_sd(costs, ranks, sd_cache=cache)})
     return {"command": f"{COMMAND} band", "curves": str(CURVES.relative_to(ROOT)), "acceptance": ACCEPTANCE,
             "points": points}
 
@@ -176,9 +179,10 @@ def report() -> str:
              "(`lookahead-coverage.json`: P(rank 2..8 | rank >= 2) = 0.55, 0.21, 0.07, 0.04, 0.02, 0.03, 0.01).", ""]
     for name, title, note in (
             ("vs-sd", "Lookahead at its best k vs sd at its best k",
-             "`F<=4`: the engine's default --lookahead-fanout (its core drafts fewer branches where its measured "
-             "drafter time per branch would not hide behind the verification); `F<=8`: twice it."),
-            ("what-if", "What if: F branches per request always (not the engine's policy)",
+             "`default`: the engine's defaults (--lookahead-fanout 4, which its core lowers where its measured "
+             "drafter time per branch would not hide behind the verification; a miss verified with a backup "
+             "branch); `no backups`: --no-lookahead-backups (a miss verified without drafts, its root drafted)."),
+            ("what-if", "What if: F = 4 branches per request always (not the engine's policy)",
              "The core's fan-out cap (branch job priced linearly in items from the measured seconds per item) "
              "replaced in the benchmark's process by the setting itself; everything else the engine's.")):
         path = OUT / f"lookahead-{name}.json"
@@ -186,12 +190,12 @@ def report() -> str:
             continue
         data = json.loads(path.read_text())
         lines += [f"## {title}", "", note, "",
-                  "| requests | sd (best k) | tok/s | lookahead F<=4 | tok/s | hits | F used | x sd | "
-                  "lookahead F<=8 | tok/s | hits | F used | x sd |", "|---" * 13 + "|"]
+                  "| requests | sd (best k) | tok/s | lookahead, default | tok/s | hits | F used | x sd | "
+                  "lookahead, no backups | tok/s | hits | F used | x sd |", "|---" * 13 + "|"]
         for row in data["rows"]:
             cells = [str(row["concurrency"]), row["sd"]["mode"], f"{row['sd']['tokens_per_s']:.0f}"]
-            for fanout in FANOUTS:
-                la = row.get(f"lookahead_f{fanout}")
+            for variant in VARIANTS:
+                la = row.get(f"lookahead_{variant}")
                 cells += ([la["mode"], f"{la['tokens_per_s']:.0f}", f"{la['branch_hit_rate']:.2f}",
                            f"{la['fanout']:.1f}", f"**{la['over_sd']:.2f}**"] if la else ["-"] * 5)
             lines.append("| " + " | ".join(cells) + " |")
@@ -206,16 +210,19 @@ def report() -> str:
         data = json.loads(path.read_text())
         lines += ["## Across coverage (hit rates)", "",
                   "After a miss of the drafter's top choice the target's token is its second choice with "
-                  "probability c (else no candidate's); lookahead F<=4 at its best k against sd at its best k.", "",
-                  "| c | " + " | ".join(f"{r['concurrency']} req: hits, x sd" for r in data["points"][0]["rows"])
-                  + " |", "|---|" + "---|" * len(data["points"][0]["rows"])]
-        for point in data["points"]:
-            cells = [f"{point['rank2_after_miss']:g}"]
-            for row in point["rows"]:
-                la = row["lookahead_f4"]
-                cells.append(f"{la['branch_hit_rate']:.2f}, {la['over_sd']:.2f}x ({la['mode']})")
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
+                  "probability c (else no candidate's); lookahead at its best k against sd at its best k, "
+                  "each cell: hit rate, lookahead / sd (best k).", ""]
+        for variant in VARIANTS:
+            lines += [f"Lookahead `{variant}`:", "",
+                      "| c | " + " | ".join(f"{r['concurrency']} requests" for r in data["points"][0]["rows"]) + " |",
+                      "|---|" + "---|" * len(data["points"][0]["rows"])]
+            for point in data["points"]:
+                cells = [f"{point['rank2_after_miss']:g}"]
+                for row in point["rows"]:
+                    la = row[f"lookahead_{variant}"]
+                    cells.append(f"{la['branch_hit_rate']:.2f}, {la['over_sd']:.2f}x ({la['mode']})")
+                lines.append("| " + " | ".join(cells) + " |")
+            lines.append("")
     path = OUT / "lookahead-auto.json"
     if path.exists():
         data = json.loads(path.read_text())

@@ -287,6 +287,8 @@ class ReplicaSettings:
     # The drafter's rank of the target's token where its top choice was wrong, P(rank = r | rank >= 2) for
     # r = 2, 3, ... (twin/tokens.py; default: measured on the local pair).
     rank_given_rejection: tuple[float, ...] = LOCAL_PAIR_RANK_GIVEN_REJECTION
+    # Lookahead: a miss verified with a backup branch (the engine's default; --no-lookahead-backups: without drafts).
+    lookahead_backups: bool = True
 
 
 class TwinReplica:
@@ -319,7 +321,8 @@ class TwinReplica:
             max_num_speculative_tokens=max(settings.k, MAX_NUM_SPECULATIVE_TOKENS, *settings.auto.k_candidates),
             catch_up_tokens_per_job=SchedulerSettings.catch_up_tokens_per_job if priced else 2**62,
             deadline_seconds=settings.deadline_seconds, check_invariants=settings.check_invariants,
-            async_steps=settings.async_psd_steps, lookahead_fanout=settings.lookahead_fanout)
+            async_steps=settings.async_psd_steps, lookahead_fanout=settings.lookahead_fanout,
+            lookahead_backup_drafts=settings.lookahead_backups)
         # The engine's own core on simulated time: its planner, wait policy, drafter link and auto controller.
         self.core = SpeculationCore(core_settings, self.link, self._token_ids, clock=self.clock,
                                     auto_settings=settings.auto)
@@ -443,12 +446,15 @@ class TwinReplica:
             rid = request.request_id
             proposal = plan.proposals.get(rid, ())
             drafted = min(len(proposal), plan.drafted_lengths.get(rid, 0))
-            accepted = self.acceptance.sample(drafted, self.rng) if drafted else 0
+            drawn = self.acceptance.sample(drafted, self.rng) if drafted else 0
+            # The target judges the proposal's own tokens: a draft made from another context is rejected where it
+            # leaves the drafter's choices in this one (twin/tokens.py).
+            committed = self.token_model.judge(
+                stream_of(rid), request.num_tokens, request.tokens[-1] if request.tokens else 0, proposal[:drafted],
+                drawn, self.acceptance.conditional(drafted))
+            accepted = len(committed) - 1
             num_sampled[rid] = accepted + 1
             gained = min(accepted + 1, request.max_output_tokens - request.output_tokens)
-            committed = self.token_model.commit(
-                stream_of(rid), request.num_tokens, request.tokens[-1] if request.tokens else 0, proposal[:drafted],
-                accepted, self.acceptance.conditional(drafted))
             request.tokens += committed[:gained]
             request.output_tokens += gained
             output_tokens += gained

@@ -48,6 +48,8 @@ class LookaheadOptions:
 
     fanout: int = DEFAULT_LOOKAHEAD_FANOUT
     rank_given_rejection: tuple[float, ...] = LOCAL_PAIR_RANK_GIVEN_REJECTION
+    # A miss verified with a backup branch (the engine's default) or without drafts (--no-lookahead-backups).
+    backups: bool = True
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,8 @@ class _Run:
                                    seed=seed, max_num_seqs=max_num_seqs, async_psd_steps=async_steps,
                                    hold_jobs_behind_abandoned=hold_jobs_behind_abandoned,
                                    lookahead_fanout=lookahead.fanout,
-                                   rank_given_rejection=lookahead.rank_given_rejection)
+                                   rank_given_rejection=lookahead.rank_given_rejection,
+                                   lookahead_backups=lookahead.backups)
         self.replica = TwinReplica(costs, acceptance, settings)
         self.workload = workload
         self.rng = random.Random(seed + 1)

@@ -109,6 +109,30 @@ class TokenModel:
             return _FRESH_BASE + self._fresh
         return self.candidate(stream, position, previous, rank)
 
+    def valid_prefix(self, stream: int, position: int, previous: int, proposal: Sequence[int]) -> int:
+        """How many of the proposal's first tokens are the drafter's top choices in the request's real context: a
+        draft made from another context (a lookahead backup: a branch whose bonus token was not the real one)
+        leaves it, and from there the target, whose token is the top choice or another candidate, rejects it."""
+        for index, token in enumerate(proposal):
+            if token != self.candidate(stream, position + index, previous, 1):
+                return index
+            previous = token
+        return len(proposal)
+
+    def judge(self, stream: int, position: int, previous: int, proposal: Sequence[int], drawn: int,
+              top_choice_rate: float) -> list[int]:
+        """The tokens a verification commits, where the acceptance model drew `drawn` accepted drafts for a
+        well-formed proposal: as drawn up to the proposal's valid prefix (`valid_prefix`); past it the proposal's
+        token is not the target's, so the draw decides only the target's own token there (its top choice where the
+        draw went on, another rank where it stopped), which is then the bonus."""
+        valid = self.valid_prefix(stream, position, previous, proposal)
+        if drawn <= valid:
+            return self.commit(stream, position, previous, proposal, drawn, top_choice_rate)
+        committed = list(proposal[:valid])
+        after = committed[-1] if committed else previous
+        committed.append(self.candidate(stream, position + valid, after, 1))
+        return committed
+
     def commit(self, stream: int, position: int, previous: int, proposal: Sequence[int], accepted: int,
                top_choice_rate: float) -> list[int]:
         """The tokens a verification commits: the first `accepted` proposed tokens and the bonus after them (the

@@ -79,3 +79,16 @@ def test_the_replica_commits_its_drafts_token_ids() -> None:
         assert matched == record.num_accepted_tokens
         total_accepted += matched
     assert total_accepted > 0
+
+
+def test_a_draft_from_another_context_is_rejected_where_it_leaves_the_real_one() -> None:
+    model = TokenModel(RANKS, seed=5)
+    right = model.draft(2, 50, 9, 3)
+    wrong = model.draft(2, 50, 10, 3)  # drafted after another token (a lookahead backup's wrong bonus)
+    assert model.valid_prefix(2, 50, 9, right) == 3 and model.valid_prefix(2, 50, 9, wrong) == 0
+    # A draw of 3 accepted drafts for a well-formed proposal commits them; for the wrong one none is accepted and
+    # the target's token there is the drafter's top choice in the real context (the draw went on past it).
+    assert model.judge(2, 50, 9, right, 3, 0.8)[:3] == right
+    assert model.judge(2, 50, 9, wrong, 3, 0.8) == [right[0]]
+    # A draw that stopped there leaves another rank as the bonus, never the top choice.
+    assert all(model.judge(2, 50, 9, wrong, 0, 0.8) != [right[0]] for _ in range(50))
