@@ -115,3 +115,14 @@ def test_measured_hits_replace_the_derived_rate_and_scale_other_fanouts() -> Non
     model.lookahead_hits.observe(3, 2, hits=40, requests=100)  # half the derived rate was measured at F = 2
     assert model.lookahead_hit_rate(3, 2) == pytest.approx(0.4)
     assert model.lookahead_hit_rate(3, 4) == pytest.approx(derived_4 * 0.4 / derived_2)
+
+
+def test_misses_verified_with_backups_cost_their_tokens_but_gain_nothing() -> None:
+    model = priced_model(**(CPU | {"beside_factor": 1.0}))  # verification linear in tokens
+    plain = model.predict(LOOKAHEAD, 3, 16, fanout=2)
+    model.lookahead_hits.observe_proposed(3, 1.0, requests=64)  # every miss verified with a backup's k tokens
+    backed = model.predict(LOOKAHEAD, 3, 16, fanout=2)
+    assert plain is not None and backed is not None
+    assert backed.tokens_per_cycle == pytest.approx(plain.tokens_per_cycle)
+    assert backed.cycle_seconds == pytest.approx(model._shaped_verify_seconds(BESIDE, 16, 4.0), rel=1e-6)
+    assert backed.cycle_seconds > plain.cycle_seconds

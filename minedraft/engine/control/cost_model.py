@@ -42,7 +42,9 @@ F likely outcomes, R x F branches of k tokens, beside the verification; a reques
 takes its draft, a miss decodes the next step without one):
     lookahead(k, F):  R * (h L(k) + (1 - h)) / max(V'(R (1 + h k)) + o'(R), t(R F, k))
 with h the share of requests verified with a branch's draft (`LookaheadHits`: measured at the (k, F) that ran,
-derived elsewhere from the per-position acceptance and the drafter's rank of the target's token, `branch_hit_rate`).
+derived elsewhere from the per-position acceptance and the drafter's rank of the target's token, `branch_hit_rate`);
+where misses are verified with a backup branch or padded, the verification holds that measured share of k-token
+proposals instead of h (their tokens are priced, their gains are not).
 """
 
 from __future__ import annotations
@@ -314,6 +316,22 @@ class LookaheadHits:
     # (k, F) -> [hits, decoded requests], decayed
     counts: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     rank_given_rejection: tuple[float, ...] = LOCAL_PAIR_RANK_GIVEN_REJECTION
+    # k -> [decoded requests verified with k proposed tokens (hits, and misses with a backup branch or padding),
+    # decoded requests], decayed: what a lookahead step verifies, beyond the hits
+    proposed: dict[int, list[float]] = field(default_factory=dict)
+
+    def observe_proposed(self, k: int, share: float, requests: int) -> None:
+        counts = self.proposed.setdefault(k, [0.0, 0.0])
+        counts[0] = counts[0] * self.decay + share * requests
+        counts[1] = counts[1] * self.decay + requests
+
+    def proposed_share(self, k: int, hit_rate: float) -> float:
+        """Of the decoded requests, the share a lookahead step verifies with k tokens: measured (misses with a
+        backup or padded count), else the hits alone."""
+        counts = self.proposed.get(k)
+        if counts is None or counts[1] < self.min_requests:
+            return hit_rate
+        return max(hit_rate, min(1.0, counts[0] / counts[1]))
 
     def observe(self, k: int, fanout: int, hits: int, requests: int) -> None:
         if requests <= 0 or k <= 0 or fanout <= 0:
@@ -460,7 +478,10 @@ class CostModel:
             self.last_verify_step = record.step
         if record.mode == LOOKAHEAD and decode_only:
             self._observe_branches(record)
-        if record.num_requests_with_drafts > 0:
+        # (A lookahead step that verified misses with backup branches, drafts made for an outcome the request did not
+        # have, says nothing of the drafter's acceptance: its acceptance is not learned.)
+        backups = record.mode == LOOKAHEAD and record.num_requests_with_drafts > record.num_branch_hits
+        if record.num_requests_with_drafts > 0 and not backups:
             self.acceptance.observe(record.drafted_per_position, record.accepted_per_position)
             if record.draft_seconds > 0 and not resuming:
                 self._observe_draft(record)
@@ -487,6 +508,10 @@ class CostModel:
         if hits + misses <= 0 or record.k <= 0:
             return
         self.lookahead_hits.observe(record.k, record.lookahead_fanout or self.lookahead_fanout, hits, hits + misses)
+        requests = record.num_decode_requests
+        if requests > 0:
+            share = (record.num_scheduled_tokens / requests - 1.0) / record.k
+            self.lookahead_hits.observe_proposed(record.k, min(1.0, max(0.0, share)), requests)
 
     def _observe_draft(self, record: StepRecord) -> None:
         # The job's own size where the step reports it (around a switch the requests verified with drafts are not
@@ -664,7 +689,8 @@ class CostModel:
         drafter drafts R x F branches of the next round beside it; the step lasts the longer of the two."""
         hit = self.lookahead_hit_rate(k, fanout)
         tokens = num_running * (hit * self.acceptance.expected_accepted_length(k) + (1.0 - hit))
-        verify = self._shaped_verify_seconds(BESIDE, num_running, 1.0 + hit * k) or 0.0
+        proposed = self.lookahead_hits.proposed_share(k, hit)
+        verify = self._shaped_verify_seconds(BESIDE, num_running, 1.0 + proposed * k) or 0.0
         overhead = self._curve(self.overhead, BESIDE).predict(num_running) or 0.0
         cycle = max(verify + overhead, self._draft_seconds(num_running * fanout, k))
         if cycle <= 0:
