@@ -38,9 +38,9 @@ with A = ceil(R/2), B = R - A, and V', o' those of steps beside a draft (o_ahead
 ahead and such steps were measured). psd with one side empty is sd.
 
 Lookahead (every step verifies the whole batch; at its launch a branch job drafts the next round for each request's
-F likely outcomes, R x F branches of k tokens, beside the verification; a request whose outcome matches a branch
-takes its draft, a miss decodes the next step without one):
-    lookahead(k, F):  R * (h L(k) + (1 - h)) / max(V'(R (1 + h k)) + o'(R), t(R F, k))
+F likely outcomes, R x F branches of k tokens, beside the verification, and a miss's root k + 1 deep; a request whose
+outcome matches a branch takes its draft, a miss decodes the next step without one):
+    lookahead(k, F):  R * (h L(k) + (1 - h)) / max(V'(R (1 + h k)) + o'(R), t(R F, k + 1))
 with h the share of requests verified with a branch's draft (`LookaheadHits`: measured at the (k, F) that ran,
 derived elsewhere from the per-position acceptance and the drafter's rank of the target's token, `branch_hit_rate`);
 where misses are verified with a backup branch or padded, the verification holds that measured share of k-token
@@ -346,6 +346,11 @@ class LookaheadHits:
             return None
         return counts[0] / counts[1]
 
+    def measured_any_fanout(self, k: int) -> bool:
+        """Whether lookahead ran at draft length k long enough to tell its hit rate, at any fan-out (the engine's
+        core moves the fan-out from step to step with measured times)."""
+        return sum(c[1] for (kk, _), c in self.counts.items() if kk == k) >= self.min_requests
+
     def hit_rate(self, conditionals: Sequence[float], k: int, fanout: int) -> float:
         measured = self.measured(k, fanout)
         if measured is not None:
@@ -382,6 +387,9 @@ PLAIN, ALONE, BESIDE = "plain", "alone", "beside"
 KINDS = (PLAIN, ALONE, BESIDE)
 # The mode whose steps verify the whole batch beside a branch job drafting the next round (engine/settings.py).
 LOOKAHEAD = "lookahead"
+# Lookahead steps after a switch to it whose hits and misses are the switch's: the first verifies without branches,
+# the second with those drafted from roots only.
+LOOKAHEAD_WARMUP_STEPS = 2
 
 
 def _curves() -> dict[str, CostCurve]:
@@ -434,6 +442,8 @@ class CostModel:
     last_draft_step: int = -1
     # Whether any step verified on the drafter's cores too (then sd's steps and psd's differ in cost).
     widening_seen: bool = False
+    # Lookahead steps in a row so far (the first LOOKAHEAD_WARMUP_STEPS after a switch teach no hit rate).
+    _lookahead_streak: int = 0
     # The fan-out lookahead runs with (the latest lookahead step's; before any, the engine's default
     # --lookahead-fanout): what lookahead is priced at unless other fan-outs are asked for.
     lookahead_fanout: int = 4
@@ -476,7 +486,10 @@ class CostModel:
                 self.verify_q[kind].setdefault(round(q), CostCurve()).observe(
                     record.num_decode_requests, record.verify_seconds)
             self.last_verify_step = record.step
-        if record.mode == LOOKAHEAD and decode_only:
+        # The first lookahead steps after another mode hold no branches yet (the first drafts each request's root
+        # only): their misses are the switch's, not the mode's hit rate.
+        self._lookahead_streak = self._lookahead_streak + 1 if record.mode == LOOKAHEAD else 0
+        if record.mode == LOOKAHEAD and decode_only and self._lookahead_streak > LOOKAHEAD_WARMUP_STEPS:
             self._observe_branches(record)
         # (A lookahead step that verified misses with backup branches, drafts made for an outcome the request did not
         # have, says nothing of the drafter's acceptance: its acceptance is not learned.)
@@ -647,7 +660,7 @@ class CostModel:
             # Its branch jobs are F times the batch, and its hit share is known only where it ran.
             return not (curve.covers(num_running * (k + 1), slack)
                         and self._drafting_covers(num_running * max(1, fanout), k, slack)
-                        and self.lookahead_hits.measured(k, max(1, fanout)) is not None)
+                        and self.lookahead_hits.measured_any_fanout(k))
         if alone:
             return not (curve.covers(num_running * (k + 1), slack) and self._drafting_covers(num_running, k, slack))
         return not (curve.covers(a * (k + 1), slack) and self._drafting_covers(a, k, slack)
@@ -692,7 +705,11 @@ class CostModel:
         proposed = self.lookahead_hits.proposed_share(k, hit)
         verify = self._shaped_verify_seconds(BESIDE, num_running, 1.0 + proposed * k) or 0.0
         overhead = self._curve(self.overhead, BESIDE).predict(num_running) or 0.0
-        cycle = max(verify + overhead, self._draft_seconds(num_running * fanout, k))
+        # The branch job: F branches of k tokens per request, and the roots of those verified without a draft
+        # drafted k + 1 deep (their first token guesses the one that step samples): the drafter's loop runs as deep as
+        # its deepest item.
+        depth = k + 1 if hit < 1.0 else k
+        cycle = max(verify + overhead, self._draft_seconds(num_running * fanout, depth))
         if cycle <= 0:
             return None
         return Prediction(LOOKAHEAD, k, tokens / cycle, cycle, tokens, fanout, hit)
