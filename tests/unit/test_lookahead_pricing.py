@@ -17,6 +17,7 @@ from minedraft.engine.control.cost_model import (
     branch_hit_rate,
     outcome_probabilities,
 )
+from minedraft.engine.control.stats import StepRecord
 
 RANKS = (0.5, 0.25, 0.25)  # P(rank = 2, 3, 4 | rank >= 2): a hand-checkable stand-in for the measured one
 
@@ -126,3 +127,37 @@ def test_misses_verified_with_backups_cost_their_tokens_but_gain_nothing() -> No
     assert backed.tokens_per_cycle == pytest.approx(plain.tokens_per_cycle)
     assert backed.cycle_seconds == pytest.approx(model._shaped_verify_seconds(BESIDE, 16, 4.0), rel=1e-6)
     assert backed.cycle_seconds > plain.cycle_seconds
+
+
+def lookahead_record(step: int, hits: int, misses: int, *, backups: int = 0, k: int = 3,
+                     fanout: int = 2) -> StepRecord:
+    """A lookahead step of hits + misses decoding requests: hits verified with k drafted tokens (2 accepted each),
+    `backups` of the misses with a backup branch's k tokens (none accepted)."""
+    drafted = hits + backups
+    return StepRecord(
+        step=step, started_at=0.02 * step, mode=LOOKAHEAD, verified_group=0, group_sizes=(hits + misses, 0),
+        num_decode_requests=hits + misses, num_prefill_requests=0, num_requests_with_drafts=drafted,
+        num_draft_tokens=k * drafted, num_accepted_tokens=2 * hits,
+        drafted_per_position=(drafted,) * k, accepted_per_position=(hits, hits, 0),
+        num_output_tokens=3 * hits + misses, num_scheduled_tokens=(hits + misses) + k * drafted,
+        verify_seconds=0.02, wait_seconds=0.0, draft_seconds=0.005, drafter_idle_seconds=0.0, schedule_seconds=0.0,
+        step_seconds=0.02, drafter_up=True, k=k, num_branch_hits=hits, num_branch_misses=misses,
+        lookahead_fanout=fanout)
+
+
+def test_hits_are_learned_past_a_switchs_first_steps_and_backups_teach_no_acceptance() -> None:
+    model = CostModel()
+    # The first two lookahead steps after a switch hold no branches yet: all misses, not the mode's hit rate.
+    model.observe(lookahead_record(1, 0, 16))
+    model.observe(lookahead_record(2, 0, 16))
+    assert model.lookahead_hits.counts == {}
+    for step in range(3, 8):
+        model.observe(lookahead_record(step, 12, 4, backups=4))
+    assert model.lookahead_hits.measured(3, 2) == pytest.approx(0.75)
+    assert model.lookahead_fanout == 2
+    # Every request verified with k tokens (hits and backups): the verification's share, beyond the hits.
+    assert model.lookahead_hits.proposed_share(3, 0.75) == pytest.approx(1.0)
+    # Steps with backups (drafts for outcomes that did not happen) leave acceptance unlearned; clean ones teach it.
+    assert not model.acceptance.drafted
+    model.observe(lookahead_record(8, 16, 0))
+    assert model.acceptance.drafted[0] == pytest.approx(16)
