@@ -15,6 +15,7 @@ Sections (each writes its own JSON under benchmarks/results/gpu-twin/; `report` 
     python benchmarks/twin_lookahead.py auto      # auto vs the best fixed mode at 1-256, shared and perturbed curves
     python benchmarks/twin_lookahead.py what-if   # a policy the engine does not run: F fixed at the setting
     python benchmarks/twin_lookahead.py report
+    python benchmarks/twin_lookahead.py all       # every section, then the report
 
 `what-if` is labelled as such everywhere: it replaces the core's fan-out rule (psd/lookahead.fanout_for, which prices
 a branch job linearly in its items from the measured seconds per item) in this process only, drafting F branches per
@@ -259,18 +260,18 @@ def report() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("section", choices=("vs-sd", "band", "auto", "what-if", "report"))
+    sections = {"vs-sd": section_vs_sd, "band": section_band, "auto": section_auto, "what-if": section_what_if}
+    parser.add_argument("section", choices=(*sections, "report", "all"))
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    if args.section == "report":
-        (OUT / "lookahead.md").write_text(report())
-        return
-    started = time.time()
-    data = {"vs-sd": section_vs_sd, "band": section_band, "auto": section_auto,
-            "what-if": section_what_if}[args.section]()
-    data["seconds"] = round(time.time() - started)
-    (OUT / f"lookahead-{args.section}.json").write_text(json.dumps(data, indent=1) + "\n")
-    log(f"{args.section}: done in {data['seconds']} s")
+    # (what-if last: it replaces the core's fan-out rule in this process)
+    for name in sections if args.section == "all" else () if args.section == "report" else (args.section,):
+        started = time.time()
+        data = sections[name]()
+        data["seconds"] = round(time.time() - started)
+        (OUT / f"lookahead-{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+        log(f"{name}: done in {data['seconds']} s")
+    (OUT / "lookahead.md").write_text(report())
 
 
 if __name__ == "__main__":
