@@ -86,3 +86,39 @@ def test_the_vllm_drafter_takes_in_catch_up_chunks_without_drafting_them(psd_vll
                           "vllm drafter, catch-up chunks")
     assert chunks, "no catch-up was chunked"
     assert engine.totals().accepted_tokens > before.accepted_tokens, "drafts took part"
+
+
+def test_lookahead_with_the_vllm_drafter_drafts_branches_with_candidates_and_matches_target_alone(
+        psd_vllm_drafter_engine, ar_engine, pair_dir):
+    """Each branch a vLLM request over the prefix-cached committed context plus its tail; candidates from top-F
+    logprobs. The output stays the target's and pre-drafted branches match real outcomes."""
+    from minedraft.bench.workload import bench_prompts
+
+    engine = psd_vllm_drafter_engine
+    prompts = [ar_engine.encode_prompt(t) for t in bench_prompts(pair_dir, 4, chars=160)]
+    sampling = SamplingSettings(max_tokens=24)
+    expected = reference(ar_engine, prompts, sampling)
+    engine.set_mode(Mode.LOOKAHEAD, k=4)
+    arrived = []
+    core = engine.psd_scheduler.core
+    store = core.planner.store_branches
+
+    def spy(drafts, is_live):
+        drafts = list(drafts)
+        arrived.extend(draft for _, draft in drafts)
+        return store(drafts, is_live)
+
+    core.planner.store_branches = spy
+    before = engine.totals()
+    try:
+        run = drive(engine, [Planned(f"vla-{i}", p, sampling) for i, p in enumerate(prompts)])
+    finally:
+        del core.planner.store_branches
+        engine.set_mode(Mode.PSD, k=4)
+    assert_greedy_matches([run.completions[f"vla-{i}"].token_ids for i in range(4)], expected, "vllm lookahead")
+    after = engine.totals()
+    assert after.branch_hits > before.branch_hits and after.branches_drafted > before.branches_drafted
+    tailed = [d for d in arrived if d.tail]
+    assert tailed and all(len(d.candidates) == len(d.token_ids) + 1 for d in tailed if d.token_ids)
+    assert all(c and c[0] == t for d in tailed for c, t in zip(d.candidates, d.token_ids, strict=False)), \
+        "greedy: the top candidate is the drafted token"

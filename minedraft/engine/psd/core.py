@@ -53,7 +53,7 @@ from minedraft.engine.psd.lookahead import (
     Verified,
     allot,
     bonus_rank,
-    fanout_for,
+    choose_fanout,
     outcomes,
 )
 from minedraft.engine.psd.planner import (
@@ -189,6 +189,8 @@ class SpeculationCore:
         # Lookahead: acceptance per position, bonus-token ranks and the drafter's time per branch, measured here.
         self.lookahead_stats = LookaheadStats()
         self.lookahead_fanout = settings.lookahead_fanout
+        # Branch jobs in flight (or abandoned and still to answer) -> the fan-out they were sent with.
+        self._lookahead_jobs: dict[int, int] = {}
         self.stats = StatsRecorder(settings.stats_history)
         self.check_invariants = settings.check_invariants
         # Steps scheduled and not yet updated, oldest first: one, or two while async PSD steps overlap.
@@ -270,16 +272,18 @@ class SpeculationCore:
         timing.draft_jobs_in_flight = len(self.source.jobs)
         jobs_or_ahead = bool(self.source.jobs) or last is not None
         # (Lookahead drafts the next round during every verification: its job is sent once the step is launched.)
-        widen = should_widen(step_mode is Mode.AR, jobs_or_ahead, self.source.loading) and not (
-            step_mode is Mode.LOOKAHEAD and any(view.decoding for view in views))
+        widen = (should_widen(step_mode is Mode.AR, jobs_or_ahead, self.source.loading)
+                 and step_mode is not Mode.LOOKAHEAD)
         plan = self.planner.plan(views, step_mode, group, pad=self.auto is None, reader=self.tokens)
         held = plan.held_out | busy if busy else plan.held_out
         return StepDecision(plan, held, widen, views)
 
     def commit(self, decision: StepDecision, request_ids: Iterable[str],
-               verified: Mapping[str, list[int]] | None = None, now: float | None = None) -> None:
+               verified: Mapping[str, list[int]] | None = None, now: float | None = None,
+               finishing: Sequence[RequestState] = ()) -> None:
         """The host launched the step: `request_ids` run in it (with `verified`'s proposals: checked against the
-        plan with check_invariants)."""
+        plan with check_invariants); `finishing`: requests whose prompt the step completes (their first token is
+        sampled in it: lookahead drafts their roots beside it, so their first decode step can have a branch)."""
         timing = self.timing
         timing.scheduled_at = self.clock() if now is None else now
         timing.scheduled_ahead = bool(self._launched)
@@ -289,7 +293,7 @@ class SpeculationCore:
             self.planner.check_step(decision.plan, decision.views, verified)
         if decision.step_mode is Mode.LOOKAHEAD:
             # The drafter drafts the next round while the target verifies this one.
-            self._submit_branches(launched, verified)
+            self._submit_branches(launched, verified, finishing)
 
     def update(self, decision: StepDecision, outcome: StepOutcome, now: float | None = None) -> StepRecord:
         """The step's outcome is in (the host committed its tokens): returns the step's record."""
@@ -578,9 +582,11 @@ class SpeculationCore:
         else:
             self._handle(source.take_events())
 
-    def _submit_branches(self, launched: _Launched, verified: Mapping[str, list[int]] | None) -> None:
+    def _submit_branches(self, launched: _Launched, verified: Mapping[str, list[int]] | None,
+                         finishing: Sequence[RequestState] = ()) -> None:
         """The next round's branch job, sent as a lookahead step is launched: each request's likeliest outcomes of
-        this verification (psd/lookahead.py), its root for one verified without drafts."""
+        this verification (psd/lookahead.py), its root for one verified without drafts or whose prompt the step
+        finishes."""
         source = self.source
         if not source.attached or not source.up:
             return
@@ -596,6 +602,9 @@ class SpeculationCore:
         scheduled = ran.__contains__ if ran else (lambda rid: rid not in held)
         ranked: dict[str, list[Outcome]] = {}
         tails: dict[str, list[tuple[int, ...]]] = {}
+        for view in finishing:
+            # Its first token is sampled in this step: the root's first drafted token guesses it.
+            tails[view.request_id] = [()]
         for view in decision.views:
             rid = view.request_id
             if not view.decoding or not scheduled(rid):
@@ -614,17 +623,25 @@ class SpeculationCore:
                     launched.verified[rid] = Verified(view.num_tokens, drafted, candidates)
             else:
                 tails[rid] = [()]
-        fanout = fanout_for(self.lookahead_fanout, len(ranked) + len(tails), self.lookahead_stats,
-                            self.wait_policy.verify_seconds)
+        fanout = choose_fanout(ranked, self.lookahead_stats, self.lookahead_fanout, self.k,
+                               self.wait_policy.verify_seconds)
         for rid, chosen in allot(ranked, fanout * len(ranked)).items():
             tails[rid] = [outcome.tail for outcome in chosen]
-        items = planner.lookahead_job(decision.views, scheduled, tails)
+        finishing_ids = frozenset(view.request_id for view in finishing)
+        views = [*(v for v in decision.views if v.request_id not in finishing_ids), *finishing]
+        items = planner.lookahead_job(views, scheduled, tails, finishing_ids)
         if not items:
             return
         if source.submit(0, items, self.tokens, want_logprobs=False, top_f=self.lookahead_fanout):
             planner.job_sent(items)
             launched.num_branches = sum(1 for item in items if item.tail)
             launched.fanout = fanout
+            job = source.jobs.get(0)
+            if job is not None and ranked:
+                # (Priced by the fan-out it was sent with once it answers, late or not; roots-only jobs are not.)
+                self._lookahead_jobs[job.job_id] = fanout
+                while len(self._lookahead_jobs) > 64:  # (jobs a replaced drafter never answered)
+                    del self._lookahead_jobs[next(iter(self._lookahead_jobs))]
         else:
             self._handle(source.take_events())
 
@@ -645,7 +662,8 @@ class SpeculationCore:
                 # (Drafts of requests forgotten meanwhile are dropped: the planner keeps records of live ones only.)
                 if self.chosen_mode is Mode.LOOKAHEAD or any(d.tail or d.candidates for _, d in event.drafts):
                     planner.store_branches(event.drafts, planner.records.__contains__)
-                    self.lookahead_stats.observe_job(event.draft_seconds, len(event.drafts))
+                    fanout = self._lookahead_jobs.pop(event.job_id, 0)
+                    self.lookahead_stats.observe_job(event.draft_seconds, fanout)
                 else:
                     planner.store_drafts(event.drafts, planner.records.__contains__)
             elif isinstance(event, JobFailed):

@@ -12,14 +12,16 @@ P(a) * q(rank of b): P(a) from the acceptance per position measured here (positi
 smoothed), q from how often the target's token was the drafter's rank-r candidate, measured apart after a full
 acceptance and after a rejection (after a rejection the rejected draft token is excluded: under greedy and keyed
 sampling the target's token then differs from it). The job keeps the likeliest outcomes across the batch within the
-fan-out: each request's top one, then the rest by probability, at most `max_fanout` per request and the measured
-time allows (`fanout_for`), so fan-out goes where acceptance is low (a request whose drafts are usually accepted
-needs one branch; one at a coin toss needs several).
+fan-out: each request's top one, then the rest by probability, at most `max_fanout` per request and as many in all
+as pays for itself in measured time (`choose_fanout`), so fan-out goes where acceptance is low (a request whose
+drafts are usually accepted needs one branch; one at a coin toss needs several).
 
-A request without a branch (a newcomer, a miss, the drafter late or restarted, the job abandoned) decodes without
-drafts in that step while its root item (its real context, no tail) is drafted k + 1 deep. Chosen over waiting for a
-short draft because waiting stalls the whole batch for one request, while a step without drafts costs that request
-only the tokens its drafts would have added; and the root draft becomes a branch for free: its first drafted token is
+A request without a branch (a newcomer, a miss, the drafter late or restarted, the job abandoned) is verified with a
+backup where one exists (planner._plan_lookahead: a branch drafted for its accepted length with another bonus token),
+else without drafts in that step, while its root item (its real context, no tail) is drafted k + 1 deep. Chosen over
+waiting for a short draft because waiting stalls the whole batch for one request, while a step without drafts costs
+that request only the tokens its drafts would have added; and the root draft becomes a branch for free: its first
+drafted token is
 the drafter's guess for the token this step samples, so if the target agrees (`match` reads drafted tokens the
 request has since committed as part of the tail), the remaining k tokens are a draft for the next round.
 """
@@ -109,9 +111,9 @@ class LookaheadStats:
     accepted: list[float] = field(default_factory=list)
     after_full: BonusCounts = field(default_factory=BonusCounts)
     after_reject: BonusCounts = field(default_factory=BonusCounts)
-    # Drafter seconds per branch item (EMA over lookahead jobs): what prices the fan-out against a verification.
-    seconds_per_item: float | None = None
-    alpha: float = 0.2
+    # Drafter seconds of branch jobs by the fan-out they were sent with (EMA): what prices a fan-out.
+    job_seconds: dict[int, float] = field(default_factory=dict)
+    alpha: float = 0.3
 
     def acceptance(self, position: int) -> float:
         """P(position+1 accepted | the first `position` were)."""
@@ -127,12 +129,60 @@ class LookaheadStats:
             self.reached[position] += 1
             self.accepted[position] += position < num_accepted
 
-    def observe_job(self, draft_seconds: float, num_items: int) -> None:
-        if num_items <= 0 or draft_seconds <= 0:
+    def observe_job(self, draft_seconds: float, fanout: int) -> None:
+        """A branch job sent with `fanout` took `draft_seconds` in the drafter. The prices of the other fan-outs
+        move too: a smaller one never costs more, and a larger one not tried lately relaxes towards this price (so
+        one priced while the machine was busy is tried again, not avoided for good)."""
+        if draft_seconds <= 0 or fanout <= 0:
             return
-        sample = draft_seconds / num_items
-        old = self.seconds_per_item
-        self.seconds_per_item = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
+        alpha = self.alpha
+        old = self.job_seconds.get(fanout)
+        seconds = self.job_seconds[fanout] = draft_seconds if old is None else (1 - alpha) * old + alpha * draft_seconds
+        for other, price in list(self.job_seconds.items()):
+            if other < fanout and price > seconds:
+                self.job_seconds[other] = seconds
+            elif other > fanout and price > seconds:
+                self.job_seconds[other] = price - alpha * (price - seconds)
+
+    def expected_accepted(self, length: int) -> float:
+        """Drafts a verification of `length` drafted tokens is expected to accept (the acceptance measured here)."""
+        total, reach = 0.0, 1.0
+        for position in range(length):
+            reach *= self.acceptance(position)
+            total += reach
+        return total
+
+    def job_seconds_at(self, fanout: int) -> float | None:
+        """A job's measured time at this fan-out. Unmeasured, an optimistic guess from the nearest measured one:
+        no dearer above it, cheaper in proportion below it; so an untried fan-out is tried once it looks worth it,
+        and from then on priced by what it cost."""
+        if fanout in self.job_seconds:
+            return self.job_seconds[fanout]
+        if not self.job_seconds:
+            return None
+        nearest = min(self.job_seconds, key=lambda f: (abs(f - fanout), f))
+        return self.job_seconds[nearest] * min(1.0, fanout / nearest)
+
+
+def choose_fanout(ranked: Mapping[str, list[Outcome]], stats: LookaheadStats, max_fanout: int, k: int,
+                  verify_seconds: float | None) -> int:
+    """The fan-out with the most tokens per second expected: a request hits with the probability its chosen outcomes
+    cover (the likeliest F), a hit adds the drafts its branch is expected to have accepted, and a step lasts as long
+    as the longer of its verification and its branch job (measured per fan-out: a job's time is mostly a fixed number
+    of batched forwards, so its price per branch changes with the fan-out and is not extrapolated)."""
+    if not ranked or verify_seconds is None or not stats.job_seconds:
+        return max_fanout
+    gain = stats.expected_accepted(k)
+    best, best_rate = 1, -1.0
+    for fanout in range(1, max_fanout + 1):
+        job = stats.job_seconds_at(fanout)
+        if job is None:
+            continue
+        covered = sum(sum(o.probability for o in found[:fanout]) for found in ranked.values()) / len(ranked)
+        rate = (1.0 + min(1.0, covered) * gain) / max(verify_seconds, job)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = fanout, rate
+    return best
 
 
 def outcomes(request_id: str, drafted: Sequence[int], candidates: Sequence[Sequence[int]], stats: LookaheadStats,
@@ -164,14 +214,6 @@ def allot(ranked: Mapping[str, list[Outcome]], budget: int) -> dict[str, list[Ou
     for outcome in rest[:max(0, left)]:
         chosen[outcome.request_id].append(outcome)
     return chosen
-
-
-def fanout_for(max_fanout: int, num_requests: int, stats: LookaheadStats, verify_seconds: float | None) -> int:
-    """Branches per request on average that the drafter can draft within one verification (measured), 1..max."""
-    per_item = stats.seconds_per_item
-    if per_item is None or verify_seconds is None or num_requests <= 0 or per_item <= 0:
-        return max_fanout
-    return max(1, min(max_fanout, int(verify_seconds / (per_item * num_requests))))
 
 
 def bonus_rank(verified: Verified, num_sampled: int, committed: Sequence[int]) -> tuple[bool, int | None] | None:

@@ -376,7 +376,8 @@ class PSDPlanner:
                            frozenset(misses), frozenset(backups))
 
     def lookahead_job(self, requests: Sequence[RequestState], scheduled: Callable[[str], bool],
-                      tails: Mapping[str, Sequence[tuple[int, ...]]]) -> list[JobItemPlan]:
+                      tails: Mapping[str, Sequence[tuple[int, ...]]],
+                      finishing_prompts: frozenset[str] = frozenset()) -> list[JobItemPlan]:
         """The branch job sent at a lookahead step's launch: per request that runs in it, its committed delta (as
         draft_job sends it, catch-up bounded the same way) and one item per tail in `tails` (the root, (), for a
         request verified without drafts). Each item drafts up to k tokens after its tail (a root k + 1: its first
@@ -388,7 +389,8 @@ class PSDPlanner:
         catch_up_left = self.catch_up_tokens_per_job
         for request in requests:
             rid = request.request_id
-            if not request.decoding or not scheduled(rid) or self._is_quarantined(rid) or rid not in tails:
+            if (not (request.decoding or rid in finishing_prompts) or not (scheduled(rid) or rid in finishing_prompts)
+                    or self._is_quarantined(rid) or rid not in tails):
                 continue
             base = self._holds(rid) if self.send_deltas else 0
             if base > request.num_tokens:

@@ -131,8 +131,25 @@ class PSDScheduler(Scheduler):
         if self.resident_sub_batches:
             skip_token_resend(self)
         output = super().schedule(*args, **kwargs)
-        core.commit(decision, output.num_scheduled_tokens, output.scheduled_spec_decode_tokens)
+        core.commit(decision, output.num_scheduled_tokens, output.scheduled_spec_decode_tokens,
+                    finishing=self._finishing_prompts(output) if decision.step_mode is Mode.LOOKAHEAD else ())
         return output
+
+    def _finishing_prompts(self, output: SchedulerOutput) -> list[RequestState]:
+        """Views of the requests whose prompt this step completes (vLLM has advanced their computed tokens past it):
+        their first token is sampled in the step. Newly admitted ones were not among the views the step was planned
+        from."""
+        max_len = self.max_model_len
+        views = []
+        for request_id in output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if (request is None or request.num_output_tokens or request.num_computed_tokens < request.num_prompt_tokens
+                    or not request.num_tokens):
+                continue
+            pad_room = max_len - request.num_tokens - 1
+            views.append(RequestState(request_id, request.num_tokens, False,
+                                      min(request.max_tokens - 1, pad_room), pad_room, request.all_token_ids[-1]))
+        return views
 
     def may_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the one in flight is updated (SpeculationCore's rule)."""

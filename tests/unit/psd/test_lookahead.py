@@ -8,7 +8,15 @@ from dataclasses import dataclass, field
 
 from minedraft.engine.psd.core import SpeculationCore, StepDecision, StepOutcome
 from minedraft.engine.psd.events import DraftsArrived, TokenReader
-from minedraft.engine.psd.lookahead import LookaheadStats, Verified, allot, bonus_rank, match, outcomes
+from minedraft.engine.psd.lookahead import (
+    LookaheadStats,
+    Verified,
+    allot,
+    bonus_rank,
+    choose_fanout,
+    match,
+    outcomes,
+)
 from minedraft.engine.psd.planner import Draft, JobItemPlan, RequestState
 from minedraft.engine.settings import Mode, SchedulerSettings
 from tests.unit.psd.test_core import FakeSource
@@ -238,12 +246,35 @@ def test_fanout_is_bounded_by_the_setting_and_by_measured_drafter_time():
         per_request[item.request_id] = per_request.get(item.request_id, 0) + 1
     assert max(per_request.values()) <= 2 and source.top_fs[-1] == 2
     assert core.stats.records()[-1].lookahead_fanout == 2
-    # Branches measured at 1 s each against 0.05 s verifications: one branch per request.
-    for _ in range(3):
-        source.answer_branches(world, draft_seconds=1.0 * len(source.sent[-1][1]))
+    # Jobs that cost 0.1 s per branch item against 0.05 s verifications: fewer branches pay (one per request).
+    for _ in range(4):
+        source.answer_branches(world, draft_seconds=0.1 * len(source.sent[-1][1]))
         step(core, world, rids)
     assert core.stats.records()[-1].lookahead_fanout == 1
     assert len(source.sent[-1][1]) == len(rids)
+
+
+def test_the_fanout_is_the_one_with_the_most_tokens_per_second_expected():
+    stats = LookaheadStats()
+    drafted = (11, 12, 13)
+    candidates = ((11, 21, 31, 41), (12, 22, 32, 42), (13, 23, 33, 43), (14, 24, 34, 44))
+    ranked = {rid: outcomes(rid, drafted, candidates, stats, 4) for rid in "ab"}
+    assert choose_fanout(ranked, stats, 4, K, 0.05) == 4, "nothing measured: the setting"
+    stats.observe_job(0.01, 4)  # a job of fixed time, well inside a verification: every branch is free
+    assert choose_fanout(ranked, stats, 4, K, 0.05) == 4
+    stats = LookaheadStats()
+    for fanout, seconds in ((1, 0.05), (2, 0.1), (3, 0.15), (4, 0.2)):  # each branch costs a verification
+        stats.observe_job(seconds, fanout)
+    assert choose_fanout(ranked, stats, 4, K, 0.05) == 1
+    # Untried fan-outs are priced optimistically from the nearest measured one, so they get tried.
+    stats = LookaheadStats()
+    stats.observe_job(0.2, 4)
+    assert choose_fanout(ranked, stats, 4, K, 0.05) == 1, "one branch priced at a quarter of four"
+    stats.observe_job(0.2, 1)  # measured: as dear as four (a fixed cost); three, untried, looks cheaper yet
+    assert stats.job_seconds[1] == 0.2 and choose_fanout(ranked, stats, 4, K, 0.05) == 3
+    for fanout in (3, 2):
+        stats.observe_job(0.2, fanout)
+    assert choose_fanout(ranked, stats, 4, K, 0.05) == 4, "every fan-out costs the same: the widest"
 
 
 def test_branches_the_context_moved_past_are_dropped_and_forget_drops_the_rest():
@@ -270,6 +301,21 @@ def test_branches_the_context_moved_past_are_dropped_and_forget_drops_the_rest()
     source.answer_branches(world)
     core.poll_drafter()
     assert "b" not in core.planner.records and core.planner.records["a"].branches
+
+
+def test_a_prompt_finished_in_a_step_has_its_root_drafted_beside_it():
+    world = World()
+    start(world, "a", "p")
+    core, source = make(world)
+    step(core, world, ["a"])
+    source.answer_branches(world)
+    decision = core.schedule([world.view("a")])
+    # p was admitted and prefilled whole by this step (the host says so: it was not among the planned views).
+    finishing = [RequestState("p", 10, False, draft_room=100, pad_room=1000, last_token_id=0)]
+    core.commit(decision, ["a", "p"], {rid: list(p) for rid, p in decision.proposals.items()}, finishing=finishing)
+    roots = [(i.request_id, i.base_num_tokens, i.num_tokens, i.tail, i.num_draft_tokens) for i in source.sent[-1][1]
+             if i.request_id != "a"]
+    assert roots == [("p", 0, 10, (), K + 1)]
 
 
 def test_a_late_branch_job_is_abandoned_and_every_request_decodes_without_drafts():
