@@ -64,6 +64,6 @@ def test_a_branch_job_costs_the_drafter_curve_at_its_items() -> None:
 
 def test_lookahead_runs_in_a_sweep_with_its_fanout_and_hit_rate() -> None:
     result = run_concurrency(COSTS, ACCEPTANCE, "lookahead", 3, 8, warmup_steps=10, measure_steps=40,
-                             min_measure_tokens=0, lookahead=LookaheadOptions(fanout=2))
+                             min_measure_tokens=0, lookahead=LookaheadOptions(fanout=2, backups=False))
     assert result.mode == "lookahead-k3" and result.gpus == 2
     assert 1 <= result.mean_fanout <= 2 and 0.3 < result.branch_hit_rate < 1
