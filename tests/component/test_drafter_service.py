@@ -228,6 +228,27 @@ def test_two_engines_share_one_service_identical_to_the_target_alone_and_both_ge
     # the other engine's arrives): test_jobs_of_two_sessions_waiting_together_are_drafted_in_one_batch checks it.
 
 
+def test_lookahead_through_the_shared_service_is_identical_to_the_target_alone_and_hits_branches(
+        engines, service, prompts, expected):
+    """Branch items (tails, top-F candidates) cross the service's sessions and batches and come back as branches."""
+    _wait_up(engines)
+    ks = [engine.psd_scheduler.core.k for engine in engines]
+    before = [engine.totals() for engine in engines]
+    for engine, k in zip(engines, ks, strict=True):
+        engine.set_mode(Mode.LOOKAHEAD, k, 0)
+    try:
+        outputs = drive_together(engines, prompts)
+    finally:
+        for engine, k in zip(engines, ks, strict=True):
+            engine.set_mode(Mode.PSD, k, 0)
+    for n, out in enumerate(outputs):
+        assert_greedy_matches(out, expected, f"engine {n}: lookahead via the shared drafter service")
+    for engine, was in zip(engines, before, strict=True):
+        now = engine.totals()
+        assert now.branches_drafted > was.branches_drafted and now.branch_hits > was.branch_hits, \
+            (now.branches_drafted - was.branches_drafted, now.branch_hits - was.branch_hits)
+
+
 def test_jobs_of_two_sessions_waiting_together_are_drafted_in_one_batch(service, prompts):
     """The real service drafts the jobs of different sessions that wait together in one forward. They are made to
     wait together by stopping the service while both are sent. (Its ZMQ I/O thread may still hand the loop one job

@@ -87,8 +87,10 @@ class StepRecord:
     num_bonus_covered_after_full: int = 0
     num_bonus_after_reject: int = 0
     num_bonus_covered_after_reject: int = 0
-    # The fan-out the branch job sent at this step's launch used (0: no job).
+    # The fan-out and branch depth (drafted tokens per branch) the branch job sent at this step's launch used (0: no
+    # job).
     lookahead_fanout: int = 0
+    lookahead_depth: int = 0
 
 
 @dataclass

@@ -19,10 +19,11 @@ real drafter link over a simulated drafter), and the unit tests (a fake draft so
 How a mode plugs in. A mode is a policy over the same three calls: what `schedule` verifies and proposes (the
 decision carries per-request proposals, `plan.proposals`, and who is held out), and what `update` submits to the
 draft source afterwards (`_submit`: the draft jobs, each a list of JobItemPlans for one key of InFlight). psd and sd
-are the planner's `pick_group`/`plan`/`draft_job` with the sub-batch as the job key; a lookahead mode (every step
-verifies the whole batch while the drafter pre-drafts the next round for several likely outcomes per request) is a
-planner of its own behind the same calls: its proposals are the drafts made for the outcome that happened, and its
-jobs are keyed by (request, round, branch) instead of sub-batch; events, waits, statistics, auto and the hosts stay.
+are the planner's `pick_group`/`plan`/`draft_job` with the sub-batch as the job key. Lookahead (psd/lookahead.py)
+is the same three calls with the whole batch as sub-batch 0: `schedule` verifies each request with the branch whose
+tail its committed tokens match (planner._plan_lookahead), `commit` sends the next round's branch job at once (the
+likeliest outcomes of the step just launched, `_submit_branches`) and `update` learns acceptance and bonus ranks from
+the outcome; events, waits, statistics, auto and the hosts stay.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from minedraft.engine.psd.lookahead import (
     Verified,
     allot,
     bonus_rank,
-    choose_fanout,
+    choose_shape,
     outcomes,
 )
 from minedraft.engine.psd.planner import (
@@ -154,6 +155,7 @@ class _Launched:
     verified: dict[str, Verified] = field(default_factory=dict)
     num_branches: int = 0
     fanout: int = 0
+    depth: int = 0
 
 
 class SpeculationCore:
@@ -186,11 +188,11 @@ class SpeculationCore:
         if configured is Mode.AUTO:
             self.auto = self._new_auto_controller()
         self.wait_policy = WaitPolicy(cap_seconds=settings.deadline_seconds)
-        # Lookahead: acceptance per position, bonus-token ranks and the drafter's time per branch, measured here.
+        # Lookahead: acceptance per position, bonus-token ranks and branch-job times per shape, measured here.
         self.lookahead_stats = LookaheadStats()
         self.lookahead_fanout = settings.lookahead_fanout
-        # Branch jobs in flight (or abandoned and still to answer) -> the fan-out they were sent with.
-        self._lookahead_jobs: dict[int, int] = {}
+        # Branch jobs in flight (or abandoned and still to answer) -> the shape (fan-out, depth) they were sent with.
+        self._lookahead_jobs: dict[int, tuple[int, int]] = {}
         self.stats = StatsRecorder(settings.stats_history)
         self.check_invariants = settings.check_invariants
         # Steps scheduled and not yet updated, oldest first: one, or two while async PSD steps overlap.
@@ -393,6 +395,7 @@ class SpeculationCore:
             num_bonus_after_reject=bonus[2],
             num_bonus_covered_after_reject=bonus[3],
             lookahead_fanout=launched.fanout,
+            lookahead_depth=launched.depth,
         )
         self._last_update_finished = finished
         self.stats.record(record)
@@ -623,23 +626,23 @@ class SpeculationCore:
                     launched.verified[rid] = Verified(view.num_tokens, drafted, candidates)
             else:
                 tails[rid] = [()]
-        fanout = choose_fanout(ranked, self.lookahead_stats, self.lookahead_fanout, self.k,
-                               self.wait_policy.verify_seconds)
+        fanout, depth = choose_shape(ranked, self.lookahead_stats, self.lookahead_fanout, self.k,
+                                     self.wait_policy.verify_seconds)
         for rid, chosen in allot(ranked, fanout * len(ranked)).items():
             tails[rid] = [outcome.tail for outcome in chosen]
         finishing_ids = frozenset(view.request_id for view in finishing)
         views = [*(v for v in decision.views if v.request_id not in finishing_ids), *finishing]
-        items = planner.lookahead_job(views, scheduled, tails, finishing_ids)
+        items = planner.lookahead_job(views, scheduled, tails, finishing_ids, depth)
         if not items:
             return
         if source.submit(0, items, self.tokens, want_logprobs=False, top_f=self.lookahead_fanout):
             planner.job_sent(items)
             launched.num_branches = sum(1 for item in items if item.tail)
-            launched.fanout = fanout
+            launched.fanout, launched.depth = fanout, depth
             job = source.jobs.get(0)
             if job is not None and ranked:
-                # (Priced by the fan-out it was sent with once it answers, late or not; roots-only jobs are not.)
-                self._lookahead_jobs[job.job_id] = fanout
+                # (Priced by the shape it was sent with once it answers, late or not; roots-only jobs are not.)
+                self._lookahead_jobs[job.job_id] = (fanout, depth)
                 while len(self._lookahead_jobs) > 64:  # (jobs a replaced drafter never answered)
                     del self._lookahead_jobs[next(iter(self._lookahead_jobs))]
         else:
@@ -654,6 +657,10 @@ class SpeculationCore:
                 # Late replies count too: a drafter slower than the budget would otherwise never be measured, every
                 # job abandoned, and the budget never grow to fit it.
                 self.wait_policy.observe_draft(event.draft_seconds)
+                shape = self._lookahead_jobs.pop(event.job_id, None)
+                if shape is not None:
+                    # (A lookahead job's price, late or not: the late ones are the dear ones.)
+                    self.lookahead_stats.observe_job(event.draft_seconds, shape)
                 job = event.job
                 if job is None:
                     continue  # a job abandoned after its deadline: its drafts are stale
@@ -662,8 +669,6 @@ class SpeculationCore:
                 # (Drafts of requests forgotten meanwhile are dropped: the planner keeps records of live ones only.)
                 if self.chosen_mode is Mode.LOOKAHEAD or any(d.tail or d.candidates for _, d in event.drafts):
                     planner.store_branches(event.drafts, planner.records.__contains__)
-                    fanout = self._lookahead_jobs.pop(event.job_id, 0)
-                    self.lookahead_stats.observe_job(event.draft_seconds, fanout)
                 else:
                     planner.store_drafts(event.drafts, planner.records.__contains__)
             elif isinstance(event, JobFailed):

@@ -111,8 +111,9 @@ class LookaheadStats:
     accepted: list[float] = field(default_factory=list)
     after_full: BonusCounts = field(default_factory=BonusCounts)
     after_reject: BonusCounts = field(default_factory=BonusCounts)
-    # Drafter seconds of branch jobs by the fan-out they were sent with (EMA): what prices a fan-out.
-    job_seconds: dict[int, float] = field(default_factory=dict)
+    # Drafter seconds of branch jobs by the shape they were sent with, (fan-out, branch depth) (EMA): what prices a
+    # shape.
+    job_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     alpha: float = 0.3
 
     def acceptance(self, position: int) -> float:
@@ -129,20 +130,21 @@ class LookaheadStats:
             self.reached[position] += 1
             self.accepted[position] += position < num_accepted
 
-    def observe_job(self, draft_seconds: float, fanout: int) -> None:
-        """A branch job sent with `fanout` took `draft_seconds` in the drafter. The prices of the other fan-outs
-        move too: a smaller one never costs more, and a larger one not tried lately relaxes towards this price (so
-        one priced while the machine was busy is tried again, not avoided for good)."""
-        if draft_seconds <= 0 or fanout <= 0:
+    def observe_job(self, draft_seconds: float, shape: tuple[int, int]) -> None:
+        """A branch job sent with `shape` (fan-out, depth) took `draft_seconds` in the drafter. The prices of other
+        shapes move too: a smaller one (no wider, no deeper) never costs more, and any other one not tried lately
+        relaxes towards this price (so one priced while the machine was busy is tried again, not avoided for
+        good)."""
+        if draft_seconds <= 0 or min(shape) <= 0:
             return
         alpha = self.alpha
-        old = self.job_seconds.get(fanout)
-        seconds = self.job_seconds[fanout] = draft_seconds if old is None else (1 - alpha) * old + alpha * draft_seconds
+        old = self.job_seconds.get(shape)
+        seconds = self.job_seconds[shape] = draft_seconds if old is None else (1 - alpha) * old + alpha * draft_seconds
         for other, price in list(self.job_seconds.items()):
-            if other < fanout and price > seconds:
-                self.job_seconds[other] = seconds
-            elif other > fanout and price > seconds:
-                self.job_seconds[other] = price - alpha * (price - seconds)
+            if other == shape or price <= seconds:
+                continue
+            smaller = other[0] <= shape[0] and other[1] <= shape[1]
+            self.job_seconds[other] = seconds if smaller else price - alpha * (price - seconds)
 
     def expected_accepted(self, length: int) -> float:
         """Drafts a verification of `length` drafted tokens is expected to accept (the acceptance measured here)."""
@@ -152,36 +154,41 @@ class LookaheadStats:
             total += reach
         return total
 
-    def job_seconds_at(self, fanout: int) -> float | None:
-        """A job's measured time at this fan-out. Unmeasured, an optimistic guess from the nearest measured one:
-        no dearer above it, cheaper in proportion below it; so an untried fan-out is tried once it looks worth it,
-        and from then on priced by what it cost."""
-        if fanout in self.job_seconds:
-            return self.job_seconds[fanout]
+    def job_seconds_at(self, shape: tuple[int, int]) -> float | None:
+        """A job's measured time at this shape. Unmeasured, an optimistic guess from the nearest measured one: no
+        dearer where wider or deeper, cheaper in proportion to its rows and forwards (depth + 2: the catch-up with the
+        tails, the further drafted positions, the candidates after the last) where narrower or shallower; so an
+        untried shape is tried once it looks worth it, and from then on priced by what it cost."""
+        if shape in self.job_seconds:
+            return self.job_seconds[shape]
         if not self.job_seconds:
             return None
-        nearest = min(self.job_seconds, key=lambda f: (abs(f - fanout), f))
-        return self.job_seconds[nearest] * min(1.0, fanout / nearest)
+        fanout, depth = shape
+        near = min(self.job_seconds, key=lambda s: (abs(s[0] - fanout) + abs(s[1] - depth), s))
+        return self.job_seconds[near] * min(1.0, fanout / near[0]) * min(1.0, (depth + 2) / (near[1] + 2))
 
 
-def choose_fanout(ranked: Mapping[str, list[Outcome]], stats: LookaheadStats, max_fanout: int, k: int,
-                  verify_seconds: float | None) -> int:
-    """The fan-out with the most tokens per second expected: a request hits with the probability its chosen outcomes
-    cover (the likeliest F), a hit adds the drafts its branch is expected to have accepted, and a step lasts as long
-    as the longer of its verification and its branch job (measured per fan-out: a job's time is mostly a fixed number
-    of batched forwards, so its price per branch changes with the fan-out and is not extrapolated)."""
+def choose_shape(ranked: Mapping[str, list[Outcome]], stats: LookaheadStats, max_fanout: int, k: int,
+                 verify_seconds: float | None) -> tuple[int, int]:
+    """The branch job's (fan-out, depth) with the most tokens per second expected: a request hits with the
+    probability its likeliest `fan-out` outcomes cover, a hit adds the drafts a `depth`-token branch is expected to
+    have accepted, and a step lasts as long as the longer of its verification and its branch job (measured per
+    shape: a job's time is mostly a fixed number of batched forwards, so its price per branch changes with the shape
+    and is not extrapolated). Short branches are the lever where jobs outlast verifications: one forward fewer per
+    token not drafted, at the price of the drafts a hit would have had."""
     if not ranked or verify_seconds is None or not stats.job_seconds:
-        return max_fanout
-    gain = stats.expected_accepted(k)
-    best, best_rate = 1, -1.0
-    for fanout in range(1, max_fanout + 1):
-        job = stats.job_seconds_at(fanout)
-        if job is None:
-            continue
-        covered = sum(sum(o.probability for o in found[:fanout]) for found in ranked.values()) / len(ranked)
-        rate = (1.0 + min(1.0, covered) * gain) / max(verify_seconds, job)
-        if rate > best_rate * (1 + 1e-9):
-            best, best_rate = fanout, rate
+        return max_fanout, k
+    best, best_rate = (max_fanout, k), -1.0
+    for depth in range(k, 0, -1):
+        gain = stats.expected_accepted(depth)
+        for fanout in range(1, max_fanout + 1):
+            job = stats.job_seconds_at((fanout, depth))
+            if job is None:
+                continue
+            covered = sum(sum(o.probability for o in found[:fanout]) for found in ranked.values()) / len(ranked)
+            rate = (1.0 + min(1.0, covered) * gain) / max(verify_seconds, job)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = (fanout, depth), rate
     return best
 
 

@@ -187,6 +187,21 @@ def _ema(old: float | None, sample: float, alpha: float) -> float:
     return sample if old is None else (1 - alpha) * old + alpha * sample
 
 
+def _backup(held: Sequence[Draft], num_tokens: int) -> tuple[Draft, int] | None:
+    """Lookahead's backup for a request at `num_tokens` committed tokens that no branch matched: the likeliest
+    branch drafted for its accepted length (held in order of likelihood), else the draft whose context ends nearest
+    before it, read from the position it reached (a root whose first drafted token the target did not sample). Its
+    drafts followed a context that differs from the request's in a token or so: often still partly accepted."""
+    same = next((b for b in held if b.context_num_tokens == num_tokens and b.token_ids), None)
+    if same is not None:
+        return same, 0
+    behind = [b for b in held if b.context_num_tokens < num_tokens < b.context_num_tokens + len(b.token_ids)]
+    if not behind:
+        return None
+    nearest = max(behind, key=lambda b: b.context_num_tokens)
+    return nearest, num_tokens - nearest.context_num_tokens
+
+
 @dataclass
 class PSDPlanner:
     k: int
@@ -347,8 +362,7 @@ class PSDPlanner:
                 held = [*record.branches, *([record.draft] if record.draft is not None else [])]
                 found = match(held, request.num_tokens, rid, tokens)
                 if found is None and self.lookahead_backups:
-                    backup = next((b for b in record.branches if b.context_num_tokens == request.num_tokens
-                                   and b.tail and b.token_ids), None)
+                    backup = _backup(held, request.num_tokens)
                 # Branches at or before this context that did not match never will (the committed tokens they
                 # assumed differ, and committed tokens stay); those past it are a later round's.
                 record.branches = [b for b in record.branches if b.context_num_tokens > request.num_tokens]
@@ -358,7 +372,7 @@ class PSDPlanner:
                 if backup is None or not room:
                     continue
                 backups.add(rid)
-                found = (backup, 0)
+                found = backup
             draft, already = found
             proposal = draft.token_ids[already:already + room]
             proposals[rid] = proposal
@@ -377,11 +391,12 @@ class PSDPlanner:
 
     def lookahead_job(self, requests: Sequence[RequestState], scheduled: Callable[[str], bool],
                       tails: Mapping[str, Sequence[tuple[int, ...]]],
-                      finishing_prompts: frozenset[str] = frozenset()) -> list[JobItemPlan]:
+                      finishing_prompts: frozenset[str] = frozenset(), depth: int | None = None) -> list[JobItemPlan]:
         """The branch job sent at a lookahead step's launch: per request that runs in it, its committed delta (as
         draft_job sends it, catch-up bounded the same way) and one item per tail in `tails` (the root, (), for a
-        request verified without drafts). Each item drafts up to k tokens after its tail (a root k + 1: its first
-        drafted token is the guess for the token this step samples), within what the next verification can use."""
+        request verified without drafts). Each item drafts up to `depth` (default k) tokens after its tail (a root one
+        more: its first drafted token is the guess for the token this step samples), within what the next
+        verification can use."""
         if 0 in self.in_flight:
             return []
         items: list[JobItemPlan] = []
@@ -406,7 +421,7 @@ class PSDPlanner:
             first = True
             for branch, tail in enumerate(tails[rid]):
                 # The next verification's room: what is left of the output budget after this step's tokens.
-                room = min(self.k, request.draft_room - max(1, len(tail)))
+                room = min(self.k if depth is None else min(depth, self.k), request.draft_room - max(1, len(tail)))
                 if self.drafter_max_tokens:
                     room = min(room, self.drafter_max_tokens - request.num_tokens - len(tail) - 1)
                 if room <= 0:

@@ -13,7 +13,7 @@ from minedraft.engine.psd.lookahead import (
     Verified,
     allot,
     bonus_rank,
-    choose_fanout,
+    choose_shape,
     match,
     outcomes,
 )
@@ -254,27 +254,37 @@ def test_fanout_is_bounded_by_the_setting_and_by_measured_drafter_time():
     assert len(source.sent[-1][1]) == len(rids)
 
 
-def test_the_fanout_is_the_one_with_the_most_tokens_per_second_expected():
+def test_the_shape_is_the_one_with_the_most_tokens_per_second_expected():
     stats = LookaheadStats()
     drafted = (11, 12, 13)
     candidates = ((11, 21, 31, 41), (12, 22, 32, 42), (13, 23, 33, 43), (14, 24, 34, 44))
     ranked = {rid: outcomes(rid, drafted, candidates, stats, 4) for rid in "ab"}
-    assert choose_fanout(ranked, stats, 4, K, 0.05) == 4, "nothing measured: the setting"
-    stats.observe_job(0.01, 4)  # a job of fixed time, well inside a verification: every branch is free
-    assert choose_fanout(ranked, stats, 4, K, 0.05) == 4
+    assert choose_shape(ranked, stats, 4, K, 0.05) == (4, K), "nothing measured: the setting"
+    stats.observe_job(0.01, (4, K))  # a job of fixed time, well inside a verification: every branch is free
+    assert choose_shape(ranked, stats, 4, K, 0.05) == (4, K)
     stats = LookaheadStats()
-    for fanout, seconds in ((1, 0.05), (2, 0.1), (3, 0.15), (4, 0.2)):  # each branch costs a verification
-        stats.observe_job(seconds, fanout)
-    assert choose_fanout(ranked, stats, 4, K, 0.05) == 1
-    # Untried fan-outs are priced optimistically from the nearest measured one, so they get tried.
+    for fanout in range(1, 5):  # each branch costs a verification, whatever its depth
+        for depth in range(1, K + 1):
+            stats.observe_job(0.05 * fanout, (fanout, depth))
+    assert choose_shape(ranked, stats, 4, K, 0.05) == (1, K)
+    # Untried shapes are priced optimistically from the nearest measured one, so they get tried.
     stats = LookaheadStats()
-    stats.observe_job(0.2, 4)
-    assert choose_fanout(ranked, stats, 4, K, 0.05) == 1, "one branch priced at a quarter of four"
-    stats.observe_job(0.2, 1)  # measured: as dear as four (a fixed cost); three, untried, looks cheaper yet
-    assert stats.job_seconds[1] == 0.2 and choose_fanout(ranked, stats, 4, K, 0.05) == 3
-    for fanout in (3, 2):
-        stats.observe_job(0.2, fanout)
-    assert choose_fanout(ranked, stats, 4, K, 0.05) == 4, "every fan-out costs the same: the widest"
+    stats.observe_job(0.2, (4, K))
+    assert choose_shape(ranked, stats, 4, K, 0.05) == (1, K), "one branch priced at a quarter of four"
+    stats.observe_job(0.2, (1, K))  # measured: as dear as four (a fixed cost): wider or shallower ones look cheaper
+    assert choose_shape(ranked, stats, 4, K, 0.05) != (1, K)
+    for fanout in range(1, 5):
+        for depth in range(1, K + 1):
+            stats.observe_job(0.2, (fanout, depth))
+    assert choose_shape(ranked, stats, 4, K, 0.05) == (4, K), "every shape costs the same: the widest, deepest"
+    # Jobs that cost in proportion to their forwards (depth + 2) and outlast verifications: short branches pay.
+    stats = LookaheadStats()
+    for _ in range(30):
+        stats.observe_acceptance(K, 1)  # the first draft is accepted, the rest rarely
+    for fanout in range(1, 5):
+        for depth in range(1, K + 1):
+            stats.observe_job(0.05 * (depth + 2), (fanout, depth))
+    assert choose_shape(ranked, stats, 4, K, 0.05)[1] < K
 
 
 def test_branches_the_context_moved_past_are_dropped_and_forget_drops_the_rest():
@@ -359,3 +369,13 @@ def test_match_is_exact_on_the_committed_tokens():
     root = Draft(4, [5, 6, 7], None, ())
     assert match([root], 5, "r", read) == (root, 1), "a root draft whose first token the target sampled too"
     assert match([Draft(4, [9, 6], None, ())], 5, "r", read) is None
+
+
+def test_a_backup_is_a_branch_of_the_same_length_else_the_draft_that_reaches_furthest():
+    from minedraft.engine.psd.planner import _backup
+
+    root = Draft(10, [5, 6, 7, 8], None, ())
+    same = Draft(12, [1, 2, 3], None, (4, 9))
+    assert _backup([root, same], 12) == (same, 0)
+    assert _backup([root], 12) == (root, 2), "read from the position the request reached"
+    assert _backup([root], 14) is None, "nothing drafted past where it is"
