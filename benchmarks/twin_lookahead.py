@@ -130,10 +130,13 @@ def section_fanout8() -> dict[str, Any]:
             "rows": vs_sd(costs, variants=("no_backups_f8",))}
 
 
-def auto_sweep(costs: StepCosts) -> list[dict[str, Any]]:
+def auto_sweep(costs: StepCosts, lookahead: LookaheadOptions | None = None,
+               loads: tuple[int, ...] = AUTO_LOADS) -> list[dict[str, Any]]:
     """Every fixed mode at every k, auto among ar, sd, psd and lookahead (`auto`), and auto among ar, sd and psd
-    (`auto_without_lookahead`: AutoSettings' default modes)."""
-    settings = SweepSettings(concurrencies=AUTO_LOADS, ks=KS, families=("ar", "sd", "psd", "lookahead"))
+    (`auto_without_lookahead`: AutoSettings' default modes). `lookahead`: lookahead's options (default: the
+    engine's)."""
+    settings = SweepSettings(concurrencies=loads, ks=KS, families=("ar", "sd", "psd", "lookahead"),
+                             lookahead=lookahead or LookaheadOptions())
     acceptance = AcceptanceModel.constant(ACCEPTANCE)
     rows = []
     for load in sweep(costs, acceptance, settings, progress=log):
@@ -158,6 +161,15 @@ def auto_sweep(costs: StepCosts) -> list[dict[str, Any]]:
             f"({without.tokens_per_s / top.tokens_per_s:.3f}x)")
         rows.append(row)
     return rows
+
+
+def section_auto_no_backups() -> dict[str, Any]:
+    """Auto where lookahead runs with --no-lookahead-backups (fixed lookahead too), at the loads where it wins."""
+    costs = costs_of(load_curves(CURVES))
+    return {"command": f"{COMMAND} auto-no-backups", "acceptance": ACCEPTANCE,
+            "host_ms_per_step": DEFAULT_GPU_HOST_MS_PER_STEP,
+            "files": {"h200 (shared curves), lookahead --no-lookahead-backups":
+                      auto_sweep(costs, LookaheadOptions(backups=False), loads=(4, 8, 16, 32, 64))}}
 
 
 def section_auto() -> dict[str, Any]:
@@ -226,8 +238,9 @@ def report() -> str:
                     cells.append(f"{la['branch_hit_rate']:.2f}, {la['over_sd']:.2f}x ({la['mode']})")
                 lines.append("| " + " | ".join(cells) + " |")
             lines.append("")
-    path = OUT / "lookahead-auto.json"
-    if path.exists():
+    for path in (OUT / "lookahead-auto.json", OUT / "lookahead-auto-no-backups.json"):
+        if not path.exists():
+            continue
         data = json.loads(path.read_text())
         for name, rows in data["files"].items():
             lines += [f"## Auto vs the best fixed mode: {name}", "",
@@ -250,7 +263,8 @@ def report() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sections = {"vs-sd": section_vs_sd, "band": section_band, "auto": section_auto, "fanout8": section_fanout8}
+    sections = {"vs-sd": section_vs_sd, "band": section_band, "auto": section_auto, "fanout8": section_fanout8,
+                "auto-no-backups": section_auto_no_backups}
     parser.add_argument("section", choices=(*sections, "report", "all"))
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)

@@ -158,7 +158,8 @@ STEPS: tuple[Step, ...] = (
          "and auto among ar, sd, psd and lookahead at 1-256 on the H200 curves and a drafter-x2 file",
          ("python", "benchmarks/twin_lookahead.py", "all"),
          ("benchmarks/results/gpu-twin/lookahead-vs-sd.json", "benchmarks/results/gpu-twin/lookahead-band.json",
-          "benchmarks/results/gpu-twin/lookahead-fanout8.json", "benchmarks/results/gpu-twin/lookahead-auto.json"),
+          "benchmarks/results/gpu-twin/lookahead-fanout8.json", "benchmarks/results/gpu-twin/lookahead-auto.json",
+          "benchmarks/results/gpu-twin/lookahead-auto-no-backups.json"),
          # About 20 minutes on the 2-core machine shared with other helpers' runs; pure Python, no engine.
          25 * 60),
     Step("autoscaling", "speculation-aware autoscaler against the HPA algorithm and an oracle, simulated",
