@@ -475,7 +475,10 @@ class SpeculationCore:
                     raise ValueError(f"k_candidates: at most {self.max_num_speculative_tokens} "
                                      "(max_num_speculative_tokens)")
                 self.auto_settings = auto_settings
-            self._apply_mode(self.chosen_mode, k, num_extra_draft_tokens)
+            # (Auto chooses among psd, sd and ar: turned on from lookahead it starts from psd, as a configured auto
+            # does.)
+            start = Mode.PSD if self.chosen_mode is Mode.LOOKAHEAD else self.chosen_mode
+            self._apply_mode(start, k, num_extra_draft_tokens)
             self.auto = self._new_auto_controller()
             return
         self._apply_mode(mode, k, num_extra_draft_tokens)
@@ -612,6 +615,13 @@ class SpeculationCore:
             rid = view.request_id
             if not view.decoding or not scheduled(rid):
                 continue
+            if rid in plan.backups:
+                # Its root, not outcomes of the backup: the backup's candidates follow a context the request does not
+                # have (ranked from them, the next round missed again, and again: a chain of backups that never
+                # drafted from the real context). A backup is mostly rejected at once, and the root's first drafted
+                # token is the drafter's guess for the target's token then.
+                tails[rid] = [()]
+                continue
             spec = verified.get(rid, []) if verified is not None else plan.proposals.get(rid, [])
             drafted = tuple(spec[:plan.drafted_lengths.get(rid, 0)])
             branch = plan.branches.get(rid)
@@ -620,10 +630,7 @@ class SpeculationCore:
                 if drafted and candidates else []
             if found:
                 ranked[rid] = found
-                if rid not in plan.backups:
-                    # (Learned from exact branches only: a backup's acceptance and candidates follow a context the
-                    # request does not have, and would bias the ranking of outcomes of exact ones.)
-                    launched.verified[rid] = Verified(view.num_tokens, drafted, candidates)
+                launched.verified[rid] = Verified(view.num_tokens, drafted, candidates)
             else:
                 tails[rid] = [()]
         fanout, depth = choose_shape(ranked, self.lookahead_stats, self.lookahead_fanout, self.k,

@@ -205,8 +205,8 @@ def test_a_miss_is_verified_with_the_likeliest_branch_of_its_accepted_length():
     assert decision.plan.backups == {"a"} and decision.plan.drafted_lengths["a"] == K
     backup, already = decision.plan.branches["a"]
     assert already == 0 and decision.proposals["a"] == backup.token_ids[:K]
-    # Its next round is enumerated from the backup's drafts and candidates: branches, no root.
-    assert all(i.tail for i in source.sent[-1][1] if i.request_id == "a")
+    # Its next round is its root (drafted from its real context), not outcomes ranked by the backup's candidates.
+    assert [i.tail for i in source.sent[-1][1] if i.request_id == "a"] == [()]
 
 
 def test_a_rejection_is_a_hit_when_the_target_token_is_a_candidate():
@@ -379,3 +379,14 @@ def test_a_backup_is_a_branch_of_the_same_length_else_the_draft_that_reaches_fur
     assert _backup([root, same], 12) == (same, 0)
     assert _backup([root], 12) == (root, 2), "read from the position the request reached"
     assert _backup([root], 14) is None, "nothing drafted past where it is"
+
+
+def test_auto_turned_on_from_lookahead_starts_from_psd_and_lookahead_can_be_chosen_again():
+    world = World()
+    start(world, "a")
+    core, _ = make(world)
+    step(core, world, ["a"])
+    core.set_mode(Mode.AUTO)
+    assert core.chosen_mode is Mode.PSD and core.auto is not None
+    core.set_mode(Mode.LOOKAHEAD, 3)
+    assert core.chosen_mode is Mode.LOOKAHEAD and core.auto is None and core.subbatches.sizes()[1] == 0
