@@ -159,7 +159,7 @@ STEPS: tuple[Step, ...] = (
          ("python", "benchmarks/twin_lookahead.py", "all"),
          ("benchmarks/results/gpu-twin/lookahead-vs-sd.json", "benchmarks/results/gpu-twin/lookahead-band.json",
           "benchmarks/results/gpu-twin/lookahead-fanout8.json", "benchmarks/results/gpu-twin/lookahead-auto.json",
-          "benchmarks/results/gpu-twin/lookahead-auto-no-backups.json"),
+          "benchmarks/results/gpu-twin/lookahead-auto-4-64.json"),
          # About 20 minutes on the 2-core machine shared with other helpers' runs; pure Python, no engine.
          25 * 60),
     Step("autoscaling", "speculation-aware autoscaler against the HPA algorithm and an oracle, simulated",
