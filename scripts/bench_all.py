@@ -159,6 +159,20 @@ STEPS: tuple[Step, ...] = (
          ("benchmarks/results/gpu-twin/pricing.json",),
          # About 5 minutes on the 2-core machine shared with other helpers' runs; pure Python, no engine.
          6 * 60),
+    Step("lookahead-coverage", "the local pair's drafter rank of the target's greedy token (teacher-forced, held-out "
+         "prompts): top-F coverage after full acceptance and after a rejection, what lookahead's branches can hit",
+         ("python", "benchmarks/lookahead_coverage.py"),
+         ("benchmarks/results/gpu-twin/lookahead-coverage.json",),
+         # 19 s on one core.
+         60),
+    Step("gpu-twin-lookahead", "lookahead against sd at 8-64 requests, across the drafter's coverage, at fan-out 8, "
+         "and auto among ar, sd, psd and lookahead at 1-256 on the H200 curves and a drafter-x2 file",
+         ("python", "benchmarks/twin_lookahead.py", "all"),
+         ("benchmarks/results/gpu-twin/lookahead-vs-sd.json", "benchmarks/results/gpu-twin/lookahead-band.json",
+          "benchmarks/results/gpu-twin/lookahead-fanout8.json", "benchmarks/results/gpu-twin/lookahead-auto.json",
+          "benchmarks/results/gpu-twin/lookahead-auto-4-64.json"),
+         # About 20 minutes on the 2-core machine shared with other helpers' runs; pure Python, no engine.
+         25 * 60),
     Step("autoscaling", "speculation-aware autoscaler against the HPA algorithm and an oracle, simulated",
          ("minedraft", "autoscale", "bench", "--out", "benchmarks/results/autoscale"),
          # Not timed when the committed set was made: a guess from the simulator's speed on 2 cores.

@@ -134,6 +134,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{','.join(DEFAULT_FAMILIES)}; vllm-ar is plain decoding in vLLM itself, psd-async the "
                         "engine's psd with --async-psd-steps); auto always runs unless --no-auto")
     parser.add_argument("--no-auto", action="store_true")
+    parser.add_argument("--lookahead-fanout", type=int, default=None,
+                        help="lookahead: the most branches pre-drafted per request per round (the engine's "
+                        "--lookahead-fanout; its core drafts fewer where measured drafter time would not hide behind "
+                        "a verification). Listed as lookahead-kK with the fan-out it used and its branch hit rate")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--all-reduce-us-per-layer", type=float, default=25.0,
                         help="added per target layer to a forward at TP > 1 (default 25)")
@@ -188,8 +192,9 @@ def add_subcommands(sub: Any) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> dict[str, Any]:
+    from minedraft.engine.settings import MAX_LOOKAHEAD_FANOUT
     from minedraft.twin.plan import Band, parse_trace, plan_band
-    from minedraft.twin.run import Workload
+    from minedraft.twin.run import LookaheadOptions, Workload
     from minedraft.twin.sweep import SweepSettings, sweep
 
     given = [name for name in ("concurrency", "rate", "trace") if getattr(args, name)]
@@ -238,8 +243,12 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
                 raise CurveError("trace", str(exc)) from None
         concurrencies = tuple(c for c in DEFAULT_RATE_CONCURRENCIES if c <= args.max_concurrency) or (1,)
     try:
+        fanout = args.lookahead_fanout
+        if fanout is not None and not 1 <= fanout <= MAX_LOOKAHEAD_FANOUT:
+            raise CurveError("lookahead_fanout", f"must be between 1 and {MAX_LOOKAHEAD_FANOUT}, got {fanout}")
         settings = SweepSettings(concurrencies=concurrencies, ks=ks, families=families, with_auto=not args.no_auto,
-                                 workload=workload, seed=args.seed)
+                                 workload=workload, seed=args.seed,
+                                 lookahead=LookaheadOptions() if fanout is None else LookaheadOptions(fanout=fanout))
     except ValueError as exc:
         raise CurveError(str(exc).split(":", 1)[0], str(exc).split(":", 1)[-1].strip()) from None
     loads = model.sweep(acceptance, settings, sweep)
@@ -276,9 +285,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def describe(label: str) -> str:
-    """A mode label for people: plain vLLM is not the engine at all."""
-    return "plain vLLM (vllm-ar)" if label == "vllm-ar" else label
+def describe(label: str, mode: dict[str, Any] | None = None) -> str:
+    """A mode label for people: plain vLLM is not the engine at all; lookahead with its fan-out and hit rate."""
+    if label == "vllm-ar":
+        return "plain vLLM (vllm-ar)"
+    if mode is not None and "fanout" in mode:
+        return f"{label} (F={mode['fanout']:g}, hits {mode['branch_hit_rate']:.2f})"
+    return label
 
 
 def _kinds(devices: dict[str, float]) -> str:
@@ -297,8 +310,8 @@ def render(result: dict[str, Any]) -> str:
         auto = load["modes"].get("auto")
         auto_runs = (f"{auto['mode']}" + (f" k={auto['k']}" if auto["mode"] != "ar" else "")) if auto else "-"
         auto_rate = f"{auto['tokens_per_s']:.0f}" if auto else "-"
-        lines.append(f"| {load['concurrency']} | {describe(fastest)} | {modes[fastest]['tokens_per_s']:.0f} | "
-                     f"{describe(thrifty)} | "
+        lines.append(f"| {load['concurrency']} | {describe(fastest, modes[fastest])} | "
+                     f"{modes[fastest]['tokens_per_s']:.0f} | {describe(thrifty, modes[thrifty])} | "
                      f"{modes[thrifty]['tokens_per_s_per_gpu']:.0f} | {auto_runs} | {auto_rate} |")
     for band in result.get("bands", []):
         run = band["run"]

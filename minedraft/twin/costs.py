@@ -30,10 +30,11 @@ from dataclasses import dataclass
 from minedraft.twin.curves import CostCurves, CurveError, ModelCurves
 
 # The fixed-mode families the twin can run (auto runs besides them). `vllm-ar`: plain decoding in vLLM itself (no
-# MineDraft: async scheduling hides the host work); `psd-async`: the engine's psd with --async-psd-steps.
-FIXED_FAMILIES = ("ar", "vllm-ar", "sd", "psd", "psd-async", "vllm-sd")
+# MineDraft: async scheduling hides the host work); `psd-async`: the engine's psd with --async-psd-steps;
+# `lookahead`: the whole batch verified while the drafter pre-drafts the next round's likely outcomes.
+FIXED_FAMILIES = ("ar", "vllm-ar", "sd", "psd", "psd-async", "lookahead", "vllm-sd")
 # What `minedraft plan` runs unless told otherwise (the engine's defaults: psd steps synchronous).
-DEFAULT_FAMILIES = ("ar", "vllm-ar", "sd", "psd", "vllm-sd")
+DEFAULT_FAMILIES = ("ar", "vllm-ar", "sd", "psd", "lookahead", "vllm-sd")
 # Families without a draft length.
 PLAIN_FAMILIES = ("ar", "vllm-ar")
 # Host work per step on a GPU when none is given: the middle of the 1.7-3.3 ms estimated from the engine's code for

@@ -28,14 +28,21 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from minedraft.engine.control.cost_model import LOCAL_PAIR_RANK_GIVEN_REJECTION
 from minedraft.engine.control.stats import StepRecord
 from minedraft.engine.drafter import protocol
 from minedraft.engine.drafter.client import DrafterState, JobTicket
 from minedraft.engine.drafter.link import DrafterLink, catch_up_tokens
 from minedraft.engine.psd.core import AutoSettings, Decision, RequestState, SpeculationCore, StepOutcome
 from minedraft.engine.psd.subbatch import SubBatches
-from minedraft.engine.settings import MAX_NUM_SPECULATIVE_TOKENS, Mode, SchedulerSettings
+from minedraft.engine.settings import (
+    DEFAULT_LOOKAHEAD_FANOUT,
+    MAX_NUM_SPECULATIVE_TOKENS,
+    Mode,
+    SchedulerSettings,
+)
 from minedraft.twin.costs import DRAFTER_SINK_TOKENS, AcceptanceModel, StepCosts
+from minedraft.twin.tokens import TokenModel, stream_of
 
 MAX_MODEL_LEN = 1 << 20
 # Plain decoding in vLLM itself (no MineDraft): the target alone, with vLLM's async scheduling.
@@ -106,6 +113,36 @@ class SimDrafter:
         self.jobs: list[_Job] = []
         self._next_id = 0
         self.busy_seconds = 0.0
+        # The drafter's choices as token ids (the replica hands it the one its target commits from).
+        self.tokens = TokenModel()
+        # Per request: its committed length and last committed token, as the jobs carried them.
+        self._last: dict[str, tuple[int, int]] = {}
+
+    def draft_results(self, items: list[protocol.DraftItem], top_f: int = 0) -> list[protocol.DraftResult]:
+        """Each item's draft: the drafter's top choices from its context on (token ids the target commits from); a
+        lookahead branch's context is its committed tokens and its tail. `top_f`: with the top-F candidates at each
+        drafted position and the one after (lookahead)."""
+        results = []
+        for item in items:
+            end = item.base_num_tokens + len(item.token_ids)
+            if item.token_ids:
+                previous = item.token_ids[-1]
+                self._last[item.request_id] = (end, previous)
+            else:
+                known = self._last.get(item.request_id)
+                previous = known[1] if known is not None and known[0] == end else 0
+            if item.tail:
+                previous = item.tail[-1]
+            stream, context = stream_of(item.request_id), end + len(item.tail)
+            if top_f:
+                drafted, ranked = self.tokens.draft_with_candidates(stream, context, previous, item.num_draft_tokens,
+                                                                    top_f)
+                results.append(protocol.DraftResult(item.request_id, context, drafted, branch=item.branch,
+                                                    tail=list(item.tail), candidates=ranked))
+            else:
+                drafted = self.tokens.draft(stream, context, previous, item.num_draft_tokens)
+                results.append(protocol.DraftResult(item.request_id, context, drafted))
+        return results
 
     def check_alive(self) -> bool:
         return True
@@ -113,7 +150,7 @@ class SimDrafter:
     def mark_hung(self, reason: str) -> None:  # the simulated drafter never hangs
         raise AssertionError(f"twin drafter taken for hung: {reason}")
 
-    def submit(self, items: list[protocol.DraftItem], want_logprobs: bool) -> JobTicket | None:
+    def submit(self, items: list[protocol.DraftItem], want_logprobs: bool, top_f: int = 0) -> JobTicket | None:
         now = self.clock.now
         if (self.hold_jobs_behind_abandoned and self.free_at > now and self.jobs
                 and all(job.job_id in self.abandoned for job in self.jobs)):
@@ -128,8 +165,7 @@ class SimDrafter:
         if spread:
             seconds *= self.rng.choice(spread)
         start = max(now, self.free_at)
-        results = [protocol.DraftResult(item.request_id, item.base_num_tokens + len(item.token_ids),
-                                        [0] * item.num_draft_tokens) for item in items]
+        results = self.draft_results(items, top_f)
         reply = protocol.DraftReply(self._next_id, results, draft_seconds=seconds,
                                     idle_seconds=max(0.0, now - self.free_at))
         self.jobs.append(_Job(self._next_id, start, start + seconds, reply, now))
@@ -162,7 +198,9 @@ class SimDrafter:
         return [job.reply for job in sorted(due, key=lambda j: j.end)]
 
     def cancel(self, request_ids: list[str]) -> None:
-        """Forgotten requests: nothing to free in a simulation."""
+        """Forgotten requests: their last tokens."""
+        for request_id in request_ids:
+            self._last.pop(request_id, None)
 
     def cancel_jobs(self, job_ids: list[int]) -> None:
         """Abandoned jobs: one the drafter has started still occupies it (its reply goes nowhere); one still queued
@@ -199,6 +237,8 @@ class SimRequest:
     prefilled: bool = False
     first_token_s: float | None = None
     finished_s: float | None = None
+    # The output's token ids (TokenModel's), as many as output_tokens once the replica has stepped it.
+    tokens: list[int] = field(default_factory=list, repr=False, compare=False)
     _state: RequestState | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -241,6 +281,14 @@ class ReplicaSettings:
     # meanwhile verify without drafts at once. (The engine's drafter drops an abandoned job it has not started
     # without a word, so its link cannot yet tell when the drafter is free: see docs/gpu.md.)
     hold_jobs_behind_abandoned: bool = False
+    # Lookahead's most branches per request per round (the engine's --lookahead-fanout); the core drafts fewer
+    # where its measured drafter time would not hide behind a verification.
+    lookahead_fanout: int = DEFAULT_LOOKAHEAD_FANOUT
+    # The drafter's rank of the target's token where its top choice was wrong, P(rank = r | rank >= 2) for
+    # r = 2, 3, ... (twin/tokens.py; default: measured on the local pair).
+    rank_given_rejection: tuple[float, ...] = LOCAL_PAIR_RANK_GIVEN_REJECTION
+    # Lookahead: a miss verified with a backup branch (the engine's default; --no-lookahead-backups: without drafts).
+    lookahead_backups: bool = True
 
 
 class TwinReplica:
@@ -273,9 +321,15 @@ class TwinReplica:
             max_num_speculative_tokens=max(settings.k, MAX_NUM_SPECULATIVE_TOKENS, *settings.auto.k_candidates),
             catch_up_tokens_per_job=SchedulerSettings.catch_up_tokens_per_job if priced else 2**62,
             deadline_seconds=settings.deadline_seconds, check_invariants=settings.check_invariants,
-            async_steps=settings.async_psd_steps)
+            async_steps=settings.async_psd_steps, lookahead_fanout=settings.lookahead_fanout,
+            lookahead_backup_drafts=settings.lookahead_backups)
         # The engine's own core on simulated time: its planner, wait policy, drafter link and auto controller.
-        self.core = SpeculationCore(core_settings, self.link, _no_tokens, clock=self.clock, auto_settings=settings.auto)
+        self.core = SpeculationCore(core_settings, self.link, self._token_ids, clock=self.clock,
+                                    auto_settings=settings.auto)
+        # Token ids: the simulated drafter drafts from them, the target commits from them (twin/tokens.py), with draws
+        # of their own (the acceptance's draws stay those of a run without them).
+        self.token_model = TokenModel(settings.rank_given_rejection, seed=settings.seed + 7)
+        self.drafter.tokens = self.token_model
         self.requests: dict[str, SimRequest] = {}  # admitted (running), in arrival order
         self.waiting: list[SimRequest] = []
         self.step_number = 0
@@ -283,6 +337,8 @@ class TwinReplica:
         self.steps_by_mode: dict[str, int] = {}
         # Decode steps run at each setting ("psd-k3", "ar"), for what auto chose.
         self.steps_by_setting: dict[str, int] = {}
+        # Lookahead: steps whose branch job used each fan-out (the core's, from measured drafter and verify times).
+        self.lookahead_fanouts: dict[int, int] = {}
         # Async steps under auto: whether the next step follows a drain (an auto decision waited for a step in
         # flight: the next step is scheduled synchronously, nothing in flight).
         self._drained = False
@@ -333,8 +389,29 @@ class TwinReplica:
 
     # -- the step: the core's schedule, the target on the curves, the core's update ---------------------------------
 
+    def _token_ids(self, request_id: str, start: int, end: int) -> list[int]:
+        """The core's TokenReader: a request's tokens [start, end) (its prompt's are 0)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return [0] * (end - start)
+        prompt = request.prompt_tokens
+        out = [0] * max(0, min(end, prompt) - start)
+        out += request.tokens[max(0, start - prompt):max(0, end - prompt)]
+        return out
+
+    def _fill_tokens(self, request: SimRequest) -> None:
+        """Outputs a load started part-way (run.py's steady states): their earlier tokens, the drafter's top choices."""
+        missing = request.output_tokens - len(request.tokens)
+        if missing > 0:
+            previous = request.tokens[-1] if request.tokens else 0
+            request.tokens += self.token_model.draft(stream_of(request.request_id), request.prompt_tokens
+                                                     + len(request.tokens), previous, missing)
+
     def step(self) -> StepOutcomeSim:
         self._admit()
+        for request in self.requests.values():
+            if len(request.tokens) < request.output_tokens:
+                self._fill_tokens(request)
         core = self.core
         started = self.clock.now
         decision = core.schedule([r.state() for r in self.requests.values()], now=started)
@@ -367,14 +444,24 @@ class TwinReplica:
         now = self.clock.now
         for request in decoders:
             rid = request.request_id
-            drafted = min(len(plan.proposals.get(rid, ())), plan.drafted_lengths.get(rid, 0))
-            accepted = self.acceptance.sample(drafted, self.rng) if drafted else 0
+            proposal = plan.proposals.get(rid, ())
+            drafted = min(len(proposal), plan.drafted_lengths.get(rid, 0))
+            drawn = self.acceptance.sample(drafted, self.rng) if drafted else 0
+            # The target judges the proposal's own tokens: a draft made from another context is rejected where it
+            # leaves the drafter's choices in this one (twin/tokens.py).
+            committed = self.token_model.judge(
+                stream_of(rid), request.num_tokens, request.tokens[-1] if request.tokens else 0, proposal[:drafted],
+                drawn, self.acceptance.conditional(drafted))
+            accepted = len(committed) - 1
             num_sampled[rid] = accepted + 1
             gained = min(accepted + 1, request.max_output_tokens - request.output_tokens)
+            request.tokens += committed[:gained]
             request.output_tokens += gained
             output_tokens += gained
         for request in prefills:
             request.prefilled = True
+            request.tokens = [self.token_model.target_token(stream_of(request.request_id), request.prompt_tokens, 0,
+                                                            self.acceptance.conditional(0))]
             request.output_tokens = 1
             request.first_token_s = now
             output_tokens += 1
@@ -412,6 +499,8 @@ class TwinReplica:
         self.steps_by_mode[mode.value] = self.steps_by_mode.get(mode.value, 0) + 1
         setting = mode.value if mode is Mode.AR else f"{mode.value}-k{record.k}"
         self.steps_by_setting[setting] = self.steps_by_setting.get(setting, 0) + 1
+        if record.lookahead_fanout:
+            self.lookahead_fanouts[record.lookahead_fanout] = self.lookahead_fanouts.get(record.lookahead_fanout, 0) + 1
         if self.settings.check_invariants:
             self.records.append(record)
         return StepOutcomeSim(self.clock.now, output_tokens, finished)
@@ -432,11 +521,6 @@ class TwinReplica:
         """Run `mode_name` at draft length k from the next step, as the engine applies an operator's switch."""
         mode = Mode(mode_name)
         self.core.set_mode(mode, None if mode is Mode.AR else k)
-
-
-def _no_tokens(request_id: str, start: int, end: int) -> list[int]:
-    """Simulated requests have no token ids: a job carries placeholders of the right count."""
-    return [0] * (end - start)
 
 
 def _bump(counts: list[int], upto: int) -> None:

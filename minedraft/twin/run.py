@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from minedraft.engine.control.auto import AutoSettings
+from minedraft.engine.control.cost_model import LOCAL_PAIR_RANK_GIVEN_REJECTION
+from minedraft.engine.settings import DEFAULT_LOOKAHEAD_FANOUT
 from minedraft.twin.costs import PLAIN_FAMILIES, AcceptanceModel, StepCosts
 from minedraft.twin.replica import ReplicaSettings, SimRequest, TwinReplica
 
@@ -39,6 +41,18 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class LookaheadOptions:
+    """Lookahead in the twin: the engine's --lookahead-fanout (the most branches per request; its core drafts fewer
+    where measured drafter time would not hide behind a verification), and the drafter's rank of the target's token
+    after a miss of its top choice (twin/tokens.py), which with the acceptance model sets how often branches hit."""
+
+    fanout: int = DEFAULT_LOOKAHEAD_FANOUT
+    rank_given_rejection: tuple[float, ...] = LOCAL_PAIR_RANK_GIVEN_REJECTION
+    # A miss verified with a backup branch (the engine's default) or without drafts (--no-lookahead-backups).
+    backups: bool = True
+
+
+@dataclass(frozen=True)
 class Phase:
     concurrency: int
     duration_s: float
@@ -57,6 +71,10 @@ class RunResult:
     steps_by_setting: dict[str, int] = field(default_factory=dict)
     num_decisions: int = 0
     deadline_misses: int = 0
+    # Lookahead: decoding requests verified with a matching branch, of all its steps verified (0: none ran), and the
+    # fan-out its branch jobs used, averaged over the steps that sent one.
+    branch_hit_rate: float = 0.0
+    mean_fanout: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -83,6 +101,8 @@ class RunResult:
             "tpot_ms_p50": _ms(percentile(self.tpot_s, 50)), "tpot_ms_p99": _ms(percentile(self.tpot_s, 99)),
             "steps_by_mode": dict(self.steps_by_mode), "decisions": self.num_decisions,
             "deadline_misses": self.deadline_misses,
+            **({"branch_hit_rate": round(self.branch_hit_rate, 3), "fanout": round(self.mean_fanout, 2)}
+               if self.mean_fanout else {}),
         }
 
 
@@ -105,19 +125,19 @@ def mode_label(mode: str, k: int) -> str:
 
 
 def parse_mode_label(label: str) -> tuple[str, int]:
-    for prefix in ("vllm-sd", "psd-async", "psd", "sd"):
+    for prefix in ("vllm-sd", "psd-async", "psd", "sd", "lookahead"):
         if label.startswith(prefix + "-k") and label[len(prefix) + 2:].isdigit():
             return prefix, int(label[len(prefix) + 2:])
     if label in (*PLAIN_FAMILIES, *AUTO_MODES):
         return label, 0
-    raise ValueError(f"mode: {label!r} is not ar, vllm-ar, auto, auto-async, sd-kK, psd-kK, psd-async-kK or "
-                     "vllm-sd-kK")
+    raise ValueError(f"mode: {label!r} is not ar, vllm-ar, auto, auto-async, sd-kK, psd-kK, psd-async-kK, "
+                     "lookahead-kK or vllm-sd-kK")
 
 
 class _Run:
     def __init__(self, costs: StepCosts, acceptance: AcceptanceModel, mode: str, k: int, workload: Workload,
                  seed: int, auto: AutoSettings | None, max_num_seqs: int,
-                 hold_jobs_behind_abandoned: bool = False) -> None:
+                 hold_jobs_behind_abandoned: bool = False, lookahead: LookaheadOptions | None = None) -> None:
         auto_settings = auto or AutoSettings()
         if mode in AUTO_MODES:
             # Auto starts where an engine built for auto starts: psd, at k=3 when that is a candidate.
@@ -125,9 +145,13 @@ class _Run:
         # psd-async, auto-async: the engine's psd or auto with --async-psd-steps (psd's steps scheduled ahead).
         async_steps = mode in ("psd-async", "auto-async")
         replica_mode = {"psd-async": "psd", "auto-async": "auto"}.get(mode, mode)
+        lookahead = lookahead or LookaheadOptions()
         settings = ReplicaSettings(mode=replica_mode, k=max(1, k), auto=auto_settings,
                                    seed=seed, max_num_seqs=max_num_seqs, async_psd_steps=async_steps,
-                                   hold_jobs_behind_abandoned=hold_jobs_behind_abandoned)
+                                   hold_jobs_behind_abandoned=hold_jobs_behind_abandoned,
+                                   lookahead_fanout=lookahead.fanout,
+                                   rank_given_rejection=lookahead.rank_given_rejection,
+                                   lookahead_backups=lookahead.backups)
         self.replica = TwinReplica(costs, acceptance, settings)
         self.workload = workload
         self.rng = random.Random(seed + 1)
@@ -157,19 +181,24 @@ class _Run:
         self.result.steps_by_setting = dict(replica.steps_by_setting)
         self.result.num_decisions = replica.num_decisions
         self.result.deadline_misses = replica.deadline_misses
+        totals = replica.core.stats.totals()
+        self.result.branch_hit_rate = totals.branch_hit_rate
+        fanouts = replica.lookahead_fanouts
+        steps = sum(fanouts.values())
+        self.result.mean_fanout = sum(f * n for f, n in fanouts.items()) / steps if steps else 0.0
         return self.result
 
 
 def run_concurrency(costs: StepCosts, acceptance: AcceptanceModel, mode: str, k: int, concurrency: int,
                     workload: Workload = Workload(), warmup_steps: int = 40, measure_steps: int = 200,
                     seed: int = 0, auto: AutoSettings | None = None, min_measure_tokens: int = 8000,
-                    max_num_seqs: int | None = None) -> RunResult:
+                    max_num_seqs: int | None = None, lookahead: LookaheadOptions | None = None) -> RunResult:
     """Steady state at a fixed number of requests in the system (a finished request is replaced at once), measured
     over at least `measure_steps` steps and `min_measure_tokens` output tokens after `warmup_steps`.
     `max_num_seqs`: the most the replica runs at once (its KV cache's limit); the rest wait, as at a real server,
     their wait counted in their time to first token."""
     limit = max(1, concurrency if max_num_seqs is None else min(concurrency, max_num_seqs))
-    run = _Run(costs, acceptance, mode, k, workload, seed, auto, max_num_seqs=limit)
+    run = _Run(costs, acceptance, mode, k, workload, seed, auto, max_num_seqs=limit, lookahead=lookahead)
     replica = run.replica
     for index in range(concurrency):
         if index >= limit:  # beyond the KV cache's limit: queued from the start

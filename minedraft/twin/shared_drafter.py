@@ -94,15 +94,14 @@ class SharedDrafterClient(SimDrafter):
         self.shared = drafter
         self.shared_jobs: list[_SharedJob] = []
 
-    def submit(self, items: list[protocol.DraftItem], want_logprobs: bool) -> JobTicket | None:
+    def submit(self, items: list[protocol.DraftItem], want_logprobs: bool, top_f: int = 0) -> JobTicket | None:
         self._next_id += 1
         now = self.clock.now
         k = max(item.num_draft_tokens for item in items)
         context_tokens = float(sum(item.base_num_tokens + len(item.token_ids) for item in items))
         round_ = self.shared.join(now, len(items), context_tokens, k,
                                   job_catch_up_ms(self.costs, items, k, colocated=False))
-        results = [protocol.DraftResult(item.request_id, item.base_num_tokens + len(item.token_ids),
-                                        [0] * item.num_draft_tokens) for item in items]
+        results = self.draft_results(items, top_f)
         reply = protocol.DraftReply(self._next_id, results, draft_seconds=round_.end - round_.start,
                                     idle_seconds=0.0)
         self.shared_jobs.append(_SharedJob(round_, reply))

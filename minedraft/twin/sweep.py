@@ -7,15 +7,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from minedraft.engine.control.auto import AutoSettings
+from minedraft.engine.control.auto import AUTO_CHOICES, AutoSettings
 from minedraft.twin.costs import DEFAULT_FAMILIES, FIXED_FAMILIES, PLAIN_FAMILIES, AcceptanceModel, StepCosts
-from minedraft.twin.run import RunResult, Workload, mode_label, run_concurrency
+from minedraft.twin.run import LookaheadOptions, RunResult, Workload, mode_label, run_concurrency
 
 LATENCY_KEYS = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99")
 # What auto chooses among (the engine's synchronous steps), and the baseline it is also judged against: the best of
 # every fixed way to run the target on its GPU with the drafter on its own, psd with async steps and plain
 # decoding in vLLM itself (the faster plain decoding on a GPU) included.
-SYNC_FAMILIES = ("ar", "sd", "psd")
+SYNC_FAMILIES = ("ar", "sd", "psd", "lookahead")
 BASELINE_FAMILIES = (*SYNC_FAMILIES, "psd-async", "vllm-ar")
 
 
@@ -36,6 +36,8 @@ class SweepSettings:
     # Auto also with the engine's async PSD steps on (`auto-async`: psd's steps scheduled ahead once auto runs psd).
     with_auto_async: bool = False
     seed: int = 0
+    # Lookahead's fan-out and the drafter's ranks (the twin's token model) where lookahead runs.
+    lookahead: LookaheadOptions = field(default_factory=LookaheadOptions)
     # The requests a replica running (family, k) holds at once, its KV cache's limit (minedraft.twin.capacity);
     # a load beyond it waits in the queue, as it would at a real server. None: no limit.
     kv_limit: Callable[[str, int], int] | None = None
@@ -50,7 +52,7 @@ class SweepSettings:
             raise ValueError(f"modes: unknown {sorted(unknown)}; expected some of {', '.join(FIXED_FAMILIES)}")
 
     def auto_settings(self) -> AutoSettings:
-        return self.auto or AutoSettings(k_candidates=self.ks)
+        return self.auto or AutoSettings(k_candidates=self.ks, allowed_modes=AUTO_CHOICES)
 
     def settings(self) -> list[tuple[str, int]]:
         out: list[tuple[str, int]] = []
@@ -74,7 +76,7 @@ class LoadResult:
         modes: dict[str, Any] = {
             label: {"tokens_per_s": round(r.tokens_per_s, 1),
                     "tokens_per_s_per_gpu": round(r.tokens_per_s_per_gpu, 1),
-                    "gpus": r.gpus, **{key: r.summary()[key] for key in LATENCY_KEYS}}
+                    "gpus": r.gpus, **{key: r.summary()[key] for key in LATENCY_KEYS}, **_lookahead_json(r)}
             for label, r in self.runs.items()
         }
         for name, auto in (("auto", self.auto), ("auto-async", self.auto_async)):
@@ -85,8 +87,15 @@ class LoadResult:
             modes[name] = {"tokens_per_s": round(auto.tokens_per_s, 1), "mode": mode, "k": k,
                            "tokens_per_s_per_gpu": round(auto.tokens_per_s_per_gpu, 1), "gpus": auto.gpus,
                            "tpot_ms_p50": summary["tpot_ms_p50"], "tpot_ms_p99": summary["tpot_ms_p99"],
-                           "steps_by_setting": auto.steps_by_setting}
+                           "steps_by_setting": auto.steps_by_setting, **_lookahead_json(auto)}
         return {"concurrency": self.concurrency, "modes": modes}
+
+
+def _lookahead_json(run: RunResult) -> dict[str, float]:
+    """Lookahead's fan-out (branches per request its jobs used, averaged) and hit rate, where it ran."""
+    if not run.mean_fanout:
+        return {}
+    return {"fanout": round(run.mean_fanout, 2), "branch_hit_rate": round(run.branch_hit_rate, 3)}
 
 
 def _family(label: str) -> str:
@@ -113,16 +122,18 @@ def sweep(costs: StepCosts, acceptance: AcceptanceModel, settings: SweepSettings
         for mode, k in settings.settings():
             load.runs[mode_label(mode, k)] = run_concurrency(
                 costs, acceptance, mode, k, concurrency, settings.workload, settings.warmup_steps,
-                settings.measure_steps, settings.seed, max_num_seqs=limit(mode, k))
+                settings.measure_steps, settings.seed, max_num_seqs=limit(mode, k), lookahead=settings.lookahead)
         if settings.with_auto:
             load.auto = run_concurrency(costs, acceptance, "auto", 0, concurrency, settings.workload,
                                         settings.auto_warmup_steps, settings.auto_measure_steps, settings.seed,
-                                        auto=settings.auto_settings(), max_num_seqs=limit("auto", max(settings.ks)))
+                                        auto=settings.auto_settings(), max_num_seqs=limit("auto", max(settings.ks)),
+                                        lookahead=settings.lookahead)
         if settings.with_auto_async:
             load.auto_async = run_concurrency(costs, acceptance, "auto-async", 0, concurrency, settings.workload,
                                               settings.auto_warmup_steps, settings.auto_measure_steps, settings.seed,
                                               auto=settings.auto_settings(),
-                                              max_num_seqs=limit("auto-async", max(settings.ks)))
+                                              max_num_seqs=limit("auto-async", max(settings.ks)),
+                                              lookahead=settings.lookahead)
         if progress is not None:
             best = load.best(BASELINE_FAMILIES)
             auto = "".join(f", {name} {run.tokens_per_s:.0f} ({run.tokens_per_s / best.tokens_per_s:.2f}x)"

@@ -29,11 +29,15 @@ def test_plan_json_interface(capsys: pytest.CaptureFixture[str]) -> None:
     for load in out["loads"]:
         assert set(load) == {"concurrency", "modes"}
         # Plain decoding in vLLM itself (vllm-ar) beside the engine's own ar, at every load.
-        assert set(load["modes"]) == {"ar", "vllm-ar", "sd-k3", "psd-k3", "vllm-sd-k3", "auto"}
+        # ... and lookahead, listed as lookahead-kK with the fan-out its branch jobs used and its hit rate.
+        assert set(load["modes"]) == {"ar", "vllm-ar", "sd-k3", "psd-k3", "lookahead-k3", "vllm-sd-k3", "auto"}
+        lookahead = load["modes"]["lookahead-k3"]
+        assert 1 <= lookahead["fanout"] <= 4 and 0.3 < lookahead["branch_hit_rate"] < 1
+        assert "fanout" not in load["modes"]["sd-k3"]
         for label, entry in load["modes"].items():
             assert entry["tokens_per_s"] > 0 and entry["max_concurrency"] > 16
             if label == "auto":
-                assert entry["mode"] in ("ar", "sd", "psd") and isinstance(entry["k"], int)
+                assert entry["mode"] in ("ar", "sd", "psd", "lookahead") and isinstance(entry["k"], int)
             else:
                 assert entry["tokens_per_s_per_gpu"] == pytest.approx(entry["tokens_per_s"] / entry["gpus"], rel=0.01)
         # vLLM's colocated SD costs what sd costs, on the target's GPU alone.

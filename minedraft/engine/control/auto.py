@@ -1,10 +1,11 @@
-"""`auto` mode: pick ar / sd / psd and k from the cost model, with hysteresis and cheap probes.
+"""`auto` mode: pick ar / sd / psd / lookahead, k (and lookahead's fan-out F) from the cost model, with hysteresis and
+cheap probes.
 
 Pure policy over plain data: `AutoController.on_step(record, num_running)` is fed every step record and returns a
 `Decision` when the engine should switch (the scheduler applies it at the step boundary) or None.
 
-- Every `decision_interval_steps` steps it ranks every allowed (mode, k) by predicted output tokens per second at
-  the current number of running requests.
+- Every `decision_interval_steps` steps it ranks every allowed (mode, k) (lookahead: (mode, k, F) for each F of
+  `fanout_candidates`) by predicted output tokens per second at the current number of running requests.
 - A switch needs the best to beat the current choice's prediction by `switch_margin` (`measured_switch_margin` when
   both are priced from costs measured at this load) and the current choice to have
   run `min_dwell_steps`: steady load does not flap.
@@ -32,14 +33,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minedraft.engine.control.cost_model import CostModel, Prediction
+from minedraft.engine.control.cost_model import LOOKAHEAD, CostModel, Prediction
 from minedraft.engine.control.stats import StepRecord
+
+AUTO_CHOICES = ("ar", "sd", "psd", LOOKAHEAD)
+# (mode, k, fan-out): ar's k and every mode's fan-out but lookahead's are 0.
+Setting = tuple[str, int, int]
+
+
+def setting_of(prediction: Prediction) -> Setting:
+    return prediction.mode, prediction.k, prediction.fanout
 
 
 @dataclass(frozen=True)
 class AutoSettings:
     allowed_modes: tuple[str, ...] = ("ar", "sd", "psd")
     k_candidates: tuple[int, ...] = (1, 2, 3, 4, 5)
+    # Lookahead's branches per request to choose among (where lookahead is allowed). Empty: price lookahead at the
+    # fan-out the engine runs it with (its core sets the fan-out from measured drafter and verify times, up to
+    # --lookahead-fanout; the cost model reads it off lookahead's step records).
+    fanout_candidates: tuple[int, ...] = ()
     # A step is 10-50 ms: decisions every ~0.1-0.4 s, a choice held at least ~0.3-1 s, probes of ~0.1-0.6 s.
     # Switching costs almost nothing (sub-batch membership, draft length), so these follow the load closely;
     # the switch margin and the smoothed cost curves, not long dwells, keep steady load from flapping.
@@ -76,8 +89,11 @@ class AutoSettings:
     learn_from_fixed_modes: bool = True
 
     def __post_init__(self) -> None:
-        if not self.allowed_modes or not set(self.allowed_modes) <= {"ar", "sd", "psd"}:
-            raise ValueError(f"allowed_modes: expected a non-empty subset of ar, sd, psd, got {self.allowed_modes}")
+        if not self.allowed_modes or not set(self.allowed_modes) <= set(AUTO_CHOICES):
+            raise ValueError(f"allowed_modes: expected a non-empty subset of {', '.join(AUTO_CHOICES)}, got "
+                             f"{self.allowed_modes}")
+        if self.fanout_candidates and min(self.fanout_candidates) < 1:
+            raise ValueError(f"fanout_candidates: expected positive fan-outs, got {self.fanout_candidates}")
         if not self.k_candidates or min(self.k_candidates) < 1:
             raise ValueError(f"k_candidates: expected positive draft lengths, got {self.k_candidates}")
         if self.decision_interval_steps < 1 or self.min_dwell_steps < 0 or self.probe_steps < 1:
@@ -99,7 +115,8 @@ class AutoSettings:
 
 @dataclass(frozen=True)
 class Decision:
-    """One of auto's switches: the chosen mode (psd, sd or ar) and k it sets for the coming steps."""
+    """One of auto's switches: the chosen mode (psd, sd, ar or lookahead), k and lookahead's fan-out it sets for the
+    coming steps."""
 
     step: int
     mode: str
@@ -117,6 +134,9 @@ class Decision:
     # Measured output tokens per second over the interval before the decision.
     measured_tokens_per_second: float
     predictions: tuple[Prediction, ...] = ()
+    # Lookahead's branches per request (0 for the other modes).
+    fanout: int = 0
+    previous_fanout: int = 0
 
 
 @dataclass
@@ -127,10 +147,12 @@ class AutoController:
     cost_model: CostModel = field(default_factory=CostModel)
     decisions: list[Decision] = field(default_factory=list)
     max_decisions_kept: int = 256
+    # Lookahead's fan-out while lookahead is chosen (the last one otherwise).
+    fanout: int = 0
     _steps_in_choice: int = 0
     _steps_since_decision: int = 0
     _probe_remaining: int = 0
-    _probe_return: tuple[str, int] | None = None
+    _probe_return: Setting | None = None
     _window_running: list[int] = field(default_factory=list)
     _window_tokens: int = 0
     _window_seconds: float = 0.0
@@ -143,8 +165,8 @@ class AutoController:
     _resume_left: int = 0
     # Decode steps run in each mode (as run) at each number of running requests.
     _steps_at_load: dict[str, dict[int, int]] = field(default_factory=dict)
-    # (mode, k, running requests) of the close calls probed: each is measured once per load region.
-    _close_calls: list[tuple[str, int, int]] = field(default_factory=list)
+    # (mode, k, fan-out, running requests) of the close calls probed: each is measured once per load region.
+    _close_calls: list[tuple[str, int, int, int]] = field(default_factory=list)
     # Running requests (window average) at the last decision that saw any: a load shift is measured from it.
     _decided_running: float = 0.0
 
@@ -210,7 +232,16 @@ class AutoController:
             count += 1
         return count
 
-    def decide(self, step: int, after_probe: tuple[str, int] | None = None) -> Decision | None:
+    @property
+    def setting(self) -> Setting:
+        return self.mode, 0 if self.mode == "ar" else self.k, self.fanout if self.mode == LOOKAHEAD else 0
+
+    def _fanouts(self) -> tuple[int, ...]:
+        if LOOKAHEAD not in self.settings.allowed_modes:
+            return (1,)
+        return self.settings.fanout_candidates or (self.cost_model.lookahead_fanout,)
+
+    def decide(self, step: int, after_probe: Setting | None = None) -> Decision | None:
         self._steps_since_decision = 0
         running = sum(self._window_running) / len(self._window_running) if self._window_running else 0.0
         measured = self._window_tokens / self._window_seconds if self._window_seconds > 0 else 0.0
@@ -221,10 +252,10 @@ class AutoController:
             self._decided_running = running
         num_running = max(1, round(running))
         predictions = self.cost_model.predict_all(num_running, self.settings.allowed_modes,
-                                                  self.settings.k_candidates)
-        incumbent = after_probe or (self.mode, self.k)
-        incumbent_key = (incumbent[0], 0 if incumbent[0] == "ar" else incumbent[1])
-        current = next((p for p in predictions if (p.mode, p.k) == incumbent_key), None)
+                                                  self.settings.k_candidates, self._fanouts())
+        incumbent = after_probe or self.setting
+        incumbent_key = incumbent
+        current = next((p for p in predictions if setting_of(p) == incumbent_key), None)
         best = max(predictions, key=lambda p: p.output_tokens_per_second) if predictions else None
         current_rate = current.output_tokens_per_second if current is not None else 0.0
 
@@ -232,27 +263,27 @@ class AutoController:
             return None
         margin = self.settings.switch_margin
         if best is not None and current is not None and not any(
-                self.cost_model.extrapolated(p.mode, p.k, num_running, self.settings.close_call_slack)
+                self.cost_model.extrapolated(p.mode, p.k, num_running, self.settings.close_call_slack, p.fanout)
                 for p in (best, current)):
             margin = min(margin, self.settings.measured_switch_margin)
-        if best is not None and (best.mode, best.k) != incumbent_key and (
+        if best is not None and setting_of(best) != incumbent_key and (
             current is None or best.output_tokens_per_second >= current_rate * (1 + margin)
         ):
-            if (best.mode, best.k) != (self.mode, self.k) and self.cost_model.extrapolated(
-                    best.mode, best.k, num_running, self.settings.extrapolation_slack):
+            if setting_of(best) != self.setting and self.cost_model.extrapolated(
+                    best.mode, best.k, num_running, self.settings.extrapolation_slack, best.fanout):
                 # Predicted best only from costs never measured at this load: measure it briefly before
                 # committing to it for a whole dwell (after a probe, the setting to fall back to stays the same).
                 reason = (f"probe: {best.mode} k={best.k} predicted best ({best.output_tokens_per_second:.1f} vs "
                           f"{current_rate:.1f} tok/s) but not measured near {num_running} running requests")
-                return self._probe(step, best.mode, best.k, measured, reason, return_to=incumbent)
-            reason = (f"predicted {best.output_tokens_per_second:.1f} tok/s for {best.mode} k={best.k} vs "
-                      f"{current_rate:.1f} for {incumbent[0]} k={incumbent_key[1]} at {running:.1f} running requests")
-            return self._switch(step, best.mode, best.k, reason, (best, current, tuple(predictions)), measured,
+                return self._probe(step, setting_of(best), measured, reason, return_to=incumbent)
+            reason = (f"predicted {best.output_tokens_per_second:.1f} tok/s for {_label(setting_of(best))} vs "
+                      f"{current_rate:.1f} for {_label(incumbent_key)} at {running:.1f} running requests")
+            return self._switch(step, setting_of(best), reason, (best, current, tuple(predictions)), measured,
                                 "switch")
         if after_probe is not None:
-            if (self.mode, self.k) == incumbent:
+            if self.setting == incumbent:
                 return None
-            return self._switch(step, incumbent[0], incumbent[1], "probe finished: keeping the previous setting",
+            return self._switch(step, incumbent, "probe finished: keeping the previous setting",
                                 (current, current, tuple(predictions)) if current else None, measured, "return")
 
         # Explore cheaply: a mode not run for a while (or ever) is predicted from stale costs.
@@ -263,20 +294,21 @@ class AutoController:
             rates = {p.mode: p.output_tokens_per_second for p in self._best_per_mode(predictions)}
             probe_mode = min(stale, key=lambda m: (m in self._last_run, -rates.get(m, 0.0),
                                                    self._last_run.get(m, -1_000_000_000)))
-            return self._probe(step, probe_mode, self._best_k(num_running, probe_mode), measured,
+            return self._probe(step, self._best_setting(num_running, probe_mode), measured,
                                f"probe: {probe_mode} not measured in {self.settings.stale_after_steps} steps")
         # ... and one whose costs at this load were never measured (a load far from any it ran at, or the other
         # core placement standing in) is extrapolated: measured once there, it is not probed there again.
         # A mode that ran near this load with another k is not explored again for this one: its verification and
         # drafting were measured here, and the draft length is priced from them and the per-position acceptance.
-        others = [p for p in predictions if (p.mode, p.k) != incumbent_key]
+        others = [p for p in predictions if setting_of(p) != incumbent_key]
         unmeasured = [p for p in self._best_per_mode(others)
-                      if self.cost_model.extrapolated(p.mode, p.k, num_running, self.settings.extrapolation_slack)
+                      if self.cost_model.extrapolated(p.mode, p.k, num_running, self.settings.extrapolation_slack,
+                                                      p.fanout)
                       and not self._ran_near(p.mode, num_running)]
         if unmeasured:
             probe = max(unmeasured, key=lambda p: p.output_tokens_per_second)
-            return self._probe(step, probe.mode, probe.k, measured,
-                               f"probe: {probe.mode} k={probe.k} not measured near {num_running} running requests")
+            return self._probe(step, setting_of(probe), measured,
+                               f"probe: {_label(setting_of(probe))} not measured near {num_running} running requests")
         # ... and a close call: a setting predicted nearly as good as the current one, priced from sizes
         # beyond those measured (a longer draft verifies more tokens than any step so far). Two nearby points
         # extrapolate a slope that noise dominates, enough to hide a real gain of 20% or more; measuring it once
@@ -284,13 +316,14 @@ class AutoController:
         if self.settings.close_call_margin is not None:
             close = [p for p in others
                      if p.output_tokens_per_second >= current_rate * (1 - self.settings.close_call_margin)
-                     and self.cost_model.extrapolated(p.mode, p.k, num_running, self.settings.close_call_slack)
-                     and not self._close_call_measured(p.mode, p.k, num_running)]
+                     and self.cost_model.extrapolated(p.mode, p.k, num_running, self.settings.close_call_slack,
+                                                      p.fanout)
+                     and not self._close_call_measured(setting_of(p), num_running)]
             if close:
                 probe = max(close, key=lambda p: p.output_tokens_per_second)
-                self._close_calls.append((probe.mode, probe.k, num_running))
-                return self._probe(step, probe.mode, probe.k, measured,
-                                   f"probe: {probe.mode} k={probe.k} predicted within "
+                self._close_calls.append((*setting_of(probe), num_running))
+                return self._probe(step, setting_of(probe), measured,
+                                   f"probe: {_label(setting_of(probe))} predicted within "
                                    f"{self.settings.close_call_margin:.0%} ({probe.output_tokens_per_second:.1f} vs "
                                    f"{current_rate:.1f} tok/s) from costs beyond those measured")
         return None
@@ -300,8 +333,8 @@ class AutoController:
         slack = self.settings.extrapolation_slack
         return num_running / slack <= load <= num_running * slack
 
-    def _close_call_measured(self, mode: str, k: int, num_running: int) -> bool:
-        return any((m, kk) == (mode, k) and self._near(load, num_running) for m, kk, load in self._close_calls)
+    def _close_call_measured(self, setting: Setting, num_running: int) -> bool:
+        return any((m, kk, f) == setting and self._near(load, num_running) for m, kk, f, load in self._close_calls)
 
     def resume(self) -> tuple[str, int]:
         """Turned back on after fixed modes ran: the (mode, k) to carry on with, everything learned kept.
@@ -310,7 +343,9 @@ class AutoController:
         the measuring window and the dwell start afresh, and the first drafted steps count as resuming (the drafter
         may catch up on tokens committed while it was off)."""
         if self._probe_return is not None:
-            self.mode, self.k = self._probe_return
+            self.mode, k, fanout = self._probe_return
+            self.k = k or self.k
+            self.fanout = fanout or self.fanout
         self._probe_remaining, self._probe_return = 0, None
         self._window_running, self._window_tokens, self._window_seconds = [], 0, 0.0
         self._steps_since_decision = self._steps_in_choice = 0
@@ -322,11 +357,11 @@ class AutoController:
         steps = sum(count for load, count in self._steps_at_load.get(mode, {}).items() if self._near(load, num_running))
         return steps >= max(1, self.settings.probe_steps // 2)
 
-    def _probe(self, step: int, mode: str, k: int, measured: float, reason: str,
-               return_to: tuple[str, int] | None = None) -> Decision:
+    def _probe(self, step: int, setting: Setting, measured: float, reason: str,
+               return_to: Setting | None = None) -> Decision:
         self._probe_remaining = self.settings.probe_steps
-        self._probe_return = return_to or (self.mode, self.k)
-        return self._switch(step, mode, k, reason, None, measured, "probe")
+        self._probe_return = return_to or self.setting
+        return self._switch(step, setting, reason, None, measured, "probe")
 
     @staticmethod
     def _best_per_mode(predictions: list[Prediction]) -> list[Prediction]:
@@ -337,23 +372,26 @@ class AutoController:
                 best[prediction.mode] = prediction
         return list(best.values())
 
-    def _best_k(self, num_running: int, mode: str) -> int:
-        predictions = [p for p in self.cost_model.predict_all(num_running, (mode,), self.settings.k_candidates)]
+    def _best_setting(self, num_running: int, mode: str) -> Setting:
+        predictions = self.cost_model.predict_all(num_running, (mode,), self.settings.k_candidates, self._fanouts())
         if predictions:
-            return max(predictions, key=lambda p: p.output_tokens_per_second).k
-        return self.k if self.k in self.settings.k_candidates else self.settings.k_candidates[0]
+            return setting_of(max(predictions, key=lambda p: p.output_tokens_per_second))
+        k = self.k if self.k in self.settings.k_candidates else self.settings.k_candidates[0]
+        return mode, 0 if mode == "ar" else k, max(self._fanouts()) if mode == LOOKAHEAD else 0
 
     def _switch(
         self,
         step: int,
-        mode: str,
-        k: int,
+        setting: Setting,
         reason: str,
         ranked: tuple[Prediction | None, Prediction | None, tuple[Prediction, ...]] | None,
         measured: float | None,
         kind: str,
     ) -> Decision:
+        mode, k, fanout = setting
         k = max(1, k) if mode != "ar" else self.k  # ar keeps the last k for the next drafting mode
+        # (the other modes keep lookahead's last fan-out for its next turn)
+        fanout = max(1, fanout) if mode == LOOKAHEAD else self.fanout
         running = sum(self._window_running) / len(self._window_running) if self._window_running else 0.0
         decision = Decision(
             step=step,
@@ -368,9 +406,16 @@ class AutoController:
             previous_predicted_tokens_per_second=ranked[1].output_tokens_per_second if ranked and ranked[1] else 0.0,
             measured_tokens_per_second=measured or 0.0,
             predictions=ranked[2] if ranked else (),
+            fanout=fanout if mode == LOOKAHEAD else 0,
+            previous_fanout=self.fanout if self.mode == LOOKAHEAD else 0,
         )
-        self.mode, self.k = mode, k
+        self.mode, self.k, self.fanout = mode, k, fanout
         self._steps_in_choice = 0
         self.decisions.append(decision)
         del self.decisions[: -self.max_decisions_kept]
         return decision
+
+
+def _label(setting: Setting) -> str:
+    mode, k, fanout = setting
+    return mode if mode == "ar" else f"{mode} k={k}" + (f" F={fanout}" if mode == LOOKAHEAD else "")

@@ -36,12 +36,22 @@ For R decoding requests the predicted output tokens per second are
     psd(k):  R * L(k) / (max(V'(A (k+1)) + o'(A), t(B, k)) + max(V'(B (k+1)) + o'(B), t(A, k)))
 with A = ceil(R/2), B = R - A, and V', o' those of steps beside a draft (o_ahead where psd's steps are scheduled
 ahead and such steps were measured). psd with one side empty is sd.
+
+Lookahead (every step verifies the whole batch; at its launch a branch job drafts the next round for each request's
+F likely outcomes, R x F branches of k tokens, beside the verification, and a miss's root k + 1 deep; a request whose
+outcome matches a branch takes its draft, a miss decodes the next step without one):
+    lookahead(k, F):  R * (h L(k) + (1 - h)) / max(V'(R (1 + h k)) + o'(R), t(R F, k + 1))
+with h the share of requests verified with a branch's draft (`LookaheadHits`: measured at the (k, F) that ran,
+derived elsewhere from the per-position acceptance and the drafter's rank of the target's token, `branch_hit_rate`);
+where misses are verified with a backup branch or padded, the verification holds that measured share of k-token
+proposals instead of h (their tokens are priced, their gains are not).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from minedraft.engine.control.stats import StepRecord
@@ -194,6 +204,16 @@ class AcceptanceProfile:
         """Tokens a request gains per verification with a draft of length k (accepted drafts + the bonus)."""
         return 1.0 + sum(self.survival(k))
 
+    def conditionals(self, num_positions: int) -> list[float]:
+        """P(position i accepted | every earlier one accepted) for i < num_positions."""
+        survival = self.survival(num_positions)
+        out: list[float] = []
+        before = 1.0
+        for value in survival:
+            out.append(min(1.0, value / before) if before > 0 else 0.0)
+            before = value
+        return out
+
 
 @dataclass
 class CatchUpPrice:
@@ -240,6 +260,114 @@ class CatchUpPrice:
         return max(0.0, sxy / sxx)
 
 
+# The drafter's rank of the target's token where the drafter's top choice was wrong, P(rank = r | rank >= 2) for
+# r = 2, 3, ...: measured on the local pair, greedy, teacher-forced on 32 held-out prompts x 64 tokens
+# (benchmarks/lookahead_coverage.py, benchmarks/results/gpu-twin/lookahead-coverage.json); the rest of the mass
+# (0.073) lies beyond rank 8. With P(rank 1), the per-position acceptance, it prices a branch's chance to hit
+# before lookahead has run (and other fan-outs than the one that ran).
+LOCAL_PAIR_RANK_GIVEN_REJECTION = (0.5459, 0.2118, 0.0721, 0.0393, 0.0197, 0.0284, 0.0087)
+
+
+def outcome_probabilities(conditionals: Sequence[float], k: int,
+                          rank_given_rejection: Sequence[float]) -> list[tuple[float, int, int]]:
+    """(probability, accepted length a, rank of the bonus token among the drafter's candidates) of one verification
+    of a k-token draft, most likely first. `conditionals[i]`: P(position i accepted | every earlier one accepted),
+    for i <= k (position k is the bonus after a full acceptance; k = 0: a step without a draft). A rejection at
+    position a < k leaves the bonus at rank >= 2 (rank 1 was the rejected draft token); after a full acceptance the
+    bonus is the drafter's top choice with the next position's acceptance."""
+    outcomes: list[tuple[float, int, int]] = []
+    reached = 1.0
+    for a in range(k + 1):
+        rate = conditionals[a] if a < len(conditionals) else (conditionals[-1] if conditionals else 0.0)
+        if a == k:
+            outcomes.append((reached * rate, a, 1))
+        outcomes += [(reached * (1.0 - rate) * q, a, r) for r, q in enumerate(rank_given_rejection, start=2)]
+        reached *= rate
+    return sorted(outcomes, key=lambda o: (-o[0], -o[1], o[2]))
+
+
+def branch_hit_rate(conditionals: Sequence[float], k: int, fanout: int,
+                    rank_given_rejection: Sequence[float] = LOCAL_PAIR_RANK_GIVEN_REJECTION) -> float:
+    """The share of requests verified with a branch's draft, steady state, as the engine's lookahead drafts
+    (psd/lookahead.py): each request verified with a draft gets branches for its F most likely outcomes
+    (`outcome_probabilities`); one verified without (a miss) gets its root drafted one deeper, whose first token is
+    the drafter's guess for the token that step samples.
+
+    A request verified with a k-token draft hits with h_k (its F likeliest (a, bonus) outcomes); one verified
+    without hits with h_0 (its token the drafter's top choice). The drafted share p holds still when
+    p = p h_k + (1 - p) h_0: p = h_0 / (1 - h_k + h_0)."""
+    if fanout <= 0 or k <= 0:
+        return 0.0
+    drafted = sum(o[0] for o in outcome_probabilities(conditionals, k, rank_given_rejection)[:fanout])
+    plain = sum(o[0] for o in outcome_probabilities(conditionals, 0, rank_given_rejection)[:1])
+    denominator = 1.0 - drafted + plain
+    return min(1.0, plain / denominator) if denominator > 0 else 1.0
+
+
+@dataclass
+class LookaheadHits:
+    """Lookahead's hit share per (k, F) as run: requests verified with a branch's draft over requests decoded in
+    lookahead steps, exponentially forgetting (decay per observed step). Where a (k, F) has not run, the derived
+    rate (`branch_hit_rate` from the measured acceptance) is scaled by what the nearest setting that ran measured
+    against its own derived rate: the drafter's real coverage of the target's token shows in every setting."""
+
+    decay: float = 0.99
+    min_requests: float = 32.0
+    # (k, F) -> [hits, decoded requests], decayed
+    counts: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    rank_given_rejection: tuple[float, ...] = LOCAL_PAIR_RANK_GIVEN_REJECTION
+    # k -> [decoded requests verified with k proposed tokens (hits, and misses with a backup branch or padding),
+    # decoded requests], decayed: what a lookahead step verifies, beyond the hits
+    proposed: dict[int, list[float]] = field(default_factory=dict)
+
+    def observe_proposed(self, k: int, share: float, requests: int) -> None:
+        counts = self.proposed.setdefault(k, [0.0, 0.0])
+        counts[0] = counts[0] * self.decay + share * requests
+        counts[1] = counts[1] * self.decay + requests
+
+    def proposed_share(self, k: int, hit_rate: float) -> float:
+        """Of the decoded requests, the share a lookahead step verifies with k tokens: measured (misses with a
+        backup or padded count), else the hits alone."""
+        counts = self.proposed.get(k)
+        if counts is None or counts[1] < self.min_requests:
+            return hit_rate
+        return max(hit_rate, min(1.0, counts[0] / counts[1]))
+
+    def observe(self, k: int, fanout: int, hits: int, requests: int) -> None:
+        if requests <= 0 or k <= 0 or fanout <= 0:
+            return
+        counts = self.counts.setdefault((k, fanout), [0.0, 0.0])
+        counts[0] = counts[0] * self.decay + min(hits, requests)
+        counts[1] = counts[1] * self.decay + requests
+
+    def measured(self, k: int, fanout: int) -> float | None:
+        counts = self.counts.get((k, fanout))
+        if counts is None or counts[1] < self.min_requests:
+            return None
+        return counts[0] / counts[1]
+
+    def measured_any_fanout(self, k: int) -> bool:
+        """Whether lookahead ran at draft length k long enough to tell its hit rate, at any fan-out (the engine's
+        core moves the fan-out from step to step with measured times)."""
+        return sum(c[1] for (kk, _), c in self.counts.items() if kk == k) >= self.min_requests
+
+    def hit_rate(self, conditionals: Sequence[float], k: int, fanout: int) -> float:
+        measured = self.measured(k, fanout)
+        if measured is not None:
+            return measured
+        derived = branch_hit_rate(conditionals, k, fanout, self.rank_given_rejection)
+        ran: list[tuple[tuple[int, int], float]] = []
+        for key in self.counts:
+            value = self.measured(*key)
+            if value is not None:
+                ran.append((key, value))
+        if not ran:
+            return derived
+        (k0, f0), value = min(ran, key=lambda item: (abs(item[0][1] - fanout), abs(item[0][0] - k)))
+        base = branch_hit_rate(conditionals, k0, f0, self.rank_given_rejection)
+        return min(1.0, derived * value / base) if base > 0 else derived
+
+
 @dataclass(frozen=True)
 class Prediction:
     mode: str
@@ -247,6 +375,9 @@ class Prediction:
     output_tokens_per_second: float
     cycle_seconds: float
     tokens_per_cycle: float
+    # Lookahead's fan-out F (branches drafted per request) and hit share; 0 for the other modes.
+    fanout: int = 0
+    hit_rate: float = 0.0
 
 
 # Kinds of decode step, by what their verification costs: without drafts (ar: one token per request), with drafts
@@ -254,6 +385,11 @@ class Prediction:
 # beside a draft (steady psd).
 PLAIN, ALONE, BESIDE = "plain", "alone", "beside"
 KINDS = (PLAIN, ALONE, BESIDE)
+# The mode whose steps verify the whole batch beside a branch job drafting the next round (engine/settings.py).
+LOOKAHEAD = "lookahead"
+# Lookahead steps after a switch to it whose hits and misses are the switch's: the first verifies without branches,
+# the second with those drafted from roots only.
+LOOKAHEAD_WARMUP_STEPS = 2
 
 
 def _curves() -> dict[str, CostCurve]:
@@ -299,11 +435,18 @@ class CostModel:
     # o_ahead where measured.
     async_psd_steps: bool = False
     acceptance: AcceptanceProfile = field(default_factory=AcceptanceProfile)
+    # Lookahead's hit share per (k, F) as run.
+    lookahead_hits: LookaheadHits = field(default_factory=LookaheadHits)
     # Step numbers of the last observation of each ingredient (for staleness).
     last_verify_step: int = -1
     last_draft_step: int = -1
     # Whether any step verified on the drafter's cores too (then sd's steps and psd's differ in cost).
     widening_seen: bool = False
+    # Lookahead steps in a row so far (the first LOOKAHEAD_WARMUP_STEPS after a switch teach no hit rate).
+    _lookahead_streak: int = 0
+    # The fan-out lookahead runs with (the latest lookahead step's; before any, the engine's default
+    # --lookahead-fanout): what lookahead is priced at unless other fan-outs are asked for.
+    lookahead_fanout: int = 4
     _previous: StepRecord | None = None
 
     @staticmethod
@@ -343,7 +486,15 @@ class CostModel:
                 self.verify_q[kind].setdefault(round(q), CostCurve()).observe(
                     record.num_decode_requests, record.verify_seconds)
             self.last_verify_step = record.step
-        if record.num_requests_with_drafts > 0:
+        # The first lookahead steps after another mode hold no branches yet (the first drafts each request's root
+        # only): their misses are the switch's, not the mode's hit rate.
+        self._lookahead_streak = self._lookahead_streak + 1 if record.mode == LOOKAHEAD else 0
+        if record.mode == LOOKAHEAD and decode_only and self._lookahead_streak > LOOKAHEAD_WARMUP_STEPS:
+            self._observe_branches(record)
+        # (A lookahead step that verified misses with backup branches, drafts made for an outcome the request did not
+        # have, says nothing of the drafter's acceptance: its acceptance is not learned.)
+        backups = record.mode == LOOKAHEAD and record.num_requests_with_drafts > record.num_branch_hits
+        if record.num_requests_with_drafts > 0 and not backups:
             self.acceptance.observe(record.drafted_per_position, record.accepted_per_position)
             if record.draft_seconds > 0 and not resuming:
                 self._observe_draft(record)
@@ -360,6 +511,20 @@ class CostModel:
                 other = gap - previous.verify_seconds - previous.wait_seconds
                 self.overhead[self._kind_of(previous)].observe(
                     max(1, previous.num_decode_requests + previous.num_prefill_requests), max(0.0, other))
+
+    def _observe_branches(self, record: StepRecord) -> None:
+        """A lookahead step: of its decoding requests, those that took a branch's draft (hits) and those that did
+        not (misses), at the fan-out its branch job used."""
+        if record.lookahead_fanout > 0:
+            self.lookahead_fanout = record.lookahead_fanout
+        hits, misses = record.num_branch_hits, record.num_branch_misses
+        if hits + misses <= 0 or record.k <= 0:
+            return
+        self.lookahead_hits.observe(record.k, record.lookahead_fanout or self.lookahead_fanout, hits, hits + misses)
+        requests = record.num_decode_requests
+        if requests > 0:
+            share = (record.num_scheduled_tokens / requests - 1.0) / record.k
+            self.lookahead_hits.observe_proposed(record.k, min(1.0, max(0.0, share)), requests)
 
     def _observe_draft(self, record: StepRecord) -> None:
         # The job's own size where the step reports it (around a switch the requests verified with drafts are not
@@ -392,7 +557,7 @@ class CostModel:
         return self._curve(self.verify, PLAIN if not drafted else ALONE if alone else BESIDE)
 
     def ready_for(self, mode: str) -> bool:
-        if self._verify_curve(alone=mode != "psd", drafted=mode != "ar").predict(1) is None:
+        if self._verify_curve(alone=mode not in ("psd", LOOKAHEAD), drafted=mode != "ar").predict(1) is None:
             return False
         if mode == "ar":
             return True
@@ -407,7 +572,7 @@ class CostModel:
             overhead = self._curve(self.overhead, kind).predict(requests) or 0.0
         return (seconds or 0.0) + overhead
 
-    def _shaped_verify_seconds(self, kind: str, requests: int, q: int) -> float | None:
+    def _shaped_verify_seconds(self, kind: str, requests: int, q: float) -> float | None:
         """Verification of `requests` requests with q tokens each: from steps of that shape where any ran, else
         linearly in q from the two nearest shapes at this many requests (between them, or beyond them never below
         the nearer one), else the tokens curve scaled to the one shape that ran. Where verifying never lent the
@@ -421,7 +586,7 @@ class CostModel:
             shapes[1] = self.verify_q[PLAIN][1]
         if not shapes:
             return tokens_curve.predict(requests * q)
-        exact = shapes.get(q)
+        exact = shapes.get(round(q)) if q == round(q) else None
         # Shapes measured near this many requests first: a shape seen only at a far smaller batch extrapolates with
         # CostCurve's pessimistic growth, while two shapes measured here interpolate what this batch costs.
         near = {s: c for s, c in shapes.items() if c.covers(requests, SHAPE_COVER_SLACK)}
@@ -474,7 +639,7 @@ class CostModel:
             return False
         return k <= 1 or self.draft_next.covers(requests, slack)
 
-    def extrapolated(self, mode: str, k: int, num_running: int, slack: float = 1.5) -> bool:
+    def extrapolated(self, mode: str, k: int, num_running: int, slack: float = 1.5, fanout: int = 0) -> bool:
         """Whether predicting this setting at this load reaches beyond what was measured (by more than `slack`
         either way): another kind of step's costs standing in, or sizes far from the observed ones. Such a
         prediction can be wrong by a large factor in either direction (CostCurve extrapolates conservatively), so
@@ -483,7 +648,7 @@ class CostModel:
             return False
         a = math.ceil(num_running / 2)
         b = num_running - a
-        alone = mode != "psd" or b == 0
+        alone = mode not in ("psd", LOOKAHEAD) or (mode == "psd" and b == 0)
         kind = PLAIN if mode == "ar" else ALONE if alone else BESIDE
         chain = self._chain(kind)
         if not self.verify[chain[0]].buckets and any(self.verify[k_].buckets for k_ in chain[1:]):
@@ -491,15 +656,27 @@ class CostModel:
         curve = self.verify[chain[0]]
         if mode == "ar":
             return not curve.covers(num_running, slack)
+        if mode == LOOKAHEAD:
+            # Its branch jobs are F times the batch, and its hit share is known only where it ran.
+            return not (curve.covers(num_running * (k + 1), slack)
+                        and self._drafting_covers(num_running * max(1, fanout), k, slack)
+                        and self.lookahead_hits.measured_any_fanout(k))
         if alone:
             return not (curve.covers(num_running * (k + 1), slack) and self._drafting_covers(num_running, k, slack))
         return not (curve.covers(a * (k + 1), slack) and self._drafting_covers(a, k, slack)
                     and self._drafting_covers(b, k, slack))
 
-    def predict(self, mode: str, k: int, num_running: int) -> Prediction | None:
-        """Output tokens per second for `num_running` decoding requests; None until the inputs are measured."""
+    def lookahead_hit_rate(self, k: int, fanout: int) -> float:
+        """The share of requests a lookahead step verifies with a branch's draft at (k, F): measured, or derived."""
+        return self.lookahead_hits.hit_rate(self.acceptance.conditionals(k + 1), k, fanout)
+
+    def predict(self, mode: str, k: int, num_running: int, fanout: int = 0) -> Prediction | None:
+        """Output tokens per second for `num_running` decoding requests; None until the inputs are measured.
+        `fanout`: lookahead's branches per request (the others ignore it)."""
         if num_running <= 0 or not self.ready_for(mode):
             return None
+        if mode == LOOKAHEAD:
+            return self._predict_lookahead(k, num_running, max(1, fanout))
         if mode == "ar":
             cycle = self._verify_seconds(num_running, 0)
             tokens = float(num_running)
@@ -520,11 +697,30 @@ class CostModel:
             return None
         return Prediction(mode, k, tokens / cycle, cycle, tokens)
 
-    def predict_all(self, num_running: int, modes: tuple[str, ...], ks: tuple[int, ...]) -> list[Prediction]:
+    def _predict_lookahead(self, k: int, num_running: int, fanout: int) -> Prediction | None:
+        """Every step verifies the whole batch (hits with their branch's k tokens, misses with none) while the
+        drafter drafts R x F branches of the next round beside it; the step lasts the longer of the two."""
+        hit = self.lookahead_hit_rate(k, fanout)
+        tokens = num_running * (hit * self.acceptance.expected_accepted_length(k) + (1.0 - hit))
+        proposed = self.lookahead_hits.proposed_share(k, hit)
+        verify = self._shaped_verify_seconds(BESIDE, num_running, 1.0 + proposed * k) or 0.0
+        overhead = self._curve(self.overhead, BESIDE).predict(num_running) or 0.0
+        # The branch job: F branches of k tokens per request, and the roots of those verified without a draft
+        # drafted k + 1 deep (their first token guesses the one that step samples): the drafter's loop runs as deep as
+        # its deepest item.
+        depth = k + 1 if hit < 1.0 else k
+        cycle = max(verify + overhead, self._draft_seconds(num_running * fanout, depth))
+        if cycle <= 0:
+            return None
+        return Prediction(LOOKAHEAD, k, tokens / cycle, cycle, tokens, fanout, hit)
+
+    def predict_all(self, num_running: int, modes: tuple[str, ...], ks: tuple[int, ...],
+                    fanouts: tuple[int, ...] = (1,)) -> list[Prediction]:
         predictions: list[Prediction] = []
         for mode in modes:
             for k in (0,) if mode == "ar" else ks:
-                prediction = self.predict(mode, k, num_running)
-                if prediction is not None:
-                    predictions.append(prediction)
+                for fanout in fanouts if mode == LOOKAHEAD else (0,):
+                    prediction = self.predict(mode, k, num_running, fanout)
+                    if prediction is not None:
+                        predictions.append(prediction)
         return predictions

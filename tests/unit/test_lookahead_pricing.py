@@ -1,0 +1,163 @@
+"""Lookahead's pricing in the cost model and auto: the hit share from acceptance and the drafter's ranks, and the
+step's arithmetic (the whole batch verified beside an R x F branch job) on hand-built costs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from minedraft.engine.control.auto import AutoController, AutoSettings
+from minedraft.engine.control.cost_model import (
+    ALONE,
+    BESIDE,
+    LOOKAHEAD,
+    PLAIN,
+    CostModel,
+    branch_hit_rate,
+    outcome_probabilities,
+)
+from minedraft.engine.control.stats import StepRecord
+
+RANKS = (0.5, 0.25, 0.25)  # P(rank = 2, 3, 4 | rank >= 2): a hand-checkable stand-in for the measured one
+
+
+def test_outcomes_are_accepted_length_times_bonus_rank() -> None:
+    outcomes = outcome_probabilities([0.8, 0.8], 1, RANKS)
+    # a = 1, bonus the drafter's top choice: 0.8 * 0.8; a = 0, bonus rank 2: 0.2 * 0.5; a = 1, rank 2: 0.8*0.2*0.5
+    assert outcomes[0] == pytest.approx((0.64, 1, 1))
+    assert outcomes[1] == pytest.approx((0.1, 0, 2))
+    assert outcomes[2] == pytest.approx((0.08, 1, 2))
+    assert sum(o[0] for o in outcomes) == pytest.approx(1.0)
+
+
+def test_hit_share_is_the_steady_drafted_share() -> None:
+    # k = 1, F = 1: a drafted request hits with 0.64, a plain one with 0.8 (its root's first token the drafter's
+    # top choice): p = 0.8 / (1 - 0.64 + 0.8).
+    assert branch_hit_rate([0.8, 0.8], 1, 1, RANKS) == pytest.approx(0.8 / 1.16)
+    # F = 2 adds (a=0, rank 2) to the drafted (0.74); a plain one still has its root alone.
+    assert branch_hit_rate([0.8, 0.8], 1, 2, RANKS) == pytest.approx(0.8 / (1 - 0.74 + 0.8))
+    # More branches never hit less; longer drafts have more outcomes to cover.
+    rates = [branch_hit_rate([0.8] * 5, 3, f) for f in (1, 2, 3, 4)]
+    assert rates == sorted(rates)
+    assert branch_hit_rate([0.8] * 5, 1, 2) > branch_hit_rate([0.8] * 5, 3, 2)
+
+
+def priced_model(verify_ms: dict[int, float], draft_first_ms: dict[int, float], draft_next_ms: dict[int, float],
+                 acceptance: float = 0.8, beside_factor: float = 1.0) -> CostModel:
+    """A cost model whose curves hold the given points (requests or tokens -> ms). `beside_factor` > 1: the target
+    verifies on the drafter's cores when nothing drafts (widened: sd's steps) and that much slower beside a draft
+    (psd's, lookahead's): a CPU whose cores both share."""
+    model = CostModel()
+    kinds = {PLAIN: 1.0, BESIDE: beside_factor} | ({ALONE: 1.0} if beside_factor != 1.0 else {})
+    model.widening_seen = beside_factor != 1.0
+    for kind, factor in kinds.items():
+        for tokens, ms in verify_ms.items():
+            model.verify[kind].observe(tokens, factor * ms / 1000)
+    for requests, ms in draft_first_ms.items():
+        model.draft_first.observe(requests, ms / 1000)
+    for requests, ms in draft_next_ms.items():
+        model.draft_next.observe(requests, ms / 1000)
+    for _ in range(50):
+        model.acceptance.observe((1000,) * 6, tuple(round(1000 * acceptance ** (i + 1)) for i in range(6)))
+    model.acceptance.decay = 1.0
+    return model
+
+
+# A memory-bound target (GPU-like): verification flat in tokens up to 1024; a cheap drafter, flat in batch.
+GPU: dict[str, Any] = dict(verify_ms={1: 20.0, 1024: 20.5},
+                           draft_first_ms={1: 3.0, 1024: 3.2}, draft_next_ms={1: 3.0, 1024: 3.2})
+# Two CPU cores shared by target and drafter: verification compute-bound and twice as slow beside a draft; a drafter
+# costing a third of the target per token, so branch jobs F times the batch take the cores for long.
+CPU: dict[str, Any] = dict(verify_ms={1: 1.0, 1024: 400.0}, draft_first_ms={1: 0.5, 1024: 130.0},
+                           draft_next_ms={1: 0.5, 1024: 130.0}, beside_factor=2.0)
+
+
+def test_lookahead_wins_where_drafting_hides_behind_a_flat_verify() -> None:
+    model = priced_model(**GPU)
+    sd = model.predict("sd", 3, 16)
+    lookahead = model.predict(LOOKAHEAD, 3, 16, fanout=4)
+    assert sd is not None and lookahead is not None
+    # sd: 16 x 2.952 tokens per 9 + 20 ms. Lookahead: the branch job (64 requests, 9 ms) hides behind the verify
+    # (20 ms at 16 x (1 + 3h) tokens); 16 x (h 2.952 + 1 - h) tokens, h derived (0.71 at 0.8 acceptance).
+    h = branch_hit_rate(model.acceptance.conditionals(4), 3, 4)
+    assert lookahead.hit_rate == pytest.approx(h)
+    assert lookahead.cycle_seconds == pytest.approx(0.020 + 0.5e-3 * (16 * (1 + 3 * h) - 1) / 1023, rel=1e-3)
+    assert lookahead.tokens_per_cycle == pytest.approx(16 * (h * 2.952 + 1 - h), rel=1e-3)
+    assert lookahead.output_tokens_per_second > 1.1 * sd.output_tokens_per_second
+    # Auto, fed the same model, chooses lookahead (and a fan-out) at this load.
+    controller = AutoController(AutoSettings(allowed_modes=("ar", "sd", "psd", LOOKAHEAD),
+                                             fanout_candidates=(1, 2, 3, 4)), "sd", 3, model)
+    ranked = model.predict_all(16, controller.settings.allowed_modes, controller.settings.k_candidates,
+                               controller.settings.fanout_candidates)
+    best = max(ranked, key=lambda p: p.output_tokens_per_second)
+    assert best.mode == LOOKAHEAD and best.fanout >= 2
+
+
+def test_lookahead_loses_where_branch_jobs_cost_as_much_as_verifying() -> None:
+    model = priced_model(**CPU)
+    sd = model.predict("sd", 3, 16)
+    best = max((model.predict(LOOKAHEAD, k, 16, fanout=f) for k in (1, 2, 3) for f in (1, 2, 3, 4)),
+               key=lambda p: p.output_tokens_per_second if p else 0.0)
+    assert sd is not None and best is not None
+    # Verifying beside the branch job costs twice what sd's verification alone does, and a miss's next step has no
+    # draft: the overlap does not pay for either.
+    assert best.output_tokens_per_second < sd.output_tokens_per_second
+    # The same costs without the contention (a drafter device of its own) turn it around.
+    own = priced_model(**(CPU | {"beside_factor": 1.0}))
+    own_best = max(own.predict(LOOKAHEAD, 3, 16, fanout=f).output_tokens_per_second for f in (1, 2))  # type: ignore[union-attr]
+    assert own_best > own.predict("sd", 3, 16).output_tokens_per_second  # type: ignore[union-attr]
+
+
+def test_measured_hits_replace_the_derived_rate_and_scale_other_fanouts() -> None:
+    model = priced_model(**GPU)
+    derived_2 = model.lookahead_hit_rate(3, 2)
+    derived_4 = model.lookahead_hit_rate(3, 4)
+    model.lookahead_hits.observe(3, 2, hits=40, requests=100)  # half the derived rate was measured at F = 2
+    assert model.lookahead_hit_rate(3, 2) == pytest.approx(0.4)
+    assert model.lookahead_hit_rate(3, 4) == pytest.approx(derived_4 * 0.4 / derived_2)
+
+
+def test_misses_verified_with_backups_cost_their_tokens_but_gain_nothing() -> None:
+    model = priced_model(**(CPU | {"beside_factor": 1.0}))  # verification linear in tokens
+    plain = model.predict(LOOKAHEAD, 3, 16, fanout=2)
+    model.lookahead_hits.observe_proposed(3, 1.0, requests=64)  # every miss verified with a backup's k tokens
+    backed = model.predict(LOOKAHEAD, 3, 16, fanout=2)
+    assert plain is not None and backed is not None
+    assert backed.tokens_per_cycle == pytest.approx(plain.tokens_per_cycle)
+    assert backed.cycle_seconds == pytest.approx(model._shaped_verify_seconds(BESIDE, 16, 4.0), rel=1e-6)
+    assert backed.cycle_seconds > plain.cycle_seconds
+
+
+def lookahead_record(step: int, hits: int, misses: int, *, backups: int = 0, k: int = 3,
+                     fanout: int = 2) -> StepRecord:
+    """A lookahead step of hits + misses decoding requests: hits verified with k drafted tokens (2 accepted each),
+    `backups` of the misses with a backup branch's k tokens (none accepted)."""
+    drafted = hits + backups
+    return StepRecord(
+        step=step, started_at=0.02 * step, mode=LOOKAHEAD, verified_group=0, group_sizes=(hits + misses, 0),
+        num_decode_requests=hits + misses, num_prefill_requests=0, num_requests_with_drafts=drafted,
+        num_draft_tokens=k * drafted, num_accepted_tokens=2 * hits,
+        drafted_per_position=(drafted,) * k, accepted_per_position=(hits, hits, 0),
+        num_output_tokens=3 * hits + misses, num_scheduled_tokens=(hits + misses) + k * drafted,
+        verify_seconds=0.02, wait_seconds=0.0, draft_seconds=0.005, drafter_idle_seconds=0.0, schedule_seconds=0.0,
+        step_seconds=0.02, drafter_up=True, k=k, num_branch_hits=hits, num_branch_misses=misses,
+        lookahead_fanout=fanout)
+
+
+def test_hits_are_learned_past_a_switchs_first_steps_and_backups_teach_no_acceptance() -> None:
+    model = CostModel()
+    # The first two lookahead steps after a switch hold no branches yet: all misses, not the mode's hit rate.
+    model.observe(lookahead_record(1, 0, 16))
+    model.observe(lookahead_record(2, 0, 16))
+    assert model.lookahead_hits.counts == {}
+    for step in range(3, 8):
+        model.observe(lookahead_record(step, 12, 4, backups=4))
+    assert model.lookahead_hits.measured(3, 2) == pytest.approx(0.75)
+    assert model.lookahead_fanout == 2
+    # Every request verified with k tokens (hits and backups): the verification's share, beyond the hits.
+    assert model.lookahead_hits.proposed_share(3, 0.75) == pytest.approx(1.0)
+    # Steps with backups (drafts for outcomes that did not happen) leave acceptance unlearned; clean ones teach it.
+    assert not model.acceptance.drafted
+    model.observe(lookahead_record(8, 16, 0))
+    assert model.acceptance.drafted[0] == pytest.approx(16)
