@@ -10,7 +10,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from minedraft.engine.settings import DEFAULT_HANG_SECONDS, DEFAULT_LOOKAHEAD_FANOUT, DRAFTER_BACKENDS, DTYPES
+from minedraft.engine.settings import (
+    DEFAULT_HANG_SECONDS,
+    DEFAULT_LOOKAHEAD_FANOUT,
+    DRAFT_LENGTHS,
+    DRAFTER_BACKENDS,
+    DTYPES,
+)
 
 # Requests batched at once without --max-num-seqs.
 DEFAULT_MAX_NUM_SEQS = 64
@@ -46,6 +52,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
                         help="lookahead: a request no branch matched decodes without drafts for a step instead of "
                         "verifying the likeliest branch drafted for its accepted length")
     parser.add_argument("--num-speculative-tokens", "-k", type=int, default=3, help="draft length k")
+    parser.add_argument("--draft-length", choices=DRAFT_LENGTHS, default="fixed",
+                        help="sd, psd (and auto's choices of them): fixed drafts and verifies k tokens per request; "
+                        "adaptive gives each request its own length (0..k) from its acceptance and caps each step's "
+                        "verify tokens at the measured verify curve's knee (steps not padded to k)")
     parser.add_argument("--num-extra-draft-tokens", type=int, default=0,
                         help="extra drafts e (top-C selection by cumulative draft log-probability)")
     parser.add_argument("--max-num-seqs", type=int, default=None,
@@ -186,6 +196,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         num_extra_draft_tokens=args.num_extra_draft_tokens,
         lookahead_fanout=getattr(args, "lookahead_fanout", DEFAULT_LOOKAHEAD_FANOUT),
         lookahead_backup_drafts=not getattr(args, "no_lookahead_backups", False),
+        draft_length=getattr(args, "draft_length", "fixed"),
         max_num_seqs=DEFAULT_MAX_NUM_SEQS if args.max_num_seqs is None else args.max_num_seqs,
         max_model_len=args.max_model_len or 0,
         kv_cache_gib=args.kv_cache_gib,

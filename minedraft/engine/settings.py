@@ -70,6 +70,9 @@ MAX_TENSOR_PARALLEL_SIZE = 8
 # verification may not hide (the core lowers it further from measured branch and verify times).
 DEFAULT_LOOKAHEAD_FANOUT = 4
 MAX_LOOKAHEAD_FANOUT = 16
+# --draft-length: "fixed" (k drafted and verified per request) or "adaptive" (each request's own length from its
+# acceptance, each step's verify tokens capped at the verify curve's knee: psd/verify_budget.py).
+DRAFT_LENGTHS = ("fixed", "adaptive")
 
 # vLLM engine arguments that pass-through may not set: the engine sets them itself (a flag of ours exists), or they
 # make vLLM call schedule() more than once per update_from_output() (pipeline parallelism and async scheduling keep a
@@ -190,6 +193,10 @@ class EngineSettings:
     # Fixed modes: pad every verified decoding request's proposal to exactly k (any proposal is lossless), so a
     # decode step has one shape (1 + k query tokens each): the one vLLM captures full CUDA graphs for.
     pad_drafts_to_k: bool = True
+    # sd, psd and auto's choices among them: "fixed" drafts and verifies k tokens per request; "adaptive" gives each
+    # request its own draft length from its acceptance and caps a step's verify tokens at the verify curve's knee
+    # (psd/verify_budget.py; such steps are not padded to k).
+    draft_length: str = "fixed"
     # psd/sd/auto: the target's model runner keeps two persistent batches, so requests of the sub-batch not verified
     # in a step stay resident instead of being removed and re-added (a copy of their context) every other step.
     resident_sub_batches: bool = True
@@ -240,6 +247,8 @@ class SchedulerSettings:
     num_extra_draft_tokens: int = 0
     draft_token_budget: int | None = None
     pad_drafts_to_k: bool = True
+    # "fixed" or "adaptive" (EngineSettings.draft_length).
+    draft_length: str = "fixed"
     # Lookahead: the most branches pre-drafted per request per round; a miss verified with the likeliest branch of
     # its accepted length (a backup) rather than without drafts.
     lookahead_fanout: int = DEFAULT_LOOKAHEAD_FANOUT
@@ -275,6 +284,7 @@ class SchedulerSettings:
             num_extra_draft_tokens=settings.num_extra_draft_tokens,
             draft_token_budget=settings.draft_token_budget,
             pad_drafts_to_k=settings.pad_drafts_to_k,
+            draft_length=settings.draft_length,
             lookahead_fanout=settings.lookahead_fanout,
             lookahead_backup_drafts=settings.lookahead_backup_drafts,
             catch_up_tokens_per_job=settings.drafter.catch_up_tokens_per_job,
@@ -334,6 +344,11 @@ def validate(settings: EngineSettings) -> None:
             "max_num_speculative_tokens",
             f"must be between k + e and {MAX_NUM_SPECULATIVE_TOKENS}, got {settings.max_num_speculative_tokens}",
         )
+    if settings.draft_length not in DRAFT_LENGTHS:
+        raise SettingsError("draft_length", f"expected one of {', '.join(DRAFT_LENGTHS)}, got {settings.draft_length!r}")
+    if settings.draft_length == "adaptive" and settings.num_extra_draft_tokens:
+        raise SettingsError("num_extra_draft_tokens", "adaptive draft lengths choose each request's own length "
+                            "(no extra drafts)")
     if settings.draft_token_budget is not None and settings.draft_token_budget < 1:
         raise SettingsError("draft_token_budget", f"must be positive, got {settings.draft_token_budget}")
     if settings.max_num_seqs < 1:

@@ -289,6 +289,12 @@ class ReplicaSettings:
     rank_given_rejection: tuple[float, ...] = LOCAL_PAIR_RANK_GIVEN_REJECTION
     # Lookahead: a miss verified with a backup branch (the engine's default; --no-lookahead-backups: without drafts).
     lookahead_backups: bool = True
+    # The engine's --draft-length (fixed or adaptive) for sd and psd.
+    draft_length: str = "fixed"
+    # Heterogeneous acceptance: (low, high) gives each request its own constant per-position acceptance rate, drawn
+    # uniformly within, seeded by the run's seed and the request's id (the same request draws the same rate in every
+    # mode); the acceptance model's rates then apply to none. Empty: every request follows the acceptance model.
+    acceptance_spread: tuple[float, ...] = ()
 
 
 class TwinReplica:
@@ -322,7 +328,7 @@ class TwinReplica:
             catch_up_tokens_per_job=SchedulerSettings.catch_up_tokens_per_job if priced else 2**62,
             deadline_seconds=settings.deadline_seconds, check_invariants=settings.check_invariants,
             async_steps=settings.async_psd_steps, lookahead_fanout=settings.lookahead_fanout,
-            lookahead_backup_drafts=settings.lookahead_backups)
+            lookahead_backup_drafts=settings.lookahead_backups, draft_length=settings.draft_length)
         # The engine's own core on simulated time: its planner, wait policy, drafter link and auto controller.
         self.core = SpeculationCore(core_settings, self.link, self._token_ids, clock=self.clock,
                                     auto_settings=settings.auto)
@@ -331,6 +337,8 @@ class TwinReplica:
         self.token_model = TokenModel(settings.rank_given_rejection, seed=settings.seed + 7)
         self.drafter.tokens = self.token_model
         self.requests: dict[str, SimRequest] = {}  # admitted (running), in arrival order
+        # With an acceptance spread: each running request's own acceptance model.
+        self._acceptance_of: dict[str, AcceptanceModel] = {}
         self.waiting: list[SimRequest] = []
         self.step_number = 0
         self.records: list[StepRecord] = []  # kept only with settings.check_invariants (tests)
@@ -389,6 +397,17 @@ class TwinReplica:
 
     # -- the step: the core's schedule, the target on the curves, the core's update ---------------------------------
 
+    def acceptance_of(self, request_id: str) -> AcceptanceModel:
+        """The request's acceptance: its own rate drawn from the spread, or the replica's model."""
+        spread = self.settings.acceptance_spread
+        if not spread:
+            return self.acceptance
+        model = self._acceptance_of.get(request_id)
+        if model is None:
+            rate = random.Random(f"{self.settings.seed}:{request_id}").uniform(min(spread), max(spread))
+            model = self._acceptance_of[request_id] = AcceptanceModel.constant(rate)
+        return model
+
     def _token_ids(self, request_id: str, start: int, end: int) -> list[int]:
         """The core's TokenReader: a request's tokens [start, end) (its prompt's are 0)."""
         request = self.requests.get(request_id)
@@ -446,12 +465,13 @@ class TwinReplica:
             rid = request.request_id
             proposal = plan.proposals.get(rid, ())
             drafted = min(len(proposal), plan.drafted_lengths.get(rid, 0))
-            drawn = self.acceptance.sample(drafted, self.rng) if drafted else 0
+            acceptance = self.acceptance_of(rid)
+            drawn = acceptance.sample(drafted, self.rng) if drafted else 0
             # The target judges the proposal's own tokens: a draft made from another context is rejected where it
             # leaves the drafter's choices in this one (twin/tokens.py).
             committed = self.token_model.judge(
                 stream_of(rid), request.num_tokens, request.tokens[-1] if request.tokens else 0, proposal[:drafted],
-                drawn, self.acceptance.conditional(drafted))
+                drawn, acceptance.conditional(drafted))
             accepted = len(committed) - 1
             num_sampled[rid] = accepted + 1
             gained = min(accepted + 1, request.max_output_tokens - request.output_tokens)
@@ -461,7 +481,7 @@ class TwinReplica:
         for request in prefills:
             request.prefilled = True
             request.tokens = [self.token_model.target_token(stream_of(request.request_id), request.prompt_tokens, 0,
-                                                            self.acceptance.conditional(0))]
+                                                            self.acceptance_of(request.request_id).conditional(0))]
             request.output_tokens = 1
             request.first_token_s = now
             output_tokens += 1
@@ -470,6 +490,7 @@ class TwinReplica:
                 request.finished_s = now
                 finished.append(request)
                 del self.requests[request.request_id]
+                self._acceptance_of.pop(request.request_id, None)
 
         overhead_seconds = self.costs.step_overhead_ms(len(decoders) + len(prefills), mode is not Mode.AR) / 1000.0
         # The device's time in this step: the forward, and for vLLM's colocated SD its draft loop on the same GPU.

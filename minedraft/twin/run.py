@@ -137,7 +137,8 @@ def parse_mode_label(label: str) -> tuple[str, int]:
 class _Run:
     def __init__(self, costs: StepCosts, acceptance: AcceptanceModel, mode: str, k: int, workload: Workload,
                  seed: int, auto: AutoSettings | None, max_num_seqs: int,
-                 hold_jobs_behind_abandoned: bool = False, lookahead: LookaheadOptions | None = None) -> None:
+                 hold_jobs_behind_abandoned: bool = False, lookahead: LookaheadOptions | None = None,
+                 draft_length: str = "fixed", acceptance_spread: tuple[float, ...] = ()) -> None:
         auto_settings = auto or AutoSettings()
         if mode in AUTO_MODES:
             # Auto starts where an engine built for auto starts: psd, at k=3 when that is a candidate.
@@ -151,7 +152,8 @@ class _Run:
                                    hold_jobs_behind_abandoned=hold_jobs_behind_abandoned,
                                    lookahead_fanout=lookahead.fanout,
                                    rank_given_rejection=lookahead.rank_given_rejection,
-                                   lookahead_backups=lookahead.backups)
+                                   lookahead_backups=lookahead.backups, draft_length=draft_length,
+                                   acceptance_spread=acceptance_spread)
         self.replica = TwinReplica(costs, acceptance, settings)
         self.workload = workload
         self.rng = random.Random(seed + 1)
@@ -192,13 +194,16 @@ class _Run:
 def run_concurrency(costs: StepCosts, acceptance: AcceptanceModel, mode: str, k: int, concurrency: int,
                     workload: Workload = Workload(), warmup_steps: int = 40, measure_steps: int = 200,
                     seed: int = 0, auto: AutoSettings | None = None, min_measure_tokens: int = 8000,
-                    max_num_seqs: int | None = None, lookahead: LookaheadOptions | None = None) -> RunResult:
+                    max_num_seqs: int | None = None, lookahead: LookaheadOptions | None = None,
+                    draft_length: str = "fixed", acceptance_spread: tuple[float, ...] = ()) -> RunResult:
     """Steady state at a fixed number of requests in the system (a finished request is replaced at once), measured
     over at least `measure_steps` steps and `min_measure_tokens` output tokens after `warmup_steps`.
     `max_num_seqs`: the most the replica runs at once (its KV cache's limit); the rest wait, as at a real server,
-    their wait counted in their time to first token."""
+    their wait counted in their time to first token. `draft_length`: the engine's --draft-length;
+    `acceptance_spread`: each request's own acceptance rate (ReplicaSettings.acceptance_spread)."""
     limit = max(1, concurrency if max_num_seqs is None else min(concurrency, max_num_seqs))
-    run = _Run(costs, acceptance, mode, k, workload, seed, auto, max_num_seqs=limit, lookahead=lookahead)
+    run = _Run(costs, acceptance, mode, k, workload, seed, auto, max_num_seqs=limit, lookahead=lookahead,
+               draft_length=draft_length, acceptance_spread=acceptance_spread)
     replica = run.replica
     for index in range(concurrency):
         if index >= limit:  # beyond the KV cache's limit: queued from the start

@@ -26,6 +26,8 @@ def make(**changes):
         ({"lookahead_fanout": 0}, "lookahead_fanout"),
         ({"lookahead_fanout": 17}, "lookahead_fanout"),
         ({"mode": Mode.LOOKAHEAD, "num_extra_draft_tokens": 1}, "num_extra_draft_tokens"),
+        ({"draft_length": "dynamic"}, "draft_length"),
+        ({"draft_length": "adaptive", "num_extra_draft_tokens": 1}, "num_extra_draft_tokens"),
     ],
 )
 def test_invalid_engine_settings_name_the_field(changes, field):
@@ -47,6 +49,12 @@ def test_lookahead_is_a_drafting_mode_whose_fanout_reaches_the_scheduler():
     assert settings.mode is Mode.LOOKAHEAD and Mode.LOOKAHEAD.uses_drafter
     scheduler = SchedulerSettings.from_engine(settings, drafter=None, async_steps=False, lend_cpu_cores=())
     assert SchedulerSettings.from_config(scheduler.to_config()).lookahead_fanout == 3
+
+
+def test_adaptive_draft_length_reaches_the_scheduler():
+    settings = make(mode=Mode.SD, draft_length="adaptive")
+    scheduler = SchedulerSettings.from_engine(settings, drafter=None, async_steps=False, lend_cpu_cores=())
+    assert SchedulerSettings.from_config(scheduler.to_config()).draft_length == "adaptive"
 
 
 def test_ar_needs_no_draft_model():

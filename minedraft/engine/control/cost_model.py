@@ -556,6 +556,17 @@ class CostModel:
     def _verify_curve(self, alone: bool, drafted: bool = True) -> CostCurve:
         return self._curve(self.verify, PLAIN if not drafted else ALONE if alone else BESIDE)
 
+    def verify_seconds_at(self, tokens: float) -> float | None:
+        """Seconds to verify a decode step with drafts of `tokens` scheduled tokens, from the tokens curve (None:
+        nothing measured yet): the price of adaptive draft lengths' verify budget (psd/verify_budget.py)."""
+        return self._verify_curve(alone=False).predict(tokens)
+
+    def draft_seconds_at(self, requests: int, k: int) -> float | None:
+        """Seconds of a draft job of `requests` requests and depth k (None: no job measured yet)."""
+        if not self.draft_first.buckets:
+            return None
+        return self._draft_seconds(requests, k)
+
     def ready_for(self, mode: str) -> bool:
         if self._verify_curve(alone=mode not in ("psd", LOOKAHEAD), drafted=mode != "ar").predict(1) is None:
             return False

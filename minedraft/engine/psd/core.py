@@ -66,6 +66,7 @@ from minedraft.engine.psd.planner import (
     should_widen,
 )
 from minedraft.engine.psd.subbatch import SubBatches
+from minedraft.engine.psd.verify_budget import DraftLengthPolicy
 from minedraft.engine.settings import Mode, SchedulerSettings
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,10 @@ class SpeculationCore:
             "k_candidates": tuple(range(1, self.max_num_speculative_tokens + 1)), **settings.auto})
         # Fed every step in every mode, so predictions are available (and exported) before auto mode is on.
         self.cost_model = CostModel()
+        if settings.draft_length == "adaptive":
+            # Each request's draft length and each step's verify budget, priced by the verify seconds measured here.
+            self.planner.draft_lengths = DraftLengthPolicy(self.planner.k, self.cost_model.verify_seconds_at,
+                                                           self.cost_model.draft_seconds_at)
         self.async_steps = settings.async_steps
         self.auto: AutoController | None = None
         # Auto's controller while fixed modes run, resumed when auto is turned back on.
@@ -266,6 +271,9 @@ class SpeculationCore:
             # Async PSD steps: the step in flight verifies one sub-batch, this one the other.
             self.planner.turn = 1 - last.decision.verified_group
         group = self.planner.pick_group(views, step_mode)
+        if self.planner.draft_lengths is not None:
+            # (sd drafts in series with its verification: a deeper job delays the step; psd drafts beside it.)
+            self.planner.draft_lengths.drafts_in_series = step_mode is Mode.SD
         if group is not None:
             self._await_drafts(group, timing)
         # With no draft job in flight nothing drafts during this verification (ar; sd; psd with one side empty): the
@@ -325,6 +333,8 @@ class SpeculationCore:
             _bump(drafted_per_position, drafted)
             _bump(accepted_per_position, accepted)
         bonus = self._learn_lookahead(launched, outcome) if launched.verified else (0, 0, 0, 0)
+        if step_mode in (Mode.PSD, Mode.SD):
+            self._learn_draft_lengths(plan, outcome)
         subbatches = self.planner.subbatches
         num_verified_members = sum(
             1 for rid in outcome.decoded if subbatches.group_of(rid) == group) if group is not None else 0
@@ -398,9 +408,23 @@ class SpeculationCore:
             lookahead_depth=launched.depth,
         )
         self._last_update_finished = finished
+        if self.planner.draft_lengths is not None and step_mode in (Mode.PSD, Mode.SD) and record.num_decode_requests:
+            self.planner.draft_lengths.observe_step(record.step_seconds, verify_seconds, timing.wait_seconds)
         self.stats.record(record)
         self._control(record, views, outcome.overlapped)
         return record
+
+    def _learn_draft_lengths(self, plan: PlannedStep, outcome: StepOutcome) -> None:
+        """Adaptive draft lengths: each decoding request's drafted and accepted tokens (0, 0 without drafts)."""
+        if self.planner.draft_lengths is None:
+            return
+        for request_id in outcome.decoded:
+            sampled = outcome.num_sampled.get(request_id)
+            if sampled is None:
+                continue
+            spec = outcome.verified.get(request_id, ())
+            drafted = min(len(spec), plan.drafted_lengths.get(request_id, 0))
+            self.planner.observe_acceptance(request_id, drafted, min(drafted, max(0, sampled - 1)))
 
     def _learn_lookahead(self, launched: _Launched, outcome: StepOutcome) -> tuple[int, int, int, int]:
         """Acceptance per position and the bonus token's rank among the candidates, from a lookahead step's outcome

@@ -27,11 +27,12 @@ written by the drafter link alone and read here by reference.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from minedraft.engine.psd.inflight import InFlight, JobInFlight
 from minedraft.engine.psd.lookahead import match
 from minedraft.engine.psd.subbatch import SubBatches, select_draft_lengths
+from minedraft.engine.psd.verify_budget import AcceptanceBelief, DraftLengthPolicy
 from minedraft.engine.settings import Mode
 
 # Jobs that carried a request and failed (the drafter naming no culprit) before that request is drafted no more.
@@ -106,6 +107,8 @@ class RequestRecord:
     # Lookahead: the branch drafts of the latest round (one per outcome pre-drafted); dropped once the request's
     # context moved past them, replaced by the next round's, and dropped with the record in forget().
     branches: list[Draft] = field(default_factory=list)
+    # --draft-length adaptive: its own acceptance (psd/verify_budget.py), dropped with the record.
+    acceptance: AcceptanceBelief = field(default_factory=AcceptanceBelief)
 
 
 @dataclass(frozen=True)
@@ -225,6 +228,8 @@ class PSDPlanner:
     catch_up_tokens_per_job: int = DEFAULT_CATCH_UP_TOKENS_PER_JOB
     # Lookahead: a miss is verified with a backup branch where there is one (see _plan_lookahead).
     lookahead_backups: bool = True
+    # sd and psd with --draft-length adaptive: each request's draft length and the step's verify budget (None: k).
+    draft_lengths: DraftLengthPolicy | None = None
 
     # -- the records ---------------------------------------------------------------------------------------------
 
@@ -319,18 +324,18 @@ class PSDPlanner:
         lengths = select_draft_lengths(
             {rid: self._logprobs(rid, len(tokens)) for rid, tokens in drafted.items()}, self.k, budget
         )
+        policy = self.draft_lengths
+        if policy is not None and drafted:
+            # The step's verify budget: the positions worth their verify tokens (any subset of a draft is lossless).
+            lengths = policy.budget({rid: (lengths[rid], self.records[rid].acceptance) for rid in drafted},
+                                    len(running), may_probe=all(r.decoding for r in requests))
         proposals = {rid: tokens[: lengths[rid]] for rid, tokens in drafted.items() if lengths[rid]}
         drafted_lengths = {rid: len(tokens) for rid, tokens in proposals.items()}
-        if pad and self.pad_to_k and not self.num_extra_draft_tokens and proposals:
+        if pad and self.pad_to_k and not self.num_extra_draft_tokens and proposals and policy is None:
             # Any proposal is lossless, so padding costs only the verification of the pad tokens; in return every
             # decoding request in the step has 1 + k query tokens: the one shape vLLM captures full graphs for.
-            for request in running:
-                proposal = proposals.get(request.request_id, [])
-                want = min(self.k, request.pad_room)
-                if len(proposal) < want:
-                    filler = proposal[-1] if proposal else request.last_token_id
-                    proposals[request.request_id] = proposal + [filler] * (want - len(proposal))
-                    drafted_lengths.setdefault(request.request_id, 0)
+            # (Not with adaptive draft lengths: padding would verify again the tokens the budget took out.)
+            self._pad_to_k(running, proposals, drafted_lengths)
         return PlannedStep(step_mode, verified_group, proposals, drafted_lengths, frozenset(held_out), budget)
 
     def _plan_lookahead(self, requests: Sequence[RequestState], pad: bool,
@@ -379,15 +384,20 @@ class PSDPlanner:
             taken[rid] = found
         drafted_lengths = {rid: len(p) for rid, p in proposals.items()}
         if pad and self.pad_to_k and proposals:
-            for request in running:
-                proposal = proposals.get(request.request_id, [])
-                want = min(self.k, request.pad_room)
-                if len(proposal) < want:
-                    filler = proposal[-1] if proposal else request.last_token_id
-                    proposals[request.request_id] = proposal + [filler] * (want - len(proposal))
-                    drafted_lengths.setdefault(request.request_id, 0)
+            self._pad_to_k(running, proposals, drafted_lengths)
         return PlannedStep(Mode.LOOKAHEAD, 0, proposals, drafted_lengths, frozenset(), None, taken,
                            frozenset(misses), frozenset(backups))
+
+    def _pad_to_k(self, running: Sequence[RequestState], proposals: dict[str, list[int]],
+                  drafted_lengths: dict[str, int]) -> None:
+        """Pad each running request's proposal to k (within its pad room) with filler tokens, in place."""
+        for request in running:
+            proposal = proposals.get(request.request_id, [])
+            want = min(self.k, request.pad_room)
+            if len(proposal) < want:
+                filler = proposal[-1] if proposal else request.last_token_id
+                proposals[request.request_id] = proposal + [filler] * (want - len(proposal))
+                drafted_lengths.setdefault(request.request_id, 0)
 
     def lookahead_job(self, requests: Sequence[RequestState], scheduled: Callable[[str], bool],
                       tails: Mapping[str, Sequence[tuple[int, ...]]],
@@ -478,6 +488,8 @@ class PSDPlanner:
         lengths change, never a request's tokens (drafts held for the old setting stay valid: they are keyed by
         context length and trimmed to k + e)."""
         self.k, self.num_extra_draft_tokens = k, num_extra_draft_tokens
+        if self.draft_lengths is not None:
+            self.draft_lengths.k_max = k
         if mode in (Mode.SD, Mode.LOOKAHEAD):
             self.subbatches.merge_into(0)
             self.turn = 0
@@ -514,6 +526,10 @@ class PSDPlanner:
             room = min(num_draft_tokens, request.draft_room)
             if self.drafter_max_tokens:
                 room = min(room, self.drafter_max_tokens - request.num_tokens)
+            if self.draft_lengths is not None and room > 0:
+                # Its own draft length: none for a request whose drafts are not worth their verify tokens (it decodes
+                # without drafts, one token a step, its tokens caught up with the next job that drafts it).
+                room = self.draft_lengths.draft_length(self.record(rid).acceptance, room)
             if room <= 0:
                 continue
             base = self._holds(rid) if self.send_deltas else 0
@@ -530,7 +546,23 @@ class PSDPlanner:
                 items.append(JobItemPlan(rid, base, base + allowed, 0))
             if others_drafting:
                 catch_up_left = max(0, catch_up_left - new)
+        if self.draft_lengths is not None and items:
+            items = self._within_draft_depth(items)
         return items
+
+    def _within_draft_depth(self, items: list[JobItemPlan]) -> list[JobItemPlan]:
+        """Adaptive lengths: the job's items cut to the depth worth drafting (sd: the job delays the step)."""
+        assert self.draft_lengths is not None
+        lengths = {item.request_id: item.num_draft_tokens for item in items}
+        depth = self.draft_lengths.draft_depth(
+            lengths, {rid: self.record(rid).acceptance for rid in lengths})
+        return [item if item.num_draft_tokens <= depth else replace(item, num_draft_tokens=depth) for item in items]
+
+    def observe_acceptance(self, request_id: str, drafted: int, accepted: int) -> None:
+        """A verification's outcome for a request (drafted 0: it decoded without drafts), for adaptive lengths."""
+        record = self.records.get(request_id)
+        if self.draft_lengths is not None and record is not None:
+            self.draft_lengths.observe(record.acceptance, drafted, accepted)
 
     def job_sent(self, items: Sequence[JobItemPlan]) -> None:
         """The drafter took a job (the link recorded it in flight): it holds the job's tokens from now on."""
