@@ -556,10 +556,13 @@ class CostModel:
     def _verify_curve(self, alone: bool, drafted: bool = True) -> CostCurve:
         return self._curve(self.verify, PLAIN if not drafted else ALONE if alone else BESIDE)
 
-    def verify_seconds_at(self, tokens: float) -> float | None:
-        """Seconds to verify a decode step with drafts of `tokens` scheduled tokens, from the tokens curve (None:
-        nothing measured yet): the price of adaptive draft lengths' verify budget (psd/verify_budget.py)."""
-        return self._verify_curve(alone=False).predict(tokens)
+    def verify_seconds_at(self, requests: int, tokens: float) -> float | None:
+        """Seconds to verify a decode step with drafts of `requests` requests and `tokens` scheduled tokens, from the
+        steps of the nearest shapes (tokens per request) at this many requests (None: nothing measured yet): the
+        price of adaptive draft lengths' verify budget (psd/verify_budget.py)."""
+        if requests <= 0 or not self._verify_curve(alone=False).buckets:
+            return None
+        return self._shaped_verify_seconds(BESIDE, requests, tokens / requests)
 
     def draft_seconds_at(self, requests: int, k: int) -> float | None:
         """Seconds of a draft job of `requests` requests and depth k (None: no job measured yet)."""

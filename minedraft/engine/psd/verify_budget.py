@@ -10,7 +10,7 @@ with `--draft-length adaptive`:
   probability a_i^j (geometric along the draft). It drafts the positions with a_i^j at or above the step's
   threshold (below): a request whose drafts keep being rejected drafts few or none and decodes one token per step,
   as plain decoding would; its counts decay while it is not drafted, so its posterior drifts back to the batch's
-  rate and it is tried again.
+  rate, and after `explore_after_steps` steps without drafts it is drafted one token to be measured again.
 - `budget`: how many of the drafted tokens each request of a step verifies. Every request verifies its one token;
   draft positions are added across the batch in order of their acceptance probability for as long as the step's
   expected tokens per second grow: (R + sum of the kept positions' probabilities) / (other + V(R + kept)), V the
@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-# verify_seconds(scheduled tokens) -> seconds, or None while nothing is measured.
-VerifyCost = Callable[[float], float | None]
+# verify_seconds(requests, scheduled tokens) -> seconds, or None while nothing is measured.
+VerifyCost = Callable[[int, float], float | None]
 # draft_seconds(requests, depth) -> seconds of a draft job, or None while nothing is measured.
 DraftCost = Callable[[int, int], float | None]
 
@@ -42,12 +42,15 @@ class AcceptanceBelief:
 
     accepted: float = 0.0
     rejected: float = 0.0
+    # Steps in a row it decoded without drafts.
+    undrafted_steps: int = 0
 
     def observe(self, drafted: int, accepted: int, decay: float) -> None:
         """One verification of `drafted` draft tokens of which the first `accepted` were accepted (0, 0: a step
         without drafts, which only decays the counts towards the prior)."""
         self.accepted = self.accepted * decay + accepted
         self.rejected = self.rejected * decay + (1.0 if accepted < drafted else 0.0)
+        self.undrafted_steps = 0 if drafted else self.undrafted_steps + 1
 
 
 @dataclass
@@ -57,7 +60,7 @@ class DraftLengthPolicy:
     # The longest draft a request gets (the engine's k).
     k_max: int
     # Seconds to verify a step of that many scheduled tokens (None: not measured yet: no budget, drafts as fixed).
-    verify_seconds: VerifyCost = field(default=lambda tokens: None)
+    verify_seconds: VerifyCost = field(default=lambda requests, tokens: None)
     # Seconds of a draft job of (requests, depth) (None: not measured). Priced where drafts are made in series with
     # the verification (`drafts_in_series`: sd): a deeper job delays every request's step.
     draft_seconds: DraftCost = field(default=lambda requests, depth: None)
@@ -68,8 +71,11 @@ class DraftLengthPolicy:
     decay: float = 0.9
     # The batch's pooled counts fade more slowly (it is the prior of newcomers).
     pooled_decay: float = 0.995
-    # The batch's rate before anything is measured.
+    # The batch's rate before anything is measured (its prior, at prior_strength).
     default_rate: float = 0.7
+    # A request drafted nothing for this many steps in a row gets one draft token (so it, and the batch's rate, are
+    # measured again: otherwise a batch whose rate fell, or a step threshold set high, would never draft again).
+    explore_after_steps: int = 8
     # Cut-offs tried per step: every position up to this many, else this many evenly spaced (bounded work per step).
     max_cutoffs: int = 48
     # Exponential smoothing of the step's other seconds (step minus verification).
@@ -97,11 +103,8 @@ class DraftLengthPolicy:
     # -- acceptance ------------------------------------------------------------------------------------------------
 
     def batch_rate(self) -> float:
-        pooled = self.pooled
-        total = pooled.accepted + pooled.rejected
-        if total < 1.0:
-            return self.default_rate
-        return pooled.accepted / total
+        pooled, strength = self.pooled, self.prior_strength
+        return (strength * self.default_rate + pooled.accepted) / (strength + pooled.accepted + pooled.rejected)
 
     def rate(self, belief: AcceptanceBelief | None) -> float:
         """A request's posterior mean per-position acceptance rate (the batch's rate for one never verified)."""
@@ -138,6 +141,8 @@ class DraftLengthPolicy:
             if probability < self.threshold:
                 break
             length += 1
+        if not length and belief is not None and belief.undrafted_steps >= self.explore_after_steps:
+            return 1
         return length
 
     def budget(self, drafted: Mapping[str, tuple[int, AcceptanceBelief | None]], num_requests: int,
@@ -152,7 +157,7 @@ class DraftLengthPolicy:
             key=lambda p: (-p[0], p[1]))
         total = len(positions)
         keep_all = {rid: min(available, self.k_max) for rid, (available, _) in drafted.items()}
-        if not total or self.verify_seconds(num_requests + total) is None:
+        if not total or self.verify_seconds(num_requests, num_requests + total) is None:
             self.threshold = 0.0
             return keep_all
         stride = max(1, -(-total // self.max_cutoffs))
@@ -166,13 +171,13 @@ class DraftLengthPolicy:
             fixed += self.draft_seconds(len(drafted), max(keep_all.values())) or 0.0
         best, best_rate = total, -1.0
         for cut in cutoffs:
-            seconds = self.verify_seconds(num_requests + cut)
+            seconds = self.verify_seconds(num_requests, num_requests + cut)
             if seconds is None:
                 continue
             rate = (num_requests + prefix[cut]) / max(1e-9, fixed + seconds)
-            if rate > best_rate * (1 + 1e-9):
+            if rate >= best_rate:
                 best, best_rate = cut, rate
-        self.seconds_per_token = self._slope(num_requests + best, num_requests)
+        self.seconds_per_token = self._slope(num_requests, num_requests + best)
         self.tokens_per_second = best_rate
         self.threshold = best_rate * self.seconds_per_token
         self.since_probe += 1
@@ -208,11 +213,12 @@ class DraftLengthPolicy:
             depth -= 1
         return 0
 
-    def _slope(self, tokens: int, least: int) -> float:
-        """Verify seconds per scheduled token around `tokens` (a secant an eighth of it either side)."""
-        step = max(1, tokens // 8)
-        low, high = max(least, tokens - step), tokens + step
-        at_low, at_high = self.verify_seconds(low), self.verify_seconds(high)
+    def _slope(self, num_requests: int, tokens: int) -> float:
+        """Verify seconds per scheduled token around `tokens` (a secant a quarter of it either side, never below one
+        token per request)."""
+        step = max(1, tokens // 4)
+        low, high = max(num_requests, tokens - step), tokens + step
+        at_low, at_high = self.verify_seconds(num_requests, low), self.verify_seconds(num_requests, high)
         if at_low is None or at_high is None or high <= low:
             return 0.0
         return max(0.0, (at_high - at_low) / (high - low))
