@@ -345,7 +345,8 @@ def validate(settings: EngineSettings) -> None:
             f"must be between k + e and {MAX_NUM_SPECULATIVE_TOKENS}, got {settings.max_num_speculative_tokens}",
         )
     if settings.draft_length not in DRAFT_LENGTHS:
-        raise SettingsError("draft_length", f"expected one of {', '.join(DRAFT_LENGTHS)}, got {settings.draft_length!r}")
+        raise SettingsError("draft_length",
+                            f"expected one of {', '.join(DRAFT_LENGTHS)}, got {settings.draft_length!r}")
     if settings.draft_length == "adaptive" and settings.num_extra_draft_tokens:
         raise SettingsError("num_extra_draft_tokens", "adaptive draft lengths choose each request's own length "
                             "(no extra drafts)")

@@ -64,6 +64,39 @@ def test_psd_greedy_matches_target_alone(psd, prompts, references, batch_size):
     assert_clean(psd)
 
 
+@pytest.mark.parametrize("mode", [Mode.SD, Mode.PSD])
+def test_adaptive_draft_lengths_keep_greedy_output_identical(psd, prompts, references, mode):
+    """--draft-length adaptive: each request's own draft length and a step budget that cuts drafts (a steep verify
+    price here, so that cutting happens on this CPU) change which proposals are verified, never the output."""
+    core = psd.psd_scheduler.core
+    psd.set_mode(mode, 3, 0)
+    core.set_draft_length("adaptive")
+    policy = core.planner.draft_lengths
+    policy.verify_seconds = lambda requests, tokens: 0.01 + 0.0005 * tokens
+    thresholds: list[float] = []
+    budget = policy.budget
+
+    def watched(*args, **kwargs):
+        lengths = budget(*args, **kwargs)
+        thresholds.append(policy.threshold)
+        return lengths
+
+    policy.budget = watched
+    try:
+        first = last_step(psd)
+        plan = [Planned(f"adaptive-{mode.value}-{i}", prompts[i], GREEDY) for i in range(7)]
+        run = drive(psd, plan)
+        assert_greedy_matches([run.completions[f"adaptive-{mode.value}-{i}"].token_ids for i in range(7)],
+                              references[:7], f"{mode.value} with adaptive draft lengths")
+        records = [r for r in psd.step_records() if r.step > first and r.num_requests_with_drafts]
+        assert records, "nothing was drafted"
+        assert max(thresholds) > 0, "the verify budget never cut a draft position: this test would prove little"
+        assert all(r.num_pad_tokens == 0 for r in records), "adaptive steps are not padded to k"
+    finally:
+        core.set_draft_length("fixed")
+    assert_clean(psd)
+
+
 def test_psd_with_arrivals_mid_run_and_aborts(psd, prompts, references):
     plan = [
         Planned(f"mix-{i}", prompts[i], GREEDY, arrive_at_step=(i % 6) * 3,

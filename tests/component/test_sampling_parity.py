@@ -26,8 +26,16 @@ class Run:
     drafted: int = 0
 
 
-def run(engine, mode: Mode, sampling: SamplingSettings, tag: str) -> Run:
+def run(engine, mode: Mode, sampling: SamplingSettings, tag: str, draft_length: str = "fixed") -> Run:
     engine.set_mode(mode, 3, 0)
+    engine.psd_scheduler.core.set_draft_length(draft_length)
+    try:
+        return _run(engine, mode, sampling, f"{tag}-{draft_length}")
+    finally:
+        engine.psd_scheduler.core.set_draft_length("fixed")
+
+
+def _run(engine, mode: Mode, sampling: SamplingSettings, tag: str) -> Run:
     ids = [f"{tag}-{mode.value}-{i}" for i in range(len(PROMPTS))]
     tokens: dict[str, list[int]] = {i: [] for i in ids}
     logprobs: dict[str, list[TokenLogprob]] = {i: [] for i in ids}
@@ -86,9 +94,12 @@ def test_seeded_sampling_with_penalties_and_logprobs_is_the_same_in_every_mode(p
     target = run(psd, Mode.AR, sampling, "seeded")
     assert all(len(lps) == len(tokens) == MAX_TOKENS for tokens, lps in zip(target.tokens, target.logprobs,
                                                                              strict=True))
-    for mode in (Mode.SD, Mode.PSD):
-        speculative = run(psd, mode, sampling, "seeded")
-        assert speculative.drafted > 0, f"{mode.value} drafted nothing"
-        assert speculative.tokens == target.tokens, mode.value
+    # (--draft-length adaptive too: drafts of each request's own length, cut by the step's verify budget.)
+    for mode, draft_length in ((Mode.SD, "fixed"), (Mode.PSD, "fixed"), (Mode.SD, "adaptive"),
+                               (Mode.PSD, "adaptive")):
+        speculative = run(psd, mode, sampling, "seeded", draft_length)
+        label = f"{mode.value} {draft_length}"
+        assert speculative.drafted > 0, f"{label} drafted nothing"
+        assert speculative.tokens == target.tokens, label
         for got, want in zip(speculative.logprobs, target.logprobs, strict=True):
-            assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-4), mode.value
+            assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-4), label

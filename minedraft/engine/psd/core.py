@@ -182,10 +182,7 @@ class SpeculationCore:
             "k_candidates": tuple(range(1, self.max_num_speculative_tokens + 1)), **settings.auto})
         # Fed every step in every mode, so predictions are available (and exported) before auto mode is on.
         self.cost_model = CostModel()
-        if settings.draft_length == "adaptive":
-            # Each request's draft length and each step's verify budget, priced by the verify seconds measured here.
-            self.planner.draft_lengths = DraftLengthPolicy(self.planner.k, self.cost_model.verify_seconds_at,
-                                                           self.cost_model.draft_seconds_at)
+        self.set_draft_length(settings.draft_length)
         self.async_steps = settings.async_steps
         self.auto: AutoController | None = None
         # Auto's controller while fixed modes run, resumed when auto is turned back on.
@@ -508,6 +505,16 @@ class SpeculationCore:
         self._apply_mode(mode, k, num_extra_draft_tokens)
         if self.auto is not None:
             self._auto_parked, self.auto = self.auto, None
+
+    def set_draft_length(self, draft_length: str) -> None:
+        """--draft-length, at a step boundary: "adaptive" gives sd and psd each request's own draft length and each
+        step a verify budget (psd/verify_budget.py), priced by the verify and draft seconds measured here; "fixed"
+        drafts and verifies k."""
+        if draft_length not in ("fixed", "adaptive"):
+            raise ValueError(f"draft_length: expected fixed or adaptive, got {draft_length!r}")
+        self.planner.draft_lengths = (
+            DraftLengthPolicy(self.planner.k, self.cost_model.verify_seconds_at, self.cost_model.draft_seconds_at)
+            if draft_length == "adaptive" else None)
 
     def _new_auto_controller(self) -> AutoController:
         # A private cost model learns only from auto's own steps (benchmarks: auto pays for all it knows).

@@ -3,6 +3,8 @@ the verify curve's knee, the draft depth where drafts are made in series; and th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from minedraft.engine.psd.planner import Draft, PSDPlanner, RequestState
@@ -17,7 +19,7 @@ def believed(policy: DraftLengthPolicy, accepted_each: int, drafted_each: int, t
     return belief
 
 
-def linear(base_seconds: float, per_token_seconds: float):  # noqa: ANN201 - a test's cost curve
+def linear(base_seconds: float, per_token_seconds: float) -> Callable[[int, float], float]:
     return lambda requests, tokens: base_seconds + per_token_seconds * tokens
 
 
@@ -73,8 +75,8 @@ def test_without_a_measured_verify_curve_every_draft_is_kept():
 
 
 def test_probes_verify_fewer_positions_only_in_steps_without_prompts():
-    policy = DraftLengthPolicy(k_max=2, verify_seconds=lambda requests, tokens: 0.02, early_probe_every=2, early_probes=1,
-                               probe_every=100)
+    policy = DraftLengthPolicy(k_max=2, verify_seconds=lambda requests, tokens: 0.02, early_probe_every=2,
+                               early_probes=1, probe_every=100)
     drafts = {f"r{i}": (2, None) for i in range(10)}
     totals = [sum(policy.budget(drafts, 10, may_probe=False).values()) for _ in range(4)]
     assert totals == [20] * 4
