@@ -85,7 +85,7 @@ class DraftLengthPolicy:
     # measured only at the token counts steps run at (the cost model learns decode-only steps), and without steps
     # below the usual count its slope there is unknown (it assumes fewer tokens save nothing until it sees them).
     # 0: never.
-    probe_every: int = 16
+    probe_every: int = 64
     early_probe_every: int = 3
     early_probes: int = 6
     probe_share: float = 0.7
