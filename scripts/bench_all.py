@@ -173,6 +173,13 @@ STEPS: tuple[Step, ...] = (
           "benchmarks/results/gpu-twin/lookahead-auto-4-64.json"),
          # About 20 minutes on the 2-core machine shared with other helpers' runs; pure Python, no engine.
          25 * 60),
+    Step("gpu-twin-verify-budget", "adaptive draft lengths (--draft-length adaptive: per-request length, per-step "
+         "verify budget) against fixed k, each at its best k, sd and psd at 1-256 requests on the H200 curves, "
+         "with heterogeneous (0.5-0.95 per request) and homogeneous (0.8) acceptance",
+         ("python", "benchmarks/twin_verify_budget.py"),
+         ("benchmarks/results/gpu-twin/verify-budget.json",),
+         # About 15 minutes on the 2-core machine shared with other helpers' runs; pure Python, no engine.
+         18 * 60),
     Step("autoscaling", "speculation-aware autoscaler against the HPA algorithm and an oracle, simulated",
          ("minedraft", "autoscale", "bench", "--out", "benchmarks/results/autoscale"),
          # Not timed when the committed set was made: a guess from the simulator's speed on 2 cores.
