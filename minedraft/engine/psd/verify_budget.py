@@ -76,8 +76,9 @@ class DraftLengthPolicy:
     # A request drafted nothing for this many steps in a row gets one draft token (so it, and the batch's rate, are
     # measured again: otherwise a batch whose rate fell, or a step threshold set high, would never draft again).
     explore_after_steps: int = 8
-    # Cut-offs tried per step: every position up to this many, else this many evenly spaced (bounded work per step).
-    max_cutoffs: int = 48
+    # Cut-offs tried per step: this many + 1 evenly spaced, then as many between the best one's neighbours (the
+    # work per step is bounded: each is a cost-model lookup, ~20 us on this CPU).
+    coarse_cutoffs: int = 8
     # Exponential smoothing of the step's other seconds (step minus verification).
     smoothing: float = 0.2
     # Every this many budgeted steps (the first `early_probes` times every `early_probe_every`) the next step without
@@ -151,8 +152,9 @@ class DraftLengthPolicy:
         available, its belief); `num_requests`: requests in the step (each verifies one token besides its drafts);
         `may_probe`: the step takes in no prompt (its verify time is measured). Updates `threshold` for the next
         round's draft lengths."""
+        rates = {rid: self.rate(belief) for rid, (_, belief) in drafted.items()}
         positions = sorted(
-            ((self.rate(belief) ** (j + 1), j, rid) for rid, (available, belief) in drafted.items()
+            ((rates[rid] ** (j + 1), j, rid) for rid, (available, _) in drafted.items()
              for j in range(min(available, self.k_max))),
             key=lambda p: (-p[0], p[1]))
         total = len(positions)
@@ -160,8 +162,6 @@ class DraftLengthPolicy:
         if not total or self.verify_seconds(num_requests, num_requests + total) is None:
             self.threshold = 0.0
             return keep_all
-        stride = max(1, -(-total // self.max_cutoffs))
-        cutoffs = [*range(0, total, stride), total]
         prefix = [0.0]
         for probability, _, _ in positions:
             prefix.append(prefix[-1] + probability)
@@ -169,14 +169,25 @@ class DraftLengthPolicy:
         fixed = self.other_seconds
         if self.drafts_in_series:
             fixed += self.draft_seconds(len(drafted), max(keep_all.values())) or 0.0
-        best, best_rate = total, -1.0
-        for cut in cutoffs:
+        def tokens_per_second(cut: int) -> float:
             seconds = self.verify_seconds(num_requests, num_requests + cut)
-            if seconds is None:
-                continue
-            rate = (num_requests + prefix[cut]) / max(1e-9, fixed + seconds)
-            if rate >= best_rate:
-                best, best_rate = cut, rate
+            return -1.0 if seconds is None else (num_requests + prefix[cut]) / max(1e-9, fixed + seconds)
+
+        def best_of(cuts: list[int]) -> tuple[int, float]:
+            best_cut, best_rate = total, -1.0
+            for cut in cuts:  # ascending: a tie goes to more drafts
+                rate = tokens_per_second(cut)
+                if rate >= best_rate:
+                    best_cut, best_rate = cut, rate
+            return best_cut, best_rate
+
+        coarse = sorted({round(total * i / self.coarse_cutoffs) for i in range(self.coarse_cutoffs + 1)})
+        best, best_rate = best_of(coarse)
+        at = coarse.index(best)
+        low, high = coarse[max(0, at - 1)], coarse[min(len(coarse) - 1, at + 1)]
+        fine = sorted({best, *range(low, high + 1, max(1, (high - low) // self.coarse_cutoffs))})
+        if len(fine) > 1:
+            best, best_rate = best_of(fine)
         self.seconds_per_token = self._slope(num_requests, num_requests + best)
         self.tokens_per_second = best_rate
         self.threshold = best_rate * self.seconds_per_token
