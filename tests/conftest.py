@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -69,3 +70,22 @@ def _cpu_kind_readers_are_marked(request: pytest.FixtureRequest, monkeypatch: py
     yield
     assert not any(reads), (f"{request.node.nodeid} reads the CPU kind (placement.detect_device): mark it "
                             "@pytest.mark.cpu_kind so that `make test-other-cpu` reruns it as if on the other kind")
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_compute_on_one_torch_thread(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A unit test's tensors are small: with torch's default thread per core, their time went to OpenMP's hand-offs
+    between threads, the more so with other processes on the cores (the suite's engines, a shared runner). Measured
+    under load ~8 on 2 cores: the keyed-sampling, top-k and torch-drafter unit files took 74 s on the default threads,
+    36 s on one. Restored afterwards: the engine tests in the same session set their own. torch._C's setter, as
+    placement.ComputePlacement uses it: vLLM's CPU worker turns torch.set_num_threads into a no-op in this process."""
+    torch = sys.modules.get("torch")  # imported while collecting the unit tests that use it; never imported here
+    if torch is None or UNIT_DIR not in Path(str(request.path)).parents:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch._C.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(threads)
