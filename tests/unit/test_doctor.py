@@ -53,6 +53,7 @@ def test_verdict_says_so_when_psd_never_pays():
     assert "does not pay" in result["summary"] and "ar k=0 at 1" in result["summary"]
 
 
+@pytest.mark.cpu_kind
 def test_the_dtype_note_says_why_on_both_kinds_of_cpu_and_on_gpus():
     from minedraft.doctor import dtype_note
     from minedraft.engine.placement import DeviceInfo, detect_device, resolve_dtype

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from minedraft.engine.drafter import protocol
@@ -392,7 +393,10 @@ def test_restarts_back_off_until_a_job_succeeds_not_until_the_drafter_is_up(tmp_
         peer.connect(f"ipc://{tmp_path}/d.sock")
         client._consecutive_failures = 3
         peer.send(protocol.encode(protocol.Ready(1, "m", 0.5, max_context_tokens=2048)))
-        assert client.receive(5.0) == [] and client.state is DrafterState.UP
+        # receive() keeps waiting its whole timeout after a Ready (nothing for the caller yet): short polls until up.
+        give_up_at = time.monotonic() + 60.0  # a safety net against hanging, not a measured bound
+        while client.state is not DrafterState.UP:
+            assert client.receive(0.05) == [] and time.monotonic() < give_up_at
         assert client.max_context_tokens == 2048
         assert client._consecutive_failures == 3, "coming up is not success"
         peer.send(protocol.encode(protocol.DraftReply(1, [], 0.01, 0.0)))

@@ -4,6 +4,7 @@ silent engines, and a poison request from one engine."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -310,7 +311,15 @@ def test_the_engine_checks_the_services_proof_before_sending_it_anything(honest:
     client = RemoteDrafterClient(f"127.0.0.1:{port}", TOKEN, connect_timeout_seconds=10.0)
     try:
         client.start()
-        up = client.wait_ready(10)
+        if honest:
+            up = client.wait_ready(10)
+        else:
+            # Until the client has judged the proof (not a fixed wait: it retries an impostor forever), never up.
+            give_up_at = time.monotonic() + 60.0  # a safety net against hanging, not a measured bound
+            while "failed authentication" not in (client.last_error or ""):
+                assert not client.wait_ready(0.1), "the engine took an impostor for the service"
+                assert time.monotonic() < give_up_at, client.last_error
+            up = client.wait_ready(0.5)
         thread.join(10)
         assert up is honest
         if honest:

@@ -7,54 +7,87 @@ import logging
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 from minedraft.engine.drafter import client as client_module
 from minedraft.engine.drafter import process, protocol
 from minedraft.engine.drafter.client import DrafterClient, DrafterState
 
-# A stand-in drafter process: connects to the client's socket and reports a start-up stage every `every` seconds,
-# `count` times, then goes silent (alive, no Ready).
+# A stand-in drafter process: connects to the client's socket and reports one start-up stage for each line the test
+# writes to its stdin (the line is the stage's `seconds`), then stays silent (alive, no Ready) until its stdin closes.
 _FAKE_DRAFTER = """
-import json, os, sys, time, zmq
+import os, sys, zmq
 from minedraft.engine.drafter import protocol
-address, settings = sys.argv[1], json.loads(sys.argv[2])
 socket = zmq.Context().socket(zmq.PAIR)
-socket.connect(address)
-for i in range(settings["count"]):
-    time.sleep(settings["every"])
-    socket.send(protocol.encode(protocol.StartupStage(os.getpid(), "downloading", i * settings["every"], str(i))))
-time.sleep(60)
+socket.connect(sys.argv[1])
+for line in sys.stdin:
+    socket.send(protocol.encode(protocol.StartupStage(os.getpid(), "downloading", float(line), line.strip())))
 """
 
 
-def _fake_popen(real_popen):
+def _fake_popen(real_popen, spawned: list[subprocess.Popen[bytes]]):
     def popen(argv, **kwargs):
         assert argv[1:3] == ["-m", "minedraft.engine.drafter.process"]
-        return real_popen([argv[0], "-c", _FAKE_DRAFTER, *argv[3:]], **kwargs)
+        child = real_popen([argv[0], "-c", _FAKE_DRAFTER, *argv[3:]], stdin=subprocess.PIPE, **kwargs)
+        spawned.append(child)
+        return child
     return popen
 
 
-def _poll(client: DrafterClient, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+class _Clock:
+    """The client's time.monotonic, moved by the test: how long a start-up went without progress is then exact,
+    whatever the machine's load (the real one made this test depend on how fast the stand-in started)."""
+
+    def __init__(self) -> None:
+        self.now_seconds = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now_seconds
+
+
+def _stage_arrives(client: DrafterClient, child: subprocess.Popen[bytes], caplog, seconds: float) -> None:
+    """Has the stand-in send one stage and waits (real time, no deadline on the client's clock) until the client
+    took it in."""
+    before = sum("start-up: downloading" in r.getMessage() for r in caplog.records)
+    assert child.stdin is not None
+    child.stdin.write(f"{seconds}\n".encode())
+    child.stdin.flush()
+    give_up_at = time.monotonic() + 120.0  # a safety net against hanging, not a measured bound
+    while sum("start-up: downloading" in r.getMessage() for r in caplog.records) == before:
         client.receive(timeout_seconds=0.05)
-        client.check_alive()
+        assert child.poll() is None, "the stand-in drafter died"
+        assert time.monotonic() < give_up_at, "the client never took in the stand-in's stage"
 
 
-def test_a_start_that_keeps_progressing_outlives_the_timeout_and_a_stalled_one_does_not(monkeypatch):
-    monkeypatch.setattr(client_module.subprocess, "Popen", _fake_popen(subprocess.Popen))
-    client = DrafterClient({"count": 8, "every": 0.4}, restart=False, startup_timeout_seconds=1.5)
+def test_a_start_that_keeps_progressing_outlives_the_timeout_and_a_stalled_one_does_not(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger=client_module.log.name)
+    clock = _Clock()
+    monkeypatch.setattr(client_module, "time", SimpleNamespace(monotonic=clock.monotonic, sleep=time.sleep))
+    spawned: list[subprocess.Popen[bytes]] = []
+    monkeypatch.setattr(client_module.subprocess, "Popen", _fake_popen(subprocess.Popen, spawned))
+    client = DrafterClient({}, restart=False, startup_timeout_seconds=1.5)
     client.start()
     try:
-        # 3.6 s of start-up, more than twice the timeout, with a stage every 0.4 s: still starting.
-        _poll(client, 3.6)
-        assert client.state is DrafterState.STARTING, client.last_error
+        (child,) = spawned
+        # 8 s of start-up, over five times the timeout, with a stage every second: still starting.
+        for second in range(1, 9):
+            clock.now_seconds += 1.0
+            assert not client.check_alive() and client.state is DrafterState.STARTING, client.last_error
+            _stage_arrives(client, child, caplog, second)
         assert client.startup_stage == "downloading"
-        # Then silence: stalled after the timeout.
-        _poll(client, 3.0)
-        assert client.state is DrafterState.DOWN
+        # Progress resets the clock: 1.4 s after the last stage is still within the timeout...
+        clock.now_seconds += 1.4
+        client.check_alive()
+        assert client.state is DrafterState.STARTING, client.last_error
+        # ...and silence past it is a stall, although the process is alive.
+        clock.now_seconds += 0.2
+        client.check_alive()
+        assert client.state is DrafterState.DOWN and child.poll() is None
         assert "stalled" in (client.last_error or "") and "'downloading'" in (client.last_error or "")
     finally:
+        for child in spawned:
+            if child.stdin is not None:
+                child.stdin.close()  # the stand-in exits: shutdown need not wait for it
         client.shutdown()
 
 
