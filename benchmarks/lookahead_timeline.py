@@ -1,0 +1,162 @@
+"""Where a step's time goes, sd against lookahead, on the local CPU pair in one engine (interleaved).
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/lookahead_timeline.py [--modes sd,lookahead] [--tokens 128]
+
+Per engine step (perf_counter, engine process): the wait for the draft job in schedule(), the rest of the core's
+schedule (planning), vLLM's own scheduling, commit() (lookahead: the branch job built and sent), the target's
+execute_model and sample_tokens, update_from_output (vLLM's and the core's), the rest of LLMEngine.step (output
+processing); and per draft job: the drafter's own seconds, and its reply's arrival after it was sent (the rest is
+start delay and IPC). Means in ms per step, over the steps of each mode's runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from minedraft.bench.workload import bench_prompts
+from minedraft.engine.core import Engine
+from minedraft.engine.requests import SamplingSettings
+from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode, default_core_split
+from minedraft.engine.vllm_adapter.engine_core import in_process_core
+from minedraft.models.spec import default_pair_dir
+from tests.component.driver import Planned, drive
+
+Clock = time.perf_counter
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self.spans: dict[str, list[float]] = defaultdict(list)
+        self.current: dict[str, float] = defaultdict(float)
+        self.jobs: list[tuple[float, float, float]] = []  # (round trip, drafter seconds, sent -> commit end)
+        self.num_steps = 0
+
+    def wrap(self, owner: Any, name: str, label: str) -> None:
+        inner: Callable[..., Any] = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = Clock()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.current[label] += Clock() - started
+
+        setattr(owner, name, timed)
+
+    def end_step(self) -> None:
+        self.num_steps += 1
+        for label, seconds in self.current.items():
+            self.spans[label].append(seconds)
+        self.current.clear()
+
+    def reset(self) -> None:
+        self.spans.clear()
+        self.current.clear()
+        self.jobs.clear()
+        self.num_steps = 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--modes", default="sd,lookahead,sd,lookahead")
+    parser.add_argument("--concurrency", default="1,4")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--fanout", type=int, default=4)
+    parser.add_argument("-k", type=int, default=3)
+    args = parser.parse_args()
+    pair = default_pair_dir()
+    target_cores, drafter_cores = default_core_split()
+    engine = Engine(EngineSettings(
+        model=str(pair / "target"),
+        drafter=DrafterSettings(model=str(pair / "draft"), cpu_cores=drafter_cores, backend="torch"),
+        mode=Mode.LOOKAHEAD, num_speculative_tokens=args.k, max_num_seqs=8, max_model_len=512, kv_cache_gib=1,
+        target_cpu_cores=target_cores, dtype="float32", lookahead_fanout=args.fanout, lend_drafter_cores=False))
+    assert engine.wait_for_drafter(300)
+    print(f"cpu {os.cpu_count()} cores; engine affinity {sorted(os.sched_getaffinity(0))}; target cores "
+          f"{target_cores}, drafter cores {drafter_cores}", flush=True)
+    scheduler = engine.psd_scheduler
+    core = scheduler.core
+    timeline = Timeline()
+    vllm_core = in_process_core(engine._llm)
+    timeline.wrap(vllm_core.model_executor, "execute_model", "execute")
+    timeline.wrap(vllm_core.model_executor, "sample_tokens", "sample")
+    timeline.wrap(scheduler, "update_from_output", "update_from_output")
+    timeline.wrap(core, "update", "core.update")
+    timeline.wrap(scheduler, "schedule", "schedule")
+    timeline.wrap(core, "schedule", "core.schedule")
+    timeline.wrap(core, "commit", "core.commit")
+    timeline.wrap(core.source, "wait_for", "wait_for")
+    link = core.source
+    inner_poll = link.poll
+    sent: dict[int, float] = {}
+
+    def poll(timeout_seconds: float) -> Any:
+        events = inner_poll(timeout_seconds)
+        now = Clock()
+        for event in events:
+            job = getattr(event, "job", None)
+            seconds = getattr(event, "draft_seconds", None)
+            if job is not None and seconds is not None:
+                timeline.jobs.append((now - job.sent_at, seconds, 0.0))
+        return events
+
+    link.poll = poll  # type: ignore[method-assign]
+    inner_step = engine.step
+
+    def step() -> Any:
+        started = Clock()
+        try:
+            return inner_step()
+        finally:
+            timeline.current["engine.step"] += Clock() - started
+            timeline.end_step()
+
+    engine.step = step  # type: ignore[method-assign]
+    del sent
+    prompts = [engine.encode_prompt(text) for text in bench_prompts(pair, 8, chars=160)]
+    results: dict[tuple[int, str], list[str]] = defaultdict(list)
+    for concurrency in (int(c) for c in args.concurrency.split(",")):
+        for name in args.modes.split(","):
+            engine.set_mode(Mode(name), args.k)
+            records = engine.step_records()
+            first = records[-1].step if records else 0
+            timeline.reset()
+            started = Clock()
+            run = drive(engine, [Planned(f"{name}-{concurrency}-{i}-{time.monotonic_ns()}", prompts[i],
+                                         SamplingSettings(max_tokens=args.tokens, ignore_eos=True))
+                                 for i in range(concurrency)])
+            seconds = Clock() - started
+            steps = [r for r in engine.step_records(first) if r.num_decode_requests]
+            tokens = sum(len(c.token_ids) for c in run.completions.values())
+
+            def ms(values: list[float]) -> str:
+                return f"{1000 * statistics.mean(values):.2f}" if values else "-"
+
+            # (Per engine step: a span a step did not have counts 0.)
+            spans = {label: f"{1000 * sum(values) / timeline.num_steps:.2f}"
+                     for label, values in timeline.spans.items()}
+            jobs = timeline.jobs
+            line = (f"c={concurrency} {name}: {tokens / seconds:.1f} tok/s, {len(steps)} decode steps, "
+                    f"{tokens / max(1, len(steps)) / concurrency:.2f} tok/step/request; per step ms: "
+                    + ", ".join(f"{label} {value}" for label, value in sorted(spans.items()))
+                    + f"; jobs: round trip {ms([j[0] for j in jobs])}, drafter {ms([j[1] for j in jobs])}"
+                    + f", record verify {ms([r.verify_seconds for r in steps])}"
+                    + f" wait {ms([r.wait_seconds for r in steps])}")
+            if name == Mode.LOOKAHEAD.value:
+                hits = sum(r.num_branch_hits for r in steps)
+                misses = sum(r.num_branch_misses for r in steps)
+                shapes = [(r.lookahead_fanout, r.lookahead_depth) for r in steps]
+                line += f"; hits {hits} misses {misses}; shapes {shapes[-4:]}"
+            results[(concurrency, name)].append(line)
+            print(line, flush=True)
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
