@@ -64,10 +64,11 @@ class Timeline:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--modes", default="sd,lookahead,sd,lookahead")
+    parser.add_argument("--modes", default="sd,lookahead,sd,lookahead", help="lookahead@F: up to F branches")
     parser.add_argument("--concurrency", default="1,4")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--fanout", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("-k", type=int, default=3)
     args = parser.parse_args()
     pair = default_pair_dir()
@@ -121,8 +122,11 @@ def main() -> None:
     del sent
     prompts = [engine.encode_prompt(text) for text in bench_prompts(pair, 8, chars=160)]
     results: dict[tuple[int, str], list[str]] = defaultdict(list)
-    for concurrency in (int(c) for c in args.concurrency.split(",")):
-        for name in args.modes.split(","):
+    for concurrency in (int(c) for c in args.concurrency.split(",") for _ in range(args.rounds)):
+        for spec in args.modes.split(","):
+            # "lookahead@8": lookahead with up to 8 branches per request.
+            name, _, fanout = spec.partition("@")
+            core.lookahead_fanout = int(fanout or args.fanout)
             engine.set_mode(Mode(name), args.k)
             records = engine.step_records()
             first = records[-1].step if records else 0
@@ -142,7 +146,7 @@ def main() -> None:
             spans = {label: f"{1000 * sum(values) / timeline.num_steps:.2f}"
                      for label, values in timeline.spans.items()}
             jobs = timeline.jobs
-            line = (f"c={concurrency} {name}: {tokens / seconds:.1f} tok/s, {len(steps)} decode steps, "
+            line = (f"c={concurrency} {spec}: {tokens / seconds:.1f} tok/s, {len(steps)} decode steps, "
                     f"{tokens / max(1, len(steps)) / concurrency:.2f} tok/step/request; per step ms: "
                     + ", ".join(f"{label} {value}" for label, value in sorted(spans.items()))
                     + f"; jobs: round trip {ms([j[0] for j in jobs])}, drafter {ms([j[1] for j in jobs])}"
@@ -153,7 +157,7 @@ def main() -> None:
                 misses = sum(r.num_branch_misses for r in steps)
                 shapes = [(r.lookahead_fanout, r.lookahead_depth) for r in steps]
                 line += f"; hits {hits} misses {misses}; shapes {shapes[-4:]}"
-            results[(concurrency, name)].append(line)
+            results[(concurrency, spec)].append(line)
             print(line, flush=True)
     engine.shutdown()
 

@@ -469,9 +469,9 @@ class TorchLlamaDrafter:
             for i in active:
                 per_row.setdefault(first_query[i][0], []).append(i)
             row_ids = sorted(per_row)
-            queries = [[(drafts[i][-1], len(rows[r][1]) + len(items[i][2]) + step - 1,
-                         start[i] + len(items[i][2]) + step - 1, i) for i in per_row[r]] for r in row_ids]
-            hidden = run(queries, row_ids)
+            step_queries = [[(drafts[i][-1], len(rows[r][1]) + len(items[i][2]) + step - 1,
+                              start[i] + len(items[i][2]) + step - 1, i) for i in per_row[r]] for r in row_ids]
+            hidden = run(step_queries, row_ids)
             order = [(b, q) for b, r in enumerate(row_ids) for q in range(len(per_row[r]))]
             tokens, logprobs, top = self._next(hidden[torch.tensor([b for b, _ in order]),
                                                       torch.tensor([q for _, q in order])], want_logprobs, top_f)

@@ -125,7 +125,10 @@ class WindowedTorchDrafter(TorchLlamaDrafter):
         return hidden[torch.arange(batch), torch.tensor([len(row) - 1 for row in kept])]
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
-                 valid: torch.Tensor) -> torch.Tensor:
+                 valid: torch.Tensor, cache_index: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        if cache_index is not None or mask is not None:
+            raise ValueError("the windowed drafter places keys by position in its ring (no draft_tree here)")
         device = self.device
         tokens, positions = tokens.to(device), positions.to(device)
         slot_ids, valid = slot_ids.to(device), valid.to(device)

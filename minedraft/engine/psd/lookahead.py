@@ -115,6 +115,20 @@ class LookaheadStats:
     # shape.
     job_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     alpha: float = 0.3
+    # A lookahead step's seconds without a refresh's wait, and a refresh's wait (a draft of the misses from their
+    # real context, sent and waited for before the step is launched), as EMAs: what refresh_pays weighs.
+    step_seconds: float | None = None
+    refresh_seconds: float | None = None
+
+    def observe_step(self, seconds: float) -> None:
+        if seconds > 0:
+            self.step_seconds = seconds if self.step_seconds is None else (
+                (1 - self.alpha) * self.step_seconds + self.alpha * seconds)
+
+    def observe_refresh(self, seconds: float) -> None:
+        if seconds > 0:
+            self.refresh_seconds = seconds if self.refresh_seconds is None else (
+                (1 - self.alpha) * self.refresh_seconds + self.alpha * seconds)
 
     def acceptance(self, position: int) -> float:
         """P(position+1 accepted | the first `position` were)."""
@@ -190,6 +204,25 @@ def choose_shape(ranked: Mapping[str, list[Outcome]], stats: LookaheadStats, max
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = (fanout, depth), rate
     return best
+
+
+def refresh_pays(num_running: int, num_misses: int, stats: LookaheadStats, k: int) -> bool:
+    """Whether a step's misses should be drafted from their real context first, the whole step waiting for that
+    draft, rather than verified at once with a backup (or without drafts). A miss verified at once makes about one
+    token; drafted afresh it is an sd step's worth, 1 + the drafts it is expected to have accepted, like a hit. The
+    step makes the running requests' tokens in its time, so the wait pays when the batch's tokens per second with it,
+    (running * (1 + gain)) / (step + refresh), beat those without, (running + hits * gain) / step: where misses
+    are most of the batch (one request: every miss) and drafting is short next to a step. Before a refresh was
+    measured its wait is guessed at half a step, so one is tried and from then on priced by what it cost; before a
+    step was measured, no."""
+    if num_misses <= 0 or stats.step_seconds is None:
+        return False
+    step = stats.step_seconds
+    refresh = stats.refresh_seconds if stats.refresh_seconds is not None else step / 2
+    gain = stats.expected_accepted(k)
+    now = (num_running + (num_running - num_misses) * gain) / step
+    refreshed = num_running * (1 + gain) / (step + refresh)
+    return refreshed > now
 
 
 def outcomes(request_id: str, drafted: Sequence[int], candidates: Sequence[Sequence[int]], stats: LookaheadStats,
