@@ -17,6 +17,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from minedraft.bench.workload import bench_prompts
@@ -37,15 +38,19 @@ class Timeline:
         self.jobs: list[tuple[float, float, float]] = []  # (round trip, drafter seconds, sent -> commit end)
         self.num_steps = 0
 
-    def wrap(self, owner: Any, name: str, label: str) -> None:
+    def wrap(self, owner: Any, name: str, label: str, cpu: bool = False) -> None:
+        """`cpu`: also the calling thread's CPU seconds (`label` cpu): below the wall seconds, the thread waited for
+        a core (another process ran on it)."""
         inner: Callable[..., Any] = getattr(owner, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            started = Clock()
+            started, started_cpu = Clock(), time.thread_time()
             try:
                 return inner(*args, **kwargs)
             finally:
                 self.current[label] += Clock() - started
+                if cpu:
+                    self.current[label + " cpu"] += time.thread_time() - started_cpu
 
         setattr(owner, name, timed)
 
@@ -83,9 +88,10 @@ def main() -> None:
           f"{target_cores}, drafter cores {drafter_cores}", flush=True)
     scheduler = engine.psd_scheduler
     core = scheduler.core
+    settings = core.settings
     timeline = Timeline()
     vllm_core = in_process_core(engine._llm)
-    timeline.wrap(vllm_core.model_executor, "execute_model", "execute")
+    timeline.wrap(vllm_core.model_executor, "execute_model", "execute", cpu=True)
     timeline.wrap(vllm_core.model_executor, "sample_tokens", "sample")
     timeline.wrap(scheduler, "update_from_output", "update_from_output")
     timeline.wrap(core, "update", "core.update")
@@ -124,9 +130,11 @@ def main() -> None:
     results: dict[tuple[int, str], list[str]] = defaultdict(list)
     for concurrency in (int(c) for c in args.concurrency.split(",") for _ in range(args.rounds)):
         for spec in args.modes.split(","):
-            # "lookahead@8": lookahead with up to 8 branches per request.
-            name, _, fanout = spec.partition("@")
+            # "lookahead@8": lookahead with up to 8 branches per request; "lookahead!": misses never refreshed.
+            name, _, fanout = spec.rstrip("!").partition("@")
             core.lookahead_fanout = int(fanout or args.fanout)
+            core.settings = replace(settings, lookahead_refresh_misses=settings.lookahead_refresh_misses
+                                    and not spec.endswith("!"))
             engine.set_mode(Mode(name), args.k)
             records = engine.step_records()
             first = records[-1].step if records else 0

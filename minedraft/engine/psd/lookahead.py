@@ -23,7 +23,10 @@ waiting for a short draft because waiting stalls the whole batch for one request
 that request only the tokens its drafts would have added; and the root draft becomes a branch for free: its first
 drafted token is
 the drafter's guess for the token this step samples, so if the target agrees (`match` reads drafted tokens the
-request has since committed as part of the tail), the remaining k tokens are a draft for the next round.
+request has since committed as part of the tail), the remaining k tokens are a draft for the next round. Waiting does
+pay where the misses are most of the batch (one request: every miss) and drafting is short next to a step: there the
+engine drafts the misses from their real context first and waits (`refresh_pays`, core._refresh_misses), so a miss
+costs a short wait instead of a step that makes about one token.
 """
 
 from __future__ import annotations
