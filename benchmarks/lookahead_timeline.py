@@ -12,21 +12,27 @@ start delay and IPC). Means in ms per step, over the steps of each mode's runs.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-from minedraft.bench.workload import bench_prompts
-from minedraft.engine.core import Engine
-from minedraft.engine.requests import SamplingSettings
-from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode, default_core_split
-from minedraft.engine.vllm_adapter.engine_core import in_process_core
-from minedraft.models.spec import default_pair_dir
-from tests.component.driver import Planned, drive
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # (tests.component.driver, and this checkout's minedraft)
+
+from minedraft.bench.workload import bench_prompts  # noqa: E402
+from minedraft.engine.core import Engine  # noqa: E402
+from minedraft.engine.requests import SamplingSettings  # noqa: E402
+from minedraft.engine.settings import DrafterSettings, EngineSettings, Mode, default_core_split  # noqa: E402
+from minedraft.engine.vllm_adapter.engine_core import in_process_core  # noqa: E402
+from minedraft.models.spec import default_pair_dir  # noqa: E402
+from tests.component.driver import Planned, drive  # noqa: E402
 
 Clock = time.perf_counter
 
@@ -74,6 +80,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--fanout", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--json", help="write the runs here (and a .md beside it)")
     parser.add_argument("-k", type=int, default=3)
     args = parser.parse_args()
     pair = default_pair_dir()
@@ -87,6 +94,7 @@ def main() -> None:
     print(f"cpu {os.cpu_count()} cores; engine affinity {sorted(os.sched_getaffinity(0))}; target cores "
           f"{target_cores}, drafter cores {drafter_cores}", flush=True)
     scheduler = engine.psd_scheduler
+    assert scheduler is not None
     core = scheduler.core
     settings = core.settings
     timeline = Timeline()
@@ -127,8 +135,8 @@ def main() -> None:
     engine.step = step  # type: ignore[method-assign]
     del sent
     prompts = [engine.encode_prompt(text) for text in bench_prompts(pair, 8, chars=160)]
-    results: dict[tuple[int, str], list[str]] = defaultdict(list)
-    for concurrency in (int(c) for c in args.concurrency.split(",") for _ in range(args.rounds)):
+    runs: list[dict[str, Any]] = []
+    for number, concurrency in enumerate(int(c) for c in args.concurrency.split(",") for _ in range(args.rounds)):
         for spec in args.modes.split(","):
             # "lookahead@8": lookahead with up to 8 branches per request; "lookahead!": misses never refreshed.
             name, _, fanout = spec.rstrip("!").partition("@")
@@ -165,9 +173,51 @@ def main() -> None:
                 misses = sum(r.num_branch_misses for r in steps)
                 shapes = [(r.lookahead_fanout, r.lookahead_depth) for r in steps]
                 line += f"; hits {hits} misses {misses}; shapes {shapes[-4:]}"
-            results[(concurrency, spec)].append(line)
+            runs.append({"concurrency": concurrency, "round": number, "mode": spec,
+                         "tokens_per_second": round(tokens / seconds, 1), "decode_steps": len(steps),
+                         "tokens_per_step_per_request": round(tokens / max(1, len(steps)) / concurrency, 2),
+                         "per_step_ms": {label: float(value) for label, value in spans.items()},
+                         "drafter_job_ms": float(ms([j[1] for j in jobs]) if jobs else 0.0),
+                         **({"hits": hits, "misses": misses} if name == Mode.LOOKAHEAD.value else {})})
             print(line, flush=True)
     engine.shutdown()
+    if args.json:
+        write(Path(args.json), runs, " ".join(["python", "benchmarks/lookahead_timeline.py", *sys.argv[1:]]))
+
+
+def write(path: Path, runs: list[dict[str, Any]], command: str) -> None:
+    """The runs, and per round each mode's tokens per second and target forward (execute) over sd's of that round."""
+    ratios = []
+    for key in dict.fromkeys((r["concurrency"], r["round"]) for r in runs):
+        block = [r for r in runs if (r["concurrency"], r["round"]) == key]
+        sd = next((r for r in block if r["mode"] == Mode.SD.value), None)
+        if sd is None:
+            continue
+        ratios.append({"concurrency": key[0], **{
+            r["mode"]: [round(r["tokens_per_second"] / sd["tokens_per_second"], 2),
+                        round(r["per_step_ms"]["execute"] / sd["per_step_ms"]["execute"], 2)]
+            for r in block if r is not sd}})
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"command": command, "cpu": cpu, "cores": os.cpu_count(),
+                                "load_average": os.getloadavg(), "ratios_to_sd": ratios, "runs": runs}, indent=1))
+    lines = [f"# Lookahead against sd on this CPU, step by step\n\n`{command}`\n",
+             f"CPU: {cpu}, {os.cpu_count()} cores (load average at the end {os.getloadavg()[0]:.1f}). One engine, "
+             "the modes interleaved in each round; target and drafter on a core each, no lending. `lookahead!`: "
+             "misses verified at once (no refresh); `lookahead@F`: up to F branches per request.\n",
+             "Per round, tokens per second over sd's, and (after the slash) the target's forward per step over "
+             "sd's:\n", "| requests | " + " | ".join(m for m in ratios[0] if m != "concurrency") + " |",
+             "|---" * len(ratios[0]) + "|"]
+    lines += [f"| {r['concurrency']} | " + " | ".join(f"{v[0]} / {v[1]}" for m, v in r.items() if m != "concurrency")
+              + " |" for r in ratios]
+    lines += ["", "| requests | mode | tok/s | tokens/step/request | step ms | execute ms | wait ms | drafter job ms "
+              "| hits / misses |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_second']} | {r['tokens_per_step_per_request']} | "
+              f"{r['per_step_ms'].get('engine.step', 0)} | {r['per_step_ms'].get('execute', 0)} | "
+              f"{r['per_step_ms'].get('wait_for', 0)} | {r['drafter_job_ms']} | {r.get('hits', '')} / "
+              f"{r.get('misses', '')} |" for r in runs]
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
