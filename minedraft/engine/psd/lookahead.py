@@ -43,6 +43,9 @@ Tokens = Callable[[str, int, int], Sequence[int]]
 
 # Outcomes less likely than this are not drafted: a branch costs the drafter a row of every forward.
 MIN_BRANCH_PROBABILITY = 0.02
+# A refresh must promise this much more than verifying the misses at once: its price is a drafter round trip, which
+# on a machine shared with other processes swings several-fold from step to step (a coin toss not worth a wait).
+REFRESH_MARGIN = 1.1
 # Before anything is measured: the target's token is the drafter's rank-r candidate with these odds.
 RANK_PRIOR = (0.5, 0.2, 0.1, 0.05)
 PRIOR_WEIGHT = 4.0
@@ -225,7 +228,7 @@ def refresh_pays(num_running: int, num_misses: int, stats: LookaheadStats, k: in
     gain = stats.expected_accepted(k)
     now = (num_running + (num_running - num_misses) * gain) / step
     refreshed = num_running * (1 + gain) / (step + refresh)
-    return refreshed > now
+    return refreshed > REFRESH_MARGIN * now
 
 
 def outcomes(request_id: str, drafted: Sequence[int], candidates: Sequence[Sequence[int]], stats: LookaheadStats,
