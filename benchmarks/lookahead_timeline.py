@@ -185,7 +185,7 @@ def main() -> None:
         write(Path(args.json), runs, " ".join(["python", "benchmarks/lookahead_timeline.py", *sys.argv[1:]]))
 
 
-def write(path: Path, runs: list[dict[str, Any]], command: str) -> None:
+def write(path: Path, runs: list[dict[str, Any]], command: str, load: tuple[float, ...] | None = None) -> None:
     """The runs, and per round each mode's tokens per second and target forward (execute) over sd's of that round."""
     ratios = []
     for key in dict.fromkeys((r["concurrency"], r["round"]) for r in runs):
@@ -197,15 +197,28 @@ def write(path: Path, runs: list[dict[str, Any]], command: str) -> None:
             r["mode"]: [round(r["tokens_per_second"] / sd["tokens_per_second"], 2),
                         round(r["per_step_ms"]["execute"] / sd["per_step_ms"]["execute"], 2)]
             for r in block if r is not sd}})
+    load = load or os.getloadavg()
+    # Over all rounds: each run makes the same tokens, so the ratio of the summed seconds per token.
+    overall: dict[str, dict[str, float]] = {}
+    for concurrency in dict.fromkeys(r["concurrency"] for r in runs):
+        mine = [r for r in runs if r["concurrency"] == concurrency]
+        sd_seconds = sum(1 / r["tokens_per_second"] for r in mine if r["mode"] == Mode.SD.value)
+        overall[str(concurrency)] = {
+            mode: round(sd_seconds / sum(1 / r["tokens_per_second"] for r in mine if r["mode"] == mode), 2)
+            for mode in dict.fromkeys(r["mode"] for r in mine) if mode != Mode.SD.value}
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"command": command, "cpu": cpu, "cores": os.cpu_count(),
-                                "load_average": os.getloadavg(), "ratios_to_sd": ratios, "runs": runs}, indent=1))
+                                "load_average": load,
+                                "overall_ratio_to_sd": overall, "ratios_to_sd": ratios, "runs": runs}, indent=1))
     lines = [f"# Lookahead against sd on this CPU, step by step\n\n`{command}`\n",
-             f"CPU: {cpu}, {os.cpu_count()} cores (load average at the end {os.getloadavg()[0]:.1f}). One engine, "
+             f"CPU: {cpu}, {os.cpu_count()} cores (load average at the end {load[0]:.1f}). One engine, "
              "the modes interleaved in each round; target and drafter on a core each, no lending. `lookahead!`: "
              "misses verified at once (no refresh); `lookahead@F`: up to F branches per request.\n",
+             "Over all rounds, tokens per second over sd's (summed seconds for the same tokens): "
+             + "; ".join(f"{c} request(s): " + ", ".join(f"{m} {v}x" for m, v in ratios_c.items())
+                         for c, ratios_c in overall.items()) + ".\n",
              "Per round, tokens per second over sd's, and (after the slash) the target's forward per step over "
              "sd's:\n", "| requests | " + " | ".join(m for m in ratios[0] if m != "concurrency") + " |",
              "|---" * len(ratios[0]) + "|"]
