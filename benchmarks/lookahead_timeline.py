@@ -82,7 +82,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", help="write the runs here (and a .md beside it)")
     parser.add_argument("-k", type=int, default=3)
+    parser.add_argument("--nice", type=int, default=0,
+                        help="run engine and drafter at this niceness (negative, as root: ahead of other processes on "
+                             "a shared machine, to see the modes without their contention)")
     args = parser.parse_args()
+    if args.nice:
+        os.nice(args.nice)  # (before the engine starts: its threads and the drafter process inherit it)
     pair = default_pair_dir()
     target_cores, drafter_cores = default_core_split()
     engine = Engine(EngineSettings(
