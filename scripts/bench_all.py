@@ -43,6 +43,16 @@ STEPS: tuple[Step, ...] = (
           "--requests-per-concurrency", "4", "--min-requests", "16", "--max-tokens", "64", "--rounds", "4",
           "-k", "3", "--trace", TRACE, "--json", "benchmarks/results/local-pair/k3.json"),
          ("benchmarks/results/local-pair/k3.json",), 15 * 60),
+    Step("lookahead-cpu", "lookahead against sd on the local pair, step by step: one engine, the modes interleaved",
+         ("python", "benchmarks/lookahead_timeline.py", "--modes", "sd,lookahead,lookahead!,lookahead@8", "--rounds",
+          "3", "--json", "benchmarks/results/local-pair/lookahead-timeline.json"),
+         # About 2.5 minutes on the shared 2-core machine (load average 7-9 from other jobs).
+         ("benchmarks/results/local-pair/lookahead-timeline.json",), 4 * 60),
+    Step("lookahead-cpu-nice", "the same with engine and drafter ahead of other processes (niceness -10, as root): "
+         "the modes without a shared machine's contention for cores",
+         ("python", "benchmarks/lookahead_timeline.py", "--modes", "sd,lookahead,lookahead!,lookahead@8", "--rounds",
+          "3", "--nice", "-10", "--json", "benchmarks/results/local-pair/lookahead-timeline-nice.json"),
+         ("benchmarks/results/local-pair/lookahead-timeline-nice.json",), 4 * 60),
     Step("trained-k5", "trained local pair, k=5 (drafting about as long as verifying)",
          ("minedraft", "bench", "--modes", "ar,vllm-sd,sd,psd", "--concurrency", "4,16,32", "--num-prompts", "64",
           "--max-tokens", "64", "--rounds", "2", "-k", "5", "--json", "benchmarks/results/local-pair/k5.json"),

@@ -163,6 +163,9 @@ class EngineSettings:
     # Lookahead: a request whose real outcome no branch matched is verified with the likeliest branch drafted for
     # the same accepted length (lossless like any proposal; free in a step padded to k) instead of without drafts.
     lookahead_backup_drafts: bool = True
+    # Lookahead: where it pays by measured times (lookahead.refresh_pays), the missed requests are drafted from
+    # their real context and the step waits for that draft instead of verifying them with a backup.
+    lookahead_refresh_misses: bool = True
     max_num_seqs: int = 64
     # 0: the model's own context length, capped by what the KV cache holds (vLLM's auto-fit). A loaded engine's
     # settings carry the length vLLM chose.
@@ -253,6 +256,9 @@ class SchedulerSettings:
     # its accepted length (a backup) rather than without drafts.
     lookahead_fanout: int = DEFAULT_LOOKAHEAD_FANOUT
     lookahead_backup_drafts: bool = True
+    # (Off here, so the twin, which builds these settings itself, keeps verifying misses at once; the engine's
+    # EngineSettings turns it on.)
+    lookahead_refresh_misses: bool = False
     catch_up_tokens_per_job: int = 2048
     # The cap on a step's wait for drafts (DrafterSettings.deadline_seconds).
     deadline_seconds: float = 5.0
@@ -287,6 +293,7 @@ class SchedulerSettings:
             draft_length=settings.draft_length,
             lookahead_fanout=settings.lookahead_fanout,
             lookahead_backup_drafts=settings.lookahead_backup_drafts,
+            lookahead_refresh_misses=settings.lookahead_refresh_misses,
             catch_up_tokens_per_job=settings.drafter.catch_up_tokens_per_job,
             deadline_seconds=settings.drafter.deadline_seconds,
             max_missed_deadlines=settings.drafter.max_missed_deadlines,

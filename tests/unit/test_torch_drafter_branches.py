@@ -74,3 +74,42 @@ def test_branches_draft_what_their_context_plus_tail_drafts_and_leave_the_commit
     for result in got:
         ctx = nxt[result.request_id]
         assert result.token_ids == fresh.draft([("again-" + result.request_id, ctx, K)], False)[0][0]
+
+
+def test_dense_drafter_drafts_branches_as_one_tree_row_per_request_without_forking(pair_dir, monkeypatch):
+    """The dense drafter's branch job: no scratch slot is forked; roots, tails of every length, a request new to the
+    drafter (a long catch-up) and a request near the end of its context (regions that do not fit: forked instead)
+    each draft exactly what drafting from the context plus the tail gives."""
+    path = str(pair_dir / "draft")
+    model = TorchLlamaDrafter(path, max_slots=16, max_model_len=128)
+    fresh = TorchLlamaDrafter(path, max_slots=16, max_model_len=128)
+    drafter = _drafter(model)
+    rng = random.Random(7)
+    held = {"old": [rng.randrange(2048) for _ in range(40)], "end": [rng.randrange(2048) for _ in range(121)]}
+    drafter.draft(protocol.DraftJob(1, [protocol.DraftItem(rid, ctx, K + 1) for rid, ctx in held.items()]), None)
+    contexts = {"old": [*held["old"], *[rng.randrange(2048) for _ in range(3)]],
+                "new": [rng.randrange(2048) for _ in range(30)], "end": [*held["end"], rng.randrange(2048)]}
+    tails = {"old": [(), (5,), (7, 9), (7, 9, 11, 13)], "new": [()], "end": [(), (3, 4)]}
+
+    def job(names: list[str]) -> list[protocol.DraftItem]:
+        return [protocol.DraftItem(rid, contexts[rid], K + (0 if tail else 1), 0, list(tail), branch)
+                for rid in names for branch, tail in enumerate(tails[rid])]
+
+    forked: list[str] = []
+    monkeypatch.setattr(model, "fork", lambda rid, key, n: forked.append(key) or TorchLlamaDrafter.fork(model, rid,
+                                                                                                        key, n))
+    for names, forks in ((["old", "new"], False), (["end"], True)):
+        items = job(names)
+        results, _, _ = drafter.draft(protocol.DraftJob(2, items, top_f=TOP_F), None)
+        assert bool(forked) is forks
+        for item, result in zip(items, results, strict=True):
+            context = [*item.token_ids, *item.tail]
+            key = f"fresh-{item.request_id}-{item.branch}"
+            room = min(item.num_draft_tokens, 128 - len(context))
+            want = fresh.draft_with_candidates([(key, context, room)], False, top_f=TOP_F)[0]
+            fresh.forget([key])
+            assert result.token_ids == want[0], f"{item.request_id} branch {item.branch}"
+            assert result.candidates == want[2], f"{item.request_id} branch {item.branch}"
+        for rid in names:
+            assert model.slots[rid].tokens == contexts[rid]
+    assert set(model.slots) == set(contexts), "no scratch slot left"

@@ -73,11 +73,17 @@ class TorchDrafter:
         try:
             # (Messages are taken in only between jobs here: a newer job's tokens would extend these contexts in place.)
             adopt: list[tuple[str, str, int]] = []
-            if any(i.tail for i in items):
-                items, rows, branch_keys, adopt = self._fork_branches(items, on_step)
+            tree = self.model.draft_tree(
+                [(i.request_id, i.token_ids, tuple(i.tail), i.num_draft_tokens) for i in items], job.want_logprobs,
+                on_step, top_f) if any(i.tail for i in items) else None
+            if tree is not None:
+                drafts = tree
             else:
-                rows = [(i.request_id, i.token_ids, i.num_draft_tokens) for i in items]
-            drafts = self.model.draft_with_candidates(rows, job.want_logprobs, on_step, top_f) if rows else []
+                if any(i.tail for i in items):
+                    items, rows, branch_keys, adopt = self._fork_branches(items, on_step)
+                else:
+                    rows = [(i.request_id, i.token_ids, i.num_draft_tokens) for i in items]
+                drafts = self.model.draft_with_candidates(rows, job.want_logprobs, on_step, top_f) if rows else []
             for key, request_id, num_tokens in adopt:
                 self.model.adopt(key, request_id, num_tokens)
         except Exception:

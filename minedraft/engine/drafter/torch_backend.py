@@ -195,17 +195,23 @@ class TorchLlamaDrafter:
     # -- model ---------------------------------------------------------------------------------------------------
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
-                 valid: torch.Tensor) -> torch.Tensor:
-        """tokens/positions/valid: [B, N]; returns final hidden states [B, N, D]."""
+                 valid: torch.Tensor, cache_index: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens/positions/valid: [B, N]; returns final hidden states [B, N, D]. Each token's keys and values go to
+        its slot's cache at its position, or at `cache_index` [B, N] with `mask` [B, 1, N, K] saying which of the
+        first K cache entries each query sees (draft_tree: a request's branches share its committed entries)."""
         batch, num = tokens.shape
         x = self.embed[tokens]
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        key_len = int(positions.max()) + 1
-        key_positions = torch.arange(key_len)
-        mask = (key_positions.view(1, 1, 1, -1) <= positions.view(batch, 1, num, 1)) & valid.view(batch, 1, num, 1)
+        if mask is None:
+            key_len = int(positions.max()) + 1
+            key_positions = torch.arange(key_len)
+            mask = (key_positions.view(1, 1, 1, -1) <= positions.view(batch, 1, num, 1)) & valid.view(batch, 1, num, 1)
+        else:
+            key_len = mask.shape[-1]
         write_slots = slot_ids.view(batch, 1).expand(batch, num)[valid]
-        write_positions = positions[valid]
+        write_positions = (positions if cache_index is None else cache_index)[valid]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
@@ -222,8 +228,9 @@ class TorchLlamaDrafter:
             k = k * cos + _rotate_half(k) * sin
             k_cache[write_slots, :, write_positions] = k.transpose(1, 2)[valid]
             v_cache[write_slots, :, write_positions] = v.transpose(1, 2)[valid]
-            keys = k_cache[slot_ids, :, :key_len]
-            values = v_cache[slot_ids, :, :key_len]
+            # (index_select copies whole rows: several times faster on CPUs than advanced indexing with slices.)
+            keys = k_cache[:, :, :key_len].index_select(0, slot_ids)
+            values = v_cache[:, :, :key_len].index_select(0, slot_ids)
             attn = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads
             )
@@ -360,6 +367,124 @@ class TorchLlamaDrafter:
             out.append((drafts[i][: max(0, n)], draft_logprobs[i][: max(0, n)] if want_logprobs else None,
                         candidates[i][: max(0, n) + 1] if top_f and n > 0 else []))
         return out
+
+    @torch.no_grad()
+    def draft_tree(self, items: list[tuple[str, list[int], tuple[int, ...], int]], want_logprobs: bool,
+                   on_step: Callable[[], None] | None = None, top_f: int = 0
+                   ) -> list[tuple[list[int], list[float] | None, list[list[int]]]] | None:
+        """Lookahead's branches as a tree per request, one batch row per request: items are (request id, committed
+        context, tail, tokens to draft), every item of a request with the same context. The tokens committed since
+        the last job are fed once, into the request's own slot at their positions; each branch's tail and drafted
+        tokens go to a region of that slot past the committed context (never read as committed: the slot's tokens
+        stay the context), and the attention mask lets a branch's queries see the committed entries and its own
+        region only. So a job costs one row per request per forward rather than one per branch, with no copies of
+        the committed KV. Returns draft_with_candidates' answers per item in order; None where the regions do not
+        fit the cache (the caller forks slots instead)."""
+        step_done = on_step or (lambda: None)
+        started = time.perf_counter()
+        requests: dict[str, list[int]] = {}
+        for i, (request_id, _, _, _) in enumerate(items):
+            requests.setdefault(request_id, []).append(i)
+        # Per item: drafts wanted (the context's room), region start in its request's slot.
+        wanted = [max(0, min(n, self.max_model_len - len(context) - len(tail))) for _, context, tail, n in items]
+        start = [0] * len(items)
+        rows: list[tuple[str, list[int], list[int]]] = []  # (request id, context, its items)
+        for request_id, indices in requests.items():
+            context = items[indices[0]][1]
+            if any(items[i][1] != context for i in indices[1:]):
+                return None
+            end = len(context)
+            for i in indices:
+                if len(context) + len(items[i][2]) > self.max_model_len:
+                    return None
+                start[i] = end
+                end += len(items[i][2]) + wanted[i]
+            if end > self.k_cache[0].shape[2]:
+                return None
+            rows.append((request_id, context, indices))
+        # Long catch-ups (a new prompt, a restart) first, each alone in its own slot, so they do not pad every row.
+        for request_id, context, _ in rows:
+            slot = self.slots.get(request_id)
+            if len(context) - (_common_prefix(slot.tokens, context) if slot is not None else 0) > LONG_CATCH_UP:
+                self.draft_with_candidates([(request_id, context, 0)], False)
+                step_done()
+        slots = [self._slot_for(request_id) for request_id, _, _ in rows]
+        slot_ids = torch.tensor([slot.index for slot in slots])
+        key_len = max(start[i] + len(items[i][2]) + wanted[i] for _, _, indices in rows for i in indices)
+        key_len = max(key_len, max(len(context) for _, context, _ in rows))
+        # Which branch owns each cache entry of each row's slot: -1 committed, -2 unused by this job.
+        owner = torch.full((len(rows), key_len), -2, dtype=torch.long)
+        for r, (_, context, indices) in enumerate(rows):
+            owner[r, :len(context)] = -1
+            for i in indices:
+                owner[r, start[i]:start[i] + len(items[i][2]) + wanted[i]] = i
+        key_index = torch.arange(key_len).view(1, 1, key_len)
+
+        def run(queries: list[list[tuple[int, int, int, int]]], row_ids: list[int]) -> torch.Tensor:
+            """queries per row: (token, position, cache index, owning item or -1); returns hidden [rows, N, D]."""
+            batch, num = len(row_ids), max(len(q) for q in queries)
+            table = torch.zeros(batch, num, 4, dtype=torch.long)
+            valid = torch.zeros(batch, num, dtype=torch.bool)
+            for b, row in enumerate(queries):
+                table[b, :len(row)] = torch.tensor(row)
+                valid[b, :len(row)] = True
+            cache_index, query_owner = table[..., 2], table[..., 3]
+            keys_owner = owner[row_ids].view(batch, 1, key_len)
+            visible = (key_index <= cache_index.view(batch, num, 1)) & (
+                (keys_owner == -1) | (keys_owner == query_owner.view(batch, num, 1)))
+            # A padded query sees everything (its output is never read; with no visible key the softmax is NaN).
+            mask = (visible | ~valid.view(batch, num, 1)).unsqueeze(1)
+            return self._forward(table[..., 0], table[..., 1], slot_ids[row_ids], valid, cache_index, mask)
+
+        # The catch-up: per row the committed tokens new to the slot, then every branch's tail.
+        catch_up: list[list[tuple[int, int, int, int]]] = []
+        first_query: list[tuple[int, int]] = [(0, 0)] * len(items)  # (row, query) whose output drafts item's 1st token
+        for r, ((_, context, indices), slot) in enumerate(zip(rows, slots, strict=True)):
+            keep = min(_common_prefix(slot.tokens, context), len(context) - 1)
+            slot.tokens = slot.tokens[:keep]
+            queries = [(token, keep + j, keep + j, -1) for j, token in enumerate(context[keep:])]
+            last_committed = len(queries) - 1
+            for i in indices:
+                tail = items[i][2]
+                queries.extend((token, len(context) + j, start[i] + j, i) for j, token in enumerate(tail))
+                first_query[i] = (r, len(queries) - 1 if tail else last_committed)
+            catch_up.append(queries)
+        hidden = run(catch_up, list(range(len(rows))))
+        step_done()
+        for slot, (_, context, _) in zip(slots, rows, strict=True):
+            slot.tokens = list(context)
+        rows_of = torch.tensor([first_query[i][0] for i in range(len(items))])
+        queries_of = torch.tensor([first_query[i][1] for i in range(len(items))])
+        tokens, logprobs, top = self._next(hidden[rows_of, queries_of], want_logprobs, top_f)
+        self.last_first_token_seconds = time.perf_counter() - started
+        drafts: list[list[int]] = [[t] for t in tokens]
+        draft_logprobs: list[list[float]] = [[lp] for lp in logprobs] if logprobs is not None else [[] for _ in items]
+        candidates: list[list[list[int]]] = [[row] for row in top] if top is not None else [[] for _ in items]
+        # With candidates, each branch runs one step past its draft: the candidates for the position after it.
+        for step in range(1, max(wanted, default=0) + (1 if top_f else 0)):
+            active = [i for i, n in enumerate(wanted) if n > step or (top_f and n == step)]
+            if not active:
+                break
+            per_row: dict[int, list[int]] = {}
+            for i in active:
+                per_row.setdefault(first_query[i][0], []).append(i)
+            row_ids = sorted(per_row)
+            step_queries = [[(drafts[i][-1], len(rows[r][1]) + len(items[i][2]) + step - 1,
+                              start[i] + len(items[i][2]) + step - 1, i) for i in per_row[r]] for r in row_ids]
+            hidden = run(step_queries, row_ids)
+            order = [(b, q) for b, r in enumerate(row_ids) for q in range(len(per_row[r]))]
+            tokens, logprobs, top = self._next(hidden[torch.tensor([b for b, _ in order]),
+                                                      torch.tensor([q for _, q in order])], want_logprobs, top_f)
+            step_done()
+            for n, i in enumerate(i for r in row_ids for i in per_row[r]):
+                if step < wanted[i]:
+                    drafts[i].append(tokens[n])
+                    if logprobs is not None:
+                        draft_logprobs[i].append(logprobs[n])
+                if top is not None:
+                    candidates[i].append(top[n])
+        return [(drafts[i][:n], draft_logprobs[i][:n] if want_logprobs else None,
+                 candidates[i][:n + 1] if top_f and n > 0 else []) for i, n in enumerate(wanted)]
 
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

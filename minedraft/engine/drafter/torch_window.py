@@ -88,6 +88,11 @@ class WindowedTorchDrafter(TorchLlamaDrafter):
         positions = self.cache_positions[source]
         self.cache_positions[target] = torch.where(positions < num_tokens, positions, -1)
 
+    def draft_tree(self, items: list[tuple[str, list[int], tuple[int, ...], int]], want_logprobs: bool,
+                   on_step: Any = None, top_f: int = 0) -> None:
+        """(Branch regions past the context do not fit a ring of recent positions: the caller forks slots.)"""
+        return None
+
     def _ring_index(self, positions: torch.Tensor) -> torch.Tensor:
         sinks = self.num_sink_tokens
         return torch.where(positions < sinks, positions, sinks + (positions - sinks) % self.ring)
@@ -120,7 +125,10 @@ class WindowedTorchDrafter(TorchLlamaDrafter):
         return hidden[torch.arange(batch), torch.tensor([len(row) - 1 for row in kept])]
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
-                 valid: torch.Tensor) -> torch.Tensor:
+                 valid: torch.Tensor, cache_index: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        if cache_index is not None or mask is not None:
+            raise ValueError("the windowed drafter places keys by position in its ring (no draft_tree here)")
         device = self.device
         tokens, positions = tokens.to(device), positions.to(device)
         slot_ids, valid = slot_ids.to(device), valid.to(device)
@@ -173,8 +181,8 @@ class WindowedTorchDrafter(TorchLlamaDrafter):
                 k = _rms_norm(k, layer.k_norm, self.eps)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            keys = torch.cat([k_cache[slot_ids], k], dim=2)
-            values = torch.cat([v_cache[slot_ids], v], dim=2)
+            keys = torch.cat([k_cache.index_select(0, slot_ids), k], dim=2)
+            values = torch.cat([v_cache.index_select(0, slot_ids), v], dim=2)
             attn = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads
             )

@@ -56,6 +56,7 @@ from minedraft.engine.psd.lookahead import (
     bonus_rank,
     choose_shape,
     outcomes,
+    refresh_pays,
 )
 from minedraft.engine.psd.planner import (
     QUARANTINE_AFTER_HANGS,
@@ -143,6 +144,8 @@ class StepTiming:
     # The job times of the replies that arrived during this step, by sub-batch: the step records only the verified
     # sub-batch's (summed in, a switch priced one sub-batch's draft at two jobs' time in auto's cost model).
     drafts_by_group: dict[int, JobTimes] = field(default_factory=dict)
+    # Lookahead: seconds this step waited for a refresh of its misses (part of wait_seconds).
+    refresh_seconds: float = 0.0
 
 
 @dataclass(slots=True)
@@ -282,6 +285,8 @@ class SpeculationCore:
         widen = (should_widen(step_mode is Mode.AR, jobs_or_ahead, self.source.loading)
                  and step_mode is not Mode.LOOKAHEAD)
         plan = self.planner.plan(views, step_mode, group, pad=self.auto is None, reader=self.tokens)
+        if step_mode is Mode.LOOKAHEAD and plan.branch_misses and self.settings.lookahead_refresh_misses:
+            plan = self._refresh_misses(plan, views, timing)
         held = plan.held_out | busy if busy else plan.held_out
         return StepDecision(plan, held, widen, views)
 
@@ -395,7 +400,8 @@ class SpeculationCore:
             draft_job_catch_up_tokens=job.catch_up_tokens,
             scheduled_ahead=timing.scheduled_ahead or outcome.overlapped,
             num_branches_drafted=launched.num_branches,
-            num_branch_hits=sum(1 for rid in plan.branches if rid in num_sampled and rid not in plan.backups),
+            num_branch_hits=sum(1 for rid in plan.branches
+                                if rid in num_sampled and rid not in plan.backups and rid not in plan.refreshed),
             num_branch_misses=sum(1 for rid in plan.branch_misses if rid in num_sampled),
             num_bonus_after_full=bonus[0],
             num_bonus_covered_after_full=bonus[1],
@@ -407,6 +413,9 @@ class SpeculationCore:
         self._last_update_finished = finished
         if self.planner.draft_lengths is not None and step_mode in (Mode.PSD, Mode.SD) and record.num_decode_requests:
             self.planner.draft_lengths.observe_step(record.step_seconds, verify_seconds, timing.wait_seconds)
+        if step_mode is Mode.LOOKAHEAD and outcome.decoded:
+            # (Without a refresh's wait: what a step costs when its misses are verified at once.)
+            self.lookahead_stats.observe_step(record.step_seconds - timing.refresh_seconds)
         self.stats.record(record)
         self._control(record, views, outcome.overlapped)
         return record
@@ -595,7 +604,8 @@ class SpeculationCore:
         timing.wait_budget_seconds = budget
         result = self.source.wait_for(group, budget)
         self._handle(result.events)
-        timing.wait_seconds = result.waited_seconds
+        # (+=: a lookahead step may wait twice, for its branch job and for a refresh of its misses.)
+        timing.wait_seconds += result.waited_seconds
         self._handle(self.source.take_events())
         if group in self.source.jobs:
             # Later than the step is expected to take: verify this sub-batch without drafts now (plain decoding, one
@@ -618,6 +628,35 @@ class SpeculationCore:
             self.planner.job_sent(plans)
         else:
             self._handle(source.take_events())
+
+    def _refresh_misses(self, plan: PlannedStep, views: Sequence[RequestState], timing: StepTiming) -> PlannedStep:
+        """A lookahead step whose requests missed: where it pays (lookahead.refresh_pays), draft the missed ones from
+        their real context now (roots for exactly their committed tokens, with candidates for the next round's
+        outcomes) and wait for that draft, then verify them with it; else, or if it comes too late, `plan` as is
+        (backups, or no drafts)."""
+        source, planner = self.source, self.planner
+        if not source.attached or not source.up or 0 in source.jobs:
+            return plan
+        num_running = sum(1 for view in views if view.decoding)
+        if not refresh_pays(num_running, len(plan.branch_misses), self.lookahead_stats, self.k):
+            return plan
+        misses = plan.branch_misses
+        planner.drafter_max_tokens = source.max_context_tokens
+        items = planner.lookahead_job(views, misses.__contains__, {rid: [()] for rid in misses}, fresh=True)
+        if not items:
+            return plan
+        sent_at = self.clock()
+        if not source.submit(0, items, self.tokens, want_logprobs=False, top_f=self.lookahead_fanout):
+            self._handle(source.take_events())
+            return plan
+        planner.job_sent(items)
+        self._await_drafts(0, timing)
+        waited = self.clock() - sent_at
+        timing.refresh_seconds += waited
+        self.lookahead_stats.observe_refresh(waited)
+        if 0 in source.jobs:
+            return plan
+        return planner.refresh(plan, views, self.auto is None, self.tokens)
 
     def _submit_branches(self, launched: _Launched, verified: Mapping[str, list[int]] | None,
                          finishing: Sequence[RequestState] = ()) -> None:

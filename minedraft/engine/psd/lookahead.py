@@ -23,7 +23,10 @@ waiting for a short draft because waiting stalls the whole batch for one request
 that request only the tokens its drafts would have added; and the root draft becomes a branch for free: its first
 drafted token is
 the drafter's guess for the token this step samples, so if the target agrees (`match` reads drafted tokens the
-request has since committed as part of the tail), the remaining k tokens are a draft for the next round.
+request has since committed as part of the tail), the remaining k tokens are a draft for the next round. Waiting does
+pay where the misses are most of the batch (one request: every miss) and drafting is short next to a step: there the
+engine drafts the misses from their real context first and waits (`refresh_pays`, core._refresh_misses), so a miss
+costs a short wait instead of a step that makes about one token.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ Tokens = Callable[[str, int, int], Sequence[int]]
 
 # Outcomes less likely than this are not drafted: a branch costs the drafter a row of every forward.
 MIN_BRANCH_PROBABILITY = 0.02
+# A refresh must promise this much more than verifying the misses at once: its price is a drafter round trip, which
+# on a machine shared with other processes swings several-fold from step to step (a coin toss not worth a wait).
+REFRESH_MARGIN = 1.1
 # Before anything is measured: the target's token is the drafter's rank-r candidate with these odds.
 RANK_PRIOR = (0.5, 0.2, 0.1, 0.05)
 PRIOR_WEIGHT = 4.0
@@ -115,6 +121,20 @@ class LookaheadStats:
     # shape.
     job_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     alpha: float = 0.3
+    # A lookahead step's seconds without a refresh's wait, and a refresh's wait (a draft of the misses from their
+    # real context, sent and waited for before the step is launched), as EMAs: what refresh_pays weighs.
+    step_seconds: float | None = None
+    refresh_seconds: float | None = None
+
+    def observe_step(self, seconds: float) -> None:
+        if seconds > 0:
+            self.step_seconds = seconds if self.step_seconds is None else (
+                (1 - self.alpha) * self.step_seconds + self.alpha * seconds)
+
+    def observe_refresh(self, seconds: float) -> None:
+        if seconds > 0:
+            self.refresh_seconds = seconds if self.refresh_seconds is None else (
+                (1 - self.alpha) * self.refresh_seconds + self.alpha * seconds)
 
     def acceptance(self, position: int) -> float:
         """P(position+1 accepted | the first `position` were)."""
@@ -190,6 +210,25 @@ def choose_shape(ranked: Mapping[str, list[Outcome]], stats: LookaheadStats, max
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = (fanout, depth), rate
     return best
+
+
+def refresh_pays(num_running: int, num_misses: int, stats: LookaheadStats, k: int) -> bool:
+    """Whether a step's misses should be drafted from their real context first, the whole step waiting for that
+    draft, rather than verified at once with a backup (or without drafts). A miss verified at once makes about one
+    token; drafted afresh it is an sd step's worth, 1 + the drafts it is expected to have accepted, like a hit. The
+    step makes the running requests' tokens in its time, so the wait pays when the batch's tokens per second with it,
+    (running * (1 + gain)) / (step + refresh), beat those without, (running + hits * gain) / step: where misses
+    are most of the batch (one request: every miss) and drafting is short next to a step. Before a refresh was
+    measured its wait is guessed at half a step, so one is tried and from then on priced by what it cost; before a
+    step was measured, no."""
+    if num_misses <= 0 or stats.step_seconds is None:
+        return False
+    step = stats.step_seconds
+    refresh = stats.refresh_seconds if stats.refresh_seconds is not None else step / 2
+    gain = stats.expected_accepted(k)
+    now = (num_running + (num_running - num_misses) * gain) / step
+    refreshed = num_running * (1 + gain) / (step + refresh)
+    return refreshed > REFRESH_MARGIN * now
 
 
 def outcomes(request_id: str, drafted: Sequence[int], candidates: Sequence[Sequence[int]], stats: LookaheadStats,

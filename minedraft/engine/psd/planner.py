@@ -134,6 +134,9 @@ class PlannedStep:
     # Of the misses, those verified with a backup: a branch of the same context length whose tail differs from
     # their committed tokens (also in `branches`).
     backups: frozenset[str] = frozenset()
+    # Of the misses, those drafted from their real context while the step waited (core._refresh_misses): verified
+    # with that draft (also in `branches`), not a backup.
+    refreshed: frozenset[str] = frozenset()
 
     @property
     def num_drafted_tokens(self) -> int:
@@ -401,12 +404,14 @@ class PSDPlanner:
 
     def lookahead_job(self, requests: Sequence[RequestState], scheduled: Callable[[str], bool],
                       tails: Mapping[str, Sequence[tuple[int, ...]]],
-                      finishing_prompts: frozenset[str] = frozenset(), depth: int | None = None) -> list[JobItemPlan]:
+                      finishing_prompts: frozenset[str] = frozenset(), depth: int | None = None,
+                      fresh: bool = False) -> list[JobItemPlan]:
         """The branch job sent at a lookahead step's launch: per request that runs in it, its committed delta (as
         draft_job sends it, catch-up bounded the same way) and one item per tail in `tails` (the root, (), for a
         request verified without drafts). Each item drafts up to `depth` (default k) tokens after its tail (a root one
         more: its first drafted token is the guess for the token this step samples), within what the next
-        verification can use."""
+        verification can use. `fresh`: roots for the step about to be launched (a refresh of its misses), drafted
+        for exactly the committed context: k tokens, none guessing a token still to be sampled."""
         if 0 in self.in_flight:
             return []
         items: list[JobItemPlan] = []
@@ -431,16 +436,32 @@ class PSDPlanner:
             first = True
             for branch, tail in enumerate(tails[rid]):
                 # The next verification's room: what is left of the output budget after this step's tokens.
-                room = min(self.k if depth is None else min(depth, self.k), request.draft_room - max(1, len(tail)))
+                sampled = 0 if fresh else max(1, len(tail))
+                room = min(self.k if depth is None else min(depth, self.k), request.draft_room - sampled)
                 if self.drafter_max_tokens:
                     room = min(room, self.drafter_max_tokens - request.num_tokens - len(tail) - 1)
                 if room <= 0:
                     continue
-                depth = room + 1 if not tail else room
+                depth = room + 1 if not tail and not fresh else room
                 items.append(JobItemPlan(rid, base if first else request.num_tokens, request.num_tokens, depth,
                                          tuple(tail), branch))
                 first = False
         return items
+
+    def refresh(self, plan: PlannedStep, requests: Sequence[RequestState], pad: bool,
+                tokens: Callable[[str, int, int], Sequence[int]]) -> PlannedStep:
+        """`plan` with its misses matched again, after drafts from their real context arrived (core._refresh_misses):
+        each that matches now is verified with that draft; the rest keep what the plan gave them."""
+        missed = [r for r in requests if r.request_id in plan.branch_misses]
+        again = self._plan_lookahead(missed, pad, tokens)
+        refreshed = {rid for rid in again.branches if rid not in again.branch_misses}
+        if not refreshed:
+            return plan
+        proposals = {**plan.proposals, **{rid: again.proposals[rid] for rid in refreshed}}
+        drafted_lengths = {**plan.drafted_lengths, **{rid: again.drafted_lengths[rid] for rid in refreshed}}
+        branches = {**plan.branches, **{rid: again.branches[rid] for rid in refreshed}}
+        return replace(plan, proposals=proposals, drafted_lengths=drafted_lengths, branches=branches,
+                       backups=plan.backups - refreshed, refreshed=frozenset(refreshed))
 
     def store_branches(self, drafts: Iterable[tuple[str, Draft]], is_live: Callable[[str], bool]) -> None:
         """A lookahead job's drafts: each request's replace the branches it held."""

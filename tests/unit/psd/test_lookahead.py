@@ -16,6 +16,7 @@ from minedraft.engine.psd.lookahead import (
     choose_shape,
     match,
     outcomes,
+    refresh_pays,
 )
 from minedraft.engine.psd.planner import Draft, JobItemPlan, RequestState
 from minedraft.engine.settings import Mode, SchedulerSettings
@@ -390,3 +391,63 @@ def test_auto_turned_on_from_lookahead_starts_from_psd_and_lookahead_can_be_chos
     assert core.chosen_mode is Mode.PSD and core.auto is not None
     core.set_mode(Mode.LOOKAHEAD, 3)
     assert core.chosen_mode is Mode.LOOKAHEAD and core.auto is None and core.subbatches.sizes()[1] == 0
+
+
+@dataclass
+class RefreshingSource(LookaheadSource):
+    """Answers a job the moment the core waits for it (a refresh is sent and waited for inside schedule())."""
+
+    world: World = field(default_factory=World)
+
+    def wait_for(self, group: int, budget_seconds: float):  # type: ignore[no-untyped-def]
+        if group in self.jobs:
+            self.answer_branches(self.world)
+        return super().wait_for(group, budget_seconds)
+
+
+def test_a_lone_request_that_missed_is_drafted_from_its_real_context_and_verified_with_that_draft():
+    world = World(covered=False)
+    start(world, "a")
+    source = RefreshingSource(world=world)
+    settings = SchedulerSettings(mode=Mode.LOOKAHEAD, num_speculative_tokens=K, max_num_speculative_tokens=K,
+                                 check_invariants=True, lookahead_refresh_misses=True)
+    clock = iter(float(i) for i in range(10_000))
+    core = SpeculationCore(settings, source, world.read, clock=lambda: next(clock))
+    for _ in range(20):
+        core.lookahead_stats.observe_acceptance(K, K)
+    for _ in range(3):
+        step(core, world, ["a"])
+    assert core.lookahead_stats.step_seconds is not None
+    # The drafter is wrong at a's next drafted positions and the target's token is never a candidate: a miss.
+    position = len(world.tokens["a"])
+    world.wrong |= {("a", position + i) for i in range(2)}
+    step(core, world, ["a"])
+    sent, before = len(source.sent), len(world.tokens["a"])
+    decision = step(core, world, ["a"])
+    assert decision.plan.branch_misses == {"a"} and decision.plan.refreshed == {"a"}
+    assert "a" not in decision.plan.backups and decision.plan.drafted_lengths["a"] == K
+    fresh = source.sent[sent][1]
+    assert [(i.tail, i.num_draft_tokens) for i in fresh] == [((), K)], "a root of exactly k for the real context"
+    assert decision.proposals["a"] == [world.guess("a", before + i)[0] for i in range(K)], "the fresh draft"
+    record = core.stats.records()[-1]
+    assert (record.num_branch_hits, record.num_branch_misses) == (0, 1)
+    assert core.lookahead_stats.refresh_seconds is not None
+    # Its next round is ranked from the refreshed draft's candidates, like a hit's.
+    assert all(i.tail for i in source.sent[-1][1])
+    assert world.tokens["a"] == [target("a", i) for i in range(len(world.tokens["a"]))]
+
+
+def test_a_refresh_pays_where_misses_are_most_of_the_batch_and_drafting_is_short():
+    stats = LookaheadStats()
+    assert not refresh_pays(1, 1, stats, K), "no step measured yet"
+    for _ in range(20):
+        stats.observe_acceptance(K, K)
+    stats.observe_step(0.004)
+    assert refresh_pays(1, 1, stats, K), "unmeasured, a refresh is guessed at half a step: tried"
+    stats.observe_refresh(0.003)
+    assert refresh_pays(1, 1, stats, K)
+    assert not refresh_pays(8, 1, stats, K), "one miss in eight does not hold up the other seven"
+    assert refresh_pays(8, 8, stats, K)
+    assert not refresh_pays(1, 0, stats, K)
+    stats.refresh_seconds = 0.05
+    assert not refresh_pays(1, 1, stats, K), "a refresh dearer than the tokens it adds"
