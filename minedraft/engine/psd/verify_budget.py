@@ -199,6 +199,11 @@ class DraftLengthPolicy:
         lengths = dict.fromkeys(drafted, 0)
         for _, j, rid in positions[:best]:
             lengths[rid] = max(lengths[rid], j + 1)
+        for rid, (available, belief) in drafted.items():
+            # A token drafted to measure the request again (draft_length's exploration) is verified whatever the
+            # budget says: cut, it brings no evidence, and a batch whose rate fell would never draft again.
+            if available and belief is not None and belief.undrafted_steps >= self.explore_after_steps:
+                lengths[rid] = max(lengths[rid], 1)
         return lengths
 
     def draft_depth(self, lengths: Mapping[str, int], beliefs: Mapping[str, AcceptanceBelief | None]) -> int:

@@ -136,3 +136,24 @@ def test_a_request_left_undrafted_is_drafted_one_token_again_even_after_its_batc
     assert policy.draft_length(belief, room=3) == 1
     policy.observe(belief, 1, 1)
     assert belief.undrafted_steps == 0
+
+
+def test_an_explored_token_is_verified_even_where_the_budget_would_cut_it():
+    """After a phase of rejected drafts the batch's rate is low and verification dear: the budget alone would cut
+    every position, so the one token drafted to measure a request again must be verified, or no evidence ever
+    arrives and the batch stays at plain decoding after its acceptance recovers."""
+    policy = DraftLengthPolicy(k_max=3, verify_seconds=linear(0.01, 0.0005), probe_every=0)
+    beliefs = {f"r{i}": AcceptanceBelief() for i in range(8)}
+    for _ in range(30):
+        for belief in beliefs.values():
+            policy.observe(belief, 3, 0)
+    low = policy.batch_rate()
+    verified = 0
+    for _ in range(4 * policy.explore_after_steps):
+        lengths = {rid: policy.draft_length(belief, room=3) for rid, belief in beliefs.items()}
+        drafted = {rid: (n, beliefs[rid]) for rid, n in lengths.items() if n}
+        kept = policy.budget(drafted, num_requests=len(beliefs)) if drafted else {}
+        for rid, belief in beliefs.items():
+            policy.observe(belief, kept.get(rid, 0), kept.get(rid, 0))  # acceptance has recovered: all accepted
+            verified += kept.get(rid, 0)
+    assert verified > 0 and policy.batch_rate() > low
