@@ -284,7 +284,7 @@ class SpeculationCore:
         # (Lookahead drafts the next round during every verification: its job is sent once the step is launched.)
         widen = (should_widen(step_mode is Mode.AR, jobs_or_ahead, self.source.loading)
                  and step_mode is not Mode.LOOKAHEAD)
-        plan = self.planner.plan(views, step_mode, group, pad=self.auto is None, reader=self.tokens)
+        plan = self.planner.plan(views, step_mode, group, pad=self.auto is None, reader=self.tokens, busy=busy)
         if step_mode is Mode.LOOKAHEAD and plan.branch_misses and self.settings.lookahead_refresh_misses:
             plan = self._refresh_misses(plan, views, timing)
         held = plan.held_out | busy if busy else plan.held_out

@@ -298,9 +298,11 @@ class PSDPlanner:
         return draft.token_ids[: max(0, min(request.draft_room, self.k + self.num_extra_draft_tokens))]
 
     def plan(self, requests: Sequence[RequestState], step_mode: Mode, verified_group: int | None,
-             pad: bool = True, reader: Callable[[str, int, int], Sequence[int]] | None = None) -> PlannedStep:
+             pad: bool = True, reader: Callable[[str, int, int], Sequence[int]] | None = None,
+             busy: frozenset[str] = frozenset()) -> PlannedStep:
         """Who runs in this step and with which proposals. `pad`: the mode is fixed (auto varies k anyway);
-        `reader`: reads committed tokens (lookahead compares branches' tails with them)."""
+        `reader`: reads committed tokens (lookahead compares branches' tails with them); `busy`: requests of steps in
+        flight (not decoding in `requests`, yet no prompt of this step)."""
         if step_mode is Mode.LOOKAHEAD and verified_group is not None and reader is not None:
             return self._plan_lookahead(requests, pad, reader)
         if step_mode not in (Mode.PSD, Mode.SD) or verified_group is None:
@@ -331,7 +333,7 @@ class PSDPlanner:
         if policy is not None and drafted:
             # The step's verify budget: the positions worth their verify tokens (any subset of a draft is lossless).
             lengths = policy.budget({rid: (lengths[rid], self.records[rid].acceptance) for rid in drafted},
-                                    len(running), may_probe=all(r.decoding for r in requests))
+                                    len(running), may_probe=all(r.decoding or r.request_id in busy for r in requests))
         proposals = {rid: tokens[: lengths[rid]] for rid, tokens in drafted.items() if lengths[rid]}
         drafted_lengths = {rid: len(tokens) for rid, tokens in proposals.items()}
         if pad and self.pad_to_k and not self.num_extra_draft_tokens and proposals and policy is None:

@@ -157,3 +157,18 @@ def test_an_explored_token_is_verified_even_where_the_budget_would_cut_it():
             policy.observe(belief, kept.get(rid, 0), kept.get(rid, 0))  # acceptance has recovered: all accepted
             verified += kept.get(rid, 0)
     assert verified > 0 and policy.batch_rate() > low
+
+
+def test_a_step_scheduled_while_another_is_in_flight_may_still_probe():
+    """Async psd steps: the requests of the step in flight are not decoding in the views (their tokens are not in),
+    but they take in no prompt in this step: its verify time is a decode-only step's, so it may probe."""
+    policy = DraftLengthPolicy(k_max=2, verify_seconds=lambda requests, tokens: 0.02, early_probe_every=1,
+                               early_probes=1, probe_every=100)
+    planner = PSDPlanner(k=2, draft_lengths=policy)
+    ids = [f"r{i}" for i in range(10)]
+    requests = [view(rid, 10) for rid in ids]
+    planner.after_step(requests, Mode.SD, None, Mode.SD)
+    planner.store_drafts([(rid, Draft(10, [1, 2], None)) for rid in ids], lambda rid: True)
+    in_flight = RequestState("other", 10, False, draft_room=100, pad_room=100, last_token_id=7)
+    plan = planner.plan([*requests, in_flight], Mode.SD, 0, busy=frozenset({"other"}))
+    assert sum(len(p) for p in plan.proposals.values()) == 14  # 70% of the 20 drafted positions: a probe
