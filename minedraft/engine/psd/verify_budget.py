@@ -216,8 +216,12 @@ class DraftLengthPolicy:
             return deepest
         num_requests = sum(1 for length in lengths.values() if length > 0)
         rates = {rid: self.rate(beliefs.get(rid)) for rid, length in lengths.items() if length > 0}
+        # A request drafted one token to be measured again (draft_length's exploration) gets it, whatever it costs.
+        explored = any(length > 0 and (belief := beliefs.get(rid)) is not None
+                       and belief.undrafted_steps >= self.explore_after_steps for rid, length in lengths.items())
+        floor = 1 if explored else 0
         depth = deepest
-        while depth > 0:
+        while depth > floor:
             deeper, shallower = self.draft_seconds(num_requests, depth), self.draft_seconds(num_requests, depth - 1)
             if deeper is None or shallower is None:
                 return depth
@@ -227,7 +231,7 @@ class DraftLengthPolicy:
             if gain >= self.tokens_per_second * cost:
                 return depth
             depth -= 1
-        return 0
+        return floor
 
     def _slope(self, num_requests: int, tokens: int) -> float:
         """Verify seconds per scheduled token around `tokens` (a secant a quarter of it either side, never below one

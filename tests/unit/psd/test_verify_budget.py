@@ -172,3 +172,22 @@ def test_a_step_scheduled_while_another_is_in_flight_may_still_probe():
     in_flight = RequestState("other", 10, False, draft_room=100, pad_room=100, last_token_id=7)
     plan = planner.plan([*requests, in_flight], Mode.SD, 0, busy=frozenset({"other"}))
     assert sum(len(p) for p in plan.proposals.values()) == 14  # 70% of the 20 drafted positions: a probe
+
+
+def test_a_job_in_series_still_drafts_the_token_that_explores_a_request():
+    """sd prices the job's depth: after a phase of rejected drafts depth 1 is not worth its drafter seconds, but the
+    one token drafted to measure a request again must be drafted, or the batch never drafts again."""
+    policy = DraftLengthPolicy(k_max=3, verify_seconds=linear(0.01, 0.0005), draft_seconds=lambda r, d: 0.004 * d,
+                               probe_every=0, drafts_in_series=True)
+    beliefs = {f"r{i}": AcceptanceBelief() for i in range(8)}
+    for _ in range(30):
+        for belief in beliefs.values():
+            policy.observe(belief, 3, 0)
+    policy.budget({rid: (3, belief) for rid, belief in beliefs.items()}, num_requests=8)
+    assert policy.draft_depth(dict.fromkeys(beliefs, 1), dict(beliefs)) == 0  # not explored yet: not worth it
+    for _ in range(policy.explore_after_steps):
+        for belief in beliefs.values():
+            policy.observe(belief, 0, 0)
+    lengths = {rid: policy.draft_length(belief, room=3) for rid, belief in beliefs.items()}
+    assert set(lengths.values()) == {1}
+    assert policy.draft_depth(lengths, dict(beliefs)) == 1
