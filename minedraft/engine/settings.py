@@ -354,6 +354,10 @@ def validate(settings: EngineSettings) -> None:
     if settings.draft_length not in DRAFT_LENGTHS:
         raise SettingsError("draft_length",
                             f"expected one of {', '.join(DRAFT_LENGTHS)}, got {settings.draft_length!r}")
+    if settings.draft_length == "adaptive" and settings.mode in (Mode.AR, Mode.VLLM_SD, Mode.LOOKAHEAD):
+        # Refused rather than ignored: a user asking for it in these modes would otherwise believe it ran.
+        raise SettingsError("draft_length", f"adaptive draft lengths apply to modes sd, psd and auto (when it runs "
+                            f"sd or psd), not {settings.mode}")
     if settings.draft_length == "adaptive" and settings.num_extra_draft_tokens:
         raise SettingsError("num_extra_draft_tokens", "adaptive draft lengths choose each request's own length "
                             "(no extra drafts)")

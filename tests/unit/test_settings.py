@@ -28,6 +28,8 @@ def make(**changes):
         ({"mode": Mode.LOOKAHEAD, "num_extra_draft_tokens": 1}, "num_extra_draft_tokens"),
         ({"draft_length": "dynamic"}, "draft_length"),
         ({"draft_length": "adaptive", "num_extra_draft_tokens": 1}, "num_extra_draft_tokens"),
+        ({"mode": Mode.LOOKAHEAD, "draft_length": "adaptive"}, "draft_length"),
+        ({"mode": Mode.AR, "draft_length": "adaptive"}, "draft_length"),
     ],
 )
 def test_invalid_engine_settings_name_the_field(changes, field):
