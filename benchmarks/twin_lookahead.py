@@ -1,6 +1,8 @@
 """Lookahead in the twin (the engine's own core, planner, drafter link and auto on simulated time) on the H200 curves
 for Qwen3-32B + Qwen3-1.7B (TP = 1, the drafter on its own GPU, 2.5 ms host work per step), against sd and every
-fixed mode, and auto among ar, sd, psd and lookahead.
+fixed mode, and auto (AutoSettings' defaults: ar, sd, psd and lookahead) against the best fixed mode and vLLM's
+colocated SD (`vllm-sd`, the drafter on the target's GPU, per replica) on the shared curves and on curve files auto
+was not tuned on.
 
 Hit rates are not chosen: the twin simulates token ids (minedraft/twin/tokens.py) and the core takes a branch only
 where its tail matches the committed tokens. The simulated target's token is the drafter's top choice with the
@@ -12,7 +14,8 @@ the drafter's second choice with probability c, else a token no candidate list h
 Sections (each writes its own JSON under benchmarks/results/gpu-twin/; `report` writes lookahead.md from them):
     python benchmarks/twin_lookahead.py vs-sd     # lookahead at its best k vs sd at its best k, 8-64 requests
     python benchmarks/twin_lookahead.py band      # the same across coverage (hit rates ~0.55-0.85)
-    python benchmarks/twin_lookahead.py auto      # auto vs the best fixed mode at 1-256, shared and perturbed curves
+    python benchmarks/twin_lookahead.py auto [--curves NAME ...] [--loads 1,2,...]
+                                                  # auto vs the best fixed mode and vllm-sd at 1-256, five curve files
     python benchmarks/twin_lookahead.py fanout8   # lookahead with --lookahead-fanout 8 (no backups)
     python benchmarks/twin_lookahead.py report
     python benchmarks/twin_lookahead.py all       # every section, then the report
@@ -205,10 +208,8 @@ def report() -> str:
              "core's own matching of branch tails against simulated token ids: the drafter's rank of the target's "
              "token after a miss of its top choice is the local pair's, measured "
              "(`lookahead-coverage.json`: P(rank 2..8 | rank >= 2) = 0.55, 0.21, 0.07, 0.04, 0.02, 0.03, 0.01).", "",
-             "Engine versions: vs-sd, fanout8 and auto-4-64 ran with the core that drafts a backup-verified request "
-             "from its root (la-engine 418d157); band and auto (1-256) with the one before (0bbd900), where a miss "
-             "verified with a backup was branched from the backup's candidates and missed again: their `default` "
-             "lookahead columns show that (hit rates 0.02-0.07), the `no_backups` ones are unaffected.", ""]
+             "Every table ran the core that drafts a backup-verified request from its root; the band's rows for "
+             "the engine's defaults (with backups) ran the core before it and were dropped (its JSON says so).", ""]
     for name, title, note in (
             ("vs-sd", "Lookahead at its best k vs sd at its best k",
              "`default`: the engine's defaults (--lookahead-fanout 4, which its core lowers where its measured "
@@ -241,7 +242,7 @@ def report() -> str:
     path = OUT / "lookahead-band.json"
     if path.exists():
         data = json.loads(path.read_text())
-        lines += ["## Across coverage (hit rates)", "",
+        lines += ["## Across coverage (hit rates)", "", *([data["note"], ""] if "note" in data else []),
                   "After a miss of the drafter's top choice the target's token is its second choice with "
                   "probability c (else no candidate's); lookahead at its best k against sd at its best k, "
                   "each cell: hit rate, lookahead / sd (best k).", ""]
