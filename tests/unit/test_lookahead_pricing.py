@@ -146,6 +146,7 @@ def test_the_branch_job_drafts_a_hits_fanout_and_a_misss_root() -> None:
     one = model.predict(LOOKAHEAD, 1, 1, fanout=4)
     assert one is not None
     verify = model._shaped_verify_seconds(BESIDE, 1, 1 + hit)
+    assert verify is not None
     hit_job = model._draft_seconds(4, 1)  # four branches, one token each: hides behind the verification
     miss_job = model._draft_seconds(1, 2)  # the miss's root, two deep: outlasts it
     assert hit_job < verify < miss_job
