@@ -139,8 +139,8 @@ def test_the_branch_job_drafts_a_hits_fanout_and_a_misss_root() -> None:
     """A branch job holds F branches for each request that hit and one root for each that missed, k + 1 deep only
     where some request missed. Priced as R x F items always k + 1 deep, a slow drafter's job outlasted the
     verification where it hides behind it (at one request, 85% of jobs are hits alone, k deep)."""
-    slow = dict(verify_ms={1: 20.0, 1024: 20.5}, draft_first_ms={1: 15.0, 1024: 16.0},
-                draft_next_ms={1: 15.0, 1024: 16.0})
+    slow: dict[str, Any] = dict(verify_ms={1: 20.0, 1024: 20.5}, draft_first_ms={1: 15.0, 1024: 16.0},
+                                draft_next_ms={1: 15.0, 1024: 16.0})
     model = priced_model(**slow)
     hit = model.lookahead_hit_rate(1, 4)
     one = model.predict(LOOKAHEAD, 1, 1, fanout=4)
