@@ -283,10 +283,13 @@ def report() -> str:
         lines.append("")
         ratios = [r["auto"]["over_best_fixed"] for r in rows]
         vllm = [r["auto"]["over_vllm_sd"] for r in rows]
-        summary.append(f"| {title} | {min(ratios):.3f} | {max(ratios):.3f} | {min(vllm):.3f} | {max(vllm):.3f} |")
+        loads = ", ".join(str(r["concurrency"]) for r in rows)
+        summary.append(f"| {title} | {loads} | {min(ratios):.3f} | {max(ratios):.3f} | {min(vllm):.3f} | "
+                       f"{max(vllm):.3f} |")
     if summary:
-        lines += ["## Auto at a glance (1-256 requests)", "",
-                  "| curves | auto / best fixed, min | max | auto / vllm-sd, min | max |", "|---|---|---|---|---|",
+        lines += ["## Auto at a glance", "",
+                  "| curves | requests run | auto / best fixed, min | max | auto / vllm-sd, min | max |",
+                  "|---|---|---|---|---|---|",
                   *summary, ""]
     return "\n".join(lines) + "\n"
 

@@ -67,6 +67,10 @@ class AutoSettings:
     # slower than one measured here cost auto 5% at 256 requests on the H200 curves (sd k=1 against psd k=3).
     measured_switch_margin: float = 0.03
     stale_after_steps: int = 1000
+    # A stale mode (run before) predicted below this fraction of the current setting is not probed: costs drift,
+    # they do not halve, and at one or two requests a probe of ar (0.4x lookahead there) cost auto 2-3% by itself.
+    # None: every stale mode is probed.
+    stale_probe_floor: float | None = 0.5
     probe_steps: int = 12
     # Step records older than this many steps are not used to describe the load (running requests).
     load_window_steps: int = 16
@@ -99,6 +103,8 @@ class AutoSettings:
             raise ValueError(f"fanout_candidates: expected positive fan-outs, got {self.fanout_candidates}")
         if not self.k_candidates or min(self.k_candidates) < 1:
             raise ValueError(f"k_candidates: expected positive draft lengths, got {self.k_candidates}")
+        if self.stale_probe_floor is not None and not 0 <= self.stale_probe_floor <= 1:
+            raise ValueError(f"stale_probe_floor: must be in [0, 1] or None, got {self.stale_probe_floor}")
         if self.decision_interval_steps < 1 or self.min_dwell_steps < 0 or self.probe_steps < 1:
             raise ValueError("decision_interval_steps and probe_steps must be positive, min_dwell_steps >= 0")
         if self.resume_steps < 0:
@@ -249,7 +255,7 @@ class AutoController:
         ran last (the core moves it with measured times, whatever auto chose): the lookahead that runs is that one,
         not one missing from the predictions (which switched away from lookahead with no margin at all: eager
         drafting, 8 requests, to sd k=1, 4% slower)."""
-        mode, k, fanout = setting
+        mode, k, _ = setting
         if mode == LOOKAHEAD and not self.settings.fanout_candidates:
             return mode, k, self._fanouts()[0]
         return setting
@@ -300,11 +306,14 @@ class AutoController:
                                 (current, current, tuple(predictions)) if current else None, measured, "return")
 
         # Explore cheaply: a mode not run for a while (or ever) is predicted from stale costs.
+        rates = {p.mode: p.output_tokens_per_second for p in self._best_per_mode(predictions)}
+        floor = self.settings.stale_probe_floor
         stale = [m for m in self.settings.allowed_modes if m != self.mode
-                 and self._steps_seen - self._last_run.get(m, -1_000_000_000) > self.settings.stale_after_steps]
+                 and self._steps_seen - self._last_run.get(m, -1_000_000_000) > self.settings.stale_after_steps
+                 and (m not in self._last_run or floor is None or m not in rates
+                      or rates[m] >= floor * current_rate)]
         if stale:
             # Never run first, then the one predicted best (a prediction it has to be refreshed for), then oldest.
-            rates = {p.mode: p.output_tokens_per_second for p in self._best_per_mode(predictions)}
             probe_mode = min(stale, key=lambda m: (m in self._last_run, -rates.get(m, 0.0),
                                                    self._last_run.get(m, -1_000_000_000)))
             return self._probe(step, self._best_setting(num_running, probe_mode), measured,
