@@ -228,3 +228,28 @@ def test_auto_prices_the_running_lookahead_at_the_fanout_its_core_runs() -> None
     controller._last_run = {"sd": 0, LOOKAHEAD: 0}
     controller._window_running = [16]
     assert controller.decide(step=100) is None
+
+
+def test_a_stale_mode_predicted_far_below_the_running_one_is_not_probed() -> None:
+    """Costs drift; they do not halve. At a few requests ar runs at ~0.4 of lookahead, and probing it every
+    `stale_after_steps` cost auto 2-3% by itself; sd, predicted close, is still refreshed."""
+    model = priced_model(**GPU)
+    model.lookahead_hits.observe(3, 4, hits=70, requests=100)
+
+    def controller(floor: float | None) -> AutoController:
+        settings = AutoSettings(allowed_modes=("ar", LOOKAHEAD), k_candidates=(3,), min_dwell_steps=0,
+                                close_call_margin=None, stale_after_steps=100, stale_probe_floor=floor)
+        made = AutoController(settings, LOOKAHEAD, 3, model, fanout=4)
+        made._steps_at_load = {"ar": {2: 100}, LOOKAHEAD: {2: 1000}}
+        made._last_run = {"ar": 0, LOOKAHEAD: 1000}
+        made._steps_seen = 1000
+        made._window_running = [2]
+        return made
+
+    ar = model.predict("ar", 0, 2)
+    lookahead = model.predict(LOOKAHEAD, 3, 2, fanout=4)
+    assert ar is not None and lookahead is not None
+    assert ar.output_tokens_per_second < 0.5 * lookahead.output_tokens_per_second
+    assert controller(0.5).decide(step=1000) is None
+    probe = controller(None).decide(step=1000)
+    assert probe is not None and probe.kind == "probe" and probe.mode == "ar"
