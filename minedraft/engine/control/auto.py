@@ -67,9 +67,10 @@ class AutoSettings:
     # slower than one measured here cost auto 5% at 256 requests on the H200 curves (sd k=1 against psd k=3).
     measured_switch_margin: float = 0.03
     stale_after_steps: int = 1000
-    # A stale mode (run before) predicted below this fraction of the current setting is not probed: costs drift,
-    # they do not halve, and at one or two requests a probe of ar (0.4x lookahead there) cost auto 2-3% by itself.
-    # None: every stale mode is probed.
+    # A stale mode (run before) predicted below this fraction of the current setting is not probed while a drafting
+    # mode runs (acceptance is measured then; in ar it is not, and a drafting mode's price may be far off): costs
+    # drift, they do not halve, and at one or two requests a probe of ar (0.4x lookahead there) cost auto 2-3% by
+    # itself. None: every stale mode is probed.
     stale_probe_floor: float | None = 0.5
     probe_steps: int = 12
     # Step records older than this many steps are not used to describe the load (running requests).
@@ -310,7 +311,7 @@ class AutoController:
         floor = self.settings.stale_probe_floor
         stale = [m for m in self.settings.allowed_modes if m != self.mode
                  and self._steps_seen - self._last_run.get(m, -1_000_000_000) > self.settings.stale_after_steps
-                 and (m not in self._last_run or floor is None or m not in rates
+                 and (m not in self._last_run or floor is None or m not in rates or self.mode == "ar"
                       or rates[m] >= floor * current_rate)]
         if stale:
             # Never run first, then the one predicted best (a prediction it has to be refreshed for), then oldest.
