@@ -674,7 +674,7 @@ class CostModel:
         tokens = requests * (self.acceptance.expected_accepted_length(k) - 1.0 + self.churn_tokens_per_request)
         return price * tokens
 
-    def _drafting_covers(self, requests: int, k: int, slack: float) -> bool:
+    def _drafting_covers(self, requests: float, k: int, slack: float) -> bool:
         if not self.draft_first.covers(requests, slack):
             return False
         return k <= 1 or self.draft_next.covers(requests, slack)
@@ -697,9 +697,12 @@ class CostModel:
         if mode == "ar":
             return not curve.covers(num_running, slack)
         if mode == LOOKAHEAD:
-            # Its branch jobs are F times the batch, and its hit share is known only where it ran.
+            # Its branch jobs hold the items priced (F per hit, a root per miss: not R F, which no job reaches and
+            # so was never covered, probing lookahead again and again), and its hit share is known only where it ran.
+            hit = self.lookahead_hit_rate(k, max(1, fanout))
+            items = num_running * self.lookahead_hits.items_per_request(k, max(1, fanout), hit)
             return not (curve.covers(num_running * (k + 1), slack)
-                        and self._drafting_covers(num_running * max(1, fanout), k, slack)
+                        and self._drafting_covers(items, k, slack)
                         and self.lookahead_hits.measured_any_fanout(k))
         if alone:
             return not (curve.covers(num_running * (k + 1), slack) and self._drafting_covers(num_running, k, slack))
