@@ -1,6 +1,8 @@
 """Auto in the GPU regime, in the twin: the engine's own AutoController and CostModel, fed the step records the
 engine would produce on the H200 curves (and on curve files of other shapes), hold at least 0.97x the best fixed
-mode (ar, sd at any k, psd at any k) at steady load. The whole sweep 1-256 runs in benchmarks/twin_gpu.py; here a
+mode (ar, sd at any k, psd at any k) at steady load, auto choosing among those three (lookahead in auto is judged
+in tests/unit/twin/test_lookahead_twin.py and benchmarks/twin_lookahead.py). The whole sweep 1-256 runs in
+benchmarks/twin_gpu.py; here a
 load from each regime (sd with a long draft, psd with a long draft, psd at k=3)."""
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def best_fixed_and_auto(costs: StepCosts, concurrency: int, ks: tuple[int, ...])
              for m, k in [("ar", 0)] + [(m, k) for m in ("sd", "psd") for k in ks]}
     best = max(fixed, key=lambda label: fixed[label])
     auto = run_concurrency(costs, acceptance, "auto", 0, concurrency, Workload(), warmup_steps=300,
-                           measure_steps=1200, auto=AutoSettings(k_candidates=ks))
+                           measure_steps=1200, auto=AutoSettings(allowed_modes=("ar", "sd", "psd"), k_candidates=ks))
     return best, fixed[best], auto.tokens_per_s
 
 
