@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CURVES = str(ROOT / "benchmarks" / "curves" / "h200-qwen3-32b.json")
 # Only the auto entry of plan's sweep makes the replica model: the fixed families are left to ar alone, the
 # cheapest, so the sweeps stay small (every family at every k took ~170 s once lookahead joined them).
-SETTINGS = TwinModelSettings(CURVES, "qwen3-32b", "qwen3-1.7b", loads=(16, 64), acceptances=(0.6, 0.8),
+SETTINGS = TwinModelSettings(CURVES, "qwen3-32b", "qwen3-1.7b", loads=(16, 64), acceptances=(0.6, 0.7, 0.8),
                              prompt_tokens=1024, output_tokens=256, plan_flags=("--modes", "ar"))
 
 
@@ -37,7 +37,7 @@ def test_the_replica_model_is_plans_figures(model: TableReplicaModel) -> None:
     """At the grid's loads and acceptances the model's decode capacity is plan's auto entry (prefill left out, as the
     simulator prices it apart), its KV cache plan's pool, its prefill the twin's per-token price; the start-up is
     labelled an estimate."""
-    assert model.loads == (16.0, 64.0) and model.acceptances == (0.6, 0.8) and model.max_batch == 256
+    assert model.loads == (16.0, 64.0) and model.acceptances == (0.6, 0.7, 0.8) and model.max_batch == 256
     assert model.kv_capacity_tokens is not None and 200_000 < model.kv_capacity_tokens < 300_000  # H200, 32B
     assert 0.05e-3 < model.prefill_seconds_per_token < 0.3e-3
     # 60 s + 69.6 GB of weights at 1 GB/s.
@@ -52,10 +52,10 @@ def test_capacity_agrees_with_plan_within_5_percent(model: TableReplicaModel, tm
     """Against `minedraft plan` with its defaults (prefill priced) at an acceptance between the model's grid
     points: the model's decode capacity, interpolated, with each request's prefill time-shared as the simulator
     does, within 5% of plan's auto at each load."""
-    plan = auto_tokens_per_second(run_plan(plan_arguments(SETTINGS, (16, 64), 0.7, prefill=True)))
+    plan = auto_tokens_per_second(run_plan(plan_arguments(SETTINGS, (16, 64), 0.75, prefill=True)))
     assert [load for load, _, _, _ in plan] == [16, 64]
     for load, tokens_per_s, _, _ in plan:
-        ours = model.capacity_with_prefill(load, 0.7, 1024, 256)
+        ours = model.capacity_with_prefill(load, 0.75, 1024, 256)
         assert ours == pytest.approx(tokens_per_s, rel=0.05), (load, ours, tokens_per_s)
     # The saved model is the one the simulator loads (`--replica-model` after `--save-model`).
     path = tmp_path / "h200.json"
