@@ -23,7 +23,7 @@ def errors(data: Any) -> list[str]:
 
 def test_defaults() -> None:
     spec = s.parse_spec(minimal())
-    assert spec.speculation == s.SpeculationSpec("psd", 3, 0)
+    assert spec.speculation == s.SpeculationSpec("auto", 3, 0)
     assert spec.engine.target_gpus == 1 and spec.engine.drafter_gpus == 1
     assert spec.gateway.replicas == 2 and spec.gateway.service_type == "ClusterIP"
     assert spec.desired_replicas == 1 and spec.autoscaling is None
