@@ -1,6 +1,8 @@
 """Lookahead in the twin (the engine's own core, planner, drafter link and auto on simulated time) on the H200 curves
 for Qwen3-32B + Qwen3-1.7B (TP = 1, the drafter on its own GPU, 2.5 ms host work per step), against sd and every
-fixed mode, and auto among ar, sd, psd and lookahead.
+fixed mode, and auto (AutoSettings' defaults: ar, sd, psd and lookahead) against the best fixed mode and vLLM's
+colocated SD (`vllm-sd`, the drafter on the target's GPU, per replica) on the shared curves and on curve files auto
+was not tuned on.
 
 Hit rates are not chosen: the twin simulates token ids (minedraft/twin/tokens.py) and the core takes a branch only
 where its tail matches the committed tokens. The simulated target's token is the drafter's top choice with the
@@ -12,7 +14,8 @@ the drafter's second choice with probability c, else a token no candidate list h
 Sections (each writes its own JSON under benchmarks/results/gpu-twin/; `report` writes lookahead.md from them):
     python benchmarks/twin_lookahead.py vs-sd     # lookahead at its best k vs sd at its best k, 8-64 requests
     python benchmarks/twin_lookahead.py band      # the same across coverage (hit rates ~0.55-0.85)
-    python benchmarks/twin_lookahead.py auto      # auto vs the best fixed mode at 1-256, shared and perturbed curves
+    python benchmarks/twin_lookahead.py auto [--curves NAME ...] [--loads 1,2,...]
+                                                  # auto vs the best fixed mode and vllm-sd at 1-256, five curve files
     python benchmarks/twin_lookahead.py fanout8   # lookahead with --lookahead-fanout 8 (no backups)
     python benchmarks/twin_lookahead.py report
     python benchmarks/twin_lookahead.py all       # every section, then the report
@@ -37,7 +40,7 @@ from minedraft.twin.costs import DEFAULT_GPU_HOST_MS_PER_STEP, AcceptanceModel, 
 from minedraft.twin.curves import load_curves, parse_curves  # noqa: E402
 from minedraft.twin.run import LookaheadOptions, RunResult, run_concurrency  # noqa: E402
 from minedraft.twin.sweep import SweepSettings, sweep  # noqa: E402
-from minedraft.twin.synthetic import slow_drafter  # noqa: E402
+from minedraft.twin.synthetic import flatter_target, slow_drafter  # noqa: E402
 
 CURVES = ROOT / "benchmarks" / "curves" / "h200-qwen3-32b.json"
 OUT = ROOT / "benchmarks" / "results" / "gpu-twin"
@@ -130,61 +133,71 @@ def section_fanout8() -> dict[str, Any]:
             "rows": vs_sd(costs, variants=("no_backups_f8",))}
 
 
+# The curve files auto is judged on: the shared H200 curves, and files it was not tuned on (drafter slowed x2, eager
+# drafting x6, a drafter twice as fast, a flatter verify curve: the target's growth above its floor halved).
+AUTO_FILES = {
+    "shared": "h200 (shared curves)",
+    "drafter-x2": "h200, drafter x2 (perturbed)",
+    "eager": "h200, eager drafter (drafts x6)",
+    "drafter-x0.5": "h200, drafter x0.5 (a cheaper drafter)",
+    "flat-verify": "h200, flatter verify (target's growth above its floor x0.5)",
+}
+
+
+def auto_curves(name: str) -> dict[str, Any]:
+    shared = json.loads(CURVES.read_text())
+    return {"shared": lambda: shared, "drafter-x2": lambda: slow_drafter(shared, 2.0),
+            "eager": lambda: slow_drafter(shared, 6.0),
+            "drafter-x0.5": lambda: slow_drafter(shared, 0.5, "faster drafter"),
+            "flat-verify": lambda: flatter_target(shared, 0.5)}[name]()
+
+
 def auto_sweep(costs: StepCosts, lookahead: LookaheadOptions | None = None,
                loads: tuple[int, ...] = AUTO_LOADS) -> list[dict[str, Any]]:
-    """Every fixed mode at every k, auto among ar, sd, psd and lookahead (`auto`), and auto among ar, sd and psd
-    (`auto_without_lookahead`: AutoSettings' default modes). `lookahead`: lookahead's options (default: the
-    engine's)."""
-    settings = SweepSettings(concurrencies=loads, ks=KS, families=("ar", "sd", "psd", "lookahead"),
-                             lookahead=lookahead or LookaheadOptions())
+    """Every fixed mode at every k (vLLM's colocated SD beside), auto with AutoSettings' defaults (ar, sd, psd and
+    lookahead: `auto`), and auto among ar, sd and psd (`auto_without_lookahead`). `lookahead`: lookahead's options
+    (default: the engine's)."""
+    settings = SweepSettings(concurrencies=loads, ks=KS, families=("ar", "sd", "psd", "lookahead", "vllm-sd"),
+                             lookahead=lookahead or LookaheadOptions(), auto=AutoSettings(k_candidates=KS))
     acceptance = AcceptanceModel.constant(ACCEPTANCE)
     rows = []
     for load in sweep(costs, acceptance, settings, progress=log):
         top = load.best(("ar", "sd", "psd", "lookahead"))
+        vllm = load.best(("vllm-sd",))
         auto = load.auto
         assert auto is not None
-        mode, k = auto.main_setting
         by_family = {}
         for family in ("ar", "sd", "psd", "lookahead"):
             runs = [r for label, r in load.runs.items() if label.split("-k")[0] == family]
             by_family[family] = run_row(best(runs))
         without = run_concurrency(costs, acceptance, "auto", 0, load.concurrency, settings.workload,
                                   settings.auto_warmup_steps, settings.auto_measure_steps, settings.seed,
-                                  auto=AutoSettings(k_candidates=KS))
-        row = {"concurrency": load.concurrency, "best_fixed": run_row(top), "by_family": by_family}
+                                  auto=AutoSettings(k_candidates=KS, allowed_modes=("ar", "sd", "psd")))
+        row = {"concurrency": load.concurrency, "best_fixed": run_row(top), "by_family": by_family,
+               "vllm_sd": run_row(vllm)}
         for name, run in (("auto", auto), ("auto_without_lookahead", without)):
             mode, k = run.main_setting
             row[name] = {"tokens_per_s": round(run.tokens_per_s, 1), "runs": f"{mode}-k{k}" if k else mode,
                          "steps_by_setting": run.steps_by_setting,
-                         "over_best_fixed": round(run.tokens_per_s / top.tokens_per_s, 3)}
-        log(f"c={load.concurrency}: auto without lookahead {without.tokens_per_s:.0f} "
-            f"({without.tokens_per_s / top.tokens_per_s:.3f}x)")
+                         "over_best_fixed": round(run.tokens_per_s / top.tokens_per_s, 3),
+                         "over_vllm_sd": round(run.tokens_per_s / vllm.tokens_per_s, 3)}
+        log(f"c={load.concurrency}: auto {auto.tokens_per_s:.0f} ({auto.tokens_per_s / top.tokens_per_s:.3f}x best "
+            f"{top.mode}, {auto.tokens_per_s / vllm.tokens_per_s:.3f}x {vllm.mode}); without lookahead "
+            f"{without.tokens_per_s:.0f} ({without.tokens_per_s / top.tokens_per_s:.3f}x)")
         rows.append(row)
     return rows
 
 
-def section_auto_where_lookahead_wins() -> dict[str, Any]:
-    """Auto at the loads where lookahead wins (4-64), lookahead with the engine's defaults and with
-    --no-lookahead-backups (fixed lookahead likewise)."""
-    costs = costs_of(load_curves(CURVES))
-    loads = (4, 8, 16, 32, 64)
-    return {"command": f"{COMMAND} auto-4-64", "acceptance": ACCEPTANCE,
-            "host_ms_per_step": DEFAULT_GPU_HOST_MS_PER_STEP,
-            "files": {"h200 (shared curves), lookahead with the engine's defaults":
-                      auto_sweep(costs, LookaheadOptions(), loads=loads),
-                      "h200 (shared curves), lookahead --no-lookahead-backups":
-                      auto_sweep(costs, LookaheadOptions(backups=False), loads=loads)}}
-
-
-def section_auto() -> dict[str, Any]:
-    shared = json.loads(CURVES.read_text())
-    files = {"h200 (shared curves)": shared, "h200, drafter x2 (eager-like, perturbed)": slow_drafter(shared, 2.0)}
-    out: dict[str, Any] = {"command": f"{COMMAND} auto", "acceptance": ACCEPTANCE,
-                           "host_ms_per_step": DEFAULT_GPU_HOST_MS_PER_STEP, "files": {}}
-    for name, data in files.items():
-        log(f"auto: {name}")
-        out["files"][name] = auto_sweep(costs_of(parse_curves(data, name)))
-    return out
+def section_auto(name: str, loads: tuple[int, ...] = AUTO_LOADS) -> dict[str, Any]:
+    """Auto on one curve file; rows for loads already in its JSON and not rerun are kept (a file's loads can be run
+    in parts)."""
+    log(f"auto: {AUTO_FILES[name]}, loads {loads}")
+    path = OUT / f"lookahead-auto-{name}.json"
+    kept = [r for r in json.loads(path.read_text())["rows"] if r["concurrency"] not in loads] if path.exists() else []
+    rows = sorted([*kept, *auto_sweep(costs_of(parse_curves(auto_curves(name), name)), loads=loads)],
+                  key=lambda r: r["concurrency"])
+    return {"command": f"{COMMAND} auto --curves {name} [--loads ...]", "curves": AUTO_FILES[name],
+            "acceptance": ACCEPTANCE, "host_ms_per_step": DEFAULT_GPU_HOST_MS_PER_STEP, "rows": rows}
 
 
 def report() -> str:
@@ -195,10 +208,8 @@ def report() -> str:
              "core's own matching of branch tails against simulated token ids: the drafter's rank of the target's "
              "token after a miss of its top choice is the local pair's, measured "
              "(`lookahead-coverage.json`: P(rank 2..8 | rank >= 2) = 0.55, 0.21, 0.07, 0.04, 0.02, 0.03, 0.01).", "",
-             "Engine versions: vs-sd, fanout8 and auto-4-64 ran with the core that drafts a backup-verified request "
-             "from its root (la-engine 418d157); band and auto (1-256) with the one before (0bbd900), where a miss "
-             "verified with a backup was branched from the backup's candidates and missed again: their `default` "
-             "lookahead columns show that (hit rates 0.02-0.07), the `no_backups` ones are unaffected.", ""]
+             "Every table ran the core that drafts a backup-verified request from its root; the band's rows for "
+             "the engine's defaults (with backups) ran the core before it and were dropped (its JSON says so).", ""]
     for name, title, note in (
             ("vs-sd", "Lookahead at its best k vs sd at its best k",
              "`default`: the engine's defaults (--lookahead-fanout 4, which its core lowers where its measured "
@@ -231,7 +242,7 @@ def report() -> str:
     path = OUT / "lookahead-band.json"
     if path.exists():
         data = json.loads(path.read_text())
-        lines += ["## Across coverage (hit rates)", "",
+        lines += ["## Across coverage (hit rates)", "", *([data["note"], ""] if "note" in data else []),
                   "After a miss of the drafter's top choice the target's token is its second choice with "
                   "probability c (else no candidate's); lookahead at its best k against sd at its best k, "
                   "each cell: hit rate, lookahead / sd (best k).", ""]
@@ -246,39 +257,62 @@ def report() -> str:
                     cells.append(f"{la['branch_hit_rate']:.2f}, {la['over_sd']:.2f}x ({la['mode']})")
                 lines.append("| " + " | ".join(cells) + " |")
             lines.append("")
-    for path in (OUT / "lookahead-auto.json", OUT / "lookahead-auto-4-64.json"):
+    summary: list[str] = []
+    for slug, title in AUTO_FILES.items():
+        path = OUT / f"lookahead-auto-{slug}.json"
         if not path.exists():
             continue
         data = json.loads(path.read_text())
-        for name, rows in data["files"].items():
-            lines += [f"## Auto vs the best fixed mode: {name}", "",
-                      "Best fixed: the best of ar, sd, psd and lookahead at any k (the engine's synchronous modes). "
-                      "Auto: among all four; auto (ar, sd, psd): AutoSettings' default modes.", "",
-                      "| requests | best fixed | tok/s | ar | sd | psd | lookahead | auto runs | auto / best | "
-                      "auto (ar, sd, psd) runs | its / best |", "|---" * 11 + "|"]
-            for row in rows:
-                fam = row["by_family"]
-                other = row.get("auto_without_lookahead")
-                lines.append(
-                    f"| {row['concurrency']} | {row['best_fixed']['mode']} | {row['best_fixed']['tokens_per_s']:.0f} | "
-                    + " | ".join(f"{fam[f]['tokens_per_s']:.0f} ({fam[f]['mode']})" for f in ("ar", "sd", "psd",
-                                                                                               "lookahead"))
-                    + f" | {row['auto']['runs']} | **{row['auto']['over_best_fixed']:.3f}** | "
-                    + (f"{other['runs']} | **{other['over_best_fixed']:.3f}** |" if other else "- | - |"))
-            lines.append("")
+        rows = data["rows"]
+        lines += [f"## Auto vs the best fixed mode and vLLM's colocated SD: {title}", "",
+                  f"`{data['command']}`. Best fixed: the best of ar, sd, psd and lookahead at any k (the engine's "
+                  "synchronous modes, its drafter on a GPU of its own); vllm-sd: vLLM's SD with the drafter on the "
+                  "target's GPU (per replica, best k). Auto: AutoSettings' defaults (ar, sd, psd, lookahead); "
+                  "auto (ar, sd, psd): without lookahead.", "",
+                  "| requests | best fixed | tok/s | ar | sd | psd | lookahead | vllm-sd | auto runs | tok/s | "
+                  "auto / best | auto / vllm-sd | auto (ar, sd, psd) runs | its / best |", "|---" * 14 + "|"]
+        for row in rows:
+            fam, auto, other = row["by_family"], row["auto"], row["auto_without_lookahead"]
+            lines.append(
+                f"| {row['concurrency']} | {row['best_fixed']['mode']} | {row['best_fixed']['tokens_per_s']:.0f} | "
+                + " | ".join(f"{fam[f]['tokens_per_s']:.0f} ({fam[f]['mode']})" for f in ("ar", "sd", "psd",
+                                                                                           "lookahead"))
+                + f" | {row['vllm_sd']['tokens_per_s']:.0f} ({row['vllm_sd']['mode']}) | {auto['runs']} | "
+                f"{auto['tokens_per_s']:.0f} | **{auto['over_best_fixed']:.3f}** | **{auto['over_vllm_sd']:.3f}** | "
+                f"{other['runs']} | {other['over_best_fixed']:.3f} |")
+        lines.append("")
+        ratios = [r["auto"]["over_best_fixed"] for r in rows]
+        vllm = [r["auto"]["over_vllm_sd"] for r in rows]
+        loads = ", ".join(str(r["concurrency"]) for r in rows)
+        summary.append(f"| {title} | {loads} | {min(ratios):.3f} | {max(ratios):.3f} | {min(vllm):.3f} | "
+                       f"{max(vllm):.3f} |")
+    if summary:
+        lines += ["## Auto at a glance", "",
+                  "| curves | requests run | auto / best fixed, min | max | auto / vllm-sd, min | max |",
+                  "|---|---|---|---|---|---|",
+                  *summary, ""]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sections = {"vs-sd": section_vs_sd, "band": section_band, "auto": section_auto, "fanout8": section_fanout8,
-                "auto-4-64": section_auto_where_lookahead_wins}
-    parser.add_argument("section", choices=(*sections, "report", "all"))
+    sections = {"vs-sd": section_vs_sd, "band": section_band, "fanout8": section_fanout8}
+    parser.add_argument("section", choices=(*sections, "auto", "report", "all"))
+    parser.add_argument("--curves", choices=tuple(AUTO_FILES), action="append",
+                        help="auto: the curve files to run (default: every one)")
+    parser.add_argument("--loads", help="auto: comma-separated requests (default 1-256); other loads' rows are kept")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    for name in sections if args.section == "all" else () if args.section == "report" else (args.section,):
+    jobs: dict[str, Any] = {}
+    if args.section in (*sections, "all"):
+        jobs.update({name: fn for name, fn in sections.items() if args.section in (name, "all")})
+    if args.section in ("auto", "all"):
+        loads = tuple(int(x) for x in args.loads.split(",")) if args.loads else AUTO_LOADS
+        for slug in args.curves or AUTO_FILES:
+            jobs[f"auto-{slug}"] = lambda slug=slug: section_auto(slug, loads)
+    for name, fn in jobs.items():
         started = time.time()
-        data = sections[name]()
+        data = fn()
         data["seconds"] = round(time.time() - started)
         (OUT / f"lookahead-{name}.json").write_text(json.dumps(data, indent=1) + "\n")
         log(f"{name}: done in {data['seconds']} s")

@@ -20,6 +20,10 @@ from minedraft.engine.settings import (
 
 # Requests batched at once without --max-num-seqs.
 DEFAULT_MAX_NUM_SEQS = 64
+# `serve`'s mode without --mode: auto picks ar, sd, psd or lookahead and k from the costs it measures, so a replica
+# is not left in a mode that loses at its load (psd k=3, the old default, was the slowest setting on the H200 curves
+# below ~64 requests). The other engine commands (run, generate, bench, doctor) keep psd.
+DEFAULT_SERVE_MODE = "auto"
 
 
 def _pair_dir(value: str | None) -> Path:
@@ -119,7 +123,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_mode: str = "p
     parser.add_argument("--max-num-speculative-tokens", type=int,
                         help="the longest draft the engine can switch to at run time (auto mode's k range)")
     parser.add_argument("--auto-modes", help="the modes auto mode chooses among (comma-separated subset of ar, sd, "
-                        "psd; default all three)")
+                        "psd, lookahead; default all four)")
     parser.add_argument("--auto-k", help="the draft lengths auto mode chooses among (comma-separated; default 1 to "
                         "the engine's longest draft)")
     parser.add_argument("--constructed-acceptance", type=float,

@@ -167,7 +167,8 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class SpeculationSpec:
-    mode: str = "psd"
+    # auto, as `minedraft serve` defaults to: the engine picks the mode and k from its measured costs.
+    mode: str = "auto"
     num_speculative_tokens: int = 3
     num_extra_draft_tokens: int = 0
     # speculation.asyncSteps: psd steps scheduled while the target computes the step before (the engine's

@@ -13,10 +13,10 @@ log = logging.getLogger(__name__)
 
 
 def add_subcommands(sub: Any) -> None:
-    from minedraft.engine_options import add_engine_arguments
+    from minedraft.engine_options import DEFAULT_SERVE_MODE, add_engine_arguments
 
-    serve = sub.add_parser("serve", help="serve the gRPC API over a PSD engine replica")
-    add_engine_arguments(serve)
+    serve = sub.add_parser("serve", help="serve the gRPC API over an engine replica (speculative decoding)")
+    add_engine_arguments(serve, default_mode=DEFAULT_SERVE_MODE)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
     serve.add_argument("--grpc-port", type=int, default=50051)
     serve.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics (0: do not serve)")

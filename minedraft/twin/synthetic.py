@@ -86,3 +86,23 @@ def slow_drafter(curves: dict[str, Any], factor: float, execution: str = "eager 
     out["execution"] = f"{out.get('execution', '')}; {execution} (drafter times x{factor:g}, modelled)"
     out["measured"] = f"derived: {out.get('measured', '')}; drafter x{factor:g}"
     return out
+
+
+def flatter_target(curves: dict[str, Any], factor: float) -> dict[str, Any]:
+    """The same file with the target's verify curve flattened: each forward's time above the cheapest one at its
+    context (one request, one token) multiplied by `factor` (< 1: a more memory-bound target, whose verification
+    grows more slowly with batch and draft length, as on a GPU with more compute per byte)."""
+    out = copy.deepcopy(curves)
+    for model in out["models"].values():
+        if model.get("role") != "target":
+            continue
+        rows = model.get("forward_ms", [])
+        floor: dict[Any, float] = {}
+        for row in rows:
+            floor[row.get("context")] = min(floor.get(row.get("context"), row["ms"]), row["ms"])
+        for row in rows:
+            base = floor[row.get("context")]
+            row["ms"] = round(base + factor * (row["ms"] - base), 3)
+    out["execution"] = f"{out.get('execution', '')}; target growth x{factor:g} (modelled)"
+    out["measured"] = f"derived: {out.get('measured', '')}; target's time above its floor x{factor:g}"
+    return out

@@ -94,8 +94,9 @@ def assert_probes_return(decisions: list[Decision]) -> None:
             assert (after.previous_mode, after.previous_k) == (decision.mode, decision.k)
 
 
-SETTINGS = AutoSettings(k_candidates=(1, 2, 3, 4), decision_interval_steps=8, min_dwell_steps=32,
-                        switch_margin=0.05, stale_after_steps=400, probe_steps=12)
+# The simulated engine above runs ar, sd and psd (lookahead's branch jobs are priced in test_lookahead_pricing.py).
+SETTINGS = AutoSettings(allowed_modes=("ar", "sd", "psd"), k_candidates=(1, 2, 3, 4), decision_interval_steps=8,
+                        min_dwell_steps=32, switch_margin=0.05, stale_after_steps=400, probe_steps=12)
 
 
 def test_high_load_moves_sd_to_psd_and_stays() -> None:

@@ -113,9 +113,49 @@ def test_measured_hits_replace_the_derived_rate_and_scale_other_fanouts() -> Non
     model = priced_model(**GPU)
     derived_2 = model.lookahead_hit_rate(3, 2)
     derived_4 = model.lookahead_hit_rate(3, 4)
-    model.lookahead_hits.observe(3, 2, hits=40, requests=100)  # half the derived rate was measured at F = 2
-    assert model.lookahead_hit_rate(3, 2) == pytest.approx(0.4)
+    model.lookahead_hits.decay = 1.0
+    model.lookahead_hits.observe(3, 2, hits=4000, requests=10000)  # 0.4, well below the derived rate, at F = 2
+    assert model.lookahead_hit_rate(3, 2) == pytest.approx(0.4, abs=0.005)
     assert model.lookahead_hit_rate(3, 4) == pytest.approx(derived_4 * 0.4 / derived_2)
+
+
+def test_a_short_probes_hit_share_is_shrunk_towards_what_the_running_setting_says() -> None:
+    """A 12-step probe at 4 requests sees ~40 requests: its hit share is weighed against the prior (the derived rate
+    scaled by the setting that ran long), not taken as is. Taken as is, a low draw (0.53 where 0.63 runs) priced
+    k=5 below k=4 for good."""
+    model = priced_model(**GPU)
+    hits = model.lookahead_hits
+    hits.decay = 1.0
+    derived_4, derived_5 = model.lookahead_hit_rate(4, 4), model.lookahead_hit_rate(5, 4)
+    hits.observe(4, 4, hits=round(1600 * derived_4), requests=1600)  # k=4 ran long, at its derived rate
+    hits.observe(5, 4, hits=20, requests=38)  # the probe of k=5: 0.53
+    prior = derived_5 * hits.measured(4, 4) / derived_4  # type: ignore[operator]
+    assert model.lookahead_hit_rate(5, 4) == pytest.approx((20 + hits.prior_requests * prior)
+                                                           / (38 + hits.prior_requests))
+    assert 20 / 38 < model.lookahead_hit_rate(5, 4) < prior
+
+
+def test_the_branch_job_drafts_a_hits_fanout_and_a_misss_root() -> None:
+    """A branch job holds F branches for each request that hit and one root for each that missed, k + 1 deep only
+    where some request missed. Priced as R x F items always k + 1 deep, a slow drafter's job outlasted the
+    verification where it hides behind it (at one request, 85% of jobs are hits alone, k deep)."""
+    slow: dict[str, Any] = dict(verify_ms={1: 20.0, 1024: 20.5}, draft_first_ms={1: 15.0, 1024: 16.0},
+                                draft_next_ms={1: 15.0, 1024: 16.0})
+    model = priced_model(**slow)
+    hit = model.lookahead_hit_rate(1, 4)
+    one = model.predict(LOOKAHEAD, 1, 1, fanout=4)
+    assert one is not None
+    verify = model._shaped_verify_seconds(BESIDE, 1, 1 + hit)
+    assert verify is not None
+    hit_job = model._draft_seconds(4, 1)  # four branches, one token each: hides behind the verification
+    miss_job = model._draft_seconds(1, 2)  # the miss's root, two deep: outlasts it
+    assert hit_job < verify < miss_job
+    assert one.cycle_seconds == pytest.approx(hit * verify + (1 - hit) * miss_job, rel=1e-6)
+    # Measured items per request (fewer than F per hit where outcomes are unlikely) price the job at 16 requests.
+    model.lookahead_hits.decay = 1.0
+    model.lookahead_hits.observe_job_items(3, 4, items=48 * 10, requests=16 * 10)
+    assert model.lookahead_hits.items_per_request(3, 4, 0.6) == pytest.approx(3.0)
+    assert model.lookahead_hits.items_per_request(2, 4, 0.6) == pytest.approx(0.6 * 4 + 0.4)
 
 
 def test_misses_verified_with_backups_cost_their_tokens_but_gain_nothing() -> None:
@@ -161,3 +201,55 @@ def test_hits_are_learned_past_a_switchs_first_steps_and_backups_teach_no_accept
     assert not model.acceptance.drafted
     model.observe(lookahead_record(8, 16, 0))
     assert model.acceptance.drafted[0] == pytest.approx(16)
+
+
+def test_a_new_k_is_a_switch_whose_first_steps_teach_no_hit_rate() -> None:
+    """After lookahead changes k, the first steps verify branches drafted for the old k's outcomes."""
+    model = CostModel()
+    for step in range(1, 6):
+        model.observe(lookahead_record(step, 12, 4))
+    model.observe(lookahead_record(6, 16, 0, k=2))
+    model.observe(lookahead_record(7, 16, 0, k=2))
+    assert (2, 2) not in model.lookahead_hits.counts
+    model.observe(lookahead_record(8, 16, 0, k=2))
+    assert model.lookahead_hits.counts[(2, 2)][1] == pytest.approx(16)
+
+
+def test_auto_prices_the_running_lookahead_at_the_fanout_its_core_runs() -> None:
+    """The core moves lookahead's fan-out with measured times, whatever auto chose; auto prices lookahead at the
+    fan-out run last. The running setting must be found among those predictions: otherwise it has no price, and any
+    other setting wins without a margin (eager drafting, 8 requests: a switch to sd k=1, 4% slower)."""
+    model = priced_model(**GPU)
+    model.lookahead_fanout = 2  # the core ran F = 2 last
+    settings = AutoSettings(allowed_modes=("sd", LOOKAHEAD), k_candidates=(3,), min_dwell_steps=0,
+                            close_call_margin=None, stale_after_steps=10**9)
+    controller = AutoController(settings, LOOKAHEAD, 3, model, fanout=4)  # auto last chose F = 4
+    controller._steps_at_load = {"sd": {16: 12}, LOOKAHEAD: {16: 100}}
+    controller._last_run = {"sd": 0, LOOKAHEAD: 0}
+    controller._window_running = [16]
+    assert controller.decide(step=100) is None
+
+
+def test_a_stale_mode_predicted_far_below_the_running_one_is_not_probed() -> None:
+    """Costs drift; they do not halve. At a few requests ar runs at ~0.4 of lookahead, and probing it every
+    `stale_after_steps` cost auto 2-3% by itself; sd, predicted close, is still refreshed."""
+    model = priced_model(**GPU)
+    model.lookahead_hits.observe(3, 4, hits=70, requests=100)
+
+    def controller(floor: float | None) -> AutoController:
+        settings = AutoSettings(allowed_modes=("ar", LOOKAHEAD), k_candidates=(3,), min_dwell_steps=0,
+                                close_call_margin=None, stale_after_steps=100, stale_probe_floor=floor)
+        made = AutoController(settings, LOOKAHEAD, 3, model, fanout=4)
+        made._steps_at_load = {"ar": {2: 100}, LOOKAHEAD: {2: 1000}}
+        made._last_run = {"ar": 0, LOOKAHEAD: 1000}
+        made._steps_seen = 1000
+        made._window_running = [2]
+        return made
+
+    ar = model.predict("ar", 0, 2)
+    lookahead = model.predict(LOOKAHEAD, 3, 2, fanout=4)
+    assert ar is not None and lookahead is not None
+    assert ar.output_tokens_per_second < 0.5 * lookahead.output_tokens_per_second
+    assert controller(0.5).decide(step=1000) is None
+    probe = controller(None).decide(step=1000)
+    assert probe is not None and probe.kind == "probe" and probe.mode == "ar"

@@ -47,7 +47,10 @@ def setting_of(prediction: Prediction) -> Setting:
 
 @dataclass(frozen=True)
 class AutoSettings:
-    allowed_modes: tuple[str, ...] = ("ar", "sd", "psd")
+    # Every mode the engine runs: lookahead included since its branch job is priced at the items it drafts (a hit's
+    # F branches, a miss's root); in the twin auto then holds >= 0.97 of the best fixed mode at 1-256 requests on the
+    # H200 curves and on curve files it was not tuned on (benchmarks/results/gpu-twin/lookahead.md).
+    allowed_modes: tuple[str, ...] = AUTO_CHOICES
     k_candidates: tuple[int, ...] = (1, 2, 3, 4, 5)
     # Lookahead's branches per request to choose among (where lookahead is allowed). Empty: price lookahead at the
     # fan-out the engine runs it with (its core sets the fan-out from measured drafter and verify times, up to
@@ -64,6 +67,10 @@ class AutoSettings:
     # slower than one measured here cost auto 5% at 256 requests on the H200 curves (sd k=1 against psd k=3).
     measured_switch_margin: float = 0.03
     stale_after_steps: int = 1000
+    # A stale mode (run before) predicted below this fraction of the current setting is not probed: costs drift,
+    # they do not halve, and at one or two requests a probe of ar (0.4x lookahead there) cost auto 2-3% by itself.
+    # None: every stale mode is probed.
+    stale_probe_floor: float | None = 0.5
     probe_steps: int = 12
     # Step records older than this many steps are not used to describe the load (running requests).
     load_window_steps: int = 16
@@ -96,6 +103,8 @@ class AutoSettings:
             raise ValueError(f"fanout_candidates: expected positive fan-outs, got {self.fanout_candidates}")
         if not self.k_candidates or min(self.k_candidates) < 1:
             raise ValueError(f"k_candidates: expected positive draft lengths, got {self.k_candidates}")
+        if self.stale_probe_floor is not None and not 0 <= self.stale_probe_floor <= 1:
+            raise ValueError(f"stale_probe_floor: must be in [0, 1] or None, got {self.stale_probe_floor}")
         if self.decision_interval_steps < 1 or self.min_dwell_steps < 0 or self.probe_steps < 1:
             raise ValueError("decision_interval_steps and probe_steps must be positive, min_dwell_steps >= 0")
         if self.resume_steps < 0:
@@ -241,6 +250,16 @@ class AutoController:
             return (1,)
         return self.settings.fanout_candidates or (self.cost_model.lookahead_fanout,)
 
+    def _priced(self, setting: Setting) -> Setting:
+        """`setting` as predictions name it. Without fan-out candidates lookahead is priced at the fan-out its core
+        ran last (the core moves it with measured times, whatever auto chose): the lookahead that runs is that one,
+        not one missing from the predictions (which switched away from lookahead with no margin at all: eager
+        drafting, 8 requests, to sd k=1, 4% slower)."""
+        mode, k, _ = setting
+        if mode == LOOKAHEAD and not self.settings.fanout_candidates:
+            return mode, k, self._fanouts()[0]
+        return setting
+
     def decide(self, step: int, after_probe: Setting | None = None) -> Decision | None:
         self._steps_since_decision = 0
         running = sum(self._window_running) / len(self._window_running) if self._window_running else 0.0
@@ -253,7 +272,7 @@ class AutoController:
         num_running = max(1, round(running))
         predictions = self.cost_model.predict_all(num_running, self.settings.allowed_modes,
                                                   self.settings.k_candidates, self._fanouts())
-        incumbent = after_probe or self.setting
+        incumbent = self._priced(after_probe or self.setting)
         incumbent_key = incumbent
         current = next((p for p in predictions if setting_of(p) == incumbent_key), None)
         best = max(predictions, key=lambda p: p.output_tokens_per_second) if predictions else None
@@ -269,7 +288,7 @@ class AutoController:
         if best is not None and setting_of(best) != incumbent_key and (
             current is None or best.output_tokens_per_second >= current_rate * (1 + margin)
         ):
-            if setting_of(best) != self.setting and self.cost_model.extrapolated(
+            if setting_of(best) != self._priced(self.setting) and self.cost_model.extrapolated(
                     best.mode, best.k, num_running, self.settings.extrapolation_slack, best.fanout):
                 # Predicted best only from costs never measured at this load: measure it briefly before
                 # committing to it for a whole dwell (after a probe, the setting to fall back to stays the same).
@@ -281,17 +300,20 @@ class AutoController:
             return self._switch(step, setting_of(best), reason, (best, current, tuple(predictions)), measured,
                                 "switch")
         if after_probe is not None:
-            if self.setting == incumbent:
+            if self._priced(self.setting) == incumbent:
                 return None
             return self._switch(step, incumbent, "probe finished: keeping the previous setting",
                                 (current, current, tuple(predictions)) if current else None, measured, "return")
 
         # Explore cheaply: a mode not run for a while (or ever) is predicted from stale costs.
+        rates = {p.mode: p.output_tokens_per_second for p in self._best_per_mode(predictions)}
+        floor = self.settings.stale_probe_floor
         stale = [m for m in self.settings.allowed_modes if m != self.mode
-                 and self._steps_seen - self._last_run.get(m, -1_000_000_000) > self.settings.stale_after_steps]
+                 and self._steps_seen - self._last_run.get(m, -1_000_000_000) > self.settings.stale_after_steps
+                 and (m not in self._last_run or floor is None or m not in rates
+                      or rates[m] >= floor * current_rate)]
         if stale:
             # Never run first, then the one predicted best (a prediction it has to be refreshed for), then oldest.
-            rates = {p.mode: p.output_tokens_per_second for p in self._best_per_mode(predictions)}
             probe_mode = min(stale, key=lambda m: (m in self._last_run, -rates.get(m, 0.0),
                                                    self._last_run.get(m, -1_000_000_000)))
             return self._probe(step, self._best_setting(num_running, probe_mode), measured,

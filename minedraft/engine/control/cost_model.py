@@ -37,11 +37,12 @@ For R decoding requests the predicted output tokens per second are
 with A = ceil(R/2), B = R - A, and V', o' those of steps beside a draft (o_ahead where psd's steps are scheduled
 ahead and such steps were measured). psd with one side empty is sd.
 
-Lookahead (every step verifies the whole batch; at its launch a branch job drafts the next round for each request's
-F likely outcomes, R x F branches of k tokens, beside the verification, and a miss's root k + 1 deep; a request whose
-outcome matches a branch takes its draft, a miss decodes the next step without one):
-    lookahead(k, F):  R * (h L(k) + (1 - h)) / max(V'(R (1 + h k)) + o'(R), t(R F, k + 1))
-with h the share of requests verified with a branch's draft (`LookaheadHits`: measured at the (k, F) that ran,
+Lookahead (every step verifies the whole batch; at its launch a branch job drafts the next round beside the
+verification: F branches of k tokens for the F likely outcomes of each request verified with its branch, a miss's
+root k + 1 deep; a request whose outcome matches a branch takes its draft, a miss decodes the next step without one):
+    lookahead(k, F):  R (h L(k) + 1 - h) / (h^R max(S, t(R F, k)) + (1 - h^R) max(S, t(R F - m (F - 1), k + 1)))
+with S = V'(R (1 + h k)) + o'(R), m = R (1 - h) / (1 - h^R) the misses of a job holding any (their roots k + 1
+    lookahead(k, F):  R (h L(k) + 1 - h) / (h^R max(S, t(R F, k)) + (1 - h^R) max(S, t(R F - m (F - 1), k + 1)))
 derived elsewhere from the per-position acceptance and the drafter's rank of the target's token, `branch_hit_rate`);
 where misses are verified with a backup branch or padded, the verification holds that measured share of k-token
 proposals instead of h (their tokens are priced, their gains are not).
@@ -311,19 +312,47 @@ class LookaheadHits:
     rate (`branch_hit_rate` from the measured acceptance) is scaled by what the nearest setting that ran measured
     against its own derived rate: the drafter's real coverage of the target's token shows in every setting."""
 
-    decay: float = 0.99
+    # Forgetting per decoded request observed (a window of ~1000 requests), not per step: per step, one request's
+    # steps kept a window of ~100 requests, whose hit share moves by +-0.05 by chance, and auto flipped between
+    # lookahead k=3 and k=4 on that noise (0.955 of the best fixed mode at one request, drafter x2 curves).
+    decay: float = 0.999
     min_requests: float = 32.0
+    # The weight, in decoded requests, of the prior a measured hit share is shrunk towards (`hit_rate`).
+    prior_requests: float = 64.0
     # (k, F) -> [hits, decoded requests], decayed
     counts: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     rank_given_rejection: tuple[float, ...] = LOCAL_PAIR_RANK_GIVEN_REJECTION
     # k -> [decoded requests verified with k proposed tokens (hits, and misses with a backup branch or padding),
     # decoded requests], decayed: what a lookahead step verifies, beyond the hits
     proposed: dict[int, list[float]] = field(default_factory=dict)
+    # (k, F) -> [items the branch job drafted, decoded requests], decayed: a job drafts F branches for a request
+    # verified with its branch and only the root of one that missed (psd/lookahead.py), and fewer where outcomes
+    # are unlikely (under MIN_BRANCH_PROBABILITY) or the core narrowed the fan-out.
+    job_items: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+
+    def observe_job_items(self, k: int, fanout: int, items: int, requests: int) -> None:
+        if requests <= 0 or items <= 0 or k <= 0 or fanout <= 0:
+            return
+        counts = self.job_items.setdefault((k, fanout), [0.0, 0.0])
+        keep = self.decay ** requests
+        counts[0] = counts[0] * keep + items
+        counts[1] = counts[1] * keep + requests
+
+    def items_per_request(self, k: int, fanout: int, hit_rate: float) -> float:
+        """Items a branch job drafts per decoded request at (k, F): measured where it ran, else F for a hit and the
+        root alone for a miss (h F + 1 - h), not F for every request: pricing R F items overpriced the job by a
+        third at a hit rate of 0.63 and F = 4, enough to rank lookahead k=4 above k=5 where k=5 runs 5% faster
+        (H200 curves, 16 requests)."""
+        counts = self.job_items.get((k, fanout))
+        if counts is not None and counts[1] >= self.min_requests:
+            return counts[0] / counts[1]
+        return hit_rate * fanout + (1.0 - hit_rate)
 
     def observe_proposed(self, k: int, share: float, requests: int) -> None:
         counts = self.proposed.setdefault(k, [0.0, 0.0])
-        counts[0] = counts[0] * self.decay + share * requests
-        counts[1] = counts[1] * self.decay + requests
+        keep = self.decay ** requests
+        counts[0] = counts[0] * keep + share * requests
+        counts[1] = counts[1] * keep + requests
 
     def proposed_share(self, k: int, hit_rate: float) -> float:
         """Of the decoded requests, the share a lookahead step verifies with k tokens: measured (misses with a
@@ -337,8 +366,9 @@ class LookaheadHits:
         if requests <= 0 or k <= 0 or fanout <= 0:
             return
         counts = self.counts.setdefault((k, fanout), [0.0, 0.0])
-        counts[0] = counts[0] * self.decay + min(hits, requests)
-        counts[1] = counts[1] * self.decay + requests
+        keep = self.decay ** requests
+        counts[0] = counts[0] * keep + min(hits, requests)
+        counts[1] = counts[1] * keep + requests
 
     def measured(self, k: int, fanout: int) -> float | None:
         counts = self.counts.get((k, fanout))
@@ -352,20 +382,26 @@ class LookaheadHits:
         return sum(c[1] for (kk, _), c in self.counts.items() if kk == k) >= self.min_requests
 
     def hit_rate(self, conditionals: Sequence[float], k: int, fanout: int) -> float:
-        measured = self.measured(k, fanout)
-        if measured is not None:
-            return measured
+        """The measured share at (k, F), shrunk towards the prior (the derived rate, scaled by what the nearest
+        other setting that ran measured against its own derived rate) with the weight of `prior_requests` decoded
+        requests: a probe of 12 steps at 4 requests sees ~40, whose hit share is +-0.08 by chance alone, which
+        priced lookahead k=5 at 0.53 where it runs at 0.63 and kept auto on k=4 (0.95 of the best fixed mode at 4
+        requests on the H200 curves)."""
         derived = branch_hit_rate(conditionals, k, fanout, self.rank_given_rejection)
         ran: list[tuple[tuple[int, int], float]] = []
         for key in self.counts:
             value = self.measured(*key)
-            if value is not None:
+            if value is not None and key != (k, fanout):
                 ran.append((key, value))
-        if not ran:
-            return derived
-        (k0, f0), value = min(ran, key=lambda item: (abs(item[0][1] - fanout), abs(item[0][0] - k)))
-        base = branch_hit_rate(conditionals, k0, f0, self.rank_given_rejection)
-        return min(1.0, derived * value / base) if base > 0 else derived
+        prior = derived
+        if ran:
+            (k0, f0), value = min(ran, key=lambda item: (abs(item[0][1] - fanout), abs(item[0][0] - k)))
+            base = branch_hit_rate(conditionals, k0, f0, self.rank_given_rejection)
+            prior = min(1.0, derived * value / base) if base > 0 else derived
+        counts = self.counts.get((k, fanout))
+        if counts is None or counts[1] < self.min_requests:
+            return prior
+        return (counts[0] + self.prior_requests * prior) / (counts[1] + self.prior_requests)
 
 
 @dataclass(frozen=True)
@@ -488,7 +524,9 @@ class CostModel:
             self.last_verify_step = record.step
         # The first lookahead steps after another mode hold no branches yet (the first drafts each request's root
         # only): their misses are the switch's, not the mode's hit rate.
-        self._lookahead_streak = self._lookahead_streak + 1 if record.mode == LOOKAHEAD else 0
+        # (A new k is a switch too: the first steps after it verify branches drafted for the old k's outcomes.)
+        same_k = previous is not None and previous.mode == LOOKAHEAD and previous.k == record.k
+        self._lookahead_streak = 0 if record.mode != LOOKAHEAD else self._lookahead_streak + 1 if same_k else 1
         if record.mode == LOOKAHEAD and decode_only and self._lookahead_streak > LOOKAHEAD_WARMUP_STEPS:
             self._observe_branches(record)
         # (A lookahead step that verified misses with backup branches, drafts made for an outcome the request did not
@@ -525,6 +563,8 @@ class CostModel:
         if requests > 0:
             share = (record.num_scheduled_tokens / requests - 1.0) / record.k
             self.lookahead_hits.observe_proposed(record.k, min(1.0, max(0.0, share)), requests)
+            self.lookahead_hits.observe_job_items(record.k, record.lookahead_fanout or self.lookahead_fanout,
+                                                  record.draft_job_requests, requests)
 
     def _observe_draft(self, record: StepRecord) -> None:
         # The job's own size where the step reports it (around a switch the requests verified with drafts are not
@@ -632,14 +672,14 @@ class CostModel:
             return tokens_here
         return tokens_here * at_nearest / tokens_nearest
 
-    def _draft_seconds(self, requests: int, k: int) -> float:
+    def _draft_seconds(self, requests: float, k: int) -> float:
         if k <= 0:
             return 0.0
         first = self.draft_first.predict(requests) or 0.0
         following = self.draft_next if self.draft_next.buckets else self.draft_first
         return first + (k - 1) * (following.predict(requests) or 0.0) + self.catch_up_seconds(requests, k)
 
-    def catch_up_seconds(self, requests: int, k: int) -> float:
+    def catch_up_seconds(self, requests: float, k: int) -> float:
         """A job's expected catch-up at its learned price (0 while the price is unknown: f1 then holds it):
         each request's accepted drafts since its last job (L(k) - 1 on average) plus the churn seen lately."""
         price = self.catch_up.seconds_per_token()
@@ -713,17 +753,28 @@ class CostModel:
 
     def _predict_lookahead(self, k: int, num_running: int, fanout: int) -> Prediction | None:
         """Every step verifies the whole batch (hits with their branch's k tokens, misses with none) while the
-        drafter drafts R x F branches of the next round beside it; the step lasts the longer of the two."""
+        drafter drafts the next round's branches beside it; the step lasts the longer of the two."""
         hit = self.lookahead_hit_rate(k, fanout)
         tokens = num_running * (hit * self.acceptance.expected_accepted_length(k) + (1.0 - hit))
         proposed = self.lookahead_hits.proposed_share(k, hit)
         verify = self._shaped_verify_seconds(BESIDE, num_running, 1.0 + proposed * k) or 0.0
         overhead = self._curve(self.overhead, BESIDE).predict(num_running) or 0.0
-        # The branch job: F branches of k tokens per request, and the roots of those verified without a draft
-        # drafted k + 1 deep (their first token guesses the one that step samples): the drafter's loop runs as deep as
-        # its deepest item.
-        depth = k + 1 if hit < 1.0 else k
-        cycle = max(verify + overhead, self._draft_seconds(num_running * fanout, depth))
+        # The branch job: F branches of k tokens per request that hit, and the roots of those that missed drafted
+        # k + 1 deep (their first token guesses the one that step samples): the drafter's loop runs as deep as its
+        # deepest item.
+        # A job drafts k + 1 deep only where some request missed: at a small batch most jobs hold hits alone (at one
+        # request and a hit rate of 0.85, 85% of them), priced k deep; pricing every job k + 1 deep put lookahead k=1
+        # at 47 tok/s where it runs at 69 with a drafter 6x slower (eager, H200 curves, one request), below ar.
+        per_hit = 1.0
+        if hit > 0:
+            per_request = self.lookahead_hits.items_per_request(k, fanout, hit)
+            per_hit = min(float(fanout), max(1.0, (per_request - (1.0 - hit)) / hit))
+        all_hit = hit ** num_running
+        misses = num_running * (1.0 - hit) / (1.0 - all_hit) if all_hit < 1.0 else 0.0
+        mixed = self._draft_seconds((num_running - misses) * per_hit + misses, k + 1) if all_hit < 1.0 else 0.0
+        only_hits = self._draft_seconds(num_running * per_hit, k) if all_hit > 0.0 else 0.0
+        step = verify + overhead
+        cycle = all_hit * max(step, only_hits) + (1.0 - all_hit) * max(step, mixed)
         if cycle <= 0:
             return None
         return Prediction(LOOKAHEAD, k, tokens / cycle, cycle, tokens, fanout, hit)

@@ -168,7 +168,7 @@ def valid_minedraft(rng: random.Random) -> dict[str, Any]:
             "numSpeculativeTokens", s.SpeculationSpec().num_speculative_tokens))
     if mode in s.ASYNC_STEP_MODES and maybe(rng, 0.3):
         speculation["asyncSteps"] = maybe(rng, 0.5)
-    if maybe(rng, 0.9) or mode != "psd":
+    if maybe(rng, 0.9) or mode != s.SpeculationSpec().mode or "numSpeculativeTokens" in speculation:
         spec["speculation"] = speculation
     drafter_gpu = not pool and (mode in ("psd", "sd") or (mode == "auto" and any(
         m in ("psd", "sd") for m in bounds.get("allowedModes", s.AUTO_MODES))))
@@ -383,7 +383,7 @@ def test_the_generator_covers_what_it_claims() -> None:
     assert sum("authTokenSecretRef" in x.get("gateway", {}) for x in specs) >= 5
     assert sum(" " in " ".join(x.get("engine", {}).get("extraArgs", [])) for x in specs) >= 5
     assert sum(len(d["metadata"]["name"]) == s.MAX_NAME_LENGTH for d in docs) >= 10
-    assert {m for x in specs for m in [x.get("speculation", {}).get("mode", "psd")]} == set(s.MODES)
+    assert {m for x in specs for m in [x.get("speculation", {}).get("mode", s.SpeculationSpec().mode)]} == set(s.MODES)
 
 
 # -- invalid, one field at a time --------------------------------------------------------------------------------------
