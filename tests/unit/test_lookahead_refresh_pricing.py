@@ -1,7 +1,8 @@
 """Lookahead's refreshes in the cost model: a miss drafted afresh from its real context before the step (the engine
 does so where misses are most of the batch: one request) gains an accepted length like a hit, and the step waits
 for that draft first. Priced without them, lookahead at one request was credited one token per refreshed miss and
-ranked below sd on this CPU, where it runs 1.2-1.4x sd."""
+ranked below sd on this CPU, where it runs 1.2-1.4x sd. And lookahead's steps without drafts are not ar's kind of
+step."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from minedraft.engine.control.cost_model import LOOKAHEAD
+from minedraft.engine.control.cost_model import BESIDE, LOOKAHEAD, CostModel
 from tests.unit.test_lookahead_pricing import CPU, lookahead_record, priced_model
 
 WAIT_SECONDS = 0.0015
@@ -59,3 +60,22 @@ def test_lookahead_steps_teach_the_refreshes() -> None:
     # One request, half of them missing and refreshed: half a wait per step.
     assert model.lookahead_refresh.wait_seconds_per_step(1, 0.5) == pytest.approx(0.5 * WAIT_SECONDS)
     assert model.lookahead_refresh.wait_seconds_per_step(16, 0.5) == 0.0
+
+
+def test_lookahead_steps_without_drafts_do_not_price_ar() -> None:
+    """A lookahead step without drafts (after a switch, or all misses) verifies beside its branch job on the target's
+    own cores; ar's steps are widened onto the drafter's. Learned as ar's, 16-request lookahead steps made ar look
+    measured at 16 requests (and slow), so auto never probed it there."""
+    model = CostModel()
+    # ar measured at one request only (a probe there): at 16 it is extrapolated, which auto answers with a probe.
+    for step in range(1, 20):
+        model.observe(replace(lookahead_record(step, 0, 1), mode="ar", k=0, num_requests_with_drafts=0,
+                              num_draft_tokens=0, drafted_per_position=(), accepted_per_position=(),
+                              num_scheduled_tokens=1, widened=True, verify_seconds=0.004))
+    assert model.extrapolated("ar", 0, 16)
+    for step in range(20, 40):
+        model.observe(replace(lookahead_record(step, 0, 16), num_requests_with_drafts=0, num_draft_tokens=0,
+                              drafted_per_position=(), accepted_per_position=(), num_scheduled_tokens=16,
+                              verify_seconds=0.03))
+    assert model.extrapolated("ar", 0, 16)
+    assert model.verify[BESIDE].covers(16, 1.1)
