@@ -55,7 +55,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from minedraft.engine.control.refresh_price import RefreshCounts
 from minedraft.engine.control.stats import StepRecord
 
 # Steps further apart than this belong to different bursts of work: their gap is idle time, not overhead.
@@ -474,8 +473,6 @@ class CostModel:
     acceptance: AcceptanceProfile = field(default_factory=AcceptanceProfile)
     # Lookahead's hit share per (k, F) as run.
     lookahead_hits: LookaheadHits = field(default_factory=LookaheadHits)
-    # Lookahead's refreshes of its misses per load: the share refreshed and the wait (refresh_price.py).
-    lookahead_refresh: RefreshCounts = field(default_factory=RefreshCounts)
     # Step numbers of the last observation of each ingredient (for staleness).
     last_verify_step: int = -1
     last_draft_step: int = -1
@@ -565,8 +562,6 @@ class CostModel:
         hits, misses = record.num_branch_hits, record.num_branch_misses
         if hits + misses <= 0 or record.k <= 0:
             return
-        self.lookahead_refresh.observe(record.num_decode_requests, misses, record.num_branch_refreshed,
-                                       record.refresh_seconds)
         self.lookahead_hits.observe(record.k, record.lookahead_fanout or self.lookahead_fanout, hits, hits + misses)
         requests = record.num_decode_requests
         if requests > 0:
@@ -764,11 +759,7 @@ class CostModel:
         """Every step verifies the whole batch (hits with their branch's k tokens, misses with none) while the
         drafter drafts the next round's branches beside it; the step lasts the longer of the two."""
         hit = self.lookahead_hit_rate(k, fanout)
-        # A miss refreshed (drafted from its real context while the step waits) gains an accepted length like a
-        # hit; the rest gain one token each (refresh_price.py).
-        refreshed = (1.0 - hit) * self.lookahead_refresh.refreshed_share_of_misses(num_running)
-        tokens = num_running * ((hit + refreshed) * self.acceptance.expected_accepted_length(k)
-                                + (1.0 - hit - refreshed))
+        tokens = num_running * (hit * self.acceptance.expected_accepted_length(k) + (1.0 - hit))
         proposed = self.lookahead_hits.proposed_share(k, hit)
         verify = self._shaped_verify_seconds(BESIDE, num_running, 1.0 + proposed * k) or 0.0
         overhead = self._curve(self.overhead, BESIDE).predict(num_running) or 0.0
@@ -788,8 +779,6 @@ class CostModel:
         only_hits = self._draft_seconds(num_running * per_hit, k) if all_hit > 0.0 else 0.0
         step = verify + overhead
         cycle = all_hit * max(step, only_hits) + (1.0 - all_hit) * max(step, mixed)
-        # (The refresh's wait comes before the step's launch, beside nothing: added whole.)
-        cycle += self.lookahead_refresh.wait_seconds_per_step(num_running, 1.0 - hit)
         if cycle <= 0:
             return None
         return Prediction(LOOKAHEAD, k, tokens / cycle, cycle, tokens, fanout, hit)

@@ -91,11 +91,6 @@ class StepRecord:
     # job).
     lookahead_fanout: int = 0
     lookahead_depth: int = 0
-    # Of the misses, those drafted afresh from their real context before the step (a refresh, core._refresh_misses)
-    # and verified with that draft, and the seconds the step waited for it (part of wait_seconds): what prices
-    # lookahead where the engine refreshes (one request).
-    num_branch_refreshed: int = 0
-    refresh_seconds: float = 0.0
 
 
 @dataclass
