@@ -487,8 +487,12 @@ class CostModel:
 
     @staticmethod
     def _kind_of(record: StepRecord) -> str:
+        # A lookahead step without drafts (the first after a switch, or all misses) verifies beside the branch job it
+        # launches, on the target's own cores: not ar's kind of step (widened onto the drafter's cores on CPUs).
+        # Priced as ar's, it made ar look measured at 16 requests, at 900 tok/s where ar ran at 1300 (one bench run
+        # on this CPU), below the stale-probe floor: auto never tried ar there (0.84x the best fixed mode, ar).
         if record.num_requests_with_drafts == 0:
-            return PLAIN
+            return BESIDE if record.mode == LOOKAHEAD else PLAIN
         return ALONE if record.widened else BESIDE
 
     def _chain(self, kind: str) -> tuple[str, ...]:
