@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,23 @@ MAX_MODEL_LEN = 512
 # MINEDRAFT_TEST_ASYNC_PSD_STEPS=1: the shared psd engines run async PSD steps, so every psd test runs them (the
 # default tests the default, synchronous steps; test_async_psd_steps_* turn them on for themselves either way).
 ASYNC_PSD_STEPS = os.environ.get("MINEDRAFT_TEST_ASYNC_PSD_STEPS") == "1"
+# The cores this process may use, read before any engine ran: an in-process engine binds the thread that steps it
+# (the test's own) to its target cores, and leaves it so after its test (a step narrowed to [0] stays narrowed).
+PROCESS_CORES = frozenset(os.sched_getaffinity(0))
+
+
+@contextlib.contextmanager
+def on_all_process_cores() -> Iterator[None]:
+    """The calling thread on every core this process may use, then back to its binding: for an engine that sizes
+    itself from the process's cores (TP ranks, a child process inheriting the binding), whatever engine test ran
+    last. Put back afterwards, so the shared engines' placement (which skips re-binding a thread it believes bound)
+    stays true."""
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, PROCESS_CORES)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved)
 
 
 def engine_settings(pair_dir: Path, mode: Mode, backend: str = "torch", **changes) -> EngineSettings:

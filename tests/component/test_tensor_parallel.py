@@ -12,7 +12,7 @@ import pytest
 from minedraft.engine.requests import SamplingSettings
 from minedraft.engine.settings import Mode
 
-from .conftest import engine_settings
+from .conftest import engine_settings, on_all_process_cores
 from .device_checks import assert_greedy_matches
 from .driver import Planned, drive
 from .patience import drafts_missing, wait_for_drafts
@@ -22,8 +22,16 @@ pytestmark = pytest.mark.engine
 GREEDY = SamplingSettings(max_tokens=32)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _all_process_cores():
+    """Two TP ranks need two cores: the module runs on all of them, whichever engine test left this thread bound to
+    its target's one core (the TP engine and the served one sized themselves from it: every test here failed)."""
+    with on_all_process_cores():
+        yield
+
+
 @pytest.fixture(scope="module")
-def tp_engine(pair_dir):
+def tp_engine(pair_dir, _all_process_cores):
     from minedraft.engine.core import Engine
 
     engine = Engine(engine_settings(pair_dir, Mode.PSD, tensor_parallel_size=2, target_cpu_cores=(),
