@@ -444,8 +444,8 @@ class PSDPlanner:
                     room = min(room, self.drafter_max_tokens - request.num_tokens - len(tail) - 1)
                 if room <= 0:
                     continue
-                depth = room + 1 if not tail and not fresh else room
-                items.append(JobItemPlan(rid, base if first else request.num_tokens, request.num_tokens, depth,
+                item_depth = room + 1 if not tail and not fresh else room
+                items.append(JobItemPlan(rid, base if first else request.num_tokens, request.num_tokens, item_depth,
                                          tuple(tail), branch))
                 first = False
         return items

@@ -329,6 +329,19 @@ def test_a_prompt_finished_in_a_step_has_its_root_drafted_beside_it():
     assert roots == [("p", 0, 10, (), K + 1)]
 
 
+def test_a_job_shorter_than_k_keeps_its_depth_for_every_request_after_a_root():
+    world = World()
+    start(world, "a", "b", "c")
+    core, _ = make(world)
+    views = [world.view(rid) for rid in "abc"]
+    tails = {"a": [()], "b": [(5,)], "c": [(6, 7)]}
+    items = core.planner.lookahead_job(views, lambda rid: True, tails, depth=1)
+    depths = {(i.request_id, i.tail): i.num_draft_tokens for i in items}
+    # A root drafts one more (its first token guesses the token this step samples); the root before them must not
+    # widen the branches after it to its own depth.
+    assert depths == {("a", ()): 2, ("b", (5,)): 1, ("c", (6, 7)): 1}
+
+
 def test_a_late_branch_job_is_abandoned_and_every_request_decodes_without_drafts():
     world = World()
     start(world, "a")
