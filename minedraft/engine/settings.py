@@ -65,10 +65,11 @@ MAX_NUM_SPECULATIVE_TOKENS = 16
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DRAFTER_BACKENDS = ("auto", "vllm", "torch")
 MAX_TENSOR_PARALLEL_SIZE = 8
-# Lookahead: the most branches (outcomes pre-drafted) per request per round, and the default. 4: the drafter's top-4
-# covers most bonus tokens after a full acceptance on the local pair; more branches cost drafter time the
-# verification may not hide (the core lowers it further from measured branch and verify times).
-DEFAULT_LOOKAHEAD_FANOUT = 4
+# Lookahead: the most branches (outcomes pre-drafted) per request per round, and the default. 6: in the twin on the
+# H200 curves 6 was the best ceiling of 4, 6 and 8 across 8-64 requests (benchmarks/twin_lookahead.py; docs/gpu.md):
+# the core lowers it per round from measured branch and verify times, so a higher ceiling only costs where its
+# pricing errs, and 4 left hits (0.62-0.70) on the table where the drafter had time to spare.
+DEFAULT_LOOKAHEAD_FANOUT = 6
 MAX_LOOKAHEAD_FANOUT = 16
 # --draft-length: "fixed" (k drafted and verified per request) or "adaptive" (each request's own length from its
 # acceptance, each step's verify tokens capped at the verify curve's knee: psd/verify_budget.py).

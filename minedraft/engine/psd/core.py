@@ -415,7 +415,7 @@ class SpeculationCore:
             self.planner.draft_lengths.observe_step(record.step_seconds, verify_seconds, timing.wait_seconds)
         if step_mode is Mode.LOOKAHEAD and outcome.decoded:
             # (Without a refresh's wait: what a step costs when its misses are verified at once.)
-            self.lookahead_stats.observe_step(record.step_seconds - timing.refresh_seconds)
+            self.lookahead_stats.observe_step(record.step_seconds - timing.refresh_seconds, record.update_seconds)
         self.stats.record(record)
         self._control(record, views, outcome.overlapped)
         return record

@@ -46,6 +46,9 @@ MIN_BRANCH_PROBABILITY = 0.02
 # A refresh must promise this much more than verifying the misses at once: its price is a drafter round trip, which
 # on a machine shared with other processes swings several-fold from step to step (a coin toss not worth a wait).
 REFRESH_MARGIN = 1.1
+# A shape's measured price is trusted for this many jobs after it was measured; then the shape is priced by the line
+# fitted to the fresh prices (and tried again where that says it pays).
+STALE_JOBS = 64
 # Before anything is measured: the target's token is the drafter's rank-r candidate with these odds.
 RANK_PRIOR = (0.5, 0.2, 0.1, 0.05)
 PRIOR_WEIGHT = 4.0
@@ -120,16 +123,26 @@ class LookaheadStats:
     # Drafter seconds of branch jobs by the shape they were sent with, (fan-out, branch depth) (EMA): what prices a
     # shape.
     job_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+    # The job count when each shape was last measured: a price older than STALE_JOBS jobs is not trusted as it stands
+    # (it may date from a busy machine) and the shape is priced by the fit of the fresh ones instead.
+    job_measured_at: dict[tuple[int, int], int] = field(default_factory=dict)
+    num_jobs: int = 0
     alpha: float = 0.3
     # A lookahead step's seconds without a refresh's wait, and a refresh's wait (a draft of the misses from their
     # real context, sent and waited for before the step is launched), as EMAs: what refresh_pays weighs.
     step_seconds: float | None = None
     refresh_seconds: float | None = None
+    # A lookahead step's host work (committing its tokens, planning and scheduling the next), EMA: the drafter works
+    # on through it, so a branch job has the verification plus this before the next step waits for it.
+    host_seconds: float = 0.0
 
-    def observe_step(self, seconds: float) -> None:
+    def observe_step(self, seconds: float, host_seconds: float = 0.0) -> None:
         if seconds > 0:
             self.step_seconds = seconds if self.step_seconds is None else (
                 (1 - self.alpha) * self.step_seconds + self.alpha * seconds)
+        if host_seconds > 0:
+            self.host_seconds = (host_seconds if not self.host_seconds
+                                 else (1 - self.alpha) * self.host_seconds + self.alpha * host_seconds)
 
     def observe_refresh(self, seconds: float) -> None:
         if seconds > 0:
@@ -151,20 +164,15 @@ class LookaheadStats:
             self.accepted[position] += position < num_accepted
 
     def observe_job(self, draft_seconds: float, shape: tuple[int, int]) -> None:
-        """A branch job sent with `shape` (fan-out, depth) took `draft_seconds` in the drafter. The prices of other
-        shapes move too: a smaller one (no wider, no deeper) never costs more, and any other one not tried lately
-        relaxes towards this price (so one priced while the machine was busy is tried again, not avoided for
-        good)."""
+        """A branch job sent with `shape` (fan-out, depth) took `draft_seconds` in the drafter."""
         if draft_seconds <= 0 or min(shape) <= 0:
             return
-        alpha = self.alpha
         old = self.job_seconds.get(shape)
-        seconds = self.job_seconds[shape] = draft_seconds if old is None else (1 - alpha) * old + alpha * draft_seconds
-        for other, price in list(self.job_seconds.items()):
-            if other == shape or price <= seconds:
-                continue
-            smaller = other[0] <= shape[0] and other[1] <= shape[1]
-            self.job_seconds[other] = seconds if smaller else price - alpha * (price - seconds)
+        fresh = old is not None and self.num_jobs - self.job_measured_at.get(shape, 0) <= STALE_JOBS
+        self.num_jobs += 1
+        self.job_seconds[shape] = (1 - self.alpha) * old + self.alpha * draft_seconds if fresh and old is not None \
+            else draft_seconds
+        self.job_measured_at[shape] = self.num_jobs
 
     def expected_accepted(self, length: int) -> float:
         """Drafts a verification of `length` drafted tokens is expected to accept (the acceptance measured here)."""
@@ -174,18 +182,51 @@ class LookaheadStats:
             total += reach
         return total
 
-    def job_seconds_at(self, shape: tuple[int, int]) -> float | None:
-        """A job's measured time at this shape. Unmeasured, an optimistic guess from the nearest measured one: no
-        dearer where wider or deeper, cheaper in proportion to its rows and forwards (depth + 2: the catch-up with the
-        tails, the further drafted positions, the candidates after the last) where narrower or shallower; so an
-        untried shape is tried once it looks worth it, and from then on priced by what it cost."""
-        if shape in self.job_seconds:
-            return self.job_seconds[shape]
-        if not self.job_seconds:
+    def _fresh_prices(self) -> dict[tuple[int, int], float]:
+        return {shape: seconds for shape, seconds in self.job_seconds.items()
+                if self.num_jobs - self.job_measured_at.get(shape, 0) <= STALE_JOBS}
+
+    def job_price_line(self) -> tuple[float, float] | None:
+        """(seconds per forward, seconds per branch per forward) fitted by least squares to the fresh prices, a job
+        taken to cost (depth + 2) forwards (the catch-up with the tails, the drafted positions, the candidates after
+        the last), each a fixed part plus a part per branch row; None until two fan-outs were measured (the split
+        between the parts is unknown before)."""
+        fresh = self._fresh_prices()
+        if len({fanout for fanout, _ in fresh}) < 2:
             return None
+        # Normal equations of y = a * x1 + b * x2, x1 = forwards, x2 = forwards * fan-out.
+        s11 = s12 = s22 = t1 = t2 = 0.0
+        for (fanout, depth), seconds in fresh.items():
+            x1 = depth + 2.0
+            x2 = x1 * fanout
+            s11, s12, s22 = s11 + x1 * x1, s12 + x1 * x2, s22 + x2 * x2
+            t1, t2 = t1 + x1 * seconds, t2 + x2 * seconds
+        det = s11 * s22 - s12 * s12
+        a = (t1 * s22 - t2 * s12) / det
+        b = (s11 * t2 - s12 * t1) / det
+        if b < 0:  # wider never cheaper: all of it per forward
+            return t1 / s11, 0.0
+        if a < 0:  # no fixed part: all of it per branch
+            return 0.0, t2 / s22
+        return a, b
+
+    def job_seconds_at(self, shape: tuple[int, int]) -> float | None:
+        """A job's price at this shape: measured lately, what it cost; else the line fitted to the fresh prices;
+        before two fan-outs were measured, an optimistic guess from the nearest measured shape (no dearer where wider
+        or deeper, cheaper in proportion to its rows and forwards where narrower or shallower), so an untried shape
+        is tried once it looks worth it and from then on priced by what it cost."""
+        fresh = self._fresh_prices()
+        if shape in fresh:
+            return fresh[shape]
+        line = self.job_price_line()
         fanout, depth = shape
-        near = min(self.job_seconds, key=lambda s: (abs(s[0] - fanout) + abs(s[1] - depth), s))
-        return self.job_seconds[near] * min(1.0, fanout / near[0]) * min(1.0, (depth + 2) / (near[1] + 2))
+        if line is not None:
+            return (depth + 2) * (line[0] + line[1] * fanout)
+        known = fresh or self.job_seconds
+        if not known:
+            return None
+        near = min(known, key=lambda s: (abs(s[0] - fanout) + abs(s[1] - depth), s))
+        return known[near] * min(1.0, fanout / near[0]) * min(1.0, (depth + 2) / (near[1] + 2))
 
 
 def choose_shape(ranked: Mapping[str, list[Outcome]], stats: LookaheadStats, max_fanout: int, k: int,
@@ -198,6 +239,8 @@ def choose_shape(ranked: Mapping[str, list[Outcome]], stats: LookaheadStats, max
     token not drafted, at the price of the drafts a hit would have had."""
     if not ranked or verify_seconds is None or not stats.job_seconds:
         return max_fanout, k
+    # The job runs from the step's launch until the next step is planned: through the verification and the host work.
+    window = verify_seconds + stats.host_seconds
     best, best_rate = (max_fanout, k), -1.0
     for depth in range(k, 0, -1):
         gain = stats.expected_accepted(depth)
@@ -206,7 +249,7 @@ def choose_shape(ranked: Mapping[str, list[Outcome]], stats: LookaheadStats, max
             if job is None:
                 continue
             covered = sum(sum(o.probability for o in found[:fanout]) for found in ranked.values()) / len(ranked)
-            rate = (1.0 + min(1.0, covered) * gain) / max(verify_seconds, job)
+            rate = (1.0 + min(1.0, covered) * gain) / max(window, job)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = (fanout, depth), rate
     return best

@@ -6,9 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import pytest
+
 from minedraft.engine.psd.core import SpeculationCore, StepDecision, StepOutcome
 from minedraft.engine.psd.events import DraftsArrived, TokenReader
 from minedraft.engine.psd.lookahead import (
+    STALE_JOBS,
     LookaheadStats,
     Verified,
     allot,
@@ -19,7 +22,7 @@ from minedraft.engine.psd.lookahead import (
     refresh_pays,
 )
 from minedraft.engine.psd.planner import Draft, JobItemPlan, RequestState
-from minedraft.engine.settings import Mode, SchedulerSettings
+from minedraft.engine.settings import DEFAULT_LOOKAHEAD_FANOUT, Mode, SchedulerSettings
 from tests.unit.psd.test_core import FakeSource
 
 K = 3
@@ -117,7 +120,7 @@ def step(core: SpeculationCore, world: World, rids: list[str], gone: Sequence[st
     outcome = StepOutcome(views=after, verified={rid: list(p) for rid, p in decision.proposals.items()},
                           num_sampled=sampled, decoded=rids, num_prefill_requests=0,
                           num_scheduled_tokens=sum(sampled.values()), verify_done_at=0.0, worker_seconds=0.05,
-                          gone=gone, alive={v.request_id for v in after})
+                          gone=gone, alive={v.request_id for v in after}, update_seconds=0.001)
     core.update(decision, outcome)
     return decision
 
@@ -136,7 +139,7 @@ def test_a_request_takes_the_branch_of_its_real_outcome_and_output_is_the_target
     assert first.plan.branch_misses == {"a", "b"} and not first.plan.branches
     items = source.sent[-1][1]
     assert [(i.request_id, i.tail, i.num_draft_tokens) for i in items] == [("a", (), K + 1), ("b", (), K + 1)]
-    assert source.top_fs[-1] == 4
+    assert source.top_fs[-1] == DEFAULT_LOOKAHEAD_FANOUT
     hits = []
     for _ in range(8):
         source.answer_branches(world)
@@ -154,7 +157,7 @@ def test_a_request_takes_the_branch_of_its_real_outcome_and_output_is_the_target
     # A full acceptance is the likeliest outcome once measured, and each branch item's tail is accepted drafts plus a
     # bonus candidate.
     items = source.sent[-1][1]
-    assert all(i.tail for i in items) and len(items) <= 2 * 4
+    assert all(i.tail for i in items) and len(items) <= 2 * DEFAULT_LOOKAHEAD_FANOUT
 
 
 def test_drafter_holds_count_committed_tokens_only():
@@ -312,6 +315,39 @@ def test_branches_the_context_moved_past_are_dropped_and_forget_drops_the_rest()
     source.answer_branches(world)
     core.poll_drafter()
     assert "b" not in core.planner.records and core.planner.records["a"].branches
+
+
+def test_unmeasured_shapes_are_priced_by_the_line_through_the_fresh_prices():
+    stats = LookaheadStats()
+
+    def cost(fanout: int, depth: int) -> float:  # a fixed part per forward and a part per branch row
+        return (depth + 2) * (0.01 + 0.002 * fanout)
+
+    stats.observe_job(cost(4, 3), (4, 3))
+    assert stats.job_price_line() is None, "one fan-out: the split between the parts is unknown"
+    stats.observe_job(cost(8, 3), (8, 3))
+    per_forward, per_row = stats.job_price_line() or (0.0, 0.0)
+    assert per_forward == pytest.approx(0.01) and per_row == pytest.approx(0.002)
+    assert stats.job_seconds_at((6, 2)) == pytest.approx(cost(6, 2))
+    # A price measured long ago (here: while the drafter was slow) gives way to the line through the fresh ones, so a
+    # shape once dear is tried again.
+    stats.observe_job(1.0, (2, 3))
+    for _ in range(STALE_JOBS + 1):
+        stats.observe_job(cost(4, 3), (4, 3))
+        stats.observe_job(cost(8, 3), (8, 3))
+    assert stats.job_seconds_at((2, 3)) == pytest.approx(cost(2, 3))
+
+
+def test_a_branch_job_may_run_through_the_steps_host_work():
+    stats = LookaheadStats()
+    drafted = (11, 12, 13)
+    candidates = ((11, 21, 31, 41), (12, 22, 32, 42), (13, 23, 33, 43), (14, 24, 34, 44))
+    ranked = {rid: outcomes(rid, drafted, candidates, stats, 4) for rid in "ab"}
+    for fanout in range(1, 5):
+        stats.observe_job(0.05 + 0.004 * fanout, (fanout, K))  # wider jobs outlast a 0.05 s verification
+    assert choose_shape(ranked, stats, 4, K, 0.05)[0] < 4
+    stats.observe_step(0.065, host_seconds=0.015)  # ... not the verification plus the host work after it
+    assert choose_shape(ranked, stats, 4, K, 0.05) == (4, K)
 
 
 def test_a_prompt_finished_in_a_step_has_its_root_drafted_beside_it():
