@@ -170,19 +170,30 @@ def test_misses_verified_with_backups_cost_their_tokens_but_gain_nothing() -> No
 
 
 def lookahead_record(step: int, hits: int, misses: int, *, backups: int = 0, k: int = 3,
-                     fanout: int = 2) -> StepRecord:
+                     fanout: int = 2, prefills: int = 0, job_items: int = 0) -> StepRecord:
     """A lookahead step of hits + misses decoding requests: hits verified with k drafted tokens (2 accepted each),
     `backups` of the misses with a backup branch's k tokens (none accepted)."""
     drafted = hits + backups
     return StepRecord(
         step=step, started_at=0.02 * step, mode=LOOKAHEAD, verified_group=0, group_sizes=(hits + misses, 0),
-        num_decode_requests=hits + misses, num_prefill_requests=0, num_requests_with_drafts=drafted,
+        num_decode_requests=hits + misses, num_prefill_requests=prefills, num_requests_with_drafts=drafted,
         num_draft_tokens=k * drafted, num_accepted_tokens=2 * hits,
         drafted_per_position=(drafted,) * k, accepted_per_position=(hits, hits, 0),
         num_output_tokens=3 * hits + misses, num_scheduled_tokens=(hits + misses) + k * drafted,
         verify_seconds=0.02, wait_seconds=0.0, draft_seconds=0.005, drafter_idle_seconds=0.0, schedule_seconds=0.0,
         step_seconds=0.02, drafter_up=True, k=k, num_branch_hits=hits, num_branch_misses=misses,
-        lookahead_fanout=fanout)
+        lookahead_fanout=fanout, draft_job_requests=job_items, draft_job_length=k if job_items else 0)
+
+
+def test_busy_steps_teach_the_hit_share_and_the_branch_jobs_time() -> None:
+    """At high load nearly every step takes in a prompt and holds a miss verified with a backup: such steps still
+    count hits over their decoding requests, and their branch job (its items, its seconds) still prices jobs."""
+    model = CostModel()
+    for step in range(1, 8):
+        model.observe(lookahead_record(step, 12, 4, backups=4, prefills=1, job_items=28))
+    assert model.lookahead_hits.measured(3, 2) == pytest.approx(0.75)
+    assert model.draft_first.covers(28, 1.01) and model.draft_next.covers(28, 1.01)
+    assert not model.acceptance.drafted, "backups still teach no acceptance"
 
 
 def test_hits_are_learned_past_a_switchs_first_steps_and_backups_teach_no_acceptance() -> None:
