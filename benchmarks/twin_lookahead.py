@@ -48,7 +48,7 @@ ACCEPTANCE = 0.8
 KS = (1, 2, 3, 4, 5)
 LOADS = (8, 16, 32, 64)
 AUTO_LOADS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Lookahead's variants: the engine's defaults (--lookahead-fanout 4, a miss verified with a backup branch), and
+# Lookahead's variants: the engine's defaults (--lookahead-fanout 6, a miss verified with a backup branch), and
 # --no-lookahead-backups (a miss verified without drafts, its root drafted for the next round).
 VARIANTS = {"default": LookaheadOptions(), "no_backups": LookaheadOptions(backups=False),
             "no_backups_f8": LookaheadOptions(fanout=8, backups=False)}
@@ -207,12 +207,10 @@ def report() -> str:
              "of the engine's steps); 1024-token prompts, ~256-token outputs, closed loop. Hit rates come from the "
              "core's own matching of branch tails against simulated token ids: the drafter's rank of the target's "
              "token after a miss of its top choice is the local pair's, measured "
-             "(`lookahead-coverage.json`: P(rank 2..8 | rank >= 2) = 0.55, 0.21, 0.07, 0.04, 0.02, 0.03, 0.01).", "",
-             "Every table ran the core that drafts a backup-verified request from its root; the band's rows for "
-             "the engine's defaults (with backups) ran the core before it and were dropped (its JSON says so).", ""]
+             "(`lookahead-coverage.json`: P(rank 2..8 | rank >= 2) = 0.55, 0.21, 0.07, 0.04, 0.02, 0.03, 0.01).", ""]
     for name, title, note in (
             ("vs-sd", "Lookahead at its best k vs sd at its best k",
-             "`default`: the engine's defaults (--lookahead-fanout 4, which its core lowers where its measured "
+             "`default`: the engine's defaults (--lookahead-fanout 6, which its core lowers where its measured "
              "drafter time per branch would not hide behind the verification; a miss verified with a backup "
              "branch); `no backups`: --no-lookahead-backups (a miss verified without drafts, its root drafted)."),
             ("fanout8", "Lookahead with --lookahead-fanout 8 and --no-lookahead-backups",

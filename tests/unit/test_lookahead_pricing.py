@@ -116,7 +116,10 @@ def test_measured_hits_replace_the_derived_rate_and_scale_other_fanouts() -> Non
     model.lookahead_hits.decay = 1.0
     model.lookahead_hits.observe(3, 2, hits=4000, requests=10000)  # 0.4, well below the derived rate, at F = 2
     assert model.lookahead_hit_rate(3, 2) == pytest.approx(0.4, abs=0.005)
-    assert model.lookahead_hit_rate(3, 4) == pytest.approx(derived_4 * 0.4 / derived_2)
+    # Another fan-out at the same k: the requests measured at F = 2 count, each hit scaled by the derived rates.
+    prior = model.lookahead_hits.prior_requests
+    assert model.lookahead_hit_rate(3, 4) == pytest.approx((4000 * derived_4 / derived_2 + prior * derived_4)
+                                                           / (10000 + prior))
 
 
 def test_a_short_probes_hit_share_is_shrunk_towards_what_the_running_setting_says() -> None:

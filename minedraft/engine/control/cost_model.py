@@ -383,26 +383,38 @@ class LookaheadHits:
         return sum(c[1] for (kk, _), c in self.counts.items() if kk == k) >= self.min_requests
 
     def hit_rate(self, conditionals: Sequence[float], k: int, fanout: int) -> float:
-        """The measured share at (k, F), shrunk towards the prior (the derived rate, scaled by what the nearest
-        other setting that ran measured against its own derived rate) with the weight of `prior_requests` decoded
-        requests: a probe of 12 steps at 4 requests sees ~40, whose hit share is +-0.08 by chance alone, which
-        priced lookahead k=5 at 0.53 where it runs at 0.63 and kept auto on k=4 (0.95 of the best fixed mode at 4
-        requests on the H200 curves)."""
-        derived = branch_hit_rate(conditionals, k, fanout, self.rank_given_rejection)
+        """The share measured at draft length k, shrunk towards the prior (the derived rate, scaled by what the
+        nearest other draft length that ran measured against its own derived rate) with the weight of
+        `prior_requests` decoded requests: a probe of 12 steps at 4 requests sees ~40, whose hit share is +-0.08 by
+        chance alone, which priced lookahead k=5 at 0.53 where it runs at 0.63 and kept auto on k=4 (0.95 of the best
+        fixed mode at 4 requests on the H200 curves).
+
+        At k, every fan-out that ran counts, each request's hit scaled to F by the derived rates: the engine's core
+        picks the fan-out per job from measured times, so lookahead at k runs at several, and keyed by (k, F) alone a
+        k was priced from another k's share wherever the core's latest fan-out differed from the ones it ran most
+        (k=5 at 0.63 where it ran at 0.70, and auto held k=4, 3.5% slower: H200 curves, 16 requests)."""
+        ranks = self.rank_given_rejection
+        derived = branch_hit_rate(conditionals, k, fanout, ranks)
         ran: list[tuple[tuple[int, int], float]] = []
         for key in self.counts:
             value = self.measured(*key)
-            if value is not None and key != (k, fanout):
+            if value is not None and key[0] != k:
                 ran.append((key, value))
         prior = derived
         if ran:
-            (k0, f0), value = min(ran, key=lambda item: (abs(item[0][1] - fanout), abs(item[0][0] - k)))
-            base = branch_hit_rate(conditionals, k0, f0, self.rank_given_rejection)
+            (k0, f0), value = min(ran, key=lambda item: (abs(item[0][0] - k), abs(item[0][1] - fanout)))
+            base = branch_hit_rate(conditionals, k0, f0, ranks)
             prior = min(1.0, derived * value / base) if base > 0 else derived
-        counts = self.counts.get((k, fanout))
-        if counts is None or counts[1] < self.min_requests:
+        hits = requests = 0.0
+        for (k1, f1), (h1, r1) in self.counts.items():
+            if k1 != k or r1 <= 0:
+                continue
+            base = branch_hit_rate(conditionals, k1, f1, ranks)
+            hits += min(r1, h1 * derived / base) if base > 0 else h1
+            requests += r1
+        if requests < self.min_requests:
             return prior
-        return (counts[0] + self.prior_requests * prior) / (counts[1] + self.prior_requests)
+        return min(1.0, (hits + self.prior_requests * prior) / (requests + self.prior_requests))
 
 
 @dataclass(frozen=True)
