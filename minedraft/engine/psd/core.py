@@ -414,6 +414,9 @@ class SpeculationCore:
         if self.planner.draft_lengths is not None and step_mode in (Mode.PSD, Mode.SD) and record.num_decode_requests:
             self.planner.draft_lengths.observe_step(record.step_seconds, verify_seconds, timing.wait_seconds)
         if step_mode is Mode.LOOKAHEAD and outcome.decoded:
+            at_once = [outcome.num_sampled[rid] for rid in plan.branch_misses
+                       if rid in outcome.num_sampled and rid not in plan.refreshed]
+            self.lookahead_stats.observe_miss_tokens(sum(at_once), len(at_once))
             # (Without a refresh's wait: what a step costs when its misses are verified at once.)
             self.lookahead_stats.observe_step(record.step_seconds - timing.refresh_seconds, record.update_seconds)
         self.stats.record(record)

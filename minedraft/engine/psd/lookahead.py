@@ -135,6 +135,9 @@ class LookaheadStats:
     # A lookahead step's host work (committing its tokens, planning and scheduling the next), EMA: the drafter works
     # on through it, so a branch job has the verification plus this before the next step waits for it.
     host_seconds: float = 0.0
+    # Tokens a miss verified at once (with a backup branch, or without drafts) made, EMA over such misses: what a
+    # refresh is weighed against. Before any: one (the backup rejected at once).
+    miss_tokens: float = 1.0
 
     def observe_step(self, seconds: float, host_seconds: float = 0.0) -> None:
         if seconds > 0:
@@ -143,6 +146,12 @@ class LookaheadStats:
         if host_seconds > 0:
             self.host_seconds = (host_seconds if not self.host_seconds
                                  else (1 - self.alpha) * self.host_seconds + self.alpha * host_seconds)
+
+    def observe_miss_tokens(self, tokens: float, misses: int) -> None:
+        """`misses` requests verified at once without their branch made `tokens` tokens in all."""
+        if misses > 0:
+            weight = 1 - (1 - self.alpha) ** misses
+            self.miss_tokens += weight * (tokens / misses - self.miss_tokens)
 
     def observe_refresh(self, seconds: float) -> None:
         if seconds > 0:
@@ -257,11 +266,14 @@ def choose_shape(ranked: Mapping[str, list[Outcome]], stats: LookaheadStats, max
 
 def refresh_pays(num_running: int, num_misses: int, stats: LookaheadStats, k: int) -> bool:
     """Whether a step's misses should be drafted from their real context first, the whole step waiting for that
-    draft, rather than verified at once with a backup (or without drafts). A miss verified at once makes about one
-    token; drafted afresh it is an sd step's worth, 1 + the drafts it is expected to have accepted, like a hit. The
-    step makes the running requests' tokens in its time, so the wait pays when the batch's tokens per second with it,
-    (running * (1 + gain)) / (step + refresh), beat those without, (running + hits * gain) / step: where misses
-    are most of the batch (one request: every miss) and drafting is short next to a step. Before a refresh was
+    draft, rather than verified at once with a backup (or without drafts). A miss verified at once makes what such
+    misses were measured to make (`miss_tokens`: one, plus what its backup got accepted; priced at one token, a
+    refresh was chosen at one request on this CPU where verifying at once made 1.22x sd's tokens per second and
+    refreshing 1.11x); drafted afresh it is an sd step's worth, 1 + the drafts it is expected to have accepted, like
+    a hit. The step makes the running requests' tokens in its time, so the wait pays when the batch's tokens per
+    second with it, (running * (1 + gain)) / (step + refresh), beat those without,
+    (hits * (1 + gain) + misses * miss_tokens) / step: where misses are most of the batch (one request: every miss)
+    and drafting is short next to a step. Before a refresh was
     measured its wait is guessed at half a step, so one is tried and from then on priced by what it cost; before a
     step was measured, no."""
     if num_misses <= 0 or stats.step_seconds is None:
@@ -269,7 +281,7 @@ def refresh_pays(num_running: int, num_misses: int, stats: LookaheadStats, k: in
     step = stats.step_seconds
     refresh = stats.refresh_seconds if stats.refresh_seconds is not None else step / 2
     gain = stats.expected_accepted(k)
-    now = (num_running + (num_running - num_misses) * gain) / step
+    now = ((num_running - num_misses) * (1 + gain) + num_misses * stats.miss_tokens) / step
     refreshed = num_running * (1 + gain) / (step + refresh)
     return refreshed > REFRESH_MARGIN * now
 

@@ -498,5 +498,14 @@ def test_a_refresh_pays_where_misses_are_most_of_the_batch_and_drafting_is_short
     assert not refresh_pays(8, 1, stats, K), "one miss in eight does not hold up the other seven"
     assert refresh_pays(8, 8, stats, K)
     assert not refresh_pays(1, 0, stats, K)
+    # Misses verified at once were measured to make 2.5 tokens (their backups mostly accepted): a refresh that paid
+    # against one token does not against that.
+    stats.observe_step(0.004)
+    stats.refresh_seconds = 0.004
+    assert refresh_pays(1, 1, stats, K)
+    for _ in range(30):
+        stats.observe_miss_tokens(5.0, 2)
+    assert stats.miss_tokens == pytest.approx(2.5)
+    assert not refresh_pays(1, 1, stats, K)
     stats.refresh_seconds = 0.05
     assert not refresh_pays(1, 1, stats, K), "a refresh dearer than the tokens it adds"
