@@ -43,11 +43,11 @@ STEPS: tuple[Step, ...] = (
           "--requests-per-concurrency", "4", "--min-requests", "16", "--max-tokens", "64", "--rounds", "4",
           "-k", "3", "--trace", TRACE, "--json", "benchmarks/results/local-pair/k3.json"),
          ("benchmarks/results/local-pair/k3.json",), 15 * 60),
-    Step("auto-cpu", "auto against every fixed mode (lookahead included) at 1 and 16 requests, k=3 (issue 38)",
-         ("minedraft", "bench", "--modes", "ar,sd,psd,lookahead,auto", "--concurrency", "1,16",
+    Step("auto-cpu", "auto against every fixed mode (lookahead included) at 1, 4 and 16 requests, k=3 (issue 38)",
+         ("minedraft", "bench", "--modes", "ar,sd,psd,lookahead,auto", "--concurrency", "1,4,16",
           "--requests-per-concurrency", "4", "--min-requests", "16", "--max-tokens", "64", "--rounds", "2",
           "-k", "3", "--json", "benchmarks/results/local-pair/auto-cpu.json"),
-         # About 5 minutes on the shared 2-core machine (load average 1.5-6).
+         # About 3 minutes on an idle 2-core machine (5 when shared, load average 1.5-6).
          ("benchmarks/results/local-pair/auto-cpu.json",), 6 * 60),
     Step("lookahead-cpu", "lookahead against sd on the local pair, step by step: one engine, the modes interleaved",
          ("python", "benchmarks/lookahead_timeline.py", "--modes", "sd,lookahead,lookahead!,lookahead@8", "--rounds",
