@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+from minedraft.engine.control.cost_model import DEFAULT_LOOKAHEAD_FANOUT
+
 
 class Mode(StrEnum):
     """How the engine speculates.
@@ -65,11 +67,7 @@ MAX_NUM_SPECULATIVE_TOKENS = 16
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DRAFTER_BACKENDS = ("auto", "vllm", "torch")
 MAX_TENSOR_PARALLEL_SIZE = 8
-# Lookahead: the most branches (outcomes pre-drafted) per request per round, and the default. 6: in the twin on the
-# H200 curves 6 was the best ceiling of 4, 6 and 8 across 8-64 requests (benchmarks/twin_lookahead.py; docs/gpu.md):
-# the core lowers it per round from measured branch and verify times, so a higher ceiling only costs where its
-# pricing errs, and 4 left hits (0.62-0.70) on the table where the drafter had time to spare.
-DEFAULT_LOOKAHEAD_FANOUT = 6
+# Lookahead's default fan-out lives with the mode control (the lowest layer, which prices it): see cost_model.
 MAX_LOOKAHEAD_FANOUT = 16
 # --draft-length: "fixed" (k drafted and verified per request) or "adaptive" (each request's own length from its
 # acceptance, each step's verify tokens capped at the verify curve's knee: psd/verify_budget.py).

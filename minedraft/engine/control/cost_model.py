@@ -56,7 +56,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from minedraft.engine.control.stats import StepRecord
-from minedraft.engine.settings import DEFAULT_LOOKAHEAD_FANOUT
 
 # Steps further apart than this belong to different bursts of work: their gap is idle time, not overhead.
 MAX_STEP_GAP_SECONDS = 1.0
@@ -436,6 +435,11 @@ PLAIN, ALONE, BESIDE = "plain", "alone", "beside"
 KINDS = (PLAIN, ALONE, BESIDE)
 # The mode whose steps verify the whole batch beside a branch job drafting the next round (engine/settings.py).
 LOOKAHEAD = "lookahead"
+# Lookahead: the most branches (outcomes pre-drafted) per request per round, and the default. 6: in the twin on the
+# H200 curves 6 was the best ceiling of 4, 6 and 8 across 8-64 requests (benchmarks/twin_lookahead.py; docs/gpu.md):
+# the core lowers it per round from measured branch and verify times, so a higher ceiling only costs where its
+# pricing errs, and 4 left hits (0.62-0.70) on the table where the drafter had time to spare.
+DEFAULT_LOOKAHEAD_FANOUT = 6
 # Lookahead steps after a switch to it whose hits and misses are the switch's: the first verifies without branches,
 # the second with those drafted from roots only.
 LOOKAHEAD_WARMUP_STEPS = 2
