@@ -902,7 +902,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MineDraftSpec:
     auto_modes = autoscaling.speculation.allowed_modes if autoscaling is not None else AUTO_MODES
     if fanout is not None and not (mode == "lookahead" or (mode == "auto" and "lookahead" in auto_modes)):
         # Refused rather than dropped: a fan-out no engine runs with would read as set.
-        r.fail("spec.speculation.lookaheadFanout", f"needs mode lookahead, or auto with lookahead in "
+        r.fail("spec.speculation.lookaheadFanout", "needs mode lookahead, or auto with lookahead in "
                                                    f"autoscaling.speculation.allowedModes (mode is {mode}"
                                                    f"{', allowed ' + ', '.join(auto_modes) if mode == 'auto' else ''})")
     tokens = {m.source.hugging_face_token for m in (target, draft) if m.source.hugging_face_token is not None}
