@@ -154,8 +154,11 @@ def spec_schema() -> Schema:
         "draft": _model("draft (small, drafting)"),
         "speculation": _obj("How the engines speculate.", {
             "mode": _str("psd: batch-parallel speculative decoding (drafting overlaps verification); sd: standard "
-                         "speculative decoding; ar: the target alone; vllm-sd: vLLM's built-in draft-model SD; "
-                         "auto: the engine picks psd, sd or ar and k from its measured costs.",
+                         "speculative decoding; lookahead: every step verifies the whole batch while the drafter "
+                         "pre-drafts the next round for each request's likely outcomes; ar: the target alone; "
+                         "vllm-sd: vLLM's built-in draft-model SD; auto: the engine picks among "
+                         "autoscaling.speculation.allowedModes (default psd, sd, lookahead and ar) and k from its "
+                         "measured costs.",
                          enum=list(s.MODES), default=s.SpeculationSpec().mode),
             "numSpeculativeTokens": _int("Draft length k: tokens drafted per verification step.",
                                          default=s.SpeculationSpec().num_speculative_tokens, **k_range),
@@ -168,8 +171,13 @@ def spec_schema() -> Schema:
                            "so nothing is speculative and nothing rolls back (minedraft serve --async-psd-steps). "
                            "Hides the engine's host work per step (scheduling, waiting for drafts, output "
                            "processing) behind the target's; at any targetGPUs."},
+            "lookaheadFanout": _int("Lookahead's most branches (accepted length x bonus token) pre-drafted per "
+                                    "request per round (minedraft serve --lookahead-fanout); the engine uses fewer "
+                                    "when its measured drafter time says more would outlast the verification. Mode "
+                                    "lookahead, or auto with lookahead among its allowedModes. Unset: the engine's "
+                                    "default.", minimum=s.MIN_LOOKAHEAD_FANOUT, maximum=s.MAX_LOOKAHEAD_FANOUT),
         }, default={}, **{"x-kubernetes-validations": [
-            _rule("self.mode in ['psd', 'sd'] || self.numExtraDraftTokens == 0",
+            _rule(f"self.mode in {list(s.EXTRA_DRAFT_MODES)} || self.numExtraDraftTokens == 0",
                   "numExtraDraftTokens needs mode psd or sd", ".numExtraDraftTokens"),
             _rule(f"!has(self.asyncSteps) || !self.asyncSteps || self.mode in {list(s.ASYNC_STEP_MODES)}",
                   "asyncSteps needs mode psd, sd or auto (the modes that run psd steps)", ".asyncSteps"),
@@ -184,7 +192,8 @@ def spec_schema() -> Schema:
             "imagePullPolicy": _str("Image pull policy.", enum=list(s.PULL_POLICIES), default=eng.image_pull_policy),
             "targetGPUs": _int("GPUs for the target model, its tensor-parallel size (1 to 8). Each pod requests "
                                "targetGPUs nvidia.com/gpu, plus drafterGPUs for modes whose drafter runs on a "
-                               "device of its own (psd, sd, auto choosing among them); the drafter takes the next "
+                               "device of its own (psd, sd, lookahead, auto choosing among them); the drafter takes "
+                               "the next "
                                "device after the target's.",
                                default=eng.target_gpus, minimum=1, maximum=s.MAX_TARGET_GPUS),
             "dtype": _str("Weights and activations dtype of target and drafter: auto (the model's own), bfloat16, "
@@ -209,7 +218,8 @@ def spec_schema() -> Schema:
             "maxNumSeqsFromKV": _obj("Size each engine's batch from the KV cache its target GPU holds, instead of "
                                      "maxNumSeqs alone (minedraft serve --max-num-seqs-from-kv): as many requests "
                                      "of requestTokens as the target's KV pool holds, at most maxNumSeqs. A drafter "
-                                     "off the target's GPU (psd, sd, auto; drafterPool) leaves its memory to that "
+                                     "off the target's GPU (psd, sd, lookahead, auto; drafterPool) leaves its memory "
+                                     "to that "
                                      "pool; vllm-sd's colocated drafter takes its share. Unset: maxNumSeqs.", {
                 "requestTokens": _int("Tokens per request (prompt + output) the batch is sized at; at most "
                                       "maxModelLen.", minimum=1, maximum=s.MAX_MODEL_LEN),
@@ -331,7 +341,10 @@ def spec_schema() -> Schema:
                                    "current count if that is more (up to doubling, as the HPA's default).",
                                    default=auto.max_scale_up_step, minimum=1, maximum=s.MAX_REPLICAS),
             "speculation": _obj("What each engine may choose between when it adapts its speculation.", {
-                "allowedModes": {"type": "array", "description": "Modes auto mode switches between (psd, sd, ar).",
+                "allowedModes": {"type": "array",
+                                 "description": "Modes auto mode switches between (psd, sd, lookahead, ar; all four "
+                                 "by default, as minedraft serve's auto). A fixed speculation.mode must be one of "
+                                 "them.",
                                  "items": _str("A mode.", enum=list(s.AUTO_MODES)), "minItems": 1,
                                  # Bounded: a rule iterates it, and the API server prices an unbounded string list
                                  # at a million items (over its per-rule cost limit: the CRD would be refused).
@@ -400,17 +413,24 @@ def spec_schema() -> Schema:
               "self.speculation.numSpeculativeTokens <= self.autoscaling.speculation.maxSpeculativeTokens)",
               "auto mode starts at a numSpeculativeTokens within autoscaling.speculation's min..max",
               ".speculation.numSpeculativeTokens"),
-        _rule("!(self.speculation.mode in ['psd', 'sd', 'ar']) || !has(self.autoscaling) || "
+        _rule(f"!(self.speculation.mode in {list(s.AUTO_MODES)}) || !has(self.autoscaling) || "
               "self.speculation.mode in self.autoscaling.speculation.allowedModes",
               "autoscaling.speculation.allowedModes must include the fixed speculation.mode (or use mode auto)",
               ".autoscaling.speculation.allowedModes"),
         # The drafter's GPU is requested next to the target's for the modes that draft on one (needs_drafter_gpu).
-        _rule("!(self.speculation.mode in ['psd', 'sd'] || (self.speculation.mode == 'auto' && "
-              "(!has(self.autoscaling) || self.autoscaling.speculation.allowedModes.exists(m, m in ['psd', 'sd']))))"
+        _rule(f"!(self.speculation.mode in {list(s.DRAFTER_GPU_MODES)} || (self.speculation.mode == 'auto' && "
+              "(!has(self.autoscaling) || self.autoscaling.speculation.allowedModes.exists(m, m in "
+              f"{list(s.DRAFTER_GPU_MODES)}))))"
               " || has(self.drafterPool)"
               f" || self.engine.targetGPUs + self.engine.drafterGPUs <= {s.MAX_GPUS_PER_POD}",
               f"targetGPUs plus the drafter's GPU must fit on one node of at most {s.MAX_GPUS_PER_POD} GPUs (modes "
-              "psd and sd draft on a GPU of their own)", ".engine.targetGPUs"),
+              "psd, sd and lookahead draft on a GPU of their own)", ".engine.targetGPUs"),
+        # What the parser's runs_lookahead says: a fan-out is refused where no engine would run lookahead.
+        _rule("!has(self.speculation.lookaheadFanout) || self.speculation.mode == 'lookahead' || "
+              "(self.speculation.mode == 'auto' && (!has(self.autoscaling) || "
+              "'lookahead' in self.autoscaling.speculation.allowedModes))",
+              "lookaheadFanout needs mode lookahead, or auto with lookahead in autoscaling.speculation.allowedModes",
+              ".speculation.lookaheadFanout"),
         _rule("self.gateway.enabled || !has(self.autoscaling) || self.autoscaling.minReplicas > 0",
               "minReplicas 0 (scale to zero) needs the gateway: it holds the first request while an engine starts",
               ".autoscaling.minReplicas"),
@@ -428,8 +448,9 @@ def spec_schema() -> Schema:
               "self.drafterPool.window < self.engine.maxModelLen",
               "drafterPool.window must be shorter than engine.maxModelLen: a window at or beyond the engines' context "
               "bounds nothing", ".drafterPool.window"),
-        _rule("!has(self.drafterPool) || self.speculation.mode in ['psd', 'sd', 'auto']",
-              "drafterPool needs speculation.mode psd, sd or auto (the modes that draft with the minedraft drafter)",
+        _rule(f"!has(self.drafterPool) || self.speculation.mode in {[*s.DRAFTER_GPU_MODES, 'auto']}",
+              "drafterPool needs speculation.mode psd, sd, lookahead or auto (the modes that draft with the minedraft "
+              "drafter)",
               ".drafterPool"),
     ]})
 

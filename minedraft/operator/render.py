@@ -237,6 +237,10 @@ def engine_command(spec: s.MineDraftSpec, meta: s.ObjectMeta | None = None) -> l
         cmd += ["--max-num-speculative-tokens", str(max(k, k_high)),
                 "--auto-modes", ",".join(m for m in s.AUTO_MODES if m in modes),
                 "--auto-k", ",".join(str(n) for n in range(k_low, max(k, k_high) + 1))]
+    if spec.speculation.lookahead_fanout is not None and spec.runs_lookahead:
+        # Lookahead's ceiling on branches per request per round (the parser refuses it where lookahead never runs);
+        # unset, the engine's own default.
+        cmd += ["--lookahead-fanout", str(spec.speculation.lookahead_fanout)]
     if spec.served_model_names:
         cmd += ["--served-model-name", *spec.served_model_names]
     if engines_need_token(spec):

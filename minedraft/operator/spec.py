@@ -17,14 +17,22 @@ API_VERSION = "v1alpha1"
 KIND = "MineDraft"
 PLURAL = "minedrafts"
 
-MODES = ("psd", "sd", "ar", "vllm-sd", "auto")
+MODES = ("psd", "sd", "lookahead", "ar", "vllm-sd", "auto")
 # The modes `auto` switches between at run time (the engine's --auto-modes); vllm-sd is vLLM's own, fixed at start.
-AUTO_MODES = ("psd", "sd", "ar")
-# Modes whose drafter runs in a process of its own and needs a GPU of its own next to the target's.
-DRAFTER_GPU_MODES = ("psd", "sd")
+# All four by default, as `minedraft serve` allows them.
+AUTO_MODES = ("psd", "sd", "lookahead", "ar")
+# Modes whose drafter runs in a process of its own and needs a GPU of its own next to the target's (lookahead
+# pre-drafts the next round while the target verifies, like psd: on a device of its own, or a drafterPool).
+DRAFTER_GPU_MODES = ("psd", "sd", "lookahead")
+# Modes that keep extra drafts for top-C selection (numExtraDraftTokens): lookahead drafts exactly k per branch.
+EXTRA_DRAFT_MODES = ("psd", "sd")
 # Modes whose engines can run psd steps (fixed, switched to, or chosen by auto): where asyncSteps means something.
 ASYNC_STEP_MODES = ("psd", "sd", "auto")
 DRAFTER_BACKENDS = ("vllm", "torch")
+# Lookahead's most branches (accepted length x bonus token) pre-drafted per request per round: the engine's
+# --lookahead-fanout bounds (engine/settings.py MAX_LOOKAHEAD_FANOUT; unset, the engine's own default applies).
+MIN_LOOKAHEAD_FANOUT = 1
+MAX_LOOKAHEAD_FANOUT = 16
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -53,7 +61,7 @@ RESERVED_ENGINE_FLAGS = ("--host", "--grpc-port", "--metrics-port", "--grace-sec
                          "--num-speculative-tokens", "--num-extra-draft-tokens", "--drafter-gpu", "--drafter-backend",
                          "--max-num-seqs", "--max-num-seqs-from-kv", "--max-model-len", "--dtype",
                          "--tensor-parallel-size", "-tp", "--target-gpus", "--max-num-speculative-tokens",
-                         "--auto-modes", "--auto-k",
+                         "--auto-modes", "--auto-k", "--lookahead-fanout",
                          "--speculative-config", "--scheduler-cls", "--pipeline-parallel-size", "-pp",
                          "--data-parallel-size", "-dp", "--async-scheduling", "--served-model-name", "--token-file",
                          "--http-port")
@@ -174,6 +182,9 @@ class SpeculationSpec:
     # speculation.asyncSteps: psd steps scheduled while the target computes the step before (the engine's
     # --async-psd-steps), at any targetGPUs.
     async_steps: bool = False
+    # speculation.lookaheadFanout: lookahead's most branches per request per round (--lookahead-fanout), for mode
+    # lookahead or auto allowed to choose it; None: the engine's default.
+    lookahead_fanout: int | None = None
 
 
 @dataclass(frozen=True)
@@ -227,7 +238,7 @@ class EngineSpec:
 class SpeculationBounds:
     """What the autoscaling issue lets each engine choose between (passed down, not decided here)."""
 
-    allowed_modes: tuple[str, ...] = ("psd", "sd", "ar")
+    allowed_modes: tuple[str, ...] = AUTO_MODES
     min_speculative_tokens: int = 1
     max_speculative_tokens: int = 8
 
@@ -349,11 +360,18 @@ class MineDraftSpec:
 
     @property
     def needs_drafter_gpu(self) -> bool:
-        """Whether the drafter runs on a GPU of its own: psd and sd always; auto when it may pick psd or sd."""
+        """Whether the drafter runs on a GPU of its own: psd, sd and lookahead always; auto when it may pick one of
+        them."""
         mode = self.speculation.mode
         if mode == "auto":
             return any(m in DRAFTER_GPU_MODES for m in self.auto_modes)
         return mode in DRAFTER_GPU_MODES
+
+    @property
+    def runs_lookahead(self) -> bool:
+        """Whether the engines may run lookahead: mode lookahead, or auto with lookahead among its modes."""
+        mode = self.speculation.mode
+        return mode == "lookahead" or (mode == "auto" and "lookahead" in self.auto_modes)
 
     @property
     def auto_modes(self) -> tuple[str, ...]:
@@ -793,7 +811,8 @@ def _drafter_pool(r: _Reader, data: Mapping[str, Any] | None, mode: str) -> Draf
     p = "spec.drafterPool"
     d = DrafterPoolSpec(SecretKeyRef("", ""))
     if mode not in (*DRAFTER_GPU_MODES, "auto"):
-        r.fail(p, f"mode {mode} does not draft with the minedraft drafter: a drafter pool needs psd, sd or auto")
+        r.fail(p, f"mode {mode} does not draft with the minedraft drafter: a drafter pool needs psd, sd, lookahead "
+                  "or auto")
     token_data = r.obj(data, "tokenSecretRef", p)
     token = _secret_key_ref(r, token_data, f"{p}.tokenSecretRef", "token") if token_data is not None else None
     backend = r.str_(data, "backend", p, default=d.backend, choices=DRAFTER_BACKENDS) or d.backend
@@ -854,7 +873,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MineDraftSpec:
                MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS)
     extra = r.int_(speculation_data, "numExtraDraftTokens", "spec.speculation", d.num_extra_draft_tokens,
                    0, MAX_EXTRA_DRAFT_TOKENS)
-    if mode not in DRAFTER_GPU_MODES and extra:
+    if mode not in EXTRA_DRAFT_MODES and extra:
         r.fail("spec.speculation.numExtraDraftTokens", f"extra drafts need mode psd or sd (mode is {mode})")
     if k is not None and extra is not None and k + extra > MAX_SPECULATIVE_TOKENS:
         r.fail("spec.speculation.numExtraDraftTokens", f"numSpeculativeTokens + numExtraDraftTokens must be at most "
@@ -878,6 +897,14 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MineDraftSpec:
                    f"{bounds.max_speculative_tokens} (got {k})")
     elif autoscaling is not None and mode in AUTO_MODES and mode not in autoscaling.speculation.allowed_modes:
         r.fail("spec.autoscaling.speculation.allowedModes", f"must include the fixed mode {mode} (or use mode auto)")
+    fanout = r.int_(speculation_data, "lookaheadFanout", "spec.speculation", None, MIN_LOOKAHEAD_FANOUT,
+                    MAX_LOOKAHEAD_FANOUT)
+    auto_modes = autoscaling.speculation.allowed_modes if autoscaling is not None else AUTO_MODES
+    if fanout is not None and not (mode == "lookahead" or (mode == "auto" and "lookahead" in auto_modes)):
+        # Refused rather than dropped: a fan-out no engine runs with would read as set.
+        r.fail("spec.speculation.lookaheadFanout", "needs mode lookahead, or auto with lookahead in "
+                                                   f"autoscaling.speculation.allowedModes (mode is {mode}"
+                                                   f"{', allowed ' + ', '.join(auto_modes) if mode == 'auto' else ''})")
     tokens = {m.source.hugging_face_token for m in (target, draft) if m.source.hugging_face_token is not None}
     if len(tokens) > 1:
         # One engine process downloads both models with one HF_TOKEN.
@@ -904,7 +931,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MineDraftSpec:
         raise SpecError(r.errors)
     result = MineDraftSpec(
         target=target, draft=draft,
-        speculation=SpeculationSpec(mode, k or d.num_speculative_tokens, extra or 0, bool(async_steps)),
+        speculation=SpeculationSpec(mode, k or d.num_speculative_tokens, extra or 0, bool(async_steps), fanout),
         engine=engine, replicas=replicas, autoscaling=autoscaling, gateway=gateway,
         image_pull_secrets=pull_names, served_model_names=tuple(served), drafter_pool=drafter_pool,
     )

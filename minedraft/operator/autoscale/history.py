@@ -47,6 +47,8 @@ class Point:
 def runs_from_points(points: Iterable[Point], min_points: int = 5) -> list[dict[str, Any]]:
     groups: dict[tuple[str, int, int], list[Point]] = {}
     for p in points:
+        # Only the modes the replica model fits (replica_model.MODES): a lookahead point is left out, not counted as
+        # psd's (the model prices lookahead as psd, but its speeds would bend psd's fitted half-step ratio).
         if p.running < 1 or p.tokens_per_second <= 0 or p.mode not in ("ar", "sd", "psd"):
             continue
         k = 0 if p.mode == "ar" else p.k

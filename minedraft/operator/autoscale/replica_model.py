@@ -47,6 +47,11 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("ar", "sd", "psd")
+# Modes the engines run that this model has no curves of, and the mode each is priced as. lookahead verifies the whole
+# batch each step while the drafter, on its own device, pre-drafts the next round: drafting overlaps verification as
+# in psd, so it is priced as psd (its misses, its branches' extra drafting and whole-batch verification are not
+# modelled; `calibrate` fits no lookahead points). The twin's table model (TableReplicaModel) prices it as run.
+PRICED_AS = {"lookahead": "psd"}
 Curve = tuple[tuple[float, float], ...]  # (size, seconds), sizes increasing
 
 
@@ -122,6 +127,7 @@ class ReplicaModel:
     def cycle_seconds(self, mode: str, running: float, k: int) -> float:
         """Seconds of one step (ar) or one verification of every request (sd, psd) at this batch."""
         c = max(running, 1.0)
+        mode = PRICED_AS.get(mode, mode)
         if mode == "ar":
             seconds = evaluate(self.ar_step, c)
         elif mode == "sd" or (mode == "psd" and c < 2.0):

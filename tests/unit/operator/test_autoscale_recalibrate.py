@@ -73,6 +73,14 @@ def test_history_points_are_binned_by_mode_k_and_load() -> None:
     assert runs[0]["mean_accepted_length"] == 1.0 and "draft_seconds_per_step" not in runs[0]
 
 
+def test_history_leaves_lookahead_points_out_of_the_fit() -> None:
+    """A replica running lookahead reports mode lookahead: its points are not the replica model's (which prices
+    lookahead as psd) and must not bend psd's fit; they are left out, not mislabelled, and nothing fails."""
+    points = [Point("lookahead", 3, 8.0, 2000.0, 3.0, 0.002)] * 6 + [Point("psd", 3, 8.0, 800.0, 2.4, 0.004)] * 5
+    runs = runs_from_points(points, min_points=5)
+    assert [(r["mode"], r["tokens_per_second"]) for r in runs] == [("psd", 800.0)]
+
+
 def test_range_answers_are_joined_by_instance_and_time() -> None:
     def series(values: list[float], **labels: str) -> dict:
         return {"metric": {"instance": "a", **labels}, "values": [[100 + 30 * i, str(v)] for i, v in enumerate(values)]}

@@ -132,3 +132,30 @@ def test_modes_without_points_are_left_out(tmp_path: Path) -> None:
     path.write_text(json.dumps(ar_only))
     model = calibrate([path], startup_seconds=30.0)
     assert model.modes == ("ar",) and model.best(4, 0.9)[1] == "ar"
+
+
+def test_lookahead_is_priced_as_psd_and_never_crashes(model: ReplicaModel) -> None:
+    """The engines run lookahead (fixed, or chosen by auto); this model has no curves of it and prices it as psd
+    (drafting overlapped with verification), rather than refusing a model or an observation that names it."""
+    for c in (1, 4, 8):
+        assert model.cycle_seconds("lookahead", c, 3) == model.cycle_seconds("psd", c, 3)
+        assert model.tokens_per_second("lookahead", c, 0.7, 3) == model.tokens_per_second("psd", c, 0.7, 3)
+    with_lookahead = ReplicaModel.from_json({**model.to_json(), "modes": [*model.modes, "lookahead"]})
+    assert with_lookahead.best(8, 0.7)[0] == pytest.approx(model.best(8, 0.7)[0])
+    with pytest.raises(ValueError, match="mode"):
+        model.cycle_seconds("eagle", 4, 3)
+
+
+def test_lookahead_bench_rows_are_not_fitted(tmp_path: Path) -> None:
+    """A benchmark with lookahead rows (`minedraft bench --modes ar,sd,psd,lookahead`) calibrates the same model."""
+    with_lookahead = json.loads(json.dumps(SYNTHETIC))
+    for run in with_lookahead["runs"]:
+        if isinstance(run["concurrency"], int):
+            run["modes"]["lookahead"] = _mode(1e6, 3.0, 0.001)  # absurd on purpose: it must change nothing
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(with_lookahead))
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(SYNTHETIC))
+    fitted = calibrate([path], startup_seconds=30.0)
+    assert fitted.modes == calibrate([plain], startup_seconds=30.0).modes
+    assert fitted.psd_ratio == calibrate([plain], startup_seconds=30.0).psd_ratio

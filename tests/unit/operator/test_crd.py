@@ -143,9 +143,26 @@ def with_spec(name: str, **changes: Any) -> dict[str, Any]:
      "(--model, --dtype, --tensor-parallel-size, --max-model-len, ...): set those fields"),
     (with_spec("minimal", engine__extraArgs=["--max-model-len", "4096"]), "spec.engine.extraArgs: extraArgs must not"),
     (with_spec("minimal", engine__extraArgs=["--max-model-len 4096"]), "spec.engine.extraArgs: extraArgs must not"),
+    (with_spec("minimal", engine__extraArgs=["--lookahead-fanout=8"]), "spec.engine.extraArgs: extraArgs must not"),
+    (with_spec("minimal", speculation__mode="lookahead", speculation__numExtraDraftTokens=2),
+     "spec.speculation.numExtraDraftTokens: numExtraDraftTokens needs mode psd or sd"),
+    (with_spec("minimal", speculation__mode="lookahead", speculation__asyncSteps=True),
+     "spec.speculation.asyncSteps: asyncSteps needs mode psd, sd or auto"),
+    (with_spec("minimal", speculation__mode="lookahead", autoscaling={"speculation": {"allowedModes": ["psd", "sd"]}}),
+     "spec.autoscaling.speculation.allowedModes: autoscaling.speculation.allowedModes must include the fixed "
+     "speculation.mode (or use mode auto)"),
+    (with_spec("minimal", speculation__lookaheadFanout=4),
+     "spec.speculation.lookaheadFanout: lookaheadFanout needs mode lookahead, or auto with lookahead in "
+     "autoscaling.speculation.allowedModes"),
+    (with_spec("autoscaled", speculation__lookaheadFanout=4),
+     "spec.speculation.lookaheadFanout: lookaheadFanout needs mode lookahead, or auto with lookahead in "
+     "autoscaling.speculation.allowedModes"),
+    (with_spec("minimal", speculation__mode="lookahead", engine__targetGPUs=8),
+     "spec.engine.targetGPUs: targetGPUs plus the drafter's GPU must fit on one node of at most 8 GPUs"),
 ], ids=["min>max", "replicas+autoscaling", "extra-drafts-ar", "async-steps-ar", "k+e>16", "two-sources",
         "auto-k-outside", "k-range", "fixed-mode-not-allowed", "torch-drafter", "reserved-flag", "reserved-flag-split",
-        "reserved-flag-one-word"])
+        "reserved-flag-one-word", "reserved-lookahead-fanout", "extra-drafts-lookahead", "async-steps-lookahead",
+        "fixed-lookahead-not-allowed", "fanout-psd", "fanout-auto-without-lookahead", "lookahead-gpu-fit"])
 def test_cel_rules_reject_with_their_message(doc: dict[str, Any], message: str) -> None:
     found = admit(doc)
     assert any(f.startswith(message) for f in found), found
@@ -201,12 +218,48 @@ def test_every_rule_names_its_field_and_reason() -> None:
      "autoscaling.replicaCapacityTokensPerSecond"),
     (with_spec("minimal", speculaton={"mode": "psd"}), "speculaton"),
     (with_spec("minimal", target=None), "target"),
+    (with_spec("minimal", speculation__mode="lookahead", speculation__lookaheadFanout=0),
+     "speculation.lookaheadFanout"),
+    (with_spec("minimal", speculation__mode="lookahead", speculation__lookaheadFanout=17),
+     "speculation.lookaheadFanout"),
 ], ids=["k-high", "k-zero", "mode", "gpus", "dtype", "context-len", "float-cpu", "auto-vllm-sd",
         "quantity", "tls-name", "replicas", "utilization", "capacity-prior-low", "capacity-prior-string", "typo",
-        "no-target"])
+        "no-target", "fanout-zero", "fanout-high"])
 def test_schema_rejects(doc: dict[str, Any], fragment: str) -> None:
     problems = admit(doc)
     assert any(fragment in p for p in problems), problems
+
+
+@pytest.mark.parametrize("changes", [
+    {"speculation__mode": "lookahead"},
+    {"speculation__mode": "lookahead", "speculation__lookaheadFanout": 1},
+    {"speculation__mode": "lookahead", "speculation__lookaheadFanout": 16, "engine__targetGPUs": 4},
+    {"speculation__mode": "lookahead", "autoscaling": {"speculation": {"allowedModes": ["lookahead", "ar"]}},
+     "replicas": None},
+    {"speculation__mode": "auto", "speculation__lookaheadFanout": 6},
+    {"speculation__mode": "auto", "speculation__lookaheadFanout": 6,
+     "autoscaling": {"speculation": {"allowedModes": ["lookahead"]}}, "replicas": None},
+    {"speculation__mode": "lookahead", "drafterPool": {"tokenSecretRef": {"name": "pool-token"}},
+     "engine__targetGPUs": 8},
+], ids=["lookahead", "fanout-1", "fanout-16-tp4", "allowed", "auto-fanout", "auto-only-lookahead", "pool-tp8"])
+def test_lookahead_is_admitted_and_parsed(changes: dict[str, Any]) -> None:
+    doc = with_spec("minimal", **changes)
+    assert admit(doc) == []
+    spec = s.parse_spec(apply_defaults(SCHEMA, doc)["spec"])
+    assert spec.runs_lookahead
+    assert spec.speculation.lookahead_fanout == changes.get("speculation__lookaheadFanout")
+
+
+def test_allowed_modes_default_to_every_mode_auto_knows() -> None:
+    """auto chooses among psd, sd, lookahead and ar unless the MineDraft says otherwise (as `minedraft serve`)."""
+    allowed = SCHEMA["properties"]["spec"]["properties"]["autoscaling"]["properties"]["speculation"]["properties"][
+        "allowedModes"]
+    assert allowed["default"] == ["psd", "sd", "lookahead", "ar"] and allowed["items"]["enum"] == allowed["default"]
+    assert allowed["maxItems"] == 4
+    defaulted = apply_defaults(SCHEMA, with_spec("minimal", speculation__mode="auto", autoscaling={}))["spec"]
+    assert defaulted["autoscaling"]["speculation"]["allowedModes"] == ["psd", "sd", "lookahead", "ar"]
+    modes = SCHEMA["properties"]["spec"]["properties"]["speculation"]["properties"]["mode"]["enum"]
+    assert "lookahead" in modes
 
 
 def test_autoscaler_may_write_replicas_and_users_may_then_edit_the_bounds() -> None:

@@ -122,7 +122,7 @@ def test_bad_pools_are_refused_naming_the_field(changes: dict[str, Any], error: 
     ({"drafterPool__window": 512},
      "spec.drafterPool.window: drafterPool.window needs backend torch"),
     ({"speculation__mode": "vllm-sd"},
-     "spec.drafterPool: drafterPool needs speculation.mode psd, sd or auto"),
+     "spec.drafterPool: drafterPool needs speculation.mode psd, sd, lookahead or auto"),
     ({"drafterPool__gpus": 2}, "spec.drafterPool.gpus: 2 is greater than the maximum of 1"),
     ({"drafterPool__gpus": 0}, "spec.drafterPool.backend: a CPU pool (drafterPool.gpus 0) needs backend torch"),
     ({"drafterPool__backend": "torch", "drafterPool__window": 4096, "engine__maxModelLen": 4096},

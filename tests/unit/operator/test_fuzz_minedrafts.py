@@ -146,13 +146,13 @@ def valid_minedraft(rng: random.Random) -> dict[str, Any]:
     token = secret_ref(rng) if maybe(rng, 0.3) else None
     spec: dict[str, Any] = {"target": {"source": source(rng, token)}, "draft": {"source": source(rng, token)}}
     mode = rng.choice(s.MODES)
-    pool = mode in ("psd", "sd", "auto") and maybe(rng, 0.25)
+    pool = mode in (*s.DRAFTER_GPU_MODES, "auto") and maybe(rng, 0.25)
     autoscaled = maybe(rng, 0.4)
     gateway_on = maybe(rng, 0.75)
     bounds: dict[str, Any] = {}
     k_low, k_high = 1, s.MAX_SPECULATIVE_TOKENS
     if autoscaled:
-        modes = rng.sample(s.AUTO_MODES, rng.randint(1, 3))
+        modes = rng.sample(s.AUTO_MODES, rng.randint(1, len(s.AUTO_MODES)))
         if mode in s.AUTO_MODES and mode not in modes:
             modes.append(mode)
         k_low = rng.randint(1, s.MAX_SPECULATIVE_TOKENS)
@@ -168,10 +168,13 @@ def valid_minedraft(rng: random.Random) -> dict[str, Any]:
             "numSpeculativeTokens", s.SpeculationSpec().num_speculative_tokens))
     if mode in s.ASYNC_STEP_MODES and maybe(rng, 0.3):
         speculation["asyncSteps"] = maybe(rng, 0.5)
+    if (mode == "lookahead" or (mode == "auto" and "lookahead" in bounds.get("allowedModes", s.AUTO_MODES))) and maybe(
+            rng, 0.4):
+        speculation["lookaheadFanout"] = rng.choice([s.MIN_LOOKAHEAD_FANOUT, 6, s.MAX_LOOKAHEAD_FANOUT])
     if maybe(rng, 0.9) or mode != s.SpeculationSpec().mode or "numSpeculativeTokens" in speculation:
         spec["speculation"] = speculation
-    drafter_gpu = not pool and (mode in ("psd", "sd") or (mode == "auto" and any(
-        m in ("psd", "sd") for m in bounds.get("allowedModes", s.AUTO_MODES))))
+    drafter_gpu = not pool and (mode in s.DRAFTER_GPU_MODES or (mode == "auto" and any(
+        m in s.DRAFTER_GPU_MODES for m in bounds.get("allowedModes", s.AUTO_MODES))))
     if maybe(rng, 0.8):
         spec["engine"] = engine(rng, drafter_gpu)
     if autoscaled:
@@ -424,6 +427,9 @@ INVALID: list[tuple[Any, ...]] = [
     ("spec.speculation.numSpeculativeTokens", 17, "spec.speculation.numSpeculativeTokens"),
     ("spec.speculation", {"mode": "ar", "numExtraDraftTokens": 1}, "spec.speculation.numExtraDraftTokens"),
     ("spec.speculation", {"mode": "ar", "asyncSteps": True}, "spec.speculation.asyncSteps"),
+    ("spec.speculation", {"mode": "lookahead", "lookaheadFanout": 0}, "spec.speculation.lookaheadFanout"),
+    ("spec.speculation", {"mode": "lookahead", "lookaheadFanout": 17}, "spec.speculation.lookaheadFanout"),
+    ("spec.speculation", {"mode": "psd", "lookaheadFanout": 4}, "spec.speculation.lookaheadFanout"),
     ("spec.speculation", {"mode": "psd", "numSpeculativeTokens": 9, "numExtraDraftTokens": 8},
      "spec.speculation.numExtraDraftTokens"),
     ("spec.engine.image", "", "spec.engine.image"),

@@ -269,10 +269,13 @@ def variants() -> list[tuple[str, dict[str, Any]]]:
                              "extraArgs": ["--enforce-eager"], "terminationGracePeriodSeconds": 600}
     doc["spec"]["imagePullSecrets"] = [{"name": "registry"}]
     out.append(("tp4-fields", doc))
-    for mode in ("ar", "vllm-sd", "sd"):
+    for mode in ("ar", "vllm-sd", "sd", "lookahead"):
         doc = load("minimal")
         doc["spec"]["speculation"] = {"mode": mode}
         out.append((mode, doc))
+    doc = load("minimal")
+    doc["spec"]["speculation"] = {"mode": "lookahead", "numSpeculativeTokens": 2, "lookaheadFanout": 16}
+    out.append(("lookahead-fanout", doc))
     return out
 
 
@@ -367,7 +370,7 @@ def test_every_writable_path_is_on_a_volume() -> None:
 
 @pytest.mark.parametrize(("mode", "allowed", "gpus"), [
     ("psd", None, 2), ("sd", None, 2), ("ar", None, 1), ("vllm-sd", None, 1), ("auto", ["ar"], 1),
-    ("auto", ["psd", "ar"], 2),
+    ("auto", ["psd", "ar"], 2), ("lookahead", None, 2), ("auto", ["lookahead", "ar"], 2), ("auto", None, 2),
 ])
 def test_drafter_gpu_only_for_modes_that_draft_on_it(mode: str, allowed: list[str] | None, gpus: int) -> None:
     doc = load("minimal")
@@ -379,7 +382,63 @@ def test_drafter_gpu_only_for_modes_that_draft_on_it(mode: str, allowed: list[st
     assert c["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
     assert (flag(c["command"], "--drafter-gpu") == "1") is (gpus == 2)
     if mode == "auto":
-        assert flag(c["command"], "--auto-modes") == ",".join(m for m in s.AUTO_MODES if m in (allowed or []))
+        modes = allowed or s.AUTO_MODES
+        assert flag(c["command"], "--auto-modes") == ",".join(m for m in s.AUTO_MODES if m in modes)
+
+
+@pytest.mark.parametrize(("speculation", "autoscaling", "fanout"), [
+    ({"mode": "lookahead"}, None, None),
+    ({"mode": "lookahead", "lookaheadFanout": 8}, None, "8"),
+    ({"mode": "lookahead", "lookaheadFanout": 1}, {"speculation": {"allowedModes": ["lookahead"]}}, "1"),
+    ({"mode": "auto", "lookaheadFanout": 16}, None, "16"),
+    ({"mode": "auto", "lookaheadFanout": 4}, {"speculation": {"allowedModes": ["sd", "lookahead"]}}, "4"),
+    ({"mode": "auto"}, {"speculation": {"allowedModes": ["psd", "ar"]}}, None),
+], ids=["lookahead", "lookahead-fanout", "lookahead-fanout-1", "auto-fanout", "auto-allowed-fanout",
+        "auto-no-lookahead"])
+def test_lookahead_renders_its_mode_and_fanout_and_the_engine_takes_them(
+        speculation: dict[str, Any], autoscaling: dict[str, Any] | None, fanout: str | None) -> None:
+    """Mode lookahead (or auto that may choose it) with speculation.lookaheadFanout becomes `--lookahead-fanout N`,
+    which `minedraft serve`'s parser and the engine's settings take; unset, no flag (the engine's default)."""
+    from minedraft.cli import build_parser, settings_from_args
+    from minedraft.engine.settings import DEFAULT_LOOKAHEAD_FANOUT, Mode, validate
+
+    doc = load("minimal")
+    doc["spec"]["speculation"] = speculation
+    if autoscaling is not None:
+        doc["spec"]["autoscaling"] = autoscaling
+    command = engine_container(render.render_resource(doc))["command"]
+    assert flag(command, "--mode") == speculation["mode"]
+    assert flag(command, "--lookahead-fanout") == fanout
+    assert flag(command, "--drafter-gpu") == "1"
+    settings = settings_from_args(build_parser().parse_args(command[1:]))
+    validate(settings)
+    assert settings.mode is Mode(speculation["mode"])
+    assert settings.lookahead_fanout == (DEFAULT_LOOKAHEAD_FANOUT if fanout is None else int(fanout))
+    if speculation["mode"] == "auto":
+        allowed = (autoscaling or {}).get("speculation", {}).get("allowedModes", list(s.AUTO_MODES))
+        assert flag(command, "--auto-modes") == ",".join(m for m in s.AUTO_MODES if m in allowed)
+        assert settings.auto["allowed_modes"] == tuple(m for m in s.AUTO_MODES if m in allowed)
+
+
+def test_auto_passes_lookahead_among_its_modes_by_default() -> None:
+    """The operator's auto chooses what `minedraft serve`'s does: psd, sd, lookahead and ar."""
+    doc = load("minimal")
+    doc["spec"]["speculation"] = {"mode": "auto"}
+    assert flag(engine_container(render.render_resource(doc))["command"], "--auto-modes") == "psd,sd,lookahead,ar"
+    command = engine_container(render.render_resource(load("autoscaled")))["command"]
+    assert flag(command, "--auto-modes") == "psd,sd,ar"  # the example's own allowedModes
+
+
+def test_lookahead_with_a_drafter_pool_drafts_through_it_on_the_targets_gpus_alone() -> None:
+    doc = load("minimal")
+    doc["spec"]["speculation"] = {"mode": "lookahead", "lookaheadFanout": 4}
+    doc["spec"]["drafterPool"] = {"tokenSecretRef": {"name": "pool-token"}}
+    manifests = render.render_resource(doc)
+    c = engine_container(manifests)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and "--drafter-gpu" not in c["command"]
+    assert flag(c["command"], "--drafter-address") is not None
+    assert flag(c["command"], "--lookahead-fanout") == "4"
+    assert any(m["kind"] == "Deployment" and m["metadata"]["name"].endswith("-drafter") for m in manifests)
 
 
 def test_target_gpus_are_tensor_parallel_and_the_drafter_takes_the_next_device() -> None:

@@ -38,7 +38,8 @@ def test_defaults() -> None:
     (minimal(draft={"source": {}}), "spec.draft.source: exactly one of"),
     (minimal(speculation={"numSpeculativeTokens": 0}), "spec.speculation.numSpeculativeTokens: must be between 1"),
     (minimal(speculation={"numSpeculativeTokens": 17}), "spec.speculation.numSpeculativeTokens: must be between"),
-    (minimal(speculation={"mode": "fast"}), "spec.speculation.mode: must be one of psd, sd, ar, vllm-sd, auto"),
+    (minimal(speculation={"mode": "fast"}), "spec.speculation.mode: must be one of psd, sd, lookahead, ar, vllm-sd, "
+                                                 "auto"),
     (minimal(speculation={"mode": "ar", "numExtraDraftTokens": 2}),
      "spec.speculation.numExtraDraftTokens: extra drafts need mode psd or sd"),
     (minimal(speculation={"mode": "ar", "asyncSteps": True}),
@@ -52,7 +53,7 @@ def test_defaults() -> None:
     (minimal(speculation={"mode": "auto", "numSpeculativeTokens": 9}, autoscaling={}),
      "spec.speculation.numSpeculativeTokens: auto mode starts at k within autoscaling.speculation 1..8"),
     (minimal(speculation={"mode": "auto"}, autoscaling={"speculation": {"allowedModes": ["vllm-sd"]}}),
-     "spec.autoscaling.speculation.allowedModes: must be a non-empty list of psd, sd, ar"),
+     "spec.autoscaling.speculation.allowedModes: must be a non-empty list of psd, sd, lookahead, ar"),
     (minimal(speculation={"mode": "psd"}, autoscaling={"speculation": {"allowedModes": ["ar"]}}),
      "spec.autoscaling.speculation.allowedModes: must include the fixed mode psd"),
     (minimal(engine={"drafterBackend": "torch"}), "spec.engine.drafterBackend: torch is the CPU drafter"),
@@ -85,10 +86,82 @@ def test_defaults() -> None:
              draft={"source": {"huggingFace": {"id": "b", "tokenSecretRef": {"name": "t2"}}}}),
      "spec.draft.source.huggingFace.tokenSecretRef: must equal the target's"),
     (minimal(replicas="3"), "spec.replicas: must be an integer"),
+    (minimal(speculation={"mode": "lookahead", "lookaheadFanout": 0}),
+     "spec.speculation.lookaheadFanout: must be between 1 and 16 (got 0)"),
+    (minimal(speculation={"mode": "lookahead", "lookaheadFanout": 17}),
+     "spec.speculation.lookaheadFanout: must be between 1 and 16 (got 17)"),
+    (minimal(speculation={"mode": "lookahead", "lookaheadFanout": "6"}),
+     "spec.speculation.lookaheadFanout: must be an integer"),
+    (minimal(speculation={"mode": "psd", "lookaheadFanout": 4}),
+     "spec.speculation.lookaheadFanout: needs mode lookahead, or auto with lookahead in "
+     "autoscaling.speculation.allowedModes (mode is psd)"),
+    (minimal(speculation={"mode": "auto", "lookaheadFanout": 4},
+             autoscaling={"speculation": {"allowedModes": ["psd", "ar"]}}),
+     "spec.speculation.lookaheadFanout: needs mode lookahead, or auto with lookahead in "
+     "autoscaling.speculation.allowedModes (mode is auto, allowed psd, ar)"),
+    (minimal(speculation={"mode": "lookahead", "numExtraDraftTokens": 2}),
+     "spec.speculation.numExtraDraftTokens: extra drafts need mode psd or sd (mode is lookahead)"),
+    (minimal(speculation={"mode": "lookahead", "asyncSteps": True}),
+     "spec.speculation.asyncSteps: async steps need mode psd, sd or auto (mode is lookahead"),
+    (minimal(speculation={"mode": "lookahead"}, autoscaling={"speculation": {"allowedModes": ["psd", "sd"]}}),
+     "spec.autoscaling.speculation.allowedModes: must include the fixed mode lookahead"),
+    (minimal(speculation={"mode": "lookahead"}, engine={"targetGPUs": 8}),
+     "spec.engine.targetGPUs: targetGPUs plus the drafter's GPU (9) must fit on one node"),
 ])
 def test_errors_name_the_field(data: Any, expected: str) -> None:
     found = errors(data)
     assert any(e.startswith(expected) for e in found), found
+
+
+def test_lookahead_is_a_mode_with_an_optional_fanout() -> None:
+    spec = s.parse_spec(minimal(speculation={"mode": "lookahead", "numSpeculativeTokens": 2, "lookaheadFanout": 8}))
+    assert spec.speculation == s.SpeculationSpec("lookahead", 2, 0, False, 8)
+    assert spec.runs_lookahead and spec.needs_drafter_gpu
+    # Unset: the engine's own default (no fan-out of the operator's).
+    assert s.parse_spec(minimal(speculation={"mode": "lookahead"})).speculation.lookahead_fanout is None
+    for fanout in (s.MIN_LOOKAHEAD_FANOUT, s.MAX_LOOKAHEAD_FANOUT):
+        assert s.parse_spec(minimal(speculation={"mode": "lookahead", "lookaheadFanout": fanout})
+                            ).speculation.lookahead_fanout == fanout
+    # Auto with lookahead among its modes takes a fan-out too: by default, and when allowedModes name it.
+    assert s.parse_spec(minimal(speculation={"lookaheadFanout": 3})).speculation.lookahead_fanout == 3
+    allowed = s.parse_spec(minimal(speculation={"lookaheadFanout": 3},
+                                   autoscaling={"speculation": {"allowedModes": ["lookahead", "ar"]}}))
+    assert allowed.runs_lookahead and allowed.needs_drafter_gpu
+    # Fixed lookahead within autoscaling bounds that allow it.
+    fixed = s.parse_spec(minimal(speculation={"mode": "lookahead"},
+                                 autoscaling={"speculation": {"allowedModes": ["lookahead"]}}))
+    assert fixed.speculation.mode == "lookahead"
+
+
+def test_auto_allows_lookahead_by_default() -> None:
+    """As `minedraft serve` does: auto chooses among psd, sd, lookahead and ar unless allowedModes narrow it."""
+    assert s.SpeculationBounds().allowed_modes == ("psd", "sd", "lookahead", "ar")
+    assert "lookahead" in s.AUTO_MODES and "lookahead" in s.MODES
+    assert s.parse_spec(minimal()).auto_modes == ("psd", "sd", "lookahead", "ar")
+    assert s.parse_spec(minimal(autoscaling={})).auto_modes == ("psd", "sd", "lookahead", "ar")
+    assert s.parse_spec(minimal()).runs_lookahead
+    narrowed = s.parse_spec(minimal(autoscaling={"speculation": {"allowedModes": ["psd", "ar"]}}))
+    assert not narrowed.runs_lookahead
+
+
+def test_lookahead_drafts_on_a_device_of_its_own() -> None:
+    """Lookahead pre-drafts while the target verifies: the drafter's own GPU, as psd's (or the drafter pool)."""
+    assert "lookahead" in s.DRAFTER_GPU_MODES
+    only = s.parse_spec(minimal(autoscaling={"speculation": {"allowedModes": ["lookahead", "ar"]}}))
+    assert only.needs_drafter_gpu
+    pooled = s.parse_spec(minimal(speculation={"mode": "lookahead"},
+                                  drafterPool={"tokenSecretRef": {"name": "pool-token"}}))
+    assert pooled.drafter_pool is not None
+
+
+def test_operator_bounds_agree_with_the_engine() -> None:
+    from minedraft.engine.control.auto import AUTO_CHOICES
+    from minedraft.engine.settings import MAX_LOOKAHEAD_FANOUT, Mode
+
+    assert s.MAX_LOOKAHEAD_FANOUT == MAX_LOOKAHEAD_FANOUT and s.MIN_LOOKAHEAD_FANOUT == 1
+    assert set(s.AUTO_MODES) == set(AUTO_CHOICES)
+    assert set(s.MODES) == {m.value for m in Mode}
+    assert "--lookahead-fanout" in s.RESERVED_ENGINE_FLAGS
 
 
 def test_every_problem_reported_once() -> None:
