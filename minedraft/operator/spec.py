@@ -75,7 +75,7 @@ RESERVED_FLAG_SPELLINGS = tuple(dict.fromkeys(
 # extraArgs that are `minedraft serve` flags of their own (the engine sets these vLLM arguments itself from them):
 # passed as they are, not as --vllm-arg.
 ENGINE_OWN_EXTRA_FLAGS = ("--gpu-memory-utilization", "--drafter-gpu-memory-utilization", "--seed",
-                          "--draft-deadline-seconds")
+                          "--draft-deadline-seconds", "--no-lookahead-backups")
 
 # The operator's own default for where the images are, when neither its --image-registry nor the chart's
 # image.registry says (`make push REGISTRY=...` pushes them; nothing publishes them here), and their tag: the package

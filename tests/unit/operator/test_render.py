@@ -199,6 +199,9 @@ def test_edge_cases() -> None:
     # The engine's own flag stays one (the engine sets vLLM's from it); other vLLM arguments pass through.
     assert c["command"][-2:] == ["--gpu-memory-utilization=0.85", "--vllm-arg=--enforce-eager"]
     assert flag(c["command"], "--model") == "/models/target"
+    # Lookahead's switch is the engine's too (vLLM's parser would refuse it and the pod would not start).
+    doc["spec"]["engine"]["extraArgs"] = ["--no-lookahead-backups"]
+    assert engine_container(render.render_resource(doc))["command"][-1] == "--no-lookahead-backups"
     assert flag(c["command"], "--grace-seconds") == "1"
     pod = next(m for m in manifests if m["metadata"]["name"] == "qwen3-8b-engine"
                and m["kind"] == "Deployment")["spec"]["template"]["spec"]
