@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from minedraft.cli import main
+from minedraft.engine.settings import DEFAULT_LOOKAHEAD_FANOUT
 from minedraft.twin.plan import Band, parse_trace, plan_band
 from minedraft.twin.run import RunResult
 from minedraft.twin.sweep import LoadResult
@@ -32,7 +33,7 @@ def test_plan_json_interface(capsys: pytest.CaptureFixture[str]) -> None:
         # ... and lookahead, listed as lookahead-kK with the fan-out its branch jobs used and its hit rate.
         assert set(load["modes"]) == {"ar", "vllm-ar", "sd-k3", "psd-k3", "lookahead-k3", "vllm-sd-k3", "auto"}
         lookahead = load["modes"]["lookahead-k3"]
-        assert 1 <= lookahead["fanout"] <= 4 and 0.3 < lookahead["branch_hit_rate"] < 1
+        assert 1 <= lookahead["fanout"] <= DEFAULT_LOOKAHEAD_FANOUT and 0.3 < lookahead["branch_hit_rate"] < 1
         assert "fanout" not in load["modes"]["sd-k3"]
         for label, entry in load["modes"].items():
             assert entry["tokens_per_s"] > 0 and entry["max_concurrency"] > 16
