@@ -193,8 +193,7 @@ def spec_schema() -> Schema:
             "targetGPUs": _int("GPUs for the target model, its tensor-parallel size (1 to 8). Each pod requests "
                                "targetGPUs nvidia.com/gpu, plus drafterGPUs for modes whose drafter runs on a "
                                "device of its own (psd, sd, lookahead, auto choosing among them); the drafter takes "
-                               "the next "
-                               "device after the target's.",
+                               "the next device after the target's.",
                                default=eng.target_gpus, minimum=1, maximum=s.MAX_TARGET_GPUS),
             "dtype": _str("Weights and activations dtype of target and drafter: auto (the model's own), bfloat16, "
                           "float16 or float32.", enum=list(s.DTYPES), default=eng.dtype),
@@ -219,8 +218,7 @@ def spec_schema() -> Schema:
                                      "maxNumSeqs alone (minedraft serve --max-num-seqs-from-kv): as many requests "
                                      "of requestTokens as the target's KV pool holds, at most maxNumSeqs. A drafter "
                                      "off the target's GPU (psd, sd, lookahead, auto; drafterPool) leaves its memory "
-                                     "to that "
-                                     "pool; vllm-sd's colocated drafter takes its share. Unset: maxNumSeqs.", {
+                                     "to that pool; vllm-sd's colocated drafter takes its share. Unset: maxNumSeqs.", {
                 "requestTokens": _int("Tokens per request (prompt + output) the batch is sized at; at most "
                                       "maxModelLen.", minimum=1, maximum=s.MAX_MODEL_LEN),
             }, required=["requestTokens"]),

@@ -369,9 +369,7 @@ class MineDraftSpec:
 
     @property
     def runs_lookahead(self) -> bool:
-        """Whether the engines may run lookahead: mode lookahead, or auto with lookahead among its modes."""
-        mode = self.speculation.mode
-        return mode == "lookahead" or (mode == "auto" and "lookahead" in self.auto_modes)
+        return runs_lookahead(self.speculation.mode, self.auto_modes)
 
     @property
     def auto_modes(self) -> tuple[str, ...]:
@@ -471,6 +469,11 @@ def _secret_key_ref(r: _Reader, data: Mapping[str, Any] | None, path: str, defau
     if not (_SECRET_KEY.match(key) and len(key) <= 253):
         r.fail(f"{path}.key", f"must be a Secret key (letters, digits, '-', '_', '.') (got {key!r})")
     return SecretKeyRef(name, key) if name else None
+
+
+def runs_lookahead(mode: str, auto_modes: tuple[str, ...]) -> bool:
+    """Whether the engines may run lookahead: mode lookahead, or auto with lookahead among its modes."""
+    return mode == "lookahead" or (mode == "auto" and "lookahead" in auto_modes)
 
 
 def _model(r: _Reader, data: Mapping[str, Any] | None, path: str) -> ModelSpec:
@@ -900,7 +903,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MineDraftSpec:
     fanout = r.int_(speculation_data, "lookaheadFanout", "spec.speculation", None, MIN_LOOKAHEAD_FANOUT,
                     MAX_LOOKAHEAD_FANOUT)
     auto_modes = autoscaling.speculation.allowed_modes if autoscaling is not None else AUTO_MODES
-    if fanout is not None and not (mode == "lookahead" or (mode == "auto" and "lookahead" in auto_modes)):
+    if fanout is not None and not runs_lookahead(mode, auto_modes):
         # Refused rather than dropped: a fan-out no engine runs with would read as set.
         r.fail("spec.speculation.lookaheadFanout", "needs mode lookahead, or auto with lookahead in "
                                                    f"autoscaling.speculation.allowedModes (mode is {mode}"

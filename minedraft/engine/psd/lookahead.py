@@ -127,6 +127,11 @@ class LookaheadStats:
     # (it may date from a busy machine) and the shape is priced by the fit of the fresh ones instead.
     job_measured_at: dict[tuple[int, int], int] = field(default_factory=dict)
     num_jobs: int = 0
+    # The fresh prices and their line as of job `_priced_at` (a shape choice prices every shape: derived once per job,
+    # not once per shape).
+    _priced_at: int = field(default=-1, repr=False, compare=False)
+    _fresh: dict[tuple[int, int], float] = field(default_factory=dict, repr=False, compare=False)
+    _line: tuple[float, float] | None = field(default=None, repr=False, compare=False)
     alpha: float = 0.3
     # A lookahead step's seconds without a refresh's wait, and a refresh's wait (a draft of the misses from their
     # real context, sent and waited for before the step is launched), as EMAs: what refresh_pays weighs.
@@ -192,32 +197,24 @@ class LookaheadStats:
         return total
 
     def _fresh_prices(self) -> dict[tuple[int, int], float]:
-        return {shape: seconds for shape, seconds in self.job_seconds.items()
-                if self.num_jobs - self.job_measured_at.get(shape, 0) <= STALE_JOBS}
+        self._price()
+        return self._fresh
+
+    def _price(self) -> None:
+        if self._priced_at == self.num_jobs:
+            return
+        self._fresh = {shape: seconds for shape, seconds in self.job_seconds.items()
+                       if self.num_jobs - self.job_measured_at.get(shape, 0) <= STALE_JOBS}
+        self._line = _price_line(self._fresh)
+        self._priced_at = self.num_jobs
 
     def job_price_line(self) -> tuple[float, float] | None:
         """(seconds per forward, seconds per branch per forward) fitted by least squares to the fresh prices, a job
         taken to cost (depth + 2) forwards (the catch-up with the tails, the drafted positions, the candidates after
         the last), each a fixed part plus a part per branch row; None until two fan-outs were measured (the split
         between the parts is unknown before)."""
-        fresh = self._fresh_prices()
-        if len({fanout for fanout, _ in fresh}) < 2:
-            return None
-        # Normal equations of y = a * x1 + b * x2, x1 = forwards, x2 = forwards * fan-out.
-        s11 = s12 = s22 = t1 = t2 = 0.0
-        for (fanout, depth), seconds in fresh.items():
-            x1 = depth + 2.0
-            x2 = x1 * fanout
-            s11, s12, s22 = s11 + x1 * x1, s12 + x1 * x2, s22 + x2 * x2
-            t1, t2 = t1 + x1 * seconds, t2 + x2 * seconds
-        det = s11 * s22 - s12 * s12
-        a = (t1 * s22 - t2 * s12) / det
-        b = (s11 * t2 - s12 * t1) / det
-        if b < 0:  # wider never cheaper: all of it per forward
-            return t1 / s11, 0.0
-        if a < 0:  # no fixed part: all of it per branch
-            return 0.0, t2 / s22
-        return a, b
+        self._price()
+        return self._line
 
     def job_seconds_at(self, shape: tuple[int, int]) -> float | None:
         """A job's price at this shape: measured lately, what it cost; else the line fitted to the fresh prices;
@@ -238,6 +235,27 @@ class LookaheadStats:
         return known[near] * min(1.0, fanout / near[0]) * min(1.0, (depth + 2) / (near[1] + 2))
 
 
+def _price_line(prices: Mapping[tuple[int, int], float]) -> tuple[float, float] | None:
+    """LookaheadStats.job_price_line's fit: y = a * x1 + b * x2 by its normal equations, x1 = forwards (depth + 2),
+    x2 = forwards * fan-out."""
+    if len({fanout for fanout, _ in prices}) < 2:
+        return None
+    s11 = s12 = s22 = t1 = t2 = 0.0
+    for (fanout, depth), seconds in prices.items():
+        x1 = depth + 2.0
+        x2 = x1 * fanout
+        s11, s12, s22 = s11 + x1 * x1, s12 + x1 * x2, s22 + x2 * x2
+        t1, t2 = t1 + x1 * seconds, t2 + x2 * seconds
+    det = s11 * s22 - s12 * s12
+    a = (t1 * s22 - t2 * s12) / det
+    b = (s11 * t2 - s12 * t1) / det
+    if b < 0:  # wider never cheaper: all of it per forward
+        return t1 / s11, 0.0
+    if a < 0:  # no fixed part: all of it per branch
+        return 0.0, t2 / s22
+    return a, b
+
+
 def choose_shape(ranked: Mapping[str, list[Outcome]], stats: LookaheadStats, max_fanout: int, k: int,
                  verify_seconds: float | None) -> tuple[int, int]:
     """The branch job's (fan-out, depth) with the most tokens per second expected: a request hits with the
@@ -251,14 +269,15 @@ def choose_shape(ranked: Mapping[str, list[Outcome]], stats: LookaheadStats, max
     # The job runs from the step's launch until the next step is planned: through the verification and the host work.
     window = verify_seconds + stats.host_seconds
     best, best_rate = (max_fanout, k), -1.0
+    covered = [min(1.0, sum(sum(o.probability for o in found[:fanout]) for found in ranked.values()) / len(ranked))
+               for fanout in range(max_fanout + 1)]
     for depth in range(k, 0, -1):
         gain = stats.expected_accepted(depth)
         for fanout in range(1, max_fanout + 1):
             job = stats.job_seconds_at((fanout, depth))
             if job is None:
                 continue
-            covered = sum(sum(o.probability for o in found[:fanout]) for found in ranked.values()) / len(ranked)
-            rate = (1.0 + min(1.0, covered) * gain) / max(window, job)
+            rate = (1.0 + covered[fanout] * gain) / max(window, job)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = (fanout, depth), rate
     return best
