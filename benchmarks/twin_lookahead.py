@@ -158,7 +158,8 @@ def auto_sweep(costs: StepCosts, lookahead: LookaheadOptions | None = None,
     lookahead: `auto`), and auto among ar, sd and psd (`auto_without_lookahead`). `lookahead`: lookahead's options
     (default: the engine's)."""
     settings = SweepSettings(concurrencies=loads, ks=KS, families=("ar", "sd", "psd", "lookahead", "vllm-sd"),
-                             lookahead=lookahead or LookaheadOptions(), auto=AutoSettings(k_candidates=KS))
+                             lookahead=lookahead or LookaheadOptions(), auto=AutoSettings(k_candidates=KS),
+                             confirm=True)
     acceptance = AcceptanceModel.constant(ACCEPTANCE)
     rows = []
     for load in sweep(costs, acceptance, settings, progress=log):
@@ -266,7 +267,10 @@ def report() -> str:
                   f"`{data['command']}`. Best fixed: the best of ar, sd, psd and lookahead at any k (the engine's "
                   "synchronous modes, its drafter on a GPU of its own); vllm-sd: vLLM's SD with the drafter on the "
                   "target's GPU (per replica, best k). Auto: AutoSettings' defaults (ar, sd, psd, lookahead); "
-                  "auto (ar, sd, psd): without lookahead.", "",
+                  "auto (ar, sd, psd): without lookahead. Every fixed setting runs 40 + 200 steps (at least 8,000 "
+                  "tokens); those within 3% of their family's best run again over auto's own window (300 + 1,200 "
+                  "steps, same seed), so that the best of some twenty short windows, biased upward, is not what auto "
+                  "is held to.", "",
                   "| requests | best fixed | tok/s | ar | sd | psd | lookahead | vllm-sd | auto runs | tok/s | "
                   "auto / best | auto / vllm-sd | auto (ar, sd, psd) runs | its / best |", "|---" * 14 + "|"]
         for row in rows:

@@ -9,7 +9,7 @@ from typing import Any
 
 from minedraft.engine.control.auto import AUTO_CHOICES, AutoSettings
 from minedraft.twin.costs import DEFAULT_FAMILIES, FIXED_FAMILIES, PLAIN_FAMILIES, AcceptanceModel, StepCosts
-from minedraft.twin.run import LookaheadOptions, RunResult, Workload, mode_label, run_concurrency
+from minedraft.twin.run import LookaheadOptions, RunResult, Workload, mode_label, parse_mode_label, run_concurrency
 
 LATENCY_KEYS = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99")
 # What auto chooses among (the engine's synchronous steps), and the baseline it is also judged against: the best of
@@ -33,6 +33,12 @@ class SweepSettings:
     auto_warmup_steps: int = 300
     auto_measure_steps: int = 1200
     auto: AutoSettings | None = None
+    # The fixed settings within `confirm_within` of their family's best are measured again over auto's window
+    # (auto_warmup_steps + auto_measure_steps) when `confirm` is set. The best of some twenty short windows is biased
+    # upward (each window's acceptance draws differ; the largest is picked), which auto's one long window is not;
+    # confirming the contenders over the same window as auto makes "auto / best fixed" compare like with like.
+    confirm: bool = False
+    confirm_within: float = 0.03
     # Auto also with the engine's async PSD steps on (`auto-async`: psd's steps scheduled ahead once auto runs psd).
     with_auto_async: bool = False
     seed: int = 0
@@ -98,6 +104,14 @@ def _lookahead_json(run: RunResult) -> dict[str, float]:
     return {"fanout": round(run.mean_fanout, 2), "branch_hit_rate": round(run.branch_hit_rate, 3)}
 
 
+def contenders(runs: dict[str, RunResult], within: float) -> list[str]:
+    """The labels of runs within `within` (a share) of the best run of their family."""
+    best: dict[str, float] = {}
+    for label, run in runs.items():
+        best[_family(label)] = max(best.get(_family(label), 0.0), run.tokens_per_s)
+    return [label for label, run in runs.items() if run.tokens_per_s >= (1.0 - within) * best[_family(label)]]
+
+
 def _family(label: str) -> str:
     if label.startswith("vllm-sd"):
         return "vllm-sd"
@@ -123,6 +137,13 @@ def sweep(costs: StepCosts, acceptance: AcceptanceModel, settings: SweepSettings
             load.runs[mode_label(mode, k)] = run_concurrency(
                 costs, acceptance, mode, k, concurrency, settings.workload, settings.warmup_steps,
                 settings.measure_steps, settings.seed, max_num_seqs=limit(mode, k), lookahead=settings.lookahead)
+        if settings.confirm:
+            for label in contenders(load.runs, settings.confirm_within):
+                family, k = parse_mode_label(label)
+                load.runs[label] = run_concurrency(
+                    costs, acceptance, family, k, concurrency, settings.workload, settings.auto_warmup_steps,
+                    settings.auto_measure_steps, settings.seed, max_num_seqs=limit(family, k),
+                    lookahead=settings.lookahead)
         if settings.with_auto:
             load.auto = run_concurrency(costs, acceptance, "auto", 0, concurrency, settings.workload,
                                         settings.auto_warmup_steps, settings.auto_measure_steps, settings.seed,

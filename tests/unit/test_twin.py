@@ -4,6 +4,7 @@ measured curves imply (psd/sd at equal concurrency)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ from minedraft.engine.control.auto import AutoSettings
 from minedraft.twin.costs import AcceptanceModel, Hardware, StepCosts
 from minedraft.twin.curves import load_curves, parse_curves
 from minedraft.twin.replica import ReplicaSettings, SimRequest, TwinReplica
-from minedraft.twin.run import Phase, Workload, run_arrivals, run_closed_loop, run_concurrency, run_phases
+from minedraft.twin.run import Phase, RunResult, Workload, run_arrivals, run_closed_loop, run_concurrency, run_phases
+from minedraft.twin.sweep import SweepSettings, contenders, sweep
 
 H200 = Path(__file__).resolve().parents[2] / "benchmarks" / "curves" / "h200-qwen3-32b.json"
 SHORT = Workload(prompt_tokens=1000, output_tokens=48)
@@ -266,3 +268,32 @@ def test_the_twin_handles_a_drafters_errors_as_the_engine_does() -> None:
     assert replica.core.stats.totals().drafter_errors == 1
     later = replica.records[-10:]
     assert all(r.num_requests_with_drafts > 0 for r in later if r.num_decode_requests > 1), "the others lost drafts"
+
+
+def _result(mode: str, k: int, tokens_per_s: float) -> RunResult:
+    return RunResult(mode, k, gpus=1, tokens=int(tokens_per_s), seconds=1.0)
+
+
+def test_contenders_are_each_familys_runs_within_the_share_of_its_best() -> None:
+    runs = {"ar": _result("ar", 0, 50), "sd-k3": _result("sd", 3, 100), "sd-k5": _result("sd", 5, 98),
+            "sd-k1": _result("sd", 1, 90), "lookahead-k2": _result("lookahead", 2, 120),
+            "vllm-sd-k3": _result("vllm-sd", 3, 70), "vllm-sd-k5": _result("vllm-sd", 5, 66)}
+    assert contenders(runs, 0.03) == ["ar", "sd-k3", "sd-k5", "lookahead-k2", "vllm-sd-k3"]
+    assert contenders(runs, 0.0) == ["ar", "sd-k3", "lookahead-k2", "vllm-sd-k3"]
+
+
+def test_a_confirming_sweep_measures_the_contenders_again_over_autos_window_and_only_them() -> None:
+    costs = costs_of(flat_curves())
+    acceptance = AcceptanceModel.constant(0.7)
+    base = SweepSettings(concurrencies=(4,), ks=(1, 3, 5), families=("ar", "sd"), with_auto=False,
+                         workload=SHORT, warmup_steps=5, measure_steps=20, auto_warmup_steps=5,
+                         auto_measure_steps=4000)
+    short, = sweep(costs, acceptance, base, progress=None)
+    confirmed, = sweep(costs, acceptance, dataclasses.replace(base, confirm=True), progress=None)
+    again = set(contenders(short.runs, base.confirm_within))
+    assert "ar" in again and again != set(short.runs)
+    for label, run in confirmed.runs.items():
+        if label in again:  # 4,000 steps at 4 requests: at least twice the 8,000 tokens a short window runs to
+            assert run.tokens >= 1.5 * short.runs[label].tokens, label
+        else:
+            assert run.tokens == short.runs[label].tokens, label
