@@ -49,6 +49,13 @@ STEPS: tuple[Step, ...] = (
           "-k", "3", "--json", "benchmarks/results/local-pair/auto-cpu.json"),
          # About 3 minutes on an idle 2-core machine (5 when shared, load average 1.5-6).
          ("benchmarks/results/local-pair/auto-cpu.json",), 6 * 60),
+    Step("auto-cpu-long", "auto-cpu's modes at 1 and 16 requests with runs four times as long (8 requests per "
+         "running one, 128 tokens each): auto's exploration a smaller share of each run",
+         ("minedraft", "bench", "--modes", "ar,sd,psd,lookahead,auto", "--concurrency", "1,16",
+          "--requests-per-concurrency", "8", "--min-requests", "16", "--max-tokens", "128", "--rounds", "2",
+          "-k", "3", "--json", "benchmarks/results/local-pair/auto-cpu-long.json"),
+         # About 8 minutes on an idle 2-core machine.
+         ("benchmarks/results/local-pair/auto-cpu-long.json",), 10 * 60),
     Step("lookahead-cpu", "lookahead against sd on the local pair, step by step: one engine, the modes interleaved",
          ("python", "benchmarks/lookahead_timeline.py", "--modes", "sd,lookahead,lookahead!,lookahead@8", "--rounds",
           "3", "--json", "benchmarks/results/local-pair/lookahead-timeline.json"),
