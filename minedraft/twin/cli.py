@@ -134,6 +134,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{','.join(DEFAULT_FAMILIES)}; vllm-ar is plain decoding in vLLM itself, psd-async the "
                         "engine's psd with --async-psd-steps); auto always runs unless --no-auto")
     parser.add_argument("--no-auto", action="store_true")
+    parser.add_argument("--confirm", action="store_true",
+                        help="measure the fixed settings within 3%% of their family's best again over auto's window "
+                        "(1,500 steps, not 240) before they are listed: the best of many short windows is biased "
+                        "upward, so compare auto with the fixed modes this way (slower)")
     parser.add_argument("--lookahead-fanout", type=int, default=None,
                         help="lookahead: the most branches pre-drafted per request per round (the engine's "
                         "--lookahead-fanout; its core drafts fewer where measured drafter time would not hide behind "
@@ -247,7 +251,7 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
         if fanout is not None and not 1 <= fanout <= MAX_LOOKAHEAD_FANOUT:
             raise CurveError("lookahead_fanout", f"must be between 1 and {MAX_LOOKAHEAD_FANOUT}, got {fanout}")
         settings = SweepSettings(concurrencies=concurrencies, ks=ks, families=families, with_auto=not args.no_auto,
-                                 workload=workload, seed=args.seed,
+                                 workload=workload, seed=args.seed, confirm=args.confirm,
                                  lookahead=LookaheadOptions() if fanout is None else LookaheadOptions(fanout=fanout))
     except ValueError as exc:
         raise CurveError(str(exc).split(":", 1)[0], str(exc).split(":", 1)[-1].strip()) from None

@@ -122,3 +122,22 @@ def test_trace_bands_parse_and_refuse_nonsense() -> None:
     assert parse_trace("# day\n60,2\n\n30, 10.5  # burst\n") == [Band(60.0, 2.0), Band(30.0, 10.5)]
     with pytest.raises(ValueError, match="line 1"):
         parse_trace("60;2")
+
+
+def test_plan_confirm_measures_each_familys_contenders_again_and_leaves_the_rest(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--curves", H200, "--target", "qwen3-32b", "--drafter", "qwen3-1.7b", "--concurrency", "4",
+            "-k", "1,3,5", "--modes", "sd,psd", "--no-auto", "--json"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)["loads"][0]["modes"]
+    assert main([*argv, "--confirm"]) == 0
+    confirmed = json.loads(capsys.readouterr().out)["loads"][0]["modes"]
+    assert set(plain) == set(confirmed)
+    best = {family: max(v["tokens_per_s"] for label, v in plain.items() if label.startswith(family + "-"))
+            for family in ("sd", "psd")}
+    again = {label for label, v in plain.items() if v["tokens_per_s"] >= 0.97 * best[label.split("-k")[0]]}
+    assert again and again != set(plain)
+    for label in plain:
+        if label not in again:
+            assert confirmed[label] == plain[label], label
+    assert any(confirmed[label]["tokens_per_s"] != plain[label]["tokens_per_s"] for label in again)
