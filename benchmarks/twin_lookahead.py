@@ -14,7 +14,7 @@ the drafter's second choice with probability c, else a token no candidate list h
 Sections (each writes its own JSON under benchmarks/results/gpu-twin/; `report` writes lookahead.md from them):
     python benchmarks/twin_lookahead.py vs-sd     # lookahead at its best k vs sd at its best k, 8-64 requests
     python benchmarks/twin_lookahead.py band      # the same across coverage (hit rates ~0.55-0.85)
-    python benchmarks/twin_lookahead.py auto [--curves NAME ...] [--loads 1,2,...]
+    python benchmarks/twin_lookahead.py auto [--curves NAME ...] [--loads 1,2,...] [--auto-only]
                                                   # auto vs the best fixed mode and vllm-sd at 1-256, five curve files
     python benchmarks/twin_lookahead.py fanout8   # lookahead with --lookahead-fanout 8 (no backups)
     python benchmarks/twin_lookahead.py report
@@ -177,16 +177,45 @@ def auto_sweep(costs: StepCosts, lookahead: LookaheadOptions | None = None,
         row = {"concurrency": load.concurrency, "best_fixed": run_row(top), "by_family": by_family,
                "vllm_sd": run_row(vllm)}
         for name, run in (("auto", auto), ("auto_without_lookahead", without)):
-            mode, k = run.main_setting
-            row[name] = {"tokens_per_s": round(run.tokens_per_s, 1), "runs": f"{mode}-k{k}" if k else mode,
-                         "steps_by_setting": run.steps_by_setting,
-                         "over_best_fixed": round(run.tokens_per_s / top.tokens_per_s, 3),
-                         "over_vllm_sd": round(run.tokens_per_s / vllm.tokens_per_s, 3)}
+            row[name] = auto_entry(run, top.tokens_per_s, vllm.tokens_per_s)
         log(f"c={load.concurrency}: auto {auto.tokens_per_s:.0f} ({auto.tokens_per_s / top.tokens_per_s:.3f}x best "
             f"{top.mode}, {auto.tokens_per_s / vllm.tokens_per_s:.3f}x {vllm.mode}); without lookahead "
             f"{without.tokens_per_s:.0f} ({without.tokens_per_s / top.tokens_per_s:.3f}x)")
         rows.append(row)
     return rows
+
+
+def auto_entry(run: RunResult, best_tokens_per_s: float, vllm_tokens_per_s: float) -> dict[str, Any]:
+    mode, k = run.main_setting
+    return {"tokens_per_s": round(run.tokens_per_s, 1), "runs": f"{mode}-k{k}" if k else mode,
+            "steps_by_setting": run.steps_by_setting,
+            "over_best_fixed": round(run.tokens_per_s / best_tokens_per_s, 3),
+            "over_vllm_sd": round(run.tokens_per_s / vllm_tokens_per_s, 3)}
+
+
+def section_auto_again(name: str, loads: tuple[int, ...] = AUTO_LOADS) -> dict[str, Any]:
+    """Auto (both entries) run again on one curve file against the fixed modes its JSON holds: what a change to auto
+    alone moves (the fixed modes do not run auto's code), in a fraction of the whole section's time."""
+    log(f"auto again: {AUTO_FILES[name]}, loads {loads}")
+    path = OUT / f"lookahead-auto-{name}.json"
+    data = json.loads(path.read_text())
+    costs = costs_of(parse_curves(auto_curves(name), name))
+    settings = SweepSettings(concurrencies=loads, ks=KS)
+    acceptance = AcceptanceModel.constant(ACCEPTANCE)
+    for row in data["rows"]:
+        if row["concurrency"] not in loads:
+            continue
+        for entry, modes in (("auto", None), ("auto_without_lookahead", ("ar", "sd", "psd"))):
+            auto = AutoSettings(k_candidates=KS) if modes is None else AutoSettings(k_candidates=KS,
+                                                                                  allowed_modes=modes)
+            run = run_concurrency(costs, acceptance, "auto", 0, row["concurrency"], settings.workload,
+                                  settings.auto_warmup_steps, settings.auto_measure_steps, settings.seed, auto=auto,
+                                  lookahead=LookaheadOptions())
+            row[entry] = auto_entry(run, row["best_fixed"]["tokens_per_s"], row["vllm_sd"]["tokens_per_s"])
+        log(f"c={row['concurrency']}: auto {row['auto']['tokens_per_s']:.0f} "
+            f"({row['auto']['over_best_fixed']:.3f}x best, {row['auto']['over_vllm_sd']:.3f}x vllm-sd)")
+    data["auto_command"] = f"{COMMAND} auto --curves {name} --auto-only"
+    return data
 
 
 def section_auto(name: str, loads: tuple[int, ...] = AUTO_LOADS) -> dict[str, Any]:
@@ -264,7 +293,9 @@ def report() -> str:
         data = json.loads(path.read_text())
         rows = data["rows"]
         lines += [f"## Auto vs the best fixed mode and vLLM's colocated SD: {title}", "",
-                  f"`{data['command']}`. Best fixed: the best of ar, sd, psd and lookahead at any k (the engine's "
+                  f"`{data['command']}`"
+                  + (f" (auto's entries from `{data['auto_command']}`)" if "auto_command" in data else "")
+                  + ". Best fixed: the best of ar, sd, psd and lookahead at any k (the engine's "
                   "synchronous modes, its drafter on a GPU of its own); vllm-sd: vLLM's SD with the drafter on the "
                   "target's GPU (per replica, best k). Auto: AutoSettings' defaults (ar, sd, psd, lookahead); "
                   "auto (ar, sd, psd): without lookahead. Every fixed setting runs 40 + 200 steps (at least 8,000 "
@@ -303,6 +334,8 @@ def main() -> None:
     parser.add_argument("--curves", choices=tuple(AUTO_FILES), action="append",
                         help="auto: the curve files to run (default: every one)")
     parser.add_argument("--loads", help="auto: comma-separated requests (default 1-256); other loads' rows are kept")
+    parser.add_argument("--auto-only", action="store_true",
+                        help="auto: run auto again against the fixed modes already in each file's JSON")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     jobs: dict[str, Any] = {}
@@ -311,7 +344,8 @@ def main() -> None:
     if args.section in ("auto", "all"):
         loads = tuple(int(x) for x in args.loads.split(",")) if args.loads else AUTO_LOADS
         for slug in args.curves or AUTO_FILES:
-            jobs[f"auto-{slug}"] = lambda slug=slug: section_auto(slug, loads)
+            section = section_auto_again if args.auto_only else section_auto
+            jobs[f"auto-{slug}"] = lambda slug=slug, section=section: section(slug, loads)
     for name, fn in jobs.items():
         started = time.time()
         data = fn()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from minedraft.engine.control.auto import AutoController, AutoSettings, Decision
+from minedraft.engine.control.cost_model import Prediction
 from minedraft.engine.control.stats import StepRecord
 
 # V(tokens) = A + B * tokens (memory-bound: speculation pays); a draft of length k over n requests costs
@@ -158,6 +159,10 @@ def test_settings_are_validated() -> None:
         AutoSettings(allowed_modes=("vllm-sd",))
     with pytest.raises(ValueError, match="k_candidates"):
         AutoSettings(k_candidates=(0, 1))
+    with pytest.raises(ValueError, match="noise_margin_factor"):
+        AutoSettings(noise_margin_factor=-1)
+    with pytest.raises(ValueError, match="prediction_spread_weight"):
+        AutoSettings(prediction_spread_weight=0)
 
 
 def test_a_load_far_from_any_measured_one_gets_the_other_modes_probed() -> None:
@@ -293,3 +298,51 @@ def test_a_load_shift_is_decided_on_at_once_and_on_the_new_load_alone(shift: boo
         decision = controller.on_step(engine.next_record(controller.mode, controller.k), engine.num_running)
         decisions += [decision] if decision else []
     assert len(policy_switches(decisions)) <= 4
+
+
+
+class ScriptedCosts:
+    """A cost model whose predictions for sd k=2 and psd k=2 at any load are given, decision by decision."""
+
+    def __init__(self) -> None:
+        self.current = (0.0, 0.0)
+        self.lookahead_fanout = 1
+
+    def predict_all(self, num_running: int, modes: tuple[str, ...], ks: tuple[int, ...],
+                    fanouts: tuple[int, ...] = (1,)) -> list[Prediction]:
+        sd, psd = self.current
+        return [Prediction("sd", 2, sd, 1.0, sd), Prediction("psd", 2, psd, 1.0, psd)]
+
+    def extrapolated(self, *args: object) -> bool:
+        return False
+
+
+def decide_through(controller: AutoController, costs: ScriptedCosts,
+                   script: list[tuple[float, float]]) -> list[Decision]:
+    decisions = []
+    for step, predicted in enumerate(script):
+        costs.current = predicted
+        controller._window_running, controller._window_tokens, controller._window_seconds = [8], 100, 1.0
+        controller._steps_in_choice = controller.settings.min_dwell_steps
+        decision = controller.decide(step)
+        if decision is not None:
+            decisions.append(decision)
+    return decisions
+
+
+@pytest.mark.parametrize("factor", [0.0, 1.5])
+def test_the_switch_margin_grows_with_how_far_the_predictions_move_between_decisions(factor: float) -> None:
+    """sd's prediction swinging 80 <-> 120 tok/s at one load (as a shared CPU's measured costs do): psd predicted 10%
+    above sd's last is not switched to while the margin is 1.5x the average move (~0.4); without it (factor 0, the
+    3% measured margin alone) it is. Predictions that hold still keep the 3% margin: the same 10% gain switches."""
+    settings = AutoSettings(allowed_modes=("sd", "psd"), k_candidates=(2,), measured_switch_margin=0.03,
+                            stale_after_steps=10_000, close_call_margin=None, noise_margin_factor=factor)
+    swinging = [(80.0, 50.0), (120.0, 50.0)] * 6 + [(100.0, 110.0)]
+    costs = ScriptedCosts()
+    controller = AutoController(settings, "sd", 2, cost_model=costs)  # type: ignore[arg-type]
+    switched = [d.mode for d in decide_through(controller, costs, swinging) if d.kind == "switch"]
+    assert switched == ([] if factor else ["psd"]), switched
+    steady = [(100.0, 50.0)] * 12 + [(100.0, 110.0)]
+    costs = ScriptedCosts()
+    controller = AutoController(settings, "sd", 2, cost_model=costs)  # type: ignore[arg-type]
+    assert [d.mode for d in decide_through(controller, costs, steady) if d.kind == "switch"] == ["psd"]

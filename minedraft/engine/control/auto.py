@@ -66,6 +66,13 @@ class AutoSettings:
     # extrapolated beyond `close_call_slack`): such predictions are close to what runs, and holding a setting 8%
     # slower than one measured here cost auto 5% at 256 requests on the H200 curves (sd k=1 against psd k=3).
     measured_switch_margin: float = 0.03
+    # Predictions move between decisions as fresh costs come in: on the H200 twin by 0.1-1.4% on average for one
+    # setting at one load, on a 2-core CPU by 15-20% (lookahead k=1 at one request: 141-244 tok/s over ~2,300 steps),
+    # where a 3% margin followed the noise (26-33 switches per run). The margin is at least this many times each
+    # compared setting's average relative move (an average over decisions at an unchanged load, weighted
+    # `prediction_spread_weight` to the newest); 0: off.
+    noise_margin_factor: float = 1.5
+    prediction_spread_weight: float = 0.2
     stale_after_steps: int = 1000
     # A stale mode (run before) predicted below this fraction of the current setting is not probed while a drafting
     # mode runs (acceptance is measured then; in ar it is not, and a drafting mode's price may be far off): costs
@@ -113,6 +120,9 @@ class AutoSettings:
         if self.switch_margin < 0 or self.measured_switch_margin < 0:
             raise ValueError(f"switch_margin and measured_switch_margin: must be >= 0, got {self.switch_margin} and "
                              f"{self.measured_switch_margin}")
+        if self.noise_margin_factor < 0 or not 0 < self.prediction_spread_weight <= 1:
+            raise ValueError(f"noise_margin_factor: must be >= 0, got {self.noise_margin_factor}; "
+                             f"prediction_spread_weight: must be in (0, 1], got {self.prediction_spread_weight}")
         if self.close_call_margin is not None and not 0 <= self.close_call_margin < 1:
             raise ValueError(f"close_call_margin: must be in [0, 1) or None, got {self.close_call_margin}")
         if self.close_call_slack < 1:
@@ -179,6 +189,11 @@ class AutoController:
     _close_calls: list[tuple[str, int, int, int]] = field(default_factory=list)
     # Running requests (window average) at the last decision that saw any: a load shift is measured from it.
     _decided_running: float = 0.0
+    # Per (mode, k): the load and output tokens/s of its last prediction, and the average relative move of its
+    # predictions between decisions at an unchanged load.
+    _last_predicted: dict[tuple[str, int], tuple[int, float]] = field(default_factory=dict)
+    _prediction_spread: dict[tuple[str, int], float] = field(default_factory=dict)
+    _spread_before: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def _resuming(self, record: StepRecord) -> bool:
         if record.num_decode_requests == 0:
@@ -273,6 +288,7 @@ class AutoController:
         num_running = max(1, round(running))
         predictions = self.cost_model.predict_all(num_running, self.settings.allowed_modes,
                                                   self.settings.k_candidates, self._fanouts())
+        self._track_spread(predictions, num_running)
         incumbent = self._priced(after_probe or self.setting)
         incumbent_key = incumbent
         current = next((p for p in predictions if setting_of(p) == incumbent_key), None)
@@ -286,6 +302,8 @@ class AutoController:
                 self.cost_model.extrapolated(p.mode, p.k, num_running, self.settings.close_call_slack, p.fanout)
                 for p in (best, current)):
             margin = min(margin, self.settings.measured_switch_margin)
+        if best is not None and current is not None:
+            margin = max(margin, self.settings.noise_margin_factor * max(self._spread(best), self._spread(current)))
         if best is not None and setting_of(best) != incumbent_key and (
             current is None or best.output_tokens_per_second >= current_rate * (1 + margin)
         ):
@@ -358,6 +376,24 @@ class AutoController:
 
     def _close_call_measured(self, setting: Setting, num_running: int) -> bool:
         return any((m, kk, f) == setting and self._near(load, num_running) for m, kk, f, load in self._close_calls)
+
+    def _track_spread(self, predictions: list[Prediction], num_running: int) -> None:
+        # A decision weighs the spread measured before it: a setting whose prediction has just moved (freshly
+        # measured by a probe, or better now) is not held back by that very move.
+        self._spread_before = dict(self._prediction_spread)
+        weight = self.settings.prediction_spread_weight
+        for prediction in predictions:
+            key = (prediction.mode, prediction.k)
+            rate = prediction.output_tokens_per_second
+            last = self._last_predicted.get(key)
+            if last is not None and last[0] == num_running and last[1] > 0:
+                move = abs(rate - last[1]) / last[1]
+                spread = self._prediction_spread.get(key)
+                self._prediction_spread[key] = move if spread is None else (1 - weight) * spread + weight * move
+            self._last_predicted[key] = (num_running, rate)
+
+    def _spread(self, prediction: Prediction) -> float:
+        return self._spread_before.get((prediction.mode, prediction.k), 0.0)
 
     def resume(self) -> tuple[str, int]:
         """Turned back on after fixed modes ran: the (mode, k) to carry on with, everything learned kept.
