@@ -67,10 +67,11 @@ class AutoSettings:
     # slower than one measured here cost auto 5% at 256 requests on the H200 curves (sd k=1 against psd k=3).
     measured_switch_margin: float = 0.03
     # Predictions move between decisions as fresh costs come in: on the H200 twin by 0.1-1.4% on average for one
-    # setting at one load, on a 2-core CPU by 15-20% (lookahead k=1 at one request: 141-244 tok/s over ~2,300 steps),
-    # where a 3% margin followed the noise (26-33 switches per run). The margin is at least this many times each
-    # compared setting's average relative move (an average over decisions at an unchanged load, weighted
-    # `prediction_spread_weight` to the newest); 0: off.
+    # setting at one load; on a 2-core CPU by ~20% (lookahead k=1 at one request, in auto's logged decisions:
+    # 141-244 tok/s over ~2,300 steps), where a 3% margin followed the noise (12 of 28 decisions in a run were
+    # switches, 10 of them for predicted gains of 3-22%). The margin is at least this many times each compared
+    # setting's average relative move (over decisions at an unchanged load, weighted `prediction_spread_weight` to
+    # the newest); 0: off.
     noise_margin_factor: float = 1.5
     prediction_spread_weight: float = 0.2
     stale_after_steps: int = 1000
