@@ -300,7 +300,6 @@ def test_a_load_shift_is_decided_on_at_once_and_on_the_new_load_alone(shift: boo
     assert len(policy_switches(decisions)) <= 4
 
 
-
 class ScriptedCosts:
     """A cost model whose predictions for sd k=2 and psd k=2 at any load are given, decision by decision."""
 

@@ -21,6 +21,8 @@ def test_a_draft_is_the_chain_of_top_choices_and_its_candidates_rank_them() -> N
     assert drafted == model.draft(7, 100, 5, 3)
     assert len(ranked) == 4 and all(len(options) == 3 and len(set(options)) == 3 for options in ranked)
     assert [options[0] for options in ranked[:3]] == drafted
+    # Every row is `candidates` at its position after the token before it (the unrolled hash is `candidate`'s).
+    assert ranked == [model.candidates(7, 100 + i, previous, 3) for i, previous in enumerate([5, *drafted])]
     # The candidates after the draft follow its last token; another previous token gives other candidates.
     assert ranked[3] == model.candidates(7, 103, drafted[-1], 3)
     assert model.candidates(7, 103, drafted[-1] + 1, 3) != ranked[3]
