@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from minedraft.engine.drafter.torch_backend import DTYPES, TorchLlamaDrafter, _rms_norm, _rotate_half, _Slot
+from minedraft.engine.drafter.torch_backend import DTYPES, TorchLlamaDrafter, _rms_norm, _Slot
 
 DEFAULT_NUM_SINK_TOKENS = 4
 # Positions a job may roll back (rejected drafts rewritten): at least the longest draft (MAX_NUM_SPECULATIVE_TOKENS).
@@ -61,9 +61,9 @@ class WindowedTorchDrafter(TorchLlamaDrafter):
         self.embed = self.embed.to(device)
         self.final_norm = self.final_norm.to(device)
         self.lm_head = self.lm_head.to(device)
-        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        self.cos, self.sin_signed = self.cos.to(device), self.sin_signed.to(device)
         for layer in self.layers:
-            for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "q_norm", "k_norm"):
+            for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "q_norm", "k_norm", "qk_norm"):
                 value = getattr(layer, name)
                 if value is not None:
                     setattr(layer, name, value.to(device))
@@ -147,8 +147,7 @@ class WindowedTorchDrafter(TorchLlamaDrafter):
         starts = positions[:, 0]
         sinks, window = self.num_sink_tokens, self.window
         x = self.embed[tokens]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self._rope_at(positions)
         query = positions.view(batch, num, 1)
 
         def visible(key_positions: torch.Tensor) -> torch.Tensor:
@@ -169,18 +168,8 @@ class WindowedTorchDrafter(TorchLlamaDrafter):
         write_slots = slot_ids.view(batch, 1).expand(batch, num)[write]
         write_index = self._ring_index(positions)[write]
         q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
-            h = _rms_norm(x, layer.input_norm, self.eps)
-            q, k, v = (h @ layer.qkv.T).split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(batch, num, self.num_heads, self.head_dim).transpose(1, 2)
-            k = k.view(batch, num, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = v.view(batch, num, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q = _rms_norm(q, layer.q_norm, self.eps)
-                k = _rms_norm(k, layer.k_norm, self.eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k, v = self._attention_inputs(layer, x, cos, sin)
             keys = torch.cat([k_cache.index_select(0, slot_ids), k], dim=2)
             values = torch.cat([v_cache.index_select(0, slot_ids), v], dim=2)
             attn = F.scaled_dot_product_attention(
