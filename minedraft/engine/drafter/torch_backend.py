@@ -57,6 +57,15 @@ def _weight_or_none(module: Any, name: str) -> torch.Tensor | None:
     return None if norm is None else norm.weight.detach().clone()
 
 
+def _consecutive(slot_ids: torch.Tensor) -> slice | None:
+    """The slice of cache rows `slot_ids` names when they are consecutive and ascending (a view then does what an
+    index_select copy would), else None."""
+    ids = slot_ids.tolist()
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return slice(ids[0], ids[0] + len(ids))
+    return None
+
+
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """sin with its first half negated. RoPE in transformers' layout is x * cos + rotate_half(x) * sin, where
     rotate_half(x) = cat(-x2, x1) for x's halves x1, x2; that equals x * cos + x.roll(half, -1) * signed sin: one roll
@@ -220,16 +229,31 @@ class TorchLlamaDrafter:
             mask = (key_positions.view(1, 1, 1, -1) <= positions.view(batch, 1, num, 1)) & valid.view(batch, 1, num, 1)
         else:
             key_len = mask.shape[-1]
-        write_slots = slot_ids.view(batch, 1).expand(batch, num)[valid]
-        write_positions = (positions if cache_index is None else cache_index)[valid]
+        # Most forwards (every draft step) have no padding: plain reshapes then, not boolean indexing (a nonzero()
+        # and a gather per tensor, which on a one-layer drafter are a visible share of a forward).
+        all_valid = bool(valid.all())
+        where = positions if cache_index is None else cache_index
+        if all_valid:
+            write_slots, write_positions = slot_ids.repeat_interleave(num), where.reshape(-1)
+        else:
+            write_slots, write_positions = slot_ids.view(batch, 1).expand(batch, num)[valid], where[valid]
+        rows = _consecutive(slot_ids)
         q_size = self.num_heads * self.head_dim
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
             q, k, v = self._attention_inputs(layer, x, cos, sin)
-            k_cache[write_slots, :, write_positions] = k.transpose(1, 2)[valid]
-            v_cache[write_slots, :, write_positions] = v.transpose(1, 2)[valid]
-            # (index_select copies whole rows: several times faster on CPUs than advanced indexing with slices.)
-            keys = k_cache[:, :, :key_len].index_select(0, slot_ids)
-            values = v_cache[:, :, :key_len].index_select(0, slot_ids)
+            new_k, new_v = k.transpose(1, 2), v.transpose(1, 2)
+            if all_valid:
+                new_k, new_v = new_k.flatten(0, 1), new_v.flatten(0, 1)
+            else:
+                new_k, new_v = new_k[valid], new_v[valid]
+            k_cache[write_slots, :, write_positions] = new_k
+            v_cache[write_slots, :, write_positions] = new_v
+            if rows is not None:  # the slots side by side (one request, always): a view, no copy
+                keys, values = k_cache[rows, :, :key_len], v_cache[rows, :, :key_len]
+            else:
+                # (index_select copies whole rows: several times faster on CPUs than advanced indexing with slices.)
+                keys = k_cache[:, :, :key_len].index_select(0, slot_ids)
+                values = v_cache[:, :, :key_len].index_select(0, slot_ids)
             attn = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads
             )
