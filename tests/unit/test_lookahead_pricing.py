@@ -3,6 +3,7 @@ step's arithmetic (the whole batch verified beside an R x F branch job) on hand-
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -267,3 +268,39 @@ def test_a_stale_mode_predicted_far_below_the_running_one_is_not_probed() -> Non
     assert controller(0.5).decide(step=1000) is None
     probe = controller(None).decide(step=1000)
     assert probe is not None and probe.kind == "probe" and probe.mode == "ar"
+
+
+def test_misses_drafted_afresh_are_priced_at_an_sd_steps_tokens_and_the_wait_for_them() -> None:
+    """At one request on a CPU the engine drafts most misses from their real context and waits (a refresh): such a
+    miss makes L(k) tokens, not one, and its step lasts the wait longer. Learned per k and load from step records;
+    nothing learned (the twin never refreshes) leaves the price as it was."""
+    model = priced_model(**(CPU | {"beside_factor": 1.0}))
+    before = model.predict(LOOKAHEAD, 3, 1, fanout=4)
+    assert before is not None
+    hit = before.hit_rate
+    # Twelve steps of one request at k=3 that missed (the first two, after the switch, teach nothing): of the ten
+    # learned from, eight refreshed, each waiting 4 ms for its draft.
+    for step in range(1, 13):
+        refreshed = step > 4
+        model.observe(replace(lookahead_record(step, 0, 1, k=3, fanout=4), num_refreshed=int(refreshed),
+                              refresh_seconds=0.004 if refreshed else 0.0))
+    share, wait = model.lookahead_hits.refresh_at(3, 1)
+    assert (share, wait) == (pytest.approx(0.8, abs=0.01), pytest.approx(0.0032, abs=1e-4))
+    after = model.predict(LOOKAHEAD, 3, 1, fanout=4)
+    assert after is not None
+    hit = after.hit_rate  # (the misses taught a lower hit share too)
+    length = model.acceptance.expected_accepted_length(3)
+    assert after.tokens_per_cycle == pytest.approx(hit * length + (1 - hit) * (share * length + 1 - share))
+    assert after.tokens_per_cycle > hit * length + 1 - hit
+    # Another load saw no refreshes: priced as before; another k at this load takes k=3's share, its wait scaled by
+    # its forwards (k + 1).
+    assert model.lookahead_hits.refresh_at(3, 4) == (0.0, 0.0)
+    assert model.lookahead_hits.refresh_at(2, 1) == (pytest.approx(share), pytest.approx(wait * 3 / 4))
+    without = priced_model(**(CPU | {"beside_factor": 1.0}))
+    for step in range(1, 13):
+        without.observe(lookahead_record(step, 0, 1, k=3, fanout=4))
+    plain = without.predict(LOOKAHEAD, 3, 1, fanout=4)
+    assert plain is not None and plain.hit_rate == pytest.approx(hit)
+    assert plain.tokens_per_cycle == pytest.approx(hit * length + 1 - hit)
+    # The step with a miss lasts the refresh's wait longer (every step here has one at a hit share this low).
+    assert after.cycle_seconds - plain.cycle_seconds == pytest.approx((1 - hit) * wait, rel=1e-6)

@@ -42,10 +42,12 @@ verification: F branches of k tokens for the F likely outcomes of each request v
 root k + 1 deep; a request whose outcome matches a branch takes its draft, a miss decodes the next step without one):
     lookahead(k, F):  R (h L(k) + 1 - h) / (h^R max(S, t(R F, k)) + (1 - h^R) max(S, t(R F - m (F - 1), k + 1)))
 with S = V'(R (1 + h k)) + o'(R), m = R (1 - h) / (1 - h^R) the misses of a job holding any (their roots k + 1
-    lookahead(k, F):  R (h L(k) + 1 - h) / (h^R max(S, t(R F, k)) + (1 - h^R) max(S, t(R F - m (F - 1), k + 1)))
-derived elsewhere from the per-position acceptance and the drafter's rank of the target's token, `branch_hit_rate`);
-where misses are verified with a backup branch or padded, the verification holds that measured share of k-token
-proposals instead of h (their tokens are priced, their gains are not).
+deep), and h the hit share (measured, or derived from the per-position acceptance and the drafter's rank of the
+target's token, `branch_hit_rate`); where misses are verified with a backup branch or padded, the verification holds
+that measured share of k-token proposals instead of h (their tokens are priced, their gains are not). Where the
+engine drafts a step's misses afresh and waits for that draft (a refresh, measured per k and load: a share r of the
+misses, w seconds per step with a miss), a refreshed miss makes L(k) rather than 1: R (h L(k) + (1 - h)(r L(k) + 1
+- r)) tokens, and steps with a miss last w longer.
 """
 
 from __future__ import annotations
@@ -317,6 +319,8 @@ class LookaheadHits:
     # lookahead k=3 and k=4 on that noise (0.955 of the best fixed mode at one request, drafter x2 curves).
     decay: float = 0.999
     min_requests: float = 32.0
+    # Misses seen at a (k, load) before its refresh share counts (a 12-step probe at one request sees ~5).
+    min_misses: float = 4.0
     # The weight, in decoded requests, of the prior a measured hit share is shrunk towards (`hit_rate`).
     prior_requests: float = 64.0
     # (k, F) -> [hits, decoded requests], decayed
@@ -329,6 +333,34 @@ class LookaheadHits:
     # verified with its branch and only the root of one that missed (psd/lookahead.py), and fewer where outcomes
     # are unlikely (under MIN_BRANCH_PROBABILITY) or the core narrowed the fan-out.
     job_items: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    # (k, decoding requests) -> [misses refreshed, misses, refresh seconds, steps with a miss], decayed: how often
+    # the engine drafts a step's misses from their real context and waits for that draft (core._refresh_misses: where
+    # misses are most of the batch, so at one request nearly every miss) and how long it waits. A refreshed miss is
+    # verified with a draft like an sd step's; priced at one token as if verified at once, lookahead at one request
+    # on a CPU was predicted at 250-320 tok/s where it ran 349 (1.31x sd), and auto held it at k=2 (0.78x).
+    refreshes: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+
+    def observe_refresh(self, k: int, requests: int, misses: int, refreshed: int, seconds: float) -> None:
+        if requests <= 0 or misses <= 0 or k <= 0:
+            return
+        counts = self.refreshes.setdefault((k, requests), [0.0, 0.0, 0.0, 0.0])
+        keep = self.decay ** requests
+        counts[0] = counts[0] * keep + min(refreshed, misses)
+        counts[1] = counts[1] * keep + misses
+        counts[2] = counts[2] * keep + max(0.0, seconds)
+        counts[3] = counts[3] * keep + 1.0
+
+    def refresh_at(self, k: int, requests: int) -> tuple[float, float]:
+        """(share of misses refreshed, refresh seconds per step with a miss) at this k and load: measured; at a k
+        not measured at this load, the nearest measured k's share, its wait scaled by the forwards a k-token draft
+        takes (k + 1 with the candidates); (0, 0) where none was measured at this load (nothing refreshed: the twin
+        verifies misses at once)."""
+        measured = {kk: c for (kk, rr), c in self.refreshes.items() if rr == requests and c[1] >= self.min_misses}
+        if not measured:
+            return 0.0, 0.0
+        near = k if k in measured else min(measured, key=lambda kk: (abs(kk - k), kk))
+        refreshed, misses, seconds, steps = measured[near]
+        return refreshed / misses, seconds / steps * (k + 1) / (near + 1)
 
     def observe_job_items(self, k: int, fanout: int, items: int, requests: int) -> None:
         if requests <= 0 or items <= 0 or k <= 0 or fanout <= 0:
@@ -588,6 +620,8 @@ class CostModel:
         if hits + misses <= 0 or record.k <= 0:
             return
         self.lookahead_hits.observe(record.k, record.lookahead_fanout or self.lookahead_fanout, hits, hits + misses)
+        self.lookahead_hits.observe_refresh(record.k, record.num_decode_requests, misses, record.num_refreshed,
+                                            record.refresh_seconds)
         requests = record.num_decode_requests
         if requests > 0:
             share = (record.num_scheduled_tokens / requests - 1.0) / record.k
@@ -787,7 +821,11 @@ class CostModel:
         """Every step verifies the whole batch (hits with their branch's k tokens, misses with none) while the
         drafter drafts the next round's branches beside it; the step lasts the longer of the two."""
         hit = self.lookahead_hit_rate(k, fanout)
-        tokens = num_running * (hit * self.acceptance.expected_accepted_length(k) + (1.0 - hit))
+        accepted_length = self.acceptance.expected_accepted_length(k)
+        # A miss verified at once makes one token (what its backup gets accepted is not counted); one drafted afresh
+        # while the step waits (a refresh, engine only) makes an sd step's worth, at that wait.
+        refreshed, refresh_wait = self.lookahead_hits.refresh_at(k, num_running)
+        tokens = num_running * (hit * accepted_length + (1.0 - hit) * (refreshed * accepted_length + 1.0 - refreshed))
         proposed = self.lookahead_hits.proposed_share(k, hit)
         verify = self._shaped_verify_seconds(BESIDE, num_running, 1.0 + proposed * k) or 0.0
         overhead = self._curve(self.overhead, BESIDE).predict(num_running) or 0.0
@@ -806,7 +844,7 @@ class CostModel:
         mixed = self._draft_seconds((num_running - misses) * per_hit + misses, k + 1) if all_hit < 1.0 else 0.0
         only_hits = self._draft_seconds(num_running * per_hit, k) if all_hit > 0.0 else 0.0
         step = verify + overhead
-        cycle = all_hit * max(step, only_hits) + (1.0 - all_hit) * max(step, mixed)
+        cycle = all_hit * max(step, only_hits) + (1.0 - all_hit) * (max(step, mixed) + refresh_wait)
         if cycle <= 0:
             return None
         return Prediction(LOOKAHEAD, k, tokens / cycle, cycle, tokens, fanout, hit)

@@ -80,6 +80,10 @@ class StepRecord:
     # (newcomers, misses, the drafter late or down): hit rate = hits / (hits + misses).
     num_branch_hits: int = 0
     num_branch_misses: int = 0
+    # Of the misses, those verified with a draft from their real context the step waited for (a refresh), and that
+    # wait's seconds (part of wait_seconds).
+    num_refreshed: int = 0
+    refresh_seconds: float = 0.0
     # Of this step's verifications with candidates: the bonus token was among the drafter's top-F after a full
     # acceptance (covered / all), and after a rejection (the rejected draft token excluded): what pricing needs
     # beside per-position acceptance to derive a hit rate.

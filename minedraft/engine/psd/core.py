@@ -403,6 +403,8 @@ class SpeculationCore:
             num_branch_hits=sum(1 for rid in plan.branches
                                 if rid in num_sampled and rid not in plan.backups and rid not in plan.refreshed),
             num_branch_misses=sum(1 for rid in plan.branch_misses if rid in num_sampled),
+            num_refreshed=sum(1 for rid in plan.refreshed if rid in num_sampled),
+            refresh_seconds=timing.refresh_seconds,
             num_bonus_after_full=bonus[0],
             num_bonus_covered_after_full=bonus[1],
             num_bonus_after_reject=bonus[2],
