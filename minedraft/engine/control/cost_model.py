@@ -333,17 +333,18 @@ class LookaheadHits:
     # verified with its branch and only the root of one that missed (psd/lookahead.py), and fewer where outcomes
     # are unlikely (under MIN_BRANCH_PROBABILITY) or the core narrowed the fan-out.
     job_items: dict[tuple[int, int], list[float]] = field(default_factory=dict)
-    # (k, decoding requests) -> [misses refreshed, misses, refresh seconds, steps with a miss], decayed: how often
-    # the engine drafts a step's misses from their real context and waits for that draft (core._refresh_misses: where
+    # decoding requests -> k -> [misses refreshed, misses, refresh seconds, steps with a miss], decayed (keyed by load
+    # first: a price reads one load's few k's, and predict_all prices dozens of settings a decision): how often the
+    # engine drafts a step's misses from their real context and waits for that draft (core._refresh_misses: where
     # misses are most of the batch, so at one request nearly every miss) and how long it waits. A refreshed miss is
     # verified with a draft like an sd step's; priced at one token as if verified at once, lookahead at one request
     # on a CPU was predicted at 250-320 tok/s where it ran 349 (1.31x sd), and auto held it at k=2 (0.78x).
-    refreshes: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    refreshes: dict[int, dict[int, list[float]]] = field(default_factory=dict)
 
     def observe_refresh(self, k: int, requests: int, misses: int, refreshed: int, seconds: float) -> None:
         if requests <= 0 or misses <= 0 or k <= 0:
             return
-        counts = self.refreshes.setdefault((k, requests), [0.0, 0.0, 0.0, 0.0])
+        counts = self.refreshes.setdefault(requests, {}).setdefault(k, [0.0, 0.0, 0.0, 0.0])
         keep = self.decay ** requests
         counts[0] = counts[0] * keep + min(refreshed, misses)
         counts[1] = counts[1] * keep + misses
@@ -355,7 +356,7 @@ class LookaheadHits:
         not measured at this load, the nearest measured k's share, its wait scaled by the forwards a k-token draft
         takes (k + 1 with the candidates); (0, 0) where none was measured at this load (nothing refreshed: the twin
         verifies misses at once)."""
-        measured = {kk: c for (kk, rr), c in self.refreshes.items() if rr == requests and c[1] >= self.min_misses}
+        measured = {kk: c for kk, c in self.refreshes.get(requests, {}).items() if c[1] >= self.min_misses}
         if not measured:
             return 0.0, 0.0
         near = k if k in measured else min(measured, key=lambda kk: (abs(kk - k), kk))
