@@ -204,14 +204,19 @@ SPECULATION: list[Panel] = [
            (f'sum by (pod) (rate(minedraft_drafter_batches_total{{{DRAFTER}}}[{RI}]))', "{{pod}} batches"),
            (f'sum by (pod) (rate(minedraft_drafter_shared_batches_total{{{DRAFTER}}}[{RI}]))',
             "{{pod}} batches of several engines"),
-           (f'sum by (pod) (rate(minedraft_drafter_busy_total{{{DRAFTER}}}[{RI}]))', "{{pod}} answered busy")],
-          "Per pool replica: draft jobs answered, batched forwards, those carrying more than one engine's jobs, and "
-          "jobs answered busy (queue full or queued past the engine's deadline: that engine drafts less).", width=8),
+           (f'sum by (pod) (rate(minedraft_drafter_busy_total{{{DRAFTER}}}[{RI}]))', "{{pod}} answered busy"),
+           (f'sum by (pod) (rate(minedraft_drafter_optional_items_dropped_total{{{DRAFTER}}}[{RI}]))',
+            "{{pod}} extra branches dropped")],
+          "Per pool replica: draft jobs answered, batched forwards, those carrying more than one engine's jobs, "
+          "jobs answered busy (queue full or queued past the engine's deadline: that engine drafts less), and "
+          "lookahead branches beyond a request's likeliest left out of shared batches.", width=8),
     Panel("Drafter pool: utilisation", "percentunit",
           [(f'sum by (pod) (rate(minedraft_drafter_drafting_seconds_total{{{DRAFTER}}}[{RI}]))',
-            "{{pod}} utilisation")],
-          "Share of time each pool replica spends drafting (the signal the pool's autoscaling reads).", width=8,
-          min=0, max=1),
+            "{{pod}} utilisation"),
+           (f'sum by (pod) (rate(minedraft_drafter_optional_drafting_seconds_total{{{DRAFTER}}}[{RI}]))',
+            "{{pod}} on lookahead's extra branches")],
+          "Share of time each pool replica spends drafting, and the part of it on lookahead's extra branches "
+          "(drafted only when no other job waits; the pool's autoscaling reads the rest).", width=8, min=0, max=1),
     Panel("Drafter pool: mean batch size", "short",
           [(f'sum by (pod) (rate(minedraft_drafter_batch_requests_total{{{DRAFTER}}}[{RI}])) / '
             f'sum by (pod) (rate(minedraft_drafter_batches_total{{{DRAFTER}}}[{RI}]))', "{{pod}} requests/batch")],

@@ -44,6 +44,11 @@ class DrafterServiceCollector(Collector):
             ("busy", "Jobs answered busy (queue full or queued past the engine's deadline).", c.busy_replies),
             ("sessions_expired", "Engine sessions dropped after a silence.", c.sessions_expired),
             ("drafting_seconds", "Seconds spent drafting (utilisation: its rate).", c.drafting_seconds),
+            ("optional_drafting_seconds", "Of drafting_seconds, the part spent on lookahead's extra branches, drafted "
+             "only when no other job waited (spare time: the pool's autoscaler leaves it out).",
+             c.optional_drafting_seconds),
+            ("optional_items_dropped", "Lookahead's extra branches not drafted because their batch was shared or other "
+             "jobs waited.", c.optional_items_dropped),
         )
         for name, doc, value in totals:
             family = CounterMetricFamily(f"{PREFIX}_{name}", doc)

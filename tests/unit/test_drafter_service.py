@@ -521,12 +521,15 @@ def test_the_engine_presents_the_files_first_token_at_each_new_session(tmp_path)
 class BranchBackend(RecordingBackend):
     """Echoes each item's branch and tail; candidates: top_f ids per drafted position and the one after."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock | None = None) -> None:
         super().__init__()
         self.jobs: list[Any] = []
+        self.clock = clock  # advanced 10 ms per job: the service's drafting seconds
 
     def draft(self, job: Any, poll_messages: Any, on_step: Any = lambda: None) -> Any:
         self.jobs.append(job)
+        if self.clock is not None:
+            self.clock.now += 0.01
         results = [protocol.DraftResult(i.request_id, len(i.token_ids) + len(i.tail), [9] * i.num_draft_tokens, None,
                                         i.branch, list(i.tail),
                                         [list(range(job.top_f)) for _ in range(i.num_draft_tokens + 1)]
@@ -535,25 +538,66 @@ class BranchBackend(RecordingBackend):
         return results, 0.01, 0.005
 
 
-def test_lookahead_branches_cross_the_service_with_their_tails_and_candidates():
+def branch_harness() -> Harness:
     h = Harness()
-    h.backend = BranchBackend()
+    h.backend = BranchBackend(h.clock)
     h.core.server.drafter = h.backend
     assert isinstance(h.connect(b"a"), wire.Welcome)
     assert isinstance(h.connect(b"b"), wire.Welcome)
-    h.core.on_message(b"a", protocol.DraftJob(1, [
-        protocol.DraftItem("r", [1, 2, 3], 2, 0, [4, 5], 0), protocol.DraftItem("r", [], 2, 3, [6], 1)], top_f=3))
-    h.job(b"b", 1, ("r", [7, 8], 2))
+    return h
+
+
+def branch_job(job_id: int, committed: list[int], base: int = 0) -> protocol.DraftJob:
+    """Lookahead's job for request r: its likeliest branch (tail 4 5, carrying the committed delta), then another."""
+    return protocol.DraftJob(job_id, [protocol.DraftItem("r", committed, 2, base, [4, 5], 0),
+                                      protocol.DraftItem("r", [], 2, base + len(committed), [6], 1)], top_f=3)
+
+
+def test_lookahead_branches_cross_the_service_with_their_tails_and_candidates():
+    h = branch_harness()
+    h.core.on_message(b"a", branch_job(1, [1, 2, 3]))
     h.run()
     (job,) = h.backend.jobs
-    assert job.top_f == 3, "merged: the largest top_f asked for"
-    assert [(i.tail, i.branch, list(i.token_ids)) for i in job.items][:2] == [([4, 5], 0, [1, 2, 3]),
-                                                                               ([6], 1, [1, 2, 3])]
+    assert job.top_f == 3
+    assert [(i.tail, i.branch, list(i.token_ids)) for i in job.items] == [([4, 5], 0, [1, 2, 3]), ([6], 1, [1, 2, 3])]
     (ra,) = [m for m in h.take(b"a") if isinstance(m, protocol.DraftReply)]
     assert [(r.request_id, r.branch, r.tail, r.context_num_tokens) for r in ra.results] == [("r", 0, [4, 5], 5),
                                                                                             ("r", 1, [6], 4)]
     assert all(len(r.candidates) == 3 and all(len(c) == 3 for c in r.candidates) for r in ra.results)
+    # Alone, the extra branch ran: its share of the batch's drafted tokens (tail + drafts: 3 of 7) is counted apart.
+    counters = h.core.counters
+    assert counters.drafting_seconds == pytest.approx(0.01)
+    assert counters.optional_drafting_seconds == pytest.approx(0.01 * 3 / 7)
+    assert counters.optional_items_dropped == 0
+    # The service holds committed tokens only: the tails never entered the stored context.
+    assert list(h.core.server.contexts.values()) == [[1, 2, 3]]
+
+
+def test_a_shared_batch_drafts_each_requests_likeliest_branch_only():
+    h = branch_harness()
+    h.core.on_message(b"a", branch_job(1, [1, 2, 3]))
+    h.job(b"b", 1, ("r", [7, 8], 2))
+    h.run()
+    (job,) = h.backend.jobs
+    assert job.top_f == 3, "merged: the largest top_f asked for"
+    assert [(i.branch, i.tail) for i in job.items] == [(0, [4, 5]), (0, [])], "a's extra branch dropped"
+    (ra,) = [m for m in h.take(b"a") if isinstance(m, protocol.DraftReply)]
+    assert [(r.branch, r.tail) for r in ra.results] == [(0, [4, 5])]
     (rb,) = [m for m in h.take(b"b") if isinstance(m, protocol.DraftReply)]
     assert rb.results[0].candidates == [] and rb.results[0].tail == [], "b asked for no candidates"
-    # The service holds committed tokens only: the tails never entered a's stored context.
+    counters = h.core.counters
+    assert (counters.optional_items_dropped, counters.optional_drafting_seconds) == (1, 0.0)
+    assert counters.drafting_seconds == pytest.approx(0.01)
+    # Dropped, not forgotten: the delta its items carried was taken in (a's next job builds on it).
     assert sorted(h.core.server.contexts.values()) == [[1, 2, 3], [7, 8]]
+
+
+def test_a_job_with_work_queued_behind_it_drafts_its_likeliest_branches_only():
+    h = branch_harness()
+    h.core.on_message(b"a", branch_job(1, [1, 2, 3]))
+    h.core.on_message(b"a", branch_job(2, [7], base=3))  # (a's next job, queued behind the first)
+    first = h.core.next_batch()
+    assert first is not None and [i.branch for i in first.job.items] == [0]
+    h.core.run_batch(first, 0.0, lambda: None)
+    second = h.core.next_batch()
+    assert second is not None and [i.branch for i in second.job.items] == [0, 1], "nothing waits: all of it"

@@ -82,6 +82,38 @@ def test_a_job_arriving_while_the_drafter_is_busy_joins_the_next_round_at_the_to
     assert fourth is not second and fourth.start == pytest.approx(second.end)
 
 
+def test_a_round_drafts_a_lone_jobs_extra_branches_and_drops_them_once_another_job_joins() -> None:
+    costs = costs_of(curves(verify_ms=20.0, draft_ms=6.0, draft_ms_per_request=0.5))
+    drafter = SharedDrafter(costs)
+    drafter.join(0.0, 1, 1024.0, 3)  # busy until its end: the next jobs form the next round
+    # A lookahead job of 4 requests x 3 branches; the extra 8 make 60% of its drafted tokens.
+    lone = drafter.join(0.001, 12, 12 * 1024.0, 3, required=4, required_context_tokens=4 * 1024.0,
+                        optional_share=0.6)
+    assert lone.batch == 12 and lone.end - lone.start == pytest.approx(costs.draft_ms(12, 1024, 3) / 1000)
+    assert drafter.optional_seconds == pytest.approx(0.6 * (lone.end - lone.start))
+    joined = drafter.join(0.002, 4, 4 * 1024.0, 3)  # another replica's sd job: the round is shared now
+    assert joined is lone and joined.shared and joined.batch == 4 + 4
+    assert joined.end - joined.start == pytest.approx(costs.draft_ms(8, 1024, 3) / 1000)
+    assert drafter.optional_seconds == pytest.approx(0.0)
+    assert drafter.busy_seconds == pytest.approx(costs.draft_ms(1, 1024, 3) / 1000 + joined.end - joined.start)
+
+
+def test_lookahead_replicas_share_a_drafter_their_extra_branches_yielding_to_each_others_jobs() -> None:
+    # Drafting grows with the batch: one lookahead replica alone widens its branches into the drafter's spare time
+    # (counted as optional: its required work is about sd's); two replicas' rounds are shared, and their extra
+    # branches dropped, so their rounds stay near the size of their required work.
+    costs = costs_of(curves(verify_ms=20.0, draft_ms=6.0, draft_ms_per_request=0.3))
+    sd = run_shared(costs, ACCEPTANCE, 3, 1, 16, LONG, mode="sd")
+    one = run_shared(costs, ACCEPTANCE, 3, 1, 16, LONG, mode="lookahead")
+    assert one.optional_utilisation > 0.2 and one.drafter_utilisation > sd.drafter_utilisation
+    assert one.drafter_utilisation - one.optional_utilisation < 1.5 * sd.drafter_utilisation
+    assert one.mean_round_batch > 16 * 1.5  # branches as rows
+    two = run_shared(costs, ACCEPTANCE, 3, 2, 16, LONG, mode="lookahead")
+    assert two.jobs_per_round > 1.0
+    assert two.mean_round_batch < one.mean_round_batch * two.jobs_per_round
+    assert two.result.tokens_per_s > 1.5 * one.result.tokens_per_s
+
+
 def test_the_window_caps_the_drafters_context_but_not_vllms_colocated_drafter() -> None:
     data = curves(verify_ms=20.0, draft_ms=6.0, draft_ms_per_request=0.0)
     plain = costs_of(data)

@@ -25,6 +25,25 @@ class DraftItem(msgspec.Struct, frozen=True, array_like=True):
     branch: int = 0
 
 
+def required_items(items: list[DraftItem]) -> list[DraftItem]:
+    """Each request's first item in a job: its only one (sd, psd, a root, a catch-up chunk), or lookahead's likeliest
+    branch (an engine lists a request's branches likeliest first). The rest are extra branches: each raises the hit
+    rate a little and costs a row of every forward (a shared drafter drops them when other jobs wait)."""
+    seen: set[str] = set()
+    kept: list[DraftItem] = []
+    for item in items:
+        if item.request_id not in seen:
+            seen.add(item.request_id)
+            kept.append(item)
+    return kept
+
+
+def drafted_tokens(items: list[DraftItem]) -> int:
+    """The tokens a job's forwards take per item (its tail and its drafts; at least one): what apportions a batch's
+    time among its items."""
+    return sum(max(1, len(item.tail) + item.num_draft_tokens) for item in items)
+
+
 class DraftJob(msgspec.Struct, frozen=True, array_like=True, tag="job"):
     job_id: int
     items: list[DraftItem]

@@ -16,6 +16,11 @@ in authenticated sessions (wire.py). What the service adds to the local drafter'
   tokens and KV and its queued jobs;
 - faults: a batch that fails is re-run job by job, so a poison request from one engine costs only that engine's job
   (the drafter names the request, the engine quarantines it) and no other engine's drafts.
+- optional work yields: a lookahead engine's job carries, per request, its likeliest branch and further branches it
+  adds only because a drafter of its own would have the time for them. In a batch shared with another engine's job,
+  or while other jobs wait, only each request's first item is drafted (`protocol.required_items`): the extra
+  branches would lengthen the forward everyone's job is in. Time spent on extra branches alone is counted apart
+  (`optional_drafting_seconds`), so the pool's autoscaler does not add replicas for work that only fills spare time.
 
 ServiceCore is the service without the socket (tests drive it directly); `serve` is the thin ZMQ loop around it;
 the `minedraft drafter` command (minedraft/server/drafter_cli.py) adds the Prometheus endpoint.
@@ -90,6 +95,8 @@ class _Handshake:
 class Batch:
     parts: list[_QueuedJob]
     job: protocol.DraftJob
+    # The share of the batch's drafted tokens that are lookahead's extra branches (0 when they were dropped).
+    optional_share: float = 0.0
 
 
 @dataclass
@@ -106,6 +113,11 @@ class ServiceCounters:
     batch_requests: int = 0
     # Seconds spent drafting batches (utilisation = its rate).
     drafting_seconds: float = 0.0
+    # Of drafting_seconds, the share spent on lookahead's extra branches (apportioned by drafted tokens): drafted
+    # only in batches nobody else's work waited for, so spare time, not capacity anyone needs.
+    optional_drafting_seconds: float = 0.0
+    # Extra branches not drafted because their batch was shared or other jobs waited.
+    optional_items_dropped: int = 0
     # Per engine (by the name it gave): jobs answered, and seconds from a job's arrival to its answer.
     engine_jobs: dict[str, int] = field(default_factory=dict)
     engine_job_seconds: dict[str, float] = field(default_factory=dict)
@@ -285,7 +297,8 @@ class ServiceCore:
             session = self.sessions[session_id]
             if not session.queue:
                 continue
-            size = len(session.queue[0].job.items)
+            # (Packed by required items: shared, a batch drafts no more.)
+            size = len(protocol.required_items(session.queue[0].job.items))
             if parts and num_requests + size > self.settings.max_batch_requests:
                 break
             parts.append(session.queue.popleft())
@@ -296,11 +309,18 @@ class ServiceCore:
             self._order = deque([s for s in self._order if s not in taken] + served)
         if not parts:
             return None
-        items = [item for part in parts for item in part.job.items]
+        everything = [item for part in parts for item in part.job.items]
+        contended = len(parts) > 1 or self.queued_jobs > 0
+        required = [item for part in parts for item in protocol.required_items(part.job.items)]
+        items = required if contended else everything
+        self.counters.optional_items_dropped += len(everything) - len(items)
+        optional_share = 0.0
+        if not contended and len(items) > len(required):
+            optional_share = 1.0 - protocol.drafted_tokens(required) / protocol.drafted_tokens(items)
         # (Candidates for the largest top_f any part asked for; each part gets back as many as it asked for.)
         merged = protocol.DraftJob(next(self._job_ids), items, any(p.job.want_logprobs for p in parts),
                                    max(p.job.top_f for p in parts))
-        return Batch(parts, merged)
+        return Batch(parts, merged, optional_share)
 
     def run_batch(self, batch: Batch, idle_seconds: float, poll_messages: Callable[[], None]) -> None:
         self._current = batch
@@ -319,7 +339,9 @@ class ServiceCore:
                     self._answer(part, reply)
         finally:
             self._current = None
-        self.counters.drafting_seconds += self._clock() - started
+        seconds = self._clock() - started
+        self.counters.drafting_seconds += seconds
+        self.counters.optional_drafting_seconds += seconds * batch.optional_share
         self.counters.batch_requests += len(batch.job.items)
         self.counters.batches += 1
         self.counters.shared_batches += len({p.session_id for p in batch.parts}) > 1

@@ -2,7 +2,10 @@
 from the engines.
 
 The signal is the pool's busy share: the rate of `minedraft_drafter_drafting_seconds_total` summed over its pods is
-the number of pool replicas' worth of drafting going on; divided by the replicas, each one's busy share. A drafter's
+the number of pool replicas' worth of drafting going on; divided by the replicas, each one's busy share. Time spent on
+lookahead's extra branches (`minedraft_drafter_optional_drafting_seconds_total`) is left out: a lookahead engine widens
+its branches into whatever drafter time is free (one engine alone keeps a drafter 60-90% busy where sd keeps it 25%,
+in the twin), and the pool drafts them only when no other job waits, so that time is spare, not demand. A drafter's
 batched draft loop is nearly flat in batch, so a busy share near 1 is the pool's limit (jobs then queue and engines
 are answered busy and draft less): the pool scales up to bring the share back to the target, as the HPA algorithm
 does (desired = ceil(drafting replicas / target)), at once; it scales down one replica per evaluation, only when
@@ -45,6 +48,12 @@ class PoolObservation:
 
     drafting_replicas: float
     busy_per_second: float = 0.0
+    # Of drafting_replicas, the part spent on lookahead's extra branches (spare time: not planned for).
+    optional_replicas: float = 0.0
+
+    @property
+    def required_replicas(self) -> float:
+        return max(0.0, self.drafting_replicas - self.optional_replicas)
 
 
 @dataclass(frozen=True)
@@ -70,18 +79,21 @@ def decide_pool(policy: PoolPolicy, current: int, observation: PoolObservation |
             reason = f"{reason}, within minReplicas..maxReplicas"
         return PoolDecision(current, clamped, reason, False)
     replicas = max(current, 1)
-    utilization = observation.drafting_replicas / replicas
+    drafting = observation.required_replicas
+    utilization = drafting / replicas
     target = policy.target_utilization
-    wanted = math.ceil(observation.drafting_replicas / target - 1e-9) if observation.drafting_replicas > 0 else 0
+    wanted = math.ceil(drafting / target - 1e-9) if drafting > 0 else 0
     desired = current
     reason = f"busy share {utilization:.2f} per replica against a target of {target:.2f}"
+    if observation.optional_replicas > 0:
+        reason += f" (not counting {observation.optional_replicas / replicas:.2f} on lookahead's extra branches)"
     if utilization > target * (1 + TOLERANCE) and wanted > current:
         desired = wanted
         reason = f"{reason}: scale up to bring it to the target"
     elif observation.busy_per_second > 0 and utilization >= target:
         desired = current + 1
         reason = f"{reason}, and {observation.busy_per_second:.2f} jobs/s answered busy: one more replica"
-    elif current > 1 and observation.drafting_replicas / (current - 1) < target * (1 - TOLERANCE):
+    elif current > 1 and drafting / (current - 1) < target * (1 - TOLERANCE):
         since_up = None if last_scale_up_seconds is None else now_seconds - last_scale_up_seconds
         if since_up is not None and since_up < policy.scale_down_stabilization_seconds:
             reason = f"{reason}: would scale down, but scaled up {since_up:.0f} s ago"
@@ -105,6 +117,7 @@ def pool_queries(namespace: str, drafter: str) -> dict[str, str]:
     return {
         "drafting_replicas": f"sum(rate(minedraft_drafter_drafting_seconds_total{{{labels}}}[1m]))",
         "busy_per_second": f"sum(rate(minedraft_drafter_busy_total{{{labels}}}[1m]))",
+        "optional_replicas": f"sum(rate(minedraft_drafter_optional_drafting_seconds_total{{{labels}}}[1m]))",
     }
 
 
@@ -120,5 +133,7 @@ def observation_from_prometheus(results: Mapping[str, Sequence[Mapping[str, Any]
     drafting = scalar("drafting_replicas")
     if drafting is None:
         return None
-    return PoolObservation(drafting_replicas=max(0.0, drafting), busy_per_second=max(0.0, scalar("busy_per_second")
-                                                                                      or 0.0))
+    # (Pods of a release without the optional counter: all of their drafting counts.)
+    return PoolObservation(drafting_replicas=max(0.0, drafting),
+                           busy_per_second=max(0.0, scalar("busy_per_second") or 0.0),
+                           optional_replicas=min(max(0.0, scalar("optional_replicas") or 0.0), max(0.0, drafting)))

@@ -55,6 +55,22 @@ def test_an_idle_pool_scales_down_one_replica_at_a_time_after_the_stabilisation_
     assert decide_pool(POLICY, 1, PoolObservation(drafting_replicas=0.0), None, 1000.0).desired == 1
 
 
+def test_time_on_lookaheads_extra_branches_is_not_planned_for():
+    # One replica drafting 0.89 of its time, 0.65 of it on a lookahead engine's extra branches (the twin's figures
+    # for one engine at 32 requests): its demand is the 0.24 left, under the target; counted whole it would scale up.
+    alone = PoolObservation(drafting_replicas=0.89, optional_replicas=0.65)
+    decision = decide_pool(POLICY, 1, alone, None, 1000.0)
+    assert decision.desired == 1 and decision.utilization == 0.24
+    assert "not counting 0.65 on lookahead's extra branches" in decision.reason
+    assert decide_pool(POLICY, 1, PoolObservation(drafting_replicas=0.89), None, 1000.0).desired == 2
+    # Nor does it hold replicas up: two replicas whose required work fits one (0.5 < 0.7 * 0.9) lose one.
+    assert decide_pool(POLICY, 2, PoolObservation(drafting_replicas=1.6, optional_replicas=1.1), None,
+                       1000.0).desired == 1
+    # Required work above the target still scales up, whatever the optional part.
+    assert decide_pool(POLICY, 1, PoolObservation(drafting_replicas=1.0, optional_replicas=0.1), None,
+                       1000.0).desired == 2
+
+
 def test_without_metrics_the_pool_holds_within_its_bounds():
     decision = decide_pool(POLICY, 9, None, None, 1000.0)
     assert (decision.desired, decision.metrics_available) == (6, False)
@@ -73,6 +89,13 @@ def test_the_pool_figures_from_prometheus():
     figures = observation_from_prometheus({"drafting_replicas": [{"metric": {}, "value": [1.0, "1.25"]}],
                                            "busy_per_second": [{"metric": {}, "value": [1.0, "0.5"]}]})
     assert figures == PoolObservation(drafting_replicas=1.25, busy_per_second=0.5)
+    with_optional = observation_from_prometheus({"drafting_replicas": [{"metric": {}, "value": [1.0, "1.25"]}],
+                                                 "optional_replicas": [{"metric": {}, "value": [1.0, "0.75"]}]})
+    assert with_optional is not None and with_optional.required_replicas == 0.5
+    # (Never more optional than drafting: the two rates are read a moment apart.)
+    capped = observation_from_prometheus({"drafting_replicas": [{"metric": {}, "value": [1.0, "0.5"]}],
+                                          "optional_replicas": [{"metric": {}, "value": [1.0, "0.6"]}]})
+    assert capped is not None and capped.required_replicas == 0.0
     assert observation_from_prometheus({"drafting_replicas": [{"metric": {}, "value": [1.0, "NaN"]}]}) is None
 
 
@@ -86,6 +109,8 @@ def test_the_queries_select_only_the_pools_scrape_job():
     assert re.fullmatch(pattern.group(1), "pool-drafter")
     assert not re.fullmatch(pattern.group(1), "serving/pool-engine")
     assert not re.fullmatch(pattern.group(1), "serving/other-pool-drafter")
+    optional = pool_queries("serving", "pool-drafter")["optional_replicas"]
+    assert "minedraft_drafter_optional_drafting_seconds_total" in optional and pattern.group(1) in optional
 
 
 def drafter_deployment(doc: dict[str, Any]) -> dict[str, Any]:
