@@ -75,7 +75,9 @@ class Timeline:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--modes", default="sd,lookahead,sd,lookahead", help="lookahead@F: up to F branches")
+    parser.add_argument("--modes", default="sd,lookahead,sd,lookahead",
+                        help="lookahead@F: up to F branches; lookahead!: no refreshes; lookahead~: branch jobs sent "
+                             "after vLLM's scheduling")
     parser.add_argument("--concurrency", default="1,4")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--fanout", type=int, default=4)
@@ -143,11 +145,13 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     for number, concurrency in enumerate(int(c) for c in args.concurrency.split(",") for _ in range(args.rounds)):
         for spec in args.modes.split(","):
-            # "lookahead@8": lookahead with up to 8 branches per request; "lookahead!": misses never refreshed.
-            name, _, fanout = spec.rstrip("!").partition("@")
+            # "lookahead@8": lookahead with up to 8 branches per request; "lookahead!": misses never refreshed;
+            # "lookahead~": its branch job sent after vLLM's scheduling, never as soon as the step is planned.
+            name, _, fanout = spec.rstrip("!~").partition("@")
             core.lookahead_fanout = int(fanout or args.fanout)
             core.settings = replace(settings, lookahead_refresh_misses=settings.lookahead_refresh_misses
-                                    and not spec.endswith("!"))
+                                    and "!" not in spec)
+            core.early_branch_jobs = "~" not in spec
             engine.set_mode(Mode(name), args.k)
             records = engine.step_records()
             first = records[-1].step if records else 0

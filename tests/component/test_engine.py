@@ -11,6 +11,7 @@ import os
 import time
 from collections import Counter
 from itertools import pairwise
+from typing import Any
 
 import pytest
 
@@ -181,7 +182,21 @@ def test_lookahead_greedy_matches_target_alone_and_verifies_pre_drafted_branches
     first_step = last_step(psd)
     before = psd.totals()
     tag = f"la{batch_size}"
-    run = drive(psd, [Planned(f"{tag}-{i}", prompts[i], GREEDY) for i in range(batch_size)])
+    core = psd.psd_scheduler.core
+    early: list[bool] = []
+    send_early = core.send_branches_early
+
+    def counted(decision: Any) -> bool:
+        early.append(send_early(decision))
+        return early[-1]
+
+    core.send_branches_early = counted  # type: ignore[method-assign]
+    try:
+        run = drive(psd, [Planned(f"{tag}-{i}", prompts[i], GREEDY) for i in range(batch_size)])
+    finally:
+        del core.send_branches_early
+    # Once no prompt is left to complete, branch jobs go out as each step is planned, before vLLM schedules it.
+    assert early and all(early), early
     assert_greedy_matches([run.completions[f"{tag}-{i}"].token_ids for i in range(batch_size)],
                           references[:batch_size], f"lookahead at batch {batch_size}")
     after = psd.totals()

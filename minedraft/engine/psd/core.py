@@ -198,6 +198,10 @@ class SpeculationCore:
         self.lookahead_fanout = settings.lookahead_fanout
         # Branch jobs in flight (or abandoned and still to answer) -> the shape (fan-out, depth) they were sent with.
         self._lookahead_jobs: dict[int, tuple[int, int]] = {}
+        # Lookahead: a branch job sent as its step was planned, before the host scheduled it (send_branches_early),
+        # for commit() to take over; and whether hosts may do so (benchmarks compare both).
+        self._sent_early: _Launched | None = None
+        self.early_branch_jobs = True
         self.stats = StatsRecorder(settings.stats_history)
         self.check_invariants = settings.check_invariants
         # Steps scheduled and not yet updated, oldest first: one, or two while async PSD steps overlap.
@@ -290,6 +294,23 @@ class SpeculationCore:
         held = plan.held_out | busy if busy else plan.held_out
         return StepDecision(plan, held, widen, views)
 
+    def send_branches_early(self, decision: StepDecision) -> bool:
+        """Lookahead: send the next round's branch job as soon as the step is planned, before the host's own
+        scheduling (vLLM's, a few tenths of a millisecond a step on a CPU), through which the drafter would otherwise
+        idle: in lookahead the drafter's next job can only go out once the job just waited for has answered, so
+        whatever runs between that answer and the send is time the drafter does not draft. The host calls this only
+        where no request can complete its prompt in the step (none mid-prompt, none waiting): such a request's root
+        is known only once the host has scheduled. The job is built from the plan (every decoding request not held
+        runs, with the proposals planned); a request the host then leaves out gets branches nobody takes, which costs
+        drafter time, never correctness (a branch is a proposal). True if sent: commit() then sends none."""
+        self._sent_early = None
+        if decision.step_mode is not Mode.LOOKAHEAD or not self.early_branch_jobs:
+            return False
+        launched = _Launched(decision, self.timing, frozenset())
+        self._submit_branches(launched, None)
+        self._sent_early = launched
+        return True
+
     def commit(self, decision: StepDecision, request_ids: Iterable[str],
                verified: Mapping[str, list[int]] | None = None, now: float | None = None,
                finishing: Sequence[RequestState] = ()) -> None:
@@ -303,7 +324,11 @@ class SpeculationCore:
         self._launched.append(launched)
         if self.check_invariants and verified is not None:
             self.planner.check_step(decision.plan, decision.views, verified)
-        if decision.step_mode is Mode.LOOKAHEAD:
+        early, self._sent_early = self._sent_early, None
+        if early is not None and early.decision is decision:
+            launched.verified, launched.num_branches = early.verified, early.num_branches
+            launched.fanout, launched.depth = early.fanout, early.depth
+        elif decision.step_mode is Mode.LOOKAHEAD:
             # The drafter drafts the next round while the target verifies this one.
             self._submit_branches(launched, verified, finishing)
 

@@ -130,6 +130,10 @@ class PSDScheduler(Scheduler):
             request.next_decode_eligible_step = step_after_next if request_id in held else 0
         if self.resident_sub_batches:
             skip_token_resend(self)
+        if decision.step_mode is Mode.LOOKAHEAD and not self.waiting and all(
+                r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+            # No prompt can complete in this step: the branch job goes out now, not after vLLM's scheduling.
+            core.send_branches_early(decision)
         output = super().schedule(*args, **kwargs)
         core.commit(decision, output.num_scheduled_tokens, output.scheduled_spec_decode_tokens,
                     finishing=self._finishing_prompts(output) if decision.step_mode is Mode.LOOKAHEAD else ())

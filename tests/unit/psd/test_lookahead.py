@@ -160,6 +160,59 @@ def test_a_request_takes_the_branch_of_its_real_outcome_and_output_is_the_target
     assert all(i.tail for i in items) and len(items) <= 2 * DEFAULT_LOOKAHEAD_FANOUT
 
 
+def test_a_branch_job_sent_as_the_step_is_planned_is_the_one_commit_would_send():
+    jobs: dict[bool, list[list[tuple[str, tuple[int, ...], int]]]] = {}
+    records = {}
+    for early in (False, True):
+        world = World()
+        start(world, "a", "b")
+        core, source = make(world)
+        sent: list[list[tuple[str, tuple[int, ...], int]]] = []
+        for number in range(6):
+            if number:
+                source.answer_branches(world)
+            before = len(source.sent)
+            decision = core.schedule([world.view(rid) for rid in ("a", "b")])
+            if early:
+                assert core.send_branches_early(decision) and len(source.sent) == before + 1, "sent at planning"
+            core.commit(decision, ["a", "b"], {rid: list(p) for rid, p in decision.proposals.items()})
+            assert len(source.sent) == before + 1, "one job a step: commit sends none after an early one"
+            sent.append([(i.request_id, i.tail, i.num_draft_tokens) for i in source.sent[-1][1]])
+            _verify(core, world, decision, ["a", "b"])
+        jobs[early] = sent
+        records[early] = [(r.num_branches_drafted, r.lookahead_fanout, r.lookahead_depth, r.num_branch_hits)
+                          for r in core.stats.records()]
+        for rid in ("a", "b"):
+            assert world.tokens[rid] == [target(rid, i) for i in range(len(world.tokens[rid]))]
+    assert jobs[True] == jobs[False] and records[True] == records[False]
+    assert records[True][-1][3] == 2, "both requests hit their branch"
+    # Not for other modes: their jobs are the host's to send after the step.
+    world = World()
+    start(world, "a")
+    core, _ = make(world)
+    core.set_mode(Mode.SD)
+    assert not core.send_branches_early(core.schedule([world.view("a")]))
+
+
+def _verify(core: SpeculationCore, world: World, decision: StepDecision, rids: list[str]) -> None:
+    """The rest of `step`: greedy verification against the target, and the core's update."""
+    sampled: dict[str, int] = {}
+    for rid in rids:
+        tokens = world.tokens[rid]
+        before = len(tokens)
+        for proposed in [*decision.proposals.get(rid, []), None]:
+            right = target(rid, len(tokens))
+            tokens.append(right)
+            if proposed != right:
+                break
+        sampled[rid] = len(tokens) - before
+    after = [world.view(rid) for rid in rids]
+    core.update(decision, StepOutcome(
+        views=after, verified={rid: list(p) for rid, p in decision.proposals.items()}, num_sampled=sampled,
+        decoded=rids, num_prefill_requests=0, num_scheduled_tokens=sum(sampled.values()), verify_done_at=0.0,
+        worker_seconds=0.05, gone=(), alive={v.request_id for v in after}, update_seconds=0.001))
+
+
 def test_drafter_holds_count_committed_tokens_only():
     world = World()
     start(world, "a")
