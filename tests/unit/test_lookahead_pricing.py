@@ -95,28 +95,6 @@ def test_lookahead_wins_where_drafting_hides_behind_a_flat_verify() -> None:
     assert best.mode == LOOKAHEAD and best.fanout >= 2
 
 
-def test_lookahead_at_k_is_priced_at_the_fanout_its_core_would_choose_up_to_its_ceiling() -> None:
-    # A drafter whose job grows with its rows (a third of the target per token, on a device of its own): wide jobs
-    # outlast the verification, so the core narrows them; k=3 at the six branches it last ran at k=1 is too dear.
-    model = priced_model(**(CPU | {"beside_factor": 1.0}))
-    shapes = {f: model.predict_lookahead_shape(3, 64, f) for f in range(1, 7)}
-    rates = {f: p.output_tokens_per_second for f, p in shapes.items() if p is not None}
-    best = max(rates, key=lambda f: rates[f])
-    assert best < 6 and rates[best] > 1.05 * rates[6], rates
-    model.max_lookahead_fanout = 6
-    priced = model.predict(LOOKAHEAD, 3, 64, fanout=6)
-    assert priced is not None and priced.output_tokens_per_second == pytest.approx(rates[best])
-    assert priced.hit_rate == pytest.approx(shapes[best].hit_rate)  # type: ignore[union-attr]
-    # Named by the fan-out asked for (auto's key for the lookahead that runs), whichever the core would use.
-    assert priced.fanout == 6
-    keyed = model.predict(LOOKAHEAD, 3, 64, fanout=1)
-    assert keyed is not None and keyed.fanout == 1 and keyed.output_tokens_per_second == pytest.approx(rates[best])
-    # Without a ceiling, the fan-out asked for is the ceiling.
-    model.max_lookahead_fanout = None
-    narrow = model.predict(LOOKAHEAD, 3, 64, fanout=1)
-    assert narrow is not None and narrow.output_tokens_per_second == pytest.approx(rates[1])
-
-
 def test_lookahead_loses_where_branch_jobs_cost_as_much_as_verifying() -> None:
     model = priced_model(**CPU)
     sd = model.predict("sd", 3, 16)
@@ -186,9 +164,9 @@ def test_the_branch_job_drafts_a_hits_fanout_and_a_misss_root() -> None:
 
 def test_misses_verified_with_backups_cost_their_tokens_but_gain_nothing() -> None:
     model = priced_model(**(CPU | {"beside_factor": 1.0}))  # verification linear in tokens
-    plain = model.predict_lookahead_shape(3, 16, fanout=2)
+    plain = model.predict(LOOKAHEAD, 3, 16, fanout=2)
     model.lookahead_hits.observe_proposed(3, 1.0, requests=64)  # every miss verified with a backup's k tokens
-    backed = model.predict_lookahead_shape(3, 16, fanout=2)
+    backed = model.predict(LOOKAHEAD, 3, 16, fanout=2)
     assert plain is not None and backed is not None
     assert backed.tokens_per_cycle == pytest.approx(plain.tokens_per_cycle)
     assert backed.cycle_seconds == pytest.approx(model._shaped_verify_seconds(BESIDE, 16, 4.0), rel=1e-6)

@@ -55,7 +55,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from minedraft.engine.control.stats import StepRecord
 
@@ -533,10 +533,6 @@ class CostModel:
     # The fan-out lookahead runs with (the latest lookahead step's; before any, the engine's default
     # --lookahead-fanout): what lookahead is priced at unless other fan-outs are asked for.
     lookahead_fanout: int = DEFAULT_LOOKAHEAD_FANOUT
-    # The most branches per request the engine's core may draft (its --lookahead-fanout; None: the fan-out priced).
-    # The core picks each job's fan-out up to it from measured times, so lookahead at k is priced at the fan-out up
-    # to it that makes the most tokens per second, as the core would run it.
-    max_lookahead_fanout: int | None = None
     _previous: StepRecord | None = None
 
     @staticmethod
@@ -823,25 +819,8 @@ class CostModel:
         return Prediction(mode, k, tokens / cycle, cycle, tokens)
 
     def _predict_lookahead(self, k: int, num_running: int, fanout: int) -> Prediction | None:
-        """Lookahead at k as its core runs it: each job's fan-out chosen up to the core's ceiling
-        (`max_lookahead_fanout`, else `fanout`) from measured times, so the best of those fan-outs' predictions,
-        named by `fanout` (auto's key for the lookahead that runs). Priced at the one fan-out the core ran last, a
-        wider verification's k was priced with as many branches as a shorter one's where the core narrows them:
-        lookahead k=3 at 3,400 tok/s where it runs at 5,000, and auto ran psd at 0.87x of it (H200 curves with a
-        flatter verification, 64 requests)."""
-        ceiling = max(fanout, self.max_lookahead_fanout or fanout)
-        best: Prediction | None = None
-        for branches in range(1, ceiling + 1):
-            prediction = self.predict_lookahead_shape(k, num_running, branches)
-            if prediction is not None and (best is None or
-                                           prediction.output_tokens_per_second > best.output_tokens_per_second):
-                best = prediction
-        return None if best is None else replace(best, fanout=fanout)
-
-    def predict_lookahead_shape(self, k: int, num_running: int, fanout: int) -> Prediction | None:
         """Every step verifies the whole batch (hits with their branch's k tokens, misses with none) while the
-        drafter drafts the next round's branches beside it, `fanout` per request that hit; the step lasts the longer
-        of the two."""
+        drafter drafts the next round's branches beside it; the step lasts the longer of the two."""
         hit = self.lookahead_hit_rate(k, fanout)
         accepted_length = self.acceptance.expected_accepted_length(k)
         # A miss verified at once makes one token (what its backup gets accepted is not counted); one drafted afresh

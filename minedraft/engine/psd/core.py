@@ -184,7 +184,7 @@ class SpeculationCore:
         self.auto_settings = auto_settings or AutoSettings(**{
             "k_candidates": tuple(range(1, self.max_num_speculative_tokens + 1)), **settings.auto})
         # Fed every step in every mode, so predictions are available (and exported) before auto mode is on.
-        self.cost_model = CostModel(max_lookahead_fanout=settings.lookahead_fanout)
+        self.cost_model = CostModel()
         self.set_draft_length(settings.draft_length)
         self.async_steps = settings.async_steps
         self.auto: AutoController | None = None
@@ -557,8 +557,7 @@ class SpeculationCore:
 
     def _new_auto_controller(self) -> AutoController:
         # A private cost model learns only from auto's own steps (benchmarks: auto pays for all it knows).
-        cost_model = self.cost_model if self.auto_settings.learn_from_fixed_modes else CostModel(
-            max_lookahead_fanout=self.settings.lookahead_fanout)
+        cost_model = self.cost_model if self.auto_settings.learn_from_fixed_modes else CostModel()
         cost_model.async_psd_steps = self.async_steps
         return AutoController(self.auto_settings, self.chosen_mode.value, self.k, cost_model)
 
