@@ -159,14 +159,8 @@ class SharedDrafterClient(SimDrafter):
         reply = job.reply
         if not job.round.shared:
             return reply
-        seen: set[str] = set()
-        kept: list[protocol.DraftResult] = []
-        for result in reply.results:
-            if result.request_id not in seen:
-                seen.add(result.request_id)
-                kept.append(result)
-        return protocol.DraftReply(reply.job_id, kept, draft_seconds=job.round.end - job.round.start,
-                                   idle_seconds=reply.idle_seconds)
+        return protocol.DraftReply(reply.job_id, protocol.required_items(reply.results),
+                                   draft_seconds=job.round.end - job.round.start, idle_seconds=reply.idle_seconds)
 
     def shutdown(self) -> None:
         self.shared_jobs.clear()

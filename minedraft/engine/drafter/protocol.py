@@ -5,6 +5,9 @@ Only token ids (and, for extra drafts, the drafted tokens' log-probabilities) cr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
+
 import msgspec
 
 
@@ -25,12 +28,21 @@ class DraftItem(msgspec.Struct, frozen=True, array_like=True):
     branch: int = 0
 
 
-def required_items(items: list[DraftItem]) -> list[DraftItem]:
+class _OfRequest(Protocol):
+    @property
+    def request_id(self) -> str: ...
+
+
+_Item = TypeVar("_Item", bound=_OfRequest)
+
+
+def required_items(items: Sequence[_Item]) -> list[_Item]:
     """Each request's first item in a job: its only one (sd, psd, a root, a catch-up chunk), or lookahead's likeliest
     branch (an engine lists a request's branches likeliest first). The rest are extra branches: each raises the hit
-    rate a little and costs a row of every forward (a shared drafter drops them when other jobs wait)."""
+    rate a little and costs a row of every forward (a shared drafter drops them when other jobs wait). Results come
+    back in their items' order, so the same picks a reply's results for those items."""
     seen: set[str] = set()
-    kept: list[DraftItem] = []
+    kept: list[_Item] = []
     for item in items:
         if item.request_id not in seen:
             seen.add(item.request_id)

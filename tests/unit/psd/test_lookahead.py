@@ -104,6 +104,13 @@ def step(core: SpeculationCore, world: World, rids: list[str], gone: Sequence[st
     decision = core.schedule(views)
     assert not decision.held, "lookahead verifies the whole batch"
     core.commit(decision, rids, {rid: list(p) for rid, p in decision.proposals.items()})
+    verify(core, world, decision, rids, gone)
+    return decision
+
+
+def verify(core: SpeculationCore, world: World, decision: StepDecision, rids: list[str],
+           gone: Sequence[str] = ()) -> None:
+    """A committed step's greedy verification against the target, and the core's update (`gone`: finished in it)."""
     sampled: dict[str, int] = {}
     for rid in rids:
         tokens = world.tokens[rid]
@@ -122,7 +129,6 @@ def step(core: SpeculationCore, world: World, rids: list[str], gone: Sequence[st
                           num_scheduled_tokens=sum(sampled.values()), verify_done_at=0.0, worker_seconds=0.05,
                           gone=gone, alive={v.request_id for v in after}, update_seconds=0.001)
     core.update(decision, outcome)
-    return decision
 
 
 def start(world: World, *rids: str) -> None:
@@ -178,7 +184,7 @@ def test_a_branch_job_sent_as_the_step_is_planned_is_the_one_commit_would_send()
             core.commit(decision, ["a", "b"], {rid: list(p) for rid, p in decision.proposals.items()})
             assert len(source.sent) == before + 1, "one job a step: commit sends none after an early one"
             sent.append([(i.request_id, i.tail, i.num_draft_tokens) for i in source.sent[-1][1]])
-            _verify(core, world, decision, ["a", "b"])
+            verify(core, world, decision, ["a", "b"])
         jobs[early] = sent
         records[early] = [(r.num_branches_drafted, r.lookahead_fanout, r.lookahead_depth, r.num_branch_hits)
                           for r in core.stats.records()]
@@ -192,25 +198,6 @@ def test_a_branch_job_sent_as_the_step_is_planned_is_the_one_commit_would_send()
     core, _ = make(world)
     core.set_mode(Mode.SD)
     assert not core.send_branches_early(core.schedule([world.view("a")]))
-
-
-def _verify(core: SpeculationCore, world: World, decision: StepDecision, rids: list[str]) -> None:
-    """The rest of `step`: greedy verification against the target, and the core's update."""
-    sampled: dict[str, int] = {}
-    for rid in rids:
-        tokens = world.tokens[rid]
-        before = len(tokens)
-        for proposed in [*decision.proposals.get(rid, []), None]:
-            right = target(rid, len(tokens))
-            tokens.append(right)
-            if proposed != right:
-                break
-        sampled[rid] = len(tokens) - before
-    after = [world.view(rid) for rid in rids]
-    core.update(decision, StepOutcome(
-        views=after, verified={rid: list(p) for rid, p in decision.proposals.items()}, num_sampled=sampled,
-        decoded=rids, num_prefill_requests=0, num_scheduled_tokens=sum(sampled.values()), verify_done_at=0.0,
-        worker_seconds=0.05, gone=(), alive={v.request_id for v in after}, update_seconds=0.001))
 
 
 def test_drafter_holds_count_committed_tokens_only():
