@@ -190,15 +190,16 @@ STEPS: tuple[Step, ...] = (
          60),
     Step("gpu-twin-lookahead", "lookahead against sd at 8-64 requests, across the drafter's coverage, at fan-out 8, "
          "and auto (ar, sd, psd, lookahead) against the best fixed mode and vLLM's colocated SD at 1-256 on the H200 "
-         "curves and four files of other shapes",
+         "curves and nine files of other shapes",
          ("python", "benchmarks/twin_lookahead.py", "all"),
          ("benchmarks/results/gpu-twin/lookahead-vs-sd.json", "benchmarks/results/gpu-twin/lookahead-band.json",
           "benchmarks/results/gpu-twin/lookahead-fanout8.json",
           *(f"benchmarks/results/gpu-twin/lookahead-auto-{name}.json"
-            for name in ("shared", "drafter-x2", "eager", "drafter-x0.5", "flat-verify"))),
-         # About 35 minutes on the 2-core machine shared with other helpers' runs (the auto section's five files
-         # ~15 of them, run load by load); pure Python, no engine.
-         45 * 60),
+            for name in ("shared", "drafter-x2", "eager", "drafter-x0.5", "flat-verify", "drafter-x3",
+                         "drafter-x0.25", "steep-verify", "flatter-verify", "drafter-0.6b"))),
+         # About 50 minutes on the 2-core machine shared with other helpers' runs (the auto section's ten files
+         # ~30 of them, run load by load); pure Python, no engine.
+         65 * 60),
     Step("gpu-twin-verify-budget", "adaptive draft lengths (--draft-length adaptive: per-request length, per-step "
          "verify budget) against fixed k, each at its best k, sd and psd at 1-256 requests on the H200 curves, "
          "with heterogeneous (0.5-0.95 per request) and homogeneous (0.8) acceptance",
