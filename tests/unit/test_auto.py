@@ -109,8 +109,12 @@ def test_high_load_moves_sd_to_psd_and_stays() -> None:
     assert switches[-1][0] < 400, f"still switching late on steady load: {switches}"
     assert len(switches) <= 4, switches
     assert_probes_return(decisions)
-    # Probes are rare: each other mode about once per stale period.
-    assert sum(d.kind == "probe" for d in decisions) <= 2 * (1500 // SETTINGS.stale_after_steps + 1)
+    # Probes are rare: each other mode about once per stale period, and a setting predicted best from a shape
+    # (tokens per request) never verified at this batch measured once before it is chosen.
+    probes = [d for d in decisions if d.kind == "probe"]
+    stale = [d for d in probes if f"not measured in {SETTINGS.stale_after_steps} steps" in d.reason]
+    assert len(stale) <= 2 * (1500 // SETTINGS.stale_after_steps + 1)
+    assert len(probes) - len(stale) <= 2, [(d.step, d.reason) for d in probes]
 
 
 def test_low_load_moves_psd_to_sd_and_stays() -> None:

@@ -266,6 +266,25 @@ def test_equal_tokens_in_other_shapes_keep_their_own_costs() -> None:
     assert model._verify_seconds(32, 2, alone=False) == pytest.approx(0.0278, rel=0.01)
 
 
+def test_a_shape_two_tokens_beyond_any_measured_at_this_batch_counts_as_extrapolated() -> None:
+    # psd k=3 at 32 requests (16 x 4 a side) and sd k=2 at 32 (32 x 3): psd k=5 (16 x 6 a side) verifies 96 tokens,
+    # as many as sd's steps, but its shape never ran at 16 requests: its price is the tokens curve (32-request steps,
+    # 27.8 ms) scaled, while 16 x 6 verifies in 23.8 ms. Auto must treat that price as a guess (and measure it when
+    # it comes close), not as measured; psd k=4 (16 x 5) lies within a token per request of the measured shape.
+    model = CostModel()
+    for _ in range(3):
+        _run_shape(model, 16, 4, 10, mode="psd")
+        _run_shape(model, 32, 3, 10)
+    assert not model.widening_seen
+    assert not model.extrapolated("psd", 3, 32)
+    assert not model.extrapolated("psd", 4, 32)
+    assert model.extrapolated("psd", 5, 32)
+    assert model._verify_seconds(16, 5, alone=False) > 0.0238 * 1.05  # the guess it is: dearer than the shape runs
+    _run_shape(model, 16, 6, 10, mode="psd")
+    assert not model.extrapolated("psd", 5, 32)
+    assert model._verify_seconds(16, 5, alone=False) == pytest.approx(0.0238, rel=0.01)
+
+
 def test_a_longer_draft_on_a_flat_target_is_priced_from_the_shapes_either_side_not_feared() -> None:
     # A memory-bound target: ar (1 token each) and k=3 (4 tokens each) measured at 16 requests. k=5 (6 tokens each)
     # was never run: it is priced linearly in tokens per request (24.4 + 2/3 * (24.4 - 20.5) = 27.0 ms), not by the
